@@ -1,0 +1,98 @@
+//! The crate's one error type.
+//!
+//! Every fallible library function returns [`Result<T>`](Result). Messages name the offending
+//! value, format, order or parameter so that a user can act on them without reading the source.
+
+use std::fmt;
+
+use crate::format::Format;
+
+/// Everything that can go wrong in `ttrace`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Error {
+    /// A value was handed to a format that cannot hold it exactly (for example `encode` of 0.1 in
+    /// BF16, or an input to `sum` that is not a value of the declared input format).
+    NotRepresentable {
+        /// The value.
+        value: f64,
+        /// The format that cannot represent it.
+        format: Format,
+        /// What the value was (e.g. "input x[3]").
+        what: String,
+    },
+    /// A bit pattern wider than the format (e.g. `0x1FF` for an 8-bit format).
+    BitPatternTooWide {
+        /// The pattern.
+        bits: u64,
+        /// The format.
+        format: Format,
+    },
+    /// A format name that is not known.
+    UnknownFormat(String),
+    /// A parameter outside its valid range (block size 0, zero split-K parts, ...).
+    InvalidParameter {
+        /// The parameter's name.
+        name: &'static str,
+        /// Why it is invalid, including the value passed.
+        reason: String,
+    },
+    /// Two inputs whose lengths or shapes must agree do not.
+    LengthMismatch {
+        /// What was being computed.
+        what: &'static str,
+        /// Length of the first operand.
+        left: usize,
+        /// Length of the second operand.
+        right: usize,
+    },
+    /// An input that must be finite is NaN or infinite.
+    NonFinite {
+        /// What the value was (e.g. "input x[3]").
+        what: String,
+        /// The value.
+        value: f64,
+    },
+}
+
+/// `Result` with the crate's [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::NotRepresentable {
+                value,
+                format,
+                what,
+            } => write!(
+                f,
+                "{what} = {value:e} is not exactly representable in {format}; round it first"
+            ),
+            Error::BitPatternTooWide { bits, format } => write!(
+                f,
+                "bit pattern {bits:#x} does not fit in the {} bits of {format}",
+                format.bit_width()
+            ),
+            Error::UnknownFormat(name) => write!(
+                f,
+                "unknown format '{name}'; expected one of: {}",
+                Format::ALL
+                    .iter()
+                    .map(|f| f.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            Error::InvalidParameter { name, reason } => {
+                write!(f, "invalid parameter '{name}': {reason}")
+            }
+            Error::LengthMismatch { what, left, right } => {
+                write!(f, "{what}: operand lengths differ ({left} vs {right})")
+            }
+            Error::NonFinite { what, value } => {
+                write!(f, "{what} is {value}, but a finite value is required")
+            }
+        }
+    }
+}
+
+impl std::error::Error for Error {}

@@ -1,0 +1,70 @@
+//! # ttrace
+//!
+//! Tell floating-point round-off apart from real bugs when a distributed training run is
+//! compared against a single-device reference, in the spirit of *TTrace: Lightweight Error
+//! Checking and Diagnosis for Distributed Training* (arXiv 2506.09280).
+//!
+//! This release provides the foundation every threshold stands on:
+//! * [`Format`]: FP64, FP32, TF32, FP16, BF16 and the OCP FP8 formats E4M3 and E5M2, with
+//!   their constants (unit roundoff **u = 2^-p**, machine epsilon **ε = 2^(1-p)** — never
+//!   confused), correct rounding from `f64` ([`Format::round`]) under two [`Overflow`]
+//!   policies, and exact bit-pattern encoding ([`Format::encode`], [`Format::decode`]).
+//! * [`Order`] and [`Accumulation`]: sequential, pairwise, blocked (with a sequential or
+//!   block-FMA inner sum), split-K with sequential / tree / ring combination, and Kahan
+//!   summation; [`sum`] and [`dot`] execute them with every addition correctly rounded to the
+//!   accumulator format, and report the rounding depth of each term.
+//! * [`ExactAccumulator`], [`exact_sum`], [`exact_dot`]: exact arithmetic for oracles.
+//!
+//! The derivations and sources are in `papers/formats-and-orders.md`.
+//!
+//! ## Example: the same dot product, reference order versus split-K order
+//!
+//! ```
+//! use ttrace::{dot, exact_dot, Accumulation, Combine, Format, Order, Overflow};
+//!
+//! # fn main() -> ttrace::Result<()> {
+//! // BF16 inputs (every value below is exactly a BF16 number).
+//! let x: Vec<f64> = (0..64).map(|i| Format::BF16.round(1.0 + i as f64 / 7.0, Overflow::NonSaturating)).collect();
+//! let y: Vec<f64> = (0..64).map(|i| Format::BF16.round(0.5 - i as f64 / 100.0, Overflow::NonSaturating)).collect();
+//!
+//! // Reference: one GEMM, FP32 accumulation, sequential FMAs.
+//! let reference = Accumulation::new(Format::BF16, Format::F32, Order::Sequential);
+//! // Candidate: tensor parallelism over 4 ranks; each rank's partial result is rounded to BF16
+//! // and the partials are all-reduced in BF16 in ring order.
+//! let candidate = Accumulation::new(
+//!     Format::BF16,
+//!     Format::F32,
+//!     Order::SplitK {
+//!         parts: 4,
+//!         inner: Box::new(Order::Sequential),
+//!         partial: Format::BF16,
+//!         combine: Combine::ring_for_chunk(0, 4)?,
+//!     },
+//! );
+//! let r = dot(&x, &y, &reference)?;
+//! let c = dot(&x, &y, &candidate)?;
+//! let exact = exact_dot(&x, &y)?;
+//!
+//! // Higham's bound for each: |error| <= (prod_f (1 + u_f)^depth_f - 1) * sum |x_i y_i|.
+//! let scale: f64 = x.iter().zip(&y).map(|(a, b)| (a * b).abs()).sum();
+//! for (value, policy) in [(r, &reference), (c, &candidate)] {
+//!     let worst = policy.dot_depths(x.len())?.iter().map(|d| d.relative_error_bound()).fold(0.0, f64::max);
+//!     assert!((value - exact).abs() <= worst * scale);
+//! }
+//! // The candidate's BF16 roundings make it differ from the reference, within the sum of bounds.
+//! assert_ne!(r, c);
+//! # Ok(())
+//! # }
+//! ```
+#![warn(missing_docs)]
+
+mod decimal;
+pub mod error;
+pub mod exact;
+pub mod format;
+pub mod order;
+
+pub use error::{Error, Result};
+pub use exact::{exact_dot, exact_sum, exact_sum_abs, ExactAccumulator};
+pub use format::{Format, FormatInfo, Overflow};
+pub use order::{dot, sum, Accumulation, BlockSum, Combine, Order, Products, TermDepth};
