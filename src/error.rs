@@ -17,7 +17,7 @@ pub enum Error {
         value: f64,
         /// The format that cannot represent it.
         format: Format,
-        /// What the value was (e.g. "input x[3]").
+        /// What the value was (e.g. `input x[3]`).
         what: String,
     },
     /// A bit pattern wider than the format (e.g. `0x1FF` for an 8-bit format).
@@ -47,7 +47,7 @@ pub enum Error {
     },
     /// An input that must be finite is NaN or infinite.
     NonFinite {
-        /// What the value was (e.g. "input x[3]").
+        /// What the value was (e.g. `input x[3]`).
         what: String,
         /// The value.
         value: f64,

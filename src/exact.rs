@@ -148,13 +148,20 @@ impl ExactAccumulator {
     /// Add the exact product `x·y` (no rounding of the product).
     pub fn add_product(&mut self, x: f64, y: f64) {
         let negative = x.is_sign_negative() != y.is_sign_negative();
-        if x.is_nan() || y.is_nan() || (x.is_infinite() && y == 0.0) || (y.is_infinite() && x == 0.0)
+        if x.is_nan()
+            || y.is_nan()
+            || (x.is_infinite() && y == 0.0)
+            || (y.is_infinite() && x == 0.0)
         {
             self.note_special(f64::NAN);
             return;
         }
         if x.is_infinite() || y.is_infinite() {
-            self.note_special(if negative { f64::NEG_INFINITY } else { f64::INFINITY });
+            self.note_special(if negative {
+                f64::NEG_INFINITY
+            } else {
+                f64::INFINITY
+            });
             return;
         }
         if x == 0.0 || y == 0.0 {

@@ -70,7 +70,7 @@ pub enum Format {
 pub enum Overflow {
     /// IEEE 754 round-to-nearest overflow: a value whose rounded magnitude exceeds the largest
     /// finite value becomes ±infinity, and an infinite input stays infinite. E4M3 has no
-    /// infinity, so there the result is NaN (OCP OFP8 §5.4, non-saturating mode).
+    /// infinity, so there the result is NaN (OCP OFP8 v1.0, conversion in non-saturating mode).
     #[default]
     NonSaturating,
     /// Clamp to ±(largest finite value); infinite inputs also become ±max finite (the
@@ -373,7 +373,7 @@ impl Format {
         if self == Format::F64 || !s.is_finite() {
             return self.round(s, overflow);
         }
-        // TwoSum (Knuth, TAOCP vol. 2, §4.2.2; Higham 2002, Alg. 4.3): a + b = s + e exactly.
+        // TwoSum (Møller 1965; Knuth, TAOCP vol. 2, §4.2.2): a + b = s + e exactly.
         let bb = s - a;
         let e = (a - (s - bb)) + (b - bb);
         if e == 0.0 {
@@ -391,25 +391,42 @@ impl Format {
         }
         // s is exactly halfway between r and its other neighbour; the true sum s + e is not.
         let other = 2.0 * s - r;
-        let (away, toward) = if r.abs() > other.abs() { (r, other) } else { (other, r) };
+        let (away, toward) = if r.abs() > other.abs() {
+            (r, other)
+        } else {
+            (other, r)
+        };
         let pick = if (e > 0.0) == (s > 0.0) { away } else { toward };
         self.apply_overflow(pick, s, overflow)
     }
 
-    /// Round every element of `xs` in place (see [`round`](Self::round)).
+    /// Round every element of `xs` in place (see [`round`](Self::round)); bit-identical to
+    /// calling `round` on each element, with the format's constants fixed at compile time.
     pub fn round_slice(self, xs: &mut [f64], overflow: Overflow) {
+        let sat = overflow == Overflow::Saturating;
         match self {
-            Format::F64 if overflow == Overflow::NonSaturating => {}
-            Format::F32 if overflow == Overflow::NonSaturating => {
-                for x in xs.iter_mut() {
-                    *x = (*x as f32) as f64;
+            Format::F64 => {
+                if sat {
+                    for x in xs.iter_mut() {
+                        *x = self.round(*x, overflow);
+                    }
                 }
             }
-            _ => {
+            Format::F32 => {
                 for x in xs.iter_mut() {
-                    *x = self.round(*x, overflow);
+                    let r = (*x as f32) as f64;
+                    *x = if r.abs() <= f32::MAX as f64 {
+                        r
+                    } else {
+                        self.apply_overflow(r, *x, overflow)
+                    };
                 }
             }
+            Format::TF32 => round_slice_const::<11, -126>(self, xs, overflow),
+            Format::F16 => round_slice_const::<11, -14>(self, xs, overflow),
+            Format::BF16 => round_slice_const::<8, -126>(self, xs, overflow),
+            Format::E4M3 => round_slice_const::<4, -6>(self, xs, overflow),
+            Format::E5M2 => round_slice_const::<3, -14>(self, xs, overflow),
         }
     }
 
@@ -439,6 +456,33 @@ impl Format {
             return true;
         }
         self.round(x, Overflow::NonSaturating).to_bits() == x.to_bits()
+    }
+
+    /// Index of the first element of `xs` that is not a value of this format (NaN counts as
+    /// one; infinities only where the format has them), or `None` if all are.
+    pub fn first_unrepresentable(self, xs: &[f64]) -> Option<usize> {
+        fn scan<const P: u32, const EMIN: i32>(f: Format, xs: &[f64]) -> Option<usize> {
+            let max = f.max_finite();
+            let inf_ok = f.has_infinity();
+            xs.iter().position(|&x| {
+                let r = round_to_precision(x, P, EMIN);
+                let ok = (r.to_bits() == x.to_bits()
+                    && (x.abs() <= max || (inf_ok && x.is_infinite())))
+                    || x.is_nan();
+                !ok
+            })
+        }
+        match self {
+            Format::F64 => None,
+            Format::F32 => xs
+                .iter()
+                .position(|&x| ((x as f32) as f64).to_bits() != x.to_bits() && !x.is_nan()),
+            Format::TF32 => scan::<11, -126>(self, xs),
+            Format::F16 => scan::<11, -14>(self, xs),
+            Format::BF16 => scan::<8, -126>(self, xs),
+            Format::E4M3 => scan::<4, -6>(self, xs),
+            Format::E5M2 => scan::<3, -14>(self, xs),
+        }
     }
 
     /// Check that `x` is a value of this format, or say which value is not.
@@ -561,6 +605,24 @@ impl Format {
             max_finite: self.max_finite(),
             has_infinity: self.has_infinity(),
         }
+    }
+}
+
+/// The loop of [`Format::round_slice`] with precision and e_min as constants.
+fn round_slice_const<const P: u32, const EMIN: i32>(
+    format: Format,
+    xs: &mut [f64],
+    overflow: Overflow,
+) {
+    debug_assert_eq!((format.precision(), format.emin()), (P, EMIN));
+    let max = format.max_finite();
+    for x in xs.iter_mut() {
+        let r = round_to_precision(*x, P, EMIN);
+        *x = if r.abs() <= max {
+            r
+        } else {
+            format.apply_overflow(r, *x, overflow)
+        };
     }
 }
 
@@ -702,7 +764,10 @@ mod tests {
     fn u_is_half_of_epsilon() {
         for f in Format::ALL {
             assert_eq!(f.machine_epsilon(), 2.0 * f.unit_roundoff());
-            assert_eq!(1.0 + f.machine_epsilon(), f.round(1.0 + f.machine_epsilon(), Overflow::NonSaturating));
+            assert_eq!(
+                1.0 + f.machine_epsilon(),
+                f.round(1.0 + f.machine_epsilon(), Overflow::NonSaturating)
+            );
         }
         assert_eq!(Format::BF16.machine_epsilon(), 0.0078125);
         assert_eq!(Format::F32.machine_epsilon(), f32::EPSILON as f64);
@@ -715,7 +780,10 @@ mod tests {
             assert_eq!(f.name().parse::<Format>().unwrap(), f);
             assert_eq!(f.name().to_uppercase().parse::<Format>().unwrap(), f);
         }
-        assert!(matches!("fp7".parse::<Format>(), Err(Error::UnknownFormat(_))));
+        assert!(matches!(
+            "fp7".parse::<Format>(),
+            Err(Error::UnknownFormat(_))
+        ));
     }
 
     #[test]

@@ -68,3 +68,8 @@ pub use error::{Error, Result};
 pub use exact::{exact_dot, exact_sum, exact_sum_abs, ExactAccumulator};
 pub use format::{Format, FormatInfo, Overflow};
 pub use order::{dot, sum, Accumulation, BlockSum, Combine, Order, Products, TermDepth};
+
+/// The README's Rust example, compiled and run as a doctest so the README stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

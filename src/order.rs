@@ -62,9 +62,9 @@ pub enum Order {
         /// How partial results are combined.
         combine: Combine,
     },
-    /// Kahan's compensated summation (Higham 2002, Alg. 4.2): s = x₀, c = 0; for each further
+    /// Kahan's compensated summation (Higham 2002, §4.3): s = x₀, c = 0; for each further
     /// term y = fl(xᵢ − c), t = fl(s + y), c = fl(fl(t − s) − y), s = t. Every operation is
-    /// rounded to the accumulator format. Error ≤ (2u + O(nu²))·Σ|xᵢ| (Knuth; Higham eq. 4.11).
+    /// rounded to the accumulator format. Error ≤ (2u + O(nu²))·Σ|xᵢ| (Knuth, TAOCP vol. 2, §4.2.2; Goldberg 1991, Thm 8; Higham 2002, §4.3).
     Kahan,
 }
 
@@ -175,12 +175,7 @@ impl Accumulation {
     pub fn sum_depths(&self, n: usize) -> Result<Vec<TermDepth>> {
         self.validate()?;
         let load_rounds = !self.input.is_subset_of(self.accumulator);
-        Ok(order_depths(
-            &self.order,
-            n,
-            self.accumulator,
-            load_rounds,
-        ))
+        Ok(order_depths(&self.order, n, self.accumulator, load_rounds))
     }
 
     /// For a dot product of length `n`: how many roundings each product term undergoes, per
@@ -428,7 +423,7 @@ impl DotTerms<'_> {
         if self.exact_in_f64 || !hi.is_finite() {
             Term { hi, lo: 0.0 }
         } else {
-            // TwoProduct with an FMA (Higham 2002, §4.3): exact unless the product underflows.
+            // TwoProduct with an FMA (Ogita, Rump & Oishi 2005): exact unless the product underflows.
             Term {
                 hi,
                 lo: a.mul_add(b, -hi),
@@ -548,7 +543,12 @@ fn reduce<T: Terms>(terms: &T, range: Range<usize>, order: &Order, ctx: Ctx) -> 
             let partials: Vec<f64> = (0..p)
                 .map(|j| {
                     let r = part_range(j, p, len);
-                    let s = reduce(terms, range.start + r.start..range.start + r.end, inner, ctx);
+                    let s = reduce(
+                        terms,
+                        range.start + r.start..range.start + r.end,
+                        inner,
+                        ctx,
+                    );
                     partial.round(s, ctx.overflow)
                 })
                 .collect();
@@ -607,13 +607,14 @@ fn pairwise<T: Terms>(terms: &T, range: Range<usize>, base: usize, ctx: Ctx) -> 
 }
 
 fn check_inputs(xs: &[f64], format: Format, name: &str) -> Result<()> {
-    if format == Format::F64 {
-        return Ok(());
+    match format.first_unrepresentable(xs) {
+        None => Ok(()),
+        Some(i) => Err(Error::NotRepresentable {
+            value: xs[i],
+            format,
+            what: format!("input {name}[{i}]"),
+        }),
     }
-    for (i, &x) in xs.iter().enumerate() {
-        format.check_representable(x, || format!("input {name}[{i}]"))?;
-    }
-    Ok(())
 }
 
 /// Σ xᵢ under `policy`, every addition rounded to the accumulator format in the policy's
@@ -625,11 +626,11 @@ fn check_inputs(xs: &[f64], format: Format, name: &str) -> Result<()> {
 ///
 /// ```
 /// use ttrace::{sum, Accumulation, Format, Order};
-/// // 1 + 2^-8 + 2^-8 in BF16: sequentially each 2^-8 is a tie that rounds back to 1 ...
-/// let xs = [1.0, 2f64.powi(-8), 2f64.powi(-8)];
+/// // 1 + 0 + 2^-8 + 2^-8 in BF16: sequentially each 2^-8 is a tie that rounds back to 1 ...
+/// let xs = [1.0, 0.0, 2f64.powi(-8), 2f64.powi(-8)];
 /// let seq = Accumulation::new(Format::BF16, Format::BF16, Order::Sequential);
 /// assert_eq!(sum(&xs, &seq).unwrap(), 1.0);
-/// // ... while pairing the two small terms first keeps them.
+/// // ... while the pairwise tree (1 + 0) + (2^-8 + 2^-8) keeps them.
 /// let pw = Accumulation::new(Format::BF16, Format::BF16, Order::Pairwise { base: 1 });
 /// assert_eq!(sum(&xs, &pw).unwrap(), 1.0 + 2f64.powi(-7));
 /// ```
@@ -754,7 +755,10 @@ mod tests {
     #[test]
     fn invalid_parameters_are_errors() {
         let p = Accumulation::new(Format::F32, Format::F32, Order::Pairwise { base: 0 });
-        assert!(matches!(sum(&[1.0], &p), Err(Error::InvalidParameter { name: "base", .. })));
+        assert!(matches!(
+            sum(&[1.0], &p),
+            Err(Error::InvalidParameter { name: "base", .. })
+        ));
         let p = Accumulation::new(
             Format::F32,
             Format::F32,
@@ -765,6 +769,9 @@ mod tests {
                 combine: Combine::Ring { start: 2 },
             },
         );
-        assert!(matches!(sum(&[1.0], &p), Err(Error::InvalidParameter { name: "start", .. })));
+        assert!(matches!(
+            sum(&[1.0], &p),
+            Err(Error::InvalidParameter { name: "start", .. })
+        ));
     }
 }
