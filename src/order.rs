@@ -172,16 +172,20 @@ impl Accumulation {
     }
 
     /// For a sum of `n` terms: how many roundings each term undergoes, per format.
+    /// Errors: invalid order parameters, or n above [`MAX_DEPTH_TERMS`].
     pub fn sum_depths(&self, n: usize) -> Result<Vec<TermDepth>> {
         self.validate()?;
+        check_depth_len(n)?;
         let load_rounds = !self.input.is_subset_of(self.accumulator);
         Ok(order_depths(&self.order, n, self.accumulator, load_rounds))
     }
 
     /// For a dot product of length `n`: how many roundings each product term undergoes, per
     /// format (a rounded product counts one rounding in its product format).
+    /// Errors as for [`sum_depths`](Self::sum_depths).
     pub fn dot_depths(&self, n: usize) -> Result<Vec<TermDepth>> {
         self.validate()?;
+        check_depth_len(n)?;
         let (load_rounds, product_format) = match self.products {
             Products::Exact => (true, None),
             Products::Rounded(f) => (!f.is_subset_of(self.accumulator), Some(f)),
@@ -271,6 +275,22 @@ impl TermDepth {
         // exp_m1 is accurate to a few ulps; inflate by 1e-12 relative to stay an upper bound.
         log.exp_m1() * (1.0 + 1e-12)
     }
+}
+
+/// Largest n for which [`Accumulation::sum_depths`] and [`Accumulation::dot_depths`] build
+/// their per-term table (2^27 terms, about 3.8 GB).
+pub const MAX_DEPTH_TERMS: usize = 1 << 27;
+
+fn check_depth_len(n: usize) -> Result<()> {
+    if n > MAX_DEPTH_TERMS {
+        return Err(Error::InvalidParameter {
+            name: "n",
+            reason: format!(
+                "a per-term depth table for {n} terms would not fit in memory (limit {MAX_DEPTH_TERMS})"
+            ),
+        });
+    }
+    Ok(())
 }
 
 fn order_depths(order: &Order, n: usize, acc: Format, load_rounds: bool) -> Vec<TermDepth> {
