@@ -793,5 +793,10 @@ mod tests {
             sum(&[1.0], &p),
             Err(Error::InvalidParameter { name: "start", .. })
         ));
+        let p = Accumulation::new(Format::F32, Format::F32, Order::Sequential);
+        assert!(matches!(
+            p.sum_depths(usize::MAX),
+            Err(Error::InvalidParameter { name: "n", .. })
+        ));
     }
 }
