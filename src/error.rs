@@ -45,6 +45,22 @@ pub enum Error {
         /// Length of the second operand.
         right: usize,
     },
+    /// A tensor's shape is not what the operation needs.
+    ShapeMismatch {
+        /// What was being done, naming the tensor or operand.
+        what: String,
+        /// The shape (or dimension) expected.
+        expected: Vec<usize>,
+        /// The shape found.
+        found: Vec<usize>,
+    },
+    /// A name (module, parameter, trace entry) that does not exist.
+    UnknownName {
+        /// What kind of thing was looked up.
+        kind: &'static str,
+        /// The name.
+        name: String,
+    },
     /// An input that must be finite is NaN or infinite.
     NonFinite {
         /// What the value was (e.g. `input x[3]`).
@@ -88,6 +104,12 @@ impl fmt::Display for Error {
             Error::LengthMismatch { what, left, right } => {
                 write!(f, "{what}: operand lengths differ ({left} vs {right})")
             }
+            Error::ShapeMismatch {
+                what,
+                expected,
+                found,
+            } => write!(f, "{what}: expected shape {expected:?}, found {found:?}"),
+            Error::UnknownName { kind, name } => write!(f, "unknown {kind} '{name}'"),
             Error::NonFinite { what, value } => {
                 write!(f, "{what} is {value}, but a finite value is required")
             }

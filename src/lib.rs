@@ -59,6 +59,7 @@
 #![warn(missing_docs)]
 
 mod decimal;
+pub mod engine;
 pub mod error;
 pub mod exact;
 pub mod format;

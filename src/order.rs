@@ -403,6 +403,9 @@ fn part_range(j: usize, parts: usize, len: usize) -> Range<usize> {
 struct Term {
     hi: f64,
     lo: f64,
+    /// When `lo` ≠ 0, the term is the exact product x·y of these factors.
+    x: f64,
+    y: f64,
 }
 
 /// Where the terms of a reduction come from.
@@ -419,6 +422,8 @@ impl Terms for SumTerms<'_> {
         Term {
             hi: self.0[i],
             lo: 0.0,
+            x: 0.0,
+            y: 0.0,
         }
     }
     fn add_exact(&self, i: usize, acc: &mut ExactAccumulator) {
@@ -441,12 +446,19 @@ impl DotTerms<'_> {
         let (a, b) = (self.x[i], self.y[i]);
         let hi = a * b;
         if self.exact_in_f64 || !hi.is_finite() {
-            Term { hi, lo: 0.0 }
+            Term {
+                hi,
+                lo: 0.0,
+                x: a,
+                y: b,
+            }
         } else {
             // TwoProduct with an FMA (Ogita, Rump & Oishi 2005): exact unless the product underflows.
             Term {
                 hi,
                 lo: a.mul_add(b, -hi),
+                x: a,
+                y: b,
             }
         }
     }
@@ -465,6 +477,8 @@ impl Terms for DotTerms<'_> {
                     f.add_rounded(t.hi, t.lo, self.overflow)
                 },
                 lo: 0.0,
+                x: 0.0,
+                y: 0.0,
             },
         }
     }
@@ -499,6 +513,9 @@ impl Ctx {
     fn add(&self, a: f64, t: Term) -> f64 {
         if t.lo == 0.0 {
             self.acc.add_rounded(a, t.hi, self.overflow)
+        } else if self.acc == Format::F64 {
+            // fl64(a + x·y) with one rounding: a fused multiply-add.
+            t.x.mul_add(t.y, a)
         } else {
             let mut e = ExactAccumulator::new();
             e.add(a);
@@ -657,6 +674,11 @@ fn check_inputs(xs: &[f64], format: Format, name: &str) -> Result<()> {
 pub fn sum(xs: &[f64], policy: &Accumulation) -> Result<f64> {
     policy.validate()?;
     check_inputs(xs, policy.input, "x")?;
+    Ok(sum_unchecked(xs, policy))
+}
+
+/// [`sum`] without validating the policy or the inputs (the caller has).
+pub(crate) fn sum_unchecked(xs: &[f64], policy: &Accumulation) -> f64 {
     let ctx = Ctx {
         acc: policy.accumulator,
         overflow: policy.overflow,
@@ -666,9 +688,9 @@ pub fn sum(xs: &[f64], policy: &Accumulation) -> Result<f64> {
         && policy.input.is_subset_of(Format::F32)
         && policy.overflow == Overflow::NonSaturating
     {
-        return Ok(sequential_f32_sum(xs));
+        return sequential_f32_sum(xs);
     }
-    Ok(reduce(&SumTerms(xs), 0..xs.len(), &policy.order, ctx))
+    reduce(&SumTerms(xs), 0..xs.len(), &policy.order, ctx)
 }
 
 /// Σ xᵢ·yᵢ under `policy`: products handled as `policy.products` says, then accumulated as in
@@ -688,6 +710,12 @@ pub fn dot(x: &[f64], y: &[f64], policy: &Accumulation) -> Result<f64> {
     policy.validate()?;
     check_inputs(x, policy.input, "x")?;
     check_inputs(y, policy.input, "y")?;
+    Ok(dot_unchecked(x, y, policy))
+}
+
+/// [`dot`] without validating the policy, the lengths or the inputs (the caller has).
+pub(crate) fn dot_unchecked(x: &[f64], y: &[f64], policy: &Accumulation) -> f64 {
+    debug_assert_eq!(x.len(), y.len());
     let ctx = Ctx {
         acc: policy.accumulator,
         overflow: policy.overflow,
@@ -698,7 +726,7 @@ pub fn dot(x: &[f64], y: &[f64], policy: &Accumulation) -> Result<f64> {
         && policy.input.is_subset_of(Format::F32)
         && policy.overflow == Overflow::NonSaturating
     {
-        return Ok(sequential_f32_dot(x, y));
+        return sequential_f32_dot(x, y);
     }
     let terms = DotTerms {
         x,
@@ -707,7 +735,7 @@ pub fn dot(x: &[f64], y: &[f64], policy: &Accumulation) -> Result<f64> {
         overflow: policy.overflow,
         exact_in_f64: policy.input.precision() <= 26,
     };
-    Ok(reduce(&terms, 0..x.len(), &policy.order, ctx))
+    reduce(&terms, 0..x.len(), &policy.order, ctx)
 }
 
 /// Native `f32` recursive summation: for `f32` inputs and accumulator each `f32` addition is

@@ -1,0 +1,438 @@
+//! Multi-head (causal) self-attention built from the engine's matmul and softmax steps, in a
+//! standard form and in the blockwise "online" form of flash attention / ring attention.
+//!
+//! Layout: the input is the output of the QKV projection, shape [batch, seq, 3·hidden], with
+//! columns [Q | K | V], each split into `heads` contiguous heads of size d = hidden / heads.
+//! The output has shape [batch, seq, hidden] (heads concatenated).
+//!
+//! Per (batch, head), with A the accumulator and I the input format of the policy:
+//! 1. S_ij = ra(dot(q_i, k_j)) · scale with scale = ra(1/√d): S_ij = mul(dot, scale), in A;
+//!    with `causal`, j > i is masked out.
+//! 2. Standard: P = softmax of each row as [`softmax`](crate::engine::softmax) computes it,
+//!    kept in A, then rounded to I (flash attention casts P to the input format for the second
+//!    matmul). Online (block size B over keys): per key block, m_B, e = ra(exp(ra(S − m_B))),
+//!    l_B = Σ e, O_B = dot(fl_I(e), V_B) in A; blocks are merged in order with
+//!    m = max(m, m_B), α = ra(exp(ra(m_old − m))), β = ra(exp(ra(m_B − m))),
+//!    l = add(mul(l, α), mul(l_B, β)), O = add(mul(O, α), mul(O_B, β)); finally O = div(O, l).
+//! 3. Standard: O = P·V with the output rounded to the output format O.
+//!
+//! The backward pass (both forms) recomputes P_ij = fl_I(ra(exp(ra(S_ij − lse_i)))) from the
+//! saved log-sum-exp, as flash attention does, and computes dV = Pᵀ·dO, dP = dO·Vᵀ (in A),
+//! dS_ij = mul(mul(P_ij, sub(dP_ij, c_i)), scale) with c_i = dot(P_i, dP_i), then dQ = dS·K and
+//! dK = dSᵀ·Q with dS rounded to I.
+
+use serde::{Deserialize, Serialize};
+
+use crate::engine::arith::Arith;
+use crate::engine::matmul::reduce_matrix;
+use crate::engine::policy::Policy;
+use crate::engine::tensor::Tensor;
+use crate::error::{Error, Result};
+use crate::format::Format;
+use crate::order::{dot_unchecked, sum_unchecked};
+
+/// Which attention algorithm to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttentionImpl {
+    /// Materialize S and P.
+    #[default]
+    Standard,
+    /// Blockwise over keys with online softmax merging (flash / ring attention).
+    Online {
+        /// Keys per block (≥ 1).
+        block: usize,
+    },
+}
+
+/// What the backward pass needs.
+#[derive(Debug, Clone)]
+pub struct AttentionSaved {
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    causal: bool,
+    /// Per (batch, head): Q, K, V as [seq, d] row-major values in the input format.
+    q: Vec<Vec<f64>>,
+    k: Vec<Vec<f64>>,
+    v: Vec<Vec<f64>>,
+    /// Per (batch, head): the log-sum-exp of each score row, in A.
+    lse: Vec<Vec<f64>>,
+    input: Format,
+}
+
+/// Q, K, V split per (batch, head), each [seq, d] row-major.
+struct Heads {
+    batch: usize,
+    seq: usize,
+    d: usize,
+    q: Vec<Vec<f64>>,
+    k: Vec<Vec<f64>>,
+    v: Vec<Vec<f64>>,
+}
+
+fn split_heads(
+    qkv: &Tensor,
+    heads: usize,
+    input: Format,
+    overflow: crate::Overflow,
+) -> Result<Heads> {
+    let s = qkv.expect_rank(3, "attention input [batch, seq, 3*hidden]")?;
+    let (batch, seq, three_h) = (s[0], s[1], s[2]);
+    if heads == 0 || three_h % (3 * heads) != 0 || three_h == 0 {
+        return Err(Error::ShapeMismatch {
+            what: format!("attention: the last dimension must be 3 * hidden with hidden divisible by heads = {heads}"),
+            expected: vec![batch, seq, 3 * heads],
+            found: s.to_vec(),
+        });
+    }
+    let hidden = three_h / 3;
+    let d = hidden / heads;
+    let x = qkv.cast(input, overflow);
+    let xv = x.values();
+    let mut q = vec![];
+    let mut k = vec![];
+    let mut v = vec![];
+    for b in 0..batch {
+        for h in 0..heads {
+            let mut qh = Vec::with_capacity(seq * d);
+            let mut kh = Vec::with_capacity(seq * d);
+            let mut vh = Vec::with_capacity(seq * d);
+            for t in 0..seq {
+                let base = (b * seq + t) * three_h + h * d;
+                qh.extend_from_slice(&xv[base..base + d]);
+                kh.extend_from_slice(&xv[base + hidden..base + hidden + d]);
+                vh.extend_from_slice(&xv[base + 2 * hidden..base + 2 * hidden + d]);
+            }
+            q.push(qh);
+            k.push(kh);
+            v.push(vh);
+        }
+    }
+    Ok(Heads {
+        batch,
+        seq,
+        d,
+        q,
+        k,
+        v,
+    })
+}
+
+fn transpose_vec(x: &[f64], rows: usize, cols: usize) -> Vec<f64> {
+    let mut out = vec![0.0; x.len()];
+    for i in 0..rows {
+        for j in 0..cols {
+            out[j * rows + i] = x[i * cols + j];
+        }
+    }
+    out
+}
+
+/// Forward attention; returns the output [batch, seq, hidden] and the saved state.
+pub fn attention(
+    qkv: &Tensor,
+    heads: usize,
+    causal: bool,
+    imp: AttentionImpl,
+    policy: &Policy,
+) -> Result<(Tensor, AttentionSaved)> {
+    policy.validate()?;
+    if let AttentionImpl::Online { block: 0 } = imp {
+        return Err(Error::InvalidParameter {
+            name: "block",
+            reason: "online attention needs key blocks of at least one element (got 0)".into(),
+        });
+    }
+    let input = policy.input();
+    let Heads {
+        batch,
+        seq,
+        d,
+        q,
+        k,
+        v,
+    } = split_heads(qkv, heads, input, policy.input_overflow(input))?;
+    let ar = Arith::new(
+        policy.accumulator(),
+        policy.output,
+        policy.accumulation.overflow,
+    );
+    let mut acc = policy.accumulation.clone();
+    acc.input = input;
+    let mut acc_a = policy.accumulation.clone();
+    acc_a.input = policy.accumulator();
+    let scale = ar.ra(1.0 / (d as f64).sqrt());
+    let hidden = heads * d;
+    let mut out = vec![0.0; batch * seq * hidden];
+    let mut lses = vec![];
+    for b in 0..batch {
+        for h in 0..heads {
+            let bh = b * heads + h;
+            let scores = scaled_scores(&q[bh], &k[bh], seq, d, causal, scale, &ar, &acc);
+            let (o, lse) = match imp {
+                AttentionImpl::Standard => {
+                    standard_rows(&scores, &v[bh], seq, d, input, &ar, &acc, &acc_a)
+                }
+                AttentionImpl::Online { block } => {
+                    online_rows(&scores, &v[bh], seq, d, block, input, &ar, &acc, &acc_a)
+                }
+            };
+            for t in 0..seq {
+                for j in 0..d {
+                    out[(b * seq + t) * hidden + h * d + j] = ar.ro(o[t * d + j]);
+                }
+            }
+            lses.push(lse);
+        }
+    }
+    Ok((
+        Tensor::from_parts_unchecked(&[batch, seq, hidden], out, policy.output),
+        AttentionSaved {
+            batch,
+            seq,
+            heads,
+            head_dim: d,
+            causal,
+            q,
+            k,
+            v,
+            lse: lses,
+            input,
+        },
+    ))
+}
+
+/// S = mul(dot(q_i, k_j), scale) in A, −∞ where masked.
+#[allow(clippy::too_many_arguments)]
+fn scaled_scores(
+    q: &[f64],
+    k: &[f64],
+    seq: usize,
+    d: usize,
+    causal: bool,
+    scale: f64,
+    ar: &Arith,
+    acc: &crate::Accumulation,
+) -> Vec<f64> {
+    let kt = transpose_vec(k, seq, d);
+    let raw = reduce_matrix(q, &kt, seq, d, seq, acc);
+    let mut s = vec![f64::NEG_INFINITY; seq * seq];
+    for i in 0..seq {
+        for j in 0..seq {
+            if !causal || j <= i {
+                s[i * seq + j] = ar.mul(raw[i * seq + j], scale);
+            }
+        }
+    }
+    s
+}
+
+/// Standard softmax rows then O = fl_I(P)·V in A; returns (O in A, lse per row).
+#[allow(clippy::too_many_arguments)]
+fn standard_rows(
+    s: &[f64],
+    v: &[f64],
+    seq: usize,
+    d: usize,
+    input: Format,
+    ar: &Arith,
+    acc: &crate::Accumulation,
+    acc_a: &crate::Accumulation,
+) -> (Vec<f64>, Vec<f64>) {
+    let mut p = vec![0.0; seq * seq];
+    let mut lse = vec![0.0; seq];
+    let mut e = vec![0.0; seq];
+    for i in 0..seq {
+        let row = &s[i * seq..(i + 1) * seq];
+        let m = row.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+        for (ej, &x) in e.iter_mut().zip(row) {
+            *ej = if x == f64::NEG_INFINITY {
+                0.0
+            } else {
+                ar.exp(ar.sub(x, m))
+            };
+        }
+        let sum = sum_unchecked(&e, acc_a);
+        lse[i] = ar.add(m, ar.ln(sum));
+        for j in 0..seq {
+            p[i * seq + j] = input.round(ar.div(e[j], sum), ar.ov);
+        }
+    }
+    (reduce_matrix(&p, v, seq, seq, d, acc), lse)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn online_rows(
+    s: &[f64],
+    v: &[f64],
+    seq: usize,
+    d: usize,
+    block: usize,
+    input: Format,
+    ar: &Arith,
+    acc: &crate::Accumulation,
+    acc_a: &crate::Accumulation,
+) -> (Vec<f64>, Vec<f64>) {
+    let mut out = vec![0.0; seq * d];
+    let mut lse = vec![0.0; seq];
+    let mut e = vec![0.0; block];
+    let mut col = vec![0.0; block];
+    for i in 0..seq {
+        let row = &s[i * seq..(i + 1) * seq];
+        let mut m = f64::NEG_INFINITY;
+        let mut l = 0.0;
+        let mut o = vec![0.0; d];
+        let mut start = 0;
+        while start < seq {
+            let end = (start + block).min(seq);
+            let chunk = &row[start..end];
+            let mb = chunk.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+            if mb == f64::NEG_INFINITY {
+                start = end;
+                continue; // fully masked block
+            }
+            let len = end - start;
+            for (ej, &x) in e[..len].iter_mut().zip(chunk) {
+                *ej = if x == f64::NEG_INFINITY {
+                    0.0
+                } else {
+                    ar.exp(ar.sub(x, mb))
+                };
+            }
+            let lb = sum_unchecked(&e[..len], acc_a);
+            let pe: Vec<f64> = e[..len].iter().map(|&x| input.round(x, ar.ov)).collect();
+            let mut ob = vec![0.0; d];
+            for (j, obj) in ob.iter_mut().enumerate() {
+                for (t, c) in col[..len].iter_mut().enumerate() {
+                    *c = v[(start + t) * d + j];
+                }
+                *obj = dot_unchecked(&pe, &col[..len], acc);
+            }
+            if m == f64::NEG_INFINITY {
+                m = mb;
+                l = lb;
+                o = ob;
+            } else {
+                let m_new = m.max(mb);
+                let alpha = ar.exp(ar.sub(m, m_new));
+                let beta = ar.exp(ar.sub(mb, m_new));
+                l = ar.add(ar.mul(l, alpha), ar.mul(lb, beta));
+                for j in 0..d {
+                    o[j] = ar.add(ar.mul(o[j], alpha), ar.mul(ob[j], beta));
+                }
+                m = m_new;
+            }
+            start = end;
+        }
+        lse[i] = ar.add(m, ar.ln(l));
+        for j in 0..d {
+            out[i * d + j] = ar.div(o[j], l);
+        }
+    }
+    (out, lse)
+}
+
+/// Backward attention: d(qkv) of shape [batch, seq, 3·hidden] from dout [batch, seq, hidden].
+pub fn attention_backward(
+    saved: &AttentionSaved,
+    dout: &Tensor,
+    policy: &Policy,
+) -> Result<Tensor> {
+    policy.validate()?;
+    let (batch, seq, heads, d) = (saved.batch, saved.seq, saved.heads, saved.head_dim);
+    let hidden = heads * d;
+    if dout.shape() != [batch, seq, hidden] {
+        return Err(Error::ShapeMismatch {
+            what: "attention backward: dout must match the forward output".into(),
+            expected: vec![batch, seq, hidden],
+            found: dout.shape().to_vec(),
+        });
+    }
+    let input = saved.input;
+    let ar = Arith::new(
+        policy.accumulator(),
+        policy.output,
+        policy.accumulation.overflow,
+    );
+    let g = dout.cast(policy.input(), policy.input_overflow(policy.input()));
+    let gv = g.values();
+    let mut acc = policy.accumulation.clone();
+    acc.input = widest_of(policy.input(), input);
+    let scale = ar.ra(1.0 / (d as f64).sqrt());
+    let mut dqkv = vec![0.0; batch * seq * 3 * hidden];
+    for b in 0..batch {
+        for h in 0..heads {
+            let bh = b * heads + h;
+            let (q, k, v) = (&saved.q[bh], &saved.k[bh], &saved.v[bh]);
+            let mut dout_h = Vec::with_capacity(seq * d);
+            for t in 0..seq {
+                let base = (b * seq + t) * hidden + h * d;
+                dout_h.extend_from_slice(&gv[base..base + d]);
+            }
+            // Recompute P from S and the saved lse.
+            let mut acc_in = policy.accumulation.clone();
+            acc_in.input = input;
+            let s = scaled_scores(q, k, seq, d, saved.causal, scale, &ar, &acc_in);
+            let mut p = vec![0.0; seq * seq];
+            for i in 0..seq {
+                for j in 0..seq {
+                    let x = s[i * seq + j];
+                    p[i * seq + j] = if x == f64::NEG_INFINITY {
+                        0.0
+                    } else {
+                        input.round(ar.exp(ar.sub(x, saved.lse[bh][i])), ar.ov)
+                    };
+                }
+            }
+            // dV = Pᵀ·dO.
+            let pt = transpose_vec(&p, seq, seq);
+            let dv = reduce_matrix(&pt, &dout_h, seq, seq, d, &acc);
+            // dP = dO·Vᵀ in A.
+            let vt = transpose_vec(v, seq, d);
+            let dp = reduce_matrix(&dout_h, &vt, seq, d, seq, &acc);
+            // dS = P ∘ (dP − c) · scale, rounded to the input format for the next matmuls.
+            let mut acc_a = policy.accumulation.clone();
+            acc_a.input = widest_of(input, policy.accumulator());
+            let mut ds = vec![0.0; seq * seq];
+            for i in 0..seq {
+                let c = dot_unchecked(
+                    &p[i * seq..(i + 1) * seq],
+                    &dp[i * seq..(i + 1) * seq],
+                    &acc_a,
+                );
+                for j in 0..seq {
+                    let val = ar.mul(ar.mul(p[i * seq + j], ar.sub(dp[i * seq + j], c)), scale);
+                    ds[i * seq + j] = policy.input().round(val, ar.ov);
+                }
+            }
+            let dq = reduce_matrix(&ds, k, seq, seq, d, &acc);
+            let dst = transpose_vec(&ds, seq, seq);
+            let dk = reduce_matrix(&dst, q, seq, seq, d, &acc);
+            for t in 0..seq {
+                let base = (b * seq + t) * 3 * hidden + h * d;
+                for j in 0..d {
+                    dqkv[base + j] = ar.ro(dq[t * d + j]);
+                    dqkv[base + hidden + j] = ar.ro(dk[t * d + j]);
+                    dqkv[base + 2 * hidden + j] = ar.ro(dv[t * d + j]);
+                }
+            }
+        }
+    }
+    Ok(Tensor::from_parts_unchecked(
+        &[batch, seq, 3 * hidden],
+        dqkv,
+        policy.output,
+    ))
+}
+
+fn widest_of(a: Format, b: Format) -> Format {
+    if a.is_subset_of(b) {
+        b
+    } else if b.is_subset_of(a) {
+        a
+    } else {
+        Format::F64
+    }
+}

@@ -1,0 +1,440 @@
+//! Matrix multiplication and linear layers under a [`Policy`], with FP8 quantization.
+//!
+//! Definition (what the hand-composed tests check bit for bit): for C = A·B with A of shape
+//! [m, k] and B of shape [k, n],
+//! 1. each operand is prepared: rounded to its input format, or for FP8 with scaling
+//!    quantized as [`quantize`] describes;
+//! 2. c_ij = `dot(a_i, b_·j)` under the policy's [`Accumulation`](crate::Accumulation) (order,
+//!    accumulator, products), a value of the accumulator format A;
+//! 3. per-tensor FP8 scaling: c_ij = fl_A(c_ij · fl32(s_a⁻¹ · s_b⁻¹)) (cuBLASLt's alpha);
+//! 4. a linear layer adds its bias: c_ij = fl_A(c_ij + bias_j);
+//! 5. the output is fl_O(c_ij) in the output format O.
+
+use crate::engine::arith::Arith;
+use crate::engine::policy::{per_tensor_scale, Policy, Scaling};
+use crate::engine::tensor::Tensor;
+use crate::error::{Error, Result};
+use crate::format::{Format, Overflow};
+use crate::order::{dot_unchecked, sum_unchecked, BlockSum, Order, Products};
+
+/// An operand ready for the reduction: values (row-major, same shape as the input) and the
+/// inverse per-tensor scale to apply after accumulation (1 when there is none).
+#[derive(Debug, Clone)]
+pub struct Quantized {
+    /// The values that enter the products: plain input-format values, FP8 codes' values for
+    /// per-tensor scaling, or exactly dequantized values for block scaling.
+    pub values: Vec<f64>,
+    /// s⁻¹ in FP32 for per-tensor scaling; 1 otherwise.
+    pub scale_inv: f64,
+    /// Format containing every element of `values`.
+    pub format: Format,
+}
+
+/// Prepare a 2-D operand of shape `shape` for a reduction along `axis` (1 for the left operand,
+/// 0 for the right one) under the input format `fmt` and the policy's scaling.
+///
+/// * No scaling, or a non-FP8 format: x ↦ fl_fmt(x).
+/// * Per-tensor current / delayed scaling: s = `scale` if given (delayed) or
+///   [`per_tensor_scale`]`(amax(x))`; q = sat_fp8(fl32(x·s)); the matmul multiplies the
+///   accumulated result by s⁻¹ = fl32(1/s).
+/// * Block scaling (MX): for each run of `size` consecutive elements along `axis`,
+///   X = 2^(⌊log2 amax⌋ − e_max(fp8)) (X = 1 for an all-zero block) and x̂ = sat_fp8(x / X)·X,
+///   which is exact; no scale is applied afterwards.
+pub fn quantize(
+    values: &[f64],
+    shape: [usize; 2],
+    axis: usize,
+    fmt: Format,
+    scaling: Scaling,
+    scale: Option<f64>,
+    overflow: Overflow,
+) -> Quantized {
+    let is_fp8 = matches!(fmt, Format::E4M3 | Format::E5M2);
+    match scaling {
+        Scaling::PerTensorCurrent { margin } | Scaling::PerTensorDelayed { margin } if is_fp8 => {
+            let amax = values.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+            let s = scale.unwrap_or_else(|| per_tensor_scale(amax, fmt, margin));
+            let q: Vec<f64> = values
+                .iter()
+                .map(|&x| {
+                    fmt.round(
+                        Format::F32.round(x * s, Overflow::Saturating),
+                        Overflow::Saturating,
+                    )
+                })
+                .collect();
+            let scale_inv = Format::F32.round(1.0 / s, Overflow::Saturating);
+            Quantized {
+                values: q,
+                scale_inv,
+                format: fmt,
+            }
+        }
+        Scaling::Block { size } if is_fp8 => {
+            let [rows, cols] = shape;
+            let mut out = vec![0.0; values.len()];
+            let len_along = if axis == 1 { cols } else { rows };
+            let lines = if axis == 1 { rows } else { cols };
+            let at = |line: usize, pos: usize| {
+                if axis == 1 {
+                    line * cols + pos
+                } else {
+                    pos * cols + line
+                }
+            };
+            let size = size.max(1);
+            for line in 0..lines {
+                let mut start = 0;
+                while start < len_along {
+                    let end = (start + size).min(len_along);
+                    let amax = (start..end).fold(0.0f64, |m, p| m.max(values[at(line, p)].abs()));
+                    let x_scale = if amax > 0.0 && amax.is_finite() {
+                        2f64.powi(amax.log2().floor() as i32 - fmt.emax())
+                    } else {
+                        1.0
+                    };
+                    for p in start..end {
+                        let i = at(line, p);
+                        out[i] = fmt.round(values[i] / x_scale, Overflow::Saturating) * x_scale;
+                    }
+                    start = end;
+                }
+            }
+            Quantized {
+                values: out,
+                scale_inv: 1.0,
+                format: Format::F32,
+            }
+        }
+        _ => {
+            let mut v = values.to_vec();
+            fmt.round_slice(&mut v, overflow);
+            Quantized {
+                values: v,
+                scale_inv: 1.0,
+                format: fmt,
+            }
+        }
+    }
+}
+
+fn check_2d(t: &Tensor, what: &str) -> Result<[usize; 2]> {
+    let s = t.expect_rank(2, what)?;
+    Ok([s[0], s[1]])
+}
+
+/// C = A·B for A of shape [m, k] and B of shape [k, n] under `policy` (see the module docs).
+///
+/// ```
+/// use ttrace::engine::{matmul, Policy, Tensor};
+/// use ttrace::Format;
+/// let a = Tensor::from_vec(&[1, 2], vec![1.0, 2.0], Format::BF16).unwrap();
+/// let b = Tensor::from_vec(&[2, 1], vec![3.0, 4.0], Format::BF16).unwrap();
+/// let c = matmul(&a, &b, &Policy::new(Format::BF16, Format::F32, Format::BF16)).unwrap();
+/// assert_eq!(c.values(), &[11.0]);
+/// ```
+pub fn matmul(a: &Tensor, b: &Tensor, policy: &Policy) -> Result<Tensor> {
+    matmul_scaled(a, b, policy, None, None)
+}
+
+/// [`matmul`] with the per-tensor FP8 scales given (delayed scaling) instead of computed from
+/// the operands' own amax.
+pub fn matmul_scaled(
+    a: &Tensor,
+    b: &Tensor,
+    policy: &Policy,
+    scale_a: Option<f64>,
+    scale_b: Option<f64>,
+) -> Result<Tensor> {
+    let c = matmul_acc(a, b, policy, scale_a, scale_b, None)?;
+    Ok(c)
+}
+
+/// The shared implementation: prepared operands, the reduction, scaling, bias, output rounding.
+pub(crate) fn matmul_acc(
+    a: &Tensor,
+    b: &Tensor,
+    policy: &Policy,
+    scale_a: Option<f64>,
+    scale_b: Option<f64>,
+    bias: Option<&[f64]>,
+) -> Result<Tensor> {
+    policy.validate()?;
+    let [m, k] = check_2d(a, "matmul left operand")?;
+    let [k2, n] = check_2d(b, "matmul right operand")?;
+    if k != k2 {
+        return Err(Error::ShapeMismatch {
+            what: "matmul: inner dimensions of A [m, k] and B [k, n] differ".into(),
+            expected: vec![k, n],
+            found: vec![k2, n],
+        });
+    }
+    if let Some(bias) = bias {
+        if bias.len() != n {
+            return Err(Error::ShapeMismatch {
+                what: "linear: bias length must equal the output features".into(),
+                expected: vec![n],
+                found: vec![bias.len()],
+            });
+        }
+    }
+    let ov = policy.accumulation.overflow;
+    let qa = quantize(
+        a.values(),
+        [m, k],
+        1,
+        policy.input(),
+        policy.scaling,
+        scale_a,
+        policy.input_overflow(policy.input()),
+    );
+    let qb = quantize(
+        b.values(),
+        [k, n],
+        0,
+        policy.rhs(),
+        policy.scaling,
+        scale_b,
+        policy.input_overflow(policy.rhs()),
+    );
+    let mut acc = policy.accumulation.clone();
+    // The reduction's input format must contain both operands' values.
+    acc.input = widest(qa.format, qb.format);
+    let ar = Arith::new(policy.accumulator(), policy.output, ov);
+    let raw = reduce_matrix(&qa.values, &qb.values, m, k, n, &acc);
+    let factor = if qa.scale_inv != 1.0 || qb.scale_inv != 1.0 {
+        Some(Format::F32.round(qa.scale_inv * qb.scale_inv, Overflow::Saturating))
+    } else {
+        None
+    };
+    let mut out = raw;
+    for (idx, v) in out.iter_mut().enumerate() {
+        let mut c = *v;
+        if let Some(f) = factor {
+            c = ar.mul(c, f);
+        }
+        if let Some(bias) = bias {
+            c = ar.add(c, bias[idx % n]);
+        }
+        *v = ar.ro(c);
+    }
+    Ok(Tensor::from_parts_unchecked(&[m, n], out, policy.output))
+}
+
+/// The smallest of the formats in `Format::ALL` that contains both.
+fn widest(a: Format, b: Format) -> Format {
+    if b.is_subset_of(a) {
+        a
+    } else if a.is_subset_of(b) {
+        b
+    } else {
+        Format::ALL
+            .iter()
+            .rev()
+            .copied()
+            .find(|f| a.is_subset_of(*f) && b.is_subset_of(*f))
+            .unwrap_or(Format::F64)
+    }
+}
+
+/// c_ij = dot(a_i, b_·j) under `acc` for row-major a [m, k] and b [k, n]; values of the
+/// accumulator format. Uses a native `f32` kernel where that is bit-identical.
+pub(crate) fn reduce_matrix(
+    a: &[f64],
+    b: &[f64],
+    m: usize,
+    k: usize,
+    n: usize,
+    acc: &crate::Accumulation,
+) -> Vec<f64> {
+    if let Some(c) = native_f32_kernel(a, b, m, k, n, acc) {
+        return c;
+    }
+    let mut bt = vec![0.0; k * n];
+    for kk in 0..k {
+        for j in 0..n {
+            bt[j * k + kk] = b[kk * n + j];
+        }
+    }
+    let mut c = vec![0.0; m * n];
+    for i in 0..m {
+        let row = &a[i * k..(i + 1) * k];
+        for j in 0..n {
+            c[i * n + j] = dot_unchecked(row, &bt[j * k..(j + 1) * k], acc);
+        }
+    }
+    c
+}
+
+/// Whether every non-zero |x| lies in [2^-62, 2^62], so that products of two such values
+/// neither underflow nor overflow `f32`.
+fn products_in_f32_range(xs: &[f64]) -> bool {
+    xs.iter().all(|&x| {
+        let a = x.abs();
+        a == 0.0 || (a >= 2f64.powi(-62) && a <= 2f64.powi(62))
+    })
+}
+
+/// A cache-friendly native `f32` kernel (loop order i, k, j, vectorizable over j) for the cases
+/// where it is bit-identical to the emulation: FP32 accumulator, non-saturating overflow,
+/// sequential or blocked-sequential order, and products that `f32` multiplication computes
+/// exactly as specified — rounded to F32, or exact because both inputs have at most 12
+/// significant bits and lie in range (then the `f32` product is exact and s + p is a correctly
+/// rounded FMA). Returns `None` otherwise.
+fn native_f32_kernel(
+    a: &[f64],
+    b: &[f64],
+    m: usize,
+    k: usize,
+    n: usize,
+    acc: &crate::Accumulation,
+) -> Option<Vec<f64>> {
+    if acc.accumulator != Format::F32
+        || acc.overflow != Overflow::NonSaturating
+        || !acc.input.is_subset_of(Format::F32)
+    {
+        return None;
+    }
+    let products_ok = match acc.products {
+        Products::Rounded(Format::F32) => true,
+        Products::Exact => {
+            acc.input.precision() <= 12 && products_in_f32_range(a) && products_in_f32_range(b)
+        }
+        Products::Rounded(_) => false,
+    };
+    if !products_ok {
+        return None;
+    }
+    let block = match acc.order {
+        Order::Sequential => k.max(1),
+        Order::Blocked {
+            block,
+            inner: BlockSum::Sequential,
+        } => block,
+        _ => return None,
+    };
+    let a32: Vec<f32> = a.iter().map(|&x| x as f32).collect();
+    let b32: Vec<f32> = b.iter().map(|&x| x as f32).collect();
+    let mut c = vec![0.0f32; m * n];
+    let mut part = vec![0.0f32; n];
+    for i in 0..m {
+        let crow = &mut c[i * n..(i + 1) * n];
+        let mut start = 0;
+        let mut first_block = true;
+        while start < k {
+            let end = (start + block).min(k);
+            // Sequential sum of this block's products: first product, then add the rest.
+            let aik = a32[i * k + start];
+            let brow = &b32[start * n..(start + 1) * n];
+            for (p, &bv) in part.iter_mut().zip(brow) {
+                *p = aik * bv;
+            }
+            for kk in start + 1..end {
+                let aik = a32[i * k + kk];
+                let brow = &b32[kk * n..(kk + 1) * n];
+                for (p, &bv) in part.iter_mut().zip(brow) {
+                    *p += aik * bv;
+                }
+            }
+            if first_block {
+                crow.copy_from_slice(&part);
+                first_block = false;
+            } else {
+                for (cv, &p) in crow.iter_mut().zip(&part) {
+                    *cv += p;
+                }
+            }
+            start = end;
+        }
+    }
+    Some(c.into_iter().map(f64::from).collect())
+}
+
+/// y = x·Wᵀ + b for x of shape [tokens, in], W of shape [out, in] (PyTorch's `nn.Linear`
+/// layout) and an optional bias of length out.
+pub fn linear(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    policy: &Policy,
+) -> Result<Tensor> {
+    linear_scaled(x, weight, bias, policy, None, None)
+}
+
+/// [`linear`] with given per-tensor FP8 scales for x and W (delayed scaling).
+pub fn linear_scaled(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    policy: &Policy,
+    scale_x: Option<f64>,
+    scale_w: Option<f64>,
+) -> Result<Tensor> {
+    let wt = transpose(weight, "linear weight")?;
+    let bias_vals = bias.map(|b| {
+        let ar = Arith::new(
+            policy.accumulator(),
+            policy.output,
+            policy.accumulation.overflow,
+        );
+        b.values().iter().map(|&v| ar.ra(v)).collect::<Vec<f64>>()
+    });
+    matmul_acc(x, &wt, policy, scale_x, scale_w, bias_vals.as_deref())
+}
+
+/// Gradients of [`linear`]: (dx, dW, db) from dy of shape [tokens, out].
+///
+/// * dx = dy·W under `dgrad` (reduction over the out features);
+/// * dW = dyᵀ·x under `wgrad` (reduction over tokens);
+/// * db_j = Σ_tokens dy_tj under `wgrad`'s accumulation, rounded to its output format.
+pub fn linear_backward(
+    x: &Tensor,
+    weight: &Tensor,
+    has_bias: bool,
+    dy: &Tensor,
+    dgrad: &Policy,
+    wgrad: &Policy,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    let dx = matmul(dy, weight, dgrad)?;
+    let dyt = transpose(dy, "linear output gradient")?;
+    let dw = matmul(&dyt, x, wgrad)?;
+    let db = if has_bias {
+        Some(column_sums(dy, wgrad)?)
+    } else {
+        None
+    };
+    Ok((dx, dw, db))
+}
+
+/// Σ over rows of a [rows, cols] tensor, each column reduced under `policy`'s accumulation and
+/// rounded to its output format.
+pub fn column_sums(t: &Tensor, policy: &Policy) -> Result<Tensor> {
+    policy.validate()?;
+    let [rows, cols] = check_2d(t, "column sums")?;
+    let mut acc = policy.accumulation.clone();
+    acc.input = t.format();
+    let ar = Arith::new(policy.accumulator(), policy.output, acc.overflow);
+    let v = t.values();
+    let mut out = Vec::with_capacity(cols);
+    let mut col = vec![0.0; rows];
+    for j in 0..cols {
+        for i in 0..rows {
+            col[i] = v[i * cols + j];
+        }
+        out.push(ar.ro(sum_unchecked(&col, &acc)));
+    }
+    Ok(Tensor::from_parts_unchecked(&[cols], out, policy.output))
+}
+
+/// The transpose of a 2-D tensor (exact).
+pub fn transpose(t: &Tensor, what: &str) -> Result<Tensor> {
+    let [r, c] = check_2d(t, what)?;
+    let v = t.values();
+    let mut out = vec![0.0; r * c];
+    for i in 0..r {
+        for j in 0..c {
+            out[j * r + i] = v[i * c + j];
+        }
+    }
+    Ok(Tensor::from_parts_unchecked(&[c, r], out, t.format()))
+}

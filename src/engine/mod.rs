@@ -1,0 +1,35 @@
+//! The reference tensor engine: tensors of exact emulated values, ops that execute forward and
+//! backward under an arithmetic [`Policy`], a tiny GPT-style model, and traces of named
+//! intermediate tensors.
+//!
+//! Every op states its arithmetic precisely in its doc comment (which roundings, in which
+//! format, in which order), so that the same computation can be composed by hand from
+//! [`Format::round`](crate::Format::round), [`sum`](crate::sum) and [`dot`](crate::dot) — the
+//! tests do exactly that and require bit-identical results.
+
+mod arith;
+pub mod attention;
+pub mod init;
+pub mod matmul;
+pub mod model;
+pub mod nn;
+pub mod policy;
+pub mod tensor;
+pub mod trace;
+
+pub use attention::{attention, attention_backward, AttentionImpl, AttentionSaved};
+pub use matmul::{
+    column_sums, linear, linear_backward, linear_scaled, matmul, matmul_scaled, quantize,
+    transpose, Quantized,
+};
+pub use model::{
+    Activation, Gpt, GptConfig, Module, ModuleGrads, ModuleKind, NormKind, StepResult,
+};
+pub use nn::{
+    add, cross_entropy, cross_entropy_backward, embedding, embedding_backward, gelu, gelu_backward,
+    layer_norm, norm_backward, online_softmax, rms_norm, scale, silu, silu_backward, softmax,
+    softmax_backward, NormSaved, Variance,
+};
+pub use policy::{delayed_scale, per_tensor_scale, OpClass, Pass, Policy, Recipe, Scaling};
+pub use tensor::Tensor;
+pub use trace::{Trace, TraceEntry};
