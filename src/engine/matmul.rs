@@ -316,38 +316,112 @@ fn native_f32_kernel(
     let a32: Vec<f32> = a.iter().map(|&x| x as f32).collect();
     let b32: Vec<f32> = b.iter().map(|&x| x as f32).collect();
     let mut c = vec![0.0f32; m * n];
-    let mut part = vec![0.0f32; n];
-    for i in 0..m {
-        let crow = &mut c[i * n..(i + 1) * n];
-        let mut start = 0;
-        let mut first_block = true;
-        while start < k {
-            let end = (start + block).min(k);
-            // Sequential sum of this block's products: first product, then add the rest.
-            let aik = a32[i * k + start];
-            let brow = &b32[start * n..(start + 1) * n];
-            for (p, &bv) in part.iter_mut().zip(brow) {
-                *p = aik * bv;
-            }
-            for kk in start + 1..end {
-                let aik = a32[i * k + kk];
-                let brow = &b32[kk * n..(kk + 1) * n];
-                for (p, &bv) in part.iter_mut().zip(brow) {
-                    *p += aik * bv;
-                }
-            }
-            if first_block {
-                crow.copy_from_slice(&part);
-                first_block = false;
-            } else {
-                for (cv, &p) in crow.iter_mut().zip(&part) {
-                    *cv += p;
-                }
-            }
-            start = end;
+    let shape = KernelShape { m, k, n, block };
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2, checked just above.
+            unsafe { kernel_avx2(&a32, &b32, &mut c, shape) };
+            return Some(c.into_iter().map(f64::from).collect());
         }
     }
+    kernel_portable(&a32, &b32, &mut c, shape);
     Some(c.into_iter().map(f64::from).collect())
+}
+
+#[derive(Clone, Copy)]
+struct KernelShape {
+    m: usize,
+    k: usize,
+    n: usize,
+    block: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn kernel_avx2(a: &[f32], b: &[f32], c: &mut [f32], s: KernelShape) {
+    kernel_tiles(a, b, c, s);
+}
+
+fn kernel_portable(a: &[f32], b: &[f32], c: &mut [f32], s: KernelShape) {
+    kernel_tiles(a, b, c, s);
+}
+
+/// Cover C with register tiles of 4×16 (1×16 for the remaining rows), then 1×1 for the
+/// remaining columns. Every element follows the same sequence of f32 operations.
+#[inline(always)]
+fn kernel_tiles(a: &[f32], b: &[f32], c: &mut [f32], s: KernelShape) {
+    let (m4, n16) = (s.m / 4 * 4, s.n / 16 * 16);
+    // Column panels outermost: a k×16 panel of B stays in L1 while every row tile uses it.
+    for j in (0..n16).step_by(16) {
+        for i in (0..m4).step_by(4) {
+            tile::<4, 16>(a, b, c, i, j, s);
+        }
+        for i in m4..s.m {
+            tile::<1, 16>(a, b, c, i, j, s);
+        }
+    }
+    for i in 0..s.m {
+        for j in n16..s.n {
+            tile::<1, 1>(a, b, c, i, j, s);
+        }
+    }
+}
+
+/// One MR×NR tile of C (indexed loops over the constant tile sizes unroll into registers):
+/// for each block of the reduction, a sequential sum of products
+/// (first product, then `+=`), then added to the running value (the first block is copied).
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+fn tile<const MR: usize, const NR: usize>(
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+    i0: usize,
+    j0: usize,
+    s: KernelShape,
+) {
+    let KernelShape { k, n, block, .. } = s;
+    let mut total = [[0.0f32; NR]; MR];
+    let mut start = 0;
+    let mut first_block = true;
+    while start < k {
+        let end = (start + block).min(k);
+        let mut part = [[0.0f32; NR]; MR];
+        let b0 = start * n + j0;
+        for r in 0..MR {
+            let aik = a[(i0 + r) * k + start];
+            for j in 0..NR {
+                part[r][j] = aik * b[b0 + j];
+            }
+        }
+        for kk in start + 1..end {
+            let bk = &b[kk * n + j0..kk * n + j0 + NR];
+            let mut av = [0.0f32; MR];
+            for r in 0..MR {
+                av[r] = a[(i0 + r) * k + kk];
+            }
+            for r in 0..MR {
+                for j in 0..NR {
+                    part[r][j] += av[r] * bk[j];
+                }
+            }
+        }
+        if first_block {
+            total = part;
+            first_block = false;
+        } else {
+            for (tr, pr) in total.iter_mut().zip(&part) {
+                for (t, &p) in tr.iter_mut().zip(pr) {
+                    *t += p;
+                }
+            }
+        }
+        start = end;
+    }
+    for (r, tr) in total.iter().enumerate() {
+        c[(i0 + r) * n + j0..(i0 + r) * n + j0 + NR].copy_from_slice(tr);
+    }
 }
 
 /// y = x·Wᵀ + b for x of shape [tokens, in], W of shape [out, in] (PyTorch's `nn.Linear`
