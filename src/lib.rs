@@ -4,7 +4,7 @@
 //! compared against a single-device reference, in the spirit of *TTrace: Lightweight Error
 //! Checking and Diagnosis for Distributed Training* (arXiv 2506.09280).
 //!
-//! This release provides the foundation every threshold stands on:
+//! This release provides the foundation every threshold stands on, and a reference engine:
 //! * [`Format`]: FP64, FP32, TF32, FP16, BF16 and the OCP FP8 formats E4M3 and E5M2, with
 //!   their constants (unit roundoff **u = 2^-p**, machine epsilon **ε = 2^(1-p)** — never
 //!   confused), correct rounding from `f64` ([`Format::round`]) under two [`Overflow`]
@@ -14,6 +14,10 @@
 //!   summation; [`sum`] and [`dot`] execute them with every addition correctly rounded to the
 //!   accumulator format, and report the rounding depth of each term.
 //! * [`ExactAccumulator`], [`exact_sum`], [`exact_dot`]: exact arithmetic for oracles.
+//! * [`engine`]: tensors of exact emulated values, ops forward and backward under an arithmetic
+//!   [`engine::Policy`] (which embeds the same [`Accumulation`]), a tiny GPT
+//!   ([`engine::Gpt`]) whose training step records a [`engine::Trace`] of every intermediate
+//!   tensor under canonical ids, and replay of any module on substituted inputs.
 //!
 //! The derivations and sources are in `papers/formats-and-orders.md`.
 //!
