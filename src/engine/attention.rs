@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::engine::arith::Arith;
 use crate::engine::matmul::reduce_matrix;
+use crate::engine::nn::masked_exp;
 use crate::engine::policy::Policy;
 use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
@@ -247,13 +248,7 @@ fn standard_rows(
     for i in 0..seq {
         let row = &s[i * seq..(i + 1) * seq];
         let m = row.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
-        for (ej, &x) in e.iter_mut().zip(row) {
-            *ej = if x == f64::NEG_INFINITY {
-                0.0
-            } else {
-                ar.exp(ar.sub(x, m))
-            };
-        }
+        masked_exp(ar, row, m, &mut e);
         let sum = sum_unchecked(&e, acc_a);
         lse[i] = ar.add(m, ar.ln(sum));
         for j in 0..seq {
@@ -294,13 +289,7 @@ fn online_rows(
                 continue; // fully masked block
             }
             let len = end - start;
-            for (ej, &x) in e[..len].iter_mut().zip(chunk) {
-                *ej = if x == f64::NEG_INFINITY {
-                    0.0
-                } else {
-                    ar.exp(ar.sub(x, mb))
-                };
-            }
+            masked_exp(ar, chunk, mb, &mut e[..len]);
             let lb = sum_unchecked(&e[..len], acc_a);
             let pe: Vec<f64> = e[..len].iter().map(|&x| input.round(x, ar.ov)).collect();
             let mut ob = vec![0.0; d];

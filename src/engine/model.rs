@@ -195,6 +195,72 @@ pub struct StepResult {
     pub trace: Trace,
 }
 
+/// Builds the module list and generates the parameters of [`Gpt::new`].
+struct Builder {
+    modules: Vec<Module>,
+    params: BTreeMap<String, Tensor>,
+    next_value: usize,
+    seed: u64,
+    format: Format,
+    norm: NormKind,
+    hidden: usize,
+}
+
+impl Builder {
+    /// Generate the parameter `name` (mean + std·normal, rounded to the parameter format).
+    fn param(&mut self, name: &str, shape: &[usize], mean: f64, std: f64) -> Result<String> {
+        let values = normal_values(name, shape.iter().product(), mean, std, self.seed);
+        let t = Tensor::rounded(shape, values, self.format, Overflow::Saturating)?;
+        self.params.insert(name.to_string(), t);
+        Ok(name.to_string())
+    }
+
+    /// Append a module reading `inputs`; returns the value slot of its output.
+    fn push(
+        &mut self,
+        name: &str,
+        kind: ModuleKind,
+        inputs: Vec<usize>,
+        params: Vec<String>,
+    ) -> usize {
+        self.next_value += 1;
+        self.modules.push(Module {
+            name: name.to_string(),
+            kind,
+            inputs,
+            output: self.next_value,
+            params,
+        });
+        self.next_value
+    }
+
+    /// A linear layer [out, in] with N(0, 0.02²) weights and bias.
+    fn linear(
+        &mut self,
+        name: &str,
+        out: usize,
+        inp: usize,
+        bias: bool,
+        input: usize,
+    ) -> Result<usize> {
+        let mut names = vec![self.param(&format!("{name}.weight"), &[out, inp], 0.0, 0.02)?];
+        if bias {
+            names.push(self.param(&format!("{name}.bias"), &[out], 0.0, 0.02)?);
+        }
+        Ok(self.push(name, ModuleKind::Linear, vec![input], names))
+    }
+
+    /// A normalization with weight N(1, 0.1²) and (LayerNorm) bias N(0, 0.1²).
+    fn norm(&mut self, name: &str, input: usize) -> Result<usize> {
+        let h = self.hidden;
+        let mut names = vec![self.param(&format!("{name}.weight"), &[h], 1.0, 0.1)?];
+        if self.norm == NormKind::LayerNorm {
+            names.push(self.param(&format!("{name}.bias"), &[h], 0.0, 0.1)?);
+        }
+        Ok(self.push(name, ModuleKind::Norm, vec![input], names))
+    }
+}
+
 /// The tiny GPT with its parameters, data and FP8 scaling state.
 #[derive(Debug, Clone)]
 pub struct Gpt {
@@ -216,189 +282,64 @@ impl Gpt {
     pub fn new(config: GptConfig, recipe: Recipe) -> Result<Gpt> {
         config.validate()?;
         recipe.validate()?;
-        let mut modules = vec![];
-        let mut params = BTreeMap::new();
-        let c = &config;
-        let seed = c.seed;
-        let pf = recipe.param_format;
-        let gen = |name: &str, shape: &[usize], mean: f64, std: f64| -> Result<(String, Tensor)> {
-            let n = shape.iter().product();
-            let values = normal_values(name, n, mean, std, seed);
-            Ok((
-                name.to_string(),
-                Tensor::rounded(shape, values, pf, Overflow::Saturating)?,
-            ))
+        let c = config.clone();
+        let mut b = Builder {
+            modules: vec![],
+            params: BTreeMap::new(),
+            next_value: 0,
+            seed: c.seed,
+            format: recipe.param_format,
+            norm: c.norm,
+            hidden: c.hidden,
         };
-        let mut next_value = 0usize;
-        let mut value = || {
-            next_value += 1;
-            next_value
-        };
-        // Slot 0 is unused (embedding has no tensor input).
-        let emb_out = value();
-        for (n, shape, std) in [
-            ("embedding.wte", [c.vocab, c.hidden], 0.02),
-            ("embedding.wpe", [c.seq, c.hidden], 0.01),
-        ] {
-            let (k, t) = gen(n, &shape, 0.0, std)?;
-            params.insert(k, t);
-        }
-        modules.push(Module {
-            name: "embedding".into(),
-            kind: ModuleKind::Embedding,
-            inputs: vec![],
-            output: emb_out,
-            params: vec!["embedding.wte".into(), "embedding.wpe".into()],
-        });
-        let norm_module = |name: String,
-                           input: usize,
-                           output: usize,
-                           params: &mut BTreeMap<String, Tensor>|
-         -> Result<Module> {
-            let mut names = vec![format!("{name}.weight")];
-            let (k, t) = gen(&names[0], &[c.hidden], 1.0, 0.1)?;
-            params.insert(k, t);
-            if c.norm == NormKind::LayerNorm {
-                names.push(format!("{name}.bias"));
-                let (k, t) = gen(&names[1], &[c.hidden], 0.0, 0.1)?;
-                params.insert(k, t);
-            }
-            Ok(Module {
-                name,
-                kind: ModuleKind::Norm,
-                inputs: vec![input],
-                output,
-                params: names,
-            })
-        };
-        let linear_params = |name: &str,
-                             out: usize,
-                             inp: usize,
-                             bias: bool,
-                             params: &mut BTreeMap<String, Tensor>|
-         -> Result<Vec<String>> {
-            let mut names = vec![format!("{name}.weight")];
-            let w = normal_values(&names[0], out * inp, 0.0, 0.02, seed);
-            params.insert(
-                names[0].clone(),
-                Tensor::rounded(&[out, inp], w, pf, Overflow::Saturating)?,
-            );
-            if bias {
-                names.push(format!("{name}.bias"));
-                let b = normal_values(&names[1], out, 0.0, 0.02, seed);
-                params.insert(
-                    names[1].clone(),
-                    Tensor::rounded(&[out], b, pf, Overflow::Saturating)?,
-                );
-            }
-            Ok(names)
-        };
-        let h = c.hidden;
-        let ffn = c.ffn_mult * h;
-        let mut x = emb_out;
+        let wte = b.param("embedding.wte", &[c.vocab, c.hidden], 0.0, 0.02)?;
+        let wpe = b.param("embedding.wpe", &[c.seq, c.hidden], 0.0, 0.01)?;
+        let mut x = b.push("embedding", ModuleKind::Embedding, vec![], vec![wte, wpe]);
+        let (h, ffn) = (c.hidden, c.ffn_mult * c.hidden);
         for l in 0..c.layers {
             let p = format!("layers.{l}");
-            let ln1 = value();
-            modules.push(norm_module(format!("{p}.ln1"), x, ln1, &mut params)?);
-            let qkv = value();
-            let names = linear_params(&format!("{p}.attn.qkv"), 3 * h, h, true, &mut params)?;
-            modules.push(Module {
-                name: format!("{p}.attn.qkv"),
-                kind: ModuleKind::Linear,
-                inputs: vec![ln1],
-                output: qkv,
-                params: names,
-            });
-            let core = value();
-            modules.push(Module {
-                name: format!("{p}.attn.core"),
-                kind: ModuleKind::Attention,
-                inputs: vec![qkv],
-                output: core,
-                params: vec![],
-            });
-            let proj = value();
-            let names = linear_params(&format!("{p}.attn.proj"), h, h, true, &mut params)?;
-            modules.push(Module {
-                name: format!("{p}.attn.proj"),
-                kind: ModuleKind::Linear,
-                inputs: vec![core],
-                output: proj,
-                params: names,
-            });
-            let r1 = value();
-            modules.push(Module {
-                name: format!("{p}.resid1"),
-                kind: ModuleKind::Residual,
-                inputs: vec![x, proj],
-                output: r1,
-                params: vec![],
-            });
-            let ln2 = value();
-            modules.push(norm_module(format!("{p}.ln2"), r1, ln2, &mut params)?);
-            let fc1 = value();
-            let names = linear_params(&format!("{p}.mlp.fc1"), ffn, h, true, &mut params)?;
-            modules.push(Module {
-                name: format!("{p}.mlp.fc1"),
-                kind: ModuleKind::Linear,
-                inputs: vec![ln2],
-                output: fc1,
-                params: names,
-            });
-            let act = value();
-            modules.push(Module {
-                name: format!("{p}.mlp.act"),
-                kind: ModuleKind::Activation,
-                inputs: vec![fc1],
-                output: act,
-                params: vec![],
-            });
-            let fc2 = value();
-            let names = linear_params(&format!("{p}.mlp.fc2"), h, ffn, true, &mut params)?;
-            modules.push(Module {
-                name: format!("{p}.mlp.fc2"),
-                kind: ModuleKind::Linear,
-                inputs: vec![act],
-                output: fc2,
-                params: names,
-            });
-            let r2 = value();
-            modules.push(Module {
-                name: format!("{p}.resid2"),
-                kind: ModuleKind::Residual,
-                inputs: vec![r1, fc2],
-                output: r2,
-                params: vec![],
-            });
-            x = r2;
+            let ln1 = b.norm(&format!("{p}.ln1"), x)?;
+            let qkv = b.linear(&format!("{p}.attn.qkv"), 3 * h, h, true, ln1)?;
+            let core = b.push(
+                &format!("{p}.attn.core"),
+                ModuleKind::Attention,
+                vec![qkv],
+                vec![],
+            );
+            let proj = b.linear(&format!("{p}.attn.proj"), h, h, true, core)?;
+            let r1 = b.push(
+                &format!("{p}.resid1"),
+                ModuleKind::Residual,
+                vec![x, proj],
+                vec![],
+            );
+            let ln2 = b.norm(&format!("{p}.ln2"), r1)?;
+            let fc1 = b.linear(&format!("{p}.mlp.fc1"), ffn, h, true, ln2)?;
+            let act = b.push(
+                &format!("{p}.mlp.act"),
+                ModuleKind::Activation,
+                vec![fc1],
+                vec![],
+            );
+            let fc2 = b.linear(&format!("{p}.mlp.fc2"), h, ffn, true, act)?;
+            x = b.push(
+                &format!("{p}.resid2"),
+                ModuleKind::Residual,
+                vec![r1, fc2],
+                vec![],
+            );
         }
-        let fln = value();
-        modules.push(norm_module("final_ln".into(), x, fln, &mut params)?);
-        let logits = value();
-        let names = linear_params("lm_head", c.vocab, h, false, &mut params)?;
-        modules.push(Module {
-            name: "lm_head".into(),
-            kind: ModuleKind::Linear,
-            inputs: vec![fln],
-            output: logits,
-            params: names,
-        });
-        let loss = value();
-        modules.push(Module {
-            name: "loss".into(),
-            kind: ModuleKind::Loss,
-            inputs: vec![logits],
-            output: loss,
-            params: vec![],
-        });
+        let fln = b.norm("final_ln", x)?;
+        let logits = b.linear("lm_head", c.vocab, h, false, fln)?;
+        b.push("loss", ModuleKind::Loss, vec![logits], vec![]);
         let ntok = c.batch * c.seq;
-        let tokens = uniform_ints("input.tokens", ntok, c.vocab, seed);
-        let targets = uniform_ints("input.targets", ntok, c.vocab, seed);
+        let tokens = uniform_ints("input.tokens", ntok, c.vocab, c.seed);
+        let targets = uniform_ints("input.targets", ntok, c.vocab, c.seed);
         Ok(Gpt {
             config,
             recipe,
-            modules,
-            params,
+            modules: b.modules,
+            params: b.params,
             tokens,
             targets,
             amax_history: HashMap::new(),

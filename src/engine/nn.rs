@@ -161,6 +161,18 @@ pub(crate) fn gelu_grad_f64(x: f64) -> f64 {
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner
 }
 
+/// eᵢ = ra(exp(ra(xᵢ − m))) for each element of `row` into `out`, with eᵢ = 0 where xᵢ = −∞
+/// (a masked position). Shared by softmax, online softmax and attention.
+pub(crate) fn masked_exp(ar: &Arith, row: &[f64], m: f64, out: &mut [f64]) {
+    for (e, &x) in out.iter_mut().zip(row) {
+        *e = if x == f64::NEG_INFINITY {
+            0.0
+        } else {
+            ar.exp(ar.sub(x, m))
+        };
+    }
+}
+
 /// Softmax along the last dimension, max-subtracted. Per row x (length n):
 /// m = max x (exact); dᵢ = ra(xᵢ − m); eᵢ = ra(exp(dᵢ)); s = Σ eᵢ (policy order, in A);
 /// pᵢ = ro(ra(eᵢ / s)). Elements equal to −∞ (masked) give eᵢ = 0.
@@ -176,13 +188,7 @@ pub fn softmax(x: &Tensor, policy: &Policy) -> Result<Tensor> {
     for r in 0..rows {
         let row = &v[r * n..(r + 1) * n];
         let m = row.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
-        for (ei, &xv) in e.iter_mut().zip(row) {
-            *ei = if xv == f64::NEG_INFINITY {
-                0.0
-            } else {
-                ar.exp(ar.sub(xv, m))
-            };
-        }
+        masked_exp(&ar, row, m, &mut e);
         let s = sum_unchecked(&e, &acc);
         for (o, &ei) in out[r * n..(r + 1) * n].iter_mut().zip(&e) {
             *o = ar.ro(ar.div(ei, s));
@@ -219,13 +225,7 @@ pub fn online_softmax(x: &Tensor, block: usize, policy: &Policy) -> Result<Tenso
         for (bi, chunk) in row.chunks(block).enumerate() {
             let mb = chunk.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
             let es = &mut e[bi * block..bi * block + chunk.len()];
-            for (ei, &xv) in es.iter_mut().zip(chunk) {
-                *ei = if xv == f64::NEG_INFINITY {
-                    0.0
-                } else {
-                    ar.exp(ar.sub(xv, mb))
-                };
-            }
+            masked_exp(&ar, chunk, mb, es);
             maxes[bi] = mb;
             sums[bi] = sum_unchecked(es, &acc);
         }
