@@ -361,6 +361,15 @@ impl Format {
             && self.max_finite() <= other.max_finite()
     }
 
+    /// The narrower of two formats when one contains the other, else `self`.
+    pub fn min_with(self, other: Format) -> Format {
+        if other.is_subset_of(self) {
+            other
+        } else {
+            self
+        }
+    }
+
     /// The correctly rounded value of the exact sum `a + b` (both `f64`), in this format.
     ///
     /// Computing `a + b` in `f64` and rounding again would round twice; this uses Knuth's

@@ -62,6 +62,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod bounds;
 mod decimal;
 pub mod engine;
 pub mod error;

@@ -68,6 +68,18 @@ pub enum Order {
     Kahan,
 }
 
+impl Order {
+    /// The format the result of a reduction in this order is a value of, given the
+    /// accumulator format: the partial format for split-K (its last additions round there),
+    /// the accumulator otherwise.
+    pub fn result_format(&self, accumulator: Format) -> Format {
+        match self {
+            Order::SplitK { partial, .. } => *partial,
+            _ => accumulator,
+        }
+    }
+}
+
 /// How the terms inside one block of [`Order::Blocked`] are summed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -360,7 +372,10 @@ fn fill_depths(order: &Order, out: &mut [TermDepth], acc: Format, load_rounds: b
             combine,
         } => {
             let p = *parts;
-            let partial_rounds = !acc.is_subset_of(*partial);
+            // The part results are values of the inner order's result format (the accumulator,
+            // or a nested split's partial format); rounding them to `partial` is exact only
+            // when that format is contained in it.
+            let partial_rounds = !inner.result_format(acc).is_subset_of(*partial);
             for j in 0..p {
                 let range = part_range(j, p, len);
                 let chunk = &mut out[range];
@@ -376,6 +391,230 @@ fn fill_depths(order: &Order, out: &mut [TermDepth], acc: Format, load_rounds: b
             }
         }
     }
+}
+
+/// A value that enters a rounding: nothing (zero), one of the exact terms, or the rounded
+/// result of an earlier part of the reduction (the exact sum of its terms, rounded to `format`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Operand {
+    None,
+    Term(usize),
+    Value {
+        first: Range<usize>,
+        second: Range<usize>,
+        format: Format,
+    },
+}
+
+/// One rounding of a reduction: the format it rounds to, the terms whose exact sum is the
+/// value being rounded (one contiguous range, or two when a ring combine wraps around), and
+/// what is added: two operands, plus for a fused block the block's terms added exactly.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RoundingSite {
+    pub format: Format,
+    pub first: Range<usize>,
+    pub second: Range<usize>,
+    pub ops: [Operand; 2],
+    pub fused: Range<usize>,
+}
+
+/// Call `emit` for every rounding a reduction of `n` terms performs under `order` (as
+/// [`reduce`] executes it). Kahan's order emits nothing (its error is not a tree of
+/// roundings); callers treat it separately.
+pub(crate) fn for_each_rounding(
+    order: &Order,
+    n: usize,
+    acc: Format,
+    load_rounds: bool,
+    emit: &mut dyn FnMut(RoundingSite),
+) {
+    walk(order, 0..n, acc, load_rounds, emit);
+}
+
+fn value(r: Range<usize>, format: Format) -> Operand {
+    Operand::Value {
+        first: r,
+        second: 0..0,
+        format,
+    }
+}
+
+fn ranges_of(op: &Operand) -> (Range<usize>, Range<usize>) {
+    match op {
+        Operand::None => (0..0, 0..0),
+        Operand::Term(i) => (*i..*i + 1, 0..0),
+        Operand::Value { first, second, .. } => (first.clone(), second.clone()),
+    }
+}
+
+/// Emit the rounding of a + b to `format` and return its result.
+fn add_site(a: Operand, b: Operand, format: Format, emit: &mut dyn FnMut(RoundingSite)) -> Operand {
+    let (a1, a2) = ranges_of(&a);
+    let (b1, _) = ranges_of(&b);
+    // The union of the two operands' ranges, as at most two ranges.
+    let (first, second) = if a2.is_empty() {
+        if a1.is_empty() {
+            (b1, 0..0)
+        } else if b1.is_empty() {
+            (a1, 0..0)
+        } else if a1.end == b1.start {
+            (a1.start..b1.end, 0..0)
+        } else if b1.end == a1.start {
+            (b1.start..a1.end, 0..0)
+        } else {
+            (a1, b1)
+        }
+    } else if a2.end == b1.start {
+        (a1, a2.start..b1.end)
+    } else {
+        (a1, a2)
+    };
+    emit(RoundingSite {
+        format,
+        first: first.clone(),
+        second: second.clone(),
+        ops: [a, b],
+        fused: 0..0,
+    });
+    Operand::Value {
+        first,
+        second,
+        format,
+    }
+}
+
+fn walk_sequential(
+    r: Range<usize>,
+    acc: Format,
+    load_rounds: bool,
+    emit: &mut dyn FnMut(RoundingSite),
+) -> Operand {
+    if r.is_empty() {
+        return Operand::None;
+    }
+    let mut cur = if load_rounds {
+        add_site(Operand::Term(r.start), Operand::None, acc, emit)
+    } else {
+        Operand::Term(r.start)
+    };
+    for j in r.start + 1..r.end {
+        cur = add_site(cur, Operand::Term(j), acc, emit);
+    }
+    cur
+}
+
+fn walk(
+    order: &Order,
+    r: Range<usize>,
+    acc: Format,
+    load_rounds: bool,
+    emit: &mut dyn FnMut(RoundingSite),
+) -> Operand {
+    match order {
+        Order::Sequential => walk_sequential(r, acc, load_rounds, emit),
+        Order::Kahan => value(r, acc),
+        Order::Pairwise { base } => {
+            let len = r.end - r.start;
+            if len <= *base {
+                walk_sequential(r, acc, load_rounds, emit)
+            } else {
+                let mid = r.start + len.div_ceil(2);
+                let left = walk(order, r.start..mid, acc, load_rounds, emit);
+                let right = walk(order, mid..r.end, acc, load_rounds, emit);
+                add_site(left, right, acc, emit)
+            }
+        }
+        Order::Blocked { block, inner } => {
+            let mut total = Operand::None;
+            let mut start = r.start;
+            while start < r.end {
+                let end = (start + block).min(r.end);
+                match inner {
+                    BlockSum::Sequential => {
+                        let b = walk_sequential(start..end, acc, load_rounds, emit);
+                        total = if total == Operand::None {
+                            b
+                        } else {
+                            add_site(total, b, acc, emit)
+                        };
+                    }
+                    BlockSum::Fused => {
+                        let (t1, _) = ranges_of(&total);
+                        let whole = if t1.is_empty() {
+                            start..end
+                        } else {
+                            t1.start..end
+                        };
+                        emit(RoundingSite {
+                            format: acc,
+                            first: whole.clone(),
+                            second: 0..0,
+                            ops: [total, Operand::None],
+                            fused: start..end,
+                        });
+                        total = value(whole, acc);
+                    }
+                }
+                start = end;
+            }
+            total
+        }
+        Order::SplitK {
+            parts,
+            inner,
+            partial,
+            combine,
+        } => {
+            let p = *parts;
+            let len = r.end - r.start;
+            let results: Vec<Operand> = (0..p)
+                .map(|j| {
+                    let q = part_range(j, p, len);
+                    let q = r.start + q.start..r.start + q.end;
+                    let res = walk(inner, q, acc, load_rounds, emit);
+                    if !inner.result_format(acc).is_subset_of(*partial) && res != Operand::None {
+                        add_site(res, Operand::None, *partial, emit)
+                    } else {
+                        res
+                    }
+                })
+                .collect();
+            match combine {
+                Combine::Sequential => {
+                    let mut it = results.into_iter();
+                    let mut cur = it.next().unwrap_or(Operand::None);
+                    for res in it {
+                        cur = add_site(cur, res, *partial, emit);
+                    }
+                    cur
+                }
+                Combine::Tree => walk_tree(results, *partial, emit),
+                Combine::Ring { start } => {
+                    let mut cur = results[*start].clone();
+                    for k in 1..p {
+                        cur = add_site(cur, results[(start + k) % p].clone(), *partial, emit);
+                    }
+                    cur
+                }
+            }
+        }
+    }
+}
+
+/// The pairwise tree (base 1) over the parts' results.
+fn walk_tree(
+    mut parts: Vec<Operand>,
+    format: Format,
+    emit: &mut dyn FnMut(RoundingSite),
+) -> Operand {
+    if parts.len() <= 1 {
+        return parts.pop().unwrap_or(Operand::None);
+    }
+    let h = parts.len().div_ceil(2);
+    let right = parts.split_off(h);
+    let l = walk_tree(parts, format, emit);
+    let r = walk_tree(right, format, emit);
+    add_site(l, r, format, emit)
 }
 
 /// Number of additions above leaf `i` in the pairwise tree (base 1) over `len` leaves.
@@ -779,6 +1018,73 @@ mod tests {
                     next = r.end;
                 }
                 assert_eq!(next, len);
+            }
+        }
+    }
+
+    /// The rounding sites cover each term exactly as many times as its depth.
+    #[test]
+    fn rounding_sites_agree_with_depths() {
+        let orders = [
+            Order::Sequential,
+            Order::Pairwise { base: 3 },
+            Order::Blocked {
+                block: 5,
+                inner: BlockSum::Sequential,
+            },
+            Order::Blocked {
+                block: 4,
+                inner: BlockSum::Fused,
+            },
+            Order::SplitK {
+                parts: 3,
+                inner: Box::new(Order::Pairwise { base: 2 }),
+                partial: Format::BF16,
+                combine: Combine::Ring { start: 2 },
+            },
+            Order::SplitK {
+                parts: 4,
+                inner: Box::new(Order::Sequential),
+                partial: Format::F32,
+                combine: Combine::Tree,
+            },
+            Order::SplitK {
+                parts: 5,
+                inner: Box::new(Order::Blocked {
+                    block: 3,
+                    inner: BlockSum::Fused,
+                }),
+                partial: Format::F16,
+                combine: Combine::Sequential,
+            },
+        ];
+        for order in orders {
+            for n in 0..30 {
+                for input in [Format::F32, Format::F64] {
+                    let p = Accumulation::new(input, Format::F32, order.clone());
+                    let depths = p.sum_depths(n).unwrap();
+                    let mut counts = vec![[0u32; 7]; n];
+                    for_each_rounding(
+                        &order,
+                        n,
+                        Format::F32,
+                        !input.is_subset_of(Format::F32),
+                        &mut |s| {
+                            for i in s.first.clone().chain(s.second.clone()) {
+                                counts[i][s.format.index()] += 1;
+                            }
+                        },
+                    );
+                    for i in 0..n {
+                        for f in Format::ALL {
+                            assert_eq!(
+                                counts[i][f.index()],
+                                depths[i].count(f),
+                                "{order:?} n={n} term {i} {f}"
+                            );
+                        }
+                    }
+                }
             }
         }
     }

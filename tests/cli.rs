@@ -132,3 +132,78 @@ fn round_rejects_an_unknown_format() {
     let err = String::from_utf8(o.stderr).unwrap();
     assert!(err.contains("fp7") && err.contains("bf16"), "{err}");
 }
+
+#[test]
+fn threshold_prices_a_plan_and_reports_baselines() {
+    let o = ttrace(
+        &[
+            "threshold",
+            "matmul",
+            "--m",
+            "64",
+            "--k",
+            "1024",
+            "--n",
+            "64",
+            "--ref",
+            "in=bf16,acc=f32,out=f32,order=sequential",
+            "--cand",
+            "in=bf16,acc=f32,out=f32,order=splitk:4:f32:tree",
+            "--json",
+        ],
+        "",
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let th = &v["threshold"];
+    let rel = th["relative"].as_f64().unwrap();
+    let worst = th["guaranteed_relative"].as_f64().unwrap();
+    assert!(
+        rel > 0.0 && rel < worst,
+        "probabilistic {rel} below guaranteed {worst}"
+    );
+    assert_eq!(th["confidence"]["kind"], "probabilistic");
+    assert_eq!(th["confidence"]["delta"].as_f64().unwrap(), 1e-6);
+    assert!(th["per_element"].as_f64().unwrap() > 0.0);
+    let names: Vec<&str> = v["baselines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["baseline"]["name"].as_str().unwrap())
+        .collect();
+    assert!(
+        names.iter().any(|n| n.contains("assert_close"))
+            && names.iter().any(|n| n.contains("Megatron"))
+    );
+    // Identical policies: zero.
+    let o = ttrace(
+        &[
+            "threshold",
+            "sum",
+            "--ref",
+            "in=f32,acc=f32,out=f32",
+            "--cand",
+            "in=f32,acc=f32,out=f32",
+            "--json",
+        ],
+        "",
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["threshold"]["identical"], true);
+    assert_eq!(v["threshold"]["abs_frobenius"].as_f64().unwrap(), 0.0);
+}
+
+#[test]
+fn threshold_rejects_bad_specs() {
+    for args in [
+        vec!["threshold", "matmul", "--cand", "order=zigzag"],
+        vec!["threshold", "matmul", "--cand", "in=fp7"],
+        vec!["threshold", "matmul", "--delta", "1.5"],
+        vec!["threshold", "matmul", "--cand", "order=kahan"],
+        vec!["threshold", "matmul", "--cand", "order=pairwise:0"],
+    ] {
+        let o = ttrace(&args, "");
+        assert!(!o.status.success(), "{args:?} should fail");
+        assert!(!o.stderr.is_empty());
+    }
+}

@@ -3,8 +3,12 @@
 use std::io::{self, BufRead, BufWriter, Write};
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
-use ttrace::{Format, Overflow};
+use clap::{Parser, Subcommand, ValueEnum};
+use serde::Serialize;
+use ttrace::bounds::baselines::{baselines_for, Baseline};
+use ttrace::bounds::{plan_matmul, plan_sum, Confidence, TermStats, Threshold};
+use ttrace::engine::Policy;
+use ttrace::{BlockSum, Combine, Format, Order, Overflow, Products};
 
 #[derive(Parser)]
 #[command(
@@ -39,6 +43,241 @@ enum Command {
         #[arg(long)]
         saturate: bool,
     },
+    /// Price the comparison threshold of an op between a reference and a candidate policy,
+    /// for data with given statistics (planning; `ttrace::bounds` prices real tensors).
+    ///
+    /// A policy is written `in=bf16,acc=f32,out=bf16,order=ORDER[,products=exact|FMT]`;
+    /// ORDER is `sequential`, `pairwise:B`, `blocked:B`, `blockfma:B`, or
+    /// `splitk:P:FMT:COMBINE` with COMBINE `seq`, `tree` or `ring[:START]` (inner order
+    /// sequential).
+    Threshold {
+        /// The op.
+        #[arg(value_enum)]
+        op: Op,
+        /// Rows of the output (matmul: m; sum: number of sums).
+        #[arg(long, default_value_t = 1024)]
+        m: usize,
+        /// Reduction length (matmul: k; sum: n).
+        #[arg(long, default_value_t = 4096)]
+        k: usize,
+        /// Columns of the output (matmul only).
+        #[arg(long, default_value_t = 1024)]
+        n: usize,
+        /// Reference policy.
+        #[arg(
+            long = "ref",
+            default_value = "in=bf16,acc=f32,out=bf16,order=sequential"
+        )]
+        reference: String,
+        /// Candidate policy.
+        #[arg(
+            long = "cand",
+            default_value = "in=bf16,acc=f32,out=bf16,order=splitk:8:bf16:ring"
+        )]
+        candidate: String,
+        /// Mean of the input entries.
+        #[arg(long, default_value_t = 0.0)]
+        mean: f64,
+        /// Standard deviation of the input entries.
+        #[arg(long, default_value_t = 1.0)]
+        std: f64,
+        /// Failure probability of the probabilistic threshold.
+        #[arg(long, default_value_t = 1e-6)]
+        delta: f64,
+        /// Price the guaranteed (worst-case) threshold instead.
+        #[arg(long)]
+        guaranteed: bool,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Op {
+    /// C = A·B.
+    Matmul,
+    /// Row sums.
+    Sum,
+}
+
+fn parse_order(s: &str) -> Result<Order, String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let num = |i: usize, what: &str| -> Result<usize, String> {
+        parts
+            .get(i)
+            .ok_or_else(|| format!("order '{s}': missing {what}"))?
+            .parse::<usize>()
+            .map_err(|_| format!("order '{s}': {what} must be a whole number"))
+    };
+    Ok(match parts[0] {
+        "sequential" | "seq" => Order::Sequential,
+        "pairwise" => Order::Pairwise { base: num(1, "base")? },
+        "blocked" => Order::Blocked { block: num(1, "block size")?, inner: BlockSum::Sequential },
+        "blockfma" => Order::Blocked { block: num(1, "block size")?, inner: BlockSum::Fused },
+        "kahan" => Order::Kahan,
+        "splitk" => {
+            let parts_n = num(1, "number of parts")?;
+            let partial = parse_format(parts.get(2).copied().unwrap_or("f32"))?;
+            let combine = match parts.get(3).copied().unwrap_or("seq") {
+                "seq" | "sequential" => Combine::Sequential,
+                "tree" => Combine::Tree,
+                "ring" => Combine::Ring { start: if parts.len() > 4 { num(4, "ring start")? } else { 1 % parts_n.max(1) } },
+                other => return Err(format!("order '{s}': unknown combine '{other}' (seq, tree, ring)")),
+            };
+            Order::SplitK { parts: parts_n, inner: Box::new(Order::Sequential), partial, combine }
+        }
+        other => return Err(format!("unknown order '{other}' (sequential, pairwise:B, blocked:B, blockfma:B, splitk:P:FMT:COMBINE, kahan)")),
+    })
+}
+
+fn parse_policy(s: &str) -> Result<Policy, String> {
+    let mut input = Format::BF16;
+    let mut acc = Format::F32;
+    let mut out = Format::BF16;
+    let mut order = Order::Sequential;
+    let mut products = Products::Exact;
+    for item in s.split(',').filter(|x| !x.trim().is_empty()) {
+        let (key, value) = item
+            .split_once('=')
+            .ok_or_else(|| format!("policy '{s}': '{item}' is not key=value"))?;
+        match key.trim() {
+            "in" | "input" => input = parse_format(value)?,
+            "acc" | "accumulator" => acc = parse_format(value)?,
+            "out" | "output" => out = parse_format(value)?,
+            "order" => order = parse_order(value.trim())?,
+            "products" => {
+                products = if value.trim() == "exact" {
+                    Products::Exact
+                } else {
+                    Products::Rounded(parse_format(value)?)
+                }
+            }
+            other => {
+                return Err(format!(
+                    "policy '{s}': unknown key '{other}' (in, acc, out, order, products)"
+                ))
+            }
+        }
+    }
+    Ok(Policy::new(input, acc, out)
+        .with_order(order)
+        .with_products(products))
+}
+
+#[derive(Serialize)]
+struct ThresholdReport {
+    op: Op,
+    shape: [usize; 3],
+    reference: Policy,
+    candidate: Policy,
+    input_mean: f64,
+    input_std: f64,
+    threshold: Threshold,
+    baselines: Vec<BaselineReport>,
+}
+
+#[derive(Serialize)]
+struct BaselineReport {
+    baseline: Baseline,
+    nominal_relative: f64,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn threshold(
+    op: Op,
+    m: usize,
+    k: usize,
+    n: usize,
+    reference: &str,
+    candidate: &str,
+    mean: f64,
+    std: f64,
+    delta: f64,
+    guaranteed: bool,
+    json: bool,
+) -> Result<(), String> {
+    let rp = parse_policy(reference)?;
+    let cp = parse_policy(candidate)?;
+    if !(std >= 0.0 && std.is_finite() && mean.is_finite()) {
+        return Err(format!(
+            "--mean and --std must be finite and --std non-negative (got {mean}, {std})"
+        ));
+    }
+    let confidence = if guaranteed {
+        Confidence::Guaranteed
+    } else {
+        Confidence::probabilistic(delta).map_err(|e| e.to_string())?
+    };
+    let stats = TermStats::normal(mean, std);
+    let th = match op {
+        Op::Matmul => plan_matmul(m, k, n, stats, stats, &rp, &cp, confidence),
+        Op::Sum => plan_sum(m, k, stats, &rp, &cp, confidence),
+    }
+    .map_err(|e| e.to_string())?;
+    let out_format = rp.output;
+    let baselines: Vec<BaselineReport> = baselines_for(out_format, 1)
+        .into_iter()
+        .map(|b| BaselineReport {
+            nominal_relative: b.nominal_relative(),
+            baseline: b,
+        })
+        .collect();
+    let shape = match op {
+        Op::Matmul => [m, k, n],
+        Op::Sum => [m, k, 1],
+    };
+    if json {
+        let report = ThresholdReport {
+            op,
+            shape,
+            reference: rp,
+            candidate: cp,
+            input_mean: mean,
+            input_std: std,
+            threshold: th,
+            baselines,
+        };
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?
+        );
+        return Ok(());
+    }
+    let kind = match th.confidence {
+        Confidence::Guaranteed => "guaranteed (every input, every rounding)".to_string(),
+        Confidence::Probabilistic { delta } => {
+            format!("probabilistic, fails with probability <= {delta:e}")
+        }
+    };
+    println!(
+        "op: {}  shape: {:?}  inputs ~ N({mean}, {std}^2)",
+        match op {
+            Op::Matmul => "matmul",
+            Op::Sum => "sum",
+        },
+        shape
+    );
+    println!("reference: {reference}\ncandidate: {candidate}");
+    if th.identical {
+        println!("identical arithmetic: the outputs agree bit for bit; threshold 0");
+        return Ok(());
+    }
+    println!("kind: {kind}");
+    println!(
+        "  ||cand - ref||_F / ||ref||_F <= {:.3e}   (expected {:.3e}; worst case {:.3e})",
+        th.relative, th.expected_relative, th.guaranteed_relative
+    );
+    println!("  max |cand - ref| per element <= {:.3e}", th.per_element);
+    println!(
+        "baselines for {} outputs (nominal relative tolerance):",
+        out_format.name()
+    );
+    for b in &baselines {
+        println!("  {:<62} {:.3e}", b.baseline.name, b.nominal_relative);
+    }
+    Ok(())
 }
 
 fn parse_format(s: &str) -> Result<Format, String> {
@@ -132,6 +371,21 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Formats { json } => formats(json).map_err(|e| format!("writing output: {e}")),
         Command::Round { format, saturate } => round(format, saturate),
+        Command::Threshold {
+            op,
+            m,
+            k,
+            n,
+            reference,
+            candidate,
+            mean,
+            std,
+            delta,
+            guaranteed,
+            json,
+        } => threshold(
+            op, m, k, n, &reference, &candidate, mean, std, delta, guaranteed, json,
+        ),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

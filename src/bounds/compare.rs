@@ -1,0 +1,309 @@
+//! Comparison of a reference and a candidate execution: the difference D = cand − ref of each
+//! element, and thresholds on it — per element and for the tensor as a whole.
+//!
+//! Derivation (papers/bounds-reductions.md, §3–4). Each element's difference is modelled as
+//! D = o + X + R:
+//! * o, a deterministic offset (the two sides' exact values differ, e.g. different FP8
+//!   scales or input formats);
+//! * X, the difference of the two executions' rounding errors: independent where the orders
+//!   differ and identical where they share roundings (which only lowers the variance), so X
+//!   is strictly sub-Gaussian with proxy h ≤ Var E_r + Var E_c under the uniform rounding
+//!   model (see `reduction`);
+//! * R, what the trailing roundings of nearly equal values add: zero-mean, bounded.
+//!
+//! Trailing roundings (both sides round their nearly equal values to the same format F):
+//! with the values' position on F's grid uniform ("uniform phase"), R = fl(x_c) − fl(x_r) − Δ
+//! has E(R | Δ) = 0 and E(R²) = ulp²·E(φ(1 − φ)) ≤ ulp·min(E|Δ|, ulp/4) (φ the fractional
+//! part of Δ/ulp), so a BF16 output of two FP32 accumulations that differ by Δ ≪ ulp agrees
+//! exactly with probability 1 − |Δ|/ulp. When only one side rounds onto the grid the other
+//! side's value already lies on ("snap"), D becomes Δ rounded to a multiple of ulp: zero
+//! while |Δ| < ulp/2, with E(D²) ≤ Σₖ k²·ulp²·P(|Δ| ≥ (k − ½)·ulp) and |D| ≤ |Δ| + ulp/2.
+//!
+//! Tensor level, with probability ≥ 1 − δ (δ/3 for each of three events):
+//! ‖D‖_F ≤ ‖o‖ + ‖X‖ + ‖R‖, where
+//! * ‖X‖² ≤ Σhᵢ + 2√(t·Σhᵢ²) + 2t·max hᵢ, t = ln(3/δ) (Hsu, Kakade & Zhang 2012, Thm 1, for
+//!   independent sub-Gaussian components);
+//! * every |Rᵢ| ≤ bᵢ, its deterministic part plus the sub-Gaussian tail of what a snap moved
+//!   into it at δ/(3N);
+//! * Σ Rᵢ² ≤ E + t' with Bernstein's inequality for independent summands in [0, b²]
+//!   (Boucheron, Lugosi & Massart 2013, Thm 2.10): Var(Rᵢ²) ≤ b²·E(Rᵢ²),
+//!   t' = bL/3 + √((bL/3)² + 2bL·E), b = max bᵢ², L = ln(3/δ).
+
+use serde::Serialize;
+
+use crate::bounds::reduction::ReductionError;
+use crate::error::{Error, Result};
+use crate::format::Format;
+
+/// Which kind of threshold.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Confidence {
+    /// Holds for every input and every rounding error (worst case).
+    Guaranteed,
+    /// Holds with probability at least 1 − δ under the random-rounding model.
+    Probabilistic {
+        /// The failure probability δ, in (0, 1).
+        delta: f64,
+    },
+}
+
+impl Confidence {
+    /// A probabilistic confidence, checking 0 < δ < 1.
+    pub fn probabilistic(delta: f64) -> Result<Confidence> {
+        if !(delta > 0.0 && delta < 1.0) {
+            return Err(Error::InvalidParameter {
+                name: "delta",
+                reason: format!(
+                    "the failure probability must lie strictly between 0 and 1 (got {delta})"
+                ),
+            });
+        }
+        Ok(Confidence::Probabilistic { delta })
+    }
+
+    /// The default used by `ttrace`: δ = 10⁻⁶.
+    pub fn default_probabilistic() -> Confidence {
+        Confidence::Probabilistic { delta: 1e-6 }
+    }
+}
+
+/// Statistics of the difference D = o + X + R of one element (see the module docs).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct ElementDiff {
+    /// Deterministic offset o of the exact values (candidate − reference).
+    pub offset: f64,
+    /// |D| ≤ `guaranteed`, whatever the rounding errors are.
+    pub guaranteed: f64,
+    /// Sub-Gaussian proxy (= variance under the model) of the continuous part X.
+    pub proxy: f64,
+    /// E(R²) of the bounded part added by trailing roundings.
+    pub rounding_mean_square: f64,
+    /// Deterministic part of the bound on |R|.
+    pub rounding_bound: f64,
+    /// Proxy of a sub-Gaussian variable whose tail also bounds |R| (after a snap).
+    pub rounding_bound_proxy: f64,
+}
+
+impl ElementDiff {
+    /// The difference of two executions of a reduction whose exact results differ by `offset`.
+    pub fn from_reductions(
+        reference: ReductionError,
+        candidate: ReductionError,
+        offset: f64,
+    ) -> ElementDiff {
+        let sum = reference.plus(candidate);
+        ElementDiff {
+            offset,
+            guaranteed: offset.abs() + sum.guaranteed,
+            proxy: sum.variance,
+            ..ElementDiff::default()
+        }
+    }
+
+    /// E(D²) under the model.
+    pub fn mean_square(&self) -> f64 {
+        self.offset * self.offset + self.proxy + self.rounding_mean_square
+    }
+
+    /// Both values multiplied by the same exact factor.
+    pub fn scale(&mut self, f: f64) {
+        let a = f.abs();
+        self.offset *= f;
+        self.guaranteed *= a;
+        self.proxy *= f * f;
+        self.rounding_mean_square *= f * f;
+        self.rounding_bound *= a;
+        self.rounding_bound_proxy *= f * f;
+    }
+
+    /// Both sides round their (nearly equal) values of magnitude about `magnitude` to `format`.
+    pub fn round_both(&mut self, format: Format, magnitude: f64) {
+        let ulp = format.ulp(magnitude).unwrap_or(f64::INFINITY);
+        let ulp_hi = format
+            .ulp(magnitude.abs() + self.guaranteed)
+            .unwrap_or(f64::INFINITY);
+        self.rounding_mean_square += ulp * self.mean_square().sqrt().min(ulp / 4.0);
+        self.rounding_bound += ulp_hi;
+        self.guaranteed += ulp_hi;
+    }
+
+    /// One side rounds onto the grid of `format` on which the other side's value already lies.
+    pub fn round_snap(&mut self, format: Format, magnitude: f64) {
+        let ulp = format
+            .ulp(magnitude.abs() + self.guaranteed)
+            .unwrap_or(f64::INFINITY);
+        let ms = self.mean_square();
+        let mut e = 4.0 * ms;
+        if self.offset == 0.0 && self.rounding_mean_square == 0.0 && self.proxy > 0.0 {
+            let mut tail = 0.0;
+            for k in 1..400 {
+                let t = (k as f64 - 0.5) * ulp;
+                let p = (2.0 * (-t * t / (2.0 * self.proxy)).exp()).min(1.0);
+                let term = (k * k) as f64 * ulp * ulp * p;
+                tail += term;
+                if term <= 1e-30 * ulp * ulp {
+                    break;
+                }
+            }
+            e = e.min(tail);
+        }
+        self.rounding_mean_square = e;
+        self.rounding_bound += self.offset.abs() + ulp / 2.0;
+        self.rounding_bound_proxy += self.proxy;
+        self.offset = 0.0;
+        self.proxy = 0.0;
+        self.guaranteed += ulp / 2.0;
+    }
+
+    /// Only one side rounds, and the other side's value is unrelated to that grid: an
+    /// independent error, uniform on ±ulp/2 (variance ulp²/12, strictly sub-Gaussian).
+    pub fn round_one(&mut self, format: Format, magnitude: f64) {
+        let ulp = format
+            .ulp(magnitude.abs() + self.guaranteed)
+            .unwrap_or(f64::INFINITY);
+        self.proxy += ulp * ulp / 12.0;
+        self.guaranteed += ulp / 2.0;
+    }
+
+    /// Bound on |R| that fails with probability at most `delta`.
+    fn rounding_part_bound(&self, delta: f64) -> f64 {
+        self.rounding_bound + (2.0 * self.rounding_bound_proxy * (2.0 / delta).ln()).sqrt()
+    }
+
+    /// |D| ≤ this with probability ≥ 1 − δ, never more than the guaranteed bound.
+    pub fn probabilistic_bound(&self, delta: f64) -> f64 {
+        let x = (2.0 * self.proxy * (4.0 / delta).ln()).sqrt();
+        (self.offset.abs() + x + self.rounding_part_bound(delta / 2.0)).min(self.guaranteed)
+    }
+}
+
+/// A comparison threshold for one tensor.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Threshold {
+    /// Both sides do identical arithmetic: the difference is exactly zero.
+    pub identical: bool,
+    /// Guaranteed or probabilistic (with δ).
+    pub confidence: Confidence,
+    /// Bound on ‖cand − ref‖_F.
+    pub abs_frobenius: f64,
+    /// Bound on ‖cand − ref‖_F / ‖ref‖_F (+inf when ‖ref‖ = 0 and the bound is not 0).
+    pub relative: f64,
+    /// ‖ref‖_F used for `relative`.
+    pub reference_norm: f64,
+    /// Bound on max |candᵢ − refᵢ| over the tensor (same confidence, union over elements).
+    pub per_element: f64,
+    /// The model's √E‖D‖²_F / ‖ref‖_F: the typical relative difference.
+    pub expected_relative: f64,
+    /// The guaranteed bound on ‖cand − ref‖_F / ‖ref‖_F, for reference.
+    pub guaranteed_relative: f64,
+    /// Number of elements.
+    pub elements: usize,
+}
+
+impl Threshold {
+    /// A zero threshold for identical arithmetic.
+    pub fn identical(confidence: Confidence, reference_norm: f64, elements: usize) -> Threshold {
+        Threshold {
+            identical: true,
+            confidence,
+            abs_frobenius: 0.0,
+            relative: 0.0,
+            reference_norm,
+            per_element: 0.0,
+            expected_relative: 0.0,
+            guaranteed_relative: 0.0,
+            elements,
+        }
+    }
+
+    /// Whether an observed ‖cand − ref‖_F passes.
+    pub fn accepts(&self, observed_abs_frobenius: f64) -> bool {
+        observed_abs_frobenius <= self.abs_frobenius
+    }
+}
+
+fn relative(abs: f64, norm: f64) -> f64 {
+    if abs == 0.0 {
+        0.0
+    } else if norm > 0.0 {
+        abs / norm
+    } else {
+        f64::INFINITY
+    }
+}
+
+/// Combine per-element differences into a tensor threshold (see the module docs).
+pub fn tensor_threshold(
+    diffs: &[ElementDiff],
+    reference_norm: f64,
+    confidence: Confidence,
+) -> Threshold {
+    let weighted: Vec<(ElementDiff, usize)> = diffs.iter().map(|d| (*d, 1)).collect();
+    tensor_threshold_weighted(&weighted, reference_norm, confidence)
+}
+
+/// [`tensor_threshold`] for elements given as (difference statistics, how many elements share
+/// them) — planning prices a whole tensor from one representative element this way.
+pub fn tensor_threshold_weighted(
+    diffs: &[(ElementDiff, usize)],
+    reference_norm: f64,
+    confidence: Confidence,
+) -> Threshold {
+    let n: usize = diffs.iter().map(|(_, c)| c).sum();
+    let w = |c: &usize| *c as f64;
+    let g_abs = diffs
+        .iter()
+        .map(|(d, c)| d.guaranteed * d.guaranteed * w(c))
+        .sum::<f64>()
+        .sqrt();
+    let g_max = diffs.iter().map(|(d, _)| d.guaranteed).fold(0.0, f64::max);
+    let expected: f64 = diffs.iter().map(|(d, c)| d.mean_square() * w(c)).sum();
+    let (abs, per_element) = match confidence {
+        Confidence::Guaranteed => (g_abs, g_max),
+        Confidence::Probabilistic { delta } => {
+            let nf = n.max(1) as f64;
+            // Offsets: deterministic.
+            let o = diffs
+                .iter()
+                .map(|(d, c)| d.offset * d.offset * w(c))
+                .sum::<f64>()
+                .sqrt();
+            // Continuous part: Hsu–Kakade–Zhang at δ/3.
+            let t = (3.0 / delta).ln();
+            let sum_h: f64 = diffs.iter().map(|(d, c)| d.proxy * w(c)).sum();
+            let sum_h2: f64 = diffs.iter().map(|(d, c)| d.proxy * d.proxy * w(c)).sum();
+            let max_h = diffs.iter().map(|(d, _)| d.proxy).fold(0.0, f64::max);
+            let x = (sum_h + 2.0 * (t * sum_h2).sqrt() + 2.0 * t * max_h).sqrt();
+            // Rounding part: truncation at δ/(3N) per element, Bernstein at δ/3.
+            let b = diffs
+                .iter()
+                .map(|(d, _)| d.rounding_part_bound(delta / (3.0 * nf)))
+                .fold(0.0, f64::max);
+            let e_r: f64 = diffs
+                .iter()
+                .map(|(d, c)| d.rounding_mean_square * w(c))
+                .sum();
+            let b2 = b * b;
+            let l = (3.0 / delta).ln();
+            let t_r = b2 * l / 3.0 + ((b2 * l / 3.0).powi(2) + 2.0 * b2 * l * e_r).sqrt();
+            let r = if b2 > 0.0 { (e_r + t_r).sqrt() } else { 0.0 };
+            let per = diffs
+                .iter()
+                .map(|(d, _)| d.probabilistic_bound(delta / nf))
+                .fold(0.0, f64::max);
+            ((o + x + r).min(g_abs), per.min(g_max))
+        }
+    };
+    Threshold {
+        identical: false,
+        confidence,
+        abs_frobenius: abs,
+        relative: relative(abs, reference_norm),
+        reference_norm,
+        per_element,
+        expected_relative: relative(expected.sqrt(), reference_norm),
+        guaranteed_relative: relative(g_abs, reference_norm),
+        elements: n,
+    }
+}

@@ -1,0 +1,24 @@
+//! Error bounds and comparison thresholds: how far a candidate execution of an op may differ
+//! from the reference execution on the same logical inputs because of rounding alone.
+//!
+//! * [`reduction`]: the introduced error of one execution of a sum / dot product under an
+//!   [`Accumulation`](crate::Accumulation), guaranteed (Higham) and probabilistic (random
+//!   rounding model, with the spacing at the actual partial sums).
+//! * [`compare`]: the difference of two executions, the rounding of nearly equal values to the
+//!   same output format, and the tensor-level threshold on ‖cand − ref‖_F by Bernstein's
+//!   inequality.
+//! * [`ops`]: whole ops — matmul / linear with FP8 quantization, sum, mean, all-reduce — from
+//!   the data (checking) or from summary statistics (planning).
+//! * [`baselines`]: PyTorch, TransformerEngine and Megatron tolerances for side-by-side reports.
+//!
+//! Conventions: u = 2^-p is the unit roundoff everywhere; δ is the failure probability of a
+//! probabilistic threshold. Derivations and sources: `papers/bounds-reductions.md`.
+
+pub mod baselines;
+pub mod compare;
+pub mod ops;
+pub mod reduction;
+
+pub use compare::{tensor_threshold, Confidence, ElementDiff, Threshold};
+pub use ops::{allreduce_threshold, matmul_threshold, plan_matmul, plan_sum, sum_threshold};
+pub use reduction::{planned_reduction_error, reduction_error, ReductionError, TermStats};

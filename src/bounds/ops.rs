@@ -1,0 +1,389 @@
+//! Comparison thresholds for whole ops: matmul / linear (with FP8 quantization), sum, mean and
+//! all-reduce, from the actual data (checking) or from summary statistics (planning).
+//!
+//! Each function prices "reference policy vs candidate policy on the same logical inputs", with
+//! the exact arithmetic the engine performs (`engine::matmul`, `engine::nn`): the reduction,
+//! then the trailing roundings (FP8 rescale in the accumulator format, bias addition, output
+//! rounding).
+
+use crate::bounds::compare::{
+    tensor_threshold, tensor_threshold_weighted, Confidence, ElementDiff, Threshold,
+};
+use crate::bounds::reduction::{
+    planned_reduction_error, reduction_error, ReductionError, TermStats,
+};
+use crate::engine::matmul::{quantize, Quantized};
+use crate::engine::policy::Policy;
+use crate::engine::tensor::Tensor;
+use crate::error::{Error, Result};
+use crate::exact::ExactAccumulator;
+use crate::format::Format;
+use crate::order::Accumulation;
+
+fn scaled(e: ReductionError, f: f64) -> ReductionError {
+    ReductionError {
+        guaranteed: e.guaranteed * f.abs(),
+        variance: e.variance * f * f,
+    }
+}
+
+/// Round each side's value, currently in format `cur.*`, to `target.*` (see `ElementDiff`):
+/// both sides rounding to the same format is the "nearly equal values" case; one side
+/// rounding onto the grid the other side's value already lies on is the "snap" case;
+/// roundings to different formats are independent errors.
+fn round_sides(
+    d: &mut ElementDiff,
+    cur: (Format, Format),
+    target: (Format, Format),
+    magnitude: f64,
+) {
+    let need_r = !cur.0.is_subset_of(target.0);
+    let need_c = !cur.1.is_subset_of(target.1);
+    if target.0 == target.1 {
+        match (need_r, need_c) {
+            (true, true) => d.round_both(target.0, magnitude),
+            (true, false) | (false, true) => d.round_snap(target.0, magnitude),
+            (false, false) => {}
+        }
+    } else {
+        if need_r {
+            d.round_one(target.0, magnitude);
+        }
+        if need_c {
+            d.round_one(target.1, magnitude);
+        }
+    }
+}
+
+struct Side {
+    q_a: Quantized,
+    q_b: Quantized,
+    acc: Accumulation,
+    factor: Option<f64>,
+    policy: Policy,
+}
+
+fn side(a: &Tensor, b: &Tensor, m: usize, k: usize, n: usize, policy: &Policy) -> Side {
+    let q_a = quantize(
+        a.values(),
+        [m, k],
+        1,
+        policy.input(),
+        policy.scaling,
+        None,
+        policy.input_overflow(policy.input()),
+    );
+    let q_b = quantize(
+        b.values(),
+        [k, n],
+        0,
+        policy.rhs(),
+        policy.scaling,
+        None,
+        policy.input_overflow(policy.rhs()),
+    );
+    let mut acc = policy.accumulation.clone();
+    acc.input = if q_b.format.is_subset_of(q_a.format) {
+        q_a.format
+    } else if q_a.format.is_subset_of(q_b.format) {
+        q_b.format
+    } else {
+        Format::F64
+    };
+    let factor = if q_a.scale_inv != 1.0 || q_b.scale_inv != 1.0 {
+        Some(Format::F32.round(q_a.scale_inv * q_b.scale_inv, crate::Overflow::Saturating))
+    } else {
+        None
+    };
+    Side {
+        q_a,
+        q_b,
+        acc,
+        factor,
+        policy: policy.clone(),
+    }
+}
+
+/// Threshold for C = A·B (+ bias) computed under `reference` and under `candidate` from the
+/// same A of shape [m, k], B of shape [k, n] (and a bias of length n), priced from the data: exact partial sums of every
+/// output element, the operands as each side quantizes them, and the reference's magnitudes.
+///
+/// Cost: O(m·n·k) per side, like the matmul itself.
+pub fn matmul_threshold(
+    a: &Tensor,
+    b: &Tensor,
+    bias: Option<&Tensor>,
+    reference: &Policy,
+    candidate: &Policy,
+    confidence: Confidence,
+) -> Result<Threshold> {
+    reference.validate()?;
+    candidate.validate()?;
+    let sa = a.expect_rank(2, "matmul threshold: A")?;
+    let sb = b.expect_rank(2, "matmul threshold: B")?;
+    let (m, k, n) = (sa[0], sa[1], sb[1]);
+    if sb[0] != k {
+        return Err(Error::ShapeMismatch {
+            what: "matmul threshold: inner dimensions of A [m, k] and B [k, n] differ".into(),
+            expected: vec![k, n],
+            found: sb.to_vec(),
+        });
+    }
+    let bias_vals = match bias {
+        Some(t) if t.shape() != [n] => {
+            return Err(Error::ShapeMismatch {
+                what: "matmul threshold: bias must have one value per output column".into(),
+                expected: vec![n],
+                found: t.shape().to_vec(),
+            })
+        }
+        Some(t) => Some(t.values().to_vec()),
+        None => None,
+    };
+    let r = side(a, b, m, k, n, reference);
+    let c = side(a, b, m, k, n, candidate);
+    let same_operands =
+        r.q_a.values == c.q_a.values && r.q_b.values == c.q_b.values && r.factor == c.factor;
+    let identical = reference == candidate;
+    let mut diffs = Vec::with_capacity(m * n);
+    let mut norm_sq = 0.0;
+    let mut tr = vec![0.0; k];
+    let mut tc = vec![0.0; k];
+    for i in 0..m {
+        for j in 0..n {
+            for p in 0..k {
+                tr[p] = r.q_a.values[i * k + p] * r.q_b.values[p * n + j];
+                tc[p] = c.q_a.values[i * k + p] * c.q_b.values[p * n + j];
+            }
+            // Exact values are needed only when the two sides' exact results differ; the
+            // magnitude that sets the output spacing is fine from an f64 sum.
+            let exact_r = if same_operands {
+                tr.iter().sum::<f64>() * r.factor.unwrap_or(1.0)
+            } else {
+                exact_value(&r, i, j, m, k, n)
+            };
+            let bias_j = bias_vals.as_ref().map_or(0.0, |b| b[j]);
+            let v = exact_r + bias_j;
+            norm_sq += v * v;
+            if identical {
+                continue;
+            }
+            let offset = if same_operands {
+                0.0
+            } else {
+                exact_value(&c, i, j, m, k, n) - exact_r
+            };
+            let er = scaled(reduction_error(&tr, &r.acc, true)?, r.factor.unwrap_or(1.0));
+            let ec = scaled(reduction_error(&tc, &c.acc, true)?, c.factor.unwrap_or(1.0));
+            let mut d = ElementDiff::from_reductions(er, ec, offset);
+            let (ar, ac) = (r.policy.accumulator(), c.policy.accumulator());
+            // The format each side's value is in after the reduction, then after each step.
+            let mut cur = (r.acc.order.result_format(ar), c.acc.order.result_format(ac));
+            if r.factor.is_some() || c.factor.is_some() {
+                // An FP8 rescale multiplies in the accumulator format (only on scaled sides).
+                let from = |scaled: bool, f: Format| if scaled { Format::F64 } else { f };
+                cur = (
+                    from(r.factor.is_some(), cur.0),
+                    from(c.factor.is_some(), cur.1),
+                );
+                round_sides(&mut d, cur, (ar, ac), exact_r);
+                cur = (ar.min_with(cur.0), ac.min_with(cur.1));
+            }
+            if bias_vals.is_some() {
+                round_sides(&mut d, (Format::F64, Format::F64), (ar, ac), v);
+                cur = (ar, ac);
+            }
+            round_sides(&mut d, cur, (r.policy.output, c.policy.output), v);
+            diffs.push(d);
+        }
+    }
+    let norm = norm_sq.sqrt();
+    if identical {
+        return Ok(Threshold::identical(confidence, norm, m * n));
+    }
+    Ok(tensor_threshold(&diffs, norm, confidence))
+}
+
+/// The exact value f·Σₚ a_ip·b_pj of one side (f its FP8 rescale factor), via the long
+/// accumulator.
+fn exact_value(s: &Side, i: usize, j: usize, _m: usize, k: usize, n: usize) -> f64 {
+    let mut acc = ExactAccumulator::new();
+    for p in 0..k {
+        acc.add_product(s.q_a.values[i * k + p], s.q_b.values[p * n + j]);
+    }
+    acc.to_f64() * s.factor.unwrap_or(1.0)
+}
+
+/// Threshold for the row sums of x [rows, n] (sum over the last dimension, as
+/// `ttrace::sum` computes each under the policy's accumulation, then rounded to the output
+/// format), reference vs candidate. With `mean`, each sum is divided by n (one rounding in the
+/// accumulator format) before the output rounding.
+pub fn sum_threshold(
+    x: &Tensor,
+    reference: &Policy,
+    candidate: &Policy,
+    mean: bool,
+    confidence: Confidence,
+) -> Result<Threshold> {
+    reference.validate()?;
+    candidate.validate()?;
+    let n = *x.shape().last().unwrap_or(&0);
+    let rows = x.len().checked_div(n).unwrap_or(0);
+    let cast = |p: &Policy| x.cast(p.input(), p.input_overflow(p.input()));
+    let (xr, xc) = (cast(reference), cast(candidate));
+    let mut accr = reference.accumulation.clone();
+    accr.input = reference.input();
+    let mut accc = candidate.accumulation.clone();
+    accc.input = candidate.input();
+    let identical = reference == candidate;
+    let mut diffs = Vec::with_capacity(rows);
+    let mut norm_sq = 0.0;
+    let inv_n = if n > 0 { 1.0 / n as f64 } else { 0.0 };
+    for row in 0..rows {
+        let vr = &xr.values()[row * n..(row + 1) * n];
+        let vc = &xc.values()[row * n..(row + 1) * n];
+        let exact = |v: &[f64]| {
+            let mut e = ExactAccumulator::new();
+            e.add_all(v);
+            e.to_f64()
+        };
+        let sr = exact(vr);
+        let value = if mean { sr * inv_n } else { sr };
+        norm_sq += value * value;
+        if identical {
+            continue;
+        }
+        let offset = if vr == vc { 0.0 } else { exact(vc) - sr };
+        let mut d = ElementDiff::from_reductions(
+            reduction_error(vr, &accr, false)?,
+            reduction_error(vc, &accc, false)?,
+            offset,
+        );
+        let (ar, ac) = (reference.accumulator(), candidate.accumulator());
+        let mut cur = (accr.order.result_format(ar), accc.order.result_format(ac));
+        if mean {
+            d.scale(inv_n);
+            round_sides(&mut d, (Format::F64, Format::F64), (ar, ac), value);
+            cur = (ar, ac);
+        }
+        round_sides(&mut d, cur, (reference.output, candidate.output), value);
+        diffs.push(d);
+    }
+    let norm = norm_sq.sqrt();
+    if identical {
+        return Ok(Threshold::identical(confidence, norm, rows));
+    }
+    Ok(tensor_threshold(&diffs, norm, confidence))
+}
+
+/// Threshold for an all-reduce (sum) of `partials` — p tensors of one shape, one per rank —
+/// done in the reference's order versus the candidate's (for example a single-device sum
+/// versus a ring all-reduce in BF16): element i is the sum over ranks r of `partials[r][i]`.
+pub fn allreduce_threshold(
+    partials: &[Tensor],
+    reference: &Policy,
+    candidate: &Policy,
+    confidence: Confidence,
+) -> Result<Threshold> {
+    let Some(first) = partials.first() else {
+        return Err(Error::InvalidParameter {
+            name: "partials",
+            reason: "an all-reduce needs at least one partial tensor".into(),
+        });
+    };
+    let len = first.len();
+    for (r, p) in partials.iter().enumerate() {
+        if p.shape() != first.shape() {
+            return Err(Error::ShapeMismatch {
+                what: format!("all-reduce: partial of rank {r} has another shape than rank 0"),
+                expected: first.shape().to_vec(),
+                found: p.shape().to_vec(),
+            });
+        }
+    }
+    let p = partials.len();
+    let mut stacked = Vec::with_capacity(len * p);
+    let mut format = first.format();
+    for i in 0..len {
+        for part in partials {
+            stacked.push(part.values()[i]);
+            if !part.format().is_subset_of(format) {
+                format = part.format();
+            }
+        }
+    }
+    let t = Tensor::from_parts_unchecked(&[len, p], stacked, format);
+    sum_threshold(&t, reference, candidate, false, confidence)
+}
+
+/// Planning: the threshold for an [m, n] = [m, k]·[k, n] matmul whose entries are i.i.d. with
+/// the given statistics, without data. Every element is priced from the expected partial-sum
+/// magnitudes; the result is the expected threshold for such data, not a guarantee for a
+/// particular tensor (use [`matmul_threshold`] on the data for that). FP8 scaling is not
+/// modelled here (the quantized operands depend on the data).
+#[allow(clippy::too_many_arguments)]
+pub fn plan_matmul(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: TermStats,
+    b: TermStats,
+    reference: &Policy,
+    candidate: &Policy,
+    confidence: Confidence,
+) -> Result<Threshold> {
+    plan(
+        m * n,
+        k,
+        TermStats::product(a, b),
+        true,
+        reference,
+        candidate,
+        confidence,
+    )
+}
+
+/// Planning: the threshold for `rows` sums of `n` i.i.d. values with the given statistics.
+pub fn plan_sum(
+    rows: usize,
+    n: usize,
+    x: TermStats,
+    reference: &Policy,
+    candidate: &Policy,
+    confidence: Confidence,
+) -> Result<Threshold> {
+    plan(rows, n, x, false, reference, candidate, confidence)
+}
+
+fn plan(
+    elements: usize,
+    k: usize,
+    t: TermStats,
+    is_dot: bool,
+    reference: &Policy,
+    candidate: &Policy,
+    confidence: Confidence,
+) -> Result<Threshold> {
+    reference.validate()?;
+    candidate.validate()?;
+    let c_sq = k as f64 * t.mean_square + (k as f64) * (k as f64 - 1.0) * t.mean * t.mean;
+    let magnitude = c_sq.sqrt();
+    let norm = (c_sq * elements as f64).sqrt();
+    if reference == candidate {
+        return Ok(Threshold::identical(confidence, norm, elements));
+    }
+    let er = planned_reduction_error(k, t, &reference.accumulation, is_dot)?;
+    let ec = planned_reduction_error(k, t, &candidate.accumulation, is_dot)?;
+    let mut d = ElementDiff::from_reductions(er, ec, 0.0);
+    let (ar, ac) = (reference.accumulator(), candidate.accumulator());
+    let cur = (
+        reference.accumulation.order.result_format(ar),
+        candidate.accumulation.order.result_format(ac),
+    );
+    round_sides(&mut d, cur, (reference.output, candidate.output), magnitude);
+    Ok(tensor_threshold_weighted(
+        &[(d, elements)],
+        norm,
+        confidence,
+    ))
+}

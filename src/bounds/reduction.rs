@@ -1,0 +1,315 @@
+//! Introduced error of one execution of a reduction (sum, dot product, one matmul element):
+//! a guaranteed bound and the statistics of the probabilistic model.
+//!
+//! Derivation (papers/bounds-reductions.md):
+//! * Every rounding j of the reduction rounds an intermediate value ŝⱼ ≈ sⱼ (the exact sum of
+//!   the terms it covers, see `order::for_each_rounding`) to a format F, with absolute error
+//!   ηⱼ, |ηⱼ| ≤ ulp_F(sⱼ)/2. The total error is Σⱼ ηⱼ to first order (the (1 + δ) factors
+//!   multiplying earlier errors are 1 + O(u) and are absorbed in the guaranteed bound).
+//! * **Guaranteed**: Higham's bound along each term's path, Σᵢ |tᵢ|·(Π_f (1 + u_f)^(dᵢ,f) − 1)
+//!   (Higham 2002, Thm 2.2 and Lemma 3.1; Higham 1993 for general summation trees), plus half
+//!   the smallest subnormal for each rounding of an exact product (underflow, Higham 2002 §2.1).
+//! * **Probabilistic model** (Higham & Mary 2019; Connolly, Higham & Mary 2021, sharpened by
+//!   a distribution): the ηⱼ are independent, zero-mean, and uniform on the grid points
+//!   within ±ulpⱼ/2 of the exact value (a rounding of a value whose low-order bits are
+//!   random). If the exact value lies on a grid of spacing g ≥ ulpⱼ the rounding is exact;
+//!   otherwise E(ηⱼ²) = ulpⱼ²/12 + g²/6. The uniform law is strictly sub-Gaussian — its
+//!   variance proxy equals its variance (Buldygin & Kozachenko 2000) — and the model takes the
+//!   same for its discrete version on the grid, so E = Σ ηⱼ is sub-Gaussian with proxy Var E:
+//!   P(|E| ≥ t) ≤ 2·exp(−t²/(2·Var E)). The variance uses the spacing at the actual partial
+//!   sums, not u·Σ|tᵢ|, which is what makes it tight for zero-mean data whose partial sums
+//!   grow like √j, and the grid of the terms, which makes it tight when many roundings are
+//!   exact (BF16 products accumulated in FP32).
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::format::Format;
+use crate::order::{for_each_rounding, Accumulation, Operand, Order, Products, RoundingSite};
+
+/// Error statistics of one execution of one reduction, in absolute units of its result.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct ReductionError {
+    /// |ŝ − s| ≤ `guaranteed` for these terms, whatever the rounding errors are.
+    pub guaranteed: f64,
+    /// E((ŝ − s)²) under the uniform random-rounding model; also the sub-Gaussian variance
+    /// proxy of ŝ − s under that model.
+    pub variance: f64,
+}
+
+impl ReductionError {
+    /// Errors of two independent executions added (the statistics of their difference).
+    pub fn plus(self, other: ReductionError) -> ReductionError {
+        ReductionError {
+            guaranteed: self.guaranteed + other.guaranteed,
+            variance: self.variance + other.variance,
+        }
+    }
+}
+
+/// Whether the rounding of a term into the accumulator (the first load) is a real rounding.
+fn load_rounds(acc: &Accumulation, is_dot: bool) -> bool {
+    match (is_dot, acc.products) {
+        (false, _) => !acc.input.is_subset_of(acc.accumulator),
+        (true, Products::Exact) => true,
+        (true, Products::Rounded(f)) => !f.is_subset_of(acc.accumulator),
+    }
+}
+
+fn check_supported(order: &Order) -> Result<()> {
+    match order {
+        Order::Kahan => Err(Error::InvalidParameter {
+            name: "order",
+            reason: "no bound is implemented for compensated (Kahan) summation: its rigorous \
+                     second-order constant is not derived here"
+                .into(),
+        }),
+        Order::SplitK { inner, .. } => check_supported(inner),
+        _ => Ok(()),
+    }
+}
+
+/// The error of one execution of a reduction of the exact `terms` (the values for a sum, the
+/// exact products aᵢbᵢ for a dot product) under `acc`. `is_dot` says whether the terms are
+/// products (then `acc.products` applies).
+///
+/// Cost: O(n + number of roundings) = O(n) for every order.
+pub fn reduction_error(terms: &[f64], acc: &Accumulation, is_dot: bool) -> Result<ReductionError> {
+    acc.validate()?;
+    check_supported(&acc.order)?;
+    let n = terms.len();
+    // Prefix sums of the exact terms: the value a rounding rounds is a range sum.
+    let mut prefix = Vec::with_capacity(n + 1);
+    prefix.push(0.0f64);
+    let mut run = 0.0;
+    for &t in terms {
+        run += t;
+        prefix.push(run);
+    }
+    let range_sum = |r: &std::ops::Range<usize>| {
+        if r.is_empty() {
+            0.0
+        } else {
+            prefix[r.end] - prefix[r.start]
+        }
+    };
+    // The grid an operand lies on: a term's own last bit, or the spacing of the format an
+    // earlier rounding put its value in.
+    let quantum = |op: &Operand| -> f64 {
+        match op {
+            Operand::None => f64::INFINITY,
+            Operand::Term(i) => lowest_bit(terms[*i]),
+            Operand::Value {
+                first,
+                second,
+                format,
+            } => {
+                let v = range_sum(first) + range_sum(second);
+                if v == 0.0 {
+                    format.min_subnormal()
+                } else {
+                    format.ulp(v).unwrap_or(0.0)
+                }
+            }
+        }
+    };
+    let mut variance = 0.0;
+    // A rounding to spacing `ulp` of an exact value on the grid of spacing g: exact when
+    // g ≥ ulp; otherwise the error takes the values k·g, |k·g| ≤ ulp/2, uniformly, with
+    // E[η²] = ulp²/12 + g²/6 and |η| ≤ ulp/2.
+    let mut add_site = |f: Format, value: f64, g: f64| {
+        let ulp = f.ulp(value).unwrap_or(0.0);
+        if g >= ulp {
+            return;
+        }
+        variance += ulp * ulp / 12.0 + g * g / 6.0;
+    };
+    // Products rounded to a product format: one rounding per exact product.
+    if is_dot {
+        if let Products::Rounded(pf) = acc.products {
+            for &t in terms {
+                add_site(pf, t, 0.0);
+            }
+        }
+    }
+    let lr = load_rounds(acc, is_dot);
+    for_each_rounding(
+        &acc.order,
+        n,
+        acc.accumulator,
+        lr,
+        &mut |s: RoundingSite| {
+            let v = range_sum(&s.first) + range_sum(&s.second);
+            let mut g = quantum(&s.ops[0]).min(quantum(&s.ops[1]));
+            for i in s.fused.clone() {
+                g = g.min(lowest_bit(terms[i]));
+            }
+            add_site(s.format, v, g);
+        },
+    );
+    // Guaranteed: Higham's per-term bound from the depths.
+    let depths = if is_dot {
+        acc.dot_depths(n)?
+    } else {
+        acc.sum_depths(n)?
+    };
+    let mut guaranteed = 0.0;
+    let mut roundings = 0u64;
+    for (t, d) in terms.iter().zip(&depths) {
+        guaranteed += t.abs() * d.relative_error_bound();
+        roundings += d.total() as u64;
+    }
+    if is_dot && acc.products == Products::Exact {
+        // A rounding of a sum that includes an exact product may underflow: at most half the
+        // smallest subnormal of the accumulator per rounding (counted generously).
+        guaranteed += roundings as f64 * acc.accumulator.min_subnormal() / 2.0;
+    }
+    Ok(with_growth(guaranteed * (1.0 + 1e-12), variance, &depths))
+}
+
+/// The weight of the lowest set bit of `x` (+inf for zero): the grid an exact term lies on.
+fn lowest_bit(x: f64) -> f64 {
+    if x == 0.0 || !x.is_finite() {
+        return f64::INFINITY;
+    }
+    let bits = x.abs().to_bits();
+    let field = (bits >> 52) as i32;
+    let frac = bits & ((1u64 << 52) - 1);
+    let (m, e) = if field == 0 {
+        (frac, -1074)
+    } else {
+        (frac | (1u64 << 52), field - 1075)
+    };
+    let k = e + m.trailing_zeros() as i32;
+    if k >= -1022 {
+        f64::from_bits(((k + 1023) as u64) << 52)
+    } else {
+        f64::from_bits(1u64 << (k + 1074))
+    }
+}
+
+/// Summary statistics of i.i.d. terms, for planning without data.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TermStats {
+    /// E(t).
+    pub mean: f64,
+    /// E(t²).
+    pub mean_square: f64,
+    /// E|t|.
+    pub mean_abs: f64,
+}
+
+impl TermStats {
+    /// Statistics of a product a·b of independent a and b with the given statistics.
+    pub fn product(a: TermStats, b: TermStats) -> TermStats {
+        TermStats {
+            mean: a.mean * b.mean,
+            mean_square: a.mean_square * b.mean_square,
+            mean_abs: a.mean_abs * b.mean_abs,
+        }
+    }
+
+    /// A normal distribution N(mean, std²).
+    pub fn normal(mean: f64, std: f64) -> TermStats {
+        // E|X| of a normal: std·√(2/π)·exp(−μ²/2σ²) + μ·(1 − 2Φ(−μ/σ)); with μ = 0: std·√(2/π).
+        let mean_abs = if mean == 0.0 {
+            std * (2.0 / std::f64::consts::PI).sqrt()
+        } else {
+            // Upper bound sqrt(E[X²]) (Jensen) when μ ≠ 0.
+            (mean * mean + std * std).sqrt()
+        };
+        TermStats {
+            mean,
+            mean_square: mean * mean + std * std,
+            mean_abs,
+        }
+    }
+}
+
+/// E(ulp_F(x)²) / E(x²) for x whose significand is log-uniform in its binade:
+/// ∫₁² (2u/m)² dm / (m ln 2) = 4u²·(3/8)/ln 2 ≈ 2.164u².
+pub(crate) fn mean_ulp_sq_ratio(f: Format) -> f64 {
+    let u = f.unit_roundoff();
+    4.0 * u * u * 0.375 / std::f64::consts::LN_2
+}
+
+/// The *expected* error statistics of one execution of a reduction of `n` i.i.d. terms with the
+/// given statistics (planning without data). Partial sums of m terms have
+/// E(s²) = m·E(t²) + m(m−1)·E(t)², and E(ulp(s)²) ≈ 2.164·u²·E(s²). The guaranteed field is
+/// the bound's expectation, Σ E|tᵢ|·(growth of term i): a planning figure, not a guarantee.
+pub fn planned_reduction_error(
+    n: usize,
+    stats: TermStats,
+    acc: &Accumulation,
+    is_dot: bool,
+) -> Result<ReductionError> {
+    acc.validate()?;
+    check_supported(&acc.order)?;
+    let second_moment = |m: usize| {
+        let m = m as f64;
+        m * stats.mean_square + m * (m - 1.0) * stats.mean * stats.mean
+    };
+    let mut variance = 0.0;
+    let mut add = |f: Format, m: usize| {
+        // Without data the grid of the terms is unknown: every rounding is taken to be inexact.
+        let e_ulp_sq = mean_ulp_sq_ratio(f) * second_moment(m);
+        variance += e_ulp_sq / 12.0;
+    };
+    if is_dot {
+        if let Products::Rounded(pf) = acc.products {
+            for _ in 0..n {
+                add(pf, 1);
+            }
+        }
+    }
+    let lr = load_rounds(acc, is_dot);
+    for_each_rounding(
+        &acc.order,
+        n,
+        acc.accumulator,
+        lr,
+        &mut |s: RoundingSite| {
+            add(s.format, s.first.len() + s.second.len());
+        },
+    );
+    let depths = if is_dot {
+        acc.dot_depths(n)?
+    } else {
+        acc.sum_depths(n)?
+    };
+    let guaranteed: f64 = depths
+        .iter()
+        .map(|d| stats.mean_abs * d.relative_error_bound())
+        .sum();
+    Ok(with_growth(guaranteed, variance, &depths))
+}
+
+/// Largest growth factor (Π(1 + u)^d − 1) over the terms above which the first-order random
+/// model is not used: when accumulated errors reach 10% of the values (long sums in BF16 or
+/// FP8 accumulators), rounding errors stop being independent (stagnation) and only the
+/// guaranteed bound is trustworthy.
+pub const FIRST_ORDER_LIMIT: f64 = 0.1;
+
+/// Apply the second-order factor: errors made early are multiplied by later (1 + δ) factors,
+/// at most (1 + growth); beyond [`FIRST_ORDER_LIMIT`] the statistics fall back to the
+/// guaranteed bound (variance = G²).
+fn with_growth(
+    guaranteed: f64,
+    variance: f64,
+    depths: &[crate::order::TermDepth],
+) -> ReductionError {
+    let growth = depths
+        .iter()
+        .map(|d| d.relative_error_bound())
+        .fold(0.0, f64::max);
+    if growth > FIRST_ORDER_LIMIT {
+        return ReductionError {
+            guaranteed,
+            variance: guaranteed * guaranteed,
+        };
+    }
+    ReductionError {
+        guaranteed,
+        variance: variance * (1.0 + growth) * (1.0 + growth),
+    }
+}
