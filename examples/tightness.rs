@@ -1,8 +1,9 @@
 //! Tightness of the probabilistic comparison thresholds (δ = 1e-6) against the engine, and the
 //! baselines' false alarms on the same correct executions.
 //!
-//! `cargo run --release --example tightness -- [trials]` (default 10000 per case; takes several
-//! minutes on 2 cores; pass e.g. 500 for a quick look).
+//! `cargo run --release --example tightness -- [trials]` (default 10000 per case, 2000 at
+//! K = 16384; about 20 minutes on one core; pass e.g. 500 for a quick look). Softmax rows use
+//! logits 3·N(0, 1) in BF16, 16 rows of length K.
 //!
 //! For each op family and pair of orders, over `trials` random inputs (Gaussian entries, BF16):
 //! * tightness = median threshold / largest observed ‖cand − ref‖_F over all trials;
@@ -12,8 +13,10 @@
 //!   nominal relative tolerance divided by the median relative threshold.
 
 use ttrace::bounds::baselines::baselines_for;
-use ttrace::bounds::{matmul_threshold, sum_threshold, Confidence};
-use ttrace::engine::{init::SplitMix64, matmul, Policy, Tensor};
+use ttrace::bounds::{matmul_threshold, softmax_threshold, sum_threshold, Confidence};
+use ttrace::engine::{
+    init::SplitMix64, matmul, online_softmax, softmax, AttentionImpl, Policy, Tensor,
+};
 use ttrace::{sum, BlockSum, Combine, Format, Order, Overflow};
 
 fn data(n: usize, seed: u64) -> Vec<f64> {
@@ -31,12 +34,20 @@ fn frob(a: &[f64], b: &[f64]) -> f64 {
         .sqrt()
 }
 
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Matmul,
+    Sum,
+    /// Softmax: reference standard, candidate online with this block (0: standard).
+    Softmax(usize),
+}
+
 struct Case {
     family: &'static str,
     name: &'static str,
     reference: Policy,
     candidate: Policy,
-    is_sum: bool,
+    kind: Kind,
 }
 
 fn main() {
@@ -59,7 +70,7 @@ fn main() {
             name: "pairwise(8)",
             reference: f32out.clone(),
             candidate: f32out.clone().with_order(Order::Pairwise { base: 8 }),
-            is_sum: false,
+            kind: Kind::Matmul,
         },
         Case {
             family: "matmul f32-out",
@@ -69,7 +80,7 @@ fn main() {
                 block: 32,
                 inner: BlockSum::Fused,
             }),
-            is_sum: false,
+            kind: Kind::Matmul,
         },
         Case {
             family: "matmul f32-out",
@@ -78,7 +89,7 @@ fn main() {
             candidate: f32out
                 .clone()
                 .with_order(split(4, Format::F32, Combine::Tree)),
-            is_sum: false,
+            kind: Kind::Matmul,
         },
         Case {
             family: "matmul f32-out",
@@ -89,7 +100,7 @@ fn main() {
                 Format::BF16,
                 Combine::Ring { start: 1 },
             )),
-            is_sum: false,
+            kind: Kind::Matmul,
         },
         Case {
             family: "matmul bf16-out",
@@ -100,14 +111,14 @@ fn main() {
                 Format::BF16,
                 Combine::Ring { start: 1 },
             )),
-            is_sum: false,
+            kind: Kind::Matmul,
         },
         Case {
             family: "matmul bf16-out",
             name: "pairwise(8)",
             reference: bf16out.clone(),
             candidate: bf16out.clone().with_order(Order::Pairwise { base: 8 }),
-            is_sum: false,
+            kind: Kind::Matmul,
         },
         Case {
             family: "sum f32",
@@ -116,7 +127,28 @@ fn main() {
             candidate: f32out
                 .clone()
                 .with_order(split(4, Format::F32, Combine::Ring { start: 2 })),
-            is_sum: true,
+            kind: Kind::Sum,
+        },
+        Case {
+            family: "softmax f32-out",
+            name: "pairwise(8) sum",
+            reference: f32out.clone(),
+            candidate: f32out.clone().with_order(Order::Pairwise { base: 8 }),
+            kind: Kind::Softmax(0),
+        },
+        Case {
+            family: "softmax f32-out",
+            name: "online, blocks of 64",
+            reference: f32out.clone(),
+            candidate: f32out.clone(),
+            kind: Kind::Softmax(64),
+        },
+        Case {
+            family: "softmax bf16-out",
+            name: "online, blocks of 64",
+            reference: bf16out.clone(),
+            candidate: bf16out.clone(),
+            kind: Kind::Softmax(64),
         },
     ];
     println!("{trials} trials per row, delta = 1e-6, Gaussian BF16 inputs, 4x4 outputs (matmul) or 16 sums");
@@ -133,7 +165,40 @@ fn main() {
             let bases = baselines_for(case.reference.output, 1);
             for t in 0..trials {
                 let seed = (t as u64) << 8 | k.trailing_zeros() as u64;
-                let (r, c, th) = if case.is_sum {
+                let (r, c, th) = if let Kind::Softmax(block) = case.kind {
+                    let x: Vec<f64> = data(16 * k, seed)
+                        .into_iter()
+                        .map(|v| Format::BF16.round(3.0 * v, Overflow::Saturating))
+                        .collect();
+                    let x = Tensor::from_vec(&[16, k], x, Format::BF16).unwrap();
+                    let cand_impl = if block == 0 {
+                        AttentionImpl::Standard
+                    } else {
+                        AttentionImpl::Online { block }
+                    };
+                    let r = softmax(&x, &case.reference).unwrap().values().to_vec();
+                    let c = match cand_impl {
+                        AttentionImpl::Standard => softmax(&x, &case.candidate).unwrap(),
+                        AttentionImpl::Online { block } => {
+                            online_softmax(&x, block, &case.candidate).unwrap()
+                        }
+                    }
+                    .values()
+                    .to_vec();
+                    (
+                        r,
+                        c,
+                        softmax_threshold(
+                            &x,
+                            &case.reference,
+                            AttentionImpl::Standard,
+                            &case.candidate,
+                            cand_impl,
+                            conf,
+                        )
+                        .unwrap(),
+                    )
+                } else if case.kind == Kind::Sum {
                     let x = Tensor::from_vec(&[16, k], data(16 * k, seed), Format::BF16).unwrap();
                     let run = |p: &Policy| -> Vec<f64> {
                         x.values()

@@ -301,3 +301,87 @@ fn bad_requests_are_errors() {
     assert!(reduction_error(&[1.0, 2.0], &kahan, false).is_err());
     assert!(!baselines_for(Format::BF16, 1).is_empty());
 }
+
+/// Softmax, standard and online, in different orders and output formats: guaranteed and
+/// probabilistic (δ = 1e-6) thresholds hold on random logits of several scales.
+#[test]
+fn softmax_thresholds_hold() {
+    use ttrace::bounds::softmax_threshold;
+    use ttrace::engine::{online_softmax, softmax, AttentionImpl};
+    let run = |x: &Tensor, p: &Policy, imp: AttentionImpl| match imp {
+        AttentionImpl::Standard => softmax(x, p).unwrap(),
+        AttentionImpl::Online { block } => online_softmax(x, block, p).unwrap(),
+    };
+    let mut trials = 0;
+    let mut worst_use = 0.0f64;
+    for t in 0..40u64 {
+        let n = [16, 128, 1024, 4096][(t % 4) as usize];
+        let scale = [1.0, 4.0, 12.0][(t % 3) as usize];
+        let x: Vec<f64> = data(8 * n, t, (t % 2) as u8, Format::BF16)
+            .into_iter()
+            .map(|v| Format::BF16.round(v * scale, Overflow::Saturating))
+            .collect();
+        let x = Tensor::from_vec(&[8, n], x, Format::BF16).unwrap();
+        for out in [Format::BF16, Format::F32] {
+            let seq = Policy::new(Format::BF16, Format::F32, out);
+            let pw = seq.clone().with_order(Order::Pairwise { base: 8 });
+            for (rp, ri, cp, ci) in [
+                (&seq, AttentionImpl::Standard, &pw, AttentionImpl::Standard),
+                (
+                    &seq,
+                    AttentionImpl::Standard,
+                    &seq,
+                    AttentionImpl::Online { block: 64 },
+                ),
+                (
+                    &pw,
+                    AttentionImpl::Online { block: 32 },
+                    &seq,
+                    AttentionImpl::Online { block: 128 },
+                ),
+            ] {
+                let d = frob(run(&x, rp, ri).values(), run(&x, cp, ci).values());
+                let p = softmax_threshold(&x, rp, ri, cp, ci, Confidence::default_probabilistic())
+                    .unwrap();
+                let g = softmax_threshold(&x, rp, ri, cp, ci, Confidence::Guaranteed).unwrap();
+                assert!(
+                    d <= p.abs_frobenius,
+                    "trial {t} n={n} {ri:?} vs {ci:?} out {out}: {d:e} > {:e}",
+                    p.abs_frobenius
+                );
+                assert!(
+                    d <= g.abs_frobenius,
+                    "guaranteed: {d:e} > {:e}",
+                    g.abs_frobenius
+                );
+                worst_use = worst_use.max(d / p.abs_frobenius);
+                trials += 1;
+            }
+        }
+    }
+    eprintln!("softmax: {trials} trials, largest observed / threshold = {worst_use:.3}");
+    let seq = Policy::new(Format::BF16, Format::F32, Format::BF16);
+    let x = Tensor::from_vec(&[2, 3], vec![0.0, 1.0, 2.0, 0.5, 0.25, 0.0], Format::BF16).unwrap();
+    assert!(
+        softmax_threshold(
+            &x,
+            &seq,
+            AttentionImpl::Standard,
+            &seq,
+            AttentionImpl::Standard,
+            Confidence::Guaranteed
+        )
+        .unwrap()
+        .identical
+    );
+    let other = Policy::new(Format::BF16, Format::BF16, Format::BF16);
+    assert!(softmax_threshold(
+        &x,
+        &seq,
+        AttentionImpl::Standard,
+        &other,
+        AttentionImpl::Standard,
+        Confidence::Guaranteed
+    )
+    .is_err());
+}

@@ -9,6 +9,7 @@
 //!   inequality.
 //! * [`ops`]: whole ops — matmul / linear with FP8 quantization, sum, mean, all-reduce — from
 //!   the data (checking) or from summary statistics (planning).
+//! * [`softmax`]: softmax, standard and online (blockwise), in any pair of orders.
 //! * [`baselines`]: PyTorch, TransformerEngine and Megatron tolerances for side-by-side reports.
 //!
 //! Conventions: u = 2^-p is the unit roundoff everywhere; δ is the failure probability of a
@@ -18,7 +19,9 @@ pub mod baselines;
 pub mod compare;
 pub mod ops;
 pub mod reduction;
+pub mod softmax;
 
 pub use compare::{tensor_threshold, Confidence, ElementDiff, Threshold};
 pub use ops::{allreduce_threshold, matmul_threshold, plan_matmul, plan_sum, sum_threshold};
 pub use reduction::{planned_reduction_error, reduction_error, ReductionError, TermStats};
+pub use softmax::softmax_threshold;

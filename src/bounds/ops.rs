@@ -23,6 +23,7 @@ use crate::order::Accumulation;
 fn scaled(e: ReductionError, f: f64) -> ReductionError {
     ReductionError {
         guaranteed: e.guaranteed * f.abs(),
+        mean: e.mean * f,
         variance: e.variance * f * f,
     }
 }

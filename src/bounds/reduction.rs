@@ -32,8 +32,11 @@ use crate::order::{for_each_rounding, Accumulation, Operand, Order, Products, Ro
 pub struct ReductionError {
     /// |ŝ − s| ≤ `guaranteed` for these terms, whatever the rounding errors are.
     pub guaranteed: f64,
-    /// E((ŝ − s)²) under the uniform random-rounding model; also the sub-Gaussian variance
-    /// proxy of ŝ − s under that model.
+    /// The deterministic part of ŝ − s: the sum of −t over the roundings that absorb a small
+    /// operand t entirely (|t| below half the spacing of the other operand's grid).
+    pub mean: f64,
+    /// Var(ŝ − s) under the uniform random-rounding model; also the sub-Gaussian variance
+    /// proxy of the random part under that model.
     pub variance: f64,
 }
 
@@ -42,6 +45,7 @@ impl ReductionError {
     pub fn plus(self, other: ReductionError) -> ReductionError {
         ReductionError {
             guaranteed: self.guaranteed + other.guaranteed,
+            mean: self.mean + other.mean,
             variance: self.variance + other.variance,
         }
     }
@@ -114,9 +118,10 @@ pub fn reduction_error(terms: &[f64], acc: &Accumulation, is_dot: bool) -> Resul
         }
     };
     let mut variance = 0.0;
+    let mut mean = 0.0;
     // A rounding to spacing `ulp` of an exact value on the grid of spacing g: exact when
     // g ≥ ulp; otherwise the error takes the values k·g, |k·g| ≤ ulp/2, uniformly, with
-    // E[η²] = ulp²/12 + g²/6 and |η| ≤ ulp/2.
+    // E(η²) = ulp²/12 + g²/6 and |η| ≤ ulp/2.
     let mut add_site = |f: Format, value: f64, g: f64| {
         let ulp = f.ulp(value).unwrap_or(0.0);
         if g >= ulp {
@@ -132,6 +137,13 @@ pub fn reduction_error(terms: &[f64], acc: &Accumulation, is_dot: bool) -> Resul
             }
         }
     }
+    let value_of = |op: &Operand| -> f64 {
+        match op {
+            Operand::None => 0.0,
+            Operand::Term(i) => terms[*i],
+            Operand::Value { first, second, .. } => range_sum(first) + range_sum(second),
+        }
+    };
     let lr = load_rounds(acc, is_dot);
     for_each_rounding(
         &acc.order,
@@ -140,6 +152,24 @@ pub fn reduction_error(terms: &[f64], acc: &Accumulation, is_dot: bool) -> Resul
         lr,
         &mut |s: RoundingSite| {
             let v = range_sum(&s.first) + range_sum(&s.second);
+            let ulp = s.format.ulp(v).unwrap_or(0.0);
+            // Absorption: when the larger operand lies on the result's grid and the rest is
+            // smaller than half a spacing, the rounding returns the larger operand and the error
+            // is exactly minus the rest — deterministic, and one-signed for positive data.
+            let (a, b) = (
+                value_of(&s.ops[0]),
+                value_of(&s.ops[1]) + s.fused.clone().map(|i| terms[i]).sum::<f64>(),
+            );
+            let (big_op, small) = if a.abs() >= b.abs() {
+                (&s.ops[0], b)
+            } else {
+                (&s.ops[1], a)
+            };
+            let big_on_grid = s.fused.is_empty() || a.abs() >= b.abs();
+            if big_on_grid && small != 0.0 && small.abs() < ulp / 2.0 && quantum(big_op) >= ulp {
+                mean -= small;
+                return;
+            }
             let mut g = quantum(&s.ops[0]).min(quantum(&s.ops[1]));
             for i in s.fused.clone() {
                 g = g.min(lowest_bit(terms[i]));
@@ -164,7 +194,9 @@ pub fn reduction_error(terms: &[f64], acc: &Accumulation, is_dot: bool) -> Resul
         // smallest subnormal of the accumulator per rounding (counted generously).
         guaranteed += roundings as f64 * acc.accumulator.min_subnormal() / 2.0;
     }
-    Ok(with_growth(guaranteed * (1.0 + 1e-12), variance, &depths))
+    let mut e = with_growth(guaranteed * (1.0 + 1e-12), variance, &depths);
+    e.mean = mean;
+    Ok(e)
 }
 
 /// The weight of the lowest set bit of `x` (+inf for zero): the grid an exact term lies on.
@@ -305,11 +337,13 @@ fn with_growth(
     if growth > FIRST_ORDER_LIMIT {
         return ReductionError {
             guaranteed,
+            mean: 0.0,
             variance: guaranteed * guaranteed,
         };
     }
     ReductionError {
         guaranteed,
+        mean: 0.0,
         variance: variance * (1.0 + growth) * (1.0 + growth),
     }
 }
