@@ -385,3 +385,173 @@ fn softmax_thresholds_hold() {
     )
     .is_err());
 }
+
+/// Elementwise ops between policies that differ in accumulator and output formats.
+#[test]
+fn elementwise_thresholds_hold() {
+    use ttrace::bounds::{elementwise_threshold, Elementwise};
+    use ttrace::engine::{add, gelu, scale, silu};
+    let policies = [
+        Policy::new(Format::BF16, Format::F32, Format::BF16),
+        Policy::new(Format::BF16, Format::F32, Format::F32),
+        Policy::new(Format::BF16, Format::BF16, Format::BF16),
+        Policy::new(Format::F32, Format::F32, Format::F16),
+    ];
+    for t in 0..30u64 {
+        let x = Tensor::from_vec(
+            &[64, 32],
+            data(2048, t, (t % 5) as u8, Format::BF16),
+            Format::BF16,
+        )
+        .unwrap();
+        let y =
+            Tensor::from_vec(&[64, 32], data(2048, t + 50, 0, Format::BF16), Format::BF16).unwrap();
+        for rp in &policies {
+            for cp in &policies {
+                for op in [
+                    Elementwise::Add,
+                    Elementwise::Scale { c: 0.125 },
+                    Elementwise::Scale { c: 0.1 },
+                    Elementwise::Gelu,
+                    Elementwise::Silu,
+                ] {
+                    let run = |p: &Policy| match op {
+                        Elementwise::Add => add(&x, &y, p).unwrap(),
+                        Elementwise::Scale { c } => scale(&x, c, p).unwrap(),
+                        Elementwise::Gelu => gelu(&x, p).unwrap(),
+                        Elementwise::Silu => silu(&x, p).unwrap(),
+                        Elementwise::Exp => unreachable!(),
+                    };
+                    let (r, c) = (run(rp), run(cp));
+                    let d = frob(r.values(), c.values());
+                    let yy = (op == Elementwise::Add).then_some(&y);
+                    let p = elementwise_threshold(
+                        op,
+                        &x,
+                        yy,
+                        rp,
+                        cp,
+                        Confidence::default_probabilistic(),
+                    )
+                    .unwrap();
+                    let g =
+                        elementwise_threshold(op, &x, yy, rp, cp, Confidence::Guaranteed).unwrap();
+                    assert!(
+                        d <= p.abs_frobenius,
+                        "{op:?} {rp:?} vs {cp:?}: {d:e} > {:e}",
+                        p.abs_frobenius
+                    );
+                    assert!(d <= g.abs_frobenius);
+                    let maxd = r
+                        .values()
+                        .iter()
+                        .zip(c.values())
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0, f64::max);
+                    assert!(
+                        maxd <= g.per_element,
+                        "{op:?}: per element {maxd:e} > {:e}",
+                        g.per_element
+                    );
+                    if rp == cp {
+                        assert!(p.identical && d == 0.0);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// FP8 quantization: the a-priori bound holds against the exact quantization, for per-tensor
+/// current scaling and MX blocks, E4M3 and E5M2.
+#[test]
+fn quantization_error_within_a_priori_bound() {
+    use ttrace::bounds::quantization_error;
+    for t in 0..50u64 {
+        let x = Tensor::from_vec(
+            &[16, 64],
+            data(1024, t, (t % 5) as u8, Format::BF16),
+            Format::BF16,
+        )
+        .unwrap();
+        for fmt in [Format::E4M3, Format::E5M2] {
+            for scaling in [
+                Scaling::PerTensorCurrent { margin: 0 },
+                Scaling::Block { size: 32 },
+            ] {
+                let q = quantization_error(&x, 1, fmt, scaling).unwrap();
+                assert!(
+                    q.frobenius <= q.bound_frobenius,
+                    "{fmt} {scaling:?}: {} > {}",
+                    q.frobenius,
+                    q.bound_frobenius
+                );
+                // Relative to the data, the error is of the order of the FP8 unit roundoff.
+                let norm = x.values().iter().map(|v| v * v).sum::<f64>().sqrt();
+                assert!(q.frobenius <= 2.0 * fmt.unit_roundoff() * norm + 1e-30);
+            }
+        }
+    }
+    assert!(quantization_error(
+        &Tensor::zeros(&[4], Format::BF16),
+        0,
+        Format::E4M3,
+        Scaling::None
+    )
+    .is_err());
+}
+
+/// First-order gains bound how an input difference is carried: checked with small random
+/// perturbations in F64.
+#[test]
+fn gains_bound_propagated_differences() {
+    use ttrace::bounds::{elementwise_gain, matmul_gain, norm_gain, softmax_gain, Elementwise};
+    use ttrace::engine::{gelu, layer_norm, silu, softmax, Variance};
+    let p64 = Policy::uniform(Format::F64);
+    for t in 0..20u64 {
+        let x = Tensor::from_vec(&[8, 16], data(128, t, 0, Format::F64), Format::F64).unwrap();
+        let dx: Vec<f64> = data(128, t + 1, 0, Format::F64)
+            .into_iter()
+            .map(|v| v * 1e-6)
+            .collect();
+        let xp = Tensor::from_vec(
+            &[8, 16],
+            x.values().iter().zip(&dx).map(|(a, b)| a + b).collect(),
+            Format::F64,
+        )
+        .unwrap();
+        let ndx = dx.iter().map(|v| v * v).sum::<f64>().sqrt();
+        let b = Tensor::from_vec(&[16, 5], data(80, t + 2, 0, Format::F64), Format::F64).unwrap();
+        let dmm = frob(
+            matmul(&x, &b, &p64).unwrap().values(),
+            matmul(&xp, &b, &p64).unwrap().values(),
+        );
+        assert!(dmm <= matmul_gain(&b).gain * ndx * (1.0 + 1e-9));
+        for (op, f) in [
+            (
+                Elementwise::Gelu,
+                gelu as fn(&Tensor, &Policy) -> ttrace::Result<Tensor>,
+            ),
+            (Elementwise::Silu, silu),
+        ] {
+            let d = frob(
+                f(&x, &p64).unwrap().values(),
+                f(&xp, &p64).unwrap().values(),
+            );
+            assert!(
+                d <= elementwise_gain(op, &x, 1e-5).gain * ndx * (1.0 + 1e-6),
+                "{op:?}"
+            );
+        }
+        let s = softmax(&x, &p64).unwrap();
+        let ds = frob(s.values(), softmax(&xp, &p64).unwrap().values());
+        assert!(ds <= softmax_gain(&s).gain * ndx * (1.0 + 1e-4));
+        let w = Tensor::from_vec(&[16], data(16, t + 3, 0, Format::F64), Format::F64).unwrap();
+        let bias = Tensor::zeros(&[16], Format::F64);
+        let (y, saved) = layer_norm(&x, &w, &bias, 1e-5, Variance::TwoPass, &p64).unwrap();
+        let (yp, _) = layer_norm(&xp, &w, &bias, 1e-5, Variance::TwoPass, &p64).unwrap();
+        assert!(
+            frob(y.values(), yp.values()) <= norm_gain(&w, &saved.rstd).gain * ndx * (1.0 + 1e-4)
+        );
+    }
+}

@@ -10,6 +10,8 @@
 //! * [`ops`]: whole ops — matmul / linear with FP8 quantization, sum, mean, all-reduce — from
 //!   the data (checking) or from summary statistics (planning).
 //! * [`softmax`]: softmax, standard and online (blockwise), in any pair of orders.
+//! * [`elementwise`]: add, scale, GELU, SiLU, exp; FP8 quantization error; first-order gains
+//!   that carry an input difference to the output (composition along a network).
 //! * [`baselines`]: PyTorch, TransformerEngine and Megatron tolerances for side-by-side reports.
 //!
 //! Conventions: u = 2^-p is the unit roundoff everywhere; δ is the failure probability of a
@@ -17,11 +19,16 @@
 
 pub mod baselines;
 pub mod compare;
+pub mod elementwise;
 pub mod ops;
 pub mod reduction;
 pub mod softmax;
 
 pub use compare::{tensor_threshold, Confidence, ElementDiff, Threshold};
+pub use elementwise::{
+    elementwise_gain, elementwise_threshold, matmul_gain, norm_gain, quantization_error,
+    softmax_gain, Elementwise, Gain, QuantizationError,
+};
 pub use ops::{allreduce_threshold, matmul_threshold, plan_matmul, plan_sum, sum_threshold};
 pub use reduction::{planned_reduction_error, reduction_error, ReductionError, TermStats};
 pub use softmax::softmax_threshold;

@@ -32,7 +32,7 @@ fn scaled(e: ReductionError, f: f64) -> ReductionError {
 /// both sides rounding to the same format is the "nearly equal values" case; one side
 /// rounding onto the grid the other side's value already lies on is the "snap" case;
 /// roundings to different formats are independent errors.
-fn round_sides(
+pub(crate) fn round_sides(
     d: &mut ElementDiff,
     cur: (Format, Format),
     target: (Format, Format),

@@ -1,0 +1,314 @@
+//! Elementwise ops, FP8 quantization, and first-order propagation of input differences.
+//!
+//! * [`elementwise_threshold`]: reference vs candidate for add, scale, GELU, SiLU and exp, which
+//!   the engine computes as ro(ra(v)) with v the exact (or `f64`) value of the op on the
+//!   side's inputs. Identical arithmetic gives zero; otherwise each side's chain of roundings is
+//!   priced with the rules of `compare` (offsets when the sides' values differ, nearly equal
+//!   roundings, snaps, independent roundings). A rounding error here is a deterministic
+//!   function of the element's inputs, and low-precision inputs repeat (a BF16 tensor in
+//!   [0, 1) has about a thousand distinct values): elements with identical inputs are one
+//!   component of weight √count, not count independent ones.
+//! * [`quantization_error`]: the error FP8 quantization introduces, per element.
+//! * [`Gain`] and the `*_gain` functions: how a difference already present in the inputs is
+//!   carried to the output, to first order, so thresholds compose along a network:
+//!   ‖Δout‖ ≤ introduced + gain·‖Δin‖ (papers/bounds-elementwise.md).
+
+use serde::Serialize;
+
+use crate::bounds::compare::{tensor_threshold, Confidence, ElementDiff, Threshold};
+use crate::engine::matmul::quantize;
+use crate::engine::nn::{gelu_f64, gelu_grad_f64};
+use crate::engine::policy::{Policy, Scaling};
+use crate::engine::tensor::Tensor;
+use crate::error::{Error, Result};
+use crate::format::{Format, Overflow};
+
+/// An elementwise op as the engine computes it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "op")]
+pub enum Elementwise {
+    /// x + y (the second operand is passed to [`elementwise_threshold`]).
+    Add,
+    /// c·x, with c rounded to the accumulator first.
+    Scale {
+        /// The constant.
+        c: f64,
+    },
+    /// GELU, tanh form.
+    Gelu,
+    /// SiLU.
+    Silu,
+    /// exp(x).
+    Exp,
+}
+
+/// The side's exact pre-rounding value of the op on element i.
+fn side_value(op: Elementwise, x: f64, y: f64, policy: &Policy) -> f64 {
+    match op {
+        Elementwise::Add => x + y,
+        Elementwise::Scale { c } => x * policy.accumulator().round(c, policy.accumulation.overflow),
+        Elementwise::Gelu => gelu_f64(x),
+        Elementwise::Silu => x / (1.0 + (-x).exp()),
+        Elementwise::Exp => x.exp(),
+    }
+}
+
+/// Threshold for an elementwise op computed under `reference` and `candidate` on the same
+/// inputs `x` (and `y` for [`Elementwise::Add`], same shape).
+pub fn elementwise_threshold(
+    op: Elementwise,
+    x: &Tensor,
+    y: Option<&Tensor>,
+    reference: &Policy,
+    candidate: &Policy,
+    confidence: Confidence,
+) -> Result<Threshold> {
+    reference.validate()?;
+    candidate.validate()?;
+    if let Elementwise::Scale { c } = op {
+        if !c.is_finite() {
+            return Err(Error::NonFinite {
+                what: "scale constant".into(),
+                value: c,
+            });
+        }
+    }
+    let y = match (op, y) {
+        (Elementwise::Add, Some(y)) if y.shape() == x.shape() => Some(y),
+        (Elementwise::Add, Some(y)) => {
+            return Err(Error::ShapeMismatch {
+                what: "elementwise add threshold: operand shapes differ".into(),
+                expected: x.shape().to_vec(),
+                found: y.shape().to_vec(),
+            })
+        }
+        (Elementwise::Add, None) => {
+            return Err(Error::InvalidParameter {
+                name: "y",
+                reason: "add needs a second operand".into(),
+            })
+        }
+        _ => None,
+    };
+    let cast = |t: &Tensor, p: &Policy| t.cast(p.input(), p.input_overflow(p.input()));
+    let (xr, xc) = (cast(x, reference), cast(x, candidate));
+    let (yr, yc) = match y {
+        Some(y) => (Some(cast(y, reference)), Some(cast(y, candidate))),
+        None => (None, None),
+    };
+    let identical = reference == candidate;
+    // Elements with identical inputs have identical differences: group them, so that one
+    // distinct input is one independent component (weight √count in the norm).
+    let mut groups: std::collections::HashMap<(u64, u64), (usize, usize)> =
+        std::collections::HashMap::new();
+    let mut order = vec![];
+    let mut norm_sq = 0.0;
+    for i in 0..x.len() {
+        let key = (
+            x.values()[i].to_bits(),
+            y.map_or(0, |t| t.values()[i].to_bits()),
+        );
+        let e = groups.entry(key).or_insert_with(|| {
+            order.push(i);
+            (i, 0)
+        });
+        e.1 += 1;
+    }
+    let (ar, ac) = (reference.accumulator(), candidate.accumulator());
+    let mut scaled = Vec::with_capacity(order.len());
+    let mut per_element = Vec::with_capacity(order.len());
+    for &i in &order {
+        let count = groups[&(
+            x.values()[i].to_bits(),
+            y.map_or(0, |t| t.values()[i].to_bits()),
+        )]
+            .1;
+        let yri = yr.as_ref().map_or(0.0, |t| t.values()[i]);
+        let yci = yc.as_ref().map_or(0.0, |t| t.values()[i]);
+        let vr = side_value(op, xr.values()[i], yri, reference);
+        let vc = side_value(op, xc.values()[i], yci, candidate);
+        if !vr.is_finite() || !vc.is_finite() {
+            return Err(Error::NonFinite {
+                what: format!("elementwise threshold: the op's value at element {i}"),
+                value: if vr.is_finite() { vc } else { vr },
+            });
+        }
+        norm_sq += vr * vr * count as f64;
+        if identical {
+            continue;
+        }
+        let mut d = ElementDiff {
+            offset: vc - vr,
+            guaranteed: (vc - vr).abs(),
+            ..ElementDiff::default()
+        };
+        // The f64 evaluation of a transcendental may be off by an ulp of f64 on either side.
+        if matches!(op, Elementwise::Gelu | Elementwise::Silu | Elementwise::Exp) {
+            d.guaranteed += 2.0 * Format::F64.ulp(vr).unwrap_or(0.0);
+        }
+        crate::bounds::ops::round_sides(&mut d, (Format::F64, Format::F64), (ar, ac), vr);
+        crate::bounds::ops::round_sides(&mut d, (ar, ac), (reference.output, candidate.output), vr);
+        per_element.push(d);
+        let mut w = d;
+        w.scale((count as f64).sqrt());
+        scaled.push(w);
+    }
+    let norm = norm_sq.sqrt();
+    if identical {
+        return Ok(Threshold::identical(confidence, norm, x.len()));
+    }
+    let mut th = tensor_threshold(&scaled, norm, confidence);
+    th.elements = x.len();
+    th.per_element = per_element
+        .iter()
+        .map(|d| match confidence {
+            Confidence::Guaranteed => d.guaranteed,
+            Confidence::Probabilistic { delta } => {
+                d.probabilistic_bound(delta / x.len().max(1) as f64)
+            }
+        })
+        .fold(0.0, f64::max);
+    Ok(th)
+}
+
+/// Error statistics of FP8 quantization of a tensor: the largest |x̂ − x| and the model's
+/// Σ E(x̂ − x)² (each element's rounding uniform within its grid spacing, saturation exact).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct QuantizationError {
+    /// max |x̂ᵢ − xᵢ| over the tensor (exact: computed from the quantized values).
+    pub max_abs: f64,
+    /// The exact ‖x̂ − x‖_F.
+    pub frobenius: f64,
+    /// The a-priori bound Σ (spacingᵢ/2)² + saturation, square-rooted: what one can say
+    /// without quantizing (u_fp8·|x| relative in the normal range, half the subnormal spacing
+    /// (scaled) below it).
+    pub bound_frobenius: f64,
+}
+
+/// The error of quantizing the 2-D tensor `x` (reduction along `axis` for block scaling) to
+/// `fp8` with `scaling`, as `engine::matmul::quantize` does (dequantized values compared with
+/// x). Per element the a-priori bound is |x̂ − x| ≤ max(u·|x|, η/(2s)) with u the FP8 unit
+/// roundoff, η its smallest subnormal and s the scale, unless the element saturates.
+pub fn quantization_error(
+    x: &Tensor,
+    axis: usize,
+    fp8: Format,
+    scaling: Scaling,
+) -> Result<QuantizationError> {
+    let s = x.expect_rank(2, "quantization error")?;
+    if axis > 1 {
+        return Err(Error::InvalidParameter {
+            name: "axis",
+            reason: format!("a 2-D tensor has axes 0 and 1 (got {axis})"),
+        });
+    }
+    let q = quantize(
+        x.values(),
+        [s[0], s[1]],
+        axis,
+        fp8,
+        scaling,
+        None,
+        Overflow::Saturating,
+    );
+    let u = fp8.unit_roundoff();
+    let (mut max_abs, mut fro, mut bound) = (0.0f64, 0.0, 0.0);
+    for (&xv, &qv) in x.values().iter().zip(&q.values) {
+        let deq = qv * q.scale_inv;
+        let err = (deq - xv).abs();
+        max_abs = max_abs.max(err);
+        fro += err * err;
+        // Effective scale of this element: x̂ = q/s with s = 1/scale_inv (per tensor), or
+        // the block's power of two (already folded into q for MX).
+        let scale = if q.scale_inv != 1.0 {
+            1.0 / q.scale_inv
+        } else {
+            1.0
+        };
+        let saturated = (xv * scale).abs() > fp8.max_finite() && q.scale_inv != 1.0;
+        let b = if saturated {
+            err
+        } else {
+            (u * xv.abs()).max(fp8.min_subnormal() / (2.0 * scale)) * (1.0 + 1e-12)
+        };
+        bound += b * b;
+    }
+    Ok(QuantizationError {
+        max_abs,
+        frobenius: fro.sqrt(),
+        bound_frobenius: bound.sqrt(),
+    })
+}
+
+/// A first-order gain: ‖Δout‖_F ≤ `gain`·‖Δin‖_F for a small input difference Δin.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Gain {
+    /// The factor.
+    pub gain: f64,
+}
+
+/// C = A·B: ‖ΔA·B‖_F ≤ ‖ΔA‖_F·‖B‖₂ ≤ ‖ΔA‖_F·‖B‖_F (the Frobenius norm bounds the spectral
+/// norm; Higham 2002, §6.2). Returns the Frobenius form.
+pub fn matmul_gain(b: &Tensor) -> Gain {
+    Gain {
+        gain: b.values().iter().map(|v| v * v).sum::<f64>().sqrt(),
+    }
+}
+
+/// Elementwise ops: the Lipschitz constant of the op over the given inputs (for GELU and SiLU
+/// the maximum of |f'| over the interval the inputs span, widened by `slack`, evaluated on a
+/// grid and inflated by 1% — GELU′ ≤ 1.13, SiLU′ ≤ 1.10 everywhere; for exp, max e^x·e^slack).
+pub fn elementwise_gain(op: Elementwise, x: &Tensor, slack: f64) -> Gain {
+    let (lo, hi) = x
+        .values()
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), &v| {
+            (l.min(v), h.max(v))
+        });
+    let (lo, hi) = (lo - slack, hi + slack);
+    let scan = |f: &dyn Fn(f64) -> f64| -> f64 {
+        if !(lo.is_finite() && hi.is_finite()) {
+            return 0.0;
+        }
+        let steps = 4096;
+        (0..=steps)
+            .map(|k| f(lo + (hi - lo) * k as f64 / steps as f64).abs())
+            .fold(0.0, f64::max)
+            * 1.01
+    };
+    let gain = match op {
+        Elementwise::Add => 1.0,
+        Elementwise::Scale { c } => c.abs(),
+        Elementwise::Gelu => scan(&gelu_grad_f64).min(1.13),
+        Elementwise::Silu => scan(&|v: f64| {
+            let s = 1.0 / (1.0 + (-v).exp());
+            s * (1.0 + v * (1.0 - s))
+        })
+        .min(1.10),
+        Elementwise::Exp => hi.exp(),
+    };
+    Gain { gain }
+}
+
+/// Softmax along the last dimension: the Jacobian diag(p) − ppᵀ of each row is positive
+/// semidefinite and below diag(p), so ‖Δp‖₂ ≤ max pᵢ·‖Δz‖₂ per row (to first order). Returns
+/// the largest max pᵢ over the rows of the given probabilities.
+pub fn softmax_gain(probabilities: &Tensor) -> Gain {
+    Gain {
+        gain: probabilities
+            .values()
+            .iter()
+            .fold(0.0, |m: f64, &p| m.max(p)),
+    }
+}
+
+/// LayerNorm / RMSNorm: ‖Δy‖ ≤ max|γ|·rstd·‖Δx‖ per row to first order (the Jacobian is
+/// γ·rstd times an orthogonal projection); returns max|γ|·max rstd.
+pub fn norm_gain(weight: &Tensor, rstd: &[f64]) -> Gain {
+    let g = weight
+        .values()
+        .iter()
+        .fold(0.0, |m: f64, &v| m.max(v.abs()));
+    let r = rstd.iter().fold(0.0, |m: f64, &v| m.max(v));
+    Gain { gain: g * r }
+}
