@@ -13,9 +13,12 @@
 //!   nominal relative tolerance divided by the median relative threshold.
 
 use ttrace::bounds::baselines::baselines_for;
-use ttrace::bounds::{matmul_threshold, softmax_threshold, sum_threshold, Confidence};
+use ttrace::bounds::{
+    matmul_threshold, norm_threshold, softmax_threshold, sum_threshold, Confidence, NormOp,
+};
 use ttrace::engine::{
-    init::SplitMix64, matmul, online_softmax, softmax, AttentionImpl, Policy, Tensor,
+    init::SplitMix64, layer_norm, matmul, online_softmax, softmax, AttentionImpl, Policy, Tensor,
+    Variance,
 };
 use ttrace::{sum, BlockSum, Combine, Format, Order, Overflow};
 
@@ -40,6 +43,8 @@ enum Kind {
     Sum,
     /// Softmax: reference standard, candidate online with this block (0: standard).
     Softmax(usize),
+    /// LayerNorm, reference two-pass, candidate with this variance algorithm.
+    LayerNorm(Variance),
 }
 
 struct Case {
@@ -150,6 +155,20 @@ fn main() {
             candidate: bf16out.clone(),
             kind: Kind::Softmax(64),
         },
+        Case {
+            family: "layernorm f32-out",
+            name: "two-pass, pairwise(8) sums",
+            reference: f32out.clone(),
+            candidate: f32out.clone().with_order(Order::Pairwise { base: 8 }),
+            kind: Kind::LayerNorm(Variance::TwoPass),
+        },
+        Case {
+            family: "layernorm f32-out",
+            name: "one-pass variance",
+            reference: f32out.clone(),
+            candidate: f32out.clone(),
+            kind: Kind::LayerNorm(Variance::OnePass),
+        },
     ];
     println!("{trials} trials per row, delta = 1e-6, Gaussian BF16 inputs, 4x4 outputs (matmul) or 16 sums");
     println!("| family | candidate vs sequential | K | tightness med(τ)/max(d) | closest call min(τ/d) | violations | exact | torch FA | Megatron FA | torch tol / τ | Megatron tol / τ |");
@@ -165,7 +184,50 @@ fn main() {
             let bases = baselines_for(case.reference.output, 1);
             for t in 0..trials {
                 let seed = (t as u64) << 8 | k.trailing_zeros() as u64;
-                let (r, c, th) = if let Kind::Softmax(block) = case.kind {
+                let (r, c, th) = if let Kind::LayerNorm(var) = case.kind {
+                    let x = Tensor::from_vec(&[16, k], data(16 * k, seed), Format::BF16).unwrap();
+                    let w = Tensor::from_vec(
+                        &[k],
+                        data(k, seed ^ 3)
+                            .into_iter()
+                            .map(|v| Format::BF16.round(1.0 + 0.1 * v, Overflow::NonSaturating))
+                            .collect(),
+                        Format::BF16,
+                    )
+                    .unwrap();
+                    let b = Tensor::from_vec(
+                        &[k],
+                        data(k, seed ^ 5)
+                            .into_iter()
+                            .map(|v| Format::BF16.round(0.1 * v, Overflow::NonSaturating))
+                            .collect(),
+                        Format::BF16,
+                    )
+                    .unwrap();
+                    let r = layer_norm(&x, &w, &b, 1e-5, Variance::TwoPass, &case.reference)
+                        .unwrap()
+                        .0
+                        .values()
+                        .to_vec();
+                    let c = layer_norm(&x, &w, &b, 1e-5, var, &case.candidate)
+                        .unwrap()
+                        .0
+                        .values()
+                        .to_vec();
+                    let th = norm_threshold(
+                        &x,
+                        &w,
+                        Some(&b),
+                        1e-5,
+                        NormOp::LayerNorm(Variance::TwoPass),
+                        &case.reference,
+                        NormOp::LayerNorm(var),
+                        &case.candidate,
+                        conf,
+                    )
+                    .unwrap();
+                    (r, c, th)
+                } else if let Kind::Softmax(block) = case.kind {
                     let x: Vec<f64> = data(16 * k, seed)
                         .into_iter()
                         .map(|v| Format::BF16.round(3.0 * v, Overflow::Saturating))

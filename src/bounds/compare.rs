@@ -73,6 +73,8 @@ impl Confidence {
 pub struct ElementDiff {
     /// Deterministic offset o of the exact values (candidate − reference).
     pub offset: f64,
+    /// A deterministic part of unknown sign, |·| ≤ `bias_bound` (rounding ties).
+    pub bias_bound: f64,
     /// |D| ≤ `guaranteed`, whatever the rounding errors are.
     pub guaranteed: f64,
     /// Sub-Gaussian proxy (= variance under the model) of the continuous part X.
@@ -103,13 +105,14 @@ impl ElementDiff {
 
     /// E(D²) under the model.
     pub fn mean_square(&self) -> f64 {
-        self.offset * self.offset + self.proxy + self.rounding_mean_square
+        (self.offset.abs() + self.bias_bound).powi(2) + self.proxy + self.rounding_mean_square
     }
 
     /// Both values multiplied by the same exact factor.
     pub fn scale(&mut self, f: f64) {
         let a = f.abs();
         self.offset *= f;
+        self.bias_bound *= a;
         self.guaranteed *= a;
         self.proxy *= f * f;
         self.rounding_mean_square *= f * f;
@@ -135,7 +138,11 @@ impl ElementDiff {
             .unwrap_or(f64::INFINITY);
         let ms = self.mean_square();
         let mut e = 4.0 * ms;
-        if self.offset == 0.0 && self.rounding_mean_square == 0.0 && self.proxy > 0.0 {
+        if self.offset == 0.0
+            && self.bias_bound == 0.0
+            && self.rounding_mean_square == 0.0
+            && self.proxy > 0.0
+        {
             let mut tail = 0.0;
             for k in 1..400 {
                 let t = (k as f64 - 0.5) * ulp;
@@ -149,9 +156,10 @@ impl ElementDiff {
             e = e.min(tail);
         }
         self.rounding_mean_square = e;
-        self.rounding_bound += self.offset.abs() + ulp / 2.0;
+        self.rounding_bound += self.offset.abs() + self.bias_bound + ulp / 2.0;
         self.rounding_bound_proxy += self.proxy;
         self.offset = 0.0;
+        self.bias_bound = 0.0;
         self.proxy = 0.0;
         self.guaranteed += ulp / 2.0;
     }
@@ -174,7 +182,8 @@ impl ElementDiff {
     /// |D| ≤ this with probability ≥ 1 − δ, never more than the guaranteed bound.
     pub fn probabilistic_bound(&self, delta: f64) -> f64 {
         let x = (2.0 * self.proxy * (4.0 / delta).ln()).sqrt();
-        (self.offset.abs() + x + self.rounding_part_bound(delta / 2.0)).min(self.guaranteed)
+        (self.offset.abs() + self.bias_bound + x + self.rounding_part_bound(delta / 2.0))
+            .min(self.guaranteed)
     }
 }
 
@@ -263,10 +272,10 @@ pub fn tensor_threshold_weighted(
         Confidence::Guaranteed => (g_abs, g_max),
         Confidence::Probabilistic { delta } => {
             let nf = n.max(1) as f64;
-            // Offsets: deterministic.
+            // Offsets: deterministic (the tie part, of unknown sign, at its bound).
             let o = diffs
                 .iter()
-                .map(|(d, c)| d.offset * d.offset * w(c))
+                .map(|(d, c)| (d.offset.abs() + d.bias_bound).powi(2) * w(c))
                 .sum::<f64>()
                 .sqrt();
             // Continuous part: Hsu–Kakade–Zhang at δ/3.

@@ -10,6 +10,7 @@
 //! * [`ops`]: whole ops — matmul / linear with FP8 quantization, sum, mean, all-reduce — from
 //!   the data (checking) or from summary statistics (planning).
 //! * [`softmax`]: softmax, standard and online (blockwise), in any pair of orders.
+//! * [`norm`]: LayerNorm (two-pass and one-pass variance) and RMSNorm.
 //! * [`elementwise`]: add, scale, GELU, SiLU, exp; FP8 quantization error; first-order gains
 //!   that carry an input difference to the output (composition along a network).
 //! * [`baselines`]: PyTorch, TransformerEngine and Megatron tolerances for side-by-side reports.
@@ -20,6 +21,7 @@
 pub mod baselines;
 pub mod compare;
 pub mod elementwise;
+pub mod norm;
 pub mod ops;
 pub mod reduction;
 pub mod softmax;
@@ -29,6 +31,7 @@ pub use elementwise::{
     elementwise_gain, elementwise_threshold, matmul_gain, norm_gain, quantization_error,
     softmax_gain, Elementwise, Gain, QuantizationError,
 };
+pub use norm::{norm_threshold, NormOp};
 pub use ops::{allreduce_threshold, matmul_threshold, plan_matmul, plan_sum, sum_threshold};
 pub use reduction::{planned_reduction_error, reduction_error, ReductionError, TermStats};
 pub use softmax::softmax_threshold;

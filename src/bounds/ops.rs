@@ -25,6 +25,7 @@ fn scaled(e: ReductionError, f: f64) -> ReductionError {
         guaranteed: e.guaranteed * f.abs(),
         mean: e.mean * f,
         variance: e.variance * f * f,
+        tie_bound: e.tie_bound * f.abs(),
     }
 }
 

@@ -42,6 +42,8 @@ struct SideRow {
     den_max: f64,
     /// Deterministic part (absorbed terms) of the denominator's relative error.
     den_mean: f64,
+    /// Bound on the denominator's relative tie error (deterministic, unknown sign).
+    den_tie: f64,
 }
 
 /// Variance and bound of the absolute error of rounding the exact `v` to `f` (exact when the
@@ -71,6 +73,7 @@ fn side_row(row: &[f64], policy: &Policy, imp: AttentionImpl) -> Result<SideRow>
     let mut den_var_abs = 0.0;
     let mut den_max_abs = 0.0;
     let mut den_mean_abs = 0.0;
+    let mut den_tie_abs = 0.0;
     let u = a.unit_roundoff();
     for (bi, chunk) in row.chunks(block).enumerate() {
         let base = bi * block;
@@ -113,6 +116,7 @@ fn side_row(row: &[f64], policy: &Policy, imp: AttentionImpl) -> Result<SideRow>
             let lb: f64 = block_e.iter().sum();
             den_var_abs += eb.variance * fb * fb + fvar * (lb * fb).powi(2);
             den_mean_abs += eb.mean * fb;
+            den_tie_abs += eb.tie_bound * fb;
             den_max_abs += eb.guaranteed * fb + fmax * lb * fb;
             block_terms.push(lb * fb);
         }
@@ -128,11 +132,13 @@ fn side_row(row: &[f64], policy: &Policy, imp: AttentionImpl) -> Result<SideRow>
         let prod_max: f64 = block_terms.iter().map(|&t| rounding_stats(a, t).1).sum();
         den_var_abs += eo.variance + prod_var;
         den_mean_abs += eo.mean;
+        den_tie_abs += eo.tie_bound;
         den_max_abs += eo.guaranteed + prod_max;
     } else {
         let es = reduction_error(&e, &acc, false)?;
         den_var_abs += es.variance;
         den_mean_abs += es.mean;
+        den_tie_abs += es.tie_bound;
         den_max_abs += es.guaranteed;
     }
     let p: Vec<f64> = e.iter().map(|v| v / s).collect();
@@ -143,6 +149,7 @@ fn side_row(row: &[f64], policy: &Policy, imp: AttentionImpl) -> Result<SideRow>
         den_var: den_var_abs / (s * s),
         den_max: den_max_abs / s,
         den_mean: den_mean_abs / s,
+        den_tie: den_tie_abs / s,
     })
 }
 
@@ -237,6 +244,7 @@ pub fn softmax_threshold(
             };
             let mut d = ElementDiff {
                 offset: p * (sr.den_mean - sc.den_mean),
+                bias_bound: p * (sr.den_tie + sc.den_tie),
                 proxy: nv,
                 guaranteed: (nm + p * dmax) * inflate,
                 ..ElementDiff::default()
