@@ -18,6 +18,7 @@
 //! nearly equal values.
 
 use crate::bounds::compare::{tensor_threshold, Confidence, ElementDiff, Threshold};
+use crate::bounds::ops::round_sides;
 use crate::bounds::reduction::reduction_error;
 use crate::engine::nn::Variance;
 use crate::engine::policy::Policy;
@@ -306,16 +307,7 @@ pub fn norm_threshold(
                     d.round_both(a, y[i]);
                 }
             }
-            let cur = (a, a);
-            let target = (reference.output, candidate.output);
-            if !(cur.0.is_subset_of(target.0) && cur.1.is_subset_of(target.1)) {
-                if target.0 == target.1 {
-                    d.round_both(target.0, y[i]);
-                } else {
-                    d.round_one(target.0, y[i]);
-                    d.round_one(target.1, y[i]);
-                }
-            }
+            round_sides(&mut d, (a, a), (reference.output, candidate.output), y[i]);
             d.proxy -= share;
             diffs.push(d);
         }

@@ -20,6 +20,7 @@
 //! terms) and |σ| ≤ G_S/S + Σ pⱼ|nⱼ|, inflated by 1/(1 − |σ|).
 
 use crate::bounds::compare::{tensor_threshold, Confidence, ElementDiff, Threshold};
+use crate::bounds::ops::round_sides;
 use crate::bounds::reduction::reduction_error;
 use crate::engine::attention::AttentionImpl;
 use crate::engine::policy::Policy;
@@ -254,19 +255,9 @@ pub fn softmax_threshold(
             d.proxy += row_part;
             d.round_both(a, p);
             d.proxy -= row_part;
-            let cur = (a, a);
-            let target = (reference.output, candidate.output);
-            if !(cur.0.is_subset_of(target.0) && cur.1.is_subset_of(target.1)) {
-                d.proxy += row_part;
-                if target.0 == target.1 {
-                    d.round_both(target.0, p);
-                } else {
-                    d.round_one(target.0, p);
-                    d.round_one(target.1, p);
-                }
-                d.proxy -= row_part;
-            }
-            // The element's guaranteed bound already includes the row's share; count it once.
+            d.proxy += row_part;
+            round_sides(&mut d, (a, a), (reference.output, candidate.output), p);
+            d.proxy -= row_part;
             diffs.push(d);
         }
     }
