@@ -130,18 +130,26 @@ pub fn reduction_error(terms: &[f64], acc: &Accumulation, is_dot: bool) -> Resul
     // A rounding to spacing `ulp` of an exact value on the grid of spacing g: exact when
     // g ≥ ulp; otherwise the error takes the values k·g, |k·g| ≤ ulp/2, uniformly, with
     // E(η²) = ulp²/12 + g²/6 and |η| ≤ ulp/2.
-    let mut add_site = |f: Format, value: f64, g: f64| {
+    let site_variance = |f: Format, value: f64, g: f64| -> f64 {
         let ulp = f.ulp(value).unwrap_or(0.0);
         if g >= ulp {
-            return;
+            0.0
+        } else {
+            ulp * ulp / 12.0 + g * g / 6.0
         }
-        variance += ulp * ulp / 12.0 + g * g / 6.0;
     };
+    // Identical additions onto the same grid make identical errors: an exact small operand t
+    // added to a value on the grid of spacing U errs by RN_U(t) − t whatever that value is, so
+    // k additions of the same t onto the same U add k·η, not √k·η. Low-precision data repeat
+    // (the squares of a BF16 row take as many values as the row), so these sites are grouped
+    // by (U, t) and a group of k contributes k²·Var(η).
+    let mut repeats: std::collections::HashMap<(u64, u64), (f64, f64)> =
+        std::collections::HashMap::new();
     // Products rounded to a product format: one rounding per exact product.
     if is_dot {
         if let Products::Rounded(pf) = acc.products {
             for &t in terms {
-                add_site(pf, t, 0.0);
+                variance += site_variance(pf, t, 0.0);
             }
         }
     }
@@ -191,9 +199,20 @@ pub fn reduction_error(terms: &[f64], acc: &Accumulation, is_dot: bool) -> Resul
             for i in s.fused.clone() {
                 g = g.min(lowest_bit(terms[i]));
             }
-            add_site(s.format, v, g);
+            let var = site_variance(s.format, v, g);
+            if big_on_grid && small_exact && var > 0.0 {
+                let e = repeats
+                    .entry((ulp.to_bits(), small.to_bits()))
+                    .or_insert((0.0, var));
+                e.0 += 1.0;
+            } else {
+                variance += var;
+            }
         },
     );
+    for (count, var) in repeats.values() {
+        variance += count * count * var;
+    }
     // Guaranteed: Higham's per-term bound from the depths.
     let depths = if is_dot {
         acc.dot_depths(n)?
