@@ -207,3 +207,63 @@ fn threshold_rejects_bad_specs() {
         assert!(!o.stderr.is_empty());
     }
 }
+
+#[test]
+fn threshold_prices_every_supported_op() {
+    for (op, extra_ref, extra_cand) in [
+        ("softmax", "", ",form=online:64"),
+        ("layernorm", "", ",variance=onepass"),
+        ("rmsnorm", "", ",order=pairwise:8"),
+        ("gelu", "", ",out=f32"),
+        ("silu", "", ",acc=bf16"),
+        (
+            "matmul",
+            ",in=e4m3,scaling=current",
+            ",in=e4m3,scaling=current,order=splitk:4:bf16:tree",
+        ),
+    ] {
+        let r = format!("in=bf16,acc=f32,out=bf16{extra_ref}");
+        let c = format!("in=bf16,acc=f32,out=bf16{extra_cand}");
+        let o = ttrace(
+            &[
+                "threshold",
+                op,
+                "--m",
+                "8",
+                "--k",
+                "256",
+                "--n",
+                "8",
+                "--ref",
+                &r,
+                "--cand",
+                &c,
+                "--json",
+            ],
+            "",
+        );
+        assert!(
+            o.status.success(),
+            "{op}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let rel = v["threshold"]["relative"].as_f64().unwrap();
+        assert!(rel.is_finite() && rel > 0.0, "{op}: {rel}");
+        assert!(rel <= v["threshold"]["guaranteed_relative"].as_f64().unwrap());
+    }
+    let o = ttrace(
+        &[
+            "threshold",
+            "layernorm",
+            "--cand",
+            "variance=welford",
+            "--m",
+            "2",
+            "--k",
+            "16",
+        ],
+        "",
+    );
+    assert!(!o.status.success(), "Welford is not priced and must say so");
+}

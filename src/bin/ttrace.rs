@@ -6,8 +6,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand, ValueEnum};
 use serde::Serialize;
 use ttrace::bounds::baselines::{baselines_for, Baseline};
-use ttrace::bounds::{plan_matmul, plan_sum, Confidence, TermStats, Threshold};
-use ttrace::engine::Policy;
+use ttrace::bounds::{
+    elementwise_threshold, matmul_threshold, norm_threshold, plan_matmul, plan_sum,
+    softmax_threshold, Confidence, Elementwise, NormOp, TermStats, Threshold,
+};
+use ttrace::engine::{AttentionImpl, Policy, Scaling, Tensor, Variance};
 use ttrace::{BlockSum, Combine, Format, Order, Overflow, Products};
 
 #[derive(Parser)]
@@ -96,10 +99,20 @@ enum Command {
 #[derive(Clone, Copy, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
 enum Op {
-    /// C = A·B.
+    /// C = A·B (closed-form plan; priced on synthetic data when a side uses FP8 scaling).
     Matmul,
-    /// Row sums.
+    /// Row sums (closed-form plan).
     Sum,
+    /// Softmax along rows of length k (synthetic data).
+    Softmax,
+    /// LayerNorm over rows of length k (synthetic data).
+    Layernorm,
+    /// RMSNorm over rows of length k (synthetic data).
+    Rmsnorm,
+    /// GELU, elementwise on an m×k tensor (synthetic data).
+    Gelu,
+    /// SiLU, elementwise (synthetic data).
+    Silu,
 }
 
 fn parse_order(s: &str) -> Result<Order, String> {
@@ -132,12 +145,60 @@ fn parse_order(s: &str) -> Result<Order, String> {
     })
 }
 
+/// Options of a policy spec that are not part of `Policy`: the softmax form and the LayerNorm
+/// variance algorithm.
+#[derive(Clone, Copy)]
+struct SpecExtras {
+    form: AttentionImpl,
+    variance: Variance,
+}
+
+fn parse_extras(s: &str) -> Result<SpecExtras, String> {
+    let mut extras = SpecExtras {
+        form: AttentionImpl::Standard,
+        variance: Variance::TwoPass,
+    };
+    for item in s.split(',').filter(|x| !x.trim().is_empty()) {
+        let Some((key, value)) = item.split_once('=') else {
+            continue;
+        };
+        match key.trim() {
+            "form" => {
+                extras.form = match value.trim() {
+                    "standard" => AttentionImpl::Standard,
+                    v if v.starts_with("online:") => AttentionImpl::Online {
+                        block: v[7..]
+                            .parse()
+                            .map_err(|_| format!("form '{v}': online:B needs a whole number"))?,
+                    },
+                    v => return Err(format!("unknown softmax form '{v}' (standard, online:B)")),
+                }
+            }
+            "variance" => {
+                extras.variance = match value.trim() {
+                    "twopass" => Variance::TwoPass,
+                    "onepass" => Variance::OnePass,
+                    "welford" => Variance::Welford,
+                    v => {
+                        return Err(format!(
+                            "unknown variance '{v}' (twopass, onepass, welford)"
+                        ))
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(extras)
+}
+
 fn parse_policy(s: &str) -> Result<Policy, String> {
     let mut input = Format::BF16;
     let mut acc = Format::F32;
     let mut out = Format::BF16;
     let mut order = Order::Sequential;
     let mut products = Products::Exact;
+    let mut scaling = Scaling::None;
     for item in s.split(',').filter(|x| !x.trim().is_empty()) {
         let (key, value) = item
             .split_once('=')
@@ -154,16 +215,45 @@ fn parse_policy(s: &str) -> Result<Policy, String> {
                     Products::Rounded(parse_format(value)?)
                 }
             }
+            "scaling" => {
+                scaling = match value.trim() {
+                    "none" => Scaling::None,
+                    "current" => Scaling::PerTensorCurrent { margin: 0 },
+                    "delayed" => Scaling::PerTensorDelayed { margin: 0 },
+                    "mx" => Scaling::Block { size: 32 },
+                    v => return Err(format!("unknown scaling '{v}' (none, current, delayed, mx)")),
+                }
+            }
+            "form" | "variance" => {}
             other => {
                 return Err(format!(
-                    "policy '{s}': unknown key '{other}' (in, acc, out, order, products)"
+                    "policy '{s}': unknown key '{other}' (in, acc, out, order, products, scaling, form, variance)"
                 ))
             }
         }
     }
     Ok(Policy::new(input, acc, out)
         .with_order(order)
-        .with_products(products))
+        .with_products(products)
+        .with_scaling(scaling))
+}
+
+/// A synthetic tensor with entries mean + std·N(0, 1), rounded to `format`.
+fn synthetic(
+    shape: &[usize],
+    mean: f64,
+    std: f64,
+    seed: &str,
+    format: Format,
+) -> Result<Tensor, String> {
+    let n: usize = shape.iter().product();
+    if n > 1 << 24 {
+        return Err(format!(
+            "synthetic pricing is limited to 2^24 elements (asked {n}); use smaller --m/--k/--n"
+        ));
+    }
+    let values = ttrace::engine::init::normal_values(seed, n, mean, std, 7);
+    Tensor::rounded(shape, values, format, Overflow::Saturating).map_err(|e| e.to_string())
 }
 
 #[derive(Serialize)]
@@ -211,11 +301,51 @@ fn threshold(
         Confidence::probabilistic(delta).map_err(|e| e.to_string())?
     };
     let stats = TermStats::normal(mean, std);
+    let (er, ec) = (parse_extras(reference)?, parse_extras(candidate)?);
+    let fmt = rp.input();
+    let e = |r: ttrace::Result<Threshold>| r.map_err(|e| e.to_string());
+    let fp8 = rp.scaling != Scaling::None || cp.scaling != Scaling::None;
     let th = match op {
-        Op::Matmul => plan_matmul(m, k, n, stats, stats, &rp, &cp, confidence),
-        Op::Sum => plan_sum(m, k, stats, &rp, &cp, confidence),
-    }
-    .map_err(|e| e.to_string())?;
+        Op::Matmul if fp8 => {
+            let a = synthetic(&[m, k], mean, std, "cli.a", Format::F32)?;
+            let b = synthetic(&[k, n], mean, std, "cli.b", Format::F32)?;
+            e(matmul_threshold(&a, &b, None, &rp, &cp, confidence))?
+        }
+        Op::Matmul => e(plan_matmul(m, k, n, stats, stats, &rp, &cp, confidence))?,
+        Op::Sum => e(plan_sum(m, k, stats, &rp, &cp, confidence))?,
+        Op::Softmax => {
+            let x = synthetic(&[m, k], mean, std, "cli.x", fmt)?;
+            e(softmax_threshold(
+                &x, &rp, er.form, &cp, ec.form, confidence,
+            ))?
+        }
+        Op::Layernorm | Op::Rmsnorm => {
+            let x = synthetic(&[m, k], mean, std, "cli.x", fmt)?;
+            let w = synthetic(&[k], 1.0, 0.1, "cli.w", fmt)?;
+            let b = synthetic(&[k], 0.0, 0.1, "cli.b", fmt)?;
+            let (ro, co, bias) = if matches!(op, Op::Rmsnorm) {
+                (NormOp::RmsNorm, NormOp::RmsNorm, None)
+            } else {
+                (
+                    NormOp::LayerNorm(er.variance),
+                    NormOp::LayerNorm(ec.variance),
+                    Some(&b),
+                )
+            };
+            e(norm_threshold(
+                &x, &w, bias, 1e-5, ro, &rp, co, &cp, confidence,
+            ))?
+        }
+        Op::Gelu | Op::Silu => {
+            let x = synthetic(&[m, k], mean, std, "cli.x", fmt)?;
+            let f = if matches!(op, Op::Gelu) {
+                Elementwise::Gelu
+            } else {
+                Elementwise::Silu
+            };
+            e(elementwise_threshold(f, &x, None, &rp, &cp, confidence))?
+        }
+    };
     let out_format = rp.output;
     let baselines: Vec<BaselineReport> = baselines_for(out_format, 1)
         .into_iter()
@@ -226,7 +356,7 @@ fn threshold(
         .collect();
     let shape = match op {
         Op::Matmul => [m, k, n],
-        Op::Sum => [m, k, 1],
+        _ => [m, k, 1],
     };
     if json {
         let report = ThresholdReport {
@@ -251,14 +381,16 @@ fn threshold(
             format!("probabilistic, fails with probability <= {delta:e}")
         }
     };
-    println!(
-        "op: {}  shape: {:?}  inputs ~ N({mean}, {std}^2)",
-        match op {
-            Op::Matmul => "matmul",
-            Op::Sum => "sum",
-        },
-        shape
-    );
+    let name = serde_json::to_value(op)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default();
+    let how = match op {
+        Op::Matmul if !fp8 => "closed-form plan",
+        Op::Sum => "closed-form plan",
+        _ => "priced on a synthetic tensor",
+    };
+    println!("op: {name}  shape: {shape:?}  inputs ~ N({mean}, {std}^2)  ({how})");
     println!("reference: {reference}\ncandidate: {candidate}");
     if th.identical {
         println!("identical arithmetic: the outputs agree bit for bit; threshold 0");
