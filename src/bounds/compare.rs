@@ -242,6 +242,24 @@ fn relative(abs: f64, norm: f64) -> f64 {
     }
 }
 
+/// The threshold of a priced op: zero for identical arithmetic, else [`tensor_threshold`] of
+/// the components (which may be fewer or more than the tensor's `elements`, e.g. one per row
+/// plus one per element), reported with the tensor's element count.
+pub(crate) fn finish(
+    diffs: &[ElementDiff],
+    reference_norm: f64,
+    confidence: Confidence,
+    identical: bool,
+    elements: usize,
+) -> Threshold {
+    if identical {
+        return Threshold::identical(confidence, reference_norm, elements);
+    }
+    let mut th = tensor_threshold(diffs, reference_norm, confidence);
+    th.elements = elements;
+    th
+}
+
 /// Combine per-element differences into a tensor threshold (see the module docs).
 pub fn tensor_threshold(
     diffs: &[ElementDiff],

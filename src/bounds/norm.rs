@@ -17,7 +17,7 @@
 //! the dᵢ roundings (independent unless the two sides share μ̂) and the trailing roundings of
 //! nearly equal values.
 
-use crate::bounds::compare::{tensor_threshold, Confidence, ElementDiff, Threshold};
+use crate::bounds::compare::{finish, Confidence, ElementDiff, Threshold};
 use crate::bounds::ops::round_sides;
 use crate::bounds::reduction::reduction_error;
 use crate::engine::nn::Variance;
@@ -312,11 +312,11 @@ pub fn norm_threshold(
             diffs.push(d);
         }
     }
-    let norm = norm_sq.sqrt();
-    if identical {
-        return Ok(Threshold::identical(confidence, norm, rows * n));
-    }
-    let mut th = tensor_threshold(&diffs, norm, confidence);
-    th.elements = rows * n;
-    Ok(th)
+    Ok(finish(
+        &diffs,
+        norm_sq.sqrt(),
+        confidence,
+        identical,
+        rows * n,
+    ))
 }

@@ -19,7 +19,7 @@
 //! Guaranteed: |ρ| ≤ max|n| + max|σ| + O(u²) with |n| ≤ u·(|d| + 1) (+ the online factor
 //! terms) and |σ| ≤ G_S/S + Σ pⱼ|nⱼ|, inflated by 1/(1 − |σ|).
 
-use crate::bounds::compare::{tensor_threshold, Confidence, ElementDiff, Threshold};
+use crate::bounds::compare::{finish, Confidence, ElementDiff, Threshold};
 use crate::bounds::ops::round_sides;
 use crate::bounds::reduction::reduction_error;
 use crate::engine::attention::AttentionImpl;
@@ -254,18 +254,16 @@ pub fn softmax_threshold(
             let row_part = p * p * dvar;
             d.proxy += row_part;
             d.round_both(a, p);
-            d.proxy -= row_part;
-            d.proxy += row_part;
             round_sides(&mut d, (a, a), (reference.output, candidate.output), p);
             d.proxy -= row_part;
             diffs.push(d);
         }
     }
-    let norm = norm_sq.sqrt();
-    if identical {
-        return Ok(Threshold::identical(confidence, norm, rows * n));
-    }
-    let mut th = tensor_threshold(&diffs, norm, confidence);
-    th.elements = rows * n;
-    Ok(th)
+    Ok(finish(
+        &diffs,
+        norm_sq.sqrt(),
+        confidence,
+        identical,
+        rows * n,
+    ))
 }
