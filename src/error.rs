@@ -61,6 +61,27 @@ pub enum Error {
         /// The name.
         name: String,
     },
+    /// Shards that cannot be merged under their declared layout (wrong shapes, a split that
+    /// does not divide, a layout that does not fit the mesh).
+    Layout {
+        /// The tensor's canonical id.
+        id: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Copies of a replicated tensor that should agree bit for bit do not.
+    ReplicaMismatch {
+        /// The tensor's canonical id.
+        id: String,
+        /// The mesh axis along which the copies are replicated ("dp", "cp" or "tp").
+        axis: &'static str,
+        /// The first rank (global index) whose copy differs from its group's first copy.
+        rank: usize,
+        /// Flat index of the first differing element.
+        index: usize,
+        /// The two values (first copy, differing copy).
+        values: (f64, f64),
+    },
     /// An input that must be finite is NaN or infinite.
     NonFinite {
         /// What the value was (e.g. `input x[3]`).
@@ -110,6 +131,20 @@ impl fmt::Display for Error {
                 found,
             } => write!(f, "{what}: expected shape {expected:?}, found {found:?}"),
             Error::UnknownName { kind, name } => write!(f, "unknown {kind} '{name}'"),
+            Error::Layout { id, reason } => write!(f, "tensor '{id}': {reason}"),
+            Error::ReplicaMismatch {
+                id,
+                axis,
+                rank,
+                index,
+                values,
+            } => write!(
+                f,
+                "tensor '{id}' is declared replicated along {axis}, but rank {rank}'s copy \
+                 differs at flat index {index} ({:e} vs {:e}); the layout is wrong or a \
+                 synchronization is missing",
+                values.0, values.1
+            ),
             Error::NonFinite { what, value } => {
                 write!(f, "{what} is {value}, but a finite value is required")
             }

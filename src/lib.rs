@@ -69,6 +69,7 @@ pub mod error;
 pub mod exact;
 pub mod format;
 pub mod order;
+pub mod shard;
 
 pub use error::{Error, Result};
 pub use exact::{exact_dot, exact_sum, exact_sum_abs, ExactAccumulator};

@@ -416,7 +416,7 @@ pub fn attention_backward(
     ))
 }
 
-fn widest_of(a: Format, b: Format) -> Format {
+pub(crate) fn widest_of(a: Format, b: Format) -> Format {
     if a.is_subset_of(b) {
         b
     } else if b.is_subset_of(a) {

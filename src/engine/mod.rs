@@ -7,7 +7,7 @@
 //! [`Format::round`](crate::Format::round), [`sum`](crate::sum) and [`dot`](crate::dot) — the
 //! tests do exactly that and require bit-identical results.
 
-mod arith;
+pub(crate) mod arith;
 pub mod attention;
 pub mod init;
 pub mod matmul;

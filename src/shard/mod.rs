@@ -1,0 +1,13 @@
+//! Simulated sharded execution: a device mesh with TP/SP/CP/DP, tensor layouts and the
+//! canonical merge, collectives with explicit order and format, ring attention, and the tiny
+//! GPT executed the Megatron-LM way (see `papers/sharding.md`).
+
+pub mod collective;
+pub mod layout;
+pub mod model;
+pub mod ring;
+
+pub use collective::{all_gather, all_reduce, all_reduce_max, reduce_scatter, Algorithm};
+pub use layout::{merge, shard, Axis, Coords, Layout, Mesh, Placement};
+pub use model::{ShardedEntry, ShardedGpt, ShardedStep};
+pub use ring::{ring_attention, ring_attention_backward, RingSaved};

@@ -1,0 +1,1046 @@
+//! The engine's tiny GPT executed the Megatron-LM way on a simulated device mesh, one training
+//! step forward and backward, producing every rank's traced tensors with their layouts.
+//!
+//! Per rank (coordinates (d, c, t) on a [`Mesh`]):
+//! * **Data**: batch rows d·B/dp … (DP), sequence chunks c and 2·cp − 1 − c of 2·cp (CP, the
+//!   load-balanced order); under sequence parallelism the rank's sequence is further cut into
+//!   tp contiguous pieces for the regions outside tensor-parallel layers (embedding, norms,
+//!   residuals).
+//! * **Column-parallel** `attn.qkv` (heads split, [Q | K | V] interleaved: `Split{groups: 3}`),
+//!   `mlp.fc1` and `lm_head` (vocabulary split): the input is all-gathered along the sequence
+//!   under SP; forward needs no reduction; backward reduces dx over TP (ring all-reduce, or
+//!   reduce-scatter along the sequence under SP) in the activation format.
+//! * **Row-parallel** `attn.proj`, `mlp.fc2`: each rank's partial output (rounded to the
+//!   activation format) is all-reduced (or reduce-scattered under SP) in the activation
+//!   format, then the bias is added once: y = ro(ra(ŷ + b)).
+//! * **Attention** on the rank's heads; with cp > 1 ring attention
+//!   ([`ring_attention`](crate::shard::ring::ring_attention)).
+//! * **Loss**: logits all-gathered over TP, per-rank mean cross-entropy over local tokens, the
+//!   means all-reduced over DP×CP and divided by dp·cp; backward starts from 1/(dp·cp), which
+//!   makes every logit gradient equal the reference's.
+//! * **Parameter gradients**: all-reduced (sum) over the DP×CP group in the gradient format;
+//!   gradients of replicated parameters (norms, row-parallel biases, embeddings) are also
+//!   all-reduced over TP under sequence parallelism.
+//! * **FP8**: per-tensor scales (current or delayed) from the amax all-reduced (max) over every
+//!   rank that holds a piece of the tensor — the whole mesh — so that every rank quantizes with
+//!   the reference's scale.
+//!
+//! With tp = cp = dp = 1 every op runs on the whole tensor exactly as the reference does, so
+//! the run is bit-identical to [`Gpt::step`].
+
+use std::collections::HashMap;
+
+use crate::engine::arith::Arith;
+use crate::engine::attention::{attention, attention_backward, AttentionImpl, AttentionSaved};
+use crate::engine::matmul::{column_sums, linear_scaled, matmul_scaled, transpose};
+use crate::engine::model::{Activation, Gpt, Module, ModuleKind, NormKind};
+use crate::engine::nn::{
+    self, cross_entropy, cross_entropy_backward, embedding, embedding_backward, gelu,
+    gelu_backward, layer_norm, norm_backward, rms_norm, silu, silu_backward, NormSaved,
+};
+use crate::engine::policy::{delayed_scale, per_tensor_scale, OpClass, Pass, Policy, Scaling};
+use crate::engine::tensor::Tensor;
+use crate::engine::trace::Trace;
+use crate::error::{Error, Result};
+use crate::format::{Format, Overflow};
+use crate::shard::collective::{all_gather, all_reduce, reduce_scatter, Algorithm};
+use crate::shard::layout::{merge, shard, Coords, Layout, Mesh, Placement};
+use crate::shard::ring::{ring_attention, ring_attention_backward, RingSaved};
+
+/// One traced tensor of a sharded step: every rank's shard and the layout that merges them.
+#[derive(Debug, Clone)]
+pub struct ShardedEntry {
+    /// Canonical id (the reference trace's id).
+    pub id: String,
+    /// How the shards merge into the logical tensor.
+    pub layout: Layout,
+    /// One tensor per global rank.
+    pub shards: Vec<Tensor>,
+}
+
+/// The result of one sharded training step.
+#[derive(Debug, Clone)]
+pub struct ShardedStep {
+    /// The mesh it ran on.
+    pub mesh: Mesh,
+    /// The loss (replicated on every rank).
+    pub loss: f64,
+    /// Every traced tensor, in the reference's execution order.
+    pub entries: Vec<ShardedEntry>,
+}
+
+impl ShardedStep {
+    /// Merge every entry into its logical tensor (canonical mapping). With a reference trace,
+    /// each merged shape must equal the reference tensor's shape and every reference id must be
+    /// present; errors name the tensor.
+    pub fn merge(&self, reference: Option<&Trace>) -> Result<Trace> {
+        let mut out = Trace::new();
+        for e in &self.entries {
+            let expected = match reference {
+                Some(r) => Some(r.require(&e.id)?.shape().to_vec()),
+                None => None,
+            };
+            out.push(
+                e.id.clone(),
+                merge(&e.shards, &e.layout, &self.mesh, &e.id, expected.as_deref())?,
+            )?;
+        }
+        if let Some(r) = reference {
+            if let Some(id) = r.ids().find(|id| out.get(id).is_none()) {
+                return Err(Error::UnknownName {
+                    kind: "traced tensor missing from the sharded run",
+                    name: id.to_string(),
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// The entry with this id.
+    pub fn entry(&self, id: &str) -> Option<&ShardedEntry> {
+        self.entries.iter().find(|e| e.id == id)
+    }
+}
+
+/// A tensor held by every rank, with its layout.
+#[derive(Debug, Clone)]
+struct Dist {
+    shards: Vec<Tensor>,
+    layout: Layout,
+}
+
+/// How a linear layer is parallelized.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Parallel {
+    Column { groups: usize },
+    Row,
+}
+
+fn parallel_of(name: &str) -> Parallel {
+    if name.ends_with("attn.qkv") {
+        Parallel::Column { groups: 3 }
+    } else if name.ends_with("attn.proj") || name.ends_with("mlp.fc2") {
+        Parallel::Row
+    } else {
+        Parallel::Column { groups: 1 }
+    }
+}
+
+enum Saved {
+    None,
+    Norm(Vec<NormSaved>),
+    Attention(Vec<AttentionSaved>),
+    Ring(Vec<(Vec<usize>, RingSaved)>),
+    /// Linear: the (gathered) 2-D input of every rank.
+    Linear(Vec<Tensor>),
+    /// Loss: every rank's full-vocabulary logits [rows, vocab].
+    Loss(Vec<Tensor>),
+}
+
+/// The tiny GPT on a device mesh. Holds the reference model (parameters, data, recipe) and the
+/// sharded run's own FP8 amax histories.
+#[derive(Debug, Clone)]
+pub struct ShardedGpt {
+    model: Gpt,
+    mesh: Mesh,
+    algorithm: Algorithm,
+    amax_history: HashMap<String, Vec<f64>>,
+    scales_used: HashMap<String, f64>,
+}
+
+impl ShardedGpt {
+    /// Shard `model` (a freshly built reference, whose parameters and data are the logical
+    /// tensors every rank slices) over `mesh`. Checks that every split divides: batch by dp,
+    /// sequence by 2·cp (and by 2·cp·tp under SP), heads, the MLP width and the vocabulary by
+    /// tp.
+    pub fn new(model: Gpt, mesh: Mesh, algorithm: Algorithm) -> Result<ShardedGpt> {
+        let c = model.config();
+        let mut checks = vec![
+            ("batch", c.batch, mesh.dp, "dp"),
+            ("seq", c.seq, 2 * mesh.cp, "2·cp"),
+            ("heads", c.heads, mesh.tp, "tp"),
+            ("ffn", c.ffn_mult * c.hidden, mesh.tp, "tp"),
+            ("vocab", c.vocab, mesh.tp, "tp"),
+        ];
+        if mesh.sequence_parallel() {
+            checks.push((
+                "seq",
+                c.seq,
+                2 * mesh.cp * mesh.tp,
+                "2·cp·tp (sequence parallel)",
+            ));
+        }
+        for (what, n, by, by_name) in checks {
+            if n % by != 0 {
+                return Err(Error::InvalidParameter {
+                    name: "mesh",
+                    reason: format!(
+                        "{what} = {n} is not divisible by {by_name} = {by} on mesh {}",
+                        mesh.label()
+                    ),
+                });
+            }
+        }
+        if matches!(
+            model
+                .recipe()
+                .policy(OpClass::Matmul, Pass::Forward)
+                .scaling,
+            Scaling::Block { .. }
+        ) && mesh.world() > 1
+        {
+            return Err(Error::InvalidParameter {
+                name: "recipe",
+                reason: "block-scaled (MX) FP8 is not simulated on a mesh: its blocks would have \
+                         to align with every shard boundary"
+                    .into(),
+            });
+        }
+        Ok(ShardedGpt {
+            model,
+            mesh,
+            algorithm,
+            amax_history: HashMap::new(),
+            scales_used: HashMap::new(),
+        })
+    }
+
+    /// The mesh.
+    pub fn mesh(&self) -> &Mesh {
+        &self.mesh
+    }
+
+    /// The reference model whose parameters and data are sharded.
+    pub fn model(&self) -> &Gpt {
+        &self.model
+    }
+
+    fn policy(&self, class: OpClass, pass: Pass) -> Policy {
+        self.model.recipe().policy(class, pass).clone()
+    }
+
+    fn coords(&self, r: usize) -> Coords {
+        self.mesh.coords(r)
+    }
+
+    /// The activation layout: batch over DP, CP chunks of the sequence, TP as given.
+    fn act(&self, tp: Placement) -> Layout {
+        Layout {
+            dp: Placement::split(0),
+            cp: Placement::CpChunks { dim: 1 },
+            tp,
+        }
+    }
+
+    /// Layout of the regions outside tensor-parallel layers.
+    fn region(&self) -> Layout {
+        if self.mesh.sequence_parallel() {
+            self.act(Placement::split(1))
+        } else {
+            self.act(Placement::Replicate)
+        }
+    }
+
+    fn param_layout(&self, name: &str) -> Layout {
+        let tp = if let Some(module) = name
+            .strip_suffix(".weight")
+            .or_else(|| name.strip_suffix(".bias"))
+        {
+            let is_linear = module.ends_with("attn.qkv")
+                || module.ends_with("attn.proj")
+                || module.ends_with("mlp.fc1")
+                || module.ends_with("mlp.fc2")
+                || module == "lm_head";
+            match (is_linear, parallel_of(module), name.ends_with(".weight")) {
+                (false, _, _) => Placement::Replicate,
+                (true, Parallel::Column { groups }, _) => Placement::Split { dim: 0, groups },
+                (true, Parallel::Row, true) => Placement::split(1),
+                (true, Parallel::Row, false) => Placement::Replicate,
+            }
+        } else {
+            Placement::Replicate
+        };
+        Layout {
+            dp: Placement::Replicate,
+            cp: Placement::Replicate,
+            tp,
+        }
+    }
+
+    /// Every rank's shard of a parameter.
+    fn param_shards(&self, name: &str) -> Result<Vec<Tensor>> {
+        shard(
+            self.model.param(name)?,
+            &self.param_layout(name),
+            &self.mesh,
+            name,
+        )
+    }
+
+    /// Token ids, targets (each [b_local·s_local]) and positions of a rank's tokens.
+    fn local_tokens(&self, r: usize, sp: bool) -> (Vec<usize>, Vec<usize>, Vec<usize>, usize) {
+        let cfg = self.model.config();
+        let Coords { dp, cp, tp } = self.coords(r);
+        let bl = cfg.batch / self.mesh.dp;
+        let c = cfg.seq / (2 * self.mesh.cp);
+        let mut pos: Vec<usize> = (cp * c..(cp + 1) * c)
+            .chain((2 * self.mesh.cp - 1 - cp) * c..(2 * self.mesh.cp - cp) * c)
+            .collect();
+        if sp && self.mesh.sequence_parallel() {
+            let piece = pos.len() / self.mesh.tp;
+            pos = pos[tp * piece..(tp + 1) * piece].to_vec();
+        }
+        let mut ids = vec![];
+        let mut tg = vec![];
+        for b in dp * bl..(dp + 1) * bl {
+            for &p in &pos {
+                ids.push(self.model.tokens()[b * cfg.seq + p]);
+                tg.push(self.model.targets()[b * cfg.seq + p]);
+            }
+        }
+        (ids, tg, pos, bl)
+    }
+
+    /// Ranks of each TP group (same dp, cp), in tp order.
+    fn tp_groups(&self) -> Vec<Vec<usize>> {
+        let m = self.mesh;
+        let mut out = vec![];
+        for dp in 0..m.dp {
+            for cp in 0..m.cp {
+                out.push((0..m.tp).map(|tp| m.rank(Coords { dp, cp, tp })).collect());
+            }
+        }
+        out
+    }
+
+    /// Ranks of each DP×CP group (same tp), in (dp, cp) order.
+    fn dpcp_groups(&self) -> Vec<Vec<usize>> {
+        let m = self.mesh;
+        (0..m.tp)
+            .map(|tp| {
+                let mut g = vec![];
+                for dp in 0..m.dp {
+                    for cp in 0..m.cp {
+                        g.push(m.rank(Coords { dp, cp, tp }));
+                    }
+                }
+                g
+            })
+            .collect()
+    }
+
+    /// Ranks of each CP group (same dp, tp), in cp order.
+    fn cp_groups(&self) -> Vec<Vec<usize>> {
+        let m = self.mesh;
+        let mut out = vec![];
+        for dp in 0..m.dp {
+            for tp in 0..m.tp {
+                out.push((0..m.cp).map(|cp| m.rank(Coords { dp, cp, tp })).collect());
+            }
+        }
+        out
+    }
+
+    /// All-reduce within each group (no-op for groups of one rank).
+    fn all_reduce_groups(
+        &self,
+        shards: &mut [Tensor],
+        groups: &[Vec<usize>],
+        fmt: Format,
+    ) -> Result<()> {
+        for g in groups {
+            if g.len() < 2 {
+                continue;
+            }
+            let parts: Vec<Tensor> = g.iter().map(|&r| shards[r].clone()).collect();
+            let red = all_reduce(&parts, self.algorithm, fmt)?;
+            for &r in g {
+                shards[r] = red.clone();
+            }
+        }
+        Ok(())
+    }
+
+    /// All-gather along `dim` within each TP group.
+    fn gather_tp(&self, shards: &[Tensor], dim: usize, what: &str) -> Result<Vec<Tensor>> {
+        let mut out = shards.to_vec();
+        for g in self.tp_groups() {
+            let parts: Vec<Tensor> = g.iter().map(|&r| shards[r].clone()).collect();
+            let full = all_gather(&parts, dim, what)?;
+            for &r in &g {
+                out[r] = full.clone();
+            }
+        }
+        Ok(out)
+    }
+
+    /// Reduce partial sums over TP: ring all-reduce, or reduce-scatter along the sequence under
+    /// sequence parallelism.
+    fn reduce_tp(&self, shards: &mut [Tensor], fmt: Format) -> Result<()> {
+        if self.mesh.tp == 1 {
+            return Ok(());
+        }
+        if self.mesh.sequence_parallel() {
+            for g in self.tp_groups() {
+                let parts: Vec<Tensor> = g.iter().map(|&r| shards[r].clone()).collect();
+                let out = reduce_scatter(&parts, 1, fmt)?;
+                for (&r, t) in g.iter().zip(out) {
+                    shards[r] = t;
+                }
+            }
+            Ok(())
+        } else {
+            self.all_reduce_groups(shards, &self.tp_groups(), fmt)
+        }
+    }
+
+    /// Slice every rank's tensor along `dim` to its TP part (the backward of an all-gather).
+    fn slice_tp(&self, shards: &[Tensor], dim: usize, what: &str) -> Result<Vec<Tensor>> {
+        let tp_only = Mesh::new(self.mesh.tp, 1, 1, false)?;
+        let layout = Layout {
+            tp: Placement::split(dim),
+            ..Layout::replicated()
+        };
+        shards
+            .iter()
+            .enumerate()
+            .map(|(r, t)| {
+                let parts = shard(t, &layout, &tp_only, what)?;
+                Ok(parts[self.coords(r).tp].clone())
+            })
+            .collect()
+    }
+
+    /// The per-tensor FP8 scale of an operand, from the amax reduced over every rank.
+    fn scale_for(
+        &mut self,
+        key: String,
+        locals: &[&Tensor],
+        policy: &Policy,
+        fmt: Format,
+        record: bool,
+    ) -> Option<f64> {
+        if !matches!(fmt, Format::E4M3 | Format::E5M2) {
+            return None;
+        }
+        let amax = || locals.iter().map(|t| t.amax()).fold(0.0, f64::max);
+        match policy.scaling {
+            Scaling::PerTensorCurrent { margin } => Some(per_tensor_scale(amax(), fmt, margin)),
+            Scaling::PerTensorDelayed { margin } => Some(if record {
+                let hist = self.amax_history.get(&key).cloned().unwrap_or_default();
+                let s = delayed_scale(&hist, fmt, margin);
+                let entry = self.amax_history.entry(key.clone()).or_default();
+                entry.push(amax());
+                let keep = self.model.recipe().amax_history_len.max(1);
+                if entry.len() > keep {
+                    let drop = entry.len() - keep;
+                    entry.drain(..drop);
+                }
+                self.scales_used.insert(key, s);
+                s
+            } else {
+                self.scales_used.get(&key).copied().unwrap_or(1.0)
+            }),
+            _ => None,
+        }
+    }
+
+    fn flatten(t: &Tensor) -> Result<Tensor> {
+        let last = *t.shape().last().unwrap_or(&1);
+        t.reshape(&[t.len().checked_div(last).unwrap_or(0), last])
+    }
+
+    fn forward(&mut self, m: &Module, inputs: &[Dist]) -> Result<(Dist, Saved)> {
+        let world = self.mesh.world();
+        let cfg = self.model.config().clone();
+        match m.kind {
+            ModuleKind::Embedding => {
+                let p = self.policy(OpClass::Elementwise, Pass::Forward);
+                let wte = self.model.param("embedding.wte")?.clone();
+                let wpe = self.model.param("embedding.wpe")?.clone();
+                let shards = (0..world)
+                    .map(|r| {
+                        let (ids, _, pos, bl) = self.local_tokens(r, true);
+                        let rows: Vec<f64> = pos
+                            .iter()
+                            .flat_map(|&q| {
+                                wpe.values()[q * cfg.hidden..(q + 1) * cfg.hidden].to_vec()
+                            })
+                            .collect();
+                        let wpe_l = Tensor::from_parts_unchecked(
+                            &[pos.len(), cfg.hidden],
+                            rows,
+                            wpe.format(),
+                        );
+                        embedding(&ids, bl, pos.len(), &wte, &wpe_l, &p)
+                    })
+                    .collect::<Result<_>>()?;
+                Ok((
+                    Dist {
+                        shards,
+                        layout: self.region(),
+                    },
+                    Saved::None,
+                ))
+            }
+            ModuleKind::Norm => {
+                let p = self.policy(OpClass::Norm, Pass::Forward);
+                let w = self.model.param(&m.params[0])?.clone();
+                let mut shards = vec![];
+                let mut saved = vec![];
+                for x in &inputs[0].shards {
+                    let (o, s) = match cfg.norm {
+                        NormKind::LayerNorm => layer_norm(
+                            x,
+                            &w,
+                            self.model.param(&m.params[1])?,
+                            cfg.norm_eps,
+                            cfg.variance,
+                            &p,
+                        )?,
+                        NormKind::RmsNorm => rms_norm(x, &w, cfg.norm_eps, &p)?,
+                    };
+                    shards.push(o);
+                    saved.push(s);
+                }
+                Ok((
+                    Dist {
+                        shards,
+                        layout: inputs[0].layout,
+                    },
+                    Saved::Norm(saved),
+                ))
+            }
+            ModuleKind::Linear => self.linear_forward(m, &inputs[0]),
+            ModuleKind::Attention => {
+                let p = self.policy(OpClass::Softmax, Pass::Forward);
+                let heads = cfg.heads / self.mesh.tp;
+                let layout = self.act(Placement::split(2));
+                if self.mesh.cp == 1 {
+                    let mut shards = vec![];
+                    let mut saved = vec![];
+                    for x in &inputs[0].shards {
+                        let (o, s) = attention(x, heads, true, cfg.attention, &p)?;
+                        shards.push(o);
+                        saved.push(s);
+                    }
+                    return Ok((Dist { shards, layout }, Saved::Attention(saved)));
+                }
+                let chunk = cfg.seq / (2 * self.mesh.cp);
+                let block = match cfg.attention {
+                    AttentionImpl::Online { block } => block,
+                    AttentionImpl::Standard => chunk,
+                };
+                let mut shards = vec![Tensor::zeros(&[], p.output); world];
+                let mut saved = vec![];
+                for g in self.cp_groups() {
+                    let parts: Vec<Tensor> =
+                        g.iter().map(|&r| inputs[0].shards[r].clone()).collect();
+                    let (outs, s) = ring_attention(&parts, heads, block, &p)?;
+                    for (&r, o) in g.iter().zip(outs) {
+                        shards[r] = o;
+                    }
+                    saved.push((g, s));
+                }
+                Ok((Dist { shards, layout }, Saved::Ring(saved)))
+            }
+            ModuleKind::Activation => {
+                let p = self.policy(OpClass::Elementwise, Pass::Forward);
+                let shards = inputs[0]
+                    .shards
+                    .iter()
+                    .map(|x| match cfg.activation {
+                        Activation::Gelu => gelu(x, &p),
+                        Activation::Silu => silu(x, &p),
+                    })
+                    .collect::<Result<_>>()?;
+                Ok((
+                    Dist {
+                        shards,
+                        layout: inputs[0].layout,
+                    },
+                    Saved::None,
+                ))
+            }
+            ModuleKind::Residual => {
+                let p = self.policy(OpClass::Elementwise, Pass::Forward);
+                if inputs[0].layout != inputs[1].layout {
+                    return Err(Error::Layout {
+                        id: m.name.clone(),
+                        reason: "the two residual inputs have different layouts".into(),
+                    });
+                }
+                let shards = inputs[0]
+                    .shards
+                    .iter()
+                    .zip(&inputs[1].shards)
+                    .map(|(a, b)| nn::add(a, b, &p))
+                    .collect::<Result<_>>()?;
+                Ok((
+                    Dist {
+                        shards,
+                        layout: inputs[0].layout,
+                    },
+                    Saved::None,
+                ))
+            }
+            ModuleKind::Loss => {
+                let p = self.policy(OpClass::Loss, Pass::Forward);
+                let full = self.gather_tp(&inputs[0].shards, 2, "logits")?;
+                let mut locals = vec![];
+                let mut logits = vec![];
+                for (r, z) in full.iter().enumerate() {
+                    let z2 = Self::flatten(z)?;
+                    let (_, tg, _, _) = self.local_tokens(r, false);
+                    locals.push(cross_entropy(&z2, &tg, &p)?);
+                    logits.push(z2);
+                }
+                self.all_reduce_groups(&mut locals, &self.dpcp_groups(), p.output)?;
+                let ar = Arith::new(p.accumulator(), p.output, p.accumulation.overflow);
+                let n = (self.mesh.dp * self.mesh.cp) as f64;
+                let shards = locals
+                    .iter()
+                    .map(|t| {
+                        let v = t.values().first().copied().unwrap_or(f64::NAN);
+                        Tensor::from_parts_unchecked(&[], vec![ar.ro(ar.div(v, n))], p.output)
+                    })
+                    .collect();
+                Ok((
+                    Dist {
+                        shards,
+                        layout: Layout::replicated(),
+                    },
+                    Saved::Loss(logits),
+                ))
+            }
+        }
+    }
+
+    fn linear_forward(&mut self, m: &Module, x: &Dist) -> Result<(Dist, Saved)> {
+        let p = self.policy(OpClass::Matmul, Pass::Forward);
+        let par = parallel_of(&m.name);
+        let w = self.param_shards(&m.params[0])?;
+        let bias = match m.params.get(1) {
+            Some(n) => Some(self.param_shards(n)?),
+            None => None,
+        };
+        let xs = match par {
+            Parallel::Column { .. } if self.mesh.sequence_parallel() => {
+                self.gather_tp(&x.shards, 1, &m.name)?
+            }
+            _ => x.shards.clone(),
+        };
+        let x2: Vec<Tensor> = xs.iter().map(Self::flatten).collect::<Result<_>>()?;
+        let sx = self.scale_for(
+            format!("{}.input", m.name),
+            &x2.iter().collect::<Vec<_>>(),
+            &p,
+            p.input(),
+            true,
+        );
+        let sw = self.scale_for(
+            format!("{}.weight", m.name),
+            &w.iter().collect::<Vec<_>>(),
+            &p,
+            p.rhs(),
+            true,
+        );
+        let world = self.mesh.world();
+        let mut out = Vec::with_capacity(world);
+        let bias_here = par != Parallel::Row || self.mesh.tp == 1;
+        for r in 0..world {
+            let b = if bias_here {
+                bias.as_ref().map(|b| &b[r])
+            } else {
+                None
+            };
+            let y = linear_scaled(&x2[r], &w[r], b, &p, sx, sw)?;
+            let mut shape = xs[r].shape().to_vec();
+            let last = shape.len() - 1;
+            shape[last] = w[r].shape()[0];
+            out.push(y.reshape(&shape)?);
+        }
+        let layout = match par {
+            Parallel::Column { groups } => self.act(Placement::Split { dim: 2, groups }),
+            Parallel::Row => {
+                if self.mesh.tp > 1 {
+                    self.reduce_tp(&mut out, self.model.recipe().activation_format)?;
+                    if let Some(b) = &bias {
+                        let ar = Arith::new(p.accumulator(), p.output, p.accumulation.overflow);
+                        for (r, y) in out.iter_mut().enumerate() {
+                            let bv = b[r].values();
+                            let h = bv.len();
+                            let vals: Vec<f64> = y
+                                .values()
+                                .iter()
+                                .enumerate()
+                                .map(|(i, &v)| ar.ro(ar.add(v, bv[i % h])))
+                                .collect();
+                            *y = Tensor::from_parts_unchecked(y.shape(), vals, p.output);
+                        }
+                    }
+                }
+                self.region()
+            }
+        };
+        Ok((
+            Dist {
+                shards: out,
+                layout,
+            },
+            Saved::Linear(x2),
+        ))
+    }
+
+    /// Backward of one module: gradients per input, and (parameter, per-rank gradient) pairs
+    /// before the data-parallel reduction.
+    fn backward(
+        &mut self,
+        m: &Module,
+        inputs: &[Dist],
+        saved: &Saved,
+        g: &Dist,
+    ) -> Result<(Vec<Dist>, Vec<(String, Vec<Tensor>)>)> {
+        let cfg = self.model.config().clone();
+        let gf = self.model.recipe().grad_format;
+        let world = self.mesh.world();
+        match (m.kind, saved) {
+            (ModuleKind::Embedding, _) => {
+                let p = self.policy(OpClass::Elementwise, Pass::Backward);
+                let mut dte = vec![];
+                let mut dpe = vec![];
+                for r in 0..world {
+                    let (ids, _, pos, bl) = self.local_tokens(r, true);
+                    let (a, b) = embedding_backward(
+                        &ids,
+                        bl,
+                        pos.len(),
+                        cfg.vocab,
+                        pos.len(),
+                        &g.shards[r],
+                        &p,
+                        gf,
+                    )?;
+                    let mut full = vec![0.0; cfg.seq * cfg.hidden];
+                    for (i, &q) in pos.iter().enumerate() {
+                        full[q * cfg.hidden..(q + 1) * cfg.hidden]
+                            .copy_from_slice(&b.values()[i * cfg.hidden..(i + 1) * cfg.hidden]);
+                    }
+                    dte.push(a);
+                    dpe.push(Tensor::from_parts_unchecked(
+                        &[cfg.seq, cfg.hidden],
+                        full,
+                        gf,
+                    ));
+                }
+                Ok((
+                    vec![],
+                    vec![(m.params[0].clone(), dte), (m.params[1].clone(), dpe)],
+                ))
+            }
+            (ModuleKind::Norm, Saved::Norm(s)) => {
+                let p = self.policy(OpClass::Norm, Pass::Backward);
+                let w = self.model.param(&m.params[0])?.clone();
+                let mut dx = vec![];
+                let mut dw = vec![];
+                let mut db = vec![];
+                for r in 0..world {
+                    let (a, b, c) = norm_backward(
+                        &s[r],
+                        &w,
+                        &g.shards[r],
+                        cfg.norm == NormKind::LayerNorm,
+                        &p,
+                        gf,
+                    )?;
+                    dx.push(a);
+                    dw.push(b);
+                    if let Some(c) = c {
+                        db.push(c);
+                    }
+                }
+                let mut pg = vec![(m.params[0].clone(), dw)];
+                if !db.is_empty() {
+                    pg.push((m.params[1].clone(), db));
+                }
+                Ok((
+                    vec![Dist {
+                        shards: dx,
+                        layout: inputs[0].layout,
+                    }],
+                    pg,
+                ))
+            }
+            (ModuleKind::Linear, Saved::Linear(x2)) => self.linear_backward(m, inputs, x2, g),
+            (ModuleKind::Attention, Saved::Attention(s)) => {
+                let p = self.policy(OpClass::Softmax, Pass::Backward);
+                let shards = s
+                    .iter()
+                    .zip(&g.shards)
+                    .map(|(s, g)| attention_backward(s, g, &p))
+                    .collect::<Result<_>>()?;
+                Ok((
+                    vec![Dist {
+                        shards,
+                        layout: inputs[0].layout,
+                    }],
+                    vec![],
+                ))
+            }
+            (ModuleKind::Attention, Saved::Ring(groups)) => {
+                let p = self.policy(OpClass::Softmax, Pass::Backward);
+                let mut shards = vec![Tensor::zeros(&[], p.output); world];
+                for (ranks, s) in groups {
+                    let douts: Vec<Tensor> = ranks.iter().map(|&r| g.shards[r].clone()).collect();
+                    let d = ring_attention_backward(s, &douts, &p)?;
+                    for (&r, t) in ranks.iter().zip(d) {
+                        shards[r] = t;
+                    }
+                }
+                Ok((
+                    vec![Dist {
+                        shards,
+                        layout: inputs[0].layout,
+                    }],
+                    vec![],
+                ))
+            }
+            (ModuleKind::Activation, _) => {
+                let p = self.policy(OpClass::Elementwise, Pass::Backward);
+                let shards = inputs[0]
+                    .shards
+                    .iter()
+                    .zip(&g.shards)
+                    .map(|(x, g)| match cfg.activation {
+                        Activation::Gelu => gelu_backward(x, g, &p),
+                        Activation::Silu => silu_backward(x, g, &p),
+                    })
+                    .collect::<Result<_>>()?;
+                Ok((
+                    vec![Dist {
+                        shards,
+                        layout: inputs[0].layout,
+                    }],
+                    vec![],
+                ))
+            }
+            (ModuleKind::Residual, _) => {
+                let p = self.policy(OpClass::Elementwise, Pass::Backward);
+                let shards: Vec<Tensor> = g
+                    .shards
+                    .iter()
+                    .map(|t| t.cast(p.output, p.input_overflow(p.output)))
+                    .collect();
+                let d = Dist {
+                    shards,
+                    layout: g.layout,
+                };
+                Ok((vec![d.clone(), d], vec![]))
+            }
+            (ModuleKind::Loss, Saved::Loss(logits)) => {
+                let p = self.policy(OpClass::Loss, Pass::Backward);
+                let seed = 1.0 / (self.mesh.dp * self.mesh.cp) as f64;
+                let mut full = vec![];
+                for (r, z) in logits.iter().enumerate() {
+                    let (_, tg, _, _) = self.local_tokens(r, false);
+                    let dz = cross_entropy_backward(z, &tg, seed, &p)?;
+                    let mut shape = inputs[0].shards[r].shape().to_vec();
+                    let last = shape.len() - 1;
+                    shape[last] = cfg.vocab;
+                    full.push(dz.reshape(&shape)?);
+                }
+                let shards = self.slice_tp(&full, 2, "logit gradient")?;
+                Ok((
+                    vec![Dist {
+                        shards,
+                        layout: inputs[0].layout,
+                    }],
+                    vec![],
+                ))
+            }
+            (kind, _) => Err(Error::InvalidParameter {
+                name: "saved",
+                reason: format!("module '{}' of kind {kind:?} has no saved state", m.name),
+            }),
+        }
+    }
+
+    fn linear_backward(
+        &mut self,
+        m: &Module,
+        inputs: &[Dist],
+        x2: &[Tensor],
+        g: &Dist,
+    ) -> Result<(Vec<Dist>, Vec<(String, Vec<Tensor>)>)> {
+        let dg = self.policy(OpClass::MatmulGradInput, Pass::Backward);
+        let wg = self.policy(OpClass::MatmulGradWeight, Pass::Backward);
+        let gf = self.model.recipe().grad_format;
+        let par = parallel_of(&m.name);
+        let w = self.param_shards(&m.params[0])?;
+        let world = self.mesh.world();
+        // Row-parallel layers under SP gather the output gradient along the sequence.
+        let gs = match par {
+            Parallel::Row if self.mesh.sequence_parallel() => {
+                self.gather_tp(&g.shards, 1, &m.name)?
+            }
+            _ => g.shards.clone(),
+        };
+        let g2: Vec<Tensor> = gs.iter().map(Self::flatten).collect::<Result<_>>()?;
+        let s_g = self.scale_for(
+            format!("{}.grad", m.name),
+            &g2.iter().collect::<Vec<_>>(),
+            &dg,
+            dg.input(),
+            true,
+        );
+        let s_w = self.scale_for(
+            format!("{}.weight", m.name),
+            &w.iter().collect::<Vec<_>>(),
+            &dg,
+            dg.rhs(),
+            false,
+        );
+        let s_x = self.scale_for(
+            format!("{}.input", m.name),
+            &x2.iter().collect::<Vec<_>>(),
+            &wg,
+            wg.rhs(),
+            false,
+        );
+        let mut dx = Vec::with_capacity(world);
+        let mut dw = Vec::with_capacity(world);
+        let mut db = Vec::with_capacity(world);
+        for r in 0..world {
+            let d = matmul_scaled(&g2[r], &w[r], &dg, s_g, s_w)?;
+            let mut shape = gs[r].shape().to_vec();
+            let last = shape.len() - 1;
+            shape[last] = w[r].shape()[1];
+            dx.push(d.reshape(&shape)?);
+            let gt = transpose(&g2[r], "linear output gradient")?;
+            dw.push(matmul_scaled(&gt, &x2[r], &wg, s_g, s_x)?.cast(gf, Overflow::NonSaturating));
+            if m.params.len() > 1 {
+                let mut bp = wg.clone();
+                bp.output = gf;
+                // Under SP a row-parallel bias sums the rank's own sequence piece.
+                let src = if par == Parallel::Row && self.mesh.sequence_parallel() {
+                    Self::flatten(&g.shards[r])?
+                } else {
+                    g2[r].clone()
+                };
+                db.push(column_sums(&src, &bp)?);
+            }
+        }
+        let layout = match par {
+            Parallel::Column { .. } => {
+                self.reduce_tp(&mut dx, self.model.recipe().activation_format)?;
+                self.region()
+            }
+            Parallel::Row => self.act(Placement::split(2)),
+        };
+        debug_assert_eq!(layout, inputs[0].layout);
+        let mut pg = vec![(m.params[0].clone(), dw)];
+        if m.params.len() > 1 {
+            pg.push((m.params[1].clone(), db));
+        }
+        Ok((vec![Dist { shards: dx, layout }], pg))
+    }
+
+    /// Reduce a parameter gradient over the ranks that computed different parts of it: the
+    /// DP×CP group, and for replicated parameters under SP the TP group too.
+    fn reduce_param_grad(&self, name: &str, shards: &mut [Tensor]) -> Result<Layout> {
+        let layout = self.param_layout(name);
+        let gf = self.model.recipe().grad_format;
+        self.all_reduce_groups(shards, &self.dpcp_groups(), gf)?;
+        if layout.tp == Placement::Replicate && self.mesh.sequence_parallel() {
+            self.all_reduce_groups(shards, &self.tp_groups(), gf)?;
+        }
+        Ok(layout)
+    }
+
+    /// One training step on the mesh, with the trace of every rank.
+    pub fn step(&mut self) -> Result<ShardedStep> {
+        let modules = self.model.modules().to_vec();
+        let mut entries = vec![];
+        let nvalues = modules.iter().map(|m| m.output).max().unwrap_or(0) + 1;
+        let mut values: Vec<Option<Dist>> = vec![None; nvalues];
+        let mut saved = Vec::with_capacity(modules.len());
+        let push = |entries: &mut Vec<ShardedEntry>, id: String, d: &Dist| {
+            entries.push(ShardedEntry {
+                id,
+                layout: d.layout,
+                shards: d.shards.clone(),
+            })
+        };
+        for m in &modules {
+            let inputs: Vec<Dist> = m
+                .inputs
+                .iter()
+                .map(|&v| {
+                    values[v].clone().ok_or_else(|| Error::UnknownName {
+                        kind: "value",
+                        name: v.to_string(),
+                    })
+                })
+                .collect::<Result<_>>()?;
+            for (i, d) in inputs.iter().enumerate() {
+                push(&mut entries, format!("{}|fwd.input.{i}", m.name), d);
+            }
+            let (out, s) = self.forward(m, &inputs)?;
+            push(&mut entries, format!("{}|fwd.output.0", m.name), &out);
+            values[m.output] = Some(out);
+            saved.push((inputs, s));
+        }
+        let last = modules.len() - 1;
+        let loss = values[modules[last].output]
+            .as_ref()
+            .and_then(|d| d.shards.first())
+            .and_then(|t| t.values().first().copied())
+            .unwrap_or(f64::NAN);
+        let mut grads: Vec<Option<Dist>> = vec![None; nvalues];
+        let seed = Tensor::from_vec(&[], vec![1.0], Format::F32)?;
+        grads[modules[last].output] = Some(Dist {
+            shards: vec![seed; self.mesh.world()],
+            layout: Layout::replicated(),
+        });
+        let acc_policy = self.policy(OpClass::Elementwise, Pass::Backward);
+        let mut param_grads = vec![];
+        for (idx, m) in modules.iter().enumerate().rev() {
+            let g = grads[m.output].take().ok_or_else(|| Error::UnknownName {
+                kind: "gradient of value",
+                name: m.output.to_string(),
+            })?;
+            push(&mut entries, format!("{}|grad.output.0", m.name), &g);
+            let (inputs, s) = &saved[idx];
+            let (gin, pg) = self.backward(m, inputs, s, &g)?;
+            for (i, (gi, &v)) in gin.into_iter().zip(&m.inputs).enumerate() {
+                push(&mut entries, format!("{}|grad.input.{i}", m.name), &gi);
+                grads[v] = Some(match grads[v].take() {
+                    None => gi,
+                    Some(prev) => Dist {
+                        shards: prev
+                            .shards
+                            .iter()
+                            .zip(&gi.shards)
+                            .map(|(a, b)| nn::add(a, b, &acc_policy))
+                            .collect::<Result<_>>()?,
+                        layout: prev.layout,
+                    },
+                });
+            }
+            param_grads.extend(pg);
+        }
+        for (name, mut shards) in param_grads {
+            let layout = self.reduce_param_grad(&name, &mut shards)?;
+            entries.push(ShardedEntry {
+                id: format!("{name}|param_grad"),
+                layout,
+                shards,
+            });
+        }
+        Ok(ShardedStep {
+            mesh: self.mesh,
+            loss,
+            entries,
+        })
+    }
+}
