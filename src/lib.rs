@@ -70,6 +70,7 @@ pub mod exact;
 pub mod format;
 pub mod order;
 pub mod shard;
+pub mod validate;
 
 pub use error::{Error, Result};
 pub use exact::{exact_dot, exact_sum, exact_sum_abs, ExactAccumulator};

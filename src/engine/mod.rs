@@ -23,7 +23,7 @@ pub use matmul::{
     transpose, Quantized,
 };
 pub use model::{
-    Activation, Gpt, GptConfig, Module, ModuleGrads, ModuleKind, NormKind, StepResult,
+    Activation, Gpt, GptConfig, Module, ModuleGrads, ModuleKind, NormKind, StepHook, StepResult,
 };
 pub use nn::{
     add, cross_entropy, cross_entropy_backward, embedding, embedding_backward, gelu, gelu_backward,

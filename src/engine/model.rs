@@ -186,6 +186,9 @@ enum Saved {
 /// Gradients of one module: one per input, then (parameter name, gradient) pairs.
 pub type ModuleGrads = (Vec<Tensor>, Vec<(String, Tensor)>);
 
+/// A hook called by [`Gpt::step_with`] with the canonical id of each produced tensor.
+pub type StepHook<'a> = dyn FnMut(&str, &mut Tensor) -> Result<()> + 'a;
+
 /// Result of one training step.
 #[derive(Debug, Clone)]
 pub struct StepResult {
@@ -662,6 +665,16 @@ impl Gpt {
     /// accumulation where a value feeds two modules (the residual stream), recording the
     /// trace. Delayed-scaling amax histories advance by one step.
     pub fn step(&mut self) -> Result<StepResult> {
+        self.step_with(&mut |_, _| Ok(()))
+    }
+
+    /// [`Gpt::step`] with a hook that sees, and may change, every tensor the step produces —
+    /// module outputs, input gradients and parameter gradients, by canonical id — before it is
+    /// traced and used downstream. Forward inputs and arriving output gradients are not
+    /// hooked (they are produced tensors seen earlier under their producer's id). This is how
+    /// difference simulation injects modelled round-off differences and how the perturbation
+    /// estimate perturbs the input.
+    pub fn step_with(&mut self, hook: &mut StepHook<'_>) -> Result<StepResult> {
         let modules = self.modules.clone();
         let mut trace = Trace::new();
         let nvalues = modules.iter().map(|m| m.output).max().unwrap_or(0) + 1;
@@ -681,8 +694,10 @@ impl Gpt {
             for (i, t) in inputs.iter().enumerate() {
                 trace.push(format!("{}|fwd.input.{i}", m.name), t.clone())?;
             }
-            let (out, s) = self.run_forward(m, &inputs, true)?;
-            trace.push(format!("{}|fwd.output.0", m.name), out.clone())?;
+            let (mut out, s) = self.run_forward(m, &inputs, true)?;
+            let id = format!("{}|fwd.output.0", m.name);
+            hook(&id, &mut out)?;
+            trace.push(id, out.clone())?;
             values[m.output] = Some(out);
             saved.push((inputs, s));
         }
@@ -704,8 +719,10 @@ impl Gpt {
             trace.push(format!("{}|grad.output.0", m.name), g.clone())?;
             let (inputs, s) = &saved[idx];
             let (gin, pg) = self.run_backward(m, inputs, s, &g, true)?;
-            for (i, (gi, &v)) in gin.into_iter().zip(&m.inputs).enumerate() {
-                trace.push(format!("{}|grad.input.{i}", m.name), gi.clone())?;
+            for (i, (mut gi, &v)) in gin.into_iter().zip(&m.inputs).enumerate() {
+                let id = format!("{}|grad.input.{i}", m.name);
+                hook(&id, &mut gi)?;
+                trace.push(id, gi.clone())?;
                 grads[v] = Some(match grads[v].take() {
                     None => gi,
                     // A value read by two modules: its gradient is the sum of both, added in
@@ -717,8 +734,10 @@ impl Gpt {
                 param_grads.push((name, t));
             }
         }
-        for (name, t) in param_grads {
-            trace.push(format!("{name}|param_grad"), t)?;
+        for (name, mut t) in param_grads {
+            let id = format!("{name}|param_grad");
+            hook(&id, &mut t)?;
+            trace.push(id, t)?;
         }
         Ok(StepResult {
             loss: loss_value,

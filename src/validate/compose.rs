@@ -1,0 +1,317 @@
+//! End-to-end (composed) thresholds by **difference simulation**, and the paper's
+//! perturbation-based estimate.
+//!
+//! Difference simulation (papers/sharding.md §4). A sharded run differs from the reference
+//! only at the *fresh sites* ([`fresh_sites`](crate::validate::fresh::fresh_sites)), where
+//! the same inputs are reduced in another order; everything downstream differs because its
+//! inputs differ, through the reference's own arithmetic — including every rounding, which
+//! turns a small input difference into 0 or ±1 ulp. So we sample the difference: re-run the
+//! reference step (same recipe, same FP8 scales) and at every fresh site replace the output
+//! y by y + D with D the site's modelled difference after the output rounding: ε ~ N(0, Eε²)
+//! from the site's reduction model, then D = ulp·⌊ε/ulp⌋ or ulp·⌈ε/ulp⌉ with probability
+//! given by the fractional part — the law of fl(ŷ + ε) − fl(ŷ) when the position of ŷ on the
+//! output grid is uniform (the uniform-phase model of `bounds::compare`). Downstream, the
+//! engine propagates the perturbed values with the reference's arithmetic, so the sample of
+//! cand − ref is taken through the real rounding behaviour, not a linearization.
+//!
+//! From m samples Dₛ of a tensor's difference (zero-mean under the model, covariance Σ):
+//! * tr Σ is estimated by mean‖Dₛ‖² and tr Σ² by the mean of ⟨D_a, D_b⟩² over pairs a ≠ b
+//!   (unbiased for independent samples); r = (tr Σ)² / tr Σ² is the effective rank.
+//! * Estimation: treating m·‖D‖²/tr Σ summed over samples as χ² with m·r degrees of freedom,
+//!   tr Σ ≤ m·r·mean‖D‖² / χ²_{m·r}(δ_est) with probability ≥ 1 − δ_est.
+//! * Tail: for Gaussian D, ‖D‖² ≤ tr Σ + 2√(tr Σ²·t) + 2‖Σ‖t with t = ln(1/δ) (Hsu, Kakade &
+//!   Zhang 2012, Thm 1), and ‖Σ‖ ≤ √tr Σ² = tr Σ/√r, so
+//!   ‖D‖² ≤ tr Σ·(1 + 2√(t/r) + 2t/√r).
+//!
+//! The threshold holds with probability ≥ 1 − δ − δ_est under the model (Gaussian site errors
+//! of the modelled variance, uniform phase). A tensor with no fresh site upstream gets a zero
+//! threshold: the sharded run must reproduce it bit for bit.
+//!
+//! Perturbation estimate (TTrace §2.2 as the notes reconstruct it): re-run the reference with
+//! its first activation (the embedding output) perturbed by a relative noise of size u
+//! (xᵢ(1 + u·ξᵢ), ξ standard normal, stochastically rounded back onto the grid); the
+//! estimate for a tensor is the largest relative change over the samples.
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+use statrs::distribution::{ChiSquared, ContinuousCDF};
+
+use crate::engine::init::SplitMix64;
+use crate::engine::model::Gpt;
+use crate::engine::tensor::Tensor;
+use crate::engine::trace::Trace;
+use crate::error::{Error, Result};
+use crate::format::{Format, Overflow};
+use crate::validate::fresh::FreshSites;
+
+/// Settings of the difference simulation.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct SimulationConfig {
+    /// Samples (≥ 2).
+    pub samples: usize,
+    /// Failure probability of the tail bound.
+    pub delta: f64,
+    /// Failure probability of the variance estimate.
+    pub delta_estimate: f64,
+    /// Seed of the simulated noise.
+    pub seed: u64,
+}
+
+impl Default for SimulationConfig {
+    /// 12 samples, δ = 10⁻⁶, δ_est = 10⁻³.
+    fn default() -> Self {
+        SimulationConfig {
+            samples: 12,
+            delta: 1e-6,
+            delta_estimate: 1e-3,
+            seed: 0x5eed,
+        }
+    }
+}
+
+/// A composed threshold for one traced tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Composed {
+    /// Bound on ‖cand − ref‖_F.
+    pub abs: f64,
+    /// Bound on ‖cand − ref‖_F / ‖ref‖_F.
+    pub relative: f64,
+    /// √(mean ‖Dₛ‖²) / ‖ref‖: the typical relative difference.
+    pub expected_relative: f64,
+    /// Effective rank r of the difference's covariance (1 … elements).
+    pub effective_rank: f64,
+}
+
+/// Stochastic rounding of a difference `e` onto the grid of `fmt` at value `v`: the law of
+/// fl(v + e) − v for v on the grid with a uniform phase; returns the new value.
+pub fn perturb_on_grid(fmt: Format, v: f64, e: f64, rng: &mut SplitMix64) -> f64 {
+    let ulp = fmt.ulp(v).unwrap_or(0.0);
+    if ulp == 0.0 || e == 0.0 {
+        return v;
+    }
+    let k = e / ulp;
+    let f = k.floor();
+    let step = if rng.uniform() < k - f { f + 1.0 } else { f };
+    fmt.round(v + step * ulp, Overflow::NonSaturating)
+}
+
+fn ids_of(trace: &Trace) -> Vec<String> {
+    trace.ids().map(str::to_string).collect()
+}
+
+/// Differences of `sample` from `reference`, per id.
+fn differences(reference: &Trace, sample: &Trace) -> Result<Vec<Vec<f64>>> {
+    ids_of(reference)
+        .iter()
+        .map(|id| {
+            let r = reference.require(id)?;
+            let s = sample.require(id)?;
+            Ok(s.values()
+                .iter()
+                .zip(r.values())
+                .map(|(a, b)| a - b)
+                .collect())
+        })
+        .collect()
+}
+
+fn norm(v: &[f64]) -> f64 {
+    v.iter().map(|x| x * x).sum::<f64>().sqrt()
+}
+
+/// Composed thresholds for every traced tensor of `reference`, the last step of a model whose
+/// state before that step is `before`.
+pub fn simulate(
+    before: &Gpt,
+    reference: &Trace,
+    sites: &FreshSites,
+    config: SimulationConfig,
+) -> Result<HashMap<String, Composed>> {
+    if config.samples < 2 {
+        return Err(Error::InvalidParameter {
+            name: "samples",
+            reason: format!(
+                "difference simulation needs at least 2 samples (got {})",
+                config.samples
+            ),
+        });
+    }
+    for (name, d) in [
+        ("delta", config.delta),
+        ("delta_estimate", config.delta_estimate),
+    ] {
+        if !(d > 0.0 && d < 1.0) {
+            return Err(Error::InvalidParameter {
+                name,
+                reason: format!("a probability strictly between 0 and 1 is required (got {d})"),
+            });
+        }
+    }
+    let mut samples = Vec::with_capacity(config.samples);
+    for s in 0..config.samples {
+        let mut model = before.clone();
+        let seed = config.seed ^ (s as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let mut hook = |id: &str, t: &mut Tensor| -> Result<()> {
+            let Some(var) = sites.get(id) else {
+                return Ok(());
+            };
+            let mut rng = SplitMix64::for_name(id, seed);
+            let fmt = t.format();
+            let vals: Vec<f64> = t
+                .values()
+                .iter()
+                .zip(var)
+                .map(|(&v, &e2)| {
+                    let e = e2.sqrt() * rng.normal();
+                    perturb_on_grid(fmt, v, e, &mut rng)
+                })
+                .collect();
+            *t = Tensor::from_parts_unchecked(t.shape(), vals, fmt);
+            Ok(())
+        };
+        let trace = model.step_with(&mut hook)?.trace;
+        samples.push(differences(reference, &trace)?);
+    }
+    let m = config.samples as f64;
+    let t = (1.0 / config.delta).ln();
+    let mut out = HashMap::new();
+    for (k, id) in reference.ids().enumerate() {
+        let r = reference.require(id)?;
+        let n = r.len().max(1) as f64;
+        let rnorm = norm(r.values());
+        let sq: Vec<f64> = samples
+            .iter()
+            .map(|s| s[k].iter().map(|x| x * x).sum())
+            .collect();
+        let tr = sq.iter().sum::<f64>() / m;
+        if tr == 0.0 {
+            out.insert(
+                id.to_string(),
+                Composed {
+                    abs: 0.0,
+                    relative: 0.0,
+                    expected_relative: 0.0,
+                    effective_rank: n,
+                },
+            );
+            continue;
+        }
+        // Mean (common to every sample: roundings of fixed reference values near a rounding
+        // boundary) and centred second moment.
+        let len = samples[0][k].len();
+        let mut mean = vec![0.0; len];
+        for smp in &samples {
+            for (a, b) in mean.iter_mut().zip(&smp[k]) {
+                *a += b / m;
+            }
+        }
+        let mean_norm = norm(&mean);
+        let trc = samples
+            .iter()
+            .map(|smp| {
+                smp[k]
+                    .iter()
+                    .zip(&mean)
+                    .map(|(x, mu)| (x - mu) * (x - mu))
+                    .sum::<f64>()
+            })
+            .sum::<f64>()
+            / (m - 1.0);
+        // tr Σ² from independent zero-mean vectors E_j = (D_2j − D_2j+1)/√2.
+        let diffs: Vec<Vec<f64>> = (0..samples.len() / 2)
+            .map(|j| {
+                samples[2 * j][k]
+                    .iter()
+                    .zip(&samples[2 * j + 1][k])
+                    .map(|(a, b)| (a - b) / std::f64::consts::SQRT_2)
+                    .collect()
+            })
+            .collect();
+        let mut pairs = 0.0;
+        let mut tr2 = 0.0;
+        for a in 0..diffs.len() {
+            for b in a + 1..diffs.len() {
+                let dot: f64 = diffs[a].iter().zip(&diffs[b]).map(|(x, y)| x * y).sum();
+                tr2 += dot * dot;
+                pairs += 1.0;
+            }
+        }
+        let rank = if pairs > 0.0 && tr2 > 0.0 {
+            (trc * trc / (tr2 / pairs)).clamp(1.0, n)
+        } else {
+            1.0
+        };
+        let nu = (m - 1.0) * rank;
+        let q = ChiSquared::new(nu)
+            .map(|c| c.inverse_cdf(config.delta_estimate))
+            .unwrap_or(0.0);
+        let est = if q > 0.0 { nu / q } else { f64::INFINITY };
+        let hkz = 1.0 + 2.0 * (t / rank).sqrt() + 2.0 * t / rank.sqrt();
+        let spread = (trc * est * hkz).sqrt();
+        let abs = mean_norm + spread * (1.0 + 1.0 / m).sqrt();
+        let _ = &sq;
+        out.insert(
+            id.to_string(),
+            Composed {
+                abs,
+                relative: if rnorm > 0.0 {
+                    abs / rnorm
+                } else {
+                    f64::INFINITY
+                },
+                expected_relative: if rnorm > 0.0 {
+                    tr.sqrt() / rnorm
+                } else {
+                    f64::INFINITY
+                },
+                effective_rank: rank,
+            },
+        );
+    }
+    Ok(out)
+}
+
+/// The perturbation estimate: the largest relative change of each traced tensor over
+/// `samples` runs with the embedding output perturbed by relative noise of size u of its
+/// format.
+pub fn perturbation_estimate(
+    before: &Gpt,
+    reference: &Trace,
+    samples: usize,
+    seed: u64,
+) -> Result<HashMap<String, f64>> {
+    let mut out: HashMap<String, f64> = HashMap::new();
+    for s in 0..samples {
+        let mut model = before.clone();
+        let mut hook = |id: &str, t: &mut Tensor| -> Result<()> {
+            if id != "embedding|fwd.output.0" {
+                return Ok(());
+            }
+            let mut rng = SplitMix64::for_name(id, seed ^ (s as u64 + 1));
+            let fmt = t.format();
+            let u = fmt.unit_roundoff();
+            let vals: Vec<f64> = t
+                .values()
+                .iter()
+                .map(|&v| {
+                    let e = v * u * rng.normal();
+                    perturb_on_grid(fmt, v, e, &mut rng)
+                })
+                .collect();
+            *t = Tensor::from_parts_unchecked(t.shape(), vals, fmt);
+            Ok(())
+        };
+        let trace = model.step_with(&mut hook)?.trace;
+        for (id, d) in ids_of(reference)
+            .iter()
+            .zip(differences(reference, &trace)?)
+        {
+            let rn = norm(reference.require(id)?.values());
+            let rel = if rn > 0.0 { norm(&d) / rn } else { 0.0 };
+            let e = out.entry(id.clone()).or_insert(0.0);
+            *e = e.max(rel);
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,548 @@
+//! Fresh differences: where a sharded run's arithmetic differs from the reference's on the
+//! *same* inputs, and by how much (per element, before the site's output rounding).
+//!
+//! A site is a traced tensor whose op reduces in another order on the mesh (see
+//! `papers/sharding.md` §3):
+//! * row-parallel forward outputs (`attn.proj`, `mlp.fc2`) and column-parallel input gradients
+//!   (`attn.qkv`, `mlp.fc1`, `lm_head`) with tp > 1: K split over the TP ranks, partials
+//!   rounded to the activation format and combined in it;
+//! * parameter gradients whose token sum is split over ranks (DP×CP, and TP under sequence
+//!   parallelism for replicated parameters), combined in the gradient format;
+//! * the loss with dp·cp > 1;
+//! * attention with cp > 1: outputs merged chunk by chunk in ring order, dQ/dK/dV accumulated
+//!   per chunk / per query rank.
+//!
+//! Each element's difference ε = (candidate's value) − (reference's value), both before the
+//! output rounding, is modelled with the reduction error model of `bounds::reduction`
+//! (Higham–Mary uniform rounding, with the exact partial sums of the reference's data): the
+//! reference's single reduction and the candidate's grouped reduction (each group's partial
+//! reduced in the reference order, the partial rounded to the partial format, the partials
+//! combined in ring order in the combine format) are independent executions, so
+//! E ε² = Var_r + Var_c + (mean_c − mean_r)² + (tie bounds)². The result is E ε² per element.
+
+use std::collections::HashMap;
+
+use crate::bounds::reduction::{reduction_error, ReductionError};
+use crate::engine::attention::widest_of;
+use crate::engine::model::{Gpt, ModuleKind, NormKind};
+use crate::engine::policy::{OpClass, Pass, Policy};
+use crate::engine::trace::Trace;
+use crate::error::Result;
+use crate::format::Format;
+use crate::order::{Accumulation, Order};
+use crate::shard::layout::Mesh;
+
+/// E ε² per element, by canonical id of the traced tensor.
+pub type FreshSites = HashMap<String, Vec<f64>>;
+
+fn rounding(fmt: Format, v: f64) -> ReductionError {
+    if fmt.round(v, crate::Overflow::NonSaturating) == v {
+        return ReductionError::default();
+    }
+    let ulp = fmt.ulp(v).unwrap_or(0.0);
+    ReductionError {
+        guaranteed: ulp / 2.0,
+        mean: 0.0,
+        variance: ulp * ulp / 12.0,
+        tie_bound: 0.0,
+    }
+}
+
+/// The candidate's grouped reduction of `groups` (each a list of exact terms): each group
+/// reduced under `inner`, its result rounded to `partial`, the partials combined sequentially
+/// from group `start` (ring order) in `combine`.
+fn grouped(
+    groups: &[Vec<f64>],
+    inner: &Accumulation,
+    is_dot: bool,
+    partial: Format,
+    combine: Format,
+    start: usize,
+) -> Result<ReductionError> {
+    let mut total = ReductionError::default();
+    let mut partials = Vec::with_capacity(groups.len());
+    let p = groups.len().max(1);
+    for i in 0..groups.len() {
+        let g = &groups[(start + i) % p];
+        if g.is_empty() {
+            partials.push(0.0);
+            continue;
+        }
+        total = total.plus(reduction_error(g, inner, is_dot)?);
+        let s: f64 = g.iter().sum();
+        total = total.plus(rounding(partial, s));
+        partials.push(s);
+    }
+    let acc = Accumulation::new(partial, combine, Order::Sequential);
+    Ok(total.plus(reduction_error(&partials, &acc, false)?))
+}
+
+/// E ε² of one element: the reference reduces `terms` (in order) under `reference`, the
+/// candidate reduces the terms grouped by `owners` (group g: the terms owned by g, in order).
+///
+/// The leading run of terms owned by the first term's owner is reduced identically by both
+/// sides when the order is sequential (same terms, same order, same format), so its rounding
+/// errors are shared and cancel: its variance, counted once on each side, is removed twice.
+#[allow(clippy::too_many_arguments)]
+fn element(
+    terms: &[f64],
+    reference: &Accumulation,
+    owners: &[usize],
+    parts: usize,
+    is_dot: bool,
+    partial: Format,
+    combine: Format,
+    start: usize,
+) -> Result<f64> {
+    let groups = group_terms(owners, terms, parts);
+    let er = reduction_error(terms, reference, is_dot)?;
+    let ec = grouped(&groups, reference, is_dot, partial, combine, start)?;
+    let mut var = er.variance + ec.variance;
+    if reference.order == Order::Sequential && !owners.is_empty() {
+        let lead = owners.iter().take_while(|&&o| o == owners[0]).count();
+        if lead >= 2 {
+            let shared = reduction_error(&terms[..lead], reference, is_dot)?;
+            var = (var - 2.0 * shared.variance).max(0.0);
+        }
+    }
+    Ok(var + (ec.mean - er.mean).powi(2) + (er.tie_bound + ec.tie_bound).powi(2))
+}
+
+fn acc_of(p: &Policy, input: Format) -> Accumulation {
+    let mut a = p.accumulation.clone();
+    a.input = input;
+    a
+}
+
+/// Which rank groups the logical tokens (b, s) belong to.
+struct Tokens {
+    batch: usize,
+    seq: usize,
+    /// Owner group per token for a DP×CP reduction.
+    dpcp: Vec<usize>,
+    /// Owner group per token for a DP×CP×TP (sequence-parallel) reduction.
+    all: Vec<usize>,
+}
+
+impl Tokens {
+    fn new(batch: usize, seq: usize, mesh: &Mesh) -> Tokens {
+        let bl = batch / mesh.dp;
+        let c = seq / (2 * mesh.cp);
+        let mut dpcp = vec![];
+        let mut all = vec![];
+        for b in 0..batch {
+            for s in 0..seq {
+                let chunk = s / c;
+                let (ci, local) = if chunk < mesh.cp {
+                    (chunk, s - chunk * c)
+                } else {
+                    (2 * mesh.cp - 1 - chunk, c + s - chunk * c)
+                };
+                let g = (b / bl) * mesh.cp + ci;
+                let t = if mesh.sequence_parallel() {
+                    local / (2 * c / mesh.tp)
+                } else {
+                    0
+                };
+                dpcp.push(g);
+                all.push(t * mesh.dp * mesh.cp + g);
+            }
+        }
+        Tokens {
+            batch,
+            seq,
+            dpcp,
+            all,
+        }
+    }
+
+    fn n(&self) -> usize {
+        self.batch * self.seq
+    }
+}
+
+/// Group `(owner, term)` pairs into `parts` lists (owner order, term order kept).
+fn group_terms(owners: &[usize], terms: &[f64], parts: usize) -> Vec<Vec<f64>> {
+    let mut g = vec![vec![]; parts];
+    for (&o, &t) in owners.iter().zip(terms) {
+        g[o].push(t);
+    }
+    g
+}
+
+fn linear_name(m: &str) -> Option<bool> {
+    // Some(true): row-parallel; Some(false): column-parallel.
+    if m.ends_with("attn.proj") || m.ends_with("mlp.fc2") {
+        Some(true)
+    } else if m.ends_with("attn.qkv") || m.ends_with("mlp.fc1") || m == "lm_head" {
+        Some(false)
+    } else {
+        None
+    }
+}
+
+/// The TP rank that owns output feature k of a column-parallel layer with `out` features.
+fn column_owner(name: &str, k: usize, out: usize, tp: usize) -> usize {
+    let groups = if name.ends_with("attn.qkv") { 3 } else { 1 };
+    let len = out / (groups * tp);
+    (k % (out / groups)) / len
+}
+
+/// Every fresh site of `model` (its last step traced in `reference`) on `mesh`.
+pub fn fresh_sites(model: &Gpt, reference: &Trace, mesh: &Mesh) -> Result<FreshSites> {
+    let cfg = model.config();
+    let recipe = model.recipe();
+    let act = recipe.activation_format;
+    let gf = recipe.grad_format;
+    let tokens = Tokens::new(cfg.batch, cfg.seq, mesh);
+    let n_dpcp = mesh.dp * mesh.cp;
+    let n_all = n_dpcp * mesh.tp;
+    let mut sites = FreshSites::new();
+    let tp = mesh.tp;
+    for m in model.modules() {
+        let name = &m.name;
+        // Parameter-gradient groups: replicated parameters under SP use every rank.
+        let replicated_groups = |is_replicated: bool| -> (&Vec<usize>, usize) {
+            if is_replicated && mesh.sequence_parallel() {
+                (&tokens.all, n_all)
+            } else {
+                (&tokens.dpcp, n_dpcp)
+            }
+        };
+        match m.kind {
+            ModuleKind::Linear => {
+                let row = linear_name(name) == Some(true);
+                let x = reference.require(&format!("{name}|fwd.input.0"))?;
+                let g = reference.require(&format!("{name}|grad.output.0"))?;
+                let w = model.param(&m.params[0])?;
+                let (out, inp) = (w.shape()[0], w.shape()[1]);
+                let rows = x.len() / inp;
+                let (xv, gv, wv) = (x.values(), g.values(), w.values());
+                let fwd = recipe.policy(OpClass::Matmul, Pass::Forward);
+                let dg = recipe.policy(OpClass::MatmulGradInput, Pass::Backward);
+                let wg = recipe.policy(OpClass::MatmulGradWeight, Pass::Backward);
+                if tp > 1 && row {
+                    // y_tj = Σ_k x_tk W_jk, K split contiguously over TP.
+                    let acc = acc_of(fwd, fwd.input());
+                    let chunk = (rows * out).div_ceil(tp);
+                    let mut v = Vec::with_capacity(rows * out);
+                    let mut terms = vec![0.0; inp];
+                    let k_owner: Vec<usize> = (0..inp).map(|k| k / (inp / tp)).collect();
+                    for t in 0..rows {
+                        for j in 0..out {
+                            for (k, tk) in terms.iter_mut().enumerate() {
+                                *tk = xv[t * inp + k] * wv[j * inp + k];
+                            }
+                            let e = (t * out + j) / chunk;
+                            v.push(element(
+                                &terms,
+                                &acc,
+                                &k_owner,
+                                tp,
+                                true,
+                                act,
+                                act,
+                                (e + 1) % tp,
+                            )?);
+                        }
+                    }
+                    sites.insert(format!("{name}|fwd.output.0"), v);
+                }
+                if tp > 1 && !row {
+                    // dx_tk = Σ_j g_tj W_jk, the out features split over TP.
+                    let acc = acc_of(dg, dg.input());
+                    let chunk = (rows * inp).div_ceil(tp);
+                    let owners: Vec<usize> =
+                        (0..out).map(|j| column_owner(name, j, out, tp)).collect();
+                    let mut v = Vec::with_capacity(rows * inp);
+                    let mut terms = vec![0.0; out];
+                    for t in 0..rows {
+                        for k in 0..inp {
+                            for (j, tj) in terms.iter_mut().enumerate() {
+                                *tj = gv[t * out + j] * wv[j * inp + k];
+                            }
+                            let e = (t * inp + k) / chunk;
+                            v.push(element(
+                                &terms,
+                                &acc,
+                                &owners,
+                                tp,
+                                true,
+                                act,
+                                act,
+                                (e + 1) % tp,
+                            )?);
+                        }
+                    }
+                    sites.insert(format!("{name}|grad.input.0"), v);
+                }
+                if n_dpcp > 1 {
+                    // dW_jk = Σ_t g_tj x_tk over tokens split over DP×CP.
+                    let acc = acc_of(wg, wg.input());
+                    let mut v = Vec::with_capacity(out * inp);
+                    let mut terms = vec![0.0; rows];
+                    for j in 0..out {
+                        for k in 0..inp {
+                            for (t, tt) in terms.iter_mut().enumerate() {
+                                *tt = gv[t * out + j] * xv[t * inp + k];
+                            }
+                            v.push(element(
+                                &terms,
+                                &acc,
+                                &tokens.dpcp,
+                                n_dpcp,
+                                true,
+                                gf,
+                                gf,
+                                1,
+                            )?);
+                        }
+                    }
+                    sites.insert(format!("{}|param_grad", m.params[0]), v);
+                }
+                if let Some(bias) = m.params.get(1) {
+                    let (owners, parts) = replicated_groups(row);
+                    if parts > 1 {
+                        let acc = acc_of(wg, g.format());
+                        let mut v = Vec::with_capacity(out);
+                        let mut terms = vec![0.0; rows];
+                        for j in 0..out {
+                            for (t, tt) in terms.iter_mut().enumerate() {
+                                *tt = gv[t * out + j];
+                            }
+                            v.push(element(&terms, &acc, owners, parts, false, gf, gf, 1)?);
+                        }
+                        sites.insert(format!("{bias}|param_grad"), v);
+                    }
+                }
+            }
+            ModuleKind::Norm => {
+                let (owners, parts) = replicated_groups(true);
+                if parts == 1 {
+                    continue;
+                }
+                let x = reference.require(&format!("{name}|fwd.input.0"))?;
+                let g = reference.require(&format!("{name}|grad.output.0"))?;
+                let h = cfg.hidden;
+                let rows = x.len() / h;
+                // x̂ in f64.
+                let mut xhat = vec![0.0; x.len()];
+                for r in 0..rows {
+                    let row = &x.values()[r * h..(r + 1) * h];
+                    let mean = if cfg.norm == NormKind::LayerNorm {
+                        row.iter().sum::<f64>() / h as f64
+                    } else {
+                        0.0
+                    };
+                    let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / h as f64;
+                    let inv = 1.0 / (var + cfg.norm_eps).sqrt();
+                    for i in 0..h {
+                        xhat[r * h + i] = (row[i] - mean) * inv;
+                    }
+                }
+                let p = recipe.policy(OpClass::Norm, Pass::Backward);
+                let acc = acc_of(p, p.accumulator());
+                let mut vw = Vec::with_capacity(h);
+                let mut vb = Vec::with_capacity(h);
+                let mut tw = vec![0.0; rows];
+                let mut tb = vec![0.0; rows];
+                for i in 0..h {
+                    for r in 0..rows {
+                        tb[r] = g.values()[r * h + i];
+                        tw[r] = tb[r] * xhat[r * h + i];
+                    }
+                    vw.push(element(&tw, &acc, owners, parts, false, gf, gf, 1)?);
+                    vb.push(element(&tb, &acc, owners, parts, false, gf, gf, 1)?);
+                }
+                sites.insert(format!("{}|param_grad", m.params[0]), vw);
+                if let Some(b) = m.params.get(1) {
+                    sites.insert(format!("{b}|param_grad"), vb);
+                }
+            }
+            ModuleKind::Embedding => {
+                let (owners, parts) = replicated_groups(true);
+                if parts == 1 {
+                    continue;
+                }
+                let g = reference.require(&format!("{name}|grad.output.0"))?;
+                let h = cfg.hidden;
+                let p = recipe.policy(OpClass::Elementwise, Pass::Backward);
+                let acc = acc_of(p, p.input());
+                let ids = model.tokens();
+                let mut vte = vec![0.0; cfg.vocab * h];
+                for v in 0..cfg.vocab {
+                    let pos: Vec<usize> = (0..tokens.n()).filter(|&t| ids[t] == v).collect();
+                    if pos.len() < 2 {
+                        continue;
+                    }
+                    let own: Vec<usize> = pos.iter().map(|&t| owners[t]).collect();
+                    for i in 0..h {
+                        let terms: Vec<f64> = pos.iter().map(|&t| g.values()[t * h + i]).collect();
+                        vte[v * h + i] = element(&terms, &acc, &own, parts, false, gf, gf, 1)?;
+                    }
+                }
+                sites.insert(format!("{}|param_grad", m.params[0]), vte);
+                let mut vpe = vec![0.0; cfg.seq * h];
+                for s in 0..cfg.seq {
+                    let pos: Vec<usize> = (0..cfg.batch).map(|b| b * cfg.seq + s).collect();
+                    let own: Vec<usize> = pos.iter().map(|&t| owners[t]).collect();
+                    for i in 0..h {
+                        let terms: Vec<f64> = pos.iter().map(|&t| g.values()[t * h + i]).collect();
+                        vpe[s * h + i] = element(&terms, &acc, &own, parts, false, gf, gf, 1)?;
+                    }
+                }
+                sites.insert(format!("{}|param_grad", m.params[1]), vpe);
+            }
+            ModuleKind::Loss if n_dpcp > 1 => {
+                let z = reference.require(&format!("{name}|fwd.input.0"))?;
+                let v = cfg.vocab;
+                let n = tokens.n();
+                let terms: Vec<f64> = (0..n)
+                    .map(|t| {
+                        let row = &z.values()[t * v..(t + 1) * v];
+                        let mx = row.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+                        let lse = mx + row.iter().map(|x| (x - mx).exp()).sum::<f64>().ln();
+                        (lse - row[model.targets()[t]]) / n as f64
+                    })
+                    .collect();
+                let p = recipe.policy(OpClass::Loss, Pass::Forward);
+                let acc = acc_of(p, p.accumulator());
+                let a = p.accumulator();
+                sites.insert(
+                    format!("{name}|fwd.output.0"),
+                    vec![element(
+                        &terms,
+                        &acc,
+                        &tokens.dpcp,
+                        n_dpcp,
+                        false,
+                        a,
+                        p.output,
+                        1,
+                    )?],
+                );
+            }
+            ModuleKind::Attention if mesh.cp > 1 => {
+                attention_sites(model, reference, mesh, name, &mut sites)?;
+            }
+            _ => {}
+        }
+    }
+    Ok(sites)
+}
+
+/// Context-parallel attention: per (batch, head), exact P in f64; the forward output and
+/// dQ, dK, dV as grouped reductions (by key chunk for the output and dQ, by query rank for
+/// dK and dV) in the accumulator format, plus the rescaling roundings of each merge.
+fn attention_sites(
+    model: &Gpt,
+    reference: &Trace,
+    mesh: &Mesh,
+    name: &str,
+    sites: &mut FreshSites,
+) -> Result<()> {
+    let cfg = model.config();
+    let recipe = model.recipe();
+    let pf = recipe.policy(OpClass::Softmax, Pass::Forward);
+    let pb = recipe.policy(OpClass::Softmax, Pass::Backward);
+    let a = pf.accumulator();
+    let u = a.unit_roundoff();
+    let qkv = reference.require(&format!("{name}|fwd.input.0"))?;
+    let dout = reference.require(&format!("{name}|grad.output.0"))?;
+    let (b_n, s_n, h) = (cfg.batch, cfg.seq, cfg.hidden);
+    let heads = cfg.heads;
+    let d = h / heads;
+    let c = s_n / (2 * mesh.cp);
+    let chunk_of = |s: usize| s / c;
+    let qrank_of = |s: usize| {
+        let ch = s / c;
+        if ch < mesh.cp {
+            ch
+        } else {
+            2 * mesh.cp - 1 - ch
+        }
+    };
+    let scale = 1.0 / (d as f64).sqrt();
+    let acc_f = acc_of(pf, pf.input());
+    let acc_b = acc_of(pb, widest_of(pb.input(), pf.input()));
+    let mut vo = vec![0.0; b_n * s_n * h];
+    let mut vd = vec![0.0; b_n * s_n * 3 * h];
+    let at = |b: usize, s: usize, w: usize, hh: usize, j: usize| {
+        qkv.values()[(b * s_n + s) * 3 * h + w * h + hh * d + j]
+    };
+    for b in 0..b_n {
+        for hh in 0..heads {
+            // P, dP, dS in f64.
+            let mut p = vec![0.0; s_n * s_n];
+            for i in 0..s_n {
+                let sc: Vec<f64> = (0..=i)
+                    .map(|j| {
+                        (0..d)
+                            .map(|t| at(b, i, 0, hh, t) * at(b, j, 1, hh, t))
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let mx = sc.iter().fold(f64::NEG_INFINITY, |x, &y| x.max(y));
+                let z: f64 = sc.iter().map(|x| (x - mx).exp()).sum();
+                for j in 0..=i {
+                    p[i * s_n + j] = (sc[j] - mx).exp() / z;
+                }
+            }
+            let go = |i: usize, t: usize| dout.values()[(b * s_n + i) * h + hh * d + t];
+            let mut ds = vec![0.0; s_n * s_n];
+            for i in 0..s_n {
+                let dp: Vec<f64> = (0..s_n)
+                    .map(|j| (0..d).map(|t| go(i, t) * at(b, j, 2, hh, t)).sum())
+                    .collect();
+                let ci: f64 = (0..s_n).map(|j| p[i * s_n + j] * dp[j]).sum();
+                for j in 0..s_n {
+                    ds[i * s_n + j] = p[i * s_n + j] * (dp[j] - ci) * scale;
+                }
+            }
+            let key_chunks: Vec<usize> = (0..s_n).map(chunk_of).collect();
+            let q_ranks: Vec<usize> = (0..s_n).map(qrank_of).collect();
+            for i in 0..s_n {
+                let start = qrank_of(i);
+                for t in 0..d {
+                    // Output: Σ_j p_ij v_jt grouped by key chunk, merged with rescales.
+                    let terms: Vec<f64> = (0..s_n)
+                        .map(|j| p[i * s_n + j] * at(b, j, 2, hh, t))
+                        .collect();
+                    let groups = group_terms(&key_chunks, &terms, 2 * mesh.cp);
+                    let mut e =
+                        element(&terms, &acc_f, &key_chunks, 2 * mesh.cp, true, a, a, start)?;
+                    let o: f64 = terms.iter().sum();
+                    // Each merge: rescale products of o and l (relative u each, both sides).
+                    let merges = groups
+                        .iter()
+                        .filter(|g| g.iter().any(|&x| x != 0.0))
+                        .count();
+                    e += 2.0 * 4.0 * merges as f64 * u * u / 3.0
+                        * (o * o
+                            + terms.iter().map(|x| x.abs()).sum::<f64>().powi(2)
+                                / merges.max(1) as f64);
+                    vo[(b * s_n + i) * h + hh * d + t] = e;
+                    // dQ_it = Σ_j dS_ij k_jt, grouped by key chunk.
+                    let terms: Vec<f64> = (0..s_n)
+                        .map(|j| ds[i * s_n + j] * at(b, j, 1, hh, t))
+                        .collect();
+                    vd[(b * s_n + i) * 3 * h + hh * d + t] =
+                        element(&terms, &acc_b, &key_chunks, 2 * mesh.cp, true, a, a, start)?;
+                    // dK_it = Σ_q dS_qi q_qt and dV_it = Σ_q P_qi dO_qt, grouped by query rank.
+                    let terms: Vec<f64> = (0..s_n)
+                        .map(|q| ds[q * s_n + i] * at(b, q, 0, hh, t))
+                        .collect();
+                    vd[(b * s_n + i) * 3 * h + h + hh * d + t] =
+                        element(&terms, &acc_b, &q_ranks, mesh.cp, true, a, a, start)?;
+                    let terms: Vec<f64> = (0..s_n).map(|q| p[q * s_n + i] * go(q, t)).collect();
+                    vd[(b * s_n + i) * 3 * h + 2 * h + hh * d + t] =
+                        element(&terms, &acc_b, &q_ranks, mesh.cp, true, a, a, start)?;
+                }
+            }
+        }
+    }
+    sites.insert(format!("{name}|fwd.output.0"), vo);
+    sites.insert(format!("{name}|grad.input.0"), vd);
+    Ok(())
+}

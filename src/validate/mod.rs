@@ -1,0 +1,15 @@
+//! Empirical validation of the thresholds on simulated sharded training steps: run the
+//! reference and a sharded configuration, merge, compare every traced tensor against our
+//! composed threshold, the perturbation estimate and the folklore baselines.
+//!
+//! * [`fresh`]: where a sharded run's arithmetic differs from the reference's, and by how much;
+//! * [`compose`]: end-to-end thresholds by difference simulation, and the perturbation estimate;
+//! * [`sweep`]: configurations, per-tensor results, the per-kind table, JSON and SVG reports.
+
+pub mod compose;
+pub mod fresh;
+pub mod sweep;
+
+pub use compose::{perturbation_estimate, simulate, Composed, SimulationConfig};
+pub use fresh::{fresh_sites, FreshSites};
+pub use sweep::{run_config, KindRow, RunConfig, SweepOptions, SweepReport, TensorResult};
