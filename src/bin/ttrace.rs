@@ -94,6 +94,36 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// The validation sweep: simulate sharded training steps (TP/SP/CP/DP) of a tiny GPT,
+    /// merge the shards, and compare every traced tensor against the reference with our
+    /// composed thresholds, the perturbation estimate and the folklore baselines.
+    ///
+    /// Default: TP in {1,2,4}, SP on/off, CP in {1,2}, DP in {1,2}, recipes fp32, bf16 and
+    /// fp8-delayed, 2 seeds (120 runs). Exit code 1 if any of our thresholds raised a false
+    /// alarm, 2 on an error.
+    Validate {
+        /// The larger sweep: 6 seeds, fp8-current too, ring and tree all-reduce.
+        #[arg(long)]
+        full: bool,
+        /// Number of seeds (default 2, or 6 with --full).
+        #[arg(long)]
+        seeds: Option<u64>,
+        /// Difference-simulation samples per run.
+        #[arg(long, default_value_t = 12)]
+        samples: usize,
+        /// Failure probability δ of our thresholds.
+        #[arg(long, default_value_t = 1e-6)]
+        delta: f64,
+        /// Worker threads (default: all cores). Results do not depend on it.
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Only these recipes (repeatable): fp32, bf16, fp8-delayed, fp8-current.
+        #[arg(long = "recipe")]
+        recipes: Vec<String>,
+        /// Write the full report as JSON to this path, and an SVG plot next to it.
+        #[arg(long)]
+        json: Option<std::path::PathBuf>,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum, Serialize)]
@@ -498,6 +528,119 @@ fn round(format: Format, saturate: bool) -> Result<(), String> {
     out.flush().map_err(|e| format!("writing output: {e}"))
 }
 
+/// Write `contents` to `path` atomically: a temporary file in the same directory, then a
+/// rename, so an interrupted run never leaves a half-written report.
+fn write_atomic(path: &std::path::Path, contents: &[u8]) -> Result<(), String> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    let name = path
+        .file_name()
+        .ok_or_else(|| format!("'{}' is not a file path", path.display()))?;
+    let tmp = dir.join(format!(
+        ".{}.tmp{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    std::fs::write(&tmp, contents).map_err(|e| format!("writing '{}': {e}", tmp.display()))?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        format!("renaming '{}' to '{}': {e}", tmp.display(), path.display())
+    })
+}
+
+fn validate(
+    full: bool,
+    seeds: Option<u64>,
+    samples: usize,
+    delta: f64,
+    threads: Option<usize>,
+    recipes: &[String],
+    json: Option<&std::path::Path>,
+) -> Result<bool, String> {
+    use ttrace::validate::{render_svg, render_table, run_sweep, SweepOptions};
+    let seeds = seeds.unwrap_or(if full { 6 } else { 2 });
+    if seeds == 0 {
+        return Err("--seeds must be at least 1".into());
+    }
+    let mut options = if full {
+        SweepOptions::full_sweep(seeds)
+    } else {
+        SweepOptions::default_sweep(seeds)
+    };
+    for r in recipes {
+        ttrace::engine::Recipe::by_name(r).map_err(|e| e.to_string())?;
+    }
+    if !recipes.is_empty() {
+        options.runs.retain(|run| recipes.contains(&run.recipe));
+        if options.runs.is_empty() {
+            return Err(format!(
+                "no run of the {} sweep uses the recipe(s) {}",
+                if full { "full" } else { "default" },
+                recipes.join(", ")
+            ));
+        }
+    }
+    options.simulation.samples = samples;
+    options.simulation.delta = delta;
+    let mut pool = rayon::ThreadPoolBuilder::new();
+    if let Some(t) = threads {
+        if t == 0 {
+            return Err("--threads must be at least 1".into());
+        }
+        pool = pool.num_threads(t);
+    }
+    let pool = pool
+        .build()
+        .map_err(|e| format!("starting worker threads: {e}"))?;
+    let bar = indicatif::ProgressBar::new(options.runs.len() as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} validate [{elapsed_precise}] {bar:40} {pos}/{len} runs (eta {eta})",
+        )
+        .map_err(|e| e.to_string())?,
+    );
+    let report = pool
+        .install(|| run_sweep(&options, &|| bar.inc(1)))
+        .map_err(|e| e.to_string())?;
+    bar.finish_and_clear();
+    let compared: usize = report.runs.iter().map(|r| r.tensors.len()).sum();
+    println!(
+        "ttrace validate: {} runs ({} meshes x recipes x seeds), model {} layers, hidden {}, \
+         seq {}, batch {}; {} produced tensors compared; delta = {:e}, {} simulation samples; \
+         {:.1} s on {} threads",
+        report.runs.len(),
+        ttrace::validate::SweepOptions::meshes().len(),
+        options.model.layers,
+        options.model.hidden,
+        options.model.seq,
+        options.model.batch,
+        compared,
+        delta,
+        samples,
+        report.seconds,
+        pool.current_num_threads()
+    );
+    println!();
+    print!("{}", render_table(&report));
+    println!();
+    println!(
+        "ε: machine epsilon of the training dtype (fp32: 2^-23; bf16 and fp8 recipes: 2^-7). \
+         tight = threshold / observed, over tensors that differ. FA = false alarms on these \
+         correct runs (pert = perturbation estimate; torch = assert_close defaults for the \
+         tensor's dtype; megatron = 4*1.03^(L+1)*ε)."
+    );
+    if let Some(path) = json {
+        let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+        write_atomic(path, text.as_bytes())?;
+        let svg = path.with_extension("svg");
+        write_atomic(&svg, render_svg(&report).as_bytes())?;
+        println!("report: {} and {}", path.display(), svg.display());
+    }
+    Ok(report.total.false_alarms == 0)
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -518,6 +661,27 @@ fn main() -> ExitCode {
         } => threshold(
             op, m, k, n, &reference, &candidate, mean, std, delta, guaranteed, json,
         ),
+        Command::Validate {
+            full,
+            seeds,
+            samples,
+            delta,
+            threads,
+            recipes,
+            json,
+        } => match validate(
+            full,
+            seeds,
+            samples,
+            delta,
+            threads,
+            &recipes,
+            json.as_deref(),
+        ) {
+            Ok(true) => Ok(()),
+            Ok(false) => return ExitCode::from(1),
+            Err(e) => Err(e),
+        },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -25,7 +25,9 @@
 //!
 //! The threshold holds with probability ≥ 1 − δ − δ_est under the model (Gaussian site errors
 //! of the modelled variance, uniform phase). A tensor with no fresh site upstream gets a zero
-//! threshold: the sharded run must reproduce it bit for bit.
+//! threshold: the sharded run must reproduce it bit for bit. When every sample agrees (no
+//! spread: a discrete event such as a rounding flip occurred in none of them) a fresh site
+//! falls back to its own analytic bound |Dᵢ| ≤ σᵢ·√(2 ln(2n/δ)) + ulpᵢ.
 //!
 //! Perturbation estimate (TTrace §2.2 as the notes reconstruct it): re-run the reference with
 //! its first activation (the embedding output) perturbed by a relative noise of size u
@@ -185,7 +187,24 @@ pub fn simulate(
             .map(|s| s[k].iter().map(|x| x * x).sum())
             .collect();
         let tr = sq.iter().sum::<f64>() / m;
-        if tr == 0.0 {
+        // The site's own analytic bound (a fresh site's difference before anything
+        // propagates): |Dᵢ| ≤ |εᵢ| + ulpᵢ with |εᵢ| ≤ σᵢ·√(2 ln(2n/δ)) for all i at once.
+        let local = sites.get(id).map(|var| {
+            let z = (2.0 * (2.0 * n / config.delta).ln()).sqrt();
+            let fmt = r.format();
+            var.iter()
+                .zip(r.values())
+                .map(|(&e2, &v)| {
+                    if e2 > 0.0 {
+                        (e2.sqrt() * z + fmt.ulp(v).unwrap_or(0.0)).powi(2)
+                    } else {
+                        0.0
+                    }
+                })
+                .sum::<f64>()
+                .sqrt()
+        });
+        if tr == 0.0 && local.unwrap_or(0.0) == 0.0 {
             out.insert(
                 id.to_string(),
                 Composed {
@@ -237,7 +256,7 @@ pub fn simulate(
                 pairs += 1.0;
             }
         }
-        let rank = if pairs > 0.0 && tr2 > 0.0 {
+        let rank = if pairs > 0.0 && tr2 > 0.0 && trc > 0.0 {
             (trc * trc / (tr2 / pairs)).clamp(1.0, n)
         } else {
             1.0
@@ -249,8 +268,12 @@ pub fn simulate(
         let est = if q > 0.0 { nu / q } else { f64::INFINITY };
         let hkz = 1.0 + 2.0 * (t / rank).sqrt() + 2.0 * t / rank.sqrt();
         let spread = (trc * est * hkz).sqrt();
-        let abs = mean_norm + spread * (1.0 + 1.0 / m).sqrt();
-        let _ = &sq;
+        let mut abs = mean_norm + spread * (1.0 + 1.0 / m).sqrt();
+        if trc == 0.0 {
+            // No spread in the samples (a rare discrete event did not occur in any of them):
+            // fall back to the site's analytic bound.
+            abs = mean_norm + local.unwrap_or(0.0);
+        }
         out.insert(
             id.to_string(),
             Composed {

@@ -30,6 +30,7 @@ use crate::engine::trace::Trace;
 use crate::error::Result;
 use crate::format::Format;
 use crate::order::{Accumulation, Order};
+use crate::shard::collective::Algorithm;
 use crate::shard::layout::Mesh;
 
 /// E ε² per element, by canonical id of the traced tensor.
@@ -49,16 +50,19 @@ fn rounding(fmt: Format, v: f64) -> ReductionError {
 }
 
 /// The candidate's grouped reduction of `groups` (each a list of exact terms): each group
-/// reduced under `inner`, its result rounded to `partial`, the partials combined sequentially
-/// from group `start` (ring order) in `combine`.
+/// reduced under `inner`, its result rounded to `partial`, the partials combined in
+/// `combine` sequentially from group `start` (ring order), or as a balanced tree when `start`
+/// is `None`.
 fn grouped(
     groups: &[Vec<f64>],
     inner: &Accumulation,
     is_dot: bool,
     partial: Format,
     combine: Format,
-    start: usize,
+    start: Option<usize>,
 ) -> Result<ReductionError> {
+    let tree = start.is_none();
+    let start = start.unwrap_or(0);
     let mut total = ReductionError::default();
     let mut partials = Vec::with_capacity(groups.len());
     let p = groups.len().max(1);
@@ -73,7 +77,12 @@ fn grouped(
         total = total.plus(rounding(partial, s));
         partials.push(s);
     }
-    let acc = Accumulation::new(partial, combine, Order::Sequential);
+    let order = if tree {
+        Order::Pairwise { base: 1 }
+    } else {
+        Order::Sequential
+    };
+    let acc = Accumulation::new(partial, combine, order);
     Ok(total.plus(reduction_error(&partials, &acc, false)?))
 }
 
@@ -92,7 +101,7 @@ fn element(
     is_dot: bool,
     partial: Format,
     combine: Format,
-    start: usize,
+    start: Option<usize>,
 ) -> Result<f64> {
     let groups = group_terms(owners, terms, parts);
     let er = reduction_error(terms, reference, is_dot)?;
@@ -189,7 +198,14 @@ fn column_owner(name: &str, k: usize, out: usize, tp: usize) -> usize {
 }
 
 /// Every fresh site of `model` (its last step traced in `reference`) on `mesh`.
-pub fn fresh_sites(model: &Gpt, reference: &Trace, mesh: &Mesh) -> Result<FreshSites> {
+pub fn fresh_sites(
+    model: &Gpt,
+    reference: &Trace,
+    mesh: &Mesh,
+    algorithm: Algorithm,
+) -> Result<FreshSites> {
+    let tree = algorithm == Algorithm::Tree;
+    let ring = |s: usize| if tree { None } else { Some(s) };
     let cfg = model.config();
     let recipe = model.recipe();
     let act = recipe.activation_format;
@@ -242,7 +258,7 @@ pub fn fresh_sites(model: &Gpt, reference: &Trace, mesh: &Mesh) -> Result<FreshS
                                 true,
                                 act,
                                 act,
-                                (e + 1) % tp,
+                                ring((e + 1) % tp),
                             )?);
                         }
                     }
@@ -270,7 +286,7 @@ pub fn fresh_sites(model: &Gpt, reference: &Trace, mesh: &Mesh) -> Result<FreshS
                                 true,
                                 act,
                                 act,
-                                (e + 1) % tp,
+                                ring((e + 1) % tp),
                             )?);
                         }
                     }
@@ -294,7 +310,7 @@ pub fn fresh_sites(model: &Gpt, reference: &Trace, mesh: &Mesh) -> Result<FreshS
                                 true,
                                 gf,
                                 gf,
-                                1,
+                                ring(1),
                             )?);
                         }
                     }
@@ -310,7 +326,16 @@ pub fn fresh_sites(model: &Gpt, reference: &Trace, mesh: &Mesh) -> Result<FreshS
                             for (t, tt) in terms.iter_mut().enumerate() {
                                 *tt = gv[t * out + j];
                             }
-                            v.push(element(&terms, &acc, owners, parts, false, gf, gf, 1)?);
+                            v.push(element(
+                                &terms,
+                                &acc,
+                                owners,
+                                parts,
+                                false,
+                                gf,
+                                gf,
+                                ring(1),
+                            )?);
                         }
                         sites.insert(format!("{bias}|param_grad"), v);
                     }
@@ -351,8 +376,8 @@ pub fn fresh_sites(model: &Gpt, reference: &Trace, mesh: &Mesh) -> Result<FreshS
                         tb[r] = g.values()[r * h + i];
                         tw[r] = tb[r] * xhat[r * h + i];
                     }
-                    vw.push(element(&tw, &acc, owners, parts, false, gf, gf, 1)?);
-                    vb.push(element(&tb, &acc, owners, parts, false, gf, gf, 1)?);
+                    vw.push(element(&tw, &acc, owners, parts, false, gf, gf, ring(1))?);
+                    vb.push(element(&tb, &acc, owners, parts, false, gf, gf, ring(1))?);
                 }
                 sites.insert(format!("{}|param_grad", m.params[0]), vw);
                 if let Some(b) = m.params.get(1) {
@@ -378,7 +403,8 @@ pub fn fresh_sites(model: &Gpt, reference: &Trace, mesh: &Mesh) -> Result<FreshS
                     let own: Vec<usize> = pos.iter().map(|&t| owners[t]).collect();
                     for i in 0..h {
                         let terms: Vec<f64> = pos.iter().map(|&t| g.values()[t * h + i]).collect();
-                        vte[v * h + i] = element(&terms, &acc, &own, parts, false, gf, gf, 1)?;
+                        vte[v * h + i] =
+                            element(&terms, &acc, &own, parts, false, gf, gf, ring(1))?;
                     }
                 }
                 sites.insert(format!("{}|param_grad", m.params[0]), vte);
@@ -388,7 +414,8 @@ pub fn fresh_sites(model: &Gpt, reference: &Trace, mesh: &Mesh) -> Result<FreshS
                     let own: Vec<usize> = pos.iter().map(|&t| owners[t]).collect();
                     for i in 0..h {
                         let terms: Vec<f64> = pos.iter().map(|&t| g.values()[t * h + i]).collect();
-                        vpe[s * h + i] = element(&terms, &acc, &own, parts, false, gf, gf, 1)?;
+                        vpe[s * h + i] =
+                            element(&terms, &acc, &own, parts, false, gf, gf, ring(1))?;
                     }
                 }
                 sites.insert(format!("{}|param_grad", m.params[1]), vpe);
@@ -418,7 +445,7 @@ pub fn fresh_sites(model: &Gpt, reference: &Trace, mesh: &Mesh) -> Result<FreshS
                         false,
                         a,
                         p.output,
-                        1,
+                        ring(1),
                     )?],
                 );
             }
@@ -510,8 +537,16 @@ fn attention_sites(
                         .map(|j| p[i * s_n + j] * at(b, j, 2, hh, t))
                         .collect();
                     let groups = group_terms(&key_chunks, &terms, 2 * mesh.cp);
-                    let mut e =
-                        element(&terms, &acc_f, &key_chunks, 2 * mesh.cp, true, a, a, start)?;
+                    let mut e = element(
+                        &terms,
+                        &acc_f,
+                        &key_chunks,
+                        2 * mesh.cp,
+                        true,
+                        a,
+                        a,
+                        Some(start),
+                    )?;
                     let o: f64 = terms.iter().sum();
                     // Each merge: rescale products of o and l (relative u each, both sides).
                     let merges = groups
@@ -527,17 +562,25 @@ fn attention_sites(
                     let terms: Vec<f64> = (0..s_n)
                         .map(|j| ds[i * s_n + j] * at(b, j, 1, hh, t))
                         .collect();
-                    vd[(b * s_n + i) * 3 * h + hh * d + t] =
-                        element(&terms, &acc_b, &key_chunks, 2 * mesh.cp, true, a, a, start)?;
+                    vd[(b * s_n + i) * 3 * h + hh * d + t] = element(
+                        &terms,
+                        &acc_b,
+                        &key_chunks,
+                        2 * mesh.cp,
+                        true,
+                        a,
+                        a,
+                        Some(start),
+                    )?;
                     // dK_it = Σ_q dS_qi q_qt and dV_it = Σ_q P_qi dO_qt, grouped by query rank.
                     let terms: Vec<f64> = (0..s_n)
                         .map(|q| ds[q * s_n + i] * at(b, q, 0, hh, t))
                         .collect();
                     vd[(b * s_n + i) * 3 * h + h + hh * d + t] =
-                        element(&terms, &acc_b, &q_ranks, mesh.cp, true, a, a, start)?;
+                        element(&terms, &acc_b, &q_ranks, mesh.cp, true, a, a, Some(start))?;
                     let terms: Vec<f64> = (0..s_n).map(|q| p[q * s_n + i] * go(q, t)).collect();
                     vd[(b * s_n + i) * 3 * h + 2 * h + hh * d + t] =
-                        element(&terms, &acc_b, &q_ranks, mesh.cp, true, a, a, start)?;
+                        element(&terms, &acc_b, &q_ranks, mesh.cp, true, a, a, Some(start))?;
                 }
             }
         }

@@ -12,4 +12,7 @@ pub mod sweep;
 
 pub use compose::{perturbation_estimate, simulate, Composed, SimulationConfig};
 pub use fresh::{fresh_sites, FreshSites};
-pub use sweep::{run_config, KindRow, RunConfig, SweepOptions, SweepReport, TensorResult};
+pub use sweep::{
+    render_svg, render_table, run_config, run_sweep, KindRow, RunConfig, RunResult, SweepOptions,
+    SweepReport, TensorResult,
+};

@@ -5,13 +5,12 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::bounds::baselines::baselines_for;
+use crate::bounds::baselines::{megatron_ttrace, torch_assert_close};
 use crate::engine::attention::AttentionImpl;
 use crate::engine::model::{Gpt, GptConfig};
 use crate::engine::policy::{Recipe, Scaling};
 use crate::engine::tensor::Tensor;
 use crate::error::Result;
-use crate::format::Format;
 use crate::shard::collective::Algorithm;
 use crate::shard::layout::Mesh;
 use crate::shard::model::ShardedGpt;
@@ -27,6 +26,8 @@ pub struct RunConfig {
     pub recipe: String,
     /// Seed of the consistent generator.
     pub seed: u64,
+    /// All-reduce algorithm of the sharded run.
+    pub algorithm: Algorithm,
 }
 
 /// What the sweep runs.
@@ -40,8 +41,6 @@ pub struct SweepOptions {
     pub simulation: SimulationConfig,
     /// Samples of the perturbation estimate.
     pub perturbation_samples: usize,
-    /// All-reduce algorithm of the sharded runs.
-    pub algorithm: Algorithm,
 }
 
 impl SweepOptions {
@@ -78,17 +77,36 @@ impl SweepOptions {
         out
     }
 
-    /// The default sweep: every mesh × {fp32, bf16, fp8-delayed} × `seeds` seeds.
+    /// The default sweep: every mesh × {fp32, bf16, fp8-delayed} × `seeds` seeds, ring
+    /// all-reduce.
     pub fn default_sweep(seeds: u64) -> SweepOptions {
+        Self::sweep(&["fp32", "bf16", "fp8-delayed"], &[Algorithm::Ring], seeds)
+    }
+
+    /// The full sweep: every mesh × {fp32, bf16, fp8-delayed, fp8-current} × {ring, tree}
+    /// all-reduce × `seeds` seeds.
+    pub fn full_sweep(seeds: u64) -> SweepOptions {
+        Self::sweep(
+            &["fp32", "bf16", "fp8-delayed", "fp8-current"],
+            &[Algorithm::Ring, Algorithm::Tree],
+            seeds,
+        )
+    }
+
+    /// Every mesh × `recipes` × `algorithms` × `seeds` seeds (1000, 1001, ...).
+    pub fn sweep(recipes: &[&str], algorithms: &[Algorithm], seeds: u64) -> SweepOptions {
         let mut runs = vec![];
         for seed in 0..seeds {
-            for recipe in ["fp32", "bf16", "fp8-delayed"] {
-                for mesh in Self::meshes() {
-                    runs.push(RunConfig {
-                        mesh,
-                        recipe: recipe.to_string(),
-                        seed: 1000 + seed,
-                    });
+            for recipe in recipes {
+                for &algorithm in algorithms {
+                    for mesh in Self::meshes() {
+                        runs.push(RunConfig {
+                            mesh,
+                            recipe: recipe.to_string(),
+                            seed: 1000 + seed,
+                            algorithm,
+                        });
+                    }
                 }
             }
         }
@@ -97,7 +115,6 @@ impl SweepOptions {
             runs,
             simulation: SimulationConfig::default(),
             perturbation_samples: 4,
-            algorithm: Algorithm::Ring,
         }
     }
 }
@@ -119,11 +136,13 @@ pub struct TensorResult {
     pub expected: f64,
     /// Perturbation estimate (relative).
     pub perturbation: f64,
-    /// Machine epsilon of the tensor's format (for "units of ε").
+    /// Machine epsilon of the training dtype (the recipe's activation format), the unit of
+    /// the tables.
     pub eps: f64,
     /// Effective rank of the simulated difference's covariance.
     pub effective_rank: f64,
-    /// Names of the baselines that reject this (correct) tensor.
+    /// Baselines that reject this (correct) tensor: `torch` (assert_close defaults for the
+    /// tensor's dtype), `megatron` (4·1.03^(L+1)·ε of the training dtype).
     pub baseline_alarms: Vec<String>,
 }
 
@@ -196,7 +215,7 @@ pub fn run_config(options: &SweepOptions, run: &RunConfig) -> Result<RunResult> 
         Scaling::PerTensorDelayed { .. }
     ));
     let mut reference = Gpt::new(cfg.clone(), recipe.clone())?;
-    let mut sharded = ShardedGpt::new(Gpt::new(cfg, recipe.clone())?, run.mesh, options.algorithm)?;
+    let mut sharded = ShardedGpt::new(Gpt::new(cfg, recipe.clone())?, run.mesh, run.algorithm)?;
     for _ in 0..warmup {
         reference.step()?;
         sharded.step()?;
@@ -204,7 +223,7 @@ pub fn run_config(options: &SweepOptions, run: &RunConfig) -> Result<RunResult> 
     let before = reference.clone();
     let ref_trace = reference.step()?.trace;
     let cand = sharded.step()?.merge(Some(&ref_trace))?;
-    let sites = fresh_sites(&before, &ref_trace, &run.mesh)?;
+    let sites = fresh_sites(&before, &ref_trace, &run.mesh, run.algorithm)?;
     let mut sim = options.simulation;
     sim.seed ^= run.seed;
     let composed = simulate(&before, &ref_trace, &sites, sim)?;
@@ -226,17 +245,16 @@ pub fn run_config(options: &SweepOptions, run: &RunConfig) -> Result<RunResult> 
                 expected_relative: 0.0,
                 effective_rank: 1.0,
             });
-        let fmt = e.tensor.format();
-        let eps_fmt = if recipe.name.starts_with("fp8") && fmt == Format::BF16 {
-            Format::BF16
-        } else {
-            fmt
-        };
-        let baseline_alarms = baselines_for(eps_fmt, depth)
-            .into_iter()
-            .filter(|b| !b.accepts(e.tensor.values(), c.values()))
-            .map(|b| b.name)
-            .collect();
+        // Units of ε: the training dtype (the recipe's activation format), as TTrace and
+        // Megatron report; assert_close judges each tensor by its own dtype.
+        let train = recipe.activation_format;
+        let mut baseline_alarms = vec![];
+        if !torch_assert_close(e.tensor.format()).accepts(e.tensor.values(), c.values()) {
+            baseline_alarms.push("torch".to_string());
+        }
+        if !megatron_ttrace(train, depth).accepts(e.tensor.values(), c.values()) {
+            baseline_alarms.push("megatron".to_string());
+        }
         tensors.push(TensorResult {
             id: e.id.clone(),
             kind: kind_of(&before, &e.id),
@@ -245,7 +263,7 @@ pub fn run_config(options: &SweepOptions, run: &RunConfig) -> Result<RunResult> 
             threshold: th.relative,
             expected: th.expected_relative,
             perturbation: pert.get(&e.id).copied().unwrap_or(0.0),
-            eps: fmt.machine_epsilon(),
+            eps: train.machine_epsilon(),
             effective_rank: th.effective_rank,
             baseline_alarms,
         });
@@ -265,7 +283,7 @@ pub struct KindRow {
     pub compared: usize,
     /// Of which differ from the reference at all.
     pub differing: usize,
-    /// Largest observed relative error, in units of ε of the tensor's format.
+    /// Largest observed relative error, in units of ε of the training dtype.
     pub max_observed_eps: f64,
     /// Median of our threshold over the differing tensors, in units of ε.
     pub median_threshold_eps: f64,
@@ -279,7 +297,7 @@ pub struct KindRow {
     pub perturbation_false_alarms: usize,
     /// Perturbation estimate: median estimate / observed over the differing tensors.
     pub perturbation_tightness_median: f64,
-    /// False alarms of each baseline.
+    /// False alarms of each baseline (`torch`, `megatron`).
     pub baseline_false_alarms: BTreeMap<String, usize>,
 }
 
@@ -317,8 +335,7 @@ fn row(kind: &str, ts: &[&TensorResult]) -> KindRow {
     let mut baseline_false_alarms = BTreeMap::new();
     for t in ts {
         for b in &t.baseline_alarms {
-            let key = b.split(" (").next().unwrap_or(b).to_string();
-            *baseline_false_alarms.entry(key).or_insert(0) += 1;
+            *baseline_false_alarms.entry(b.clone()).or_insert(0) += 1;
         }
     }
     KindRow {
@@ -361,4 +378,227 @@ impl SweepReport {
             seconds,
         }
     }
+}
+
+/// Run every configuration of `options` on the rayon thread pool, calling `progress` after
+/// each one. Results are in configuration order, identical for any number of threads (each
+/// configuration is deterministic and independent).
+pub fn run_sweep(options: &SweepOptions, progress: &(dyn Fn() + Sync)) -> Result<SweepReport> {
+    use rayon::prelude::*;
+    let start = std::time::Instant::now();
+    let runs = options
+        .runs
+        .par_iter()
+        .map(|r| {
+            let out = run_config(options, r);
+            progress();
+            out
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(SweepReport::new(
+        options.clone(),
+        runs,
+        start.elapsed().as_secs_f64(),
+    ))
+}
+
+fn fmt_num(x: f64) -> String {
+    if x.is_nan() {
+        "-".into()
+    } else if x.is_infinite() {
+        "inf".into()
+    } else if x == 0.0 {
+        "0".into()
+    } else if x >= 100.0 {
+        format!("{x:.0}")
+    } else if x >= 0.01 {
+        format!("{x:.2}")
+    } else {
+        format!("{x:.1e}")
+    }
+}
+
+/// The per-kind table of a sweep report, as text.
+pub fn render_table(report: &SweepReport) -> String {
+    let baselines: Vec<String> = {
+        let mut names = std::collections::BTreeSet::new();
+        for r in report.rows.iter().chain(std::iter::once(&report.total)) {
+            names.extend(r.baseline_false_alarms.keys().cloned());
+        }
+        names.into_iter().collect()
+    };
+    let mut header = vec![
+        "kind".to_string(),
+        "tensors".into(),
+        "differ".into(),
+        "max obs (ε)".into(),
+        "med thr (ε)".into(),
+        "tight med".into(),
+        "tight worst".into(),
+        "false alarms".into(),
+        "pert FA".into(),
+        "pert tight med".into(),
+    ];
+    header.extend(baselines.iter().map(|b| format!("{b} FA")));
+    let mut rows: Vec<Vec<String>> = vec![header];
+    for r in report.rows.iter().chain(std::iter::once(&report.total)) {
+        let mut row = vec![
+            r.kind.clone(),
+            r.compared.to_string(),
+            r.differing.to_string(),
+            fmt_num(r.max_observed_eps),
+            fmt_num(r.median_threshold_eps),
+            fmt_num(r.tightness_median),
+            fmt_num(r.tightness_worst),
+            r.false_alarms.to_string(),
+            r.perturbation_false_alarms.to_string(),
+            fmt_num(r.perturbation_tightness_median),
+        ];
+        row.extend(baselines.iter().map(|b| {
+            r.baseline_false_alarms
+                .get(b)
+                .copied()
+                .unwrap_or(0)
+                .to_string()
+        }));
+        rows.push(row);
+    }
+    let widths: Vec<usize> = (0..rows[0].len())
+        .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for (i, r) in rows.iter().enumerate() {
+        if i == rows.len() - 1 {
+            out.push_str(&"-".repeat(widths.iter().sum::<usize>() + 2 * widths.len()));
+            out.push('\n');
+        }
+        for (c, cell) in r.iter().enumerate() {
+            let pad = widths[c] - cell.chars().count();
+            if c == 0 {
+                out.push_str(cell);
+                out.push_str(&" ".repeat(pad + 2));
+            } else {
+                out.push_str(&" ".repeat(pad));
+                out.push_str(cell);
+                out.push_str("  ");
+            }
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// An SVG scatter plot of every differing tensor: observed relative error against our
+/// threshold, both in units of ε of the tensor's format, log-log, with the line
+/// observed = threshold (points above it would be false alarms). Colour by recipe.
+pub fn render_svg(report: &SweepReport) -> String {
+    let (w, h, m) = (720.0, 560.0, 70.0);
+    let mut pts = vec![];
+    for run in &report.runs {
+        for t in &run.tensors {
+            if t.observed > 0.0 && t.threshold > 0.0 && t.threshold.is_finite() {
+                pts.push((
+                    t.threshold / t.eps,
+                    t.observed / t.eps,
+                    run.config.recipe.clone(),
+                ));
+            }
+        }
+    }
+    let lo = pts
+        .iter()
+        .flat_map(|p| [p.0, p.1])
+        .fold(f64::INFINITY, f64::min)
+        .log10()
+        .floor();
+    let hi = pts
+        .iter()
+        .flat_map(|p| [p.0, p.1])
+        .fold(f64::NEG_INFINITY, f64::max)
+        .log10()
+        .ceil();
+    let (lo, hi) = if lo.is_finite() && hi.is_finite() && hi > lo {
+        (lo, hi)
+    } else {
+        (-3.0, 3.0)
+    };
+    let sx = |v: f64| m + (v.log10() - lo) / (hi - lo) * (w - 2.0 * m);
+    let sy = |v: f64| h - m - (v.log10() - lo) / (hi - lo) * (h - 2.0 * m);
+    let colour = |r: &str| match r {
+        "fp32" => "#1f77b4",
+        "bf16" => "#2ca02c",
+        _ => "#d62728",
+    };
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    );
+    s.push_str(&format!(
+        "<text x=\"{}\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">ttrace validate: observed error vs threshold ({} tensors that differ)</text>\n",
+        w / 2.0,
+        pts.len()
+    ));
+    let mut e = lo;
+    while e <= hi {
+        let v = 10f64.powf(e);
+        s.push_str(&format!(
+            "<line x1=\"{x}\" y1=\"{}\" x2=\"{x}\" y2=\"{}\" stroke=\"#ddd\"/><text x=\"{x}\" y=\"{}\" text-anchor=\"middle\">1e{e}</text>\n",
+            m,
+            h - m,
+            h - m + 18.0,
+            x = sx(v)
+        ));
+        s.push_str(&format!(
+            "<line x1=\"{}\" y1=\"{y}\" x2=\"{}\" y2=\"{y}\" stroke=\"#ddd\"/><text x=\"{}\" y=\"{}\" text-anchor=\"end\">1e{e}</text>\n",
+            m,
+            w - m,
+            m - 6.0,
+            sy(v) + 4.0,
+            y = sy(v)
+        ));
+        e += 1.0;
+    }
+    let (a, b) = (10f64.powf(lo), 10f64.powf(hi));
+    s.push_str(&format!(
+        "<line x1=\"{}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\" stroke-dasharray=\"5,4\"/>\n",
+        sx(a),
+        sy(a),
+        sx(b),
+        sy(b)
+    ));
+    for (t, o, r) in &pts {
+        s.push_str(&format!(
+            "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"2\" fill=\"{}\" fill-opacity=\"0.5\"/>\n",
+            sx(*t),
+            sy(*o),
+            colour(r)
+        ));
+    }
+    s.push_str(&format!(
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">threshold (units of ε of the training dtype)</text>\n",
+        w / 2.0,
+        h - 20.0
+    ));
+    s.push_str(&format!(
+        "<text x=\"20\" y=\"{}\" text-anchor=\"middle\" transform=\"rotate(-90 20 {})\">observed ‖cand − ref‖/‖ref‖ (units of ε)</text>\n",
+        h / 2.0,
+        h / 2.0
+    ));
+    for (i, (name, c)) in [("fp32", "#1f77b4"), ("bf16", "#2ca02c"), ("fp8", "#d62728")]
+        .iter()
+        .enumerate()
+    {
+        let y = m + 10.0 + 18.0 * i as f64;
+        s.push_str(&format!(
+            "<circle cx=\"{}\" cy=\"{y}\" r=\"5\" fill=\"{c}\"/><text x=\"{}\" y=\"{}\">{name}</text>\n",
+            m + 15.0,
+            m + 25.0,
+            y + 4.0
+        ));
+    }
+    s.push_str(&format!(
+        "<text x=\"{}\" y=\"{}\">dashed: observed = threshold</text>\n</svg>\n",
+        m + 15.0,
+        m + 70.0
+    ));
+    s
 }
