@@ -4,7 +4,6 @@ fn main() {
     let opts = SweepOptions::default_sweep(1);
     let args: Vec<String> = std::env::args().collect();
     let recipe = args.get(1).cloned().unwrap_or("bf16".into());
-    let seed: u64 = args.get(6).map(|s| s.parse().unwrap()).unwrap_or(1000);
     let (tp, cp, dp, sp) = (
         args[2].parse().unwrap(),
         args[3].parse().unwrap(),

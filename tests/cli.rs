@@ -267,3 +267,80 @@ fn threshold_prices_every_supported_op() {
     );
     assert!(!o.status.success(), "Welford is not priced and must say so");
 }
+
+#[test]
+fn validate_runs_a_small_sweep_and_writes_json_and_svg() {
+    let dir = std::env::temp_dir().join(format!("ttrace-validate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("report.json");
+    let o = ttrace(
+        &[
+            "validate",
+            "--recipe",
+            "bf16",
+            "--seeds",
+            "1",
+            "--samples",
+            "8",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+        "",
+    );
+    let text = String::from_utf8(o.stdout.clone()).unwrap();
+    assert!(
+        o.status.success(),
+        "exit {:?}: {text}{}",
+        o.status,
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        text.contains("false alarms") && text.contains("all"),
+        "{text}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 20, "one run per mesh");
+    assert_eq!(v["total"]["false_alarms"].as_u64(), Some(0));
+    // Every run compares the same produced tensors.
+    let n = runs[0]["tensors"].as_array().unwrap().len();
+    assert!(runs
+        .iter()
+        .all(|r| r["tensors"].as_array().unwrap().len() == n));
+    let svg = std::fs::read_to_string(json.with_extension("svg")).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("<circle"));
+    // No temporary file left behind.
+    let leftovers: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn validate_rejects_bad_arguments_with_exit_code_2() {
+    for args in [
+        &["validate", "--seeds", "0"][..],
+        &["validate", "--recipe", "fp7"][..],
+        &[
+            "validate",
+            "--samples",
+            "1",
+            "--recipe",
+            "fp32",
+            "--seeds",
+            "1",
+        ][..],
+        &[
+            "validate", "--delta", "2", "--recipe", "fp32", "--seeds", "1",
+        ][..],
+        &["validate", "--threads", "0"][..],
+    ] {
+        let o = ttrace(args, "");
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8(o.stderr).unwrap();
+        assert!(err.starts_with("ttrace: error:"), "{args:?}: {err}");
+    }
+}

@@ -225,3 +225,176 @@ proptest! {
         prop_assert_eq!(gathered.values(), ar.values());
     }
 }
+
+mod ring {
+    use ttrace::engine::{attention, attention_backward, AttentionImpl, Policy, Tensor};
+    use ttrace::shard::{ring_attention, ring_attention_backward, shard, Layout, Mesh, Placement};
+    use ttrace::{Format, Overflow};
+
+    fn qkv(batch: usize, seq: usize, hidden: usize, fmt: Format) -> Tensor {
+        let n = batch * seq * 3 * hidden;
+        let v = ttrace::engine::init::normal_values("qkv", n, 0.0, 1.0, 7);
+        Tensor::rounded(&[batch, seq, 3 * hidden], v, fmt, Overflow::Saturating).unwrap()
+    }
+
+    fn cp_shards(t: &Tensor, cp: usize) -> (Vec<Tensor>, Layout, Mesh) {
+        let mesh = Mesh::new(1, cp, 1, false).unwrap();
+        let layout = Layout {
+            cp: Placement::CpChunks { dim: 1 },
+            ..Layout::replicated()
+        };
+        (shard(t, &layout, &mesh, "qkv").unwrap(), layout, mesh)
+    }
+
+    fn rel(a: &Tensor, b: &Tensor) -> f64 {
+        let d: f64 = a
+            .values()
+            .iter()
+            .zip(b.values())
+            .map(|(x, y)| (x - y).powi(2))
+            .sum();
+        let n: f64 = b.values().iter().map(|y| y * y).sum();
+        (d / n).sqrt()
+    }
+
+    #[test]
+    fn one_rank_ring_forward_is_the_engines_online_attention_bit_for_bit() {
+        let p = Policy::new(Format::BF16, Format::F32, Format::BF16);
+        let x = qkv(2, 16, 16, Format::BF16);
+        let (r, _) = attention(&x, 2, true, AttentionImpl::Online { block: 4 }, &p).unwrap();
+        let (outs, _) = ring_attention(&[x], 2, 4, &p).unwrap();
+        assert_eq!(outs[0], r);
+    }
+
+    #[test]
+    fn ring_attention_merges_to_the_reference_forward_and_backward() {
+        // In F64 the orders differ only at 1e-16; in FP32 within a few u.
+        for (fmt, tol) in [(Format::F64, 1e-13), (Format::F32, 2e-6)] {
+            let p = Policy::uniform(fmt);
+            let x = qkv(2, 16, 16, fmt);
+            let imp = AttentionImpl::Online { block: 4 };
+            let (r, saved) = attention(&x, 2, true, imp, &p).unwrap();
+            let dout_v = ttrace::engine::init::normal_values("dout", r.len(), 0.0, 1.0, 9);
+            let dout = Tensor::rounded(r.shape(), dout_v, fmt, Overflow::Saturating).unwrap();
+            let dref = attention_backward(&saved, &dout, &p).unwrap();
+            for cp in [2, 4] {
+                let (xs, layout, mesh) = cp_shards(&x, cp);
+                let (outs, rs) = ring_attention(&xs, 2, 16 / (2 * cp), &p).unwrap();
+                let merged =
+                    ttrace::shard::merge(&outs, &layout, &mesh, "out", Some(r.shape())).unwrap();
+                assert!(
+                    rel(&merged, &r) < tol,
+                    "{fmt} cp {cp} forward {}",
+                    rel(&merged, &r)
+                );
+                let (ds, _, _) = cp_shards(&dout, cp);
+                let g = ring_attention_backward(&rs, &ds, &p).unwrap();
+                let gm =
+                    ttrace::shard::merge(&g, &layout, &mesh, "dqkv", Some(dref.shape())).unwrap();
+                assert!(
+                    rel(&gm, &dref) < tol,
+                    "{fmt} cp {cp} backward {}",
+                    rel(&gm, &dref)
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn ring_attention_rejects_mismatched_ranks() {
+        let p = Policy::uniform(Format::F32);
+        let a = qkv(1, 8, 8, Format::F32);
+        let b = qkv(1, 4, 8, Format::F32);
+        assert!(ring_attention(&[a.clone(), b], 1, 2, &p).is_err());
+        assert!(ring_attention(&[], 1, 2, &p).is_err());
+        assert!(ring_attention(&[a], 1, 0, &p).is_err());
+    }
+}
+
+mod validation {
+    use ttrace::shard::{Algorithm, Mesh};
+    use ttrace::validate::{run_config, RunConfig, SweepOptions};
+
+    /// Zero false alarms on correct sharded runs; tensors with no differing arithmetic upstream
+    /// are bit-identical; the model's typical difference tracks the observed one.
+    #[test]
+    fn composed_thresholds_hold_on_correct_sharded_runs() {
+        let opts = SweepOptions::default_sweep(1);
+        for (recipe, tp, sp, cp, dp, alg) in [
+            ("bf16", 2, true, 2, 2, Algorithm::Ring),
+            ("fp32", 4, false, 2, 1, Algorithm::Tree),
+            ("fp8-delayed", 2, false, 1, 2, Algorithm::Ring),
+            ("fp32", 1, false, 1, 2, Algorithm::Ring),
+        ] {
+            let run = RunConfig {
+                mesh: Mesh { tp, cp, dp, sp },
+                recipe: recipe.into(),
+                seed: 77,
+                algorithm: alg,
+            };
+            let r = run_config(&opts, &run).unwrap();
+            for t in &r.tensors {
+                assert!(
+                    !t.false_alarm(),
+                    "{recipe} {}: {} obs {} > thr {}",
+                    run.mesh.label(),
+                    t.id,
+                    t.observed,
+                    t.threshold
+                );
+                if t.threshold == 0.0 {
+                    assert_eq!(t.observed, 0.0, "{}", t.id);
+                }
+            }
+            assert!(r.tensors.iter().any(|t| t.observed > 0.0));
+            // Embeddings are computed identically on every mesh.
+            let e = r
+                .tensors
+                .iter()
+                .find(|t| t.id == "embedding|fwd.output.0")
+                .unwrap();
+            assert_eq!((e.observed, e.threshold), (0.0, 0.0));
+            if recipe == "fp32" {
+                // FP32 differences are continuous: the model's typical size is close to the
+                // observed one for large tensors.
+                for t in r
+                    .tensors
+                    .iter()
+                    .filter(|t| t.elements >= 1024 && t.observed > 0.0)
+                {
+                    let ratio = t.observed / t.expected;
+                    assert!(
+                        (0.3..2.0).contains(&ratio),
+                        "{}: observed/expected {ratio}",
+                        t.id
+                    );
+                }
+            }
+        }
+    }
+
+    /// With data parallelism only, every forward activation is bit-identical and only the
+    /// reductions over tokens (parameter gradients, loss) may differ.
+    #[test]
+    fn data_parallel_changes_only_token_reductions() {
+        let opts = SweepOptions::default_sweep(1);
+        let run = RunConfig {
+            mesh: Mesh {
+                tp: 1,
+                cp: 1,
+                dp: 2,
+                sp: false,
+            },
+            recipe: "bf16".into(),
+            seed: 5,
+            algorithm: Algorithm::Ring,
+        };
+        let r = run_config(&opts, &run).unwrap();
+        for t in &r.tensors {
+            if !t.id.ends_with("param_grad") && t.id != "loss|fwd.output.0" {
+                assert_eq!(t.observed, 0.0, "{}", t.id);
+                assert_eq!(t.threshold, 0.0, "{}", t.id);
+            }
+        }
+    }
+}

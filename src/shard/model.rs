@@ -137,6 +137,10 @@ enum Saved {
     Loss(Vec<Tensor>),
 }
 
+/// A module's backward on every rank: one gradient per input, and (parameter, per-rank
+/// gradient) pairs before the data-parallel reduction.
+type Backward = (Vec<Dist>, Vec<(String, Vec<Tensor>)>);
+
 /// The tiny GPT on a device mesh. Holds the reference model (parameters, data, recipe) and the
 /// sharded run's own FP8 amax histories.
 #[derive(Debug, Clone)]
@@ -700,7 +704,7 @@ impl ShardedGpt {
         inputs: &[Dist],
         saved: &Saved,
         g: &Dist,
-    ) -> Result<(Vec<Dist>, Vec<(String, Vec<Tensor>)>)> {
+    ) -> Result<Backward> {
         let cfg = self.model.config().clone();
         let gf = self.model.recipe().grad_format;
         let world = self.mesh.world();
@@ -744,11 +748,11 @@ impl ShardedGpt {
                 let mut dx = vec![];
                 let mut dw = vec![];
                 let mut db = vec![];
-                for r in 0..world {
+                for (sr, gr) in s.iter().zip(&g.shards) {
                     let (a, b, c) = norm_backward(
-                        &s[r],
+                        sr,
                         &w,
-                        &g.shards[r],
+                        gr,
                         cfg.norm == NormKind::LayerNorm,
                         &p,
                         gf,
@@ -871,7 +875,7 @@ impl ShardedGpt {
         inputs: &[Dist],
         x2: &[Tensor],
         g: &Dist,
-    ) -> Result<(Vec<Dist>, Vec<(String, Vec<Tensor>)>)> {
+    ) -> Result<Backward> {
         let dg = self.policy(OpClass::MatmulGradInput, Pass::Backward);
         let wg = self.policy(OpClass::MatmulGradWeight, Pass::Backward);
         let gf = self.model.recipe().grad_format;

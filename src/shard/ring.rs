@@ -172,9 +172,9 @@ pub fn ring_attention(
                         let mut start = 0;
                         while start < c {
                             let len = block.min(c - start);
-                            for j in 0..len {
+                            for (j, scj) in sc[..len].iter_mut().enumerate() {
                                 let r = first + start + j;
-                                sc[j] = if position(src, r, c, cp) <= qp {
+                                *scj = if position(src, r, c, cp) <= qp {
                                     ar.mul(dot_unchecked(qt, &k[r * d..(r + 1) * d], &acc), scale)
                                 } else {
                                     f64::NEG_INFINITY

@@ -338,3 +338,68 @@ pub fn perturbation_estimate(
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::model::GptConfig;
+    use crate::engine::policy::Recipe;
+
+    #[test]
+    fn stochastic_rounding_onto_the_grid_is_unbiased_and_on_the_grid() {
+        let mut rng = SplitMix64::for_name("sr", 1);
+        let v = Format::BF16.round(1.3, Overflow::NonSaturating);
+        let ulp = Format::BF16.ulp(v).unwrap();
+        for frac in [0.1, 0.37, 1.6, -0.8] {
+            let e = frac * ulp;
+            let n = 200_000;
+            let mut mean = 0.0;
+            for _ in 0..n {
+                let w = perturb_on_grid(Format::BF16, v, e, &mut rng);
+                assert_eq!(Format::BF16.round(w, Overflow::NonSaturating), w);
+                let k = (w - v) / ulp;
+                assert!(k == frac.floor() || k == frac.floor() + 1.0);
+                mean += (w - v) / n as f64;
+            }
+            // Standard error ≤ ulp/(2√n) ≈ 1.1e-3 ulp: 5 standard errors.
+            assert!(
+                (mean - e).abs() < 6e-3 * ulp,
+                "frac {frac}: mean {} vs {e}",
+                mean
+            );
+        }
+    }
+
+    #[test]
+    fn no_fresh_site_means_zero_thresholds_and_hooks_change_nothing_else() {
+        let cfg = GptConfig {
+            layers: 1,
+            hidden: 16,
+            heads: 2,
+            seq: 8,
+            batch: 2,
+            vocab: 16,
+            ..GptConfig::default()
+        };
+        let model = Gpt::new(cfg, Recipe::bf16()).unwrap();
+        let reference = model.clone().step().unwrap().trace;
+        let th = simulate(
+            &model,
+            &reference,
+            &FreshSites::new(),
+            SimulationConfig::default(),
+        )
+        .unwrap();
+        assert_eq!(th.len(), reference.len());
+        assert!(th.values().all(|c| c.abs == 0.0 && c.relative == 0.0));
+        let bad = SimulationConfig {
+            samples: 1,
+            ..SimulationConfig::default()
+        };
+        assert!(simulate(&model, &reference, &FreshSites::new(), bad).is_err());
+        // The perturbation estimate moves every tensor downstream of the embedding.
+        let p = perturbation_estimate(&model, &reference, 2, 3).unwrap();
+        assert!(p["lm_head|fwd.output.0"] > 0.0);
+        assert!(p["embedding.wpe|param_grad"] > 0.0);
+    }
+}

@@ -458,9 +458,39 @@ pub fn fresh_sites(
     Ok(sites)
 }
 
-/// Context-parallel attention: per (batch, head), exact P in f64; the forward output and
-/// dQ, dK, dV as grouped reductions (by key chunk for the output and dQ, by query rank for
-/// dK and dV) in the accumulator format, plus the rescaling roundings of each merge.
+/// Variance factor (in units of u²/3) of one side's block merges: `order` lists the visible
+/// blocks in merge order; `w[B]` is block B's share of the softmax denominator and `o[B]` its
+/// normalized partial output. Each merge rounds l·α, l_B·β and their sum (and the same three
+/// for o); α and β multiply o and l alike, so their own roundings cancel in o/l.
+fn merge_variance(order: &[usize], w: &[f64], o: &[f64]) -> (f64, f64) {
+    let (mut wl, mut ol) = (0.0, 0.0);
+    let (mut vl, mut vo) = (0.0, 0.0);
+    for (k, &bk) in order.iter().enumerate() {
+        if k > 0 {
+            vl += wl * wl + w[bk] * w[bk] + (wl + w[bk]) * (wl + w[bk]);
+            vo += ol * ol + o[bk] * o[bk] + (ol + o[bk]) * (ol + o[bk]);
+        }
+        wl += w[bk];
+        ol += o[bk];
+    }
+    (vl, vo)
+}
+
+/// E of the square of a Gaussian difference of standard deviation `s` after both sides round
+/// onto a grid of spacing `ulp` (uniform phase): s² + ulp·E|ε| bounds it (E|ε| = s·√(2/π)).
+fn rounded_var(s: f64, ulp: f64) -> f64 {
+    s * s + ulp * s * (2.0 / std::f64::consts::PI).sqrt()
+}
+
+/// Context-parallel attention (papers/sharding.md §3.4). Per (batch, head, query row), with
+/// exact P in f64:
+/// * forward: both sides merge the same block partials (m_B, l_B, O_B — computed identically)
+///   in different orders, so only the merge roundings differ ([`merge_variance`], both
+///   sides) plus the final division; the log-sum-exp inherits the denominator's error;
+/// * backward: P = fl_I(exp(S − lse)) flips where lse differs; c = Σ P·dP is reduced per chunk
+///   then combined (order difference) and moves with P; dS = fl_I(P(dP − c)·scale) inherits
+///   both and flips on its grid; dQ (by key chunk), dK and dV (by query rank) are grouped
+///   reductions plus what dS and P carry in.
 fn attention_sites(
     model: &Gpt,
     reference: &Trace,
@@ -473,34 +503,49 @@ fn attention_sites(
     let pf = recipe.policy(OpClass::Softmax, Pass::Forward);
     let pb = recipe.policy(OpClass::Softmax, Pass::Backward);
     let a = pf.accumulator();
-    let u = a.unit_roundoff();
+    let u2 = a.unit_roundoff().powi(2) / 3.0;
+    let fin = pf.input();
+    let gin = pb.input();
     let qkv = reference.require(&format!("{name}|fwd.input.0"))?;
     let dout = reference.require(&format!("{name}|grad.output.0"))?;
     let (b_n, s_n, h) = (cfg.batch, cfg.seq, cfg.hidden);
     let heads = cfg.heads;
     let d = h / heads;
-    let c = s_n / (2 * mesh.cp);
-    let chunk_of = |s: usize| s / c;
+    let cp = mesh.cp;
+    let c = s_n / (2 * cp);
+    let nb = 2 * cp;
     let qrank_of = |s: usize| {
         let ch = s / c;
-        if ch < mesh.cp {
+        if ch < cp {
             ch
         } else {
-            2 * mesh.cp - 1 - ch
+            2 * cp - 1 - ch
         }
     };
+    let ring_blocks = |r: usize| -> Vec<usize> {
+        (0..cp)
+            .flat_map(|st| {
+                let src = (r + cp - st) % cp;
+                [src, 2 * cp - 1 - src]
+            })
+            .collect()
+    };
     let scale = 1.0 / (d as f64).sqrt();
-    let acc_f = acc_of(pf, pf.input());
-    let acc_b = acc_of(pb, widest_of(pb.input(), pf.input()));
+    let acc_b = acc_of(pb, widest_of(gin, fin));
+    let acc_a = acc_of(pb, widest_of(fin, a));
     let mut vo = vec![0.0; b_n * s_n * h];
     let mut vd = vec![0.0; b_n * s_n * 3 * h];
     let at = |b: usize, s: usize, w: usize, hh: usize, j: usize| {
         qkv.values()[(b * s_n + s) * 3 * h + w * h + hh * d + j]
     };
+    let key_chunks: Vec<usize> = (0..s_n).map(|j| j / c).collect();
+    let q_ranks: Vec<usize> = (0..s_n).map(qrank_of).collect();
+    let ulp = |f: Format, v: f64| f.ulp(v).unwrap_or(0.0);
     for b in 0..b_n {
         for hh in 0..heads {
-            // P, dP, dS in f64.
+            let go = |i: usize, t: usize| dout.values()[(b * s_n + i) * h + hh * d + t];
             let mut p = vec![0.0; s_n * s_n];
+            let mut var_lse = vec![0.0; s_n];
             for i in 0..s_n {
                 let sc: Vec<f64> = (0..=i)
                     .map(|j| {
@@ -511,76 +556,101 @@ fn attention_sites(
                     })
                     .collect();
                 let mx = sc.iter().fold(f64::NEG_INFINITY, |x, &y| x.max(y));
-                let z: f64 = sc.iter().map(|x| (x - mx).exp()).sum();
+                let l: f64 = sc.iter().map(|x| (x - mx).exp()).sum();
                 for j in 0..=i {
-                    p[i * s_n + j] = (sc[j] - mx).exp() / z;
+                    p[i * s_n + j] = (sc[j] - mx).exp() / l;
+                }
+                let lse = mx + l.ln();
+                // Block shares and partial outputs.
+                let mut w = vec![0.0; nb];
+                for j in 0..=i {
+                    w[j / c] += p[i * s_n + j];
+                }
+                let visible = |order: Vec<usize>| -> Vec<usize> {
+                    order.into_iter().filter(|&bk| bk * c <= i).collect()
+                };
+                let ref_order = visible((0..nb).collect());
+                let cand_order = visible(ring_blocks(qrank_of(i)));
+                let (vl_r, _) = merge_variance(&ref_order, &w, &w);
+                let (vl_c, _) = merge_variance(&cand_order, &w, &w);
+                let vl = vl_r + vl_c;
+                var_lse[i] = u2 * (vl + 2.0 * (l.ln().powi(2) + lse * lse));
+                for t in 0..d {
+                    let mut o = vec![0.0; nb];
+                    for j in 0..=i {
+                        o[j / c] += p[i * s_n + j] * at(b, j, 2, hh, t);
+                    }
+                    let out: f64 = o.iter().sum();
+                    let (_, vo_r) = merge_variance(&ref_order, &w, &o);
+                    let (_, vo_c) = merge_variance(&cand_order, &w, &o);
+                    vo[(b * s_n + i) * h + hh * d + t] =
+                        u2 * (vo_r + vo_c + out * out * vl + 2.0 * out * out);
                 }
             }
-            let go = |i: usize, t: usize| dout.values()[(b * s_n + i) * h + hh * d + t];
+            // Backward.
+            let mut var_p = vec![0.0; s_n * s_n];
+            let mut var_ds = vec![0.0; s_n * s_n];
             let mut ds = vec![0.0; s_n * s_n];
             for i in 0..s_n {
                 let dp: Vec<f64> = (0..s_n)
                     .map(|j| (0..d).map(|t| go(i, t) * at(b, j, 2, hh, t)).sum())
                     .collect();
-                let ci: f64 = (0..s_n).map(|j| p[i * s_n + j] * dp[j]).sum();
-                for j in 0..s_n {
-                    ds[i * s_n + j] = p[i * s_n + j] * (dp[j] - ci) * scale;
+                let sl = var_lse[i].sqrt();
+                for j in 0..=i {
+                    let pij = p[i * s_n + j];
+                    var_p[i * s_n + j] = rounded_var(pij * sl, ulp(fin, pij));
+                }
+                let terms: Vec<f64> = (0..s_n).map(|j| p[i * s_n + j] * dp[j]).collect();
+                let ci: f64 = terms.iter().sum();
+                let var_c = element(
+                    &terms,
+                    &acc_a,
+                    &key_chunks,
+                    nb,
+                    true,
+                    a,
+                    a,
+                    Some(qrank_of(i)),
+                )? + (0..s_n)
+                    .map(|j| var_p[i * s_n + j] * dp[j] * dp[j])
+                    .sum::<f64>();
+                for j in 0..=i {
+                    let pij = p[i * s_n + j];
+                    let x = pij * (dp[j] - ci) * scale;
+                    ds[i * s_n + j] = x;
+                    let pre = scale
+                        * scale
+                        * (var_p[i * s_n + j] * (dp[j] - ci).powi(2) + pij * pij * var_c);
+                    var_ds[i * s_n + j] = rounded_var(pre.sqrt(), ulp(gin, x));
                 }
             }
-            let key_chunks: Vec<usize> = (0..s_n).map(chunk_of).collect();
-            let q_ranks: Vec<usize> = (0..s_n).map(qrank_of).collect();
             for i in 0..s_n {
-                let start = qrank_of(i);
+                let start = Some(qrank_of(i));
                 for t in 0..d {
-                    // Output: Σ_j p_ij v_jt grouped by key chunk, merged with rescales.
-                    let terms: Vec<f64> = (0..s_n)
-                        .map(|j| p[i * s_n + j] * at(b, j, 2, hh, t))
-                        .collect();
-                    let groups = group_terms(&key_chunks, &terms, 2 * mesh.cp);
-                    let mut e = element(
-                        &terms,
-                        &acc_f,
-                        &key_chunks,
-                        2 * mesh.cp,
-                        true,
-                        a,
-                        a,
-                        Some(start),
-                    )?;
-                    let o: f64 = terms.iter().sum();
-                    // Each merge: rescale products of o and l (relative u each, both sides).
-                    let merges = groups
-                        .iter()
-                        .filter(|g| g.iter().any(|&x| x != 0.0))
-                        .count();
-                    e += 2.0 * 4.0 * merges as f64 * u * u / 3.0
-                        * (o * o
-                            + terms.iter().map(|x| x.abs()).sum::<f64>().powi(2)
-                                / merges.max(1) as f64);
-                    vo[(b * s_n + i) * h + hh * d + t] = e;
                     // dQ_it = Σ_j dS_ij k_jt, grouped by key chunk.
                     let terms: Vec<f64> = (0..s_n)
                         .map(|j| ds[i * s_n + j] * at(b, j, 1, hh, t))
                         .collect();
-                    vd[(b * s_n + i) * 3 * h + hh * d + t] = element(
-                        &terms,
-                        &acc_b,
-                        &key_chunks,
-                        2 * mesh.cp,
-                        true,
-                        a,
-                        a,
-                        Some(start),
-                    )?;
+                    let carried: f64 = (0..s_n)
+                        .map(|j| var_ds[i * s_n + j] * at(b, j, 1, hh, t).powi(2))
+                        .sum();
+                    vd[(b * s_n + i) * 3 * h + hh * d + t] =
+                        element(&terms, &acc_b, &key_chunks, nb, true, a, a, start)? + carried;
                     // dK_it = Σ_q dS_qi q_qt and dV_it = Σ_q P_qi dO_qt, grouped by query rank.
                     let terms: Vec<f64> = (0..s_n)
                         .map(|q| ds[q * s_n + i] * at(b, q, 0, hh, t))
                         .collect();
+                    let carried: f64 = (0..s_n)
+                        .map(|q| var_ds[q * s_n + i] * at(b, q, 0, hh, t).powi(2))
+                        .sum();
                     vd[(b * s_n + i) * 3 * h + h + hh * d + t] =
-                        element(&terms, &acc_b, &q_ranks, mesh.cp, true, a, a, Some(start))?;
+                        element(&terms, &acc_b, &q_ranks, cp, true, a, a, start)? + carried;
                     let terms: Vec<f64> = (0..s_n).map(|q| p[q * s_n + i] * go(q, t)).collect();
+                    let carried: f64 = (0..s_n)
+                        .map(|q| var_p[q * s_n + i] * go(q, t).powi(2))
+                        .sum();
                     vd[(b * s_n + i) * 3 * h + 2 * h + hh * d + t] =
-                        element(&terms, &acc_b, &q_ranks, mesh.cp, true, a, a, Some(start))?;
+                        element(&terms, &acc_b, &q_ranks, cp, true, a, a, start)? + carried;
                 }
             }
         }
