@@ -4,7 +4,7 @@
 //! compared against a single-device reference, in the spirit of *TTrace: Lightweight Error
 //! Checking and Diagnosis for Distributed Training* (arXiv 2506.09280).
 //!
-//! This release provides the foundation every threshold stands on, and a reference engine:
+//! What is here:
 //! * [`Format`]: FP64, FP32, TF32, FP16, BF16 and the OCP FP8 formats E4M3 and E5M2, with
 //!   their constants (unit roundoff **u = 2^-p**, machine epsilon **ε = 2^(1-p)** — never
 //!   confused), correct rounding from `f64` ([`Format::round`]) under two [`Overflow`]
@@ -18,8 +18,17 @@
 //!   [`engine::Policy`] (which embeds the same [`Accumulation`]), a tiny GPT
 //!   ([`engine::Gpt`]) whose training step records a [`engine::Trace`] of every intermediate
 //!   tensor under canonical ids, and replay of any module on substituted inputs.
+//! * [`bounds`]: comparison thresholds (guaranteed and probabilistic) for "reference order vs
+//!   candidate order" of reductions, matmuls, softmax, norms and elementwise ops.
+//! * [`shard`]: a device mesh (TP, SP, CP, DP), tensor layouts and the canonical merge,
+//!   collectives with explicit order and format, ring attention, and the tiny GPT executed the
+//!   Megatron-LM way ([`shard::ShardedGpt`]), bit-identical to the reference on one device.
+//! * [`validate`]: where a sharded run's arithmetic differs from the reference's, end-to-end
+//!   thresholds by difference simulation, TTrace's perturbation estimate, and the sweep that
+//!   `ttrace validate` runs.
 //!
-//! The derivations and sources are in `papers/formats-and-orders.md`.
+//! The derivations and sources are in `papers/` (`formats-and-orders.md`,
+//! `bounds-*.md`, `sharding.md`).
 //!
 //! ## Example: the same dot product, reference order versus split-K order
 //!
@@ -57,6 +66,27 @@
 //! }
 //! // The candidate's BF16 roundings make it differ from the reference, within the sum of bounds.
 //! assert_ne!(r, c);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! ## Example: a sharded training step, merged back and compared
+//!
+//! ```
+//! use ttrace::engine::{AttentionImpl, Gpt, GptConfig, Recipe};
+//! use ttrace::shard::{Algorithm, Mesh, ShardedGpt};
+//!
+//! # fn main() -> ttrace::Result<()> {
+//! let config = GptConfig { layers: 1, hidden: 16, heads: 2, seq: 8, batch: 2, vocab: 16,
+//!     attention: AttentionImpl::Online { block: 2 }, ..GptConfig::default() };
+//! let reference = Gpt::new(config.clone(), Recipe::bf16())?.step()?.trace;
+//! // Tensor parallel 2 with sequence parallelism, context parallel 2, data parallel 2.
+//! let mesh = Mesh::new(2, 2, 2, true)?;
+//! let mut sharded = ShardedGpt::new(Gpt::new(config, Recipe::bf16())?, mesh, Algorithm::Ring)?;
+//! let merged = sharded.step()?.merge(Some(&reference))?;
+//! // Same tensors under the same canonical ids; the embedding is computed identically.
+//! assert_eq!(merged.len(), reference.len());
+//! assert_eq!(merged.require("embedding|fwd.output.0")?, reference.require("embedding|fwd.output.0")?);
 //! # Ok(())
 //! # }
 //! ```

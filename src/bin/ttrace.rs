@@ -631,6 +631,14 @@ fn validate(
          correct runs (pert = perturbation estimate; torch = assert_close defaults for the \
          tensor's dtype; megatron = 4*1.03^(L+1)*ε)."
     );
+    if report.fp8_scales.compared > 0 {
+        println!(
+            "FP8: {} of {} per-tensor scales of the sharded runs differ from the reference's \
+             own (largest relative difference {:.2e}: an amax element differs by round-off); \
+             FP8 runs are compared against the reference quantized with the candidate's scales.",
+            report.fp8_scales.differing, report.fp8_scales.compared, report.fp8_scales.max_relative
+        );
+    }
     if let Some(path) = json {
         let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
         write_atomic(path, text.as_bytes())?;

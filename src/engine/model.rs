@@ -23,7 +23,9 @@ use crate::engine::nn::{
     self, cross_entropy, cross_entropy_backward, embedding, embedding_backward, gelu,
     gelu_backward, layer_norm, norm_backward, rms_norm, silu, silu_backward, NormSaved, Variance,
 };
-use crate::engine::policy::{delayed_scale, OpClass, Pass, Policy, Recipe, Scaling};
+use crate::engine::policy::{
+    delayed_scale, per_tensor_scale, OpClass, Pass, Policy, Recipe, Scaling,
+};
 use crate::engine::tensor::Tensor;
 use crate::engine::trace::Trace;
 use crate::error::{Error, Result};
@@ -277,6 +279,8 @@ pub struct Gpt {
     amax_history: HashMap<String, Vec<f64>>,
     /// Scales used in the last step, for exact replay.
     scales_used: HashMap<String, f64>,
+    /// FP8 scales imposed on the next steps (see [`Gpt::set_scale_overrides`]).
+    scale_overrides: HashMap<String, f64>,
 }
 
 impl Gpt {
@@ -347,6 +351,7 @@ impl Gpt {
             targets,
             amax_history: HashMap::new(),
             scales_used: HashMap::new(),
+            scale_overrides: HashMap::new(),
         })
     }
 
@@ -433,8 +438,11 @@ impl Gpt {
         fmt: Format,
         record: bool,
     ) -> Option<f64> {
+        if !matches!(fmt, Format::E4M3 | Format::E5M2) {
+            return None;
+        }
         match policy.scaling {
-            Scaling::PerTensorDelayed { margin } if matches!(fmt, Format::E4M3 | Format::E5M2) => {
+            Scaling::PerTensorDelayed { margin } => {
                 let s = if record {
                     let hist = self.amax_history.get(&key).cloned().unwrap_or_default();
                     let s = delayed_scale(&hist, fmt, margin);
@@ -445,6 +453,7 @@ impl Gpt {
                         let drop = entry.len() - keep;
                         entry.drain(..drop);
                     }
+                    let s = self.scale_overrides.get(&key).copied().unwrap_or(s);
                     self.scales_used.insert(key, s);
                     s
                 } else {
@@ -452,8 +461,36 @@ impl Gpt {
                 };
                 Some(s)
             }
+            Scaling::PerTensorCurrent { margin } => {
+                // The scale the quantizer would compute from this operand, unless imposed.
+                let s = self
+                    .scale_overrides
+                    .get(&key)
+                    .copied()
+                    .unwrap_or_else(|| per_tensor_scale(t.amax(), fmt, margin));
+                if record {
+                    self.scales_used.insert(key, s);
+                }
+                Some(s)
+            }
             _ => None,
         }
+    }
+
+    /// The per-tensor FP8 scales of the last step, by operand (`{module}.input`,
+    /// `{module}.weight`, `{module}.grad`).
+    pub fn scales(&self) -> &HashMap<String, f64> {
+        &self.scales_used
+    }
+
+    /// Impose per-tensor FP8 scales (by operand key, as [`Gpt::scales`] names them) on the next
+    /// steps instead of computing them (current scaling) or taking them from the amax history
+    /// (delayed scaling; the history still advances). Comparing a sharded FP8 run against a
+    /// reference that quantizes with the *candidate's* scales separates the continuous
+    /// round-off from a scale that moved because one amax element differs — a discrete jump
+    /// of every quantized value, checked on its own.
+    pub fn set_scale_overrides(&mut self, scales: HashMap<String, f64>) {
+        self.scale_overrides = scales;
     }
 
     /// Run one module forward on the given inputs (replay), with the parameters of this model

@@ -14,7 +14,7 @@
 //!   activation format) is all-reduced (or reduce-scattered under SP) in the activation
 //!   format, then the bias is added once: y = ro(ra(ŷ + b)).
 //! * **Attention** on the rank's heads; with cp > 1 ring attention
-//!   ([`ring_attention`](crate::shard::ring::ring_attention)).
+//!   ([`ring_attention`]).
 //! * **Loss**: logits all-gathered over TP, per-rank mean cross-entropy over local tokens, the
 //!   means all-reduced over DP×CP and divided by dp·cp; backward starts from 1/(dp·cp), which
 //!   makes every logit gradient equal the reference's.
@@ -207,6 +207,12 @@ impl ShardedGpt {
             amax_history: HashMap::new(),
             scales_used: HashMap::new(),
         })
+    }
+
+    /// The per-tensor FP8 scales of the last step (identical on every rank), by operand key
+    /// as [`Gpt::scales`] names them.
+    pub fn scales(&self) -> &HashMap<String, f64> {
+        &self.scales_used
     }
 
     /// The mesh.
@@ -429,7 +435,13 @@ impl ShardedGpt {
         }
         let amax = || locals.iter().map(|t| t.amax()).fold(0.0, f64::max);
         match policy.scaling {
-            Scaling::PerTensorCurrent { margin } => Some(per_tensor_scale(amax(), fmt, margin)),
+            Scaling::PerTensorCurrent { margin } => {
+                let s = per_tensor_scale(amax(), fmt, margin);
+                if record {
+                    self.scales_used.insert(key, s);
+                }
+                Some(s)
+            }
             Scaling::PerTensorDelayed { margin } => Some(if record {
                 let hist = self.amax_history.get(&key).cloned().unwrap_or_default();
                 let s = delayed_scale(&hist, fmt, margin);
@@ -749,14 +761,8 @@ impl ShardedGpt {
                 let mut dw = vec![];
                 let mut db = vec![];
                 for (sr, gr) in s.iter().zip(&g.shards) {
-                    let (a, b, c) = norm_backward(
-                        sr,
-                        &w,
-                        gr,
-                        cfg.norm == NormKind::LayerNorm,
-                        &p,
-                        gf,
-                    )?;
+                    let (a, b, c) =
+                        norm_backward(sr, &w, gr, cfg.norm == NormKind::LayerNorm, &p, gf)?;
                     dx.push(a);
                     dw.push(b);
                     if let Some(c) = c {

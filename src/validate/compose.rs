@@ -218,6 +218,17 @@ pub fn simulate(
         }
         // Mean (common to every sample: roundings of fixed reference values near a rounding
         // boundary) and centred second moment.
+        if std::env::var("TTRACE_DEBUG_ID")
+            .map(|v| v == id)
+            .unwrap_or(false)
+        {
+            eprintln!(
+                "{id}: sample sq norms {:?}",
+                sq.iter()
+                    .map(|x| format!("{:.3e}", x.sqrt() / norm(r.values())))
+                    .collect::<Vec<_>>()
+            );
+        }
         let len = samples[0][k].len();
         let mut mean = vec![0.0; len];
         for smp in &samples {
@@ -269,6 +280,9 @@ pub fn simulate(
         let hkz = 1.0 + 2.0 * (t / rank).sqrt() + 2.0 * t / rank.sqrt();
         let spread = (trc * est * hkz).sqrt();
         let mut abs = mean_norm + spread * (1.0 + 1.0 / m).sqrt();
+        // Never below the largest simulated difference: every sample is a possible outcome
+        // (this matters for mixtures, e.g. a rare rounding flip seen in one sample).
+        abs = abs.max(sq.iter().copied().fold(0.0, f64::max).sqrt());
         if trc == 0.0 {
             // No spread in the samples (a rare discrete event did not occur in any of them):
             // fall back to the site's analytic bound.

@@ -13,6 +13,6 @@ pub mod sweep;
 pub use compose::{perturbation_estimate, simulate, Composed, SimulationConfig};
 pub use fresh::{fresh_sites, FreshSites};
 pub use sweep::{
-    render_svg, render_table, run_config, run_sweep, KindRow, RunConfig, RunResult, SweepOptions,
-    SweepReport, TensorResult,
+    render_svg, render_table, run_config, run_sweep, KindRow, RunConfig, RunResult, ScaleSummary,
+    SweepOptions, SweepReport, TensorResult,
 };

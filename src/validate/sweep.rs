@@ -160,6 +160,20 @@ pub struct RunResult {
     pub config: RunConfig,
     /// Per compared tensor.
     pub tensors: Vec<TensorResult>,
+    /// FP8 per-tensor scales of the candidate against the reference's own.
+    pub scales: ScaleSummary,
+}
+
+/// How the candidate's FP8 scales compare with the reference's own (before the reference is
+/// re-run with the candidate's scales for the comparison).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct ScaleSummary {
+    /// Scales compared (operands quantized to FP8 with a per-tensor scale).
+    pub compared: usize,
+    /// Of which differ.
+    pub differing: usize,
+    /// Largest |s_cand / s_ref − 1|.
+    pub max_relative: f64,
 }
 
 fn kind_of(model: &Gpt, id: &str) -> String {
@@ -220,9 +234,29 @@ pub fn run_config(options: &SweepOptions, run: &RunConfig) -> Result<RunResult> 
         reference.step()?;
         sharded.step()?;
     }
-    let before = reference.clone();
-    let ref_trace = reference.step()?.trace;
-    let cand = sharded.step()?.merge(Some(&ref_trace))?;
+    let mut before = reference.clone();
+    let own_scales_trace = reference.step()?;
+    let cand_step = sharded.step()?;
+    // FP8: compare against the reference quantized with the candidate's scales (a scale
+    // moves as a whole when one amax element differs); count the scales that moved.
+    let cand_scales = sharded.scales().clone();
+    let mut scales = ScaleSummary::default();
+    for (k, s) in reference.scales() {
+        scales.compared += 1;
+        if let Some(c) = cand_scales.get(k) {
+            if c != s {
+                scales.differing += 1;
+                scales.max_relative = scales.max_relative.max((c / s - 1.0).abs());
+            }
+        }
+    }
+    let ref_trace = if cand_scales.is_empty() {
+        own_scales_trace.trace
+    } else {
+        before.set_scale_overrides(cand_scales);
+        before.clone().step()?.trace
+    };
+    let cand = cand_step.merge(Some(&ref_trace))?;
     let sites = fresh_sites(&before, &ref_trace, &run.mesh, run.algorithm)?;
     let mut sim = options.simulation;
     sim.seed ^= run.seed;
@@ -271,6 +305,7 @@ pub fn run_config(options: &SweepOptions, run: &RunConfig) -> Result<RunResult> 
     Ok(RunResult {
         config: run.clone(),
         tensors,
+        scales,
     })
 }
 
@@ -310,6 +345,8 @@ pub struct SweepReport {
     pub rows: Vec<KindRow>,
     /// The all-tensors row.
     pub total: KindRow,
+    /// FP8 scales over all runs: how many of the candidate's differ from the reference's own.
+    pub fp8_scales: ScaleSummary,
     /// Every run's per-tensor results.
     pub runs: Vec<RunResult>,
     /// Wall time in seconds.
@@ -370,10 +407,17 @@ impl SweepReport {
         let rows = by_kind.iter().map(|(k, ts)| row(k, ts)).collect();
         let all: Vec<&TensorResult> = runs.iter().flat_map(|r| r.tensors.iter()).collect();
         let total = row("all", &all);
+        let mut fp8_scales = ScaleSummary::default();
+        for r in &runs {
+            fp8_scales.compared += r.scales.compared;
+            fp8_scales.differing += r.scales.differing;
+            fp8_scales.max_relative = fp8_scales.max_relative.max(r.scales.max_relative);
+        }
         SweepReport {
             options,
             rows,
             total,
+            fp8_scales,
             runs,
             seconds,
         }
