@@ -258,6 +258,89 @@ fn standard_rows(
     (reduce_matrix(&p, v, seq, seq, d, acc), lse)
 }
 
+/// The running state of one query row in online (blockwise) softmax attention: running max
+/// m, denominator l and unnormalized output o, all in the accumulator format. Shared by the
+/// engine's online attention and the context-parallel ring attention, so that both compute
+/// every block exactly alike.
+pub(crate) struct OnlineRow {
+    m: f64,
+    l: f64,
+    o: Vec<f64>,
+}
+
+/// The arithmetic of an online-attention row: rounding context, the input format P is rounded
+/// to, the accumulation of P·V (`acc`) and of the block sums (`acc_a`).
+pub(crate) struct OnlineArith<'a> {
+    pub ar: &'a Arith,
+    pub input: Format,
+    pub acc: &'a crate::Accumulation,
+    pub acc_a: &'a crate::Accumulation,
+}
+
+impl OnlineRow {
+    /// An empty row with head dimension `d`.
+    pub(crate) fn new(d: usize) -> OnlineRow {
+        OnlineRow {
+            m: f64::NEG_INFINITY,
+            l: 0.0,
+            o: vec![0.0; d],
+        }
+    }
+
+    /// Absorb one key block: `scores` (−∞ where masked) and `value(t, j)`, element j of the
+    /// block's value row t. m_B = max, e = ra(exp(ra(S − m_B))), l_B = Σ e, O_B = dot(fl_I(e),
+    /// V) per column; merged with α = ra(exp(ra(m − m_new))), β = ra(exp(ra(m_B − m_new))),
+    /// l = add(mul(l, α), mul(l_B, β)), o likewise. A fully masked block is skipped.
+    pub(crate) fn absorb(
+        &mut self,
+        scores: &[f64],
+        value: impl Fn(usize, usize) -> f64,
+        k: &OnlineArith<'_>,
+    ) {
+        let ar = k.ar;
+        let len = scores.len();
+        let mb = scores.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+        if mb == f64::NEG_INFINITY {
+            return;
+        }
+        let mut e = vec![0.0; len];
+        masked_exp(ar, scores, mb, &mut e);
+        let lb = sum_unchecked(&e, k.acc_a);
+        let pe: Vec<f64> = e.iter().map(|&x| k.input.round(x, ar.ov)).collect();
+        let d = self.o.len();
+        let mut col = vec![0.0; len];
+        let mut ob = vec![0.0; d];
+        for (j, obj) in ob.iter_mut().enumerate() {
+            for (t, c) in col.iter_mut().enumerate() {
+                *c = value(t, j);
+            }
+            *obj = dot_unchecked(&pe, &col, k.acc);
+        }
+        if self.m == f64::NEG_INFINITY {
+            self.m = mb;
+            self.l = lb;
+            self.o = ob;
+        } else {
+            let m_new = self.m.max(mb);
+            let alpha = ar.exp(ar.sub(self.m, m_new));
+            let beta = ar.exp(ar.sub(mb, m_new));
+            self.l = ar.add(ar.mul(self.l, alpha), ar.mul(lb, beta));
+            for (o, &b) in self.o.iter_mut().zip(&ob) {
+                *o = ar.add(ar.mul(*o, alpha), ar.mul(b, beta));
+            }
+            self.m = m_new;
+        }
+    }
+
+    /// (lse = ra(m + ra(ln l)), the outputs div(o, l) in the accumulator format).
+    pub(crate) fn finish(&self, ar: &Arith) -> (f64, Vec<f64>) {
+        (
+            ar.add(self.m, ar.ln(self.l)),
+            self.o.iter().map(|&o| ar.div(o, self.l)).collect(),
+        )
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn online_rows(
     s: &[f64],
@@ -270,55 +353,26 @@ fn online_rows(
     acc: &crate::Accumulation,
     acc_a: &crate::Accumulation,
 ) -> (Vec<f64>, Vec<f64>) {
+    let k = OnlineArith {
+        ar,
+        input,
+        acc,
+        acc_a,
+    };
     let mut out = vec![0.0; seq * d];
     let mut lse = vec![0.0; seq];
-    let mut e = vec![0.0; block];
-    let mut col = vec![0.0; block];
     for i in 0..seq {
         let row = &s[i * seq..(i + 1) * seq];
-        let mut m = f64::NEG_INFINITY;
-        let mut l = 0.0;
-        let mut o = vec![0.0; d];
+        let mut state = OnlineRow::new(d);
         let mut start = 0;
         while start < seq {
             let end = (start + block).min(seq);
-            let chunk = &row[start..end];
-            let mb = chunk.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
-            if mb == f64::NEG_INFINITY {
-                start = end;
-                continue; // fully masked block
-            }
-            let len = end - start;
-            masked_exp(ar, chunk, mb, &mut e[..len]);
-            let lb = sum_unchecked(&e[..len], acc_a);
-            let pe: Vec<f64> = e[..len].iter().map(|&x| input.round(x, ar.ov)).collect();
-            let mut ob = vec![0.0; d];
-            for (j, obj) in ob.iter_mut().enumerate() {
-                for (t, c) in col[..len].iter_mut().enumerate() {
-                    *c = v[(start + t) * d + j];
-                }
-                *obj = dot_unchecked(&pe, &col[..len], acc);
-            }
-            if m == f64::NEG_INFINITY {
-                m = mb;
-                l = lb;
-                o = ob;
-            } else {
-                let m_new = m.max(mb);
-                let alpha = ar.exp(ar.sub(m, m_new));
-                let beta = ar.exp(ar.sub(mb, m_new));
-                l = ar.add(ar.mul(l, alpha), ar.mul(lb, beta));
-                for j in 0..d {
-                    o[j] = ar.add(ar.mul(o[j], alpha), ar.mul(ob[j], beta));
-                }
-                m = m_new;
-            }
+            state.absorb(&row[start..end], |t, j| v[(start + t) * d + j], &k);
             start = end;
         }
-        lse[i] = ar.add(m, ar.ln(l));
-        for j in 0..d {
-            out[i * d + j] = ar.div(o[j], l);
-        }
+        let (l, o) = state.finish(ar);
+        lse[i] = l;
+        out[i * d..(i + 1) * d].copy_from_slice(&o);
     }
     (out, lse)
 }

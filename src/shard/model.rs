@@ -109,6 +109,16 @@ struct Dist {
     layout: Layout,
 }
 
+impl Dist {
+    /// New shards with the layout of `other`.
+    fn like(shards: Vec<Tensor>, other: &Dist) -> Dist {
+        Dist {
+            shards,
+            layout: other.layout,
+        }
+    }
+}
+
 /// How a linear layer is parallelized.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Parallel {
@@ -425,7 +435,7 @@ impl ShardedGpt {
     fn scale_for(
         &mut self,
         key: String,
-        locals: &[&Tensor],
+        locals: &[Tensor],
         policy: &Policy,
         fmt: Format,
         record: bool,
@@ -570,13 +580,7 @@ impl ShardedGpt {
                         Activation::Silu => silu(x, &p),
                     })
                     .collect::<Result<_>>()?;
-                Ok((
-                    Dist {
-                        shards,
-                        layout: inputs[0].layout,
-                    },
-                    Saved::None,
-                ))
+                Ok((Dist::like(shards, &inputs[0]), Saved::None))
             }
             ModuleKind::Residual => {
                 let p = self.policy(OpClass::Elementwise, Pass::Forward);
@@ -592,13 +596,7 @@ impl ShardedGpt {
                     .zip(&inputs[1].shards)
                     .map(|(a, b)| nn::add(a, b, &p))
                     .collect::<Result<_>>()?;
-                Ok((
-                    Dist {
-                        shards,
-                        layout: inputs[0].layout,
-                    },
-                    Saved::None,
-                ))
+                Ok((Dist::like(shards, &inputs[0]), Saved::None))
             }
             ModuleKind::Loss => {
                 let p = self.policy(OpClass::Loss, Pass::Forward);
@@ -647,20 +645,8 @@ impl ShardedGpt {
             _ => x.shards.clone(),
         };
         let x2: Vec<Tensor> = xs.iter().map(Self::flatten).collect::<Result<_>>()?;
-        let sx = self.scale_for(
-            format!("{}.input", m.name),
-            &x2.iter().collect::<Vec<_>>(),
-            &p,
-            p.input(),
-            true,
-        );
-        let sw = self.scale_for(
-            format!("{}.weight", m.name),
-            &w.iter().collect::<Vec<_>>(),
-            &p,
-            p.rhs(),
-            true,
-        );
+        let sx = self.scale_for(format!("{}.input", m.name), &x2, &p, p.input(), true);
+        let sw = self.scale_for(format!("{}.weight", m.name), &w, &p, p.rhs(), true);
         let world = self.mesh.world();
         let mut out = Vec::with_capacity(world);
         let bias_here = par != Parallel::Row || self.mesh.tp == 1;
@@ -896,27 +882,9 @@ impl ShardedGpt {
             _ => g.shards.clone(),
         };
         let g2: Vec<Tensor> = gs.iter().map(Self::flatten).collect::<Result<_>>()?;
-        let s_g = self.scale_for(
-            format!("{}.grad", m.name),
-            &g2.iter().collect::<Vec<_>>(),
-            &dg,
-            dg.input(),
-            true,
-        );
-        let s_w = self.scale_for(
-            format!("{}.weight", m.name),
-            &w.iter().collect::<Vec<_>>(),
-            &dg,
-            dg.rhs(),
-            false,
-        );
-        let s_x = self.scale_for(
-            format!("{}.input", m.name),
-            &x2.iter().collect::<Vec<_>>(),
-            &wg,
-            wg.rhs(),
-            false,
-        );
+        let s_g = self.scale_for(format!("{}.grad", m.name), &g2, &dg, dg.input(), true);
+        let s_w = self.scale_for(format!("{}.weight", m.name), &w, &dg, dg.rhs(), false);
+        let s_x = self.scale_for(format!("{}.input", m.name), &x2, &wg, wg.rhs(), false);
         let mut dx = Vec::with_capacity(world);
         let mut dw = Vec::with_capacity(world);
         let mut db = Vec::with_capacity(world);

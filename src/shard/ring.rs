@@ -21,13 +21,12 @@
 //!    rounded to the output format.
 
 use crate::engine::arith::Arith;
-use crate::engine::attention::widest_of;
-use crate::engine::nn::masked_exp;
+use crate::engine::attention::{widest_of, OnlineArith, OnlineRow};
 use crate::engine::policy::Policy;
 use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::Format;
-use crate::order::{dot_unchecked, sum_unchecked, Accumulation};
+use crate::order::{dot_unchecked, Accumulation};
 
 /// What the ring backward needs.
 #[derive(Debug, Clone)]
@@ -151,9 +150,13 @@ pub fn ring_attention(
     let hidden = heads * d;
     let mut outs = vec![];
     let mut lses = vec![];
-    let mut e = vec![0.0; block];
     let mut sc = vec![0.0; block];
-    let mut col = vec![0.0; block];
+    let online = OnlineArith {
+        ar: &ar,
+        input,
+        acc: &acc,
+        acc_a: &acc_a,
+    };
     for i in 0..cp {
         let mut out = vec![0.0; batch * rows * hidden];
         let mut lse_i = vec![];
@@ -165,8 +168,7 @@ pub fn ring_attention(
                 for t in 0..rows {
                     let qp = position(i, t, c, cp);
                     let qt = &q[t * d..(t + 1) * d];
-                    let (mut m, mut l) = (f64::NEG_INFINITY, 0.0);
-                    let mut o = vec![0.0; d];
+                    let mut state = OnlineRow::new(d);
                     for (src, first) in ring_chunks(i, cp, c) {
                         let (k, v) = (&parts[src].3[1][bh], &parts[src].3[2][bh]);
                         let mut start = 0;
@@ -180,42 +182,15 @@ pub fn ring_attention(
                                     f64::NEG_INFINITY
                                 };
                             }
-                            let mb = sc[..len].iter().fold(f64::NEG_INFINITY, |a, &x| a.max(x));
-                            if mb == f64::NEG_INFINITY {
-                                start += len;
-                                continue;
-                            }
-                            masked_exp(&ar, &sc[..len], mb, &mut e[..len]);
-                            let lb = sum_unchecked(&e[..len], &acc_a);
-                            let pe: Vec<f64> =
-                                e[..len].iter().map(|&x| input.round(x, ar.ov)).collect();
-                            let mut ob = vec![0.0; d];
-                            for (jj, obj) in ob.iter_mut().enumerate() {
-                                for (t2, cc) in col[..len].iter_mut().enumerate() {
-                                    *cc = v[(first + start + t2) * d + jj];
-                                }
-                                *obj = dot_unchecked(&pe, &col[..len], &acc);
-                            }
-                            if m == f64::NEG_INFINITY {
-                                m = mb;
-                                l = lb;
-                                o = ob;
-                            } else {
-                                let m_new = m.max(mb);
-                                let alpha = ar.exp(ar.sub(m, m_new));
-                                let beta = ar.exp(ar.sub(mb, m_new));
-                                l = ar.add(ar.mul(l, alpha), ar.mul(lb, beta));
-                                for jj in 0..d {
-                                    o[jj] = ar.add(ar.mul(o[jj], alpha), ar.mul(ob[jj], beta));
-                                }
-                                m = m_new;
-                            }
+                            let base = first + start;
+                            state.absorb(&sc[..len], |t, jj| v[(base + t) * d + jj], &online);
                             start += len;
                         }
                     }
-                    lse[t] = ar.add(m, ar.ln(l));
-                    for jj in 0..d {
-                        out[(b * rows + t) * hidden + h * d + jj] = ar.ro(ar.div(o[jj], l));
+                    let (l, o) = state.finish(&ar);
+                    lse[t] = l;
+                    for (jj, oj) in o.iter().enumerate() {
+                        out[(b * rows + t) * hidden + h * d + jj] = ar.ro(*oj);
                     }
                 }
                 lse_i.push(lse);

@@ -117,6 +117,36 @@ fn element(
     Ok(var + (ec.mean - er.mean).powi(2) + (er.tie_bound + ec.tie_bound).powi(2))
 }
 
+/// E ε² of every element of C[rows, cols] = Σ_k A(t, k)·B(k, col) when the reduction over k
+/// is split over `parts` ranks by `owners[k]`, partials and combine in `fmt`, the combine of
+/// output element e in the ring order of its all-reduce chunk (`ring(start)`).
+#[allow(clippy::too_many_arguments)]
+fn split_k_site(
+    (rows, cols, kdim): (usize, usize, usize),
+    a: impl Fn(usize, usize) -> f64,
+    b: impl Fn(usize, usize) -> f64,
+    owners: &[usize],
+    parts: usize,
+    acc: &Accumulation,
+    fmt: Format,
+    ring: &impl Fn(usize) -> Option<usize>,
+) -> Result<Vec<f64>> {
+    let chunk = (rows * cols).div_ceil(parts);
+    let mut v = Vec::with_capacity(rows * cols);
+    let mut terms = vec![0.0; kdim];
+    for t in 0..rows {
+        for col in 0..cols {
+            for (k, tk) in terms.iter_mut().enumerate() {
+                *tk = a(t, k) * b(k, col);
+            }
+            let e = (t * cols + col) / chunk;
+            let start = ring((e + 1) % parts);
+            v.push(element(&terms, acc, owners, parts, true, fmt, fmt, start)?);
+        }
+    }
+    Ok(v)
+}
+
 fn acc_of(p: &Policy, input: Format) -> Accumulation {
     let mut a = p.accumulation.clone();
     a.input = input;
@@ -239,57 +269,33 @@ pub fn fresh_sites(
                 let wg = recipe.policy(OpClass::MatmulGradWeight, Pass::Backward);
                 if tp > 1 && row {
                     // y_tj = Σ_k x_tk W_jk, K split contiguously over TP.
-                    let acc = acc_of(fwd, fwd.input());
-                    let chunk = (rows * out).div_ceil(tp);
-                    let mut v = Vec::with_capacity(rows * out);
-                    let mut terms = vec![0.0; inp];
-                    let k_owner: Vec<usize> = (0..inp).map(|k| k / (inp / tp)).collect();
-                    for t in 0..rows {
-                        for j in 0..out {
-                            for (k, tk) in terms.iter_mut().enumerate() {
-                                *tk = xv[t * inp + k] * wv[j * inp + k];
-                            }
-                            let e = (t * out + j) / chunk;
-                            v.push(element(
-                                &terms,
-                                &acc,
-                                &k_owner,
-                                tp,
-                                true,
-                                act,
-                                act,
-                                ring((e + 1) % tp),
-                            )?);
-                        }
-                    }
+                    let owners: Vec<usize> = (0..inp).map(|k| k / (inp / tp)).collect();
+                    let v = split_k_site(
+                        (rows, out, inp),
+                        |t, k| xv[t * inp + k],
+                        |k, j| wv[j * inp + k],
+                        &owners,
+                        tp,
+                        &acc_of(fwd, fwd.input()),
+                        act,
+                        &ring,
+                    )?;
                     sites.insert(format!("{name}|fwd.output.0"), v);
                 }
                 if tp > 1 && !row {
                     // dx_tk = Σ_j g_tj W_jk, the out features split over TP.
-                    let acc = acc_of(dg, dg.input());
-                    let chunk = (rows * inp).div_ceil(tp);
                     let owners: Vec<usize> =
                         (0..out).map(|j| column_owner(name, j, out, tp)).collect();
-                    let mut v = Vec::with_capacity(rows * inp);
-                    let mut terms = vec![0.0; out];
-                    for t in 0..rows {
-                        for k in 0..inp {
-                            for (j, tj) in terms.iter_mut().enumerate() {
-                                *tj = gv[t * out + j] * wv[j * inp + k];
-                            }
-                            let e = (t * inp + k) / chunk;
-                            v.push(element(
-                                &terms,
-                                &acc,
-                                &owners,
-                                tp,
-                                true,
-                                act,
-                                act,
-                                ring((e + 1) % tp),
-                            )?);
-                        }
-                    }
+                    let v = split_k_site(
+                        (rows, inp, out),
+                        |t, j| gv[t * out + j],
+                        |j, k| wv[j * inp + k],
+                        &owners,
+                        tp,
+                        &acc_of(dg, dg.input()),
+                        act,
+                        &ring,
+                    )?;
                     sites.insert(format!("{name}|grad.input.0"), v);
                 }
                 if n_dpcp > 1 {

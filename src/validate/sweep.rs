@@ -324,6 +324,8 @@ pub struct KindRow {
     pub median_threshold_eps: f64,
     /// Median of threshold / observed over the differing tensors.
     pub tightness_median: f64,
+    /// 90th percentile of threshold / observed over the differing tensors.
+    pub tightness_p90: f64,
     /// Largest threshold / observed over the differing tensors.
     pub tightness_worst: f64,
     /// Our false alarms.
@@ -351,6 +353,14 @@ pub struct SweepReport {
     pub runs: Vec<RunResult>,
     /// Wall time in seconds.
     pub seconds: f64,
+}
+
+fn percentile(mut v: Vec<f64>, q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() - 1) as f64 * q).round() as usize]
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -382,6 +392,7 @@ fn row(kind: &str, ts: &[&TensorResult]) -> KindRow {
         max_observed_eps: ts.iter().map(|t| t.observed / t.eps).fold(0.0, f64::max),
         median_threshold_eps: median(differing.iter().map(|t| t.threshold / t.eps).collect()),
         tightness_median: median(tight.clone()),
+        tightness_p90: percentile(tight.clone(), 0.9),
         tightness_worst: tight.iter().copied().fold(f64::NAN, f64::max),
         false_alarms: ts.iter().filter(|t| t.false_alarm()).count(),
         perturbation_false_alarms: ts.iter().filter(|t| t.observed > t.perturbation).count(),
@@ -478,6 +489,7 @@ pub fn render_table(report: &SweepReport) -> String {
         "max obs (ε)".into(),
         "med thr (ε)".into(),
         "tight med".into(),
+        "tight p90".into(),
         "tight worst".into(),
         "false alarms".into(),
         "pert FA".into(),
@@ -493,6 +505,7 @@ pub fn render_table(report: &SweepReport) -> String {
             fmt_num(r.max_observed_eps),
             fmt_num(r.median_threshold_eps),
             fmt_num(r.tightness_median),
+            fmt_num(r.tightness_p90),
             fmt_num(r.tightness_worst),
             r.false_alarms.to_string(),
             r.perturbation_false_alarms.to_string(),
