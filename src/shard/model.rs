@@ -884,7 +884,7 @@ impl ShardedGpt {
         let g2: Vec<Tensor> = gs.iter().map(Self::flatten).collect::<Result<_>>()?;
         let s_g = self.scale_for(format!("{}.grad", m.name), &g2, &dg, dg.input(), true);
         let s_w = self.scale_for(format!("{}.weight", m.name), &w, &dg, dg.rhs(), false);
-        let s_x = self.scale_for(format!("{}.input", m.name), &x2, &wg, wg.rhs(), false);
+        let s_x = self.scale_for(format!("{}.input", m.name), x2, &wg, wg.rhs(), false);
         let mut dx = Vec::with_capacity(world);
         let mut dw = Vec::with_capacity(world);
         let mut db = Vec::with_capacity(world);
