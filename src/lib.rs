@@ -93,6 +93,8 @@
 #![warn(missing_docs)]
 
 pub mod bounds;
+pub mod bugs;
+pub mod check;
 mod decimal;
 pub mod engine;
 pub mod error;

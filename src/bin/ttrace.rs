@@ -123,6 +123,47 @@ enum Command {
         /// Write the full report as JSON to this path, and an SVG plot next to it.
         #[arg(long)]
         json: Option<std::path::PathBuf>,
+        /// Skip the bug-detection runs.
+        #[arg(long)]
+        no_bugs: bool,
+    },
+    /// List the catalog of injectable silent bugs.
+    Bugs {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Simulate one sharded training step (optionally with a bug), check it against the
+    /// single-device reference and localize the first wrong module. Exit code 0: within the
+    /// thresholds; 1: a discrepancy; 2: an error.
+    Simulate {
+        /// Tensor-parallel size.
+        #[arg(long, default_value_t = 2)]
+        tp: usize,
+        /// Sequence parallelism.
+        #[arg(long)]
+        sp: bool,
+        /// Context-parallel size.
+        #[arg(long, default_value_t = 1)]
+        cp: usize,
+        /// Data-parallel size.
+        #[arg(long, default_value_t = 1)]
+        dp: usize,
+        /// Recipe: fp32, bf16, fp8-delayed, fp8-current.
+        #[arg(long, default_value = "bf16")]
+        recipe: String,
+        /// Inject this bug (see `ttrace bugs`).
+        #[arg(long)]
+        bug: Option<String>,
+        /// Seed of the consistent generator.
+        #[arg(long, default_value_t = 1000)]
+        seed: u64,
+        /// All-reduce algorithm: ring or tree.
+        #[arg(long, default_value = "ring")]
+        algorithm: String,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -550,6 +591,136 @@ fn write_atomic(path: &std::path::Path, contents: &[u8]) -> Result<(), String> {
     })
 }
 
+fn bugs(json: bool) -> Result<(), String> {
+    use ttrace::bugs::Bug;
+    #[derive(Serialize)]
+    struct Row {
+        name: &'static str,
+        needs: &'static str,
+        models: &'static str,
+        localized_at: String,
+    }
+    let rows: Vec<Row> = Bug::ALL
+        .iter()
+        .map(|b| {
+            let s = b.site();
+            Row {
+                name: b.name(),
+                needs: b.needs(),
+                models: b.models(),
+                localized_at: format!(
+                    "{:?} {}{}",
+                    s.kind,
+                    if s.pass == ttrace::engine::Pass::Forward {
+                        "fwd"
+                    } else {
+                        "bwd"
+                    },
+                    s.name_suffix.map(|x| format!(" ({x})")).unwrap_or_default()
+                )
+                .to_lowercase(),
+            }
+        })
+        .collect();
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&rows).map_err(|e| e.to_string())?
+        );
+        return Ok(());
+    }
+    for r in &rows {
+        println!(
+            "{:<32} needs {:<40} expected at {}",
+            r.name, r.needs, r.localized_at
+        );
+        println!("{:<32} models {}", "", r.models);
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn simulate(
+    tp: usize,
+    sp: bool,
+    cp: usize,
+    dp: usize,
+    recipe: &str,
+    bug: Option<&str>,
+    seed: u64,
+    algorithm: &str,
+    json: bool,
+) -> Result<bool, String> {
+    use ttrace::validate::{run_bug, run_config_cached, RunConfig, SweepOptions};
+    let bug = bug
+        .map(ttrace::bugs::Bug::by_name)
+        .transpose()
+        .map_err(|e| e.to_string())?;
+    ttrace::engine::Recipe::by_name(recipe).map_err(|e| e.to_string())?;
+    let algorithm = match algorithm {
+        "ring" => ttrace::shard::Algorithm::Ring,
+        "tree" => ttrace::shard::Algorithm::Tree,
+        other => {
+            return Err(format!(
+                "unknown all-reduce algorithm '{other}' (ring, tree)"
+            ))
+        }
+    };
+    let mesh = ttrace::shard::Mesh::new(tp, cp, dp, sp).map_err(|e| e.to_string())?;
+    let options = SweepOptions::default_sweep(1);
+    let run = RunConfig {
+        mesh,
+        recipe: recipe.to_string(),
+        seed,
+        algorithm,
+    };
+    let (_, thresholds) = run_config_cached(&options, &run).map_err(|e| e.to_string())?;
+    let r = run_bug(&options, &run, bug, &thresholds).map_err(|e| e.to_string())?;
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?
+        );
+    } else {
+        println!(
+            "ttrace simulate: {} {}{} (seed {seed}, {} all-reduce), model {} layers, hidden {}",
+            mesh.label(),
+            recipe,
+            bug.map(|b| format!(", bug {b}")).unwrap_or_default(),
+            if algorithm == ttrace::shard::Algorithm::Ring {
+                "ring"
+            } else {
+                "tree"
+            },
+            options.model.layers,
+            options.model.hidden
+        );
+        print!("{}", ttrace::check::render_check(&r.check));
+        match &r.localization {
+            None => println!("localizer: every module's own output is within its local threshold"),
+            Some(l) => println!(
+                "localizer: first wrong module {} ({}, {:?}{}{}): {} — {}",
+                l.module,
+                if l.pass == ttrace::engine::Pass::Forward {
+                    "forward"
+                } else {
+                    "backward"
+                },
+                l.kind,
+                l.rank.map(|r| format!(", rank {r}")).unwrap_or_default(),
+                l.parameter
+                    .as_ref()
+                    .map(|p| format!(", parameter {p}"))
+                    .unwrap_or_default(),
+                l.tensor,
+                l.detail
+            ),
+        }
+    }
+    Ok(!r.detected)
+}
+
+#[allow(clippy::too_many_arguments)]
 fn validate(
     full: bool,
     seeds: Option<u64>,
@@ -557,9 +728,10 @@ fn validate(
     delta: f64,
     threads: Option<usize>,
     recipes: &[String],
+    no_bugs: bool,
     json: Option<&std::path::Path>,
 ) -> Result<bool, String> {
-    use ttrace::validate::{render_svg, render_table, run_sweep, SweepOptions};
+    use ttrace::validate::{render_bugs, render_svg, render_table, run_sweep, SweepOptions};
     let seeds = seeds.unwrap_or(if full { 6 } else { 2 });
     if seeds == 0 {
         return Err("--seeds must be at least 1".into());
@@ -583,6 +755,9 @@ fn validate(
         }
     }
     options.simulation.samples = samples;
+    if no_bugs {
+        options.bug_meshes = 0;
+    }
     options.simulation.delta = delta;
     let mut pool = rayon::ThreadPoolBuilder::new();
     if let Some(t) = threads {
@@ -594,7 +769,7 @@ fn validate(
     let pool = pool
         .build()
         .map_err(|e| format!("starting worker threads: {e}"))?;
-    let bar = indicatif::ProgressBar::new(options.runs.len() as u64);
+    let bar = indicatif::ProgressBar::new((options.runs.len() + options.bug_runs().len()) as u64);
     bar.set_style(
         indicatif::ProgressStyle::with_template(
             "{spinner} validate [{elapsed_precise}] {bar:40} {pos}/{len} runs (eta {eta})",
@@ -631,6 +806,24 @@ fn validate(
          correct runs (pert = perturbation estimate; torch = assert_close defaults for the \
          tensor's dtype; megatron = 4*1.03^(L+1)*ε)."
     );
+    if !report.bugs.is_empty() {
+        println!();
+        println!(
+            "Bug detection: every catalog bug injected on up to {} meshes where it applies, per \
+             recipe (seed {}); end-to-end = our composed thresholds flag a tensor; detected = \
+             end-to-end or the localizer; localized = the localizer names the module kind and \
+             pass of the bug; min err/thr = smallest over runs of the largest error / \
+             threshold; torch, megatron, pert = runs in which that baseline flags the bug.",
+            options.bug_meshes,
+            options.runs.first().map(|r| r.seed).unwrap_or(0)
+        );
+        print!("{}", render_bugs(&report));
+        println!(
+            "Localizer on the {} correct runs: {} false alarms.",
+            report.runs.len(),
+            report.localizer_false_alarms
+        );
+    }
     if report.fp8_scales.compared > 0 {
         println!(
             "FP8: {} of {} per-tensor scales of the sharded runs differ from the reference's \
@@ -646,12 +839,42 @@ fn validate(
         write_atomic(&svg, render_svg(&report).as_bytes())?;
         println!("report: {} and {}", path.display(), svg.display());
     }
-    Ok(report.total.false_alarms == 0)
+    Ok(report.total.false_alarms == 0 && report.localizer_false_alarms == 0)
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let mut cli_extra: Option<ExitCode> = None;
     let result = match cli.command {
+        Command::Bugs { json } => bugs(json),
+        Command::Simulate {
+            tp,
+            sp,
+            cp,
+            dp,
+            recipe,
+            bug,
+            seed,
+            algorithm,
+            json,
+        } => match simulate(
+            tp,
+            sp,
+            cp,
+            dp,
+            &recipe,
+            bug.as_deref(),
+            seed,
+            &algorithm,
+            json,
+        ) {
+            Ok(true) => Ok(()),
+            Ok(false) => {
+                cli_extra = Some(ExitCode::from(1));
+                Ok(())
+            }
+            Err(e) => Err(e),
+        },
         Command::Formats { json } => formats(json).map_err(|e| format!("writing output: {e}")),
         Command::Round { format, saturate } => round(format, saturate),
         Command::Threshold {
@@ -677,6 +900,7 @@ fn main() -> ExitCode {
             threads,
             recipes,
             json,
+            no_bugs,
         } => match validate(
             full,
             seeds,
@@ -684,12 +908,17 @@ fn main() -> ExitCode {
             delta,
             threads,
             &recipes,
+            no_bugs,
             json.as_deref(),
         ) {
             Ok(true) => Ok(()),
             Ok(false) => return ExitCode::from(1),
             Err(e) => Err(e),
         },
+    };
+    let result = match (result, cli_extra) {
+        (r, None) => r,
+        (_, Some(code)) => return code,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -61,6 +61,8 @@ pub struct AttentionSaved {
     /// Per (batch, head): the log-sum-exp of each score row, in A.
     lse: Vec<Vec<f64>>,
     input: Format,
+    /// The score scale used forward.
+    scale: f64,
 }
 
 /// Q, K, V split per (batch, head), each [seq, d] row-major.
@@ -139,6 +141,19 @@ pub fn attention(
     imp: AttentionImpl,
     policy: &Policy,
 ) -> Result<(Tensor, AttentionSaved)> {
+    attention_with_scale(qkv, heads, causal, imp, policy, None)
+}
+
+/// [`attention`] with the score scale given (`None`: ra(1/√d)); the bug catalog uses it to
+/// model a scale computed from the wrong width.
+pub(crate) fn attention_with_scale(
+    qkv: &Tensor,
+    heads: usize,
+    causal: bool,
+    imp: AttentionImpl,
+    policy: &Policy,
+    scale: Option<f64>,
+) -> Result<(Tensor, AttentionSaved)> {
     policy.validate()?;
     if let AttentionImpl::Online { block: 0 } = imp {
         return Err(Error::InvalidParameter {
@@ -164,7 +179,7 @@ pub fn attention(
     acc.input = input;
     let mut acc_a = policy.accumulation.clone();
     acc_a.input = policy.accumulator();
-    let scale = ar.ra(1.0 / (d as f64).sqrt());
+    let scale = scale.unwrap_or_else(|| ar.ra(1.0 / (d as f64).sqrt()));
     let hidden = heads * d;
     let mut out = vec![0.0; batch * seq * hidden];
     let mut lses = vec![];
@@ -201,6 +216,7 @@ pub fn attention(
             v,
             lse: lses,
             input,
+            scale,
         },
     ))
 }
@@ -403,7 +419,7 @@ pub fn attention_backward(
     let gv = g.values();
     let mut acc = policy.accumulation.clone();
     acc.input = widest_of(policy.input(), input);
-    let scale = ar.ra(1.0 / (d as f64).sqrt());
+    let scale = saved.scale;
     let mut dqkv = vec![0.0; batch * seq * 3 * hidden];
     for b in 0..batch {
         for h in 0..heads {

@@ -10,4 +10,6 @@ pub mod ring;
 pub use collective::{all_gather, all_reduce, all_reduce_max, reduce_scatter, Algorithm};
 pub use layout::{merge, shard, Axis, Coords, Layout, Mesh, Placement};
 pub use model::{ShardedEntry, ShardedGpt, ShardedStep};
-pub use ring::{ring_attention, ring_attention_backward, RingSaved};
+pub use ring::{
+    ring_attention, ring_attention_backward, ring_attention_with, RingOptions, RingSaved,
+};

@@ -30,8 +30,11 @@
 
 use std::collections::HashMap;
 
+use crate::bugs::Bug;
 use crate::engine::arith::Arith;
-use crate::engine::attention::{attention, attention_backward, AttentionImpl, AttentionSaved};
+use crate::engine::attention::{
+    attention_backward, attention_with_scale, AttentionImpl, AttentionSaved,
+};
 use crate::engine::matmul::{column_sums, linear_scaled, matmul_scaled, transpose};
 use crate::engine::model::{Activation, Gpt, Module, ModuleKind, NormKind};
 use crate::engine::nn::{
@@ -45,7 +48,7 @@ use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::shard::collective::{all_gather, all_reduce, reduce_scatter, Algorithm};
 use crate::shard::layout::{merge, shard, Coords, Layout, Mesh, Placement};
-use crate::shard::ring::{ring_attention, ring_attention_backward, RingSaved};
+use crate::shard::ring::{ring_attention_backward, ring_attention_with, RingOptions, RingSaved};
 
 /// One traced tensor of a sharded step: every rank's shard and the layout that merges them.
 #[derive(Debug, Clone)]
@@ -94,6 +97,26 @@ impl ShardedStep {
             }
         }
         Ok(out)
+    }
+
+    /// Merge every entry on its own: the merged tensors that succeed, and for the others the
+    /// error (a replica mismatch names the rank) — a checker reports both instead of stopping
+    /// at the first.
+    pub fn merge_each(&self, reference: &Trace) -> (Trace, Vec<(String, Error)>) {
+        let mut out = Trace::new();
+        let mut errors = vec![];
+        for e in &self.entries {
+            let expected = reference.get(&e.id).map(|t| t.shape().to_vec());
+            match merge(&e.shards, &e.layout, &self.mesh, &e.id, expected.as_deref()) {
+                Ok(t) => {
+                    if let Err(err) = out.push(e.id.clone(), t) {
+                        errors.push((e.id.clone(), err));
+                    }
+                }
+                Err(err) => errors.push((e.id.clone(), err)),
+            }
+        }
+        (out, errors)
     }
 
     /// The entry with this id.
@@ -160,6 +183,11 @@ pub struct ShardedGpt {
     algorithm: Algorithm,
     amax_history: HashMap<String, Vec<f64>>,
     scales_used: HashMap<String, f64>,
+    /// Every rank's scale per operand (equal across ranks unless a bug makes them differ).
+    rank_scales: HashMap<String, Vec<f64>>,
+    bug: Option<Bug>,
+    /// Replaying single modules: reuse the last step's FP8 scales, record nothing.
+    replay: bool,
 }
 
 impl ShardedGpt {
@@ -216,13 +244,32 @@ impl ShardedGpt {
             algorithm,
             amax_history: HashMap::new(),
             scales_used: HashMap::new(),
+            rank_scales: HashMap::new(),
+            bug: None,
+            replay: false,
         })
     }
 
-    /// The per-tensor FP8 scales of the last step (identical on every rank), by operand key
-    /// as [`Gpt::scales`] names them.
+    /// The per-tensor FP8 scales of the last step (rank 0's; identical on every rank unless a
+    /// bug makes them differ), by operand key as [`Gpt::scales`] names them.
     pub fn scales(&self) -> &HashMap<String, f64> {
         &self.scales_used
+    }
+
+    /// Every rank's FP8 scale of each operand in the last step.
+    pub fn rank_scales(&self) -> &HashMap<String, Vec<f64>> {
+        &self.rank_scales
+    }
+
+    /// The same model with a bug from the catalog injected.
+    pub fn with_bug(mut self, bug: Bug) -> ShardedGpt {
+        self.bug = Some(bug);
+        self
+    }
+
+    /// The injected bug, if any.
+    pub fn bug(&self) -> Option<Bug> {
+        self.bug
     }
 
     /// The mesh.
@@ -289,12 +336,12 @@ impl ShardedGpt {
 
     /// Every rank's shard of a parameter.
     fn param_shards(&self, name: &str) -> Result<Vec<Tensor>> {
-        shard(
-            self.model.param(name)?,
-            &self.param_layout(name),
-            &self.mesh,
-            name,
-        )
+        let mut layout = self.param_layout(name);
+        if self.bug == Some(Bug::QkvWrongInterleave) && name.contains("attn.qkv") {
+            // The bug: a contiguous split of [Q | K | V] (the declared layout stays grouped).
+            layout.tp = Placement::split(0);
+        }
+        shard(self.model.param(name)?, &layout, &self.mesh, name)
     }
 
     /// Token ids, targets (each [b_local·s_local]) and positions of a rank's tokens.
@@ -414,6 +461,22 @@ impl ShardedGpt {
         }
     }
 
+    /// The reduce-scatter bug: scatter along the batch dimension, then view the result as the
+    /// sequence shard it should have been ([b/tp, s, h] read as [b, s/tp, h]).
+    fn reduce_scatter_batch_dim(&self, shards: &mut [Tensor], fmt: Format) -> Result<()> {
+        for g in self.tp_groups() {
+            let parts: Vec<Tensor> = g.iter().map(|&r| shards[r].clone()).collect();
+            let shape = parts[0].shape().to_vec();
+            let out = reduce_scatter(&parts, 0, fmt)?;
+            let mut want = shape.clone();
+            want[1] /= self.mesh.tp;
+            for (&r, t) in g.iter().zip(out) {
+                shards[r] = t.reshape(&want)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Slice every rank's tensor along `dim` to its TP part (the backward of an all-gather).
     fn slice_tp(&self, shards: &[Tensor], dim: usize, what: &str) -> Result<Vec<Tensor>> {
         let tp_only = Mesh::new(self.mesh.tp, 1, 1, false)?;
@@ -432,6 +495,11 @@ impl ShardedGpt {
     }
 
     /// The per-tensor FP8 scale of an operand, from the amax reduced over every rank.
+    /// Per-rank FP8 scales of one operand (`None` when it is not quantized with a per-tensor
+    /// scale). The amax is all-reduced (max) over every rank, so all ranks get the reference's
+    /// scale — except under [`Bug::Fp8AmaxNotReduced`], where each rank uses its own shard's
+    /// amax (and its own history). Forward and backward of a replay (`record = false`, or
+    /// `self.replay`) reuse the scales of the last step.
     fn scale_for(
         &mut self,
         key: String,
@@ -439,36 +507,71 @@ impl ShardedGpt {
         policy: &Policy,
         fmt: Format,
         record: bool,
-    ) -> Option<f64> {
+    ) -> Vec<Option<f64>> {
+        let world = self.mesh.world();
         if !matches!(fmt, Format::E4M3 | Format::E5M2) {
-            return None;
+            return vec![None; world];
         }
-        let amax = || locals.iter().map(|t| t.amax()).fold(0.0, f64::max);
-        match policy.scaling {
-            Scaling::PerTensorCurrent { margin } => {
-                let s = per_tensor_scale(amax(), fmt, margin);
-                if record {
-                    self.scales_used.insert(key, s);
-                }
-                Some(s)
-            }
-            Scaling::PerTensorDelayed { margin } => Some(if record {
-                let hist = self.amax_history.get(&key).cloned().unwrap_or_default();
-                let s = delayed_scale(&hist, fmt, margin);
-                let entry = self.amax_history.entry(key.clone()).or_default();
-                entry.push(amax());
-                let keep = self.model.recipe().amax_history_len.max(1);
-                if entry.len() > keep {
-                    let drop = entry.len() - keep;
-                    entry.drain(..drop);
-                }
-                self.scales_used.insert(key, s);
-                s
+        let per_rank = self.bug == Some(Bug::Fp8AmaxNotReduced);
+        let record = record && !self.replay;
+        let global = locals.iter().map(|t| t.amax()).fold(0.0, f64::max);
+        let amax_of = |r: usize| {
+            if per_rank {
+                locals.get(r).map(|t| t.amax()).unwrap_or(0.0)
             } else {
-                self.scales_used.get(&key).copied().unwrap_or(1.0)
-            }),
-            _ => None,
+                global
+            }
+        };
+        let scales: Vec<f64> = match policy.scaling {
+            Scaling::PerTensorCurrent { margin } => {
+                if self.replay {
+                    if let Some(v) = self.rank_scales.get(&key) {
+                        return v.iter().map(|&x| Some(x)).collect();
+                    }
+                }
+                (0..world)
+                    .map(|r| per_tensor_scale(amax_of(r), fmt, margin))
+                    .collect()
+            }
+            Scaling::PerTensorDelayed { margin } => {
+                if !record {
+                    return match self.rank_scales.get(&key) {
+                        Some(v) => v.iter().map(|&x| Some(x)).collect(),
+                        None => vec![Some(1.0); world],
+                    };
+                }
+                let keep = self.model.recipe().amax_history_len.max(1);
+                let hkeys: Vec<String> = if per_rank {
+                    (0..world).map(|r| format!("{key}@{r}")).collect()
+                } else {
+                    vec![key.clone()]
+                };
+                // Every rank's scale from the history as it was before this step...
+                let scales: Vec<f64> = (0..world)
+                    .map(|r| {
+                        let hkey = &hkeys[if per_rank { r } else { 0 }];
+                        let hist = self.amax_history.get(hkey).cloned().unwrap_or_default();
+                        delayed_scale(&hist, fmt, margin)
+                    })
+                    .collect();
+                // ...then this step's amax joins the history.
+                for (i, hkey) in hkeys.into_iter().enumerate() {
+                    let entry = self.amax_history.entry(hkey).or_default();
+                    entry.push(amax_of(i));
+                    if entry.len() > keep {
+                        let drop = entry.len() - keep;
+                        entry.drain(..drop);
+                    }
+                }
+                scales
+            }
+            _ => return vec![None; world],
+        };
+        if record {
+            self.scales_used.insert(key.clone(), scales[0]);
+            self.rank_scales.insert(key, scales.clone());
         }
+        scales.into_iter().map(Some).collect()
     }
 
     fn flatten(t: &Tensor) -> Result<Tensor> {
@@ -512,6 +615,11 @@ impl ShardedGpt {
             ModuleKind::Norm => {
                 let p = self.policy(OpClass::Norm, Pass::Forward);
                 let w = self.model.param(&m.params[0])?.clone();
+                let eps = if self.bug == Some(Bug::NormEpsMismatch) {
+                    10.0 * cfg.norm_eps
+                } else {
+                    cfg.norm_eps
+                };
                 let mut shards = vec![];
                 let mut saved = vec![];
                 for x in &inputs[0].shards {
@@ -520,11 +628,11 @@ impl ShardedGpt {
                             x,
                             &w,
                             self.model.param(&m.params[1])?,
-                            cfg.norm_eps,
+                            eps,
                             cfg.variance,
                             &p,
                         )?,
-                        NormKind::RmsNorm => rms_norm(x, &w, cfg.norm_eps, &p)?,
+                        NormKind::RmsNorm => rms_norm(x, &w, eps, &p)?,
                     };
                     shards.push(o);
                     saved.push(s);
@@ -542,11 +650,20 @@ impl ShardedGpt {
                 let p = self.policy(OpClass::Softmax, Pass::Forward);
                 let heads = cfg.heads / self.mesh.tp;
                 let layout = self.act(Placement::split(2));
+                let d = cfg.hidden / cfg.heads;
+                let ar_scale = |dd: f64| {
+                    p.accumulator()
+                        .round(1.0 / dd.sqrt(), Overflow::NonSaturating)
+                };
+                // The bug: the head dimension taken as the per-rank width over all heads.
+                let scale = (self.bug == Some(Bug::SoftmaxScaleFromLocalWidth))
+                    .then(|| ar_scale(d as f64 / self.mesh.tp as f64));
                 if self.mesh.cp == 1 {
                     let mut shards = vec![];
                     let mut saved = vec![];
                     for x in &inputs[0].shards {
-                        let (o, s) = attention(x, heads, true, cfg.attention, &p)?;
+                        let (o, s) =
+                            attention_with_scale(x, heads, true, cfg.attention, &p, scale)?;
                         shards.push(o);
                         saved.push(s);
                     }
@@ -562,7 +679,17 @@ impl ShardedGpt {
                 for g in self.cp_groups() {
                     let parts: Vec<Tensor> =
                         g.iter().map(|&r| inputs[0].shards[r].clone()).collect();
-                    let (outs, s) = ring_attention(&parts, heads, block, &p)?;
+                    let opts = RingOptions {
+                        scale,
+                        contiguous_positions: self.bug == Some(Bug::CpChunkOrderNotInverted),
+                        remote_lse_offset: if self.bug == Some(Bug::CpWrongLseCorrection) {
+                            std::f64::consts::LN_2
+                        } else {
+                            0.0
+                        },
+                        stale_kv: self.bug == Some(Bug::CpStaleKvBlock),
+                    };
+                    let (outs, s) = ring_attention_with(&parts, heads, block, &p, opts)?;
                     for (&r, o) in g.iter().zip(outs) {
                         shards[r] = o;
                     }
@@ -649,14 +776,15 @@ impl ShardedGpt {
         let sw = self.scale_for(format!("{}.weight", m.name), &w, &p, p.rhs(), true);
         let world = self.mesh.world();
         let mut out = Vec::with_capacity(world);
-        let bias_here = par != Parallel::Row || self.mesh.tp == 1;
+        let bias_here =
+            par != Parallel::Row || self.mesh.tp == 1 || self.bug == Some(Bug::RowBiasOnEveryRank);
         for r in 0..world {
             let b = if bias_here {
                 bias.as_ref().map(|b| &b[r])
             } else {
                 None
             };
-            let y = linear_scaled(&x2[r], &w[r], b, &p, sx, sw)?;
+            let y = linear_scaled(&x2[r], &w[r], b, &p, sx[r], sw[r])?;
             let mut shape = xs[r].shape().to_vec();
             let last = shape.len() - 1;
             shape[last] = w[r].shape()[0];
@@ -666,8 +794,14 @@ impl ShardedGpt {
             Parallel::Column { groups } => self.act(Placement::Split { dim: 2, groups }),
             Parallel::Row => {
                 if self.mesh.tp > 1 {
-                    self.reduce_tp(&mut out, self.model.recipe().activation_format)?;
-                    if let Some(b) = &bias {
+                    let act = self.model.recipe().activation_format;
+                    if self.bug == Some(Bug::ReduceScatterWrongDim) && self.mesh.sequence_parallel()
+                    {
+                        self.reduce_scatter_batch_dim(&mut out, act)?;
+                    } else {
+                        self.reduce_tp(&mut out, act)?;
+                    }
+                    if let (Some(b), false) = (&bias, bias_here) {
                         let ar = Arith::new(p.accumulator(), p.output, p.accumulation.overflow);
                         for (r, y) in out.iter_mut().enumerate() {
                             let bv = b[r].values();
@@ -835,7 +969,12 @@ impl ShardedGpt {
             }
             (ModuleKind::Loss, Saved::Loss(logits)) => {
                 let p = self.policy(OpClass::Loss, Pass::Backward);
-                let seed = 1.0 / (self.mesh.dp * self.mesh.cp) as f64;
+                let (dp, cp) = (self.mesh.dp as f64, self.mesh.cp as f64);
+                let seed = match self.bug {
+                    Some(Bug::DpGradSummedNotAveraged) => 1.0 / cp,
+                    Some(Bug::MissingMicrobatchDivision) => 1.0 / dp,
+                    _ => 1.0 / (dp * cp),
+                };
                 let mut full = vec![];
                 for (r, z) in logits.iter().enumerate() {
                     let (_, tg, _, _) = self.local_tokens(r, false);
@@ -889,13 +1028,15 @@ impl ShardedGpt {
         let mut dw = Vec::with_capacity(world);
         let mut db = Vec::with_capacity(world);
         for r in 0..world {
-            let d = matmul_scaled(&g2[r], &w[r], &dg, s_g, s_w)?;
+            let d = matmul_scaled(&g2[r], &w[r], &dg, s_g[r], s_w[r])?;
             let mut shape = gs[r].shape().to_vec();
             let last = shape.len() - 1;
             shape[last] = w[r].shape()[1];
             dx.push(d.reshape(&shape)?);
             let gt = transpose(&g2[r], "linear output gradient")?;
-            dw.push(matmul_scaled(&gt, &x2[r], &wg, s_g, s_x)?.cast(gf, Overflow::NonSaturating));
+            dw.push(
+                matmul_scaled(&gt, &x2[r], &wg, s_g[r], s_x[r])?.cast(gf, Overflow::NonSaturating),
+            );
             if m.params.len() > 1 {
                 let mut bp = wg.clone();
                 bp.output = gf;
@@ -928,11 +1069,107 @@ impl ShardedGpt {
     fn reduce_param_grad(&self, name: &str, shards: &mut [Tensor]) -> Result<Layout> {
         let layout = self.param_layout(name);
         let gf = self.model.recipe().grad_format;
-        self.all_reduce_groups(shards, &self.dpcp_groups(), gf)?;
-        if layout.tp == Placement::Replicate && self.mesh.sequence_parallel() {
-            self.all_reduce_groups(shards, &self.tp_groups(), gf)?;
+        let is_norm = [".ln1.", ".ln2.", "final_ln."]
+            .iter()
+            .any(|n| name.contains(n));
+        let is_row_bias =
+            name.ends_with(".bias") && (name.contains("attn.proj") || name.contains("mlp.fc2"));
+        let is_embedding = name.starts_with("embedding.");
+        // The reduction format: FP32 gradients all-reduced in BF16 under the bug, then kept
+        // in the gradient format.
+        let red = if self.bug == Some(Bug::GradAllReduceInBf16) {
+            Format::BF16
+        } else {
+            gf
+        };
+        if self.bug == Some(Bug::EmbeddingGradNotDpReduced) && is_embedding {
+            // Only the context-parallel part of the reduction happens.
+            self.all_reduce_groups(shards, &self.cp_groups(), red)?;
+        } else {
+            self.all_reduce_groups(shards, &self.dpcp_groups(), red)?;
+        }
+        let skip_tp = (self.bug == Some(Bug::SpNormGradNotReduced) && is_norm)
+            || (self.bug == Some(Bug::SpRowBiasGradNotReduced) && is_row_bias);
+        if layout.tp == Placement::Replicate && self.mesh.sequence_parallel() && !skip_tp {
+            self.all_reduce_groups(shards, &self.tp_groups(), red)?;
+        }
+        if red != gf {
+            for t in shards.iter_mut() {
+                *t = t.cast(gf, Overflow::NonSaturating);
+            }
         }
         Ok(layout)
+    }
+
+    fn dists(&self, inputs: &[(&Tensor, Layout)], what: &str) -> Result<Vec<Dist>> {
+        inputs
+            .iter()
+            .map(|(t, layout)| {
+                Ok(Dist {
+                    shards: shard(t, layout, &self.mesh, what)?,
+                    layout: *layout,
+                })
+            })
+            .collect()
+    }
+
+    /// Replay one module forward on logical inputs, each sharded by the layout given (the
+    /// layouts of the step's trace), with the FP8 scales of the last step: every rank's output
+    /// and its layout. The localizer feeds the reference's own inputs this way.
+    pub fn replay_forward(
+        &mut self,
+        name: &str,
+        inputs: &[(&Tensor, Layout)],
+    ) -> Result<ShardedEntry> {
+        let m = self.model.module(name)?.clone();
+        let d = self.dists(inputs, name)?;
+        self.replay = true;
+        let out = self.forward(&m, &d);
+        self.replay = false;
+        let (out, _) = out?;
+        Ok(ShardedEntry {
+            id: format!("{name}|fwd.output.0"),
+            layout: out.layout,
+            shards: out.shards,
+        })
+    }
+
+    /// Replay one module backward on logical forward inputs and output gradient (sharded by
+    /// the layouts given): the input gradients (`{name}|grad.input.{i}`) and the reduced
+    /// parameter gradients (`{param}|param_grad`) of every rank.
+    pub fn replay_backward(
+        &mut self,
+        name: &str,
+        inputs: &[(&Tensor, Layout)],
+        grad_output: (&Tensor, Layout),
+    ) -> Result<Vec<ShardedEntry>> {
+        let m = self.model.module(name)?.clone();
+        let d = self.dists(inputs, name)?;
+        let g = self.dists(&[grad_output], name)?.remove(0);
+        self.replay = true;
+        let result = (|| {
+            let (_, saved) = self.forward(&m, &d)?;
+            let (gin, pg) = self.backward(&m, &d, &saved, &g)?;
+            let mut out = vec![];
+            for (i, gi) in gin.into_iter().enumerate() {
+                out.push(ShardedEntry {
+                    id: format!("{name}|grad.input.{i}"),
+                    layout: gi.layout,
+                    shards: gi.shards,
+                });
+            }
+            for (p, mut shards) in pg {
+                let layout = self.reduce_param_grad(&p, &mut shards)?;
+                out.push(ShardedEntry {
+                    id: format!("{p}|param_grad"),
+                    layout,
+                    shards,
+                });
+            }
+            Ok(out)
+        })();
+        self.replay = false;
+        result
     }
 
     /// One training step on the mesh, with the trace of every rank.

@@ -28,6 +28,20 @@ use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::order::{dot_unchecked, Accumulation};
 
+/// Deviations from correct ring attention, for the bug catalog ([`crate::bugs::Bug`]). The
+/// default is correct ring attention.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct RingOptions {
+    /// Score scale (`None`: ra(1/√d)).
+    pub scale: Option<f64>,
+    /// Evaluate the causal mask as if rank i held the contiguous chunks 2i and 2i + 1.
+    pub contiguous_positions: bool,
+    /// Added to the log-sum-exp when the backward recomputes P for remote key blocks.
+    pub remote_lse_offset: f64,
+    /// The backward uses the rank's own K and V for remote steps of the ring.
+    pub stale_kv: bool,
+}
+
 /// What the ring backward needs.
 #[derive(Debug, Clone)]
 pub struct RingSaved {
@@ -44,11 +58,16 @@ pub struct RingSaved {
     /// Per rank, per (batch, head): lse of each local row.
     lse: Vec<Vec<Vec<f64>>>,
     input: Format,
+    scale: f64,
+    options: RingOptions,
 }
 
-/// Global position of local row `r` of CP rank `i` (chunks of `c` rows).
-fn position(i: usize, r: usize, c: usize, cp: usize) -> usize {
-    if r < c {
+/// Global position of local row `r` of CP rank `i` (chunks of `c` rows); with `contiguous`
+/// (a bug) as if rank i held chunks 2i and 2i + 1.
+fn position(i: usize, r: usize, c: usize, cp: usize, contiguous: bool) -> usize {
+    if contiguous {
+        i * 2 * c + r
+    } else if r < c {
         i * c + r
     } else {
         (2 * cp - 1 - i) * c + (r - c)
@@ -106,6 +125,17 @@ pub fn ring_attention(
     block: usize,
     policy: &Policy,
 ) -> Result<(Vec<Tensor>, RingSaved)> {
+    ring_attention_with(qkv, heads, block, policy, RingOptions::default())
+}
+
+/// [`ring_attention`] with deviations (see [`RingOptions`]).
+pub fn ring_attention_with(
+    qkv: &[Tensor],
+    heads: usize,
+    block: usize,
+    policy: &Policy,
+    options: RingOptions,
+) -> Result<(Vec<Tensor>, RingSaved)> {
     policy.validate()?;
     let cp = qkv.len();
     if cp == 0 || block == 0 {
@@ -146,7 +176,10 @@ pub fn ring_attention(
         });
     }
     let c = rows / 2;
-    let scale = ar.ra(1.0 / (d as f64).sqrt());
+    let scale = options
+        .scale
+        .unwrap_or_else(|| ar.ra(1.0 / (d as f64).sqrt()));
+    let contiguous = options.contiguous_positions;
     let hidden = heads * d;
     let mut outs = vec![];
     let mut lses = vec![];
@@ -166,7 +199,7 @@ pub fn ring_attention(
                 let q = &parts[i].3[0][bh];
                 let mut lse = vec![0.0; rows];
                 for t in 0..rows {
-                    let qp = position(i, t, c, cp);
+                    let qp = position(i, t, c, cp, contiguous);
                     let qt = &q[t * d..(t + 1) * d];
                     let mut state = OnlineRow::new(d);
                     for (src, first) in ring_chunks(i, cp, c) {
@@ -176,7 +209,7 @@ pub fn ring_attention(
                             let len = block.min(c - start);
                             for (j, scj) in sc[..len].iter_mut().enumerate() {
                                 let r = first + start + j;
-                                *scj = if position(src, r, c, cp) <= qp {
+                                *scj = if position(src, r, c, cp, contiguous) <= qp {
                                     ar.mul(dot_unchecked(qt, &k[r * d..(r + 1) * d], &acc), scale)
                                 } else {
                                     f64::NEG_INFINITY
@@ -225,6 +258,8 @@ pub fn ring_attention(
             v,
             lse: lses,
             input,
+            scale,
+            options,
         },
     ))
 }
@@ -282,7 +317,8 @@ pub fn ring_attention_backward(
     let acc = with_input(widest_of(gin, input));
     let acc_in = with_input(input);
     let acc_a = with_input(widest_of(input, policy.accumulator()));
-    let scale = ar.ra(1.0 / (d as f64).sqrt());
+    let scale = saved.scale;
+    let opts = saved.options;
     let three = 3 * hidden;
     let mut dqkv: Vec<Vec<f64>> = vec![vec![0.0; batch * rows * three]; cp];
     for b in 0..batch {
@@ -304,11 +340,18 @@ pub fn ring_attention_backward(
                 let mut p = vec![vec![0.0; rows * rows]; cp];
                 let mut dp = vec![vec![0.0; rows * rows]; cp];
                 for src in 0..cp {
-                    let (k, v) = (&saved.k[src][bh], &saved.v[src][bh]);
+                    // A stale block: the rank's own K and V stand in for a remote rank's.
+                    let kv = if opts.stale_kv { i } else { src };
+                    let (k, v) = (&saved.k[kv][bh], &saved.v[kv][bh]);
+                    let offset = if src == i {
+                        0.0
+                    } else {
+                        opts.remote_lse_offset
+                    };
                     for t in 0..rows {
-                        let qp = position(i, t, c, cp);
+                        let qp = position(i, t, c, cp, opts.contiguous_positions);
                         for r in 0..rows {
-                            if position(src, r, c, cp) <= qp {
+                            if position(src, r, c, cp, opts.contiguous_positions) <= qp {
                                 let s = ar.mul(
                                     dot_unchecked(
                                         &q[t * d..(t + 1) * d],
@@ -317,8 +360,12 @@ pub fn ring_attention_backward(
                                     ),
                                     scale,
                                 );
-                                p[src][t * rows + r] =
-                                    input.round(ar.exp(ar.sub(s, lse[t])), ar.ov);
+                                let l = if offset == 0.0 {
+                                    lse[t]
+                                } else {
+                                    lse[t] + offset
+                                };
+                                p[src][t * rows + r] = input.round(ar.exp(ar.sub(s, l)), ar.ov);
                             }
                             dp[src][t * rows + r] = dot_unchecked(
                                 &go[t * d..(t + 1) * d],
@@ -341,7 +388,7 @@ pub fn ring_attention_backward(
                     // Pass 2: dS, dQ partials per chunk.
                     let mut dq_t = vec![0.0; d];
                     for (n, &(src, first)) in order.iter().enumerate() {
-                        let k = &saved.k[src][bh];
+                        let k = &saved.k[if opts.stale_kv { i } else { src }][bh];
                         let ds: Vec<f64> = (first..first + c)
                             .map(|r| {
                                 let x = t * rows + r;

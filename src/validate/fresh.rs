@@ -665,3 +665,46 @@ fn attention_sites(
     sites.insert(format!("{name}|grad.input.0"), vd);
     Ok(())
 }
+
+/// Local thresholds for the localizer: for every fresh site of `reference`, a bound on
+/// ‖cand − ref‖_F of that tensor when the module runs on the reference's own inputs — the
+/// site's own difference only. Per element: a sub-Gaussian part with proxy E ε² (capped at
+/// 8σ as its high-probability size), then, where the tensor's format is narrower than FP32,
+/// both sides rounding nearly equal values to it (`ElementDiff::round_both`); combined with
+/// `bounds::tensor_threshold` at `confidence`. Tensors without a fresh site are absent
+/// (threshold 0: they must be bit-identical).
+pub fn local_thresholds(
+    sites: &FreshSites,
+    reference: &Trace,
+    confidence: crate::bounds::Confidence,
+) -> Result<HashMap<String, f64>> {
+    use crate::bounds::{tensor_threshold, ElementDiff};
+    let mut out = HashMap::new();
+    for (id, var) in sites {
+        let r = reference.require(id)?;
+        let fmt = r.format();
+        let narrow = fmt.is_subset_of(Format::F32) && fmt != Format::F32;
+        let diffs: Vec<ElementDiff> = var
+            .iter()
+            .zip(r.values())
+            .filter(|(&v, _)| v > 0.0)
+            .map(|(&v, &x)| {
+                let mut d = ElementDiff {
+                    proxy: v,
+                    guaranteed: 8.0 * v.sqrt(),
+                    ..ElementDiff::default()
+                };
+                if narrow {
+                    d.round_both(fmt, x.abs());
+                }
+                d
+            })
+            .collect();
+        let norm = r.values().iter().map(|x| x * x).sum::<f64>().sqrt();
+        out.insert(
+            id.clone(),
+            tensor_threshold(&diffs, norm, confidence).abs_frobenius,
+        );
+    }
+    Ok(out)
+}

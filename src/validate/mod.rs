@@ -11,8 +11,9 @@ pub mod fresh;
 pub mod sweep;
 
 pub use compose::{perturbation_estimate, simulate, Composed, SimulationConfig};
-pub use fresh::{fresh_sites, FreshSites};
+pub use fresh::{fresh_sites, local_thresholds, FreshSites};
 pub use sweep::{
-    render_svg, render_table, run_config, run_sweep, KindRow, RunConfig, RunResult, ScaleSummary,
-    SweepOptions, SweepReport, TensorResult,
+    bug_meshes, render_bugs, render_svg, render_table, run_bug, run_config, run_config_cached,
+    run_sweep, BugResult, BugRow, KindRow, RunConfig, RunResult, ScaleSummary, SweepOptions,
+    SweepReport, TensorResult, Thresholds,
 };

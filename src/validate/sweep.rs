@@ -5,7 +5,12 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
+use std::collections::HashMap;
+
 use crate::bounds::baselines::{megatron_ttrace, torch_assert_close};
+use crate::bounds::Confidence;
+use crate::bugs::Bug;
+use crate::check::{check, localize, CheckReport, Localization};
 use crate::engine::attention::AttentionImpl;
 use crate::engine::model::{Gpt, GptConfig};
 use crate::engine::policy::{Recipe, Scaling};
@@ -15,7 +20,7 @@ use crate::shard::collective::Algorithm;
 use crate::shard::layout::Mesh;
 use crate::shard::model::ShardedGpt;
 use crate::validate::compose::{perturbation_estimate, simulate, SimulationConfig};
-use crate::validate::fresh::fresh_sites;
+use crate::validate::fresh::{fresh_sites, local_thresholds};
 
 /// One configuration of the sweep.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -41,6 +46,44 @@ pub struct SweepOptions {
     pub simulation: SimulationConfig,
     /// Samples of the perturbation estimate.
     pub perturbation_samples: usize,
+    /// Inject every catalog bug on up to this many meshes where it applies, in the bf16 and
+    /// fp8 recipes of the sweep (first seed, ring all-reduce); 0 for none.
+    pub bug_meshes: usize,
+}
+
+impl SweepOptions {
+    /// The bug runs: (bug, index of the clean run whose configuration and thresholds it uses).
+    pub fn bug_runs(&self) -> Vec<(Bug, usize)> {
+        let mut out = vec![];
+        if self.bug_meshes == 0 {
+            return out;
+        }
+        let Some(seed) = self.runs.first().map(|r| r.seed) else {
+            return out;
+        };
+        for bug in Bug::ALL {
+            for recipe in ["bf16", "fp8-delayed", "fp8-current", "fp32"] {
+                let fp8 = recipe.starts_with("fp8");
+                let meshes = bug_meshes(bug, fp8, self.model.batch, self.bug_meshes);
+                for m in meshes {
+                    if let Some(i) = self.runs.iter().position(|r| {
+                        r.mesh == m
+                            && r.recipe == recipe
+                            && r.seed == seed
+                            && r.algorithm == Algorithm::Ring
+                    }) {
+                        out.push((bug, i));
+                    }
+                }
+            }
+        }
+        // Bugs are checked in the bf16 and fp8 recipes (fp32 only when neither runs).
+        let has_low = out.iter().any(|&(_, i)| self.runs[i].recipe != "fp32");
+        if has_low {
+            out.retain(|&(_, i)| self.runs[i].recipe != "fp32");
+        }
+        out
+    }
 }
 
 impl SweepOptions {
@@ -115,6 +158,7 @@ impl SweepOptions {
             runs,
             simulation: SimulationConfig::default(),
             perturbation_samples: 4,
+            bug_meshes: 3,
         }
     }
 }
@@ -162,6 +206,8 @@ pub struct RunResult {
     pub tensors: Vec<TensorResult>,
     /// FP8 per-tensor scales of the candidate against the reference's own.
     pub scales: ScaleSummary,
+    /// The localizer run on this correct step: a module it names is a false alarm.
+    pub localizer_false_alarm: Option<Localization>,
 }
 
 /// How the candidate's FP8 scales compare with the reference's own (before the reference is
@@ -219,6 +265,28 @@ fn rel_diff(r: &Tensor, c: &Tensor) -> f64 {
 /// Only produced tensors are compared (`fwd.output`, `grad.input`, `param_grad`): a module's
 /// inputs are the same tensors under their consumer's id.
 pub fn run_config(options: &SweepOptions, run: &RunConfig) -> Result<RunResult> {
+    Ok(run_config_cached(options, run)?.0)
+}
+
+/// What a configuration's clean run leaves for the bug runs of the same configuration: our
+/// composed thresholds and the localizer's local thresholds (absolute, by id), and the
+/// perturbation estimate (relative).
+#[derive(Debug, Clone, Default)]
+pub struct Thresholds {
+    /// Composed (end-to-end) thresholds on ‖cand − ref‖_F.
+    pub composed: HashMap<String, f64>,
+    /// Local (per-module, on the reference's inputs) thresholds on ‖cand − ref‖_F.
+    pub local: HashMap<String, f64>,
+    /// The perturbation estimate (relative).
+    pub perturbation: HashMap<String, f64>,
+}
+
+/// [`run_config`], also returning the thresholds for bug runs of the same configuration; the
+/// localizer runs on the clean step too (a module it names is a localizer false alarm).
+pub fn run_config_cached(
+    options: &SweepOptions,
+    run: &RunConfig,
+) -> Result<(RunResult, Thresholds)> {
     let recipe = Recipe::by_name(&run.recipe)?;
     let mut cfg = options.model.clone();
     cfg.seed = run.seed;
@@ -262,6 +330,13 @@ pub fn run_config(options: &SweepOptions, run: &RunConfig) -> Result<RunResult> 
     sim.seed ^= run.seed;
     let composed = simulate(&before, &ref_trace, &sites, sim)?;
     let pert = perturbation_estimate(&before, &ref_trace, options.perturbation_samples, run.seed)?;
+    let local = local_thresholds(
+        &sites,
+        &ref_trace,
+        Confidence::Probabilistic { delta: sim.delta },
+    )?;
+    let eps = recipe.activation_format.machine_epsilon();
+    let localizer = localize(&mut sharded, &cand_step, &ref_trace, &local, eps)?;
     let depth = before.config().layers as u32 + 1;
     let mut tensors = vec![];
     for e in ref_trace.entries() {
@@ -302,11 +377,161 @@ pub fn run_config(options: &SweepOptions, run: &RunConfig) -> Result<RunResult> 
             baseline_alarms,
         });
     }
-    Ok(RunResult {
+    let thresholds = Thresholds {
+        composed: composed.iter().map(|(k, c)| (k.clone(), c.abs)).collect(),
+        local,
+        perturbation: pert,
+    };
+    Ok((
+        RunResult {
+            config: run.clone(),
+            tensors,
+            scales,
+            localizer_false_alarm: localizer,
+        },
+        thresholds,
+    ))
+}
+
+/// One bug injected into one configuration (or none: a clean check).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BugResult {
+    /// The bug (`None`: the correct sharded run).
+    pub bug: Option<Bug>,
+    /// The configuration.
+    pub config: RunConfig,
+    /// Our composed (end-to-end) thresholds flagged at least one tensor (or a merge failed).
+    pub end_to_end: bool,
+    /// Flagged by the end-to-end check or by the localizer (a module whose own output fails).
+    pub detected: bool,
+    /// The first failing tensor in execution order.
+    pub first_failure: Option<String>,
+    /// Tensors that failed.
+    pub failures: usize,
+    /// Largest error / threshold over the tensors (∞ for a merge failure or a zero threshold).
+    pub max_ratio: f64,
+    /// Where the localizer found it.
+    pub localization: Option<Localization>,
+    /// The localizer named a module of the kind and pass the bug lives in.
+    pub localized: bool,
+    /// Whether each baseline flags it: `torch`, `megatron`, `perturbation`.
+    pub baselines: BTreeMap<String, bool>,
+    /// The full check of the merged candidate against the composed thresholds.
+    pub check: CheckReport,
+}
+
+/// Run `run` with `bug` injected (or none), check the merged candidate against the clean
+/// run's `thresholds` and localize the first wrong module.
+pub fn run_bug(
+    options: &SweepOptions,
+    run: &RunConfig,
+    bug: Option<Bug>,
+    thresholds: &Thresholds,
+) -> Result<BugResult> {
+    let recipe = Recipe::by_name(&run.recipe)?;
+    let mut cfg = options.model.clone();
+    cfg.seed = run.seed;
+    let warmup = usize::from(matches!(
+        recipe
+            .policy(crate::engine::OpClass::Matmul, crate::engine::Pass::Forward)
+            .scaling,
+        Scaling::PerTensorDelayed { .. }
+    ));
+    let mut reference = Gpt::new(cfg.clone(), recipe.clone())?;
+    let mut sharded = ShardedGpt::new(Gpt::new(cfg, recipe.clone())?, run.mesh, run.algorithm)?;
+    if let Some(b) = bug {
+        sharded = sharded.with_bug(b);
+    }
+    for _ in 0..warmup {
+        reference.step()?;
+        sharded.step()?;
+    }
+    let cand_step = sharded.step()?;
+    if !sharded.scales().is_empty() {
+        reference.set_scale_overrides(sharded.scales().clone());
+    }
+    let ref_trace = reference.step()?.trace;
+    let (merged, errors) = cand_step.merge_each(&ref_trace);
+    let ids: Vec<String> = ref_trace
+        .ids()
+        .filter(|id| !id.contains("|fwd.input.") && !id.contains("|grad.output."))
+        .map(str::to_string)
+        .collect();
+    let train = recipe.activation_format;
+    let eps = train.machine_epsilon();
+    let report = check(
+        &ref_trace,
+        &merged,
+        &errors,
+        &ids,
+        &thresholds.composed,
+        eps,
+    );
+    let localization = localize(&mut sharded, &cand_step, &ref_trace, &thresholds.local, eps)?;
+    let localized = match bug {
+        Some(b) => {
+            let site = b.site();
+            localization.as_ref().is_some_and(|l| {
+                l.kind == site.kind
+                    && l.pass == site.pass
+                    && site.name_suffix.is_none_or(|sfx| l.module.ends_with(sfx))
+            })
+        }
+        None => localization.is_none(),
+    };
+    let depth = options.model.layers as u32 + 1;
+    let mut baselines = BTreeMap::new();
+    let (mut torch, mut meg, mut pert) =
+        (!errors.is_empty(), !errors.is_empty(), !errors.is_empty());
+    for id in &ids {
+        let (Some(r), Some(c)) = (ref_trace.get(id), merged.get(id)) else {
+            continue;
+        };
+        torch |= !torch_assert_close(r.format()).accepts(r.values(), c.values());
+        meg |= !megatron_ttrace(train, depth).accepts(r.values(), c.values());
+        let p = thresholds.perturbation.get(id).copied().unwrap_or(0.0);
+        pert |= rel_diff(r, c) > p;
+    }
+    baselines.insert("torch".to_string(), torch);
+    baselines.insert("megatron".to_string(), meg);
+    baselines.insert("perturbation".to_string(), pert);
+    Ok(BugResult {
+        bug,
         config: run.clone(),
-        tensors,
-        scales,
+        end_to_end: !report.passed(),
+        detected: !report.passed() || localization.is_some(),
+        first_failure: report.first_failure.clone(),
+        failures: report.failures,
+        max_ratio: report.verdicts.iter().map(|v| v.ratio).fold(0.0, f64::max),
+        localization,
+        localized,
+        baselines,
+        check: report,
     })
+}
+
+/// Up to `n` meshes of the sweep on which `bug` applies (preferring varied meshes: the
+/// smallest first, then the largest, then one in the middle).
+pub fn bug_meshes(bug: Bug, fp8: bool, batch: usize, n: usize) -> Vec<Mesh> {
+    let all: Vec<Mesh> = SweepOptions::meshes()
+        .into_iter()
+        .filter(|m| bug.applies(m, fp8, batch))
+        .collect();
+    let mut out = vec![];
+    for i in [
+        0,
+        all.len().saturating_sub(1),
+        all.len() / 2,
+        1,
+        all.len().saturating_sub(2),
+    ] {
+        if let Some(m) = all.get(i) {
+            if !out.contains(m) && out.len() < n {
+                out.push(*m);
+            }
+        }
+    }
+    out
 }
 
 /// One row of the per-kind table.
@@ -349,6 +574,12 @@ pub struct SweepReport {
     pub total: KindRow,
     /// FP8 scales over all runs: how many of the candidate's differ from the reference's own.
     pub fp8_scales: ScaleSummary,
+    /// The localizer's false alarms on the correct runs.
+    pub localizer_false_alarms: usize,
+    /// The detection table.
+    pub bug_rows: Vec<BugRow>,
+    /// Every bug run.
+    pub bugs: Vec<BugResult>,
     /// Every run's per-tensor results.
     pub runs: Vec<RunResult>,
     /// Wall time in seconds.
@@ -408,7 +639,12 @@ fn row(kind: &str, ts: &[&TensorResult]) -> KindRow {
 
 impl SweepReport {
     /// Aggregate run results into the per-kind table.
-    pub fn new(options: SweepOptions, runs: Vec<RunResult>, seconds: f64) -> SweepReport {
+    pub fn new(
+        options: SweepOptions,
+        runs: Vec<RunResult>,
+        bugs: Vec<BugResult>,
+        seconds: f64,
+    ) -> SweepReport {
         let mut by_kind: BTreeMap<String, Vec<&TensorResult>> = BTreeMap::new();
         for r in &runs {
             for t in &r.tensors {
@@ -429,6 +665,12 @@ impl SweepReport {
             rows,
             total,
             fp8_scales,
+            localizer_false_alarms: runs
+                .iter()
+                .filter(|r| r.localizer_false_alarm.is_some())
+                .count(),
+            bug_rows: bug_rows(&bugs),
+            bugs,
             runs,
             seconds,
         }
@@ -441,20 +683,147 @@ impl SweepReport {
 pub fn run_sweep(options: &SweepOptions, progress: &(dyn Fn() + Sync)) -> Result<SweepReport> {
     use rayon::prelude::*;
     let start = std::time::Instant::now();
-    let runs = options
+    let done: Vec<(RunResult, Thresholds)> = options
         .runs
         .par_iter()
         .map(|r| {
-            let out = run_config(options, r);
+            let out = run_config_cached(options, r);
             progress();
             out
         })
         .collect::<Result<Vec<_>>>()?;
+    let bug_runs = options.bug_runs();
+    let bugs = bug_runs
+        .par_iter()
+        .map(|(bug, idx)| {
+            let out = run_bug(options, &options.runs[*idx], Some(*bug), &done[*idx].1);
+            progress();
+            out
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let runs = done.into_iter().map(|(r, _)| r).collect();
     Ok(SweepReport::new(
         options.clone(),
         runs,
+        bugs,
         start.elapsed().as_secs_f64(),
     ))
+}
+
+/// One row of the detection table.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BugRow {
+    /// The bug.
+    pub bug: Bug,
+    /// Bug runs (configurations × recipes).
+    pub runs: usize,
+    /// Detected by the end-to-end check.
+    pub end_to_end: usize,
+    /// Detected by the end-to-end check or the localizer.
+    pub detected: usize,
+    /// Localized to the right module kind and pass.
+    pub localized: usize,
+    /// Smallest (over runs) of the largest error / threshold.
+    pub min_ratio: f64,
+    /// Runs in which each baseline flags it.
+    pub baselines: BTreeMap<String, usize>,
+    /// Where the localizer put it in the first run (module and pass).
+    pub example_site: String,
+}
+
+fn bug_rows(bugs: &[BugResult]) -> Vec<BugRow> {
+    Bug::ALL
+        .iter()
+        .filter_map(|&b| {
+            let rs: Vec<&BugResult> = bugs.iter().filter(|r| r.bug == Some(b)).collect();
+            if rs.is_empty() {
+                return None;
+            }
+            let mut baselines = BTreeMap::new();
+            for r in &rs {
+                for (k, &v) in &r.baselines {
+                    *baselines.entry(k.clone()).or_insert(0) += usize::from(v);
+                }
+            }
+            Some(BugRow {
+                bug: b,
+                runs: rs.len(),
+                end_to_end: rs.iter().filter(|r| r.end_to_end).count(),
+                detected: rs.iter().filter(|r| r.detected).count(),
+                localized: rs.iter().filter(|r| r.localized).count(),
+                min_ratio: rs.iter().map(|r| r.max_ratio).fold(f64::INFINITY, f64::min),
+                baselines,
+                example_site: rs[0]
+                    .localization
+                    .as_ref()
+                    .map(|l| {
+                        format!(
+                            "{} {}",
+                            l.module,
+                            if l.pass == crate::engine::Pass::Forward {
+                                "fwd"
+                            } else {
+                                "bwd"
+                            }
+                        )
+                    })
+                    .unwrap_or_else(|| "-".into()),
+            })
+        })
+        .collect()
+}
+
+/// The detection table, as text.
+pub fn render_bugs(report: &SweepReport) -> String {
+    let mut rows: Vec<Vec<String>> = vec![[
+        "bug",
+        "runs",
+        "end-to-end",
+        "detected",
+        "localized",
+        "min err/thr",
+        "torch",
+        "megatron",
+        "pert",
+        "localized at (first run)",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()];
+    for r in &report.bug_rows {
+        let b = |k: &str| format!("{}/{}", r.baselines.get(k).copied().unwrap_or(0), r.runs);
+        rows.push(vec![
+            r.bug.name().to_string(),
+            r.runs.to_string(),
+            format!("{}/{}", r.end_to_end, r.runs),
+            format!("{}/{}", r.detected, r.runs),
+            format!("{}/{}", r.localized, r.runs),
+            fmt_num(r.min_ratio),
+            b("torch"),
+            b("megatron"),
+            b("perturbation"),
+            r.example_site.clone(),
+        ]);
+    }
+    let widths: Vec<usize> = (0..rows[0].len())
+        .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for r in &rows {
+        for (c, cell) in r.iter().enumerate() {
+            let pad = widths[c] - cell.chars().count();
+            if c == 0 || c == r.len() - 1 {
+                out.push_str(cell);
+                out.push_str(&" ".repeat(pad + 2));
+            } else {
+                out.push_str(&" ".repeat(pad));
+                out.push_str(cell);
+                out.push_str("  ");
+            }
+        }
+        out.push('\n');
+    }
+    out
 }
 
 fn fmt_num(x: f64) -> String {

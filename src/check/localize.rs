@@ -1,0 +1,190 @@
+//! The localizer: re-run every module of the sharded model on the *reference's own* inputs
+//! (forward: its traced inputs; backward: its traced inputs and output gradient), so that an
+//! error carried in from an earlier module cannot mask where a wrong result is born, and
+//! report the first module — in execution order, forward then backward — whose own output
+//! fails its *local* threshold (the difference its own arithmetic may add on identical inputs,
+//! zero where the sharded arithmetic is the reference's). FP8 scales are checked first: a
+//! per-tensor scale is replicated state, so ranks that disagree on it are reported at the
+//! module that uses it.
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+
+use crate::check::compare_tensor;
+use crate::engine::model::ModuleKind;
+use crate::engine::policy::Pass;
+use crate::engine::trace::Trace;
+use crate::error::{Error, Result};
+use crate::shard::layout::merge;
+use crate::shard::model::{ShardedEntry, ShardedGpt, ShardedStep};
+
+/// Where the localizer found the first wrong result.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Localization {
+    /// Module name.
+    pub module: String,
+    /// Module kind.
+    pub kind: ModuleKind,
+    /// Forward or backward.
+    pub pass: Pass,
+    /// The failing tensor's canonical id (or FP8 scale key).
+    pub tensor: String,
+    /// The rank whose copy differs, when replicas disagree.
+    pub rank: Option<usize>,
+    /// The parameter, when a parameter gradient fails.
+    pub parameter: Option<String>,
+    /// Local error / local threshold (∞ against a zero threshold).
+    pub ratio: f64,
+    /// What failed.
+    pub detail: String,
+}
+
+fn layout_of(step: &ShardedStep, id: &str) -> Result<crate::shard::layout::Layout> {
+    step.entry(id)
+        .map(|e| e.layout)
+        .ok_or_else(|| Error::UnknownName {
+            kind: "traced tensor of the sharded step",
+            name: id.to_string(),
+        })
+}
+
+/// A failing tensor: (id, rank whose replica differs, error / threshold, what failed).
+type Failure = (String, Option<usize>, f64, String);
+
+struct Ctx<'a> {
+    reference: &'a Trace,
+    local: &'a HashMap<String, f64>,
+    eps: f64,
+}
+
+impl Ctx<'_> {
+    /// The first failing entry of a replay, as (tensor, rank, ratio, detail).
+    fn first_failure(
+        &self,
+        step: &ShardedStep,
+        entries: &[ShardedEntry],
+    ) -> Result<Option<Failure>> {
+        for e in entries {
+            let r = self.reference.require(&e.id)?;
+            match merge(&e.shards, &e.layout, &step.mesh, &e.id, Some(r.shape())) {
+                Err(Error::ReplicaMismatch { rank, axis, .. }) => {
+                    return Ok(Some((
+                        e.id.clone(),
+                        Some(rank),
+                        f64::INFINITY,
+                        format!("replicas disagree along {axis}: rank {rank}'s copy differs"),
+                    )))
+                }
+                Err(err) => return Ok(Some((e.id.clone(), None, f64::INFINITY, err.to_string()))),
+                Ok(c) => {
+                    let th = self.local.get(&e.id).copied().unwrap_or(0.0);
+                    let v = compare_tensor(&e.id, r, &c, th, self.eps);
+                    if !v.passed {
+                        let detail = format!(
+                            "local error {:.3} ε against a local threshold of {:.3} ε",
+                            v.rel_error_eps,
+                            v.threshold / self.eps
+                        );
+                        return Ok(Some((e.id.clone(), None, v.ratio, detail)));
+                    }
+                }
+            }
+        }
+        Ok(None)
+    }
+}
+
+fn scale_disagreement(sharded: &ShardedGpt, keys: &[String]) -> Option<(String, String)> {
+    for k in keys {
+        if let Some(v) = sharded.rank_scales().get(k) {
+            if let Some(r) = v.iter().position(|&s| s != v[0]) {
+                return Some((
+                    k.clone(),
+                    format!(
+                        "FP8 scale of {k} differs across ranks: rank 0 {:e}, rank {r} {:e}",
+                        v[0], v[r]
+                    ),
+                ));
+            }
+        }
+    }
+    None
+}
+
+/// Localize the first wrong module of a sharded step (see the module docs). `local` gives the
+/// absolute local threshold of every tensor a module produces (missing: 0, bit-identical);
+/// `eps` is the unit of the messages. `Ok(None)`: every module's own output is within its
+/// local threshold.
+pub fn localize(
+    sharded: &mut ShardedGpt,
+    step: &ShardedStep,
+    reference: &Trace,
+    local: &HashMap<String, f64>,
+    eps: f64,
+) -> Result<Option<Localization>> {
+    let ctx = Ctx {
+        reference,
+        local,
+        eps,
+    };
+    let modules = sharded.model().modules().to_vec();
+    let found =
+        |m: &crate::engine::model::Module,
+         pass: Pass,
+         (tensor, rank, ratio, detail): (String, Option<usize>, f64, String)| {
+            let parameter = tensor.strip_suffix("|param_grad").map(str::to_string);
+            Localization {
+                module: m.name.clone(),
+                kind: m.kind,
+                pass,
+                tensor,
+                rank,
+                parameter,
+                ratio,
+                detail,
+            }
+        };
+    for m in &modules {
+        let keys = [format!("{}.input", m.name), format!("{}.weight", m.name)];
+        if let Some((k, detail)) = scale_disagreement(sharded, &keys) {
+            return Ok(Some(found(
+                m,
+                Pass::Forward,
+                (k, None, f64::INFINITY, detail),
+            )));
+        }
+        let ids: Vec<String> = (0..m.inputs.len())
+            .map(|i| format!("{}|fwd.input.{i}", m.name))
+            .collect();
+        let mut inputs = vec![];
+        for id in &ids {
+            inputs.push((reference.require(id)?, layout_of(step, id)?));
+        }
+        let out = sharded.replay_forward(&m.name, &inputs)?;
+        if let Some(f) = ctx.first_failure(step, std::slice::from_ref(&out))? {
+            return Ok(Some(found(m, Pass::Forward, f)));
+        }
+    }
+    for m in modules.iter().rev() {
+        if let Some((k, detail)) = scale_disagreement(sharded, &[format!("{}.grad", m.name)]) {
+            return Ok(Some(found(
+                m,
+                Pass::Backward,
+                (k, None, f64::INFINITY, detail),
+            )));
+        }
+        let mut inputs = vec![];
+        for i in 0..m.inputs.len() {
+            let id = format!("{}|fwd.input.{i}", m.name);
+            inputs.push((reference.require(&id)?, layout_of(step, &id)?));
+        }
+        let gid = format!("{}|grad.output.0", m.name);
+        let g = (reference.require(&gid)?, layout_of(step, &gid)?);
+        let entries = sharded.replay_backward(&m.name, &inputs, g)?;
+        if let Some(f) = ctx.first_failure(step, &entries)? {
+            return Ok(Some(found(m, Pass::Backward, f)));
+        }
+    }
+    Ok(None)
+}
