@@ -344,3 +344,88 @@ fn validate_rejects_bad_arguments_with_exit_code_2() {
         assert!(err.starts_with("ttrace: error:"), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn bugs_lists_the_catalog() {
+    let o = ttrace(&["bugs", "--json"], "");
+    assert!(o.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let arr = v.as_array().unwrap();
+    assert!(arr.len() >= 14);
+    for b in arr {
+        assert!(!b["models"].as_str().unwrap().is_empty());
+        assert!(!b["needs"].as_str().unwrap().is_empty());
+    }
+    let text = String::from_utf8(ttrace(&["bugs"], "").stdout).unwrap();
+    assert!(text.contains("sp-norm-grad-not-reduced") && text.contains("Megatron-LM #1446"));
+}
+
+#[test]
+fn simulate_reports_a_bug_and_its_module_with_exit_code_1() {
+    let o = ttrace(
+        &[
+            "simulate",
+            "--tp",
+            "2",
+            "--sp",
+            "--recipe",
+            "bf16",
+            "--bug",
+            "sp-norm-grad-not-reduced",
+        ],
+        "",
+    );
+    let text = String::from_utf8(o.stdout).unwrap();
+    assert_eq!(o.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("FAIL") && text.contains("replicas disagree"),
+        "{text}"
+    );
+    assert!(
+        text.contains("localizer: first wrong module final_ln (backward"),
+        "{text}"
+    );
+    // The same configuration without the bug passes.
+    let o = ttrace(&["simulate", "--tp", "2", "--sp", "--recipe", "bf16"], "");
+    let text = String::from_utf8(o.stdout).unwrap();
+    assert_eq!(o.status.code(), Some(0), "{text}");
+    assert!(text.contains("PASS"), "{text}");
+    // JSON carries the verdicts.
+    let o = ttrace(
+        &[
+            "simulate",
+            "--cp",
+            "2",
+            "--tp",
+            "1",
+            "--bug",
+            "cp-chunk-order-not-inverted",
+            "--json",
+        ],
+        "",
+    );
+    assert_eq!(o.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["localization"]["module"], "layers.0.attn.core");
+    assert!(v["check"]["failures"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn simulate_rejects_bad_arguments_with_exit_code_2() {
+    for args in [
+        &["simulate", "--bug", "no-such-bug"][..],
+        &["simulate", "--recipe", "fp7"][..],
+        &["simulate", "--tp", "0"][..],
+        &["simulate", "--tp", "3"][..],
+        &["simulate", "--algorithm", "star"][..],
+    ] {
+        let o = ttrace(args, "");
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        assert!(
+            String::from_utf8(o.stderr)
+                .unwrap()
+                .starts_with("ttrace: error:"),
+            "{args:?}"
+        );
+    }
+}

@@ -731,7 +731,9 @@ fn validate(
     no_bugs: bool,
     json: Option<&std::path::Path>,
 ) -> Result<bool, String> {
-    use ttrace::validate::{render_bugs, render_svg, render_table, run_sweep, SweepOptions};
+    use ttrace::validate::{
+        render_bugs, render_sensitivity, render_svg, render_table, run_sweep, SweepOptions,
+    };
     let seeds = seeds.unwrap_or(if full { 6 } else { 2 });
     if seeds == 0 {
         return Err("--seeds must be at least 1".into());
@@ -823,6 +825,20 @@ fn validate(
             report.runs.len(),
             report.localizer_false_alarms
         );
+    }
+    if !report.sensitivity_rows.is_empty() {
+        println!();
+        println!(
+            "Sensitivity on {}: the smallest relative perturbation ρ of one tensor (Gaussian, \
+             ‖N‖ ≈ ρ‖ref‖) each rule detects with 99% power, median over tensors, in units of ε \
+             (smaller is more sensitive; FA n: the rule rejects n of these correct tensors \
+             unperturbed, so it has no figure for them).",
+            options
+                .sensitivity_mesh
+                .map(|m| m.label())
+                .unwrap_or_default()
+        );
+        print!("{}", render_sensitivity(&report));
     }
     if report.fp8_scales.compared > 0 {
         println!(

@@ -14,7 +14,7 @@
 //!   activation format) is all-reduced (or reduce-scattered under SP) in the activation
 //!   format, then the bias is added once: y = ro(ra(ŷ + b)).
 //! * **Attention** on the rank's heads; with cp > 1 ring attention
-//!   ([`ring_attention`]).
+//!   ([`ring_attention`](crate::shard::ring_attention)).
 //! * **Loss**: logits all-gathered over TP, per-rank mean cross-entropy over local tokens, the
 //!   means all-reduced over DP×CP and divided by dp·cp; backward starts from 1/(dp·cp), which
 //!   makes every logit gradient equal the reference's.

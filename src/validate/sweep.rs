@@ -21,6 +21,7 @@ use crate::shard::layout::Mesh;
 use crate::shard::model::ShardedGpt;
 use crate::validate::compose::{perturbation_estimate, simulate, SimulationConfig};
 use crate::validate::fresh::{fresh_sites, local_thresholds};
+use crate::validate::sensitivity::{sensitivity, Sensitivity};
 
 /// One configuration of the sweep.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -49,6 +50,8 @@ pub struct SweepOptions {
     /// Inject every catalog bug on up to this many meshes where it applies, in the bf16 and
     /// fp8 recipes of the sweep (first seed, ring all-reduce); 0 for none.
     pub bug_meshes: usize,
+    /// The mesh on which every tensor's sensitivity is measured (first seed, ring).
+    pub sensitivity_mesh: Option<Mesh>,
 }
 
 impl SweepOptions {
@@ -159,6 +162,12 @@ impl SweepOptions {
             simulation: SimulationConfig::default(),
             perturbation_samples: 4,
             bug_meshes: 3,
+            sensitivity_mesh: Some(Mesh {
+                tp: 2,
+                cp: 2,
+                dp: 2,
+                sp: true,
+            }),
         }
     }
 }
@@ -188,6 +197,8 @@ pub struct TensorResult {
     /// Baselines that reject this (correct) tensor: `torch` (assert_close defaults for the
     /// tensor's dtype), `megatron` (4·1.03^(L+1)·ε of the training dtype).
     pub baseline_alarms: Vec<String>,
+    /// Smallest detectable injected perturbation per rule (only on the sensitivity mesh).
+    pub sensitivity: Option<Sensitivity>,
 }
 
 impl TensorResult {
@@ -375,6 +386,20 @@ pub fn run_config_cached(
             eps: train.machine_epsilon(),
             effective_rank: th.effective_rank,
             baseline_alarms,
+            sensitivity: (Some(run.mesh) == options.sensitivity_mesh
+                && Some(run.seed) == options.runs.first().map(|r| r.seed)
+                && run.algorithm == Algorithm::Ring)
+                .then(|| {
+                    sensitivity(
+                        &e.id,
+                        &e.tensor,
+                        c,
+                        th.abs,
+                        pert.get(&e.id).copied().unwrap_or(0.0),
+                        train,
+                        depth,
+                    )
+                }),
         });
     }
     let thresholds = Thresholds {
@@ -578,6 +603,8 @@ pub struct SweepReport {
     pub localizer_false_alarms: usize,
     /// The detection table.
     pub bug_rows: Vec<BugRow>,
+    /// The sensitivity table.
+    pub sensitivity_rows: Vec<SensitivityRow>,
     /// Every bug run.
     pub bugs: Vec<BugResult>,
     /// Every run's per-tensor results.
@@ -670,6 +697,7 @@ impl SweepReport {
                 .filter(|r| r.localizer_false_alarm.is_some())
                 .count(),
             bug_rows: bug_rows(&bugs),
+            sensitivity_rows: sensitivity_rows(&runs),
             bugs,
             runs,
             seconds,
@@ -708,6 +736,98 @@ pub fn run_sweep(options: &SweepOptions, progress: &(dyn Fn() + Sync)) -> Result
         bugs,
         start.elapsed().as_secs_f64(),
     ))
+}
+
+/// One row of the sensitivity table: per recipe and tensor kind, the median over tensors of
+/// the smallest detectable injected perturbation ρ*, in units of ε, for each rule, and how
+/// many tensors each rule already rejects unperturbed (false alarms, no figure).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SensitivityRow {
+    /// Recipe.
+    pub recipe: String,
+    /// Tensor kind.
+    pub kind: String,
+    /// Tensors.
+    pub tensors: usize,
+    /// (median ρ* / ε, false alarms) for ours, megatron, torch, perturbation.
+    pub rules: Vec<(String, f64, usize)>,
+}
+
+/// Reads one rule's ρ* out of a [`Sensitivity`].
+type RuleOf = fn(&Sensitivity) -> Option<f64>;
+
+fn sensitivity_rows(runs: &[RunResult]) -> Vec<SensitivityRow> {
+    let mut groups: BTreeMap<(String, String), Vec<(&TensorResult, Sensitivity)>> = BTreeMap::new();
+    for r in runs {
+        for t in &r.tensors {
+            if let Some(sv) = t.sensitivity {
+                let kind = if t.kind.starts_with("param") {
+                    "param grads"
+                } else if t.kind.ends_with("fwd") {
+                    "activations"
+                } else {
+                    "activation grads"
+                };
+                groups
+                    .entry((r.config.recipe.clone(), kind.to_string()))
+                    .or_default()
+                    .push((t, sv));
+            }
+        }
+    }
+    groups
+        .into_iter()
+        .map(|((recipe, kind), ts)| {
+            let pick: [(&str, RuleOf); 4] = [
+                ("ours", |s| s.ours),
+                ("megatron", |s| s.megatron),
+                ("torch", |s| s.torch),
+                ("perturbation", |s| s.perturbation),
+            ];
+            let rules = pick
+                .iter()
+                .map(|(name, f)| {
+                    let vals: Vec<f64> = ts
+                        .iter()
+                        .filter_map(|(t, sv)| f(sv).map(|x| x / t.eps))
+                        .collect();
+                    let fa = ts.iter().filter(|(_, sv)| f(sv).is_none()).count();
+                    (name.to_string(), median(vals), fa)
+                })
+                .collect();
+            SensitivityRow {
+                recipe,
+                kind,
+                tensors: ts.len(),
+                rules,
+            }
+        })
+        .collect()
+}
+
+/// The sensitivity table, as text.
+pub fn render_sensitivity(report: &SweepReport) -> String {
+    let mut out = String::new();
+    out.push_str(&format!(
+        "{:<12} {:<17} {:>7}  {:>16} {:>16} {:>16} {:>16}\n",
+        "recipe", "kind", "tensors", "ours", "megatron", "torch", "perturbation"
+    ));
+    for r in &report.sensitivity_rows {
+        out.push_str(&format!(
+            "{:<12} {:<17} {:>7} ",
+            r.recipe, r.kind, r.tensors
+        ));
+        for (_, med, fa) in &r.rules {
+            let cell = if fa > &0 {
+                format!("{} (FA {fa})", fmt_num(*med))
+            } else {
+                fmt_num(*med)
+            };
+            out.push_str(&format!(" {cell:>16}"));
+        }
+        out.push('\n');
+    }
+    out
 }
 
 /// One row of the detection table.
