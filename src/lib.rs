@@ -24,11 +24,13 @@
 //!   collectives with explicit order and format, ring attention, and the tiny GPT executed the
 //!   Megatron-LM way ([`shard::ShardedGpt`]), bit-identical to the reference on one device.
 //! * [`validate`]: where a sharded run's arithmetic differs from the reference's, end-to-end
-//!   thresholds by difference simulation, TTrace's perturbation estimate, and the sweep that
-//!   `ttrace validate` runs.
+//!   thresholds by difference simulation, TTrace's perturbation estimate, sensitivity, and the
+//!   sweep that `ttrace validate` runs.
+//! * [`bugs`]: fifteen injectable silent bugs, each modelling a real one; [`check`]: per-tensor
+//!   verdicts and the localizer that names the first module whose own output is wrong.
 //!
 //! The derivations and sources are in `papers/` (`formats-and-orders.md`,
-//! `bounds-*.md`, `sharding.md`).
+//! `bounds-*.md`, `sharding.md`, `checking.md`).
 //!
 //! ## Example: the same dot product, reference order versus split-K order
 //!
