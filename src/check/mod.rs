@@ -303,4 +303,44 @@ mod tests {
         let v = compare_tensor("w", &z, &t(vec![0.0, 1.0]), 0.5, 1.0);
         assert!(v.rel_error.is_infinite() && !v.passed);
     }
+
+    #[test]
+    fn check_reports_merge_errors_missing_tensors_and_the_first_failure() {
+        let mut reference = Trace::new();
+        let mut candidate = Trace::new();
+        for (id, r, c) in [
+            ("a|fwd.output.0", 1.0, 1.0),
+            ("b|fwd.output.0", 1.0, 1.5),
+            ("c|fwd.output.0", 2.0, 2.0),
+        ] {
+            reference.push(id, t(vec![r])).unwrap();
+            candidate.push(id, t(vec![c])).unwrap();
+        }
+        reference.push("d|param_grad", t(vec![1.0])).unwrap();
+        let ids: Vec<String> = reference.ids().map(str::to_string).collect();
+        let errors = vec![(
+            "c|fwd.output.0".to_string(),
+            Error::Layout {
+                id: "c|fwd.output.0".into(),
+                reason: "bad".into(),
+            },
+        )];
+        let mut th = HashMap::new();
+        th.insert("b|fwd.output.0".to_string(), 0.25);
+        let rep = check(&reference, &candidate, &errors, &ids, &th, 1.0);
+        assert_eq!(rep.failures, 3);
+        assert_eq!(rep.first_failure.as_deref(), Some("b|fwd.output.0"));
+        assert!(rep.verdicts[2].problem.as_deref().unwrap().contains("bad"));
+        assert!(rep.verdicts[3]
+            .problem
+            .as_deref()
+            .unwrap()
+            .contains("missing"));
+        let text = render_check(&rep);
+        assert!(text.starts_with("FAIL: 3 of 4"));
+        // Within a generous threshold and without the broken ones, it passes.
+        th.insert("b|fwd.output.0".to_string(), 1.0);
+        let rep = check(&reference, &candidate, &[], &ids[..2], &th, 1.0);
+        assert!(rep.passed() && render_check(&rep).starts_with("PASS"));
+    }
 }
