@@ -909,13 +909,7 @@ impl ShardedGpt {
                     .zip(&g.shards)
                     .map(|(s, g)| attention_backward(s, g, &p))
                     .collect::<Result<_>>()?;
-                Ok((
-                    vec![Dist {
-                        shards,
-                        layout: inputs[0].layout,
-                    }],
-                    vec![],
-                ))
+                Ok((vec![Dist::like(shards, &inputs[0])], vec![]))
             }
             (ModuleKind::Attention, Saved::Ring(groups)) => {
                 let p = self.policy(OpClass::Softmax, Pass::Backward);
@@ -927,13 +921,7 @@ impl ShardedGpt {
                         shards[r] = t;
                     }
                 }
-                Ok((
-                    vec![Dist {
-                        shards,
-                        layout: inputs[0].layout,
-                    }],
-                    vec![],
-                ))
+                Ok((vec![Dist::like(shards, &inputs[0])], vec![]))
             }
             (ModuleKind::Activation, _) => {
                 let p = self.policy(OpClass::Elementwise, Pass::Backward);
@@ -946,13 +934,7 @@ impl ShardedGpt {
                         Activation::Silu => silu_backward(x, g, &p),
                     })
                     .collect::<Result<_>>()?;
-                Ok((
-                    vec![Dist {
-                        shards,
-                        layout: inputs[0].layout,
-                    }],
-                    vec![],
-                ))
+                Ok((vec![Dist::like(shards, &inputs[0])], vec![]))
             }
             (ModuleKind::Residual, _) => {
                 let p = self.policy(OpClass::Elementwise, Pass::Backward);
@@ -985,13 +967,7 @@ impl ShardedGpt {
                     full.push(dz.reshape(&shape)?);
                 }
                 let shards = self.slice_tp(&full, 2, "logit gradient")?;
-                Ok((
-                    vec![Dist {
-                        shards,
-                        layout: inputs[0].layout,
-                    }],
-                    vec![],
-                ))
+                Ok((vec![Dist::like(shards, &inputs[0])], vec![]))
             }
             (kind, _) => Err(Error::InvalidParameter {
                 name: "saved",
