@@ -280,6 +280,22 @@ pub fn fresh_sites(
                         act,
                         &ring,
                     )?;
+                    // The bias: the reference adds it inside its accumulation, the candidate
+                    // after the all-reduce — one rounding in the accumulator format on each
+                    // side, at slightly different points: counted as two independent ones.
+                    let v = if m.params.len() > 1 {
+                        let y = reference.require(&format!("{name}|fwd.output.0"))?;
+                        let a = fwd.accumulator();
+                        v.iter()
+                            .zip(y.values())
+                            .map(|(&e2, &yv)| {
+                                let ulp = a.ulp(yv).unwrap_or(0.0);
+                                e2 + ulp * ulp / 6.0
+                            })
+                            .collect()
+                    } else {
+                        v
+                    };
                     sites.insert(format!("{name}|fwd.output.0"), v);
                 }
                 if tp > 1 && !row {
