@@ -11,9 +11,8 @@ use crate::engine::policy::Pass;
 use crate::error::{Error, Result};
 use crate::shard::layout::Mesh;
 
-/// An injectable bug.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "kebab-case")]
+/// An injectable bug (serialized as its catalog name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Bug {
     /// LayerNorm weight and bias gradients are not all-reduced across the TP group under
     /// sequence parallelism (Megatron-LM #1446).
@@ -232,6 +231,12 @@ impl Bug {
     }
 }
 
+impl Serialize for Bug {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
 impl std::fmt::Display for Bug {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
@@ -252,6 +257,10 @@ mod tests {
         names.sort();
         names.dedup();
         assert_eq!(names.len(), Bug::ALL.len());
+        assert_eq!(
+            serde_json::to_string(&Bug::GradAllReduceInBf16).unwrap(),
+            "\"grad-allreduce-in-bf16\""
+        );
         assert!(Bug::by_name("no-such-bug").is_err());
     }
 }
