@@ -292,12 +292,13 @@ pub struct Thresholds {
     pub perturbation: HashMap<String, f64>,
 }
 
-/// [`run_config`], also returning the thresholds for bug runs of the same configuration; the
-/// localizer runs on the clean step too (a module it names is a localizer false alarm).
-pub fn run_config_cached(
+/// The reference and the sharded model (with `bug`) of a run, after the warm-up step that
+/// delayed FP8 scaling needs (its scales come from the previous step's amax).
+fn prepare(
     options: &SweepOptions,
     run: &RunConfig,
-) -> Result<(RunResult, Thresholds)> {
+    bug: Option<Bug>,
+) -> Result<(Recipe, Gpt, ShardedGpt)> {
     let recipe = Recipe::by_name(&run.recipe)?;
     let mut cfg = options.model.clone();
     cfg.seed = run.seed;
@@ -309,10 +310,23 @@ pub fn run_config_cached(
     ));
     let mut reference = Gpt::new(cfg.clone(), recipe.clone())?;
     let mut sharded = ShardedGpt::new(Gpt::new(cfg, recipe.clone())?, run.mesh, run.algorithm)?;
+    if let Some(b) = bug {
+        sharded = sharded.with_bug(b);
+    }
     for _ in 0..warmup {
         reference.step()?;
         sharded.step()?;
     }
+    Ok((recipe, reference, sharded))
+}
+
+/// [`run_config`], also returning the thresholds for bug runs of the same configuration; the
+/// localizer runs on the clean step too (a module it names is a localizer false alarm).
+pub fn run_config_cached(
+    options: &SweepOptions,
+    run: &RunConfig,
+) -> Result<(RunResult, Thresholds)> {
+    let (recipe, mut reference, mut sharded) = prepare(options, run, None)?;
     let mut before = reference.clone();
     let own_scales_trace = reference.step()?;
     let cand_step = sharded.step()?;
@@ -453,24 +467,7 @@ pub fn run_bug(
     bug: Option<Bug>,
     thresholds: &Thresholds,
 ) -> Result<BugResult> {
-    let recipe = Recipe::by_name(&run.recipe)?;
-    let mut cfg = options.model.clone();
-    cfg.seed = run.seed;
-    let warmup = usize::from(matches!(
-        recipe
-            .policy(crate::engine::OpClass::Matmul, crate::engine::Pass::Forward)
-            .scaling,
-        Scaling::PerTensorDelayed { .. }
-    ));
-    let mut reference = Gpt::new(cfg.clone(), recipe.clone())?;
-    let mut sharded = ShardedGpt::new(Gpt::new(cfg, recipe.clone())?, run.mesh, run.algorithm)?;
-    if let Some(b) = bug {
-        sharded = sharded.with_bug(b);
-    }
-    for _ in 0..warmup {
-        reference.step()?;
-        sharded.step()?;
-    }
+    let (recipe, mut reference, mut sharded) = prepare(options, run, bug)?;
     let cand_step = sharded.step()?;
     if !sharded.scales().is_empty() {
         reference.set_scale_overrides(sharded.scales().clone());
