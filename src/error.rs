@@ -82,6 +82,14 @@ pub enum Error {
         /// The two values (first copy, differing copy).
         values: (f64, f64),
     },
+    /// A file that cannot be used: unreadable, truncated, malformed, or contradicting its
+    /// manifest.
+    File {
+        /// The file's path.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// An input that must be finite is NaN or infinite.
     NonFinite {
         /// What the value was (e.g. `input x[3]`).
@@ -132,6 +140,7 @@ impl fmt::Display for Error {
             } => write!(f, "{what}: expected shape {expected:?}, found {found:?}"),
             Error::UnknownName { kind, name } => write!(f, "unknown {kind} '{name}'"),
             Error::Layout { id, reason } => write!(f, "tensor '{id}': {reason}"),
+            Error::File { path, reason } => write!(f, "{path}: {reason}"),
             Error::ReplicaMismatch {
                 id,
                 axis,

@@ -28,6 +28,8 @@
 //!   sweep that `ttrace validate` runs.
 //! * [`bugs`]: fifteen injectable silent bugs, each modelling a real one; [`check`]: per-tensor
 //!   verdicts and the localizer that names the first module whose own output is wrong.
+//! * [`io`]: trace directories — safetensors / `.npy` tensors (BF16 and FP8 read as stored)
+//!   and a versioned manifest of ids, ranks, dtypes and layouts (`papers/trace-format.md`).
 //!
 //! The derivations and sources are in `papers/` (`formats-and-orders.md`,
 //! `bounds-*.md`, `sharding.md`, `checking.md`).
@@ -102,6 +104,7 @@ pub mod engine;
 pub mod error;
 pub mod exact;
 pub mod format;
+pub mod io;
 pub mod order;
 pub mod shard;
 pub mod validate;

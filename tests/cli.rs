@@ -429,3 +429,39 @@ fn simulate_rejects_bad_arguments_with_exit_code_2() {
         );
     }
 }
+
+#[test]
+fn simulate_dumps_traces_that_read_back() {
+    let dir = std::env::temp_dir().join(format!("ttrace-dump-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let o = ttrace(
+        &[
+            "simulate",
+            "--tp",
+            "2",
+            "--cp",
+            "2",
+            "--bug",
+            "qkv-wrong-interleave",
+            "--dump",
+            dir.to_str().unwrap(),
+        ],
+        "",
+    );
+    assert_eq!(o.status.code(), Some(1));
+    let mut reference = ttrace::io::TraceDir::open(&dir.join("reference")).unwrap();
+    let mut candidate = ttrace::io::TraceDir::open(&dir.join("candidate")).unwrap();
+    assert_eq!(candidate.manifest().mesh.world(), 4);
+    let id = "layers.0.attn.qkv|fwd.output.0";
+    let (r, c) = (
+        reference.logical(id).unwrap(),
+        candidate.logical(id).unwrap(),
+    );
+    assert_eq!(r.shape(), c.shape());
+    assert_ne!(r, c, "the injected bug is in the dumped candidate");
+    assert_eq!(
+        reference.logical("embedding|fwd.output.0").unwrap(),
+        candidate.logical("embedding|fwd.output.0").unwrap()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -164,6 +164,10 @@ enum Command {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
+        /// Also write the reference and candidate traces (safetensors per rank + manifest)
+        /// to DIR/reference and DIR/candidate.
+        #[arg(long)]
+        dump: Option<std::path::PathBuf>,
     },
 }
 
@@ -650,8 +654,9 @@ fn simulate(
     seed: u64,
     algorithm: &str,
     json: bool,
+    dump: Option<&std::path::Path>,
 ) -> Result<bool, String> {
-    use ttrace::validate::{run_bug, run_config_cached, RunConfig, SweepOptions};
+    use ttrace::validate::{dump_run, run_bug, run_config_cached, RunConfig, SweepOptions};
     let bug = bug
         .map(ttrace::bugs::Bug::by_name)
         .transpose()
@@ -676,6 +681,16 @@ fn simulate(
     };
     let (_, thresholds) = run_config_cached(&options, &run).map_err(|e| e.to_string())?;
     let r = run_bug(&options, &run, bug, &thresholds).map_err(|e| e.to_string())?;
+    if let Some(dir) = dump {
+        dump_run(&options, &run, bug, dir).map_err(|e| e.to_string())?;
+        if !json {
+            println!(
+                "traces written to {} and {}",
+                dir.join("reference").display(),
+                dir.join("candidate").display()
+            );
+        }
+    }
     if json {
         println!(
             "{}",
@@ -873,6 +888,7 @@ fn main() -> ExitCode {
             seed,
             algorithm,
             json,
+            dump,
         } => match simulate(
             tp,
             sp,
@@ -883,6 +899,7 @@ fn main() -> ExitCode {
             seed,
             &algorithm,
             json,
+            dump.as_deref(),
         ) {
             Ok(true) => Ok(()),
             Ok(false) => {

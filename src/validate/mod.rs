@@ -15,7 +15,7 @@ pub use compose::{perturbation_estimate, simulate, Composed, SimulationConfig};
 pub use fresh::{fresh_sites, local_thresholds, FreshSites};
 pub use sensitivity::{sensitivity, Sensitivity};
 pub use sweep::{
-    bug_meshes, render_bugs, render_sensitivity, render_svg, render_table, run_bug, run_config,
-    run_config_cached, run_sweep, BugResult, BugRow, KindRow, RunConfig, RunResult, ScaleSummary,
-    SensitivityRow, SweepOptions, SweepReport, TensorResult, Thresholds,
+    bug_meshes, dump_run, render_bugs, render_sensitivity, render_svg, render_table, run_bug,
+    run_config, run_config_cached, run_sweep, BugResult, BugRow, KindRow, RunConfig, RunResult,
+    ScaleSummary, SensitivityRow, SweepOptions, SweepReport, TensorResult, Thresholds,
 };

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use std::collections::HashMap;
+use std::path::Path;
 
 use crate::bounds::baselines::{megatron_ttrace, torch_assert_close};
 use crate::bounds::Confidence;
@@ -16,6 +17,7 @@ use crate::engine::model::{Gpt, GptConfig};
 use crate::engine::policy::{Recipe, Scaling};
 use crate::engine::tensor::Tensor;
 use crate::error::Result;
+use crate::io::write_trace_dir;
 use crate::shard::collective::Algorithm;
 use crate::shard::layout::Mesh;
 use crate::shard::model::ShardedGpt;
@@ -1144,4 +1146,65 @@ pub fn render_svg(report: &SweepReport) -> String {
         m + 70.0
     ));
     s
+}
+
+/// Run `run` (with `bug`, if any) and write two trace directories under `dir`: `reference`
+/// (the single-device step — for FP8, quantized with the candidate's scales, as the checks
+/// compare) and `candidate` (every rank's shards with their layouts), in the format of
+/// [`crate::io::manifest`].
+pub fn dump_run(
+    options: &SweepOptions,
+    run: &RunConfig,
+    bug: Option<Bug>,
+    dir: &Path,
+) -> Result<()> {
+    let (_, mut reference, mut sharded) = prepare(options, run, bug)?;
+    let cand = sharded.step()?;
+    if !sharded.scales().is_empty() {
+        reference.set_scale_overrides(sharded.scales().clone());
+    }
+    let ref_trace = reference.step()?.trace;
+    let mut kinds = HashMap::new();
+    for e in ref_trace.entries() {
+        let (name, what) = e.id.split_once('|').unwrap_or((&e.id, ""));
+        let module = if what == "param_grad" {
+            name.rsplit_once('.').map(|(m, _)| m).unwrap_or(name)
+        } else {
+            name
+        };
+        if let Ok(m) = reference.module(module) {
+            kinds.insert(e.id.clone(), m.kind);
+        }
+    }
+    let single = Mesh::single();
+    let ref_entries: Vec<_> = ref_trace
+        .entries()
+        .iter()
+        .map(|e| {
+            (
+                e.id.clone(),
+                crate::shard::Layout::replicated(),
+                vec![e.tensor.clone()],
+            )
+        })
+        .collect();
+    write_trace_dir(
+        &dir.join("reference"),
+        &single,
+        Some(&run.recipe),
+        &ref_entries,
+        &kinds,
+    )?;
+    let cand_entries: Vec<_> = cand
+        .entries
+        .iter()
+        .map(|e| (e.id.clone(), e.layout, e.shards.clone()))
+        .collect();
+    write_trace_dir(
+        &dir.join("candidate"),
+        &run.mesh,
+        Some(&run.recipe),
+        &cand_entries,
+        &kinds,
+    )
 }

@@ -1,0 +1,373 @@
+//! The trace manifest (`manifest.json`, schema version 1) and trace directories.
+//!
+//! A trace directory holds one safetensors file per rank (or `.npy` files) and a manifest:
+//!
+//! ```json
+//! {"format": "ttrace-trace", "version": 1, "recipe": "bf16",
+//!  "mesh": {"tp": 2, "cp": 1, "dp": 1, "sp": false},
+//!  "tensors": [
+//!    {"id": "layers.0.mlp.fc1|fwd.output.0", "rank": 0, "file": "rank0.safetensors",
+//!     "key": "layers.0.mlp.fc1|fwd.output.0", "dtype": "bf16",
+//!     "layout": {"dp": {"kind": "split", "dim": 0, "groups": 1},
+//!                "cp": {"kind": "cp_chunks", "dim": 1},
+//!                "tp": {"kind": "split", "dim": 2, "groups": 1}},
+//!     "module": {"kind": "linear"}}]}
+//! ```
+//!
+//! Required per tensor: `id`, `rank`, `file`, `dtype`, `layout`; `key` defaults to the id (for
+//! `.npy` files it is ignored); `module` is optional (what produced the tensor, for pricing).
+//! Unknown fields are ignored; a missing required field is an error naming the tensor and the
+//! field. Every id must be present once on every rank of the mesh.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::engine::model::ModuleKind;
+use crate::engine::tensor::Tensor;
+use crate::error::{Error, Result};
+use crate::format::Format;
+use crate::io::{npy, safetensors};
+use crate::shard::layout::{merge, Layout, Mesh};
+
+/// The schema version this library writes and reads.
+pub const VERSION: u64 = 1;
+
+/// What produced a tensor.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModuleInfo {
+    /// Module kind.
+    pub kind: ModuleKind,
+}
+
+/// One stored shard.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ManifestEntry {
+    /// Canonical id.
+    pub id: String,
+    /// Global rank.
+    pub rank: usize,
+    /// File, relative to the trace directory.
+    pub file: String,
+    /// Name inside a safetensors file.
+    pub key: String,
+    /// Stored dtype (`f64`, `f32`, `f16`, `bf16`, `e4m3`, `e5m2`).
+    pub dtype: Format,
+    /// How the ranks' shards merge.
+    pub layout: Layout,
+    /// What produced it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub module: Option<ModuleInfo>,
+}
+
+/// A manifest.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Manifest {
+    /// Always `ttrace-trace`.
+    pub format: String,
+    /// Schema version.
+    pub version: u64,
+    /// The recipe name, if known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recipe: Option<String>,
+    /// The mesh.
+    pub mesh: Mesh,
+    /// Every shard.
+    pub tensors: Vec<ManifestEntry>,
+}
+
+fn ferr(path: &Path, reason: impl Into<String>) -> Error {
+    Error::File {
+        path: path.display().to_string(),
+        reason: reason.into(),
+    }
+}
+
+impl Manifest {
+    /// Parse and validate a manifest's text (`path` names it in errors).
+    pub fn parse(text: &str, path: &Path) -> Result<Manifest> {
+        let v: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| ferr(path, format!("not valid JSON: {e}")))?;
+        let version = v
+            .get("version")
+            .and_then(|x| x.as_u64())
+            .ok_or_else(|| ferr(path, "missing required field 'version'"))?;
+        if version != VERSION {
+            return Err(ferr(
+                path,
+                format!("schema version {version} is not supported (this ttrace reads {VERSION})"),
+            ));
+        }
+        let mesh: Mesh = serde_json::from_value(
+            v.get("mesh")
+                .cloned()
+                .ok_or_else(|| ferr(path, "missing required field 'mesh'"))?,
+        )
+        .map_err(|e| ferr(path, format!("field 'mesh': {e}")))?;
+        Mesh::new(mesh.tp, mesh.cp, mesh.dp, mesh.sp).map_err(|e| ferr(path, e.to_string()))?;
+        let list = v
+            .get("tensors")
+            .and_then(|x| x.as_array())
+            .ok_or_else(|| ferr(path, "missing required field 'tensors' (a list)"))?;
+        let mut tensors = Vec::with_capacity(list.len());
+        for (i, t) in list.iter().enumerate() {
+            let id = t.get("id").and_then(|x| x.as_str()).map(str::to_string);
+            let who = match &id {
+                Some(id) => format!("tensor #{i} ('{id}')"),
+                None => format!("tensor #{i}"),
+            };
+            let need = |field: &str| {
+                t.get(field)
+                    .ok_or_else(|| ferr(path, format!("{who}: missing required field '{field}'")))
+            };
+            let id = id.ok_or_else(|| ferr(path, format!("{who}: missing required field 'id'")))?;
+            let rank = need("rank")?.as_u64().ok_or_else(|| {
+                ferr(
+                    path,
+                    format!("{who}: 'rank' must be a non-negative integer"),
+                )
+            })? as usize;
+            if rank >= mesh.world() {
+                return Err(ferr(
+                    path,
+                    format!(
+                        "{who}: rank {rank} is outside the mesh ({} ranks)",
+                        mesh.world()
+                    ),
+                ));
+            }
+            let file = need("file")?
+                .as_str()
+                .ok_or_else(|| ferr(path, format!("{who}: 'file' must be a string")))?
+                .to_string();
+            if file.contains("..") || Path::new(&file).is_absolute() {
+                return Err(ferr(
+                    path,
+                    format!("{who}: file '{file}' must stay inside the trace directory"),
+                ));
+            }
+            let dtype_s = need("dtype")?
+                .as_str()
+                .ok_or_else(|| ferr(path, format!("{who}: 'dtype' must be a string")))?;
+            let dtype = dtype_s
+                .parse::<Format>()
+                .map_err(|e| ferr(path, format!("{who}: 'dtype': {e}")))?;
+            let layout: Layout = serde_json::from_value(need("layout")?.clone())
+                .map_err(|e| ferr(path, format!("{who}: 'layout': {e}")))?;
+            let key = t
+                .get("key")
+                .and_then(|x| x.as_str())
+                .map(str::to_string)
+                .unwrap_or_else(|| id.clone());
+            let module = match t.get("module") {
+                None | Some(serde_json::Value::Null) => None,
+                Some(m) => Some(
+                    serde_json::from_value(m.clone())
+                        .map_err(|e| ferr(path, format!("{who}: 'module': {e}")))?,
+                ),
+            };
+            tensors.push(ManifestEntry {
+                id,
+                rank,
+                file,
+                key,
+                dtype,
+                layout,
+                module,
+            });
+        }
+        Ok(Manifest {
+            format: "ttrace-trace".into(),
+            version,
+            recipe: v.get("recipe").and_then(|x| x.as_str()).map(str::to_string),
+            mesh,
+            tensors,
+        })
+    }
+}
+
+/// An open trace directory: the manifest, validated against the files' headers.
+#[derive(Debug)]
+pub struct TraceDir {
+    dir: PathBuf,
+    manifest: Manifest,
+    /// Per id: the entries of every rank (index = rank).
+    by_id: BTreeMap<String, Vec<usize>>,
+    order: Vec<String>,
+    files: HashMap<String, safetensors::SafetensorsFile>,
+}
+
+impl TraceDir {
+    /// Open `dir`: read `manifest.json`, open every file's header, and check that each entry's
+    /// tensor exists with the declared dtype, that every id is present once per rank, and
+    /// that all ranks agree on its layout.
+    pub fn open(dir: &Path) -> Result<TraceDir> {
+        let mpath = dir.join("manifest.json");
+        let text = std::fs::read_to_string(&mpath)
+            .map_err(|e| ferr(&mpath, format!("cannot read: {e}")))?;
+        let manifest = Manifest::parse(&text, &mpath)?;
+        let mut files = HashMap::new();
+        let mut by_id: BTreeMap<String, Vec<Option<usize>>> = BTreeMap::new();
+        let mut order = vec![];
+        let world = manifest.mesh.world();
+        for (k, e) in manifest.tensors.iter().enumerate() {
+            let path = dir.join(&e.file);
+            if e.file.ends_with(".safetensors") {
+                if !files.contains_key(&e.file) {
+                    files.insert(e.file.clone(), safetensors::SafetensorsFile::open(&path)?);
+                }
+                let f = &files[&e.file];
+                let entry = f.entries().get(&e.key).ok_or_else(|| {
+                    ferr(
+                        &path,
+                        format!(
+                            "the manifest names tensor '{}' (id '{}'), which is absent",
+                            e.key, e.id
+                        ),
+                    )
+                })?;
+                if entry.format != e.dtype {
+                    return Err(ferr(
+                        &path,
+                        format!(
+                            "tensor '{}' is stored as {} but the manifest says {}",
+                            e.key, entry.format, e.dtype
+                        ),
+                    ));
+                }
+            } else if !path.exists() {
+                return Err(ferr(
+                    &path,
+                    format!("file of tensor '{}' (rank {}) is missing", e.id, e.rank),
+                ));
+            }
+            let slots = by_id.entry(e.id.clone()).or_insert_with(|| {
+                order.push(e.id.clone());
+                vec![None; world]
+            });
+            if slots[e.rank].replace(k).is_some() {
+                return Err(ferr(
+                    &mpath,
+                    format!("tensor '{}' is listed twice for rank {}", e.id, e.rank),
+                ));
+            }
+        }
+        let mut complete = BTreeMap::new();
+        for (id, slots) in by_id {
+            let mut ks = Vec::with_capacity(world);
+            for (r, s) in slots.iter().enumerate() {
+                let k = s.ok_or_else(|| {
+                    ferr(&mpath, format!("tensor '{id}' has no shard for rank {r}"))
+                })?;
+                ks.push(k);
+            }
+            let l0 = manifest.tensors[ks[0]].layout;
+            if ks.iter().any(|&k| manifest.tensors[k].layout != l0) {
+                return Err(ferr(
+                    &mpath,
+                    format!("tensor '{id}': ranks declare different layouts"),
+                ));
+            }
+            complete.insert(id, ks);
+        }
+        Ok(TraceDir {
+            dir: dir.to_path_buf(),
+            manifest,
+            by_id: complete,
+            order,
+            files,
+        })
+    }
+
+    /// The manifest.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// Ids in manifest order.
+    pub fn ids(&self) -> &[String] {
+        &self.order
+    }
+
+    /// Every rank's shard of a tensor, and its layout.
+    pub fn shards(&mut self, id: &str) -> Result<(Vec<Tensor>, Layout)> {
+        let ks = self
+            .by_id
+            .get(id)
+            .ok_or_else(|| Error::UnknownName {
+                kind: "traced tensor",
+                name: id.to_string(),
+            })?
+            .clone();
+        let mut out = Vec::with_capacity(ks.len());
+        for k in &ks {
+            let e = self.manifest.tensors[*k].clone();
+            let t = if e.file.ends_with(".safetensors") {
+                let f = self
+                    .files
+                    .get_mut(&e.file)
+                    .ok_or_else(|| ferr(&self.dir, "file not open"))?;
+                f.read(&e.key)?
+            } else {
+                npy::read(&self.dir.join(&e.file), Some(e.dtype))?
+            };
+            out.push(t);
+        }
+        Ok((out, self.manifest.tensors[ks[0]].layout))
+    }
+
+    /// The merged logical tensor of an id (see [`merge`]).
+    pub fn logical(&mut self, id: &str) -> Result<Tensor> {
+        let (shards, layout) = self.shards(id)?;
+        merge(&shards, &layout, &self.manifest.mesh, id, None)
+    }
+}
+
+/// Write a trace directory: one safetensors file per rank (`rank{r}.safetensors`, keys =
+/// canonical ids) and the manifest. `entries` gives every id's per-rank shards and layout;
+/// `modules` the producing module kind by id where known.
+pub fn write_trace_dir(
+    dir: &Path,
+    mesh: &Mesh,
+    recipe: Option<&str>,
+    entries: &[(String, Layout, Vec<Tensor>)],
+    modules: &HashMap<String, ModuleKind>,
+) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| ferr(dir, format!("cannot create: {e}")))?;
+    let world = mesh.world();
+    let mut tensors = vec![];
+    for r in 0..world {
+        let file = format!("rank{r}.safetensors");
+        let mut list = vec![];
+        for (id, layout, shards) in entries {
+            let t = shards.get(r).ok_or_else(|| Error::Layout {
+                id: id.clone(),
+                reason: format!("{} shards for a mesh of {world} ranks", shards.len()),
+            })?;
+            list.push((id.as_str(), t));
+            tensors.push(ManifestEntry {
+                id: id.clone(),
+                rank: r,
+                file: file.clone(),
+                key: id.clone(),
+                dtype: t.format(),
+                layout: *layout,
+                module: modules.get(id).map(|&kind| ModuleInfo { kind }),
+            });
+        }
+        let mut meta = BTreeMap::new();
+        meta.insert("rank".to_string(), r.to_string());
+        safetensors::write(&dir.join(&file), &list, &meta)?;
+    }
+    let manifest = Manifest {
+        format: "ttrace-trace".into(),
+        version: VERSION,
+        recipe: recipe.map(str::to_string),
+        mesh: *mesh,
+        tensors,
+    };
+    let text = serde_json::to_string_pretty(&manifest).map_err(|e| ferr(dir, e.to_string()))?;
+    std::fs::write(dir.join("manifest.json"), text)
+        .map_err(|e| ferr(&dir.join("manifest.json"), format!("writing: {e}")))
+}

@@ -1,0 +1,210 @@
+//! NumPy `.npy` files (format versions 1.0–3.0): magic `\x93NUMPY`, version, a little-endian
+//! header length (2 bytes in 1.0, 4 in 2.0/3.0), a Python-literal dict
+//! `{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }`, then C-order data.
+//!
+//! Element types read: `<f8`, `<f4`, `<f2` (their own formats), and the bit-pattern carriers
+//! `<u2` / `<i2` (BF16, which NumPy lacks — `x.view(np.uint16)`) and `|u1` / `<u1` / `|i1`
+//! (FP8 E4M3 or E5M2), whose format the caller names (the manifest's dtype). Fortran order,
+//! big-endian data and other types are refused with a message.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::Path;
+
+use crate::engine::tensor::Tensor;
+use crate::error::{Error, Result};
+use crate::format::Format;
+use crate::io::safetensors::{decode_values, element_size, encode_values};
+
+fn err(path: &Path, reason: impl Into<String>) -> Error {
+    Error::File {
+        path: path.display().to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// The parsed header of a `.npy` file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NpyHeader {
+    /// The `descr` string.
+    pub descr: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Byte offset of the data.
+    pub data_offset: usize,
+}
+
+fn parse_header(text: &str, path: &Path) -> Result<(String, bool, Vec<usize>)> {
+    let field = |key: &str| -> Result<&str> {
+        let k = format!("'{key}':");
+        let at = text
+            .find(&k)
+            .ok_or_else(|| err(path, format!("npy header has no '{key}'")))?;
+        Ok(text[at + k.len()..].trim_start())
+    };
+    let d = field("descr")?;
+    let descr = d
+        .strip_prefix('\'')
+        .and_then(|r| r.split('\'').next())
+        .ok_or_else(|| err(path, "npy descr is not a quoted string"))?
+        .to_string();
+    let fortran = field("fortran_order")?.starts_with("True");
+    let s = field("shape")?;
+    let inner = s
+        .strip_prefix('(')
+        .and_then(|r| r.split(')').next())
+        .ok_or_else(|| err(path, "npy shape is not a tuple"))?;
+    let shape = inner
+        .split(',')
+        .map(str::trim)
+        .filter(|x| !x.is_empty())
+        .map(|x| x.parse::<usize>())
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|_| {
+            err(
+                path,
+                format!("npy shape ({inner}) is not a tuple of integers"),
+            )
+        })?;
+    Ok((descr, fortran, shape))
+}
+
+/// The format a descr holds, given the format the manifest says for bit-pattern carriers.
+fn descr_format(descr: &str, declared: Option<Format>, path: &Path) -> Result<Format> {
+    let needs = |want: &[Format], what: &str| -> Result<Format> {
+        match declared {
+            Some(f) if want.contains(&f) => Ok(f),
+            Some(f) => Err(err(
+                path,
+                format!("{descr} carries {what} bit patterns, not {f}"),
+            )),
+            None => Err(err(
+                path,
+                format!("{descr} carries {what} bit patterns: the manifest must name the dtype"),
+            )),
+        }
+    };
+    match descr {
+        "<f8" => Ok(Format::F64),
+        "<f4" => Ok(Format::F32),
+        "<f2" => Ok(Format::F16),
+        "<u2" | "<i2" => needs(&[Format::BF16, Format::F16], "16-bit"),
+        "|u1" | "<u1" | "|i1" => needs(&[Format::E4M3, Format::E5M2], "8-bit"),
+        other => Err(err(
+            path,
+            format!(
+                "unsupported npy dtype '{other}' (little-endian f8, f4, f2, or u2/u1 bit patterns)"
+            ),
+        )),
+    }
+}
+
+/// Read a `.npy` file; `declared` is the stored format the manifest names (needed for BF16
+/// and FP8 bit patterns; when given it must agree with a float descr).
+pub fn read(path: &Path, declared: Option<Format>) -> Result<Tensor> {
+    let mut f = File::open(path).map_err(|e| err(path, format!("cannot open: {e}")))?;
+    let size = f
+        .metadata()
+        .map_err(|e| err(path, format!("cannot stat: {e}")))?
+        .len();
+    let mut pre = [0u8; 10];
+    f.read_exact(&mut pre)
+        .map_err(|_| err(path, "truncated: no npy preamble"))?;
+    if &pre[..6] != b"\x93NUMPY" {
+        return Err(err(path, "not an npy file (bad magic)"));
+    }
+    let (hlen, start) = match pre[6] {
+        1 => (u16::from_le_bytes([pre[8], pre[9]]) as u64, 10u64),
+        2 | 3 => {
+            let mut more = [0u8; 2];
+            f.read_exact(&mut more)
+                .map_err(|_| err(path, "truncated npy preamble"))?;
+            (
+                u32::from_le_bytes([pre[8], pre[9], more[0], more[1]]) as u64,
+                12u64,
+            )
+        }
+        v => return Err(err(path, format!("unsupported npy version {v}"))),
+    };
+    if start + hlen > size {
+        return Err(err(
+            path,
+            format!("npy header length {hlen} exceeds the file ({size} bytes)"),
+        ));
+    }
+    let mut h = vec![0u8; hlen as usize];
+    f.read_exact(&mut h)
+        .map_err(|e| err(path, format!("reading the npy header: {e}")))?;
+    let text = String::from_utf8(h).map_err(|_| err(path, "npy header is not UTF-8"))?;
+    let (descr, fortran, shape) = parse_header(&text, path)?;
+    if fortran {
+        return Err(err(
+            path,
+            "Fortran-order npy data is not supported (save with C order)",
+        ));
+    }
+    let format = descr_format(&descr, declared, path)?;
+    if let Some(d) = declared {
+        if matches!(descr.as_str(), "<f8" | "<f4" | "<f2") && d != format {
+            return Err(err(
+                path,
+                format!("file holds {descr} but the manifest says {d}"),
+            ));
+        }
+    }
+    let count = shape
+        .iter()
+        .try_fold(1u64, |a, &d| a.checked_mul(d as u64))
+        .ok_or_else(|| err(path, "npy shape overflows"))?;
+    let bytes = count
+        .checked_mul(element_size(format) as u64)
+        .ok_or_else(|| err(path, "npy shape overflows"))?;
+    if size - start - hlen != bytes {
+        return Err(err(
+            path,
+            format!(
+                "npy data is {} bytes but shape {shape:?} of {descr} needs {bytes}: truncated or extra data",
+                size - start - hlen
+            ),
+        ));
+    }
+    let mut data = vec![0u8; bytes as usize];
+    f.read_exact(&mut data)
+        .map_err(|e| err(path, format!("reading npy data: {e}")))?;
+    Tensor::from_vec(&shape, decode_values(&data, format)?, format)
+}
+
+/// Write a tensor as a version 1.0 `.npy` file (BF16 as `<u2`, FP8 as `|u1` bit patterns).
+pub fn write(path: &Path, t: &Tensor) -> Result<()> {
+    let descr = match t.format() {
+        Format::F64 => "<f8",
+        Format::F32 => "<f4",
+        Format::F16 => "<f2",
+        Format::BF16 => "<u2",
+        Format::E4M3 | Format::E5M2 => "|u1",
+        Format::TF32 => return Err(err(path, "TF32 has no npy dtype")),
+    };
+    let shape = match t.shape() {
+        [] => "()".to_string(),
+        [n] => format!("({n},)"),
+        s => format!(
+            "({})",
+            s.iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
+    let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(&encode_values(t.values(), t.format(), "npy")?);
+    File::create(path)
+        .and_then(|mut f| f.write_all(&out))
+        .map_err(|e| err(path, format!("writing: {e}")))
+}

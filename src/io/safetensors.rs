@@ -1,0 +1,292 @@
+//! The safetensors file format (Hugging Face): an 8-byte little-endian header length N, N
+//! bytes of JSON — `{"name": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [b, e]}, …,
+//! "__metadata__": {"k": "v"}}` — then the data, offsets relative to its start, little endian.
+//!
+//! Reading validates everything a hostile file could lie about before any tensor is touched:
+//! the header length against the file size (and a 100 MB cap), the JSON, every dtype, that each
+//! tensor's byte range equals its shape times its element size (with overflow checks) and lies
+//! inside the data region. Only the header is read on open; a tensor's bytes are read when it is
+//! asked for, so a trace larger than memory can be checked tensor by tensor.
+//!
+//! Dtypes and the formats they hold exactly: F64, F32, F16, BF16, F8_E4M3, F8_E5M2 (bit
+//! patterns decoded by [`Format::decode`], so BF16 and FP8 are read as stored).
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use crate::engine::tensor::Tensor;
+use crate::error::{Error, Result};
+use crate::format::Format;
+
+/// The largest header accepted (the format's own reference implementation uses 100 MB).
+pub const MAX_HEADER: u64 = 100_000_000;
+
+fn err(path: &Path, reason: impl Into<String>) -> Error {
+    Error::File {
+        path: path.display().to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// The safetensors dtype name of a format.
+pub fn dtype_name(f: Format) -> Option<&'static str> {
+    Some(match f {
+        Format::F64 => "F64",
+        Format::F32 => "F32",
+        Format::F16 => "F16",
+        Format::BF16 => "BF16",
+        Format::E4M3 => "F8_E4M3",
+        Format::E5M2 => "F8_E5M2",
+        Format::TF32 => return None,
+    })
+}
+
+/// The format of a safetensors dtype name.
+pub fn dtype_format(name: &str) -> Option<Format> {
+    Some(match name {
+        "F64" => Format::F64,
+        "F32" => Format::F32,
+        "F16" => Format::F16,
+        "BF16" => Format::BF16,
+        "F8_E4M3" => Format::E4M3,
+        "F8_E5M2" => Format::E5M2,
+        _ => return None,
+    })
+}
+
+/// Bytes per element of a format as stored.
+pub fn element_size(f: Format) -> usize {
+    f.bit_width().div_ceil(8) as usize
+}
+
+/// Encode values of `f` as little-endian bytes.
+pub fn encode_values(values: &[f64], f: Format, what: &str) -> Result<Vec<u8>> {
+    let size = element_size(f);
+    let mut out = Vec::with_capacity(values.len() * size);
+    for &v in values {
+        let bits = match f {
+            Format::F64 => v.to_bits(),
+            _ => f.encode(v).map_err(|e| Error::InvalidParameter {
+                name: "tensor",
+                reason: format!("{what}: {e}"),
+            })?,
+        };
+        out.extend_from_slice(&bits.to_le_bytes()[..size]);
+    }
+    Ok(out)
+}
+
+/// Decode little-endian bytes of `f` into values.
+pub fn decode_values(bytes: &[u8], f: Format) -> Result<Vec<f64>> {
+    let size = element_size(f);
+    bytes
+        .chunks_exact(size)
+        .map(|c| {
+            let mut b = [0u8; 8];
+            b[..size].copy_from_slice(c);
+            let bits = u64::from_le_bytes(b);
+            Ok(match f {
+                Format::F64 => f64::from_bits(bits),
+                _ => f.decode(bits)?,
+            })
+        })
+        .collect()
+}
+
+/// One tensor's entry in the header.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Entry {
+    /// Stored format.
+    pub format: Format,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Byte range within the data region.
+    pub range: (u64, u64),
+}
+
+/// An open safetensors file: its validated header; tensors are read on demand.
+#[derive(Debug)]
+pub struct SafetensorsFile {
+    path: PathBuf,
+    file: File,
+    data_start: u64,
+    entries: BTreeMap<String, Entry>,
+    metadata: BTreeMap<String, String>,
+}
+
+impl SafetensorsFile {
+    /// Open and validate the header (see the module docs).
+    pub fn open(path: &Path) -> Result<SafetensorsFile> {
+        let mut file = File::open(path).map_err(|e| err(path, format!("cannot open: {e}")))?;
+        let size = file
+            .metadata()
+            .map_err(|e| err(path, format!("cannot stat: {e}")))?
+            .len();
+        if size < 8 {
+            return Err(err(
+                path,
+                format!("truncated: {size} bytes, no header length"),
+            ));
+        }
+        let mut len = [0u8; 8];
+        file.read_exact(&mut len)
+            .map_err(|e| err(path, format!("reading the header length: {e}")))?;
+        let n = u64::from_le_bytes(len);
+        if n > MAX_HEADER || n > size - 8 {
+            return Err(err(
+                path,
+                format!("header length {n} exceeds the file ({size} bytes) or the 100 MB cap"),
+            ));
+        }
+        let mut header = vec![0u8; n as usize];
+        file.read_exact(&mut header)
+            .map_err(|e| err(path, format!("reading the header: {e}")))?;
+        let json: serde_json::Value = serde_json::from_slice(&header)
+            .map_err(|e| err(path, format!("header is not valid JSON: {e}")))?;
+        let obj = json
+            .as_object()
+            .ok_or_else(|| err(path, "header is not a JSON object"))?;
+        let data_start = 8 + n;
+        let data_len = size - data_start;
+        let mut entries = BTreeMap::new();
+        let mut metadata = BTreeMap::new();
+        for (name, v) in obj {
+            if name == "__metadata__" {
+                if let Some(m) = v.as_object() {
+                    for (k, x) in m {
+                        metadata.insert(k.clone(), x.as_str().unwrap_or_default().to_string());
+                    }
+                }
+                continue;
+            }
+            let bad = |why: &str| err(path, format!("tensor '{name}': {why}"));
+            let dtype = v
+                .get("dtype")
+                .and_then(|d| d.as_str())
+                .ok_or_else(|| bad("missing dtype"))?;
+            let format = dtype_format(dtype).ok_or_else(|| {
+                bad(&format!(
+                    "unsupported dtype '{dtype}' (F64, F32, F16, BF16, F8_E4M3, F8_E5M2)"
+                ))
+            })?;
+            let shape: Vec<usize> = v
+                .get("shape")
+                .and_then(|s| s.as_array())
+                .ok_or_else(|| bad("missing shape"))?
+                .iter()
+                .map(|d| d.as_u64().and_then(|x| usize::try_from(x).ok()))
+                .collect::<Option<_>>()
+                .ok_or_else(|| bad("shape entries must be non-negative integers"))?;
+            let offs: Vec<u64> = v
+                .get("data_offsets")
+                .and_then(|s| s.as_array())
+                .ok_or_else(|| bad("missing data_offsets"))?
+                .iter()
+                .map(|d| d.as_u64())
+                .collect::<Option<_>>()
+                .ok_or_else(|| bad("data_offsets must be non-negative integers"))?;
+            let [b, e] = offs[..] else {
+                return Err(bad("data_offsets must have two entries"));
+            };
+            let count = shape
+                .iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
+                .ok_or_else(|| bad("shape overflows"))?;
+            let bytes = count
+                .checked_mul(element_size(format) as u64)
+                .ok_or_else(|| bad("shape overflows"))?;
+            if e < b || e - b != bytes {
+                return Err(bad(&format!(
+                    "data_offsets [{b}, {e}] do not hold {count} {dtype} elements ({bytes} bytes)"
+                )));
+            }
+            if e > data_len {
+                return Err(bad(&format!(
+                    "data_offsets end {e} lies past the data ({data_len} bytes): truncated file?"
+                )));
+            }
+            entries.insert(
+                name.clone(),
+                Entry {
+                    format,
+                    shape,
+                    range: (b, e),
+                },
+            );
+        }
+        Ok(SafetensorsFile {
+            path: path.to_path_buf(),
+            file,
+            data_start,
+            entries,
+            metadata,
+        })
+    }
+
+    /// Tensor names and entries.
+    pub fn entries(&self) -> &BTreeMap<String, Entry> {
+        &self.entries
+    }
+
+    /// The `__metadata__` map.
+    pub fn metadata(&self) -> &BTreeMap<String, String> {
+        &self.metadata
+    }
+
+    /// Read one tensor.
+    pub fn read(&mut self, name: &str) -> Result<Tensor> {
+        let e = self
+            .entries
+            .get(name)
+            .ok_or_else(|| err(&self.path, format!("no tensor named '{name}'")))?
+            .clone();
+        let mut bytes = vec![0u8; (e.range.1 - e.range.0) as usize];
+        self.file
+            .seek(SeekFrom::Start(self.data_start + e.range.0))
+            .and_then(|_| self.file.read_exact(&mut bytes))
+            .map_err(|er| err(&self.path, format!("reading '{name}': {er}")))?;
+        let values = decode_values(&bytes, e.format)?;
+        Tensor::from_vec(&e.shape, values, e.format)
+    }
+}
+
+/// Write tensors (name, tensor stored in its own format) and metadata to `path`.
+pub fn write(
+    path: &Path,
+    tensors: &[(&str, &Tensor)],
+    metadata: &BTreeMap<String, String>,
+) -> Result<()> {
+    let mut header = serde_json::Map::new();
+    let mut data = Vec::new();
+    for (name, t) in tensors {
+        let dtype = dtype_name(t.format()).ok_or_else(|| {
+            err(
+                path,
+                format!("tensor '{name}': {} has no safetensors dtype", t.format()),
+            )
+        })?;
+        let bytes = encode_values(t.values(), t.format(), name)?;
+        let b = data.len();
+        data.extend_from_slice(&bytes);
+        header.insert(
+            name.to_string(),
+            serde_json::json!({"dtype": dtype, "shape": t.shape(), "data_offsets": [b, data.len()]}),
+        );
+    }
+    if !metadata.is_empty() {
+        header.insert("__metadata__".into(), serde_json::json!(metadata));
+    }
+    let mut h = serde_json::to_vec(&serde_json::Value::Object(header))
+        .map_err(|e| err(path, e.to_string()))?;
+    // Pad the header with spaces to a multiple of 8 (as the reference implementation does).
+    while h.len() % 8 != 0 {
+        h.push(b' ');
+    }
+    let mut f = File::create(path).map_err(|e| err(path, format!("cannot create: {e}")))?;
+    f.write_all(&(h.len() as u64).to_le_bytes())
+        .and_then(|_| f.write_all(&h))
+        .and_then(|_| f.write_all(&data))
+        .map_err(|e| err(path, format!("writing: {e}")))
+}

@@ -1,0 +1,266 @@
+//! Trace files: safetensors and npy round trips for every dtype, trace directories written by a
+//! sharded simulation and merged back, and malformed inputs rejected with a message.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+
+use proptest::prelude::*;
+use ttrace::engine::{Gpt, Recipe, Tensor};
+use ttrace::io::{npy, safetensors, write_trace_dir, TraceDir};
+use ttrace::shard::{Algorithm, Layout, Mesh, ShardedGpt};
+use ttrace::validate::SweepOptions;
+use ttrace::{Error, Format};
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ttrace-io-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn formats() -> [Format; 6] {
+    [
+        Format::F64,
+        Format::F32,
+        Format::F16,
+        Format::BF16,
+        Format::E4M3,
+        Format::E5M2,
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// Every bit pattern survives safetensors and npy, for every stored dtype.
+    #[test]
+    fn every_dtype_round_trips_bit_for_bit(bits in prop::collection::vec(any::<u64>(), 1..40), which in 0usize..6) {
+        let f = formats()[which];
+        let width = f.bit_width();
+        let values: Vec<f64> = bits.iter().map(|b| {
+            let b = if width == 64 { *b } else { b & ((1u64 << width) - 1) };
+            f.decode(b).unwrap()
+        }).collect();
+        let t = Tensor::from_vec(&[values.len()], values.clone(), f).unwrap();
+        let d = tmp(&format!("rt{which}"));
+        let p = d.join("t.safetensors");
+        safetensors::write(&p, &[("x", &t)], &BTreeMap::new()).unwrap();
+        let mut file = safetensors::SafetensorsFile::open(&p).unwrap();
+        let back = file.read("x").unwrap();
+        prop_assert_eq!(back.format(), f);
+        let same = |a: &[f64], b: &[f64]| a.iter().zip(b).all(|(x, y)| f.encode(*x).unwrap() == f.encode(*y).unwrap());
+        prop_assert!(same(back.values(), &values));
+        let q = d.join("t.npy");
+        npy::write(&q, &t).unwrap();
+        let back = npy::read(&q, Some(f)).unwrap();
+        prop_assert!(same(back.values(), &values));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
+
+#[test]
+fn a_sharded_step_written_and_read_back_merges_to_the_same_tensors() {
+    for recipe in ["bf16", "fp8-delayed"] {
+        let cfg = SweepOptions::model();
+        let mesh = Mesh::new(2, 2, 1, true).unwrap();
+        let mut sharded = ShardedGpt::new(
+            Gpt::new(cfg, Recipe::by_name(recipe).unwrap()).unwrap(),
+            mesh,
+            Algorithm::Ring,
+        )
+        .unwrap();
+        let step = sharded.step().unwrap();
+        let merged = step.merge(None).unwrap();
+        let entries: Vec<_> = step
+            .entries
+            .iter()
+            .map(|e| (e.id.clone(), e.layout, e.shards.clone()))
+            .collect();
+        let d = tmp(recipe);
+        write_trace_dir(&d, &mesh, Some(recipe), &entries, &HashMap::new()).unwrap();
+        let mut dir = TraceDir::open(&d).unwrap();
+        assert_eq!(dir.ids().len(), merged.len());
+        assert_eq!(dir.manifest().recipe.as_deref(), Some(recipe));
+        for id in dir.ids().to_vec() {
+            assert_eq!(
+                &dir.logical(&id).unwrap(),
+                merged.require(&id).unwrap(),
+                "{recipe} {id}"
+            );
+        }
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
+
+fn expect_file_error(r: Result<impl std::fmt::Debug, Error>, needle: &str) {
+    match r {
+        Err(Error::File { reason, .. }) => {
+            assert!(reason.contains(needle), "'{reason}' lacks '{needle}'")
+        }
+        other => panic!("expected a file error containing '{needle}', got {other:?}"),
+    }
+}
+
+#[test]
+fn malformed_safetensors_and_npy_are_rejected_with_the_problem_named() {
+    let d = tmp("bad");
+    let t = Tensor::from_vec(&[2, 2], vec![1.0, 2.0, 3.0, 4.0], Format::BF16).unwrap();
+    let p = d.join("ok.safetensors");
+    safetensors::write(&p, &[("x", &t)], &BTreeMap::new()).unwrap();
+    let bytes = std::fs::read(&p).unwrap();
+    let w = |name: &str, b: &[u8]| {
+        let q = d.join(name);
+        std::fs::write(&q, b).unwrap();
+        q
+    };
+    // Truncated data, truncated header, a header length that lies, garbage JSON.
+    expect_file_error(
+        safetensors::SafetensorsFile::open(&w("trunc.safetensors", &bytes[..bytes.len() - 2])),
+        "past the data",
+    );
+    expect_file_error(
+        safetensors::SafetensorsFile::open(&w("short.safetensors", &bytes[..5])),
+        "truncated",
+    );
+    let mut lie = bytes.clone();
+    lie[..8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    expect_file_error(
+        safetensors::SafetensorsFile::open(&w("lie.safetensors", &lie)),
+        "header length",
+    );
+    let mut junk = 4u64.to_le_bytes().to_vec();
+    junk.extend_from_slice(b"{{{{");
+    expect_file_error(
+        safetensors::SafetensorsFile::open(&w("junk.safetensors", &junk)),
+        "JSON",
+    );
+    // Wrong dtype and inconsistent offsets.
+    let header = br#"{"x":{"dtype":"I64","shape":[1],"data_offsets":[0,8]}}"#;
+    let mut b = (header.len() as u64).to_le_bytes().to_vec();
+    b.extend_from_slice(header);
+    b.extend_from_slice(&[0u8; 8]);
+    expect_file_error(
+        safetensors::SafetensorsFile::open(&w("dtype.safetensors", &b)),
+        "unsupported dtype",
+    );
+    let header = br#"{"x":{"dtype":"F32","shape":[1000000000000],"data_offsets":[0,8]}}"#;
+    let mut b = (header.len() as u64).to_le_bytes().to_vec();
+    b.extend_from_slice(header);
+    b.extend_from_slice(&[0u8; 8]);
+    expect_file_error(
+        safetensors::SafetensorsFile::open(&w("shape.safetensors", &b)),
+        "do not hold",
+    );
+    // npy: bad magic, truncated data, Fortran order, a BF16 carrier without a declared dtype.
+    let q = d.join("ok.npy");
+    npy::write(&q, &t).unwrap();
+    let nb = std::fs::read(&q).unwrap();
+    expect_file_error(npy::read(&w("magic.npy", b"NOTNPY0000"), None), "magic");
+    expect_file_error(
+        npy::read(&w("trunc.npy", &nb[..nb.len() - 1]), Some(Format::BF16)),
+        "truncated",
+    );
+    let needle = b"'fortran_order': False";
+    let at = nb.windows(needle.len()).position(|x| x == needle).unwrap();
+    let mut fort = nb.clone();
+    fort[at..at + needle.len()].copy_from_slice(b"'fortran_order': True ");
+    expect_file_error(
+        npy::read(&w("fort.npy", &fort), Some(Format::BF16)),
+        "Fortran",
+    );
+    expect_file_error(npy::read(&q, None), "manifest must name the dtype");
+    expect_file_error(npy::read(&q, Some(Format::E4M3)), "bit patterns");
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn manifest_problems_name_the_tensor_and_field() {
+    let d = tmp("manifest");
+    let mesh = Mesh::new(2, 1, 1, false).unwrap();
+    let t = Tensor::from_vec(&[2], vec![1.0, 2.0], Format::F32).unwrap();
+    let entries = vec![(
+        "a|fwd.output.0".to_string(),
+        Layout::replicated(),
+        vec![t.clone(), t.clone()],
+    )];
+    write_trace_dir(&d, &mesh, None, &entries, &HashMap::new()).unwrap();
+    assert!(TraceDir::open(&d).is_ok());
+    let mpath = d.join("manifest.json");
+    let good = std::fs::read_to_string(&mpath).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&good).unwrap();
+    let edit = |f: &dyn Fn(&mut serde_json::Value)| {
+        let mut w = v.clone();
+        f(&mut w);
+        std::fs::write(&mpath, serde_json::to_string(&w).unwrap()).unwrap();
+        TraceDir::open(&d)
+    };
+    // Unknown fields are ignored.
+    assert!(edit(&|w| {
+        w["tensors"][0]["extra"] = serde_json::json!(1);
+        w["note"] = serde_json::json!("x");
+    })
+    .is_ok());
+    expect_file_error(
+        edit(&|w| {
+            w["tensors"][1].as_object_mut().unwrap().remove("layout");
+        }),
+        "tensor #1 ('a|fwd.output.0'): missing required field 'layout'",
+    );
+    expect_file_error(
+        edit(&|w| {
+            w["tensors"][0].as_object_mut().unwrap().remove("id");
+        }),
+        "missing required field 'id'",
+    );
+    expect_file_error(
+        edit(&|w| {
+            w["version"] = serde_json::json!(2);
+        }),
+        "schema version 2",
+    );
+    expect_file_error(
+        edit(&|w| {
+            w["tensors"].as_array_mut().unwrap().pop();
+        }),
+        "no shard for rank 1",
+    );
+    expect_file_error(
+        edit(&|w| {
+            w["tensors"][1]["key"] = serde_json::json!("nope");
+        }),
+        "absent",
+    );
+    expect_file_error(
+        edit(&|w| {
+            w["tensors"][1]["dtype"] = serde_json::json!("bf16");
+        }),
+        "stored as f32",
+    );
+    expect_file_error(
+        edit(&|w| {
+            w["tensors"][1]["rank"] = serde_json::json!(7);
+        }),
+        "outside the mesh",
+    );
+    expect_file_error(
+        edit(&|w| {
+            w["tensors"][1]["file"] = serde_json::json!("../x.safetensors");
+        }),
+        "inside the trace directory",
+    );
+    // A shard whose shape differs from the other rank's: reported when merged.
+    v["tensors"][1]["file"] = serde_json::json!("rank1.safetensors");
+    let odd = Tensor::from_vec(&[3], vec![1.0, 2.0, 3.0], Format::F32).unwrap();
+    safetensors::write(
+        &d.join("rank1.safetensors"),
+        &[("a|fwd.output.0", &odd)],
+        &BTreeMap::new(),
+    )
+    .unwrap();
+    std::fs::write(&mpath, &good).unwrap();
+    let mut dir = TraceDir::open(&d).unwrap();
+    assert!(matches!(
+        dir.logical("a|fwd.output.0"),
+        Err(Error::Layout { .. })
+    ));
+    std::fs::remove_dir_all(&d).unwrap();
+}
