@@ -465,3 +465,71 @@ fn simulate_dumps_traces_that_read_back() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn check_finds_dumped_bugs_passes_clean_dumps_and_rejects_broken_ones() {
+    let base = std::env::temp_dir().join(format!("ttrace-check-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let dump = |name: &str, extra: &[&str]| {
+        let d = base.join(name);
+        let mut args = vec![
+            "simulate",
+            "--tp",
+            "2",
+            "--sp",
+            "--dp",
+            "2",
+            "--dump",
+            d.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        ttrace(&args, "");
+        d
+    };
+    let clean = dump("clean", &[]);
+    let check = |d: &std::path::Path| {
+        ttrace(
+            &[
+                "check",
+                d.join("reference").to_str().unwrap(),
+                d.join("candidate").to_str().unwrap(),
+            ],
+            "",
+        )
+    };
+    let o = check(&clean);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    for bug in [
+        "sp-norm-grad-not-reduced",
+        "row-bias-on-every-rank",
+        "dp-grad-summed-not-averaged",
+    ] {
+        let d = dump(bug, &["--bug", bug, "--recipe", "fp8-delayed"]);
+        let o = check(&d);
+        let text = String::from_utf8(o.stdout).unwrap();
+        assert_eq!(o.status.code(), Some(1), "{bug}: {text}");
+        assert!(text.contains("FAIL"), "{bug}: {text}");
+    }
+    // Unusable input: a truncated shard file, a missing rank, a missing directory.
+    let cand = clean.join("candidate");
+    let f = cand.join("rank1.safetensors");
+    let bytes = std::fs::read(&f).unwrap();
+    std::fs::write(&f, &bytes[..bytes.len() / 2]).unwrap();
+    let o = check(&clean);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8(o.stderr)
+        .unwrap()
+        .contains("rank1.safetensors"));
+    std::fs::write(&f, &bytes).unwrap();
+    std::fs::remove_file(&f).unwrap();
+    let o = check(&clean);
+    assert_eq!(o.status.code(), Some(2));
+    let o = ttrace(&["check", "/nonexistent/ref", "/nonexistent/cand"], "");
+    assert_eq!(o.status.code(), Some(2));
+    std::fs::remove_dir_all(&base).unwrap();
+}

@@ -76,7 +76,15 @@ fn a_sharded_step_written_and_read_back_merges_to_the_same_tensors() {
             .map(|e| (e.id.clone(), e.layout, e.shards.clone()))
             .collect();
         let d = tmp(recipe);
-        write_trace_dir(&d, &mesh, Some(recipe), &entries, &HashMap::new()).unwrap();
+        write_trace_dir(
+            &d,
+            &mesh,
+            Some(recipe),
+            &entries,
+            &HashMap::new(),
+            &HashMap::new(),
+        )
+        .unwrap();
         let mut dir = TraceDir::open(&d).unwrap();
         assert_eq!(dir.ids().len(), merged.len());
         assert_eq!(dir.manifest().recipe.as_deref(), Some(recipe));
@@ -182,7 +190,7 @@ fn manifest_problems_name_the_tensor_and_field() {
         Layout::replicated(),
         vec![t.clone(), t.clone()],
     )];
-    write_trace_dir(&d, &mesh, None, &entries, &HashMap::new()).unwrap();
+    write_trace_dir(&d, &mesh, None, &entries, &HashMap::new(), &HashMap::new()).unwrap();
     assert!(TraceDir::open(&d).is_ok());
     let mpath = d.join("manifest.json");
     let good = std::fs::read_to_string(&mpath).unwrap();

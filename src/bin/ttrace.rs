@@ -127,6 +127,19 @@ enum Command {
         #[arg(long)]
         no_bugs: bool,
     },
+    /// Check a candidate trace directory against a reference one (as `ttrace simulate --dump`
+    /// writes them; format in papers/trace-format.md): merge the candidate's shards, compare
+    /// every produced tensor with its threshold, report the first failing tensor in execution
+    /// order. Exit code 0: all within thresholds; 1: a discrepancy; 2: unusable input.
+    Check {
+        /// The reference trace directory.
+        reference: std::path::PathBuf,
+        /// The candidate trace directory.
+        candidate: std::path::PathBuf,
+        /// Also write the report as JSON to this path.
+        #[arg(long)]
+        json: Option<std::path::PathBuf>,
+    },
     /// List the catalog of injectable silent bugs.
     Bugs {
         /// Print JSON instead of a table.
@@ -595,6 +608,39 @@ fn write_atomic(path: &std::path::Path, contents: &[u8]) -> Result<(), String> {
     })
 }
 
+fn check_dirs_cli(
+    reference: &std::path::Path,
+    candidate: &std::path::Path,
+    json: Option<&std::path::Path>,
+) -> Result<bool, String> {
+    let mut r = ttrace::io::TraceDir::open(reference).map_err(|e| e.to_string())?;
+    let mut c = ttrace::io::TraceDir::open(candidate).map_err(|e| e.to_string())?;
+    let bar = indicatif::ProgressBar::new(r.ids().len() as u64);
+    let out =
+        ttrace::check::check_dirs(&mut r, &mut c, &|| bar.inc(1)).map_err(|e| e.to_string())?;
+    bar.finish_and_clear();
+    println!(
+        "ttrace check: {} against {} ({} ranks)",
+        candidate.display(),
+        reference.display(),
+        c.manifest().mesh.world()
+    );
+    print!("{}", ttrace::check::render_check(&out.report));
+    if !out.fallback.is_empty() {
+        println!(
+            "fallback thresholds for {} of {} tensors: {}",
+            out.fallback.len(),
+            out.report.verdicts.len(),
+            out.fallback_rule
+        );
+    }
+    if let Some(path) = json {
+        let text = serde_json::to_string_pretty(&out).map_err(|e| e.to_string())?;
+        write_atomic(path, text.as_bytes())?;
+    }
+    Ok(out.report.passed())
+}
+
 fn bugs(json: bool) -> Result<(), String> {
     use ttrace::bugs::Bug;
     #[derive(Serialize)]
@@ -682,7 +728,7 @@ fn simulate(
     let (_, thresholds) = run_config_cached(&options, &run).map_err(|e| e.to_string())?;
     let r = run_bug(&options, &run, bug, &thresholds).map_err(|e| e.to_string())?;
     if let Some(dir) = dump {
-        dump_run(&options, &run, bug, dir).map_err(|e| e.to_string())?;
+        dump_run(&options, &run, bug, &thresholds, dir).map_err(|e| e.to_string())?;
         if !json {
             println!(
                 "traces written to {} and {}",
@@ -878,6 +924,18 @@ fn main() -> ExitCode {
     let mut cli_extra: Option<ExitCode> = None;
     let result = match cli.command {
         Command::Bugs { json } => bugs(json),
+        Command::Check {
+            reference,
+            candidate,
+            json,
+        } => match check_dirs_cli(&reference, &candidate, json.as_deref()) {
+            Ok(true) => Ok(()),
+            Ok(false) => {
+                cli_extra = Some(ExitCode::from(1));
+                Ok(())
+            }
+            Err(e) => Err(e),
+        },
         Command::Simulate {
             tp,
             sp,

@@ -10,6 +10,7 @@
 //! left out of the norms. A shard set that cannot be merged (replicas that differ, a layout
 //! that does not fit) is a failure with the merge error as its reason.
 
+pub mod dirs;
 pub mod localize;
 
 use std::collections::HashMap;
@@ -21,6 +22,7 @@ use crate::engine::trace::Trace;
 use crate::error::Error;
 use crate::format::Format;
 
+pub use dirs::{check_dirs, DirCheck};
 pub use localize::{localize, Localization};
 
 /// The verdict on one tensor.

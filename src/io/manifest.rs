@@ -59,6 +59,10 @@ pub struct ManifestEntry {
     /// What produced it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub module: Option<ModuleInfo>,
+    /// A threshold on ‖cand − ref‖_F of the logical tensor priced by the producer (ttrace's
+    /// composed threshold when `ttrace simulate --dump` writes a reference), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub threshold: Option<f64>,
 }
 
 /// A manifest.
@@ -167,6 +171,15 @@ impl Manifest {
                         .map_err(|e| ferr(path, format!("{who}: 'module': {e}")))?,
                 ),
             };
+            let threshold = match t.get("threshold") {
+                None | Some(serde_json::Value::Null) => None,
+                Some(x) => Some(x.as_f64().filter(|v| *v >= 0.0).ok_or_else(|| {
+                    ferr(
+                        path,
+                        format!("{who}: 'threshold' must be a non-negative number"),
+                    )
+                })?),
+            };
             tensors.push(ManifestEntry {
                 id,
                 rank,
@@ -175,6 +188,7 @@ impl Manifest {
                 dtype,
                 layout,
                 module,
+                threshold,
             });
         }
         Ok(Manifest {
@@ -317,6 +331,20 @@ impl TraceDir {
         Ok((out, self.manifest.tensors[ks[0]].layout))
     }
 
+    /// The producer's threshold for an id, if the manifest gives one.
+    pub fn threshold(&self, id: &str) -> Option<f64> {
+        self.by_id
+            .get(id)
+            .and_then(|ks| self.manifest.tensors[ks[0]].threshold)
+    }
+
+    /// The producing module kind of an id, if the manifest gives it.
+    pub fn module_kind(&self, id: &str) -> Option<ModuleKind> {
+        self.by_id
+            .get(id)
+            .and_then(|ks| self.manifest.tensors[ks[0]].module.as_ref().map(|m| m.kind))
+    }
+
     /// The merged logical tensor of an id (see [`merge`]).
     pub fn logical(&mut self, id: &str) -> Result<Tensor> {
         let (shards, layout) = self.shards(id)?;
@@ -326,13 +354,14 @@ impl TraceDir {
 
 /// Write a trace directory: one safetensors file per rank (`rank{r}.safetensors`, keys =
 /// canonical ids) and the manifest. `entries` gives every id's per-rank shards and layout;
-/// `modules` the producing module kind by id where known.
+/// `modules` the producing module kind by id where known, `thresholds` priced thresholds by id.
 pub fn write_trace_dir(
     dir: &Path,
     mesh: &Mesh,
     recipe: Option<&str>,
     entries: &[(String, Layout, Vec<Tensor>)],
     modules: &HashMap<String, ModuleKind>,
+    thresholds: &HashMap<String, f64>,
 ) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| ferr(dir, format!("cannot create: {e}")))?;
     let world = mesh.world();
@@ -354,6 +383,7 @@ pub fn write_trace_dir(
                 dtype: t.format(),
                 layout: *layout,
                 module: modules.get(id).map(|&kind| ModuleInfo { kind }),
+                threshold: thresholds.get(id).copied(),
             });
         }
         let mut meta = BTreeMap::new();

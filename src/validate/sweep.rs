@@ -1151,11 +1151,13 @@ pub fn render_svg(report: &SweepReport) -> String {
 /// Run `run` (with `bug`, if any) and write two trace directories under `dir`: `reference`
 /// (the single-device step — for FP8, quantized with the candidate's scales, as the checks
 /// compare) and `candidate` (every rank's shards with their layouts), in the format of
-/// [`crate::io::manifest`].
+/// [`crate::io::manifest`]; the reference's manifest carries the clean run's composed
+/// `thresholds` so that `ttrace check` can use them.
 pub fn dump_run(
     options: &SweepOptions,
     run: &RunConfig,
     bug: Option<Bug>,
+    thresholds: &Thresholds,
     dir: &Path,
 ) -> Result<()> {
     let (_, mut reference, mut sharded) = prepare(options, run, bug)?;
@@ -1194,6 +1196,7 @@ pub fn dump_run(
         Some(&run.recipe),
         &ref_entries,
         &kinds,
+        &thresholds.composed,
     )?;
     let cand_entries: Vec<_> = cand
         .entries
@@ -1206,5 +1209,6 @@ pub fn dump_run(
         Some(&run.recipe),
         &cand_entries,
         &kinds,
+        &HashMap::new(),
     )
 }
