@@ -272,3 +272,51 @@ fn manifest_problems_name_the_tensor_and_field() {
     ));
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// Every catalog bug, dumped by the simulator on the first mesh where it applies and checked
+/// from the files, fails the check; the clean dumps of the same configurations pass.
+#[test]
+fn every_catalog_bug_round_trips_through_files_and_is_found() {
+    use ttrace::bugs::Bug;
+    use ttrace::check::check_dirs;
+    use ttrace::validate::{bug_meshes, dump_run, run_config_cached, RunConfig};
+    let mut options = SweepOptions::default_sweep(1);
+    options.simulation.samples = 8;
+    options.perturbation_samples = 1;
+    options.sensitivity_mesh = None;
+    for bug in Bug::ALL {
+        let recipe = if bug == Bug::Fp8AmaxNotReduced {
+            "fp8-delayed"
+        } else {
+            "bf16"
+        };
+        let mesh = bug_meshes(bug, recipe.starts_with("fp8"), options.model.batch, 1)[0];
+        let run = RunConfig {
+            mesh,
+            recipe: recipe.into(),
+            seed: 1000,
+            algorithm: Algorithm::Ring,
+        };
+        let (_, th) = run_config_cached(&options, &run).unwrap();
+        for (with_bug, want_pass) in [(None, true), (Some(bug), false)] {
+            let d = tmp(&format!("{bug}-{}", with_bug.is_some()));
+            dump_run(&options, &run, with_bug, &th, &d).unwrap();
+            let mut r = TraceDir::open(&d.join("reference")).unwrap();
+            let mut c = TraceDir::open(&d.join("candidate")).unwrap();
+            let out = check_dirs(&mut r, &mut c, &|| {}).unwrap();
+            assert!(
+                out.fallback.is_empty(),
+                "{bug}: thresholds come from the manifest"
+            );
+            assert_eq!(
+                out.report.passed(),
+                want_pass,
+                "{bug} {} (bug injected: {}): first failure {:?}",
+                mesh.label(),
+                with_bug.is_some(),
+                out.report.first_failure
+            );
+            std::fs::remove_dir_all(&d).unwrap();
+        }
+    }
+}
