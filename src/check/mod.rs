@@ -76,7 +76,12 @@ impl CheckReport {
 
 /// Position of a value on its format's ordered grid (sign-magnitude bit pattern → integer).
 fn ordinal(format: Format, x: f64) -> Option<i128> {
-    let bits = format.encode(x).ok()? as i128;
+    let bits = match format {
+        // Exact: the value is an F32 (or BF16, the top half of its F32 pattern).
+        Format::F32 => i128::from((x as f32).to_bits()),
+        Format::BF16 => i128::from((x as f32).to_bits() >> 16),
+        _ => format.encode(x).ok()? as i128,
+    };
     let width = format.bit_width();
     let sign = 1i128 << (width - 1);
     Some(if bits & sign != 0 {

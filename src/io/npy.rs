@@ -171,7 +171,11 @@ pub fn read(path: &Path, declared: Option<Format>) -> Result<Tensor> {
     let mut data = vec![0u8; bytes as usize];
     f.read_exact(&mut data)
         .map_err(|e| err(path, format!("reading npy data: {e}")))?;
-    Tensor::from_vec(&shape, decode_values(&data, format)?, format)
+    Ok(Tensor::from_parts_unchecked(
+        &shape,
+        decode_values(&data, format)?,
+        format,
+    ))
 }
 
 /// Write a tensor as a version 1.0 `.npy` file (BF16 as `<u2`, FP8 as `|u1` bit patterns).

@@ -78,21 +78,49 @@ pub fn encode_values(values: &[f64], f: Format, what: &str) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// Decode little-endian bytes of `f` into values.
+/// Decode little-endian bytes of `f` into values (finite F32 and BF16 through `f32`, exactly;
+/// everything else through [`Format::decode`]).
 pub fn decode_values(bytes: &[u8], f: Format) -> Result<Vec<f64>> {
-    let size = element_size(f);
-    bytes
-        .chunks_exact(size)
-        .map(|c| {
-            let mut b = [0u8; 8];
-            b[..size].copy_from_slice(c);
-            let bits = u64::from_le_bytes(b);
-            Ok(match f {
-                Format::F64 => f64::from_bits(bits),
-                _ => f.decode(bits)?,
-            })
-        })
-        .collect()
+    match f {
+        Format::F64 => Ok(bytes
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+            .collect()),
+        // Finite values through f32 (exact); NaNs through the format's own decoder, which
+        // keeps their payload (an f32 → f64 conversion would quiet a signalling NaN).
+        Format::F32 | Format::BF16 => {
+            let size = element_size(f);
+            bytes
+                .chunks_exact(size)
+                .map(|c| {
+                    let bits = if size == 4 {
+                        u32::from_le_bytes([c[0], c[1], c[2], c[3]])
+                    } else {
+                        // A BF16 pattern is the top half of the FP32 pattern of its value.
+                        u32::from(u16::from_le_bytes([c[0], c[1]])) << 16
+                    };
+                    let x = f32::from_bits(bits);
+                    if x.is_nan() {
+                        let raw = if size == 4 { bits } else { bits >> 16 };
+                        f.decode(u64::from(raw))
+                    } else {
+                        Ok(f64::from(x))
+                    }
+                })
+                .collect()
+        }
+        _ => {
+            let size = element_size(f);
+            bytes
+                .chunks_exact(size)
+                .map(|c| {
+                    let mut b = [0u8; 8];
+                    b[..size].copy_from_slice(c);
+                    f.decode(u64::from_le_bytes(b))
+                })
+                .collect()
+        }
+    }
 }
 
 /// One tensor's entry in the header.
@@ -248,7 +276,8 @@ impl SafetensorsFile {
             .and_then(|_| self.file.read_exact(&mut bytes))
             .map_err(|er| err(&self.path, format!("reading '{name}': {er}")))?;
         let values = decode_values(&bytes, e.format)?;
-        Tensor::from_vec(&e.shape, values, e.format)
+        // Decoded patterns are values of the format by construction.
+        Ok(Tensor::from_parts_unchecked(&e.shape, values, e.format))
     }
 }
 
