@@ -320,3 +320,41 @@ fn every_catalog_bug_round_trips_through_files_and_is_found() {
         }
     }
 }
+
+/// The parallel checker gives the same report as the sequential one, for any thread count.
+#[test]
+fn parallel_check_equals_sequential_check() {
+    use ttrace::bugs::Bug;
+    use ttrace::check::{check_dir_paths, check_dirs};
+    use ttrace::validate::{dump_run, run_config_cached, RunConfig};
+    let mut options = SweepOptions::default_sweep(1);
+    options.simulation.samples = 4;
+    options.perturbation_samples = 1;
+    options.sensitivity_mesh = None;
+    let run = RunConfig {
+        mesh: Mesh::new(2, 2, 1, true).unwrap(),
+        recipe: "bf16".into(),
+        seed: 1000,
+        algorithm: Algorithm::Ring,
+    };
+    let (_, th) = run_config_cached(&options, &run).unwrap();
+    let d = tmp("parallel");
+    dump_run(&options, &run, Some(Bug::CpWrongLseCorrection), &th, &d).unwrap();
+    let (rp, cp) = (d.join("reference"), d.join("candidate"));
+    let seq = check_dirs(
+        &mut TraceDir::open(&rp).unwrap(),
+        &mut TraceDir::open(&cp).unwrap(),
+        &|| {},
+    )
+    .unwrap();
+    assert!(!seq.report.passed());
+    for threads in [1, 2, 3] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let par = pool.install(|| check_dir_paths(&rp, &cp, &|| {})).unwrap();
+        assert_eq!(par, seq, "{threads} threads");
+    }
+    std::fs::remove_dir_all(&d).unwrap();
+}

@@ -613,11 +613,14 @@ fn check_dirs_cli(
     candidate: &std::path::Path,
     json: Option<&std::path::Path>,
 ) -> Result<bool, String> {
-    let mut r = ttrace::io::TraceDir::open(reference).map_err(|e| e.to_string())?;
-    let mut c = ttrace::io::TraceDir::open(candidate).map_err(|e| e.to_string())?;
-    let bar = indicatif::ProgressBar::new(r.ids().len() as u64);
-    let out =
-        ttrace::check::check_dirs(&mut r, &mut c, &|| bar.inc(1)).map_err(|e| e.to_string())?;
+    let c = ttrace::io::TraceDir::open(candidate).map_err(|e| e.to_string())?;
+    let n = ttrace::io::TraceDir::open(reference)
+        .map_err(|e| e.to_string())?
+        .ids()
+        .len();
+    let bar = indicatif::ProgressBar::new(n as u64);
+    let out = ttrace::check::check_dir_paths(reference, candidate, &|| bar.inc(1))
+        .map_err(|e| e.to_string())?;
     bar.finish_and_clear();
     println!(
         "ttrace check: {} against {} ({} ranks)",

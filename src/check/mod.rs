@@ -22,7 +22,7 @@ use crate::engine::trace::Trace;
 use crate::error::Error;
 use crate::format::Format;
 
-pub use dirs::{check_dirs, DirCheck};
+pub use dirs::{check_dir_paths, check_dirs, DirCheck};
 pub use localize::{localize, Localization};
 
 /// The verdict on one tensor.
