@@ -273,6 +273,15 @@ fn manifest_problems_name_the_tensor_and_field() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
+/// The default sweep's model and settings, with fewer samples and no sensitivity pass.
+fn quick_options(samples: usize) -> SweepOptions {
+    let mut options = SweepOptions::default_sweep(1);
+    options.simulation.samples = samples;
+    options.perturbation_samples = 1;
+    options.sensitivity_mesh = None;
+    options
+}
+
 /// Every catalog bug, dumped by the simulator on the first mesh where it applies and checked
 /// from the files, fails the check; the clean dumps of the same configurations pass.
 #[test]
@@ -280,10 +289,7 @@ fn every_catalog_bug_round_trips_through_files_and_is_found() {
     use ttrace::bugs::Bug;
     use ttrace::check::check_dirs;
     use ttrace::validate::{bug_meshes, dump_run, run_config_cached, RunConfig};
-    let mut options = SweepOptions::default_sweep(1);
-    options.simulation.samples = 8;
-    options.perturbation_samples = 1;
-    options.sensitivity_mesh = None;
+    let options = quick_options(8);
     for bug in Bug::ALL {
         let recipe = if bug == Bug::Fp8AmaxNotReduced {
             "fp8-delayed"
@@ -327,10 +333,7 @@ fn parallel_check_equals_sequential_check() {
     use ttrace::bugs::Bug;
     use ttrace::check::{check_dir_paths, check_dirs};
     use ttrace::validate::{dump_run, run_config_cached, RunConfig};
-    let mut options = SweepOptions::default_sweep(1);
-    options.simulation.samples = 4;
-    options.perturbation_samples = 1;
-    options.sensitivity_mesh = None;
+    let options = quick_options(4);
     let run = RunConfig {
         mesh: Mesh::new(2, 2, 1, true).unwrap(),
         recipe: "bf16".into(),

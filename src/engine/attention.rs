@@ -66,16 +66,16 @@ pub struct AttentionSaved {
 }
 
 /// Q, K, V split per (batch, head), each [seq, d] row-major.
-struct Heads {
-    batch: usize,
-    seq: usize,
-    d: usize,
-    q: Vec<Vec<f64>>,
-    k: Vec<Vec<f64>>,
-    v: Vec<Vec<f64>>,
+pub(crate) struct Heads {
+    pub(crate) batch: usize,
+    pub(crate) seq: usize,
+    pub(crate) d: usize,
+    pub(crate) q: Vec<Vec<f64>>,
+    pub(crate) k: Vec<Vec<f64>>,
+    pub(crate) v: Vec<Vec<f64>>,
 }
 
-fn split_heads(
+pub(crate) fn split_heads(
     qkv: &Tensor,
     heads: usize,
     input: Format,
@@ -170,15 +170,7 @@ pub(crate) fn attention_with_scale(
         k,
         v,
     } = split_heads(qkv, heads, input, policy.input_overflow(input))?;
-    let ar = Arith::new(
-        policy.accumulator(),
-        policy.output,
-        policy.accumulation.overflow,
-    );
-    let mut acc = policy.accumulation.clone();
-    acc.input = input;
-    let mut acc_a = policy.accumulation.clone();
-    acc_a.input = policy.accumulator();
+    let (ar, acc, acc_a) = forward_arith(policy);
     let scale = scale.unwrap_or_else(|| ar.ra(1.0 / (d as f64).sqrt()));
     let hidden = heads * d;
     let mut out = vec![0.0; batch * seq * hidden];
@@ -219,6 +211,21 @@ pub(crate) fn attention_with_scale(
             scale,
         },
     ))
+}
+
+/// The forward pass's rounding context, the accumulation of Q·Kᵀ and P·V (input format
+/// I) and of the block sums (accumulator format A).
+pub(crate) fn forward_arith(policy: &Policy) -> (Arith, crate::Accumulation, crate::Accumulation) {
+    let ar = Arith::new(
+        policy.accumulator(),
+        policy.output,
+        policy.accumulation.overflow,
+    );
+    let mut acc = policy.accumulation.clone();
+    acc.input = policy.input();
+    let mut acc_a = policy.accumulation.clone();
+    acc_a.input = policy.accumulator();
+    (ar, acc, acc_a)
 }
 
 /// S = mul(dot(q_i, k_j), scale) in A, −∞ where masked.

@@ -21,7 +21,7 @@
 //!    rounded to the output format.
 
 use crate::engine::arith::Arith;
-use crate::engine::attention::{widest_of, OnlineArith, OnlineRow};
+use crate::engine::attention::{forward_arith, split_heads, widest_of, OnlineArith, OnlineRow};
 use crate::engine::policy::Policy;
 use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
@@ -86,37 +86,6 @@ fn ring_chunks(i: usize, cp: usize, c: usize) -> Vec<(usize, usize)> {
     out
 }
 
-type PerHead = Vec<Vec<f64>>;
-
-fn split(qkv: &Tensor, heads: usize) -> Result<(usize, usize, usize, [PerHead; 3])> {
-    let s = qkv.expect_rank(3, "ring attention input [batch, rows, 3*hidden]")?;
-    let (batch, rows, three_h) = (s[0], s[1], s[2]);
-    if heads == 0 || three_h % (3 * heads) != 0 {
-        return Err(Error::ShapeMismatch {
-            what: format!("ring attention: last dimension must be 3 * {heads} heads * head_dim"),
-            expected: vec![batch, rows, 3 * heads],
-            found: s.to_vec(),
-        });
-    }
-    let hidden = three_h / 3;
-    let d = hidden / heads;
-    let xv = qkv.values();
-    let mut out: [PerHead; 3] = [vec![], vec![], vec![]];
-    for b in 0..batch {
-        for h in 0..heads {
-            for (w, o) in out.iter_mut().enumerate() {
-                let mut m = Vec::with_capacity(rows * d);
-                for t in 0..rows {
-                    let base = (b * rows + t) * three_h + w * hidden + h * d;
-                    m.extend_from_slice(&xv[base..base + d]);
-                }
-                o.push(m);
-            }
-        }
-    }
-    Ok((batch, rows, d, out))
-}
-
 /// Forward ring attention over one context-parallel group: `qkv[i]` is rank i's
 /// [batch, 2·c, 3·hidden_local] input; returns each rank's [batch, 2·c, hidden_local] output.
 pub fn ring_attention(
@@ -146,26 +115,18 @@ pub fn ring_attention_with(
     }
     let input = policy.input();
     let ov = policy.input_overflow(input);
-    let ar = Arith::new(
-        policy.accumulator(),
-        policy.output,
-        policy.accumulation.overflow,
-    );
-    let mut acc = policy.accumulation.clone();
-    acc.input = input;
-    let mut acc_a = policy.accumulation.clone();
-    acc_a.input = policy.accumulator();
+    let (ar, acc, acc_a) = forward_arith(policy);
     let mut parts = vec![];
     for t in qkv {
-        parts.push(split(&t.cast(input, ov), heads)?);
+        parts.push(split_heads(t, heads, input, ov)?);
     }
-    let (batch, rows, d) = (parts[0].0, parts[0].1, parts[0].2);
+    let (batch, rows, d) = (parts[0].batch, parts[0].seq, parts[0].d);
     for (i, p) in parts.iter().enumerate() {
-        if (p.0, p.1, p.2) != (batch, rows, d) {
+        if (p.batch, p.seq, p.d) != (batch, rows, d) {
             return Err(Error::ShapeMismatch {
                 what: format!("ring attention: rank {i}'s input differs from rank 0's"),
                 expected: vec![batch, rows, d],
-                found: vec![p.0, p.1, p.2],
+                found: vec![p.batch, p.seq, p.d],
             });
         }
     }
@@ -196,14 +157,14 @@ pub fn ring_attention_with(
         for b in 0..batch {
             for h in 0..heads {
                 let bh = b * heads + h;
-                let q = &parts[i].3[0][bh];
+                let q = &parts[i].q[bh];
                 let mut lse = vec![0.0; rows];
                 for t in 0..rows {
                     let qp = position(i, t, c, cp, contiguous);
                     let qt = &q[t * d..(t + 1) * d];
                     let mut state = OnlineRow::new(d);
                     for (src, first) in ring_chunks(i, cp, c) {
-                        let (k, v) = (&parts[src].3[1][bh], &parts[src].3[2][bh]);
+                        let (k, v) = (&parts[src].k[bh], &parts[src].v[bh]);
                         let mut start = 0;
                         while start < c {
                             let len = block.min(c - start);
@@ -240,10 +201,9 @@ pub fn ring_attention_with(
     let mut k = vec![];
     let mut v = vec![];
     for p in parts {
-        let [pq, pk, pv] = p.3;
-        q.push(pq);
-        k.push(pk);
-        v.push(pv);
+        q.push(p.q);
+        k.push(p.k);
+        v.push(p.v);
     }
     Ok((
         outs,
