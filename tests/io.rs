@@ -309,7 +309,7 @@ fn every_catalog_bug_round_trips_through_files_and_is_found() {
             dump_run(&options, &run, with_bug, &th, &d).unwrap();
             let mut r = TraceDir::open(&d.join("reference")).unwrap();
             let mut c = TraceDir::open(&d.join("candidate")).unwrap();
-            let out = check_dirs(&mut r, &mut c, &|| {}).unwrap();
+            let out = check_dirs(&mut r, &mut c, ttrace::check::PricingMode::Auto, &|| {}).unwrap();
             assert!(
                 out.fallback.is_empty(),
                 "{bug}: thresholds come from the manifest"
@@ -347,6 +347,7 @@ fn parallel_check_equals_sequential_check() {
     let seq = check_dirs(
         &mut TraceDir::open(&rp).unwrap(),
         &mut TraceDir::open(&cp).unwrap(),
+        ttrace::check::PricingMode::Auto,
         &|| {},
     )
     .unwrap();
@@ -356,7 +357,9 @@ fn parallel_check_equals_sequential_check() {
             .num_threads(threads)
             .build()
             .unwrap();
-        let par = pool.install(|| check_dir_paths(&rp, &cp, &|| {})).unwrap();
+        let par = pool
+            .install(|| check_dir_paths(&rp, &cp, ttrace::check::PricingMode::Auto, &|| {}))
+            .unwrap();
         assert_eq!(par, seq, "{threads} threads");
     }
     std::fs::remove_dir_all(&d).unwrap();

@@ -139,6 +139,11 @@ enum Command {
         /// Also write the report as JSON to this path.
         #[arg(long)]
         json: Option<std::path::PathBuf>,
+        /// Thresholds: `auto` uses the producer's thresholds from the reference manifest where
+        /// present and prices the rest from the metadata and the data; `local` prices every
+        /// tensor from the metadata and the data.
+        #[arg(long, default_value = "auto", value_parser = ["auto", "local"])]
+        pricing: String,
     },
     /// List the catalog of injectable silent bugs.
     Bugs {
@@ -612,6 +617,7 @@ fn check_dirs_cli(
     reference: &std::path::Path,
     candidate: &std::path::Path,
     json: Option<&std::path::Path>,
+    mode: ttrace::check::PricingMode,
 ) -> Result<bool, String> {
     let c = ttrace::io::TraceDir::open(candidate).map_err(|e| e.to_string())?;
     let n = ttrace::io::TraceDir::open(reference)
@@ -619,7 +625,7 @@ fn check_dirs_cli(
         .ids()
         .len();
     let bar = indicatif::ProgressBar::new(n as u64);
-    let out = ttrace::check::check_dir_paths(reference, candidate, &|| bar.inc(1))
+    let out = ttrace::check::check_dir_paths(reference, candidate, mode, &|| bar.inc(1))
         .map_err(|e| e.to_string())?;
     bar.finish_and_clear();
     println!(
@@ -629,13 +635,22 @@ fn check_dirs_cli(
         c.manifest().mesh.world()
     );
     print!("{}", ttrace::check::render_check(&out.report));
-    if !out.fallback.is_empty() {
+    if let Some(l) = &out.localization {
+        let kind = l.kind.map(|k| format!(" ({k:?})")).unwrap_or_default();
+        let pass = match l.pass {
+            Some(ttrace::engine::policy::Pass::Forward) => " forward",
+            Some(ttrace::engine::policy::Pass::Backward) => " backward",
+            None => "",
+        };
+        let rank = l.rank.map(|r| format!(", rank {r}")).unwrap_or_default();
         println!(
-            "fallback thresholds for {} of {} tensors: {}",
-            out.fallback.len(),
-            out.report.verdicts.len(),
-            out.fallback_rule
+            "localized: module {}{kind}{pass}, tensor {}{rank}: {}",
+            l.module, l.tensor, l.detail
         );
+    }
+    println!("thresholds:");
+    for (_, n, rule) in &out.pricing_summary {
+        println!("  {n:>6} tensors: {rule}");
     }
     if let Some(path) = json {
         let text = serde_json::to_string_pretty(&out).map_err(|e| e.to_string())?;
@@ -931,7 +946,17 @@ fn main() -> ExitCode {
             reference,
             candidate,
             json,
-        } => match check_dirs_cli(&reference, &candidate, json.as_deref()) {
+            pricing,
+        } => match check_dirs_cli(
+            &reference,
+            &candidate,
+            json.as_deref(),
+            if pricing == "local" {
+                ttrace::check::PricingMode::Local
+            } else {
+                ttrace::check::PricingMode::Auto
+            },
+        ) {
             Ok(true) => Ok(()),
             Ok(false) => {
                 cli_extra = Some(ExitCode::from(1));

@@ -1,32 +1,82 @@
 //! Checking two trace directories (`ttrace check REF_DIR CAND_DIR`): the candidate's shards are
 //! merged into logical tensors one at a time and compared with the reference's.
 //!
-//! Thresholds: the reference manifest's `threshold` of a tensor when the producer priced one
-//! (`ttrace simulate --dump` records ttrace's composed thresholds there); otherwise a stated
-//! fallback — Megatron's 4·1.03^(L+1)·ε·‖ref‖ with L the number of layers seen in the ids and ε
-//! that of the recipe's training dtype (or of the tensor's dtype without a recipe). Pricing
-//! external traces from their metadata alone is not implemented yet; the report says which
-//! tensors used the fallback.
+//! Two passes. The first reads every traced id of both runs once (tensors are streamed: one
+//! tensor per worker in memory) and keeps per-id statistics — norms of the reference and of
+//! the difference, the candidate's layout, the norm gain of norm inputs — and the verdict's
+//! error columns. The second prices each produced tensor's threshold without touching the
+//! files:
+//!
+//! 1. the reference manifest's `threshold` when the producer priced one (`ttrace simulate
+//!    --dump` records ttrace's composed thresholds there), unless [`PricingMode::Local`];
+//! 2. else the local model of [`crate::check::price`] from the manifest's metadata (module
+//!    kind and formats; the recipe) and the measured differences of the module's inputs — with
+//!    the generic gain allowance when the manifest gives no module kind;
+//! 3. else (an id outside the `{module}|…` naming convention, so its inputs are unknown)
+//!    Megatron's 4·1.03^(L+1)·ε·‖ref‖ with L the number of layers seen in the ids.
+//!
+//! The report says which rule priced each tensor. The manifest's order is taken as execution
+//! order; the first failing tensor names the module the failure is localized to (under the
+//! local model a tensor fails only when its own inputs do not explain its difference).
+
+use std::collections::HashMap;
+use std::path::Path;
 
 use serde::Serialize;
 
-use crate::check::{compare_tensor, CheckReport, TensorVerdict};
-use std::path::Path;
-
-use crate::engine::policy::Recipe;
+use crate::check::price::{norm_gain, price_local, role, PriceContext, Pricing, TensorStat};
+use crate::check::{apply_threshold, compare_tensor, CheckReport, TensorVerdict};
+use crate::engine::model::ModuleKind;
+use crate::engine::policy::{Pass, Recipe};
 use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::io::TraceDir;
+
+/// Which thresholds `ttrace check` uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PricingMode {
+    /// The producer's threshold where the reference manifest has one, else the local model.
+    #[default]
+    Auto,
+    /// The local model everywhere (ignore producers' thresholds).
+    Local,
+}
+
+/// Where `ttrace check` localized the first failure.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FileLocalization {
+    /// The module (the part of the id before `|`; a parameter's module for its gradient).
+    pub module: String,
+    /// Its kind, if the manifest says.
+    pub kind: Option<ModuleKind>,
+    /// Forward or backward.
+    pub pass: Option<Pass>,
+    /// The failing tensor.
+    pub tensor: String,
+    /// The rank whose replica differs, for a replica mismatch.
+    pub rank: Option<usize>,
+    /// Error / threshold (∞ for a failure against a zero threshold or a merge failure).
+    pub ratio: f64,
+    /// What failed.
+    pub detail: String,
+}
 
 /// The result of checking two trace directories.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct DirCheck {
     /// The verdicts.
     pub report: CheckReport,
-    /// Ids whose threshold is the fallback rule.
+    /// How each verdict's threshold was priced (same order as the verdicts).
+    pub pricing: Vec<Pricing>,
+    /// Tensors per pricing rule, with the rule in words.
+    pub pricing_summary: Vec<(Pricing, usize, String)>,
+    /// Ids whose threshold is a fallback (generic local model or Megatron's rule).
     pub fallback: Vec<String>,
-    /// The fallback rule, in words.
-    pub fallback_rule: String,
+    /// The first failure, localized.
+    pub localization: Option<FileLocalization>,
+    /// The mode used.
+    pub mode: PricingMode,
 }
 
 fn layers(ids: &[String]) -> u32 {
@@ -38,141 +88,326 @@ fn layers(ids: &[String]) -> u32 {
         .unwrap_or(0)
 }
 
-/// The produced tensors of a reference trace, in its order (inputs and arriving gradients are
-/// the same tensors under their consumers' ids).
+/// The judged ids of a reference trace, in its order: every id except module inputs and
+/// arriving gradients (under the naming convention those are other modules' outputs).
 fn produced(reference: &TraceDir) -> Vec<String> {
     reference
         .ids()
         .iter()
-        .filter(|id| !id.contains("|fwd.input.") && !id.contains("|grad.output."))
+        .filter(|id| role(id).is_none_or(|r| r.produced))
         .cloned()
         .collect()
 }
 
-/// The verdict on one tensor, and whether its threshold is the fallback.
-fn verdict(
+/// Pass-one result for one id.
+#[derive(Debug, Clone)]
+struct Gathered {
+    verdict: TensorVerdict,
+    stat: TensorStat,
+    /// Rank of a replica mismatch.
+    rank: Option<usize>,
+}
+
+fn gather(
     reference: &mut TraceDir,
     candidate: &mut TraceDir,
     id: &str,
-    train: Option<Format>,
-    depth: u32,
-) -> Result<(TensorVerdict, bool)> {
+    eps: f64,
+) -> Result<Gathered> {
     let r = reference.logical(id)?;
-    let eps = train.unwrap_or(r.format()).machine_epsilon();
-    let (th, fallback) = match reference.threshold(id) {
-        Some(t) => (t, false),
-        None => {
-            let norm = r.values().iter().map(|x| x * x).sum::<f64>().sqrt();
-            (4.0 * 1.03f64.powi(depth as i32) * eps * norm, true)
-        }
-    };
-    let v = match candidate.logical(id) {
-        Ok(c) => compare_tensor(id, &r, &c, th, eps),
+    let module = reference.module(id).cloned();
+    let layout = candidate
+        .layout(id)
+        .unwrap_or_else(crate::shard::Layout::replicated);
+    let (c, problem, rank) = match candidate.logical(id) {
+        Ok(c) => (c, None, None),
         Err(e @ (Error::ReplicaMismatch { .. } | Error::Layout { .. })) => {
-            let mut v = compare_tensor(id, &r, &r, th, eps);
-            v.passed = false;
-            v.ratio = f64::INFINITY;
-            v.problem = Some(e.to_string());
-            v
+            let rank = match &e {
+                Error::ReplicaMismatch { rank, .. } => Some(*rank),
+                _ => None,
+            };
+            (r.clone(), Some(e.to_string()), rank)
         }
         Err(e) => return Err(e),
     };
-    Ok((v, fallback))
-}
-
-fn finish(verdicts: Vec<(TensorVerdict, bool)>, train: Option<Format>, depth: u32) -> DirCheck {
-    let fallback = verdicts
-        .iter()
-        .filter(|(_, f)| *f)
-        .map(|(v, _)| v.id.clone())
-        .collect();
-    let verdicts: Vec<TensorVerdict> = verdicts.into_iter().map(|(v, _)| v).collect();
-    let failures = verdicts.iter().filter(|v| !v.passed).count();
-    let first_failure = verdicts.iter().find(|v| !v.passed).map(|v| v.id.clone());
-    let eps = match (train, verdicts.first()) {
-        (Some(f), _) => f.machine_epsilon(),
-        (None, Some(v)) if v.rel_error.is_finite() && v.rel_error_eps > 0.0 => {
-            v.rel_error / v.rel_error_eps
+    let mut verdict = compare_tensor(id, &r, &c, 0.0, eps);
+    let (mut d2, mut r2) = (0.0, 0.0);
+    if r.shape() == c.shape() {
+        for (&a, &b) in r.values().iter().zip(c.values()) {
+            if a.is_finite() && b.is_finite() {
+                d2 += (b - a) * (b - a);
+                r2 += a * a;
+            }
         }
-        _ => f64::NAN,
-    };
-    DirCheck {
-        report: CheckReport {
-            verdicts,
-            failures,
-            first_failure,
-            eps,
-        },
-        fallback,
-        fallback_rule: format!(
-            "Megatron 4*1.03^{depth}*eps*||ref|| (no threshold priced in the reference manifest)"
-        ),
     }
+    let mut diff_norm = d2.sqrt();
+    if let Some(p) = problem {
+        verdict.problem = Some(p);
+        verdict.passed = false;
+        verdict.ratio = f64::INFINITY;
+        diff_norm = f64::INFINITY;
+    }
+    if verdict.nonfinite_mismatches > 0 || r.shape() != c.shape() {
+        diff_norm = f64::INFINITY;
+    }
+    let last_dim = r.shape().last().copied().unwrap_or(1);
+    let is_norm_input = module.as_ref().is_some_and(|m| m.kind == ModuleKind::Norm)
+        && role(id).is_some_and(|x| !x.produced && x.pass == Pass::Forward);
+    let stat = TensorStat {
+        ref_norm: r2.sqrt(),
+        diff_norm,
+        elements: r.len(),
+        last_dim,
+        ndim: r.shape().len(),
+        format: r.format(),
+        layout,
+        norm_gain: if is_norm_input {
+            norm_gain(r.values(), last_dim)
+        } else {
+            1.0
+        },
+        module,
+    };
+    Ok(Gathered {
+        verdict,
+        stat,
+        rank,
+    })
 }
 
-fn preamble(
-    reference: &TraceDir,
-    candidate: &TraceDir,
-) -> Result<(Vec<String>, Option<Format>, u32)> {
-    let ids = produced(reference);
+struct Plan {
+    ids: Vec<String>,
+    judged: Vec<String>,
+    train: Option<Format>,
+    recipe: Option<Recipe>,
+    depth: u32,
+    eps: f64,
+}
+
+fn plan(reference: &TraceDir, candidate: &TraceDir) -> Result<Plan> {
+    let ids = reference.ids().to_vec();
     if let Some(missing) = ids.iter().find(|id| !candidate.ids().contains(id)) {
         return Err(Error::UnknownName {
             kind: "tensor of the reference trace that the candidate trace lacks",
             name: missing.clone(),
         });
     }
-    let train = match &reference.manifest().recipe {
-        Some(r) => Some(Recipe::by_name(r)?.activation_format),
+    let recipe = match &reference.manifest().recipe {
+        Some(r) => Some(Recipe::by_name(r)?),
         None => None,
     };
-    let depth = layers(&ids) + 1;
-    Ok((ids, train, depth))
+    let train = recipe.as_ref().map(|r| r.activation_format);
+    let judged = produced(reference);
+    let depth = layers(&judged) + 1;
+    // ε of the training dtype; without a recipe, of the coarsest stored dtype.
+    let eps = match train {
+        Some(f) => f.machine_epsilon(),
+        None => reference
+            .manifest()
+            .tensors
+            .iter()
+            .map(|e| e.dtype)
+            .min_by_key(|f| f.precision())
+            .unwrap_or(Format::F32)
+            .machine_epsilon(),
+    };
+    Ok(Plan {
+        ids,
+        judged,
+        train,
+        recipe,
+        depth,
+        eps,
+    })
+}
+
+fn finish(
+    plan: &Plan,
+    gathered: Vec<Gathered>,
+    producer: &HashMap<String, f64>,
+    mesh: crate::shard::Mesh,
+    kinds: &HashMap<String, ModuleKind>,
+    mode: PricingMode,
+) -> DirCheck {
+    let by_id: HashMap<&str, &Gathered> = plan
+        .ids
+        .iter()
+        .map(String::as_str)
+        .zip(gathered.iter())
+        .collect();
+    let ctx = PriceContext {
+        mesh,
+        recipe: plan.recipe.clone(),
+        log_inv_delta: (1e6f64).ln(),
+    };
+    let stat = |j: &str| by_id.get(j).map(|g| g.stat.clone());
+    let _ = plan.train;
+    let mut verdicts = Vec::with_capacity(plan.judged.len());
+    let mut pricing = Vec::with_capacity(plan.judged.len());
+    for id in &plan.judged {
+        let g = by_id[id.as_str()];
+        let priced = match (mode, producer.get(id)) {
+            (PricingMode::Auto, Some(&t)) => (t, Pricing::Producer),
+            _ => match price_local(id, &plan.ids, &stat, &ctx) {
+                Some(p) => (p.threshold, p.pricing),
+                None => (
+                    4.0 * 1.03f64.powi(plan.depth as i32) * plan.eps * g.stat.ref_norm,
+                    Pricing::Megatron,
+                ),
+            },
+        };
+        let mut v = g.verdict.clone();
+        if v.problem.is_none() {
+            apply_threshold(&mut v, g.stat.diff_norm, g.stat.ref_norm, priced.0);
+        }
+        verdicts.push(v);
+        pricing.push(priced.1);
+    }
+    let failures = verdicts.iter().filter(|v| !v.passed).count();
+    let first = verdicts.iter().position(|v| !v.passed);
+    let localization = first.map(|i| {
+        let v = &verdicts[i];
+        let r = role(&v.id);
+        let module = r
+            .as_ref()
+            .map(|r| r.module.clone())
+            .unwrap_or_else(|| v.id.clone());
+        let detail = match (&v.problem, v.first_nonfinite) {
+            (Some(p), _) => p.clone(),
+            (None, Some(k)) => format!(
+                "{} non-finite mismatches, first at flat index {k}",
+                v.nonfinite_mismatches
+            ),
+            _ => format!(
+                "error {:.3} ε exceeds its threshold {:.3} ε ({})",
+                v.rel_error_eps,
+                v.threshold / plan.eps,
+                pricing[i].describe()
+            ),
+        };
+        FileLocalization {
+            kind: kinds
+                .get(&module)
+                .copied()
+                .or_else(|| by_id[v.id.as_str()].stat.module.as_ref().map(|m| m.kind)),
+            module,
+            pass: r.map(|r| r.pass),
+            tensor: v.id.clone(),
+            rank: by_id[v.id.as_str()].rank,
+            ratio: v.ratio,
+            detail,
+        }
+    });
+    let mut counts: std::collections::BTreeMap<Pricing, usize> = Default::default();
+    for p in &pricing {
+        *counts.entry(*p).or_default() += 1;
+    }
+    let fallback = plan
+        .judged
+        .iter()
+        .zip(&pricing)
+        .filter(|(_, p)| matches!(p, Pricing::LocalGeneric | Pricing::Megatron))
+        .map(|(id, _)| id.clone())
+        .collect();
+    DirCheck {
+        report: CheckReport {
+            first_failure: first.map(|i| verdicts[i].id.clone()),
+            verdicts,
+            failures,
+            eps: plan.eps,
+        },
+        pricing,
+        pricing_summary: counts
+            .into_iter()
+            .map(|(p, n)| (p, n, p.describe().to_string()))
+            .collect(),
+        fallback,
+        localization,
+        mode,
+    }
+}
+
+fn side_info(reference: &TraceDir) -> (HashMap<String, f64>, HashMap<String, ModuleKind>) {
+    let mut producer = HashMap::new();
+    let mut kinds = HashMap::new();
+    for id in reference.ids() {
+        if let Some(t) = reference.threshold(id) {
+            producer.insert(id.clone(), t);
+        }
+        if let (Some(r), Some(k)) = (role(id), reference.module_kind(id)) {
+            if r.produced && !r.param_grad {
+                kinds.insert(r.module, k);
+            }
+        }
+    }
+    (producer, kinds)
 }
 
 /// Check `candidate` against `reference` (see the module docs), one tensor at a time. Errors
 /// are unusable input (a tensor the candidate lacks, unreadable files); a merge failure of a
-/// candidate tensor is a failing verdict.
+/// candidate tensor is a failing verdict. `progress` is called once per traced id.
 pub fn check_dirs(
     reference: &mut TraceDir,
     candidate: &mut TraceDir,
+    mode: PricingMode,
     progress: &dyn Fn(),
 ) -> Result<DirCheck> {
-    let (ids, train, depth) = preamble(reference, candidate)?;
-    let mut out = Vec::with_capacity(ids.len());
-    for id in &ids {
-        out.push(verdict(reference, candidate, id, train, depth)?);
+    let plan = plan(reference, candidate)?;
+    let mut out = Vec::with_capacity(plan.ids.len());
+    for id in &plan.ids {
+        out.push(gather(reference, candidate, id, plan.eps)?);
         progress();
     }
-    Ok(finish(out, train, depth))
+    let (producer, kinds) = side_info(reference);
+    Ok(finish(
+        &plan,
+        out,
+        &producer,
+        candidate.manifest().mesh,
+        &kinds,
+        mode,
+    ))
 }
 
 /// [`check_dirs`] on directory paths, spread over the rayon thread pool: every worker opens
-/// its own handles and checks a contiguous run of tensors; the verdicts come back in the
-/// reference's order, identical for any number of threads. Memory: one tensor per worker.
+/// its own handles and reads a contiguous run of tensors; the verdicts come back in the
+/// reference's order, identical for any number of threads. Memory: one tensor pair per
+/// worker.
 pub fn check_dir_paths(
     reference: &Path,
     candidate: &Path,
+    mode: PricingMode,
     progress: &(dyn Fn() + Sync),
 ) -> Result<DirCheck> {
     use rayon::prelude::*;
     let (r0, c0) = (TraceDir::open(reference)?, TraceDir::open(candidate)?);
-    let (ids, train, depth) = preamble(&r0, &c0)?;
+    let plan = plan(&r0, &c0)?;
+    let (producer, kinds) = side_info(&r0);
+    let mesh = c0.manifest().mesh;
     drop((r0, c0));
     let workers = rayon::current_num_threads().max(1);
-    let chunk = ids.len().div_ceil(workers * 4).max(1);
-    let parts: Vec<Vec<(TensorVerdict, bool)>> = ids
+    let chunk = plan.ids.len().div_ceil(workers * 4).max(1);
+    let parts: Vec<Vec<Gathered>> = plan
+        .ids
         .par_chunks(chunk)
         .map(|part| {
             let mut r = TraceDir::open(reference)?;
             let mut c = TraceDir::open(candidate)?;
             part.iter()
                 .map(|id| {
-                    let v = verdict(&mut r, &mut c, id, train, depth);
+                    let g = gather(&mut r, &mut c, id, plan.eps);
                     progress();
-                    v
+                    g
                 })
                 .collect::<Result<Vec<_>>>()
         })
         .collect::<Result<_>>()?;
-    Ok(finish(parts.into_iter().flatten().collect(), train, depth))
+    Ok(finish(
+        &plan,
+        parts.into_iter().flatten().collect(),
+        &producer,
+        mesh,
+        &kinds,
+        mode,
+    ))
 }

@@ -12,6 +12,7 @@
 
 pub mod dirs;
 pub mod localize;
+pub mod price;
 
 use std::collections::HashMap;
 
@@ -22,7 +23,7 @@ use crate::engine::trace::Trace;
 use crate::error::Error;
 use crate::format::Format;
 
-pub use dirs::{check_dir_paths, check_dirs, DirCheck};
+pub use dirs::{check_dir_paths, check_dirs, DirCheck, FileLocalization, PricingMode};
 pub use localize::{localize, Localization};
 
 /// The verdict on one tensor.
@@ -150,7 +151,14 @@ pub fn compare_tensor(
             verdict.max_ulp = verdict.max_ulp.max(u);
         }
     }
-    let (dn, rn) = (d2.sqrt(), r2.sqrt());
+    apply_threshold(&mut verdict, d2.sqrt(), r2.sqrt(), threshold_abs);
+    verdict.rel_error_eps = verdict.rel_error / eps;
+    verdict
+}
+
+/// Fill a verdict's error, threshold, ratio and pass columns from ‖cand − ref‖_F = `dn`,
+/// ‖ref‖_F = `rn` and the absolute threshold (the ε column is the caller's: it is left as is).
+pub fn apply_threshold(verdict: &mut TensorVerdict, dn: f64, rn: f64, threshold_abs: f64) {
     let rel = |x: f64| {
         if x == 0.0 {
             0.0
@@ -161,7 +169,6 @@ pub fn compare_tensor(
         }
     };
     verdict.rel_error = rel(dn);
-    verdict.rel_error_eps = verdict.rel_error / eps;
     verdict.threshold = rel(threshold_abs);
     verdict.ratio = if dn == 0.0 {
         0.0
@@ -171,7 +178,6 @@ pub fn compare_tensor(
         f64::INFINITY
     };
     verdict.passed = dn <= threshold_abs && verdict.nonfinite_mismatches == 0;
-    verdict
 }
 
 /// Check a merged candidate trace against the reference: every id of `ids` (in order) is

@@ -34,11 +34,36 @@ use crate::shard::layout::{merge, Layout, Mesh};
 /// The schema version this library writes and reads.
 pub const VERSION: u64 = 1;
 
-/// What produced a tensor.
+/// What produced a tensor, for pricing its threshold (see `papers/trace-format.md` and
+/// [`crate::check::price`]). Only `kind` is required; the formats default to the recipe's
+/// policy when the manifest names a ttrace recipe, else to "no quantization, FP32 accumulation
+/// (FP64 for FP64 tensors), cross-rank combination in the tensor's own dtype".
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModuleInfo {
     /// Module kind.
     pub kind: ModuleKind,
+    /// Format the module's inputs are quantized to before its reductions (e.g. `e4m3`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantize: Option<Format>,
+    /// Format its reductions accumulate in (e.g. `f32`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accumulate: Option<Format>,
+    /// Format in which partial results of a reduction split across ranks are combined (the
+    /// all-reduce dtype, e.g. `bf16` for Megatron's row-parallel output).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub combine: Option<Format>,
+}
+
+impl ModuleInfo {
+    /// Only the kind; formats from the recipe or the defaults.
+    pub fn of(kind: ModuleKind) -> ModuleInfo {
+        ModuleInfo {
+            kind,
+            quantize: None,
+            accumulate: None,
+            combine: None,
+        }
+    }
 }
 
 /// One stored shard.
@@ -340,9 +365,21 @@ impl TraceDir {
 
     /// The producing module kind of an id, if the manifest gives it.
     pub fn module_kind(&self, id: &str) -> Option<ModuleKind> {
+        self.module(id).map(|m| m.kind)
+    }
+
+    /// What produced an id, if the manifest says.
+    pub fn module(&self, id: &str) -> Option<&ModuleInfo> {
         self.by_id
             .get(id)
-            .and_then(|ks| self.manifest.tensors[ks[0]].module.as_ref().map(|m| m.kind))
+            .and_then(|ks| self.manifest.tensors[ks[0]].module.as_ref())
+    }
+
+    /// The layout of an id (all ranks agree, checked on opening).
+    pub fn layout(&self, id: &str) -> Option<Layout> {
+        self.by_id
+            .get(id)
+            .map(|ks| self.manifest.tensors[ks[0]].layout)
     }
 
     /// The merged logical tensor of an id (see [`merge`]).
@@ -382,7 +419,7 @@ pub fn write_trace_dir(
                 key: id.clone(),
                 dtype: t.format(),
                 layout: *layout,
-                module: modules.get(id).map(|&kind| ModuleInfo { kind }),
+                module: modules.get(id).map(|&kind| ModuleInfo::of(kind)),
                 threshold: thresholds.get(id).copied(),
             });
         }

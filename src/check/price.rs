@@ -1,0 +1,619 @@
+//! Pricing thresholds for traces written by other programs (PyTorch dumps): from the manifest's
+//! metadata and the data of both runs, without re-running the model.
+//!
+//! # The local model
+//!
+//! A tensor `t` produced by module `m` differs between a correct candidate and the reference
+//! for two reasons only: the difference carried in by `m`'s inputs, and the rounding
+//! differences `m` itself adds because the candidate splits one of its reductions across
+//! ranks. Both runs' inputs of `m` are in the traces, so the carried part is *measured*, not
+//! composed through the network: with ρ(x) = ‖x_cand − x_ref‖_F / ‖x_ref‖_F,
+//!
+//! * carried (before `m`'s output rounding): ρ_c = κ_kind · g · Σ_inputs ρ(x), where κ_kind is
+//!   the module kind's gain allowance ([`gain_allowance`]) and g = 1 except for norms, whose
+//!   relative gain is measured on the reference input as g = sqrt(mean_rows ‖x_r‖² / ‖x_r −
+//!   x̄_r‖²) (normalisation divides by the row's spread). A residual addition is exactly
+//!   linear: ρ_c = Σ ‖Δx‖ / ‖t_ref‖ with κ = 1.
+//! * input quantization (FP8 recipes): an input difference moves elements across the
+//!   quantization grid of unit roundoff u_q: ρ_q = sqrt(ρ_c² + 2·u_q·ρ_c) (a pre-rounding
+//!   difference d flips an element with probability |d|/ulp by one ulp ≤ 2u|x|, so
+//!   E|Δ|² ≈ |d|·ulp; the square adds the part that moves without a flip).
+//! * order: when the candidate splits a reduction over s ranks (an input is split along a mesh
+//!   axis on which the output is replicated or partial — row-parallel linears, sequence- or
+//!   data-split weight gradients, vocabulary-split losses — or attention with context
+//!   parallelism, whose keys are split over the CP ranks), the s partial results are combined
+//!   in another association. Each of the ≤ 2s roundings involved (the partials' and the
+//!   combining additions', in the reference and the candidate) has a relative error of at most
+//!   u and variance at most u²/3 (round to nearest), so ρ_order = u_acc·sqrt(2s/3) when the
+//!   combination runs in the accumulation format, and ρ_comb = u_comb·sqrt(2s/3) in units of
+//!   the combining format when that is coarser (Megatron's BF16 all-reduce).
+//! * kernels: the candidate's kernels may reorder the module's *local* reductions too (a GEMM
+//!   on a column-parallel slice can pick another kernel and blocking than the full-size one),
+//!   so two complete reorderings of a length-K sum differ by ρ_kernel = u_acc·sqrt(K/3)
+//!   (each order's error has variance ≈ (u²/3)·Σ_k S_k² ≈ u²·K·‖y‖²/6 for random-sign terms
+//!   with partial sums S_k; Higham & Mary 2019). K is read off the data: the last dimension of
+//!   the first input (the tokens, elements / last dimension, for a weight gradient). Skipped
+//!   when the module's inputs are identical in both runs and nothing is split (s = 1): the
+//!   same program on the same data is deterministic.
+//! * output rounding: ρ_pre = ρ_q + ρ_order + ρ_kernel; when the tensor's dtype is coarser than the
+//!   accumulation format, ρ_out = sqrt(ρ_pre² + 2·u_out·ρ_pre) (the same flip argument),
+//!   else ρ_out = ρ_pre; then ρ_out = sqrt(ρ_out² + ρ_comb²).
+//! * tail: the model is for E‖Δ‖²; the threshold is ‖t_ref‖·ρ_out·sqrt(1 + 2·sqrt(x/m) +
+//!   2x/m) with x = ln(1/δ) — the Laurent–Massart χ² tail (Ann. Statist. 28(5), 2000, Lemma 1)
+//!   for m independent contributions, m = the element count, or the expected number of
+//!   flipped elements when flips dominate (fewer contributions, heavier tail).
+//!
+//! u is the unit roundoff 2^-p of each format (not machine epsilon 2^(1-p)).
+//!
+//! This is a statistical model with calibrated gain allowances κ, not a proof: the sources are
+//! the round-to-nearest error model (Higham, *Accuracy and Stability of Numerical
+//! Algorithms*, 2nd ed., §2.2 and Thm. 2.2), the probabilistic rounding analysis of Higham &
+//! Mary (SIAM J. Sci. Comput. 41(5), 2019) for the variance of independent rounding errors,
+//! and κ measured on ttrace's own simulated runs (`papers/checking.md` §4 gives the
+//! calibration and the false-alarm and detection rates measured with it). Because every
+//! tensor is judged against the differences its *own inputs* carry, the first failing tensor
+//! in execution order is the first module whose output its inputs do not explain: checking
+//! and localization are the same test.
+
+use serde::Serialize;
+
+use crate::engine::model::ModuleKind;
+use crate::engine::policy::{OpClass, Pass, Recipe};
+use crate::format::Format;
+use crate::io::ModuleInfo;
+use crate::shard::layout::{Layout, Mesh, Placement};
+
+/// How a tensor's threshold was priced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Pricing {
+    /// The producer's threshold from the reference manifest (`ttrace simulate --dump`).
+    Producer,
+    /// The local model with the module kind from the manifest.
+    Local,
+    /// The local model with the generic gain allowance: the manifest gives no module kind.
+    LocalGeneric,
+    /// Not judged: an input of the module already differs by a non-finite amount.
+    InputFailed,
+    /// Megatron's 4·1.03^(L+1)·ε·‖ref‖: no inputs of the tensor are traced (its id does not
+    /// follow the `{module}|…` convention).
+    Megatron,
+}
+
+impl Pricing {
+    /// The rule in words.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Pricing::Producer => "threshold priced by the producer (reference manifest)",
+            Pricing::Local => "local model: measured input differences + the module's own rounding",
+            Pricing::LocalGeneric => {
+                "local model with the generic gain allowance (no module kind in the manifest)"
+            }
+            Pricing::InputFailed => "not judged: an input already differs by NaN/Inf",
+            Pricing::Megatron => {
+                "fallback Megatron 4*1.03^(L+1)*eps*||ref|| (no traced inputs for this id)"
+            }
+        }
+    }
+}
+
+/// What pricing needs to know about one traced tensor of both runs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorStat {
+    /// ‖ref‖_F over the finite pairs.
+    pub ref_norm: f64,
+    /// ‖cand − ref‖_F over the finite pairs (∞ when non-finite values disagree).
+    pub diff_norm: f64,
+    /// Elements.
+    pub elements: usize,
+    /// Length of the last dimension (1 for a scalar).
+    pub last_dim: usize,
+    /// Number of dimensions.
+    pub ndim: usize,
+    /// Stored dtype of the reference.
+    pub format: Format,
+    /// The candidate's layout.
+    pub layout: Layout,
+    /// Norm gain g measured on the reference (1 unless the tensor is a norm's input).
+    pub norm_gain: f64,
+    /// What produced it (the reference manifest's `module`).
+    pub module: Option<ModuleInfo>,
+}
+
+impl TensorStat {
+    /// ρ = ‖Δ‖/‖ref‖ (0 for identical tensors, ∞ for a difference against a zero reference).
+    pub fn rel(&self) -> f64 {
+        if self.diff_norm == 0.0 {
+            0.0
+        } else if self.ref_norm > 0.0 {
+            self.diff_norm / self.ref_norm
+        } else {
+            f64::INFINITY
+        }
+    }
+}
+
+/// The norm gain g = sqrt(mean_rows ‖x_r‖² / ‖x_r − x̄_r‖²) of a tensor viewed as rows of
+/// its last dimension (rows with zero spread are skipped; 1 for an empty tensor).
+pub fn norm_gain(values: &[f64], row: usize) -> f64 {
+    if row < 2 || values.is_empty() {
+        return 1.0;
+    }
+    let (mut acc, mut n) = (0.0, 0usize);
+    for r in values.chunks(row) {
+        let mean = r.iter().sum::<f64>() / r.len() as f64;
+        let total: f64 = r.iter().map(|x| x * x).sum();
+        let spread: f64 = r.iter().map(|x| (x - mean) * (x - mean)).sum();
+        if spread > 0.0 && total.is_finite() {
+            acc += total / spread;
+            n += 1;
+        }
+    }
+    if n == 0 {
+        1.0
+    } else {
+        (acc / n as f64).sqrt()
+    }
+}
+
+/// κ: how much a module kind may amplify a relative input difference (before its output
+/// rounding). Calibrated on ttrace's simulated GPT runs, where the largest observed gains were
+/// 1.7 (norm, before the measured norm gain is applied), 1.6 (linear backward), 1.25
+/// (attention) and 1.1 (activation); `papers/checking.md` §4.
+pub fn gain_allowance(kind: Option<ModuleKind>) -> f64 {
+    match kind {
+        Some(ModuleKind::Residual) => 1.0,
+        Some(_) => 2.0,
+        None => 3.0,
+    }
+}
+
+/// The role of a traced id under the naming convention: the module it belongs to, the pass,
+/// and whether it is produced by that module (outputs, input gradients, parameter gradients)
+/// rather than consumed (inputs, arriving output gradients).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Role {
+    /// The module's name.
+    pub module: String,
+    /// Forward or backward.
+    pub pass: Pass,
+    /// A parameter gradient.
+    pub param_grad: bool,
+    /// Produced by the module.
+    pub produced: bool,
+}
+
+/// Parse `{module}|fwd.input.i`, `|fwd.output.i`, `|grad.output.i`, `|grad.input.i` and
+/// `{module}.{param}|param_grad`; `None` for other ids.
+pub fn role(id: &str) -> Option<Role> {
+    let (name, what) = id.split_once('|')?;
+    if what == "param_grad" {
+        let module = name.rsplit_once('.').map(|(m, _)| m).unwrap_or(name);
+        return Some(Role {
+            module: module.to_string(),
+            pass: Pass::Backward,
+            param_grad: true,
+            produced: true,
+        });
+    }
+    let (head, index) = what.rsplit_once('.')?;
+    index.parse::<usize>().ok()?;
+    let (pass, produced) = match head {
+        "fwd.input" => (Pass::Forward, false),
+        "fwd.output" => (Pass::Forward, true),
+        "grad.output" => (Pass::Backward, false),
+        "grad.input" => (Pass::Backward, true),
+        _ => return None,
+    };
+    Some(Role {
+        module: name.to_string(),
+        pass,
+        param_grad: false,
+        produced,
+    })
+}
+
+/// The traced inputs of a produced id: the module's forward inputs, and for backward tensors
+/// also its arriving output gradients (the ids present in `ids`).
+pub fn inputs_of<'a>(id: &str, ids: &'a [String]) -> Vec<&'a String> {
+    let Some(r) = role(id) else {
+        return vec![];
+    };
+    if !r.produced {
+        return vec![];
+    }
+    let fwd = format!("{}|fwd.input.", r.module);
+    let bwd = format!("{}|grad.output.", r.module);
+    ids.iter()
+        .filter(|j| j.starts_with(&fwd) || (r.pass == Pass::Backward && j.starts_with(&bwd)))
+        .collect()
+}
+
+fn class(kind: ModuleKind, role: &Role) -> OpClass {
+    match (kind, role.pass, role.param_grad) {
+        (ModuleKind::Linear, Pass::Forward, _) | (ModuleKind::Attention, Pass::Forward, _) => {
+            OpClass::Matmul
+        }
+        (ModuleKind::Linear, Pass::Backward, true) => OpClass::MatmulGradWeight,
+        (ModuleKind::Linear, Pass::Backward, false)
+        | (ModuleKind::Attention, Pass::Backward, _) => OpClass::MatmulGradInput,
+        (ModuleKind::Norm, _, _) => OpClass::Norm,
+        (ModuleKind::Loss, _, _) => OpClass::Loss,
+        _ => OpClass::Elementwise,
+    }
+}
+
+fn axis_size(mesh: &Mesh, axis: usize) -> usize {
+    [mesh.dp, mesh.cp, mesh.tp][axis]
+}
+
+fn placements(l: &Layout) -> [Placement; 3] {
+    [l.dp, l.cp, l.tp]
+}
+
+/// Which input dimensions a module reduces over (`None`: unknown, judge by layouts alone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduced {
+    /// No reduction (elementwise).
+    Nothing,
+    /// The last dimension (a linear's contraction, a norm's statistics, a softmax row).
+    Last,
+    /// Every dimension but the last (the tokens of a weight or embedding gradient).
+    AllButLast,
+    /// Every dimension (a loss).
+    All,
+}
+
+/// The dimensions the module of `role` reduces over, by kind.
+pub fn reduced(kind: Option<ModuleKind>, role: &Role) -> Option<Reduced> {
+    use ModuleKind as K;
+    Some(match (kind?, role.param_grad) {
+        (_, true) => Reduced::AllButLast,
+        (K::Linear, false) | (K::Norm, false) => Reduced::Last,
+        (K::Loss, false) => Reduced::All,
+        // Attention reduces over keys, which context parallelism splits (handled apart).
+        (K::Attention, false) => Reduced::Nothing,
+        (K::Activation | K::Residual | K::Embedding, false) => Reduced::Nothing,
+    })
+}
+
+fn split_dim(p: Placement) -> Option<usize> {
+    match p {
+        Placement::Split { dim, .. } | Placement::CpChunks { dim } => Some(dim),
+        _ => None,
+    }
+}
+
+/// The number of ranks a reduction of the module is split over: the product of the sizes of
+/// the mesh axes along which some input (of `ranks` dimensions) is split along a reduced
+/// dimension — or, when the reduced dimensions are unknown, split while the output is
+/// replicated or partial along that axis.
+pub fn split_factor(
+    output: &Layout,
+    inputs: &[(Layout, usize)],
+    mesh: &Mesh,
+    reduced: Option<Reduced>,
+) -> usize {
+    let out = placements(output);
+    (0..3)
+        .filter(|&a| {
+            inputs.iter().any(|(l, ranks)| {
+                let Some(d) = split_dim(placements(l)[a]) else {
+                    return false;
+                };
+                let last = ranks.saturating_sub(1);
+                match reduced {
+                    Some(Reduced::Nothing) => false,
+                    Some(Reduced::Last) => d == last,
+                    Some(Reduced::AllButLast) => d != last,
+                    Some(Reduced::All) => true,
+                    None => matches!(out[a], Placement::Replicate | Placement::Partial),
+                }
+            }) || matches!(out[a], Placement::Partial)
+        })
+        .map(|a| axis_size(mesh, a))
+        .product()
+}
+
+/// Everything the local model needs besides the tensors' statistics.
+#[derive(Debug, Clone)]
+pub struct PriceContext {
+    /// The candidate's mesh.
+    pub mesh: Mesh,
+    /// The recipe named by the reference manifest, if ttrace knows it.
+    pub recipe: Option<Recipe>,
+    /// ln(1/δ) for the tail.
+    pub log_inv_delta: f64,
+}
+
+/// A priced threshold: absolute, on ‖cand − ref‖_F.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Priced {
+    /// The threshold.
+    pub threshold: f64,
+    /// How it was priced.
+    pub pricing: Pricing,
+}
+
+fn coarser(a: Format, b: Format) -> bool {
+    a.precision() < b.precision()
+}
+
+/// Price the threshold of the produced tensor `id` by the local model (module docs).
+/// `stat(j)` gives the statistics of any traced id; `None` for an id that is not traced.
+/// Returns `None` when the id has no traced inputs and is not an embedding output (the caller
+/// falls back).
+pub fn price_local(
+    id: &str,
+    ids: &[String],
+    stat: &dyn Fn(&str) -> Option<TensorStat>,
+    ctx: &PriceContext,
+) -> Option<Priced> {
+    let role = role(id)?;
+    let me = stat(id)?;
+    let info = me.module.clone();
+    let kind = info.as_ref().map(|m| m.kind);
+    let input_ids = inputs_of(id, ids);
+    let inputs: Vec<TensorStat> = input_ids.iter().filter_map(|j| stat(j)).collect();
+    if inputs.is_empty() && !(kind == Some(ModuleKind::Embedding) && role.pass == Pass::Forward) {
+        return None;
+    }
+    let pricing = if kind.is_some() {
+        Pricing::Local
+    } else {
+        Pricing::LocalGeneric
+    };
+    let out_norm = me.ref_norm;
+    // Carried difference, relative to ‖t_ref‖.
+    let carried = if kind == Some(ModuleKind::Residual) {
+        let abs: f64 = inputs.iter().map(|s| s.diff_norm).sum();
+        if abs == 0.0 {
+            0.0
+        } else if out_norm > 0.0 {
+            abs / out_norm
+        } else {
+            f64::INFINITY
+        }
+    } else {
+        let gain = if kind == Some(ModuleKind::Norm) {
+            inputs.iter().map(|s| s.norm_gain).fold(1.0, f64::max)
+        } else {
+            1.0
+        };
+        gain_allowance(kind) * gain * inputs.iter().map(TensorStat::rel).sum::<f64>()
+    };
+    if !carried.is_finite() {
+        return Some(Priced {
+            threshold: f64::INFINITY,
+            pricing: Pricing::InputFailed,
+        });
+    }
+    // Formats: metadata, else the recipe's policy, else defaults.
+    let out = me.format;
+    let policy = match (&ctx.recipe, kind) {
+        (Some(r), Some(k)) => Some(r.policy(class(k, &role), role.pass).clone()),
+        _ => None,
+    };
+    let input_format = inputs
+        .iter()
+        .map(|s| s.format)
+        .min_by_key(|f| f.precision());
+    let quantize = info
+        .as_ref()
+        .and_then(|m| m.quantize)
+        .or_else(|| policy.as_ref().map(|p| p.accumulation.input))
+        .filter(|q| input_format.is_some_and(|f| coarser(*q, f)));
+    let default_acc = if out == Format::F64 {
+        Format::F64
+    } else {
+        Format::F32
+    };
+    let acc = info
+        .as_ref()
+        .and_then(|m| m.accumulate)
+        .or_else(|| policy.as_ref().map(|p| p.accumulation.accumulator))
+        .unwrap_or(default_acc);
+    let combine = info.as_ref().and_then(|m| m.combine).unwrap_or(out);
+    let rho_q = match quantize {
+        Some(q) if carried > 0.0 => (carried * carried + 2.0 * q.unit_roundoff() * carried).sqrt(),
+        _ => carried,
+    };
+    // Order: reductions split across ranks.
+    let layouts: Vec<(Layout, usize)> = inputs.iter().map(|s| (s.layout, s.ndim)).collect();
+    let mut s = split_factor(&me.layout, &layouts, &ctx.mesh, reduced(kind, &role));
+    if kind == Some(ModuleKind::Attention)
+        && ctx.mesh.cp > 1
+        && layouts
+            .iter()
+            .any(|(l, _)| matches!(l.cp, Placement::CpChunks { .. } | Placement::Split { .. }))
+    {
+        s *= ctx.mesh.cp;
+    }
+    let spread = |u: f64| u * (2.0 * s as f64 / 3.0).sqrt();
+    let (rho_order, rho_comb) = if s <= 1 {
+        (0.0, 0.0)
+    } else if coarser(combine, acc) {
+        (0.0, spread(combine.unit_roundoff()))
+    } else {
+        (spread(acc.unit_roundoff()), 0.0)
+    };
+    let k = inputs.first().map_or(1, |f| {
+        if role.param_grad {
+            f.elements / f.last_dim.max(1)
+        } else {
+            f.last_dim
+        }
+    });
+    let rho_kernel = if carried > 0.0 || s > 1 {
+        acc.unit_roundoff() * (k.max(1) as f64 / 3.0).sqrt()
+    } else {
+        0.0
+    };
+    let pre = rho_q + rho_order + rho_kernel;
+    let u_out = out.unit_roundoff();
+    let flips = coarser(out, acc) && pre > 0.0;
+    let rho_out = if flips {
+        (pre * pre + 2.0 * u_out * pre).sqrt()
+    } else {
+        pre
+    };
+    let rho = (rho_out * rho_out + rho_comb * rho_comb).sqrt();
+    // Tail: m independent contributions.
+    let n = me.elements.max(1) as f64;
+    let m = if flips && pre < 2.0 * u_out {
+        (n * pre / (2.0 * u_out)).clamp(1.0, n)
+    } else {
+        n
+    };
+    let x = ctx.log_inv_delta;
+    let tail = (1.0 + 2.0 * (x / m).sqrt() + 2.0 * x / m).sqrt();
+    Some(Priced {
+        threshold: out_norm * rho * tail,
+        pricing,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roles_follow_the_naming_convention() {
+        let r = role("layers.0.mlp.fc1.weight|param_grad").unwrap();
+        assert_eq!(r.module, "layers.0.mlp.fc1");
+        assert!(r.param_grad && r.produced && r.pass == Pass::Backward);
+        let r = role("a.b|fwd.input.1").unwrap();
+        assert!(!r.produced && r.pass == Pass::Forward);
+        assert!(role("no-bar").is_none());
+        assert!(role("a|fwd.output.x").is_none());
+        let ids: Vec<String> = [
+            "m|fwd.input.0",
+            "m|fwd.output.0",
+            "m|grad.output.0",
+            "m|grad.input.0",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        assert_eq!(inputs_of("m|fwd.output.0", &ids), vec!["m|fwd.input.0"]);
+        assert_eq!(
+            inputs_of("m|grad.input.0", &ids),
+            vec!["m|fwd.input.0", "m|grad.output.0"]
+        );
+        assert!(inputs_of("m|fwd.input.0", &ids).is_empty());
+    }
+
+    #[test]
+    fn norm_gain_measures_the_row_spread() {
+        // Centred rows: gain 1; a row with mean 3 and spread 1 per element: sqrt(10).
+        assert!((norm_gain(&[1.0, -1.0, 2.0, -2.0], 2) - 1.0).abs() < 1e-15);
+        let g = norm_gain(&[4.0, 2.0], 2);
+        assert!((g - 10f64.sqrt()).abs() < 1e-12);
+        assert_eq!(norm_gain(&[5.0, 5.0], 2), 1.0);
+    }
+
+    #[test]
+    fn split_factor_counts_axes_where_a_reduced_dimension_is_split() {
+        let mesh = Mesh::new(2, 3, 1, false).unwrap();
+        let rep = Layout::replicated();
+        let mut row_in = rep;
+        row_in.tp = Placement::split(2);
+        row_in.cp = Placement::CpChunks { dim: 1 };
+        let mut out = rep;
+        out.cp = Placement::CpChunks { dim: 1 };
+        let last = Some(Reduced::Last);
+        // Row-parallel: contraction split over tp, tokens stay split over cp.
+        assert_eq!(split_factor(&out, &[(row_in, 3)], &mesh, last), 2);
+        // With sequence parallelism the output is reduce-scattered: still split over tp.
+        let mut sp_out = out;
+        sp_out.tp = Placement::split(1);
+        assert_eq!(split_factor(&sp_out, &[(row_in, 3)], &mesh, last), 2);
+        // A weight gradient reduces over the tokens (cp), not over the features (tp).
+        let tokens = Some(Reduced::AllButLast);
+        assert_eq!(split_factor(&rep, &[(row_in, 3)], &mesh, tokens), 3);
+        // Column-parallel forward: nothing reduced across ranks.
+        let mut col_out = out;
+        col_out.tp = Placement::split(2);
+        assert_eq!(split_factor(&col_out, &[(out, 3)], &mesh, last), 1);
+        // Unknown kind: judged by the output being replicated where an input is split.
+        assert_eq!(split_factor(&rep, &[(row_in, 3)], &mesh, None), 6);
+        // A partial output is a split reduction whatever the inputs.
+        let mut partial = out;
+        partial.tp = Placement::Partial;
+        assert_eq!(
+            split_factor(&partial, &[(out, 3)], &mesh, Some(Reduced::Nothing)),
+            2
+        );
+    }
+
+    use crate::format::Overflow;
+    use proptest::prelude::*;
+
+    fn rel(a: &[f64], b: &[f64]) -> f64 {
+        let d: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+        let n: f64 = a.iter().map(|x| x * x).sum();
+        (d / n).sqrt()
+    }
+
+    fn tail(m: f64) -> f64 {
+        let x = 1e6f64.ln();
+        (1.0 + 2.0 * (x / m).sqrt() + 2.0 * x / m).sqrt()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// The order term for a combination in a coarser format: rows of K products summed in
+        /// FP32 (sequentially) then rounded to BF16 (the reference) against s partial sums each
+        /// rounded to BF16 and combined by BF16 additions (Megatron's BF16 all-reduce). The
+        /// relative Frobenius difference, from exact (f64) sums of FP32-exact terms, stays
+        /// within u_bf16·sqrt(2s/3) times the tail for N rows.
+        #[test]
+        fn bf16_combination_of_split_sums_is_within_the_order_term(
+            seed in any::<u64>(), s in 2usize..5, k in 8usize..64, offset in -1.0f64..1.0)
+        {
+            use rand::{Rng, SeedableRng};
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let (bf, f32f) = (Format::BF16, Format::F32);
+            let n = 256;
+            let (mut reference, mut candidate) = (vec![], vec![]);
+            for _ in 0..n {
+                let terms: Vec<f64> = (0..k * s)
+                    .map(|_| f32f.round(rng.random_range(-1.0..1.0) + offset, Overflow::NonSaturating))
+                    .collect();
+                let seq = terms.iter().fold(0.0, |a, t| f32f.round(a + t, Overflow::NonSaturating));
+                reference.push(bf.round(seq, Overflow::NonSaturating));
+                let mut acc = 0.0;
+                for part in terms.chunks(k) {
+                    let p = part.iter().fold(0.0, |a, t| f32f.round(a + t, Overflow::NonSaturating));
+                    acc = bf.round(acc + bf.round(p, Overflow::NonSaturating), Overflow::NonSaturating);
+                }
+                candidate.push(acc);
+            }
+            let bound = bf.unit_roundoff() * (2.0 * s as f64 / 3.0).sqrt() * tail(n as f64);
+            prop_assert!(rel(&reference, &candidate) <= bound,
+                "{} > {bound}", rel(&reference, &candidate));
+        }
+
+        /// The flip term: values that differ by a relative ρ before rounding to BF16 differ
+        /// after it by at most sqrt(ρ² + 2uρ) times the tail (m = expected flips).
+        #[test]
+        fn rounding_a_small_difference_stays_within_the_flip_term(
+            seed in any::<u64>(), log_rho in -9.0f64..-5.0)
+        {
+            use rand::{Rng, SeedableRng};
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let bf = Format::BF16;
+            let rho = 10f64.powf(log_rho);
+            let n = 512usize;
+            let x: Vec<f64> = (0..n).map(|_| rng.random_range(-4.0..4.0)).collect();
+            let y: Vec<f64> = x.iter().map(|v| v * (1.0 + rho * rng.random_range(-1.0..1.0))).collect();
+            let pre = rel(&x, &y);
+            let rx: Vec<f64> = x.iter().map(|v| bf.round(*v, Overflow::NonSaturating)).collect();
+            let ry: Vec<f64> = y.iter().map(|v| bf.round(*v, Overflow::NonSaturating)).collect();
+            let u = bf.unit_roundoff();
+            let m = (n as f64 * pre / (2.0 * u)).clamp(1.0, n as f64);
+            let bound = (pre * pre + 2.0 * u * pre).sqrt() * tail(m);
+            prop_assert!(rel(&rx, &ry) <= bound, "{} > {bound}", rel(&rx, &ry));
+        }
+    }
+}
