@@ -533,3 +533,130 @@ fn check_finds_dumped_bugs_passes_clean_dumps_and_rejects_broken_ones() {
     assert_eq!(o.status.code(), Some(2));
     std::fs::remove_dir_all(&base).unwrap();
 }
+
+/// Exit code 2 and a message naming the problem for each kind of unusable trace: a wrong
+/// dtype, a rank without entries, a manifest naming an absent tensor, shards whose shapes
+/// differ between ranks, a tensor the candidate lacks.
+#[test]
+fn check_rejects_malformed_traces_with_exit_code_2() {
+    use serde_json::Value;
+    let base = std::env::temp_dir().join(format!("ttrace-malformed-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let d = base.join("clean");
+    let o = ttrace(
+        &["simulate", "--tp", "2", "--dump", d.to_str().unwrap()],
+        "",
+    );
+    assert_eq!(o.status.code(), Some(0));
+    let (rdir, cdir) = (d.join("reference"), d.join("candidate"));
+    let mpath = cdir.join("manifest.json");
+    let original = std::fs::read_to_string(&mpath).unwrap();
+    let check = || {
+        let o = ttrace(
+            &["check", rdir.to_str().unwrap(), cdir.to_str().unwrap()],
+            "",
+        );
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).to_string(),
+        )
+    };
+    let edit = |f: &dyn Fn(&mut Vec<Value>)| {
+        let mut m: Value = serde_json::from_str(&original).unwrap();
+        f(m["tensors"].as_array_mut().unwrap());
+        std::fs::write(&mpath, serde_json::to_string(&m).unwrap()).unwrap();
+    };
+    // Wrong dtype.
+    edit(&|t| t[3]["dtype"] = Value::from("f16"));
+    let (code, err) = check();
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("stored as") && err.contains("f16"), "{err}");
+    // A rank with no entries.
+    edit(&|t| t.retain(|e| e["rank"] != 1));
+    let (code, err) = check();
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("no shard for rank 1"), "{err}");
+    // A tensor the file does not hold.
+    edit(&|t| t[0]["key"] = Value::from("not-there"));
+    let (code, err) = check();
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("not-there") && err.contains("absent"), "{err}");
+    // A tensor the candidate lacks.
+    let first = serde_json::from_str::<Value>(&original).unwrap()["tensors"][0]["id"].clone();
+    edit(&|t| t.retain(|e| e["id"] != first));
+    let (code, err) = check();
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains(first.as_str().unwrap()), "{err}");
+    // Shards whose shapes do not fit their layout: declare a tp-replicated tensor split.
+    edit(&|t| {
+        for e in t.iter_mut() {
+            if e["id"] == "loss|fwd.output.0" {
+                e["layout"]["tp"] = serde_json::json!({"kind": "split", "dim": 0, "groups": 1});
+            }
+        }
+    });
+    let (code, err) = check();
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("loss|fwd.output.0"), "{err}");
+    std::fs::write(&mpath, &original).unwrap();
+    assert_eq!(check().0, Some(0));
+    std::fs::remove_dir_all(&base).unwrap();
+}
+
+/// Per-rank manifest fragments (`manifest.rank{r}.json`, as separate processes write them)
+/// are merged when `manifest.json` is absent; fragments that disagree are rejected.
+#[test]
+fn check_merges_per_rank_manifest_fragments() {
+    use serde_json::Value;
+    let base = std::env::temp_dir().join(format!("ttrace-fragments-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let d = base.join("run");
+    let o = ttrace(
+        &["simulate", "--tp", "2", "--dump", d.to_str().unwrap()],
+        "",
+    );
+    assert_eq!(o.status.code(), Some(0));
+    let cdir = d.join("candidate");
+    let m: Value =
+        serde_json::from_str(&std::fs::read_to_string(cdir.join("manifest.json")).unwrap())
+            .unwrap();
+    for r in 0..2 {
+        let mut part = m.clone();
+        part["tensors"]
+            .as_array_mut()
+            .unwrap()
+            .retain(|e| e["rank"] == r);
+        std::fs::write(
+            cdir.join(format!("manifest.rank{r}.json")),
+            serde_json::to_string(&part).unwrap(),
+        )
+        .unwrap();
+    }
+    std::fs::remove_file(cdir.join("manifest.json")).unwrap();
+    let args = [
+        "check".to_string(),
+        d.join("reference").to_str().unwrap().to_string(),
+        cdir.to_str().unwrap().to_string(),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let o = ttrace(&args, "");
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let mut part: Value =
+        serde_json::from_str(&std::fs::read_to_string(cdir.join("manifest.rank1.json")).unwrap())
+            .unwrap();
+    part["recipe"] = Value::from("fp32");
+    std::fs::write(
+        cdir.join("manifest.rank1.json"),
+        serde_json::to_string(&part).unwrap(),
+    )
+    .unwrap();
+    let o = ttrace(&args, "");
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("disagrees"));
+    std::fs::remove_dir_all(&base).unwrap();
+}

@@ -65,3 +65,58 @@ fn python_written_safetensors_and_npy_read_bit_for_bit() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The PyTorch worked example (`examples/python/tp_demo.py`, 2-way tensor-parallel MLP in one
+/// process, dumped by `ttrace_dump.py`) passes `ttrace check` clean and fails it, localized,
+/// with each of its bugs. Needs torch, which `.ci/run` does not install (it is large): without
+/// it the test says so and skips; run it with torch installed (`pip install torch`).
+#[test]
+fn pytorch_tp_demo_round_trips_through_ttrace_check() {
+    let has_torch = Command::new("python3")
+        .args(["-c", "import torch, safetensors, numpy"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_torch {
+        eprintln!("skipped: python3 with torch is not available");
+        return;
+    }
+    let demo = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/python/tp_demo.py");
+    let base = std::env::temp_dir().join(format!("ttrace-tpdemo-{}", std::process::id()));
+    for (bug, dtype, code, module) in [
+        ("none", "bf16", 0, ""),
+        ("none", "fp32", 0, ""),
+        ("double-bias", "bf16", 1, "module fc2 (Linear) forward"),
+        ("no-grad-allreduce", "bf16", 1, "module ln (Norm) backward"),
+    ] {
+        let out = base.join(format!("{bug}-{dtype}"));
+        let o = Command::new("python3")
+            .args([
+                demo,
+                "--out",
+                out.to_str().unwrap(),
+                "--bug",
+                bug,
+                "--dtype",
+                dtype,
+            ])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let o = Command::new(env!("CARGO_BIN_EXE_ttrace"))
+            .args([
+                "check",
+                out.join("reference").to_str().unwrap(),
+                out.join("candidate").to_str().unwrap(),
+            ])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert_eq!(o.status.code(), Some(code), "{bug} {dtype}: {text}");
+        assert!(text.contains(module), "{bug} {dtype}: {text}");
+        assert!(
+            !text.contains("generic"),
+            "{bug} {dtype}: every module has a kind: {text}"
+        );
+    }
+    std::fs::remove_dir_all(&base).unwrap();
+}

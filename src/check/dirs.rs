@@ -121,12 +121,10 @@ fn gather(
         .unwrap_or_else(crate::shard::Layout::replicated);
     let (c, problem, rank) = match candidate.logical(id) {
         Ok(c) => (c, None, None),
-        Err(e @ (Error::ReplicaMismatch { .. } | Error::Layout { .. })) => {
-            let rank = match &e {
-                Error::ReplicaMismatch { rank, .. } => Some(*rank),
-                _ => None,
-            };
-            (r.clone(), Some(e.to_string()), rank)
+        // Replicas that disagree are a finding (a missing synchronization); shards whose shapes
+        // do not fit their layout are unusable input and end the check.
+        Err(e @ Error::ReplicaMismatch { rank, .. }) => {
+            (r.clone(), Some(e.to_string()), Some(rank))
         }
         Err(e) => return Err(e),
     };
@@ -177,7 +175,6 @@ fn gather(
 
 struct Plan {
     ids: Vec<String>,
-    judged: Vec<String>,
     train: Option<Format>,
     recipe: Option<Recipe>,
     depth: u32,
@@ -213,7 +210,6 @@ fn plan(reference: &TraceDir, candidate: &TraceDir) -> Result<Plan> {
     };
     Ok(Plan {
         ids,
-        judged,
         train,
         recipe,
         depth,
@@ -242,11 +238,32 @@ fn finish(
     };
     let stat = |j: &str| by_id.get(j).map(|g| g.stat.clone());
     let _ = plan.train;
-    let mut verdicts = Vec::with_capacity(plan.judged.len());
-    let mut pricing = Vec::with_capacity(plan.judged.len());
-    for id in &plan.judged {
+    // Consumed ids (module inputs, arriving gradients) are other modules' outputs under the
+    // naming convention, except across a collective or at the model's inputs: they are judged
+    // when they cannot be merged or disagree on non-finite values (no threshold needed), and
+    // the model's inputs (forward inputs listed before any produced tensor) must be identical.
+    let first_produced = plan
+        .ids
+        .iter()
+        .position(|id| role(id).is_none_or(|r| r.produced))
+        .unwrap_or(plan.ids.len());
+    let judged: Vec<(&String, bool)> = plan
+        .ids
+        .iter()
+        .enumerate()
+        .filter_map(|(k, id)| {
+            let produced = role(id).is_none_or(|r| r.produced);
+            let g = by_id[id.as_str()];
+            let broken = g.verdict.problem.is_some() || g.verdict.nonfinite_mismatches > 0;
+            (produced || broken || k < first_produced).then_some((id, produced))
+        })
+        .collect();
+    let mut verdicts = Vec::with_capacity(judged.len());
+    let mut pricing = Vec::with_capacity(judged.len());
+    for (id, produced) in judged {
         let g = by_id[id.as_str()];
         let priced = match (mode, producer.get(id)) {
+            _ if !produced => (0.0, Pricing::ModelInput),
             (PricingMode::Auto, Some(&t)) => (t, Pricing::Producer),
             _ => match price_local(id, &plan.ids, &stat, &ctx) {
                 Some(p) => (p.threshold, p.pricing),
@@ -302,12 +319,11 @@ fn finish(
     for p in &pricing {
         *counts.entry(*p).or_default() += 1;
     }
-    let fallback = plan
-        .judged
+    let fallback = verdicts
         .iter()
         .zip(&pricing)
         .filter(|(_, p)| matches!(p, Pricing::LocalGeneric | Pricing::Megatron))
-        .map(|(id, _)| id.clone())
+        .map(|(v, _)| v.id.clone())
         .collect();
     DirCheck {
         report: CheckReport {
@@ -344,8 +360,8 @@ fn side_info(reference: &TraceDir) -> (HashMap<String, f64>, HashMap<String, Mod
 }
 
 /// Check `candidate` against `reference` (see the module docs), one tensor at a time. Errors
-/// are unusable input (a tensor the candidate lacks, unreadable files); a merge failure of a
-/// candidate tensor is a failing verdict. `progress` is called once per traced id.
+/// are unusable input (a tensor the candidate lacks, unreadable files, shards whose shapes do
+/// not fit their layout); replicas that disagree are a failing verdict naming the rank. `progress` is called once per traced id.
 pub fn check_dirs(
     reference: &mut TraceDir,
     candidate: &mut TraceDir,

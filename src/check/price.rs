@@ -39,9 +39,10 @@
 //!   accumulation format, ρ_out = sqrt(ρ_pre² + 2·u_out·ρ_pre) (the same flip argument),
 //!   else ρ_out = ρ_pre; then ρ_out = sqrt(ρ_out² + ρ_comb²).
 //! * tail: the model is for E‖Δ‖²; the threshold is ‖t_ref‖·ρ_out·sqrt(1 + 2·sqrt(x/m) +
-//!   2x/m) with x = ln(1/δ) — the Laurent–Massart χ² tail (Ann. Statist. 28(5), 2000, Lemma 1)
-//!   for m independent contributions, m = the element count, or the expected number of
-//!   flipped elements when flips dominate (fewer contributions, heavier tail).
+//!   2x/m) with x = ln(1/δ), δ = 10⁻⁶ — the Laurent–Massart χ² tail (Ann. Statist. 28(5),
+//!   2000, Lemma 1) for m independent contributions: the element count for the combination
+//!   term, the expected number of flipped elements n·ρ_pre/(2u_out) for the flip term, merged
+//!   by Satterthwaite's effective degrees of freedom.
 //!
 //! u is the unit roundoff 2^-p of each format (not machine epsilon 2^(1-p)).
 //!
@@ -75,6 +76,10 @@ pub enum Pricing {
     LocalGeneric,
     /// Not judged: an input of the module already differs by a non-finite amount.
     InputFailed,
+    /// A consumed tensor (a module input or arriving gradient): judged only when it cannot be
+    /// merged or disagrees on non-finite values, or when it is one of the model's inputs
+    /// (listed before any produced tensor), which consistent generation makes identical.
+    ModelInput,
     /// Megatron's 4·1.03^(L+1)·ε·‖ref‖: no inputs of the tensor are traced (its id does not
     /// follow the `{module}|…` convention).
     Megatron,
@@ -89,7 +94,12 @@ impl Pricing {
             Pricing::LocalGeneric => {
                 "local model with the generic gain allowance (no module kind in the manifest)"
             }
-            Pricing::InputFailed => "not judged: an input already differs by NaN/Inf",
+            Pricing::InputFailed => {
+                "not judged: an input already failed to merge or differs by NaN/Inf"
+            }
+            Pricing::ModelInput => {
+                "consumed tensor: must merge, and the model's inputs must be identical"
+            }
             Pricing::Megatron => {
                 "fallback Megatron 4*1.03^(L+1)*eps*||ref|| (no traced inputs for this id)"
             }
@@ -354,6 +364,10 @@ pub fn price_local(
     let info = me.module.clone();
     let kind = info.as_ref().map(|m| m.kind);
     let input_ids = inputs_of(id, ids);
+    let input_ids: Vec<&String> = input_ids
+        .into_iter()
+        .filter(|j| stat(j).is_some())
+        .collect();
     let inputs: Vec<TensorStat> = input_ids.iter().filter_map(|j| stat(j)).collect();
     if inputs.is_empty() && !(kind == Some(ModuleKind::Embedding) && role.pass == Pass::Forward) {
         return None;
@@ -366,7 +380,13 @@ pub fn price_local(
     let out_norm = me.ref_norm;
     // Carried difference, relative to ‖t_ref‖.
     let carried = if kind == Some(ModuleKind::Residual) {
-        let abs: f64 = inputs.iter().map(|s| s.diff_norm).sum();
+        // Linear in its inputs: the backward pass sees only the arriving gradient.
+        let abs: f64 = input_ids
+            .iter()
+            .zip(&inputs)
+            .filter(|(j, _)| role.pass == Pass::Forward || j.contains("|grad.output."))
+            .map(|(_, s)| s.diff_norm)
+            .sum();
         if abs == 0.0 {
             0.0
         } else if out_norm > 0.0 {
@@ -458,10 +478,18 @@ pub fn price_local(
         pre
     };
     let rho = (rho_out * rho_out + rho_comb * rho_comb).sqrt();
-    // Tail: m independent contributions.
+    // Tail: the flips come from m_flip ≈ n·ρ_pre/(2u) elements (fewer contributions, heavier
+    // tail), everything else from all n; the two variances combine into an effective count
+    // m = (a + b)² / (a²/m_flip + b²/n) (Satterthwaite's approximation).
     let n = me.elements.max(1) as f64;
-    let m = if flips && pre < 2.0 * u_out {
+    let m_flip = if flips && pre < 2.0 * u_out {
         (n * pre / (2.0 * u_out)).clamp(1.0, n)
+    } else {
+        n
+    };
+    let (a, b) = (rho_out * rho_out, rho_comb * rho_comb);
+    let m = if a + b > 0.0 {
+        ((a + b) * (a + b) / (a * a / m_flip + b * b / n)).clamp(1.0, n)
     } else {
         n
     };

@@ -226,6 +226,54 @@ impl Manifest {
     }
 }
 
+/// Read a trace directory's manifest: `manifest.json`, or else every `manifest.rank*.json`
+/// fragment (one per rank, as each process of a distributed run writes its own), which must
+/// agree on version, mesh and recipe; their tensors are concatenated in rank order. Returns the
+/// manifest and the path errors should name.
+pub fn read_manifest(dir: &Path) -> Result<(Manifest, PathBuf)> {
+    let mpath = dir.join("manifest.json");
+    if mpath.exists() || !dir.is_dir() {
+        let text = std::fs::read_to_string(&mpath)
+            .map_err(|e| ferr(&mpath, format!("cannot read: {e}")))?;
+        return Ok((Manifest::parse(&text, &mpath)?, mpath));
+    }
+    let mut parts: Vec<(usize, PathBuf)> = std::fs::read_dir(dir)
+        .map_err(|e| ferr(dir, format!("cannot list: {e}")))?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            let r = name.strip_prefix("manifest.rank")?.strip_suffix(".json")?;
+            Some((r.parse::<usize>().ok()?, e.path()))
+        })
+        .collect();
+    if parts.is_empty() {
+        return Err(ferr(
+            &mpath,
+            "cannot read: no manifest.json and no manifest.rank*.json fragments",
+        ));
+    }
+    parts.sort();
+    let mut merged: Option<Manifest> = None;
+    for (_, p) in &parts {
+        let text = std::fs::read_to_string(p).map_err(|e| ferr(p, format!("cannot read: {e}")))?;
+        let m = Manifest::parse(&text, p)?;
+        match &mut merged {
+            None => merged = Some(m),
+            Some(all) => {
+                if all.mesh != m.mesh || all.recipe != m.recipe {
+                    return Err(ferr(
+                        p,
+                        "fragment disagrees with the first fragment on the mesh or the recipe",
+                    ));
+                }
+                all.tensors.extend(m.tensors);
+            }
+        }
+    }
+    let merged = merged.ok_or_else(|| ferr(&mpath, "no fragments"))?;
+    Ok((merged, dir.join("manifest.rank*.json")))
+}
+
 /// An open trace directory: the manifest, validated against the files' headers.
 #[derive(Debug)]
 pub struct TraceDir {
@@ -238,14 +286,13 @@ pub struct TraceDir {
 }
 
 impl TraceDir {
-    /// Open `dir`: read `manifest.json`, open every file's header, and check that each entry's
+    /// Open `dir`: read `manifest.json` (or, when it is absent, the per-rank fragments
+    /// `manifest.rank{r}.json` that distributed dumpers write, see [`read_manifest`]), open
+    /// every file's header, and check that each entry's
     /// tensor exists with the declared dtype, that every id is present once per rank, and
     /// that all ranks agree on its layout.
     pub fn open(dir: &Path) -> Result<TraceDir> {
-        let mpath = dir.join("manifest.json");
-        let text = std::fs::read_to_string(&mpath)
-            .map_err(|e| ferr(&mpath, format!("cannot read: {e}")))?;
-        let manifest = Manifest::parse(&text, &mpath)?;
+        let (manifest, mpath) = read_manifest(dir)?;
         let mut files = HashMap::new();
         let mut by_id: BTreeMap<String, Vec<Option<usize>>> = BTreeMap::new();
         let mut order = vec![];

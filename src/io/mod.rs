@@ -5,5 +5,5 @@ pub mod manifest;
 pub mod npy;
 pub mod safetensors;
 
-pub use manifest::{write_trace_dir, Manifest, ManifestEntry, ModuleInfo, TraceDir};
+pub use manifest::{read_manifest, write_trace_dir, Manifest, ManifestEntry, ModuleInfo, TraceDir};
 pub use safetensors::SafetensorsFile;
