@@ -129,12 +129,13 @@ fn gather(
         Err(e) => return Err(e),
     };
     let mut verdict = compare_tensor(id, &r, &c, 0.0, eps);
-    let (mut d2, mut r2) = (0.0, 0.0);
+    let (mut d2, mut r2, mut rmax) = (0.0, 0.0, 0.0f64);
     if r.shape() == c.shape() {
         for (&a, &b) in r.values().iter().zip(c.values()) {
             if a.is_finite() && b.is_finite() {
                 d2 += (b - a) * (b - a);
                 r2 += a * a;
+                rmax = rmax.max(a.abs());
             }
         }
     }
@@ -153,6 +154,7 @@ fn gather(
         && role(id).is_some_and(|x| !x.produced && x.pass == Pass::Forward);
     let stat = TensorStat {
         ref_norm: r2.sqrt(),
+        ref_max_abs: rmax,
         diff_norm,
         elements: r.len(),
         last_dim,
