@@ -937,7 +937,22 @@ fn validate(
     Ok(report.total.false_alarms == 0 && report.localizer_false_alarms == 0)
 }
 
+/// Keep large buffers in the heap once freed: `ttrace check` allocates one buffer per tensor of
+/// a trace (tens of MB each), and glibc's default of serving such sizes with fresh `mmap`s
+/// makes the kernel zero every page again for every tensor (profiled: about a third of the
+/// check's time). Raising the mmap and trim thresholds lets freed buffers be reused.
+fn keep_freed_buffers() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator tuning parameters; it is called before any other
+    // thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 512 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+    }
+}
+
 fn main() -> ExitCode {
+    keep_freed_buffers();
     let cli = Cli::parse();
     let mut cli_extra: Option<ExitCode> = None;
     let result = match cli.command {

@@ -25,7 +25,7 @@ use std::path::Path;
 use serde::Serialize;
 
 use crate::check::price::{norm_gain, price_local, role, PriceContext, Pricing, TensorStat};
-use crate::check::{apply_threshold, compare_tensor, CheckReport, TensorVerdict};
+use crate::check::{apply_threshold, compare_with_sums, CheckReport, TensorVerdict};
 use crate::engine::model::ModuleKind;
 use crate::engine::policy::{Pass, Recipe};
 use crate::error::{Error, Result};
@@ -128,17 +128,8 @@ fn gather(
         }
         Err(e) => return Err(e),
     };
-    let mut verdict = compare_tensor(id, &r, &c, 0.0, eps);
-    let (mut d2, mut r2, mut rmax) = (0.0, 0.0, 0.0f64);
-    if r.shape() == c.shape() {
-        for (&a, &b) in r.values().iter().zip(c.values()) {
-            if a.is_finite() && b.is_finite() {
-                d2 += (b - a) * (b - a);
-                r2 += a * a;
-                rmax = rmax.max(a.abs());
-            }
-        }
-    }
+    let (mut verdict, sums) = compare_with_sums(id, &r, &c, 0.0, eps);
+    let (d2, r2, rmax) = (sums.d2, sums.r2, sums.rmax);
     let mut diff_norm = d2.sqrt();
     if let Some(p) = problem {
         verdict.problem = Some(p);

@@ -101,6 +101,28 @@ pub fn compare_tensor(
     threshold_abs: f64,
     eps: f64,
 ) -> TensorVerdict {
+    compare_with_sums(id, reference, candidate, threshold_abs, eps).0
+}
+
+/// Sums gathered by one comparison pass over the finite pairs.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Sums {
+    /// Σ (c − r)².
+    pub d2: f64,
+    /// Σ r².
+    pub r2: f64,
+    /// max |r|.
+    pub rmax: f64,
+}
+
+/// [`compare_tensor`], also returning its sums (one pass over the data).
+pub(crate) fn compare_with_sums(
+    id: &str,
+    reference: &Tensor,
+    candidate: &Tensor,
+    threshold_abs: f64,
+    eps: f64,
+) -> (TensorVerdict, Sums) {
     let mut verdict = TensorVerdict {
         id: id.to_string(),
         elements: reference.len(),
@@ -121,39 +143,170 @@ pub fn compare_tensor(
             candidate.shape(),
             reference.shape()
         ));
-        return verdict;
+        return (verdict, Sums::default());
     }
-    let fmt = reference.format();
-    let (mut d2, mut r2) = (0.0, 0.0);
-    for (i, (&r, &c)) in reference
-        .values()
-        .iter()
-        .zip(candidate.values())
-        .enumerate()
-    {
-        if !(r.is_finite() && c.is_finite()) {
-            let same = (r.is_nan() && c.is_nan()) || r == c;
-            if !same {
-                verdict.nonfinite_mismatches += 1;
-                verdict.first_nonfinite.get_or_insert(i);
+    let st = pass_fast(
+        reference.values(),
+        candidate.values(),
+        reference.format(),
+        candidate.format(),
+    );
+    verdict.max_abs = st.max_abs;
+    verdict.max_ulp = st.max_ulp;
+    verdict.nonfinite_mismatches = st.nonfinite_mismatches;
+    verdict.first_nonfinite = st.first_nonfinite;
+    apply_threshold(&mut verdict, st.d2.sqrt(), st.r2.sqrt(), threshold_abs);
+    verdict.rel_error_eps = verdict.rel_error / eps;
+    let (d2, r2, rmax) = (st.d2, st.r2, st.rmax);
+    (verdict, Sums { d2, r2, rmax })
+}
+
+/// Everything one comparison pass gathers. Sums run in 8 lanes (element i goes to lane i mod
+/// 8, each lane summed in index order, lanes combined pairwise at the end), which fixes the
+/// result bit for bit and lets the fast path use vector instructions.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub(crate) struct PassStats {
+    pub d2: f64,
+    pub r2: f64,
+    pub rmax: f64,
+    pub max_abs: f64,
+    pub max_ulp: u64,
+    pub nonfinite_mismatches: usize,
+    pub first_nonfinite: Option<usize>,
+}
+
+fn combine_lanes(l: [f64; 8]) -> f64 {
+    ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
+}
+
+fn ulp_distance(rf: Format, cf: Format, r: f64, c: f64) -> u64 {
+    match (ordinal(rf, r), ordinal(cf, c)) {
+        (Some(a), Some(b)) if rf == cf => (a - b).unsigned_abs() as u64,
+        _ => u64::MAX,
+    }
+}
+
+/// The comparison pass, written plainly: one loop, a branch per element. Non-finite pairs are
+/// left out of the sums (identical NaN/NaN or equal infinities agree; anything else is a
+/// mismatch); the ulp distance is taken over the differing finite pairs.
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) fn pass_simple(r: &[f64], c: &[f64], rf: Format, cf: Format) -> PassStats {
+    let mut st = PassStats::default();
+    let (mut d2, mut r2) = ([0.0f64; 8], [0.0f64; 8]);
+    for (i, (&a, &b)) in r.iter().zip(c).enumerate() {
+        if !(a.is_finite() && b.is_finite()) {
+            if !((a.is_nan() && b.is_nan()) || a == b) {
+                st.nonfinite_mismatches += 1;
+                st.first_nonfinite.get_or_insert(i);
             }
             continue;
         }
-        let d = c - r;
-        d2 += d * d;
-        r2 += r * r;
-        verdict.max_abs = verdict.max_abs.max(d.abs());
+        let d = b - a;
+        d2[i % 8] += d * d;
+        r2[i % 8] += a * a;
+        st.rmax = st.rmax.max(a.abs());
+        st.max_abs = st.max_abs.max(d.abs());
         if d != 0.0 {
-            let u = match (ordinal(fmt, r), ordinal(candidate.format(), c)) {
-                (Some(a), Some(b)) if candidate.format() == fmt => (a - b).unsigned_abs() as u64,
-                _ => u64::MAX,
-            };
-            verdict.max_ulp = verdict.max_ulp.max(u);
+            st.max_ulp = st.max_ulp.max(ulp_distance(rf, cf, a, b));
         }
     }
-    apply_threshold(&mut verdict, d2.sqrt(), r2.sqrt(), threshold_abs);
-    verdict.rel_error_eps = verdict.rel_error / eps;
-    verdict
+    st.d2 = combine_lanes(d2);
+    st.r2 = combine_lanes(r2);
+    st
+}
+
+/// [`pass_simple`] in two loops: a branch-free one over 8-element blocks (sums, maxima, and
+/// flags for "some pair differs" and "some value is not finite") that compiles to vector
+/// instructions, then, only when needed, a scalar scan for ulp distances and non-finite
+/// mismatches. Bit-identical to [`pass_simple`] (property test `fast_pass_is_the_simple_pass`).
+pub(crate) fn pass_fast(r: &[f64], c: &[f64], rf: Format, cf: Format) -> PassStats {
+    let n = r.len().min(c.len());
+    let (r, c) = (&r[..n], &c[..n]);
+    let (mut d2, mut r2) = ([0.0f64; 8], [0.0f64; 8]);
+    let (mut rmax, mut dmax) = ([0.0f64; 8], [0.0f64; 8]);
+    let (mut differs, mut nonfinite) = (false, false);
+    // F32 and BF16 ordinals are cheap bit operations on the f32 pattern: computed in the
+    // vector loop (0 for equal or non-finite pairs), so no scalar scan is needed for them.
+    let shift = match (rf, cf) {
+        (Format::F32, Format::F32) => Some(0),
+        (Format::BF16, Format::BF16) => Some(16),
+        _ => None,
+    };
+    let ord = |x: f64, sh: u32| -> i64 {
+        let bits = (x as f32).to_bits() >> sh;
+        let sign = 1u32 << (31 - sh);
+        let mag = i64::from(bits & (sign - 1));
+        if bits & sign != 0 {
+            -mag
+        } else {
+            mag
+        }
+    };
+    let mut umax = [0u64; 8];
+    let lane = |i: usize,
+                a: f64,
+                b: f64,
+                d2: &mut [f64; 8],
+                r2: &mut [f64; 8],
+                rmax: &mut [f64; 8],
+                dmax: &mut [f64; 8]|
+     -> (bool, bool) {
+        let finite = a.is_finite() & b.is_finite();
+        let d = if finite { b - a } else { 0.0 };
+        let aa = if finite { a } else { 0.0 };
+        d2[i] += d * d;
+        r2[i] += aa * aa;
+        rmax[i] = rmax[i].max(aa.abs());
+        dmax[i] = dmax[i].max(d.abs());
+        (d != 0.0, !finite)
+    };
+    let ulps = |a: f64, b: f64, sh: u32| -> u64 {
+        let finite = a.is_finite() & b.is_finite();
+        let (a, b) = if finite { (a, b) } else { (0.0, 0.0) };
+        (ord(a, sh) - ord(b, sh)).unsigned_abs()
+    };
+    let blocks = n / 8 * 8;
+    for (rb, cb) in r[..blocks].chunks_exact(8).zip(c[..blocks].chunks_exact(8)) {
+        for l in 0..8 {
+            let (x, y) = lane(l, rb[l], cb[l], &mut d2, &mut r2, &mut rmax, &mut dmax);
+            differs |= x;
+            nonfinite |= y;
+        }
+        if let Some(sh) = shift {
+            for l in 0..8 {
+                umax[l] = umax[l].max(ulps(rb[l], cb[l], sh));
+            }
+        }
+    }
+    for i in blocks..n {
+        let (x, y) = lane(i % 8, r[i], c[i], &mut d2, &mut r2, &mut rmax, &mut dmax);
+        differs |= x;
+        nonfinite |= y;
+        if let Some(sh) = shift {
+            umax[i % 8] = umax[i % 8].max(ulps(r[i], c[i], sh));
+        }
+    }
+    let mut st = PassStats {
+        d2: combine_lanes(d2),
+        r2: combine_lanes(r2),
+        rmax: rmax.iter().fold(0.0f64, |m, &x| m.max(x)),
+        max_abs: dmax.iter().fold(0.0f64, |m, &x| m.max(x)),
+        max_ulp: umax.iter().copied().max().unwrap_or(0),
+        ..PassStats::default()
+    };
+    if (differs && shift.is_none()) || nonfinite {
+        for (i, (&a, &b)) in r.iter().zip(c).enumerate() {
+            if a.is_finite() && b.is_finite() {
+                if a != b && shift.is_none() {
+                    st.max_ulp = st.max_ulp.max(ulp_distance(rf, cf, a, b));
+                }
+            } else if !((a.is_nan() && b.is_nan()) || a == b) {
+                st.nonfinite_mismatches += 1;
+                st.first_nonfinite.get_or_insert(i);
+            }
+        }
+    }
+    st
 }
 
 /// Fill a verdict's error, threshold, ratio and pass columns from ‖cand − ref‖_F = `dn`,
@@ -355,5 +508,51 @@ mod tests {
         th.insert("b|fwd.output.0".to_string(), 1.0);
         let rep = check(&reference, &candidate, &[], &ids[..2], &th, 1.0);
         assert!(rep.passed() && render_check(&rep).starts_with("PASS"));
+    }
+}
+
+#[cfg(test)]
+mod pass_tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn value(pick: u8, x: f64) -> f64 {
+        match pick % 16 {
+            0 => f64::NAN,
+            1 => f64::INFINITY,
+            2 => f64::NEG_INFINITY,
+            3 => 0.0,
+            4 => -0.0,
+            _ => x,
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        /// The vectorizable comparison pass gives exactly the plain pass's numbers (bit for
+        /// bit, maxima, ulp distance, non-finite mismatches and the first one's index), on
+        /// pairs that agree, differ slightly, differ wildly or hold NaN/±∞/±0.
+        #[test]
+        fn fast_pass_is_the_simple_pass(
+            pairs in prop::collection::vec((any::<u8>(), any::<u8>(), -1e3f64..1e3, 0u8..4), 0..60),
+            bf16 in any::<bool>())
+        {
+            let f = if bf16 { Format::BF16 } else { Format::F32 };
+            let r: Vec<f64> = pairs.iter().map(|&(p, _, x, _)| f.round(value(p, x), crate::Overflow::NonSaturating)).collect();
+            let c: Vec<f64> = pairs.iter().zip(&r).map(|(&(_, q, x, k), &a)| match k {
+                0 => a,
+                1 => f.round(a * (1.0 + 1e-2), crate::Overflow::NonSaturating),
+                2 => f.round(value(q, x * 3.0), crate::Overflow::NonSaturating),
+                _ => f.round(-a, crate::Overflow::NonSaturating),
+            }).collect();
+            let (s, q) = (pass_simple(&r, &c, f, f), pass_fast(&r, &c, f, f));
+            prop_assert_eq!(s.d2.to_bits(), q.d2.to_bits());
+            prop_assert_eq!(s.r2.to_bits(), q.r2.to_bits());
+            prop_assert_eq!(s.rmax.to_bits(), q.rmax.to_bits());
+            prop_assert_eq!(s.max_abs.to_bits(), q.max_abs.to_bits());
+            prop_assert_eq!(s.max_ulp, q.max_ulp);
+            prop_assert_eq!(s.nonfinite_mismatches, q.nonfinite_mismatches);
+            prop_assert_eq!(s.first_nonfinite, q.first_nonfinite);
+        }
     }
 }

@@ -29,7 +29,7 @@ use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::io::{npy, safetensors};
-use crate::shard::layout::{merge, Layout, Mesh};
+use crate::shard::layout::{merge_owned, Layout, Mesh};
 
 /// The schema version this library writes and reads.
 pub const VERSION: u64 = 1;
@@ -432,7 +432,7 @@ impl TraceDir {
     /// The merged logical tensor of an id (see [`merge`]).
     pub fn logical(&mut self, id: &str) -> Result<Tensor> {
         let (shards, layout) = self.shards(id)?;
-        merge(&shards, &layout, &self.manifest.mesh, id, None)
+        merge_owned(shards, &layout, &self.manifest.mesh, id, None)
     }
 }
 

@@ -86,28 +86,30 @@ pub fn decode_values(bytes: &[u8], f: Format) -> Result<Vec<f64>> {
             .chunks_exact(8)
             .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
             .collect()),
-        // Finite values through f32 (exact); NaNs through the format's own decoder, which
-        // keeps their payload (an f32 → f64 conversion would quiet a signalling NaN).
+        // Every value through f32 (exact for non-NaNs, and vectorizable); then NaNs again
+        // through the format's own decoder, which keeps their payload (an f32 → f64
+        // conversion would quiet a signalling NaN).
         Format::F32 | Format::BF16 => {
             let size = element_size(f);
-            bytes
+            let bits = |c: &[u8]| {
+                if size == 4 {
+                    u32::from_le_bytes([c[0], c[1], c[2], c[3]])
+                } else {
+                    // A BF16 pattern is the top half of the FP32 pattern of its value.
+                    u32::from(u16::from_le_bytes([c[0], c[1]])) << 16
+                }
+            };
+            let mut out: Vec<f64> = bytes
                 .chunks_exact(size)
-                .map(|c| {
-                    let bits = if size == 4 {
-                        u32::from_le_bytes([c[0], c[1], c[2], c[3]])
-                    } else {
-                        // A BF16 pattern is the top half of the FP32 pattern of its value.
-                        u32::from(u16::from_le_bytes([c[0], c[1]])) << 16
-                    };
-                    let x = f32::from_bits(bits);
-                    if x.is_nan() {
-                        let raw = if size == 4 { bits } else { bits >> 16 };
-                        f.decode(u64::from(raw))
-                    } else {
-                        Ok(f64::from(x))
-                    }
-                })
-                .collect()
+                .map(|c| f64::from(f32::from_bits(bits(c))))
+                .collect();
+            for (x, c) in out.iter_mut().zip(bytes.chunks_exact(size)) {
+                if x.is_nan() {
+                    let raw = bits(c) >> (32 - 8 * size as u32);
+                    *x = f.decode(u64::from(raw))?;
+                }
+            }
+            Ok(out)
         }
         _ => {
             let size = element_size(f);
@@ -142,6 +144,8 @@ pub struct SafetensorsFile {
     data_start: u64,
     entries: BTreeMap<String, Entry>,
     metadata: BTreeMap<String, String>,
+    /// Read buffer reused across reads (no fresh pages per tensor).
+    scratch: Vec<u8>,
 }
 
 impl SafetensorsFile {
@@ -250,6 +254,7 @@ impl SafetensorsFile {
             data_start,
             entries,
             metadata,
+            scratch: Vec::new(),
         })
     }
 
@@ -270,12 +275,14 @@ impl SafetensorsFile {
             .get(name)
             .ok_or_else(|| err(&self.path, format!("no tensor named '{name}'")))?
             .clone();
-        let mut bytes = vec![0u8; (e.range.1 - e.range.0) as usize];
+        let len = (e.range.1 - e.range.0) as usize;
+        self.scratch.resize(len, 0);
+        let bytes = &mut self.scratch[..len];
         self.file
             .seek(SeekFrom::Start(self.data_start + e.range.0))
-            .and_then(|_| self.file.read_exact(&mut bytes))
+            .and_then(|_| self.file.read_exact(bytes))
             .map_err(|er| err(&self.path, format!("reading '{name}': {er}")))?;
-        let values = decode_values(&bytes, e.format)?;
+        let values = decode_values(bytes, e.format)?;
         // Decoded patterns are values of the format by construction.
         Ok(Tensor::from_parts_unchecked(&e.shape, values, e.format))
     }

@@ -21,6 +21,8 @@
 //! * `Partial` — the logical tensor is the sum of the ranks' tensors. Merging sums exactly (long
 //!   accumulator) and rounds once to the tensor's format.
 
+use std::borrow::Cow;
+
 use serde::{Deserialize, Serialize};
 
 use crate::engine::tensor::Tensor;
@@ -313,8 +315,14 @@ fn cut(t: &Tensor, p: Placement, parts: usize, id: &str) -> Result<Vec<Tensor>> 
 }
 
 /// Join the `pieces` of one axis (in axis order) back into one tensor.
-fn join(pieces: &[&Tensor], p: Placement, id: &str, axis: Axis, ranks: &[usize]) -> Result<Tensor> {
-    let first = pieces[0];
+fn join(
+    mut pieces: Vec<Cow<'_, Tensor>>,
+    p: Placement,
+    id: &str,
+    axis: Axis,
+    ranks: &[usize],
+) -> Result<Tensor> {
+    let first: &Tensor = &pieces[0];
     for (k, t) in pieces.iter().enumerate() {
         if t.shape() != first.shape() {
             return Err(layout_err(
@@ -361,14 +369,15 @@ fn join(pieces: &[&Tensor], p: Placement, id: &str, axis: Axis, ranks: &[usize])
                     });
                 }
             }
-            Ok(first.clone())
+            // Moved when owned (merged along an earlier axis, or given by value).
+            Ok(pieces.swap_remove(0).into_owned())
         }
         Placement::Partial => {
             let n = first.len();
             let mut out = Vec::with_capacity(n);
             for i in 0..n {
                 let mut acc = ExactAccumulator::new();
-                for t in pieces {
+                for t in &pieces {
                     acc.add(t.values()[i]);
                 }
                 out.push(first.format().round(acc.to_f64(), Overflow::NonSaturating));
@@ -433,6 +442,40 @@ pub fn merge(
     id: &str,
     expected: Option<&[usize]>,
 ) -> Result<Tensor> {
+    merge_cow(
+        shards.iter().map(Cow::Borrowed).collect(),
+        layout,
+        mesh,
+        id,
+        expected,
+    )
+}
+
+/// [`merge`] taking the shards by value: replicated shards are moved, not copied (the
+/// checker's path, where tensors are large and read from files).
+pub fn merge_owned(
+    shards: Vec<Tensor>,
+    layout: &Layout,
+    mesh: &Mesh,
+    id: &str,
+    expected: Option<&[usize]>,
+) -> Result<Tensor> {
+    merge_cow(
+        shards.into_iter().map(Cow::Owned).collect(),
+        layout,
+        mesh,
+        id,
+        expected,
+    )
+}
+
+fn merge_cow(
+    shards: Vec<Cow<'_, Tensor>>,
+    layout: &Layout,
+    mesh: &Mesh,
+    id: &str,
+    expected: Option<&[usize]>,
+) -> Result<Tensor> {
     if shards.len() != mesh.world() {
         return Err(layout_err(
             id,
@@ -444,6 +487,7 @@ pub fn merge(
             ),
         ));
     }
+    let mut slots: Vec<Option<Cow<'_, Tensor>>> = shards.into_iter().map(Some).collect();
     let mut per_dp = Vec::with_capacity(mesh.dp);
     for d in 0..mesh.dp {
         let mut per_cp = Vec::with_capacity(mesh.cp);
@@ -457,8 +501,11 @@ pub fn merge(
                     })
                 })
                 .collect();
-            let pieces: Vec<&Tensor> = ranks.iter().map(|&r| &shards[r]).collect();
-            per_cp.push(join(&pieces, layout.tp, id, Axis::Tp, &ranks)?);
+            let pieces: Vec<Cow<'_, Tensor>> = ranks
+                .iter()
+                .map(|&r| slots[r].take().unwrap_or_else(|| unreachable!()))
+                .collect();
+            per_cp.push(Cow::Owned(join(pieces, layout.tp, id, Axis::Tp, &ranks)?));
         }
         let ranks: Vec<usize> = (0..mesh.cp)
             .map(|c| {
@@ -469,8 +516,7 @@ pub fn merge(
                 })
             })
             .collect();
-        let pieces: Vec<&Tensor> = per_cp.iter().collect();
-        per_dp.push(join(&pieces, layout.cp, id, Axis::Cp, &ranks)?);
+        per_dp.push(Cow::Owned(join(per_cp, layout.cp, id, Axis::Cp, &ranks)?));
     }
     let ranks: Vec<usize> = (0..mesh.dp)
         .map(|d| {
@@ -481,8 +527,7 @@ pub fn merge(
             })
         })
         .collect();
-    let pieces: Vec<&Tensor> = per_dp.iter().collect();
-    let merged = join(&pieces, layout.dp, id, Axis::Dp, &ranks)?;
+    let merged = join(per_dp, layout.dp, id, Axis::Dp, &ranks)?;
     if let Some(e) = expected {
         if merged.shape() != e {
             return Err(layout_err(
