@@ -24,7 +24,9 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::check::price::{norm_gain, price_local, role, PriceContext, Pricing, TensorStat};
+use crate::check::price::{
+    norm_gain, price_local, role, InputIndex, PriceContext, Pricing, TensorStat,
+};
 use crate::check::{apply_threshold, compare_with_sums, CheckReport, TensorVerdict};
 use crate::engine::model::ModuleKind;
 use crate::engine::policy::{Pass, Recipe};
@@ -230,6 +232,7 @@ fn finish(
         log_inv_delta: (1e6f64).ln(),
     };
     let stat = |j: &str| by_id.get(j).map(|g| g.stat.clone());
+    let index = InputIndex::new(&plan.ids);
     let _ = plan.train;
     // Consumed ids (module inputs, arriving gradients) are other modules' outputs under the
     // naming convention, except across a collective or at the model's inputs: they are judged
@@ -258,7 +261,7 @@ fn finish(
         let priced = match (mode, producer.get(id)) {
             _ if !produced => (0.0, Pricing::ModelInput),
             (PricingMode::Auto, Some(&t)) => (t, Pricing::Producer),
-            _ => match price_local(id, &plan.ids, &stat, &ctx) {
+            _ => match price_local(id, &index, &stat, &ctx) {
                 Some(p) => (p.threshold, p.pricing),
                 None => (
                     4.0 * 1.03f64.powi(plan.depth as i32) * plan.eps * g.stat.ref_norm,

@@ -219,85 +219,123 @@ pub(crate) fn pass_simple(r: &[f64], c: &[f64], rf: Format, cf: Format) -> PassS
 /// flags for "some pair differs" and "some value is not finite") that compiles to vector
 /// instructions, then, only when needed, a scalar scan for ulp distances and non-finite
 /// mismatches. Bit-identical to [`pass_simple`] (property test `fast_pass_is_the_simple_pass`).
+/// Compiled for AVX2 when the CPU has it (the same operations: IEEE adds, multiplies, maxima
+/// and conversions give identical results on any instruction set).
 pub(crate) fn pass_fast(r: &[f64], c: &[f64], rf: Format, cf: Format) -> PassStats {
-    let n = r.len().min(c.len());
-    let (r, c) = (&r[..n], &c[..n]);
-    let (mut d2, mut r2) = ([0.0f64; 8], [0.0f64; 8]);
-    let (mut rmax, mut dmax) = ([0.0f64; 8], [0.0f64; 8]);
-    let (mut differs, mut nonfinite) = (false, false);
-    // F32 and BF16 ordinals are cheap bit operations on the f32 pattern: computed in the
-    // vector loop (0 for equal or non-finite pairs), so no scalar scan is needed for them.
-    let shift = match (rf, cf) {
-        (Format::F32, Format::F32) => Some(0),
-        (Format::BF16, Format::BF16) => Some(16),
-        _ => None,
-    };
-    let ord = |x: f64, sh: u32| -> i64 {
-        let bits = (x as f32).to_bits() >> sh;
-        let sign = 1u32 << (31 - sh);
-        let mag = i64::from(bits & (sign - 1));
-        if bits & sign != 0 {
-            -mag
-        } else {
-            mag
-        }
-    };
-    let mut umax = [0u64; 8];
-    let lane = |i: usize,
-                a: f64,
-                b: f64,
-                d2: &mut [f64; 8],
-                r2: &mut [f64; 8],
-                rmax: &mut [f64; 8],
-                dmax: &mut [f64; 8]|
-     -> (bool, bool) {
-        let finite = a.is_finite() & b.is_finite();
-        let d = if finite { b - a } else { 0.0 };
-        let aa = if finite { a } else { 0.0 };
-        d2[i] += d * d;
-        r2[i] += aa * aa;
-        rmax[i] = rmax[i].max(aa.abs());
-        dmax[i] = dmax[i].max(d.abs());
-        (d != 0.0, !finite)
-    };
-    let ulps = |a: f64, b: f64, sh: u32| -> u64 {
-        let finite = a.is_finite() & b.is_finite();
-        let (a, b) = if finite { (a, b) } else { (0.0, 0.0) };
-        (ord(a, sh) - ord(b, sh)).unsigned_abs()
-    };
-    let blocks = n / 8 * 8;
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2, checked just above.
+        return unsafe { pass_fast_avx2(r, c, rf, cf) };
+    }
+    pass_fast_body(r, c, rf, cf)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn pass_fast_avx2(r: &[f64], c: &[f64], rf: Format, cf: Format) -> PassStats {
+    pass_fast_body(r, c, rf, cf)
+}
+
+/// Per-lane accumulators of the fast pass.
+struct Lanes {
+    d2: [f64; 8],
+    r2: [f64; 8],
+    rmax: [f64; 8],
+    dmax: [f64; 8],
+    umax: [i64; 8],
+    nonfinite: [u64; 8],
+}
+
+const EXP_BITS: u64 = 0x7ff0_0000_0000_0000;
+
+/// Ordinal of an F32 (SH = 0) or BF16 (SH = 16) value on its ordered grid.
+#[inline(always)]
+fn ord32<const SH: u32>(x: f64) -> i64 {
+    let bits = (x as f32).to_bits() >> SH;
+    let sign = 1u32 << (31 - SH);
+    let mag = i64::from(bits & (sign - 1));
+    let neg = -i64::from(bits >> (31 - SH));
+    (mag ^ neg) - neg
+}
+
+/// One element into lane `l`: branch-free (selects, not jumps), so the block loop vectorizes.
+#[inline(always)]
+fn lane<const ULP: bool, const SH: u32>(acc: &mut Lanes, l: usize, a: f64, b: f64) {
+    let finite = (a.to_bits() & EXP_BITS != EXP_BITS) & (b.to_bits() & EXP_BITS != EXP_BITS);
+    let d = if finite { b - a } else { 0.0 };
+    let aa = if finite { a } else { 0.0 };
+    acc.d2[l] += d * d;
+    acc.r2[l] += aa * aa;
+    let (ab, db) = (aa.abs(), d.abs());
+    acc.rmax[l] = if ab > acc.rmax[l] { ab } else { acc.rmax[l] };
+    acc.dmax[l] = if db > acc.dmax[l] { db } else { acc.dmax[l] };
+    acc.nonfinite[l] += u64::from(!finite);
+    if ULP {
+        let bb = if finite { b } else { 0.0 };
+        // Signed 64-bit lanes (|distance| < 2^33): AVX2 compares signed 64-bit integers.
+        let u = ord32::<SH>(aa) - ord32::<SH>(bb);
+        let m = u >> 63;
+        let u = (u ^ m) - m;
+        acc.umax[l] = if u > acc.umax[l] { u } else { acc.umax[l] };
+    }
+}
+
+#[inline(always)]
+fn lanes_over<const ULP: bool, const SH: u32>(r: &[f64], c: &[f64], acc: &mut Lanes) {
+    let blocks = r.len() / 8 * 8;
     for (rb, cb) in r[..blocks].chunks_exact(8).zip(c[..blocks].chunks_exact(8)) {
         for l in 0..8 {
-            let (x, y) = lane(l, rb[l], cb[l], &mut d2, &mut r2, &mut rmax, &mut dmax);
-            differs |= x;
-            nonfinite |= y;
-        }
-        if let Some(sh) = shift {
-            for l in 0..8 {
-                umax[l] = umax[l].max(ulps(rb[l], cb[l], sh));
-            }
+            lane::<ULP, SH>(acc, l, rb[l], cb[l]);
         }
     }
-    for i in blocks..n {
-        let (x, y) = lane(i % 8, r[i], c[i], &mut d2, &mut r2, &mut rmax, &mut dmax);
-        differs |= x;
-        nonfinite |= y;
-        if let Some(sh) = shift {
-            umax[i % 8] = umax[i % 8].max(ulps(r[i], c[i], sh));
-        }
+    for i in blocks..r.len() {
+        lane::<ULP, SH>(acc, i % 8, r[i], c[i]);
     }
+}
+
+#[inline(always)]
+fn pass_fast_body(r: &[f64], c: &[f64], rf: Format, cf: Format) -> PassStats {
+    let n = r.len().min(c.len());
+    let (r, c) = (&r[..n], &c[..n]);
+    let mut acc = Lanes {
+        d2: [0.0; 8],
+        r2: [0.0; 8],
+        rmax: [0.0; 8],
+        dmax: [0.0; 8],
+        umax: [0; 8],
+        nonfinite: [0; 8],
+    };
+    // F32 and BF16 ordinals are cheap bit operations on the f32 pattern: computed in the
+    // vector loop (0 for equal or non-finite pairs); other formats get a scalar scan.
+    let in_loop = match (rf, cf) {
+        (Format::F32, Format::F32) => {
+            lanes_over::<true, 0>(r, c, &mut acc);
+            true
+        }
+        (Format::BF16, Format::BF16) => {
+            lanes_over::<true, 16>(r, c, &mut acc);
+            true
+        }
+        _ => {
+            lanes_over::<false, 0>(r, c, &mut acc);
+            false
+        }
+    };
+    let max = |l: &[f64; 8]| l.iter().fold(0.0f64, |m, &x| m.max(x));
     let mut st = PassStats {
-        d2: combine_lanes(d2),
-        r2: combine_lanes(r2),
-        rmax: rmax.iter().fold(0.0f64, |m, &x| m.max(x)),
-        max_abs: dmax.iter().fold(0.0f64, |m, &x| m.max(x)),
-        max_ulp: umax.iter().copied().max().unwrap_or(0),
+        d2: combine_lanes(acc.d2),
+        r2: combine_lanes(acc.r2),
+        rmax: max(&acc.rmax),
+        max_abs: max(&acc.dmax),
+        max_ulp: acc.umax.iter().copied().max().unwrap_or(0) as u64,
         ..PassStats::default()
     };
-    if (differs && shift.is_none()) || nonfinite {
+    let differs = st.max_abs > 0.0;
+    let nonfinite = acc.nonfinite.iter().any(|&k| k > 0);
+    if (differs && !in_loop) || nonfinite {
         for (i, (&a, &b)) in r.iter().zip(c).enumerate() {
             if a.is_finite() && b.is_finite() {
-                if a != b && shift.is_none() {
+                if a != b && !in_loop {
                     st.max_ulp = st.max_ulp.max(ulp_distance(rf, cf, a, b));
                 }
             } else if !((a.is_nan() && b.is_nan()) || a == b) {

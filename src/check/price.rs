@@ -229,17 +229,54 @@ pub fn role(id: &str) -> Option<Role> {
 /// The traced inputs of a produced id: the module's forward inputs, and for backward tensors
 /// also its arriving output gradients (the ids present in `ids`).
 pub fn inputs_of<'a>(id: &str, ids: &'a [String]) -> Vec<&'a String> {
-    let Some(r) = role(id) else {
-        return vec![];
-    };
-    if !r.produced {
-        return vec![];
+    InputIndex::new(ids).of(id)
+}
+
+/// Every module's traced forward inputs and arriving gradients, in trace order, so that
+/// [`price_local`] finds a tensor's inputs without scanning the trace.
+#[derive(Debug, Clone, Default)]
+pub struct InputIndex<'a> {
+    fwd: std::collections::HashMap<&'a str, Vec<&'a String>>,
+    bwd: std::collections::HashMap<&'a str, Vec<&'a String>>,
+}
+
+impl<'a> InputIndex<'a> {
+    /// Index the consumed ids of a trace.
+    pub fn new(ids: &'a [String]) -> InputIndex<'a> {
+        let mut index = InputIndex::default();
+        for id in ids {
+            let Some((module, what)) = id.split_once('|') else {
+                continue;
+            };
+            let map = if what.starts_with("fwd.input.") {
+                &mut index.fwd
+            } else if what.starts_with("grad.output.") {
+                &mut index.bwd
+            } else {
+                continue;
+            };
+            if role(id).is_some() {
+                map.entry(module).or_default().push(id);
+            }
+        }
+        index
     }
-    let fwd = format!("{}|fwd.input.", r.module);
-    let bwd = format!("{}|grad.output.", r.module);
-    ids.iter()
-        .filter(|j| j.starts_with(&fwd) || (r.pass == Pass::Backward && j.starts_with(&bwd)))
-        .collect()
+
+    /// The traced inputs of a produced id (see [`inputs_of`]); empty for consumed ids and ids
+    /// outside the naming convention.
+    pub fn of(&self, id: &str) -> Vec<&'a String> {
+        let Some(r) = role(id) else {
+            return vec![];
+        };
+        if !r.produced {
+            return vec![];
+        }
+        let mut out = self.fwd.get(r.module.as_str()).cloned().unwrap_or_default();
+        if r.pass == Pass::Backward {
+            out.extend(self.bwd.get(r.module.as_str()).cloned().unwrap_or_default());
+        }
+        out
+    }
 }
 
 fn class(kind: ModuleKind, role: &Role) -> OpClass {
@@ -353,12 +390,13 @@ fn coarser(a: Format, b: Format) -> bool {
 }
 
 /// Price the threshold of the produced tensor `id` by the local model (module docs).
-/// `stat(j)` gives the statistics of any traced id; `None` for an id that is not traced.
+/// `inputs` indexes the trace's consumed ids; `stat(j)` gives the statistics of any traced
+/// id, `None` for an id that is not traced.
 /// Returns `None` when the id has no traced inputs and is not an embedding output (the caller
 /// falls back).
 pub fn price_local(
     id: &str,
-    ids: &[String],
+    inputs: &InputIndex<'_>,
     stat: &dyn Fn(&str) -> Option<TensorStat>,
     ctx: &PriceContext,
 ) -> Option<Priced> {
@@ -366,7 +404,7 @@ pub fn price_local(
     let me = stat(id)?;
     let info = me.module.clone();
     let kind = info.as_ref().map(|m| m.kind);
-    let input_ids = inputs_of(id, ids);
+    let input_ids = inputs.of(id);
     let input_ids: Vec<&String> = input_ids
         .into_iter()
         .filter(|j| stat(j).is_some())
