@@ -1,5 +1,8 @@
 //! Emulated matmul throughput beside ndarray's own f32 matmul (matrixmultiply), in one run.
-//! Run with `cargo bench --bench matmul`.
+//! Run with `MATMUL_NUM_THREADS=1 cargo bench --bench matmul -- threads1` (single thread: the
+//! baseline with one thread, ttrace in a one-thread pool) and `MATMUL_NUM_THREADS=2 cargo bench
+//! --bench matmul -- threads2` (all cores of a 2-core machine; matrixmultiply reads the variable
+//! once per process, hence two runs).
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -16,15 +19,20 @@ fn values(n: usize, seed: u64) -> Vec<f64> {
         .collect()
 }
 
-fn bench_size(c: &mut Criterion, n: usize, generic: bool) {
+fn bench_size(c: &mut Criterion, n: usize, generic: bool, threads: usize) {
     let a = values(n * n, 1);
     let b = values(n * n, 2);
-    let mut g = c.benchmark_group(format!("matmul_{n}"));
+    let mut g = c.benchmark_group(format!("matmul_{n}_threads{threads}"));
     g.throughput(Throughput::Elements((n * n * n) as u64)); // multiply-adds
     g.measurement_time(Duration::from_secs(4)).sample_size(10);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap();
     let a32 = Array2::from_shape_vec((n, n), a.iter().map(|&x| x as f32).collect()).unwrap();
     let b32 = Array2::from_shape_vec((n, n), b.iter().map(|&x| x as f32).collect()).unwrap();
-    g.bench_function("ndarray_f32_dot", |bch| {
+    let mm = std::env::var("MATMUL_NUM_THREADS").unwrap_or_else(|_| "default".into());
+    g.bench_function(format!("ndarray_f32_dot_MATMUL_NUM_THREADS={mm}"), |bch| {
         bch.iter(|| black_box(&a32).dot(black_box(&b32)))
     });
     let ta = Tensor::from_vec(&[n, n], a.clone(), Format::BF16).unwrap();
@@ -66,15 +74,18 @@ fn bench_size(c: &mut Criterion, n: usize, generic: bool) {
     }
     for (name, policy) in cases {
         g.bench_function(name, |bch| {
-            bch.iter(|| matmul(black_box(&ta), black_box(&tb), &policy).unwrap())
+            bch.iter(|| pool.install(|| matmul(black_box(&ta), black_box(&tb), &policy).unwrap()))
         });
     }
     g.finish();
 }
 
 fn benches(c: &mut Criterion) {
-    bench_size(c, 128, true);
-    bench_size(c, 512, false);
+    bench_size(c, 128, true, 1);
+    for threads in [1, 2] {
+        bench_size(c, 512, false, threads);
+        bench_size(c, 1024, false, threads);
+    }
 }
 
 criterion_group!(matmul_benches, benches);

@@ -586,3 +586,69 @@ fn bad_inputs_are_errors_not_panics() {
     assert!(matmul(&a, &Tensor::zeros(&[3, 2], Format::BF16), &bad).is_err());
     assert!(Recipe::by_name("fp9").is_err());
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// The native kernel (6×16 register tiles, FMA for exact products, AVX2 when available)
+    /// gives the generic per-element path's bits for every shape, order and product mode,
+    /// including signed zeros (zero operands) and FP32 inputs with rounded products.
+    #[test]
+    fn native_kernel_is_the_generic_path(
+        m in 1usize..20, k in 1usize..80, n in 1usize..40, seed in any::<u64>(),
+        block in 1usize..40, blocked in any::<bool>(), exact in any::<bool>(), f32_in in any::<bool>(),
+        zeros in 0usize..5)
+    {
+        let input = if f32_in { Format::F32 } else { Format::BF16 };
+        let mut a = seeded(m * k, seed, 2.0);
+        let b = seeded(k * n, seed ^ 1, 2.0);
+        let len = a.len();
+        for i in 0..zeros.min(len) {
+            a[(i * 7) % len] = if i % 2 == 0 { 0.0 } else { -0.0 };
+        }
+        let order = if blocked {
+            Order::Blocked { block, inner: BlockSum::Sequential }
+        } else {
+            Order::Sequential
+        };
+        let products = if exact { Products::Exact } else { Products::Rounded(Format::F32) };
+        let fast = Policy::new(input, Format::F32, Format::F32)
+            .with_order(order)
+            .with_products(products);
+        let mut slow = fast.clone();
+        slow.accumulation.overflow = Overflow::Saturating;
+        let ta = t(&[m, k], a, input);
+        let tb = t(&[k, n], b, input);
+        let c1 = matmul(&ta, &tb, &fast).unwrap();
+        let c2 = matmul(&ta, &tb, &slow).unwrap();
+        let same = c1.values().iter().zip(c2.values()).all(|(x, y)| x.to_bits() == y.to_bits());
+        prop_assert!(same, "{m}x{k}x{n} {:?} {:?} {input}", fast.accumulation.order, products);
+    }
+}
+
+/// A product large enough for the kernel to split rows over threads gives the same bits with
+/// 1, 2 and 3 threads.
+#[test]
+fn parallel_kernel_does_not_depend_on_the_thread_count() {
+    let (m, k, n) = (101, 300, 150); // 4.5M multiply-adds: split into bands of 48 rows
+    let a = t(&[m, k], seeded(m * k, 21, 2.0), Format::BF16);
+    let b = t(&[k, n], seeded(k * n, 22, 2.0), Format::BF16);
+    let p = Policy::new(Format::BF16, Format::F32, Format::F32);
+    let run = |threads: usize| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(|| matmul(&a, &b, &p).unwrap())
+    };
+    let one = run(1);
+    for threads in [2, 3] {
+        let c = run(threads);
+        assert!(
+            one.values()
+                .iter()
+                .zip(c.values())
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{threads} threads"
+        );
+    }
+}

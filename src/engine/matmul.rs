@@ -179,24 +179,8 @@ pub(crate) fn matmul_acc(
         }
     }
     let ov = policy.accumulation.overflow;
-    let qa = quantize(
-        a.values(),
-        [m, k],
-        1,
-        policy.input(),
-        policy.scaling,
-        scale_a,
-        policy.input_overflow(policy.input()),
-    );
-    let qb = quantize(
-        b.values(),
-        [k, n],
-        0,
-        policy.rhs(),
-        policy.scaling,
-        scale_b,
-        policy.input_overflow(policy.rhs()),
-    );
+    let qa = quantize_cow(a, [m, k], 1, policy.input(), policy, scale_a);
+    let qb = quantize_cow(b, [k, n], 0, policy.rhs(), policy, scale_b);
     let mut acc = policy.accumulation.clone();
     // The reduction's input format must contain both operands' values.
     acc.input = widest(qa.format, qb.format);
@@ -208,6 +192,11 @@ pub(crate) fn matmul_acc(
         None
     };
     let mut out = raw;
+    if factor.is_none() && bias.is_none() {
+        // Only the output rounding: the bulk path (bit-identical to `ar.ro` per element).
+        policy.output.round_slice(&mut out, ov);
+        return Ok(Tensor::from_parts_unchecked(&[m, n], out, policy.output));
+    }
     for (idx, v) in out.iter_mut().enumerate() {
         let mut c = *v;
         if let Some(f) = factor {
@@ -219,6 +208,51 @@ pub(crate) fn matmul_acc(
         *v = ar.ro(c);
     }
     Ok(Tensor::from_parts_unchecked(&[m, n], out, policy.output))
+}
+
+/// [`quantize`] without copying when there is nothing to do: the operand's values already
+/// belong to `fmt` (its format is a subset, and no infinity would be saturated) and no FP8
+/// scaling applies — then [`quantize`] would return the same values.
+fn quantize_cow<'a>(
+    t: &'a Tensor,
+    shape: [usize; 2],
+    axis: usize,
+    fmt: Format,
+    policy: &Policy,
+    scale: Option<f64>,
+) -> QuantizedCow<'a> {
+    let scaled = matches!(fmt, Format::E4M3 | Format::E5M2) && policy.scaling != Scaling::None;
+    // Saturation would move infinities; otherwise rounding values of a subset is the identity.
+    let identity = t.format().is_subset_of(fmt)
+        && (policy.input_overflow(fmt) == Overflow::NonSaturating
+            || t.values().iter().all(|x| x.is_finite()));
+    if !scaled && identity {
+        return QuantizedCow {
+            values: std::borrow::Cow::Borrowed(t.values()),
+            scale_inv: 1.0,
+            format: fmt,
+        };
+    }
+    let q = quantize(
+        t.values(),
+        shape,
+        axis,
+        fmt,
+        policy.scaling,
+        scale,
+        policy.input_overflow(fmt),
+    );
+    QuantizedCow {
+        values: std::borrow::Cow::Owned(q.values),
+        scale_inv: q.scale_inv,
+        format: q.format,
+    }
+}
+
+struct QuantizedCow<'a> {
+    values: std::borrow::Cow<'a, [f64]>,
+    scale_inv: f64,
+    format: Format,
 }
 
 /// The smallest of the formats in `Format::ALL` that contains both.
@@ -269,9 +303,11 @@ pub(crate) fn reduce_matrix(
 /// Whether every non-zero |x| lies in [2^-62, 2^62], so that products of two such values
 /// neither underflow nor overflow `f32`.
 fn products_in_f32_range(xs: &[f64]) -> bool {
-    xs.iter().all(|&x| {
+    const LO: f64 = 1.0 / (1u64 << 62) as f64;
+    const HI: f64 = (1u64 << 62) as f64;
+    xs.iter().fold(true, |ok, &x| {
         let a = x.abs();
-        a == 0.0 || (a >= 2f64.powi(-62) && a <= 2f64.powi(62))
+        ok & ((a == 0.0) | ((a >= LO) & (a <= HI)))
     })
 }
 
@@ -315,18 +351,51 @@ fn native_f32_kernel(
     };
     let a32: Vec<f32> = a.iter().map(|&x| x as f32).collect();
     let b32: Vec<f32> = b.iter().map(|&x| x as f32).collect();
-    let mut c = vec![0.0f32; m * n];
+    let mut c = vec![0.0f64; m * n];
     let shape = KernelShape { m, k, n, block };
+    // Exact products (both inputs ≤ 12 significant bits, in range): s + a·b rounds once either
+    // way, so a fused multiply-add gives the same bits and half the instructions.
+    let exact_products = matches!(acc.products, Products::Exact);
+    // Large products are split into bands of rows over the rayon pool: every element is
+    // computed by the same instructions whichever thread runs its band, so the result does not
+    // depend on the number of threads.
+    const BAND: usize = 48;
+    if m * n * k >= 1 << 22 && m > BAND && n > 0 && rayon::current_num_threads() > 1 {
+        use rayon::prelude::*;
+        c.par_chunks_mut(BAND * n)
+            .enumerate()
+            .for_each(|(band, cb)| {
+                let rows = cb.len() / n;
+                let a0 = band * BAND * k;
+                let sub = KernelShape { m: rows, ..shape };
+                run_kernel(&a32[a0..a0 + rows * k], &b32, cb, sub, exact_products);
+            });
+    } else {
+        run_kernel(&a32, &b32, &mut c, shape, exact_products);
+    }
+    Some(c)
+}
+
+/// The kernel with the widest instructions the CPU has (FMA only for exact products).
+fn run_kernel(a: &[f32], b: &[f32], c: &mut [f64], s: KernelShape, exact_products: bool) {
     #[cfg(target_arch = "x86_64")]
     {
+        if exact_products
+            && std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: the CPU supports AVX2 and FMA, checked just above.
+            unsafe { kernel_avx2_fma(a, b, c, s) };
+            return;
+        }
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU supports AVX2, checked just above.
-            unsafe { kernel_avx2(&a32, &b32, &mut c, shape) };
-            return Some(c.into_iter().map(f64::from).collect());
+            unsafe { kernel_avx2(a, b, c, s) };
+            return;
         }
     }
-    kernel_portable(&a32, &b32, &mut c, shape);
-    Some(c.into_iter().map(f64::from).collect())
+    let _ = exact_products;
+    kernel_portable(a, b, c, s);
 }
 
 #[derive(Clone, Copy)]
@@ -339,44 +408,53 @@ struct KernelShape {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn kernel_avx2(a: &[f32], b: &[f32], c: &mut [f32], s: KernelShape) {
-    kernel_tiles(a, b, c, s);
+fn kernel_avx2(a: &[f32], b: &[f32], c: &mut [f64], s: KernelShape) {
+    kernel_tiles::<false>(a, b, c, s);
 }
 
-fn kernel_portable(a: &[f32], b: &[f32], c: &mut [f32], s: KernelShape) {
-    kernel_tiles(a, b, c, s);
+/// Only for exact products: `mul_add` compiles to the FMA instruction here.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn kernel_avx2_fma(a: &[f32], b: &[f32], c: &mut [f64], s: KernelShape) {
+    kernel_tiles::<true>(a, b, c, s);
 }
 
-/// Cover C with register tiles of 4×16 (1×16 for the remaining rows), then 1×1 for the
+fn kernel_portable(a: &[f32], b: &[f32], c: &mut [f64], s: KernelShape) {
+    kernel_tiles::<false>(a, b, c, s);
+}
+
+/// Cover C with register tiles of 6×16 (1×16 for the remaining rows), then 1×1 for the
 /// remaining columns. Every element follows the same sequence of f32 operations.
 #[inline(always)]
-fn kernel_tiles(a: &[f32], b: &[f32], c: &mut [f32], s: KernelShape) {
-    let (m4, n16) = (s.m / 4 * 4, s.n / 16 * 16);
-    // Column panels outermost: a k×16 panel of B stays in L1 while every row tile uses it.
+fn kernel_tiles<const FMA: bool>(a: &[f32], b: &[f32], c: &mut [f64], s: KernelShape) {
+    const MR: usize = 6;
+    let (mr, n16) = (s.m / MR * MR, s.n / 16 * 16);
+    // Column panels outermost: a k×16 panel of B stays in cache while every row tile uses it.
     for j in (0..n16).step_by(16) {
-        for i in (0..m4).step_by(4) {
-            tile::<4, 16>(a, b, c, i, j, s);
+        for i in (0..mr).step_by(MR) {
+            tile::<MR, 16, FMA>(a, b, c, i, j, s);
         }
-        for i in m4..s.m {
-            tile::<1, 16>(a, b, c, i, j, s);
+        for i in mr..s.m {
+            tile::<1, 16, FMA>(a, b, c, i, j, s);
         }
     }
     for i in 0..s.m {
         for j in n16..s.n {
-            tile::<1, 1>(a, b, c, i, j, s);
+            tile::<1, 1, FMA>(a, b, c, i, j, s);
         }
     }
 }
 
 /// One MR×NR tile of C (indexed loops over the constant tile sizes unroll into registers):
 /// for each block of the reduction, a sequential sum of products
-/// (first product, then `+=`), then added to the running value (the first block is copied).
+/// (first product, then `+=`, fused when `FMA` — exact products only), then added to the
+/// running value (the first block is copied).
 #[inline(always)]
 #[allow(clippy::needless_range_loop)]
-fn tile<const MR: usize, const NR: usize>(
+fn tile<const MR: usize, const NR: usize, const FMA: bool>(
     a: &[f32],
     b: &[f32],
-    c: &mut [f32],
+    c: &mut [f64],
     i0: usize,
     j0: usize,
     s: KernelShape,
@@ -403,7 +481,11 @@ fn tile<const MR: usize, const NR: usize>(
             }
             for r in 0..MR {
                 for j in 0..NR {
-                    part[r][j] += av[r] * bk[j];
+                    part[r][j] = if FMA {
+                        av[r].mul_add(bk[j], part[r][j])
+                    } else {
+                        part[r][j] + av[r] * bk[j]
+                    };
                 }
             }
         }
@@ -420,7 +502,12 @@ fn tile<const MR: usize, const NR: usize>(
         start = end;
     }
     for (r, tr) in total.iter().enumerate() {
-        c[(i0 + r) * n + j0..(i0 + r) * n + j0 + NR].copy_from_slice(tr);
+        for (o, &t) in c[(i0 + r) * n + j0..(i0 + r) * n + j0 + NR]
+            .iter_mut()
+            .zip(tr)
+        {
+            *o = f64::from(t);
+        }
     }
 }
 
