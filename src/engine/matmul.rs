@@ -307,7 +307,7 @@ fn products_in_f32_range(xs: &[f64]) -> bool {
     const HI: f64 = (1u64 << 62) as f64;
     xs.iter().fold(true, |ok, &x| {
         let a = x.abs();
-        ok & ((a == 0.0) | ((a >= LO) & (a <= HI)))
+        ok & ((a == 0.0) | (LO..=HI).contains(&a))
     })
 }
 
