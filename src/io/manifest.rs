@@ -429,7 +429,7 @@ impl TraceDir {
             .map(|ks| self.manifest.tensors[ks[0]].layout)
     }
 
-    /// The merged logical tensor of an id (see [`merge`]).
+    /// The merged logical tensor of an id (see [`crate::shard::merge`]).
     pub fn logical(&mut self, id: &str) -> Result<Tensor> {
         let (shards, layout) = self.shards(id)?;
         merge_owned(shards, &layout, &self.manifest.mesh, id, None)
