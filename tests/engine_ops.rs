@@ -652,3 +652,74 @@ fn parallel_kernel_does_not_depend_on_the_thread_count() {
         );
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+    /// The column-vectorized kernel for generic accumulators (every addition rounded to BF16,
+    /// FP16, TF32, FP8 or FP32, exact products, sequential order) gives, element for element,
+    /// the bits of the plain emulated dot product — including midpoints broken by the exact
+    /// error, signed zeros, and blocks that overflow or go subnormal and fall back.
+    #[test]
+    fn lanes_kernel_is_the_generic_path(
+        m in 1usize..6, k in 1usize..60, n in 1usize..30, seed in any::<u64>(),
+        acc_pick in 0usize..6, f32_in in any::<bool>(), scale_pow in -12i32..12,
+        sat in any::<bool>(), zeros in 0usize..4)
+    {
+        let accs = [Format::BF16, Format::F16, Format::TF32, Format::E4M3, Format::E5M2, Format::F32];
+        let accf = accs[acc_pick];
+        let input = if f32_in { Format::F32 } else { Format::BF16 };
+        let scale = 2f64.powi(scale_pow);
+        let mut a = seeded(m * k, seed, scale);
+        let len = a.len();
+        for i in 0..zeros.min(len) {
+            a[(i * 5) % len] = if i % 2 == 0 { 0.0 } else { -0.0 };
+        }
+        let b = seeded(k * n, seed ^ 7, scale);
+        let mut p = Policy::new(input, accf, accf);
+        p.accumulation.overflow = if sat { Overflow::Saturating } else { Overflow::NonSaturating };
+        let ta = t(&[m, k], a, input);
+        let tb = t(&[k, n], b, input);
+        let c = matmul(&ta, &tb, &p).unwrap();
+        for i in 0..m {
+            for j in 0..n {
+                let col: Vec<f64> = (0..k).map(|kk| tb.values()[kk * n + j]).collect();
+                let want = ttrace::dot(&ta.values()[i * k..(i + 1) * k], &col, &p.accumulation).unwrap();
+                let want = accf.round(want, p.accumulation.overflow);
+                let got = c.values()[i * n + j];
+                prop_assert!(want.to_bits() == got.to_bits() || (want.is_nan() && got.is_nan()),
+                    "{accf} {input} ({i},{j}): dot {want:e} vs matmul {got:e}");
+            }
+        }
+    }
+}
+
+/// The one case double rounding would get wrong: a running sum far below a product that is
+/// exactly a BF16 midpoint ((1 + 2^-4)² = 1.00100001₂), whose f64 sum rounds back onto the
+/// midpoint; the exact error must break the tie (upward for a positive tiny sum, downward for a
+/// negative one), in the vectorized kernel (8 columns) as in the plain dot product.
+#[test]
+fn lanes_kernel_breaks_midpoints_by_the_exact_error() {
+    let q = 1.0 + 2f64.powi(-4);
+    for tiny in [2f64.powi(-30), -(2f64.powi(-30))] {
+        let a = t(&[1, 2], vec![tiny, q], Format::BF16);
+        let b = t(
+            &[2, 8],
+            [vec![2f64.powi(-30); 8], vec![q; 8]].concat(),
+            Format::BF16,
+        );
+        let p = Policy::new(Format::BF16, Format::BF16, Format::BF16);
+        let c = matmul(&a, &b, &p).unwrap();
+        // q² = 1 + 2^-3 + 2^-8 is the midpoint of 1 + 2^-3 and 1 + 2^-3 + 2^-7; ± 2^-60 decides.
+        let want = if tiny > 0.0 {
+            1.0 + 2f64.powi(-3) + 2f64.powi(-7)
+        } else {
+            1.0 + 2f64.powi(-3)
+        };
+        for &v in c.values() {
+            assert_eq!(v, want, "tiny = {tiny:e}");
+        }
+        let col = vec![2f64.powi(-30), q];
+        let d = ttrace::dot(a.values(), &col, &p.accumulation).unwrap();
+        assert_eq!(d, want);
+    }
+}

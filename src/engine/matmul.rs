@@ -284,6 +284,9 @@ pub(crate) fn reduce_matrix(
     if let Some(c) = native_f32_kernel(a, b, m, k, n, acc) {
         return c;
     }
+    if let Some(c) = lanes_kernel(a, b, m, k, n, acc) {
+        return c;
+    }
     let mut bt = vec![0.0; k * n];
     for kk in 0..k {
         for j in 0..n {
@@ -298,6 +301,222 @@ pub(crate) fn reduce_matrix(
         }
     }
     c
+}
+
+/// Accumulator-format constants of [`lanes_kernel`].
+#[derive(Clone, Copy)]
+struct AccConsts {
+    shift: u32,
+    keep: u64,
+    half: u64,
+    min_normal: u64,
+    max_bits: u64,
+}
+
+const SIGN: u64 = 1 << 63;
+
+/// Round-to-nearest-even of an f64 magnitude pattern to the accumulator's precision, with a
+/// midpoint broken toward the sign of `err` when `err` ≠ 0 (the exact value is `sum + err`);
+/// returns the rounded pattern and whether the case is one this path may take (zero or normal
+/// input, no overflow).
+#[inline(always)]
+fn round_lane(sum: f64, err: f64, c: &AccConsts) -> (f64, bool) {
+    // Magnitudes are below 2^63, so signed 64-bit compares (which AVX2 has) are exact.
+    let bits = sum.to_bits();
+    let mag = (bits & !SIGN) as i64;
+    let rem = mag & !(c.keep as i64);
+    let trunc = mag & c.keep as i64;
+    let half = c.half as i64;
+    let tie = rem == half;
+    let odd = (trunc >> c.shift) & 1;
+    let toward_err = i64::from((err > 0.0) == (sum > 0.0));
+    let rne = i64::from(rem > half) | (i64::from(tie) & odd);
+    let use_err = tie & (err != 0.0);
+    let up = if use_err { toward_err } else { rne };
+    let r = trunc + (up << c.shift);
+    let ok = ((mag >= c.min_normal as i64) | (mag == 0)) & (r <= c.max_bits as i64);
+    (f64::from_bits((bits & SIGN) | r as u64), ok)
+}
+
+/// A column-vectorized path for the generic accumulators (every addition rounded to BF16,
+/// FP16, TF32, FP8 or FP32 accumulators) with exact products and sequential order: 8 output
+/// columns are accumulated side by side, each step s ← fl(s + a·b) computed as the f64 sum,
+/// its exact error by TwoSum (Knuth, TAOCP vol. 2, §4.2.2) and one rounding whose midpoint is
+/// broken by the error's sign — the arithmetic of [`Format::add_rounded`], on bit patterns. A
+/// block of 8 outputs that meets a subnormal, an overflow or a non-finite value is recomputed
+/// by the element-wise path. Bit-identical to it (property test
+/// `lanes_kernel_is_the_generic_path`).
+fn lanes_kernel(
+    a: &[f64],
+    b: &[f64],
+    m: usize,
+    k: usize,
+    n: usize,
+    acc: &crate::Accumulation,
+) -> Option<Vec<f64>> {
+    let f = acc.accumulator;
+    if acc.order != Order::Sequential
+        || acc.products != Products::Exact
+        || !acc.input.is_subset_of(Format::F32)
+        || f.precision() > 24
+        || k == 0
+    {
+        return None;
+    }
+    let shift = 53 - f.precision();
+    let c = AccConsts {
+        shift,
+        keep: !((1u64 << shift) - 1),
+        half: 1u64 << (shift - 1),
+        min_normal: ((f.emin() + 1023) as u64) << 52,
+        max_bits: f.max_finite().to_bits(),
+    };
+    let mut out = vec![0.0; m * n];
+    let n8 = n / 8 * 8;
+    let mut redo = vec![];
+    for i in 0..m {
+        let row = &a[i * k..(i + 1) * k];
+        for j in (0..n8).step_by(8) {
+            let (vals, ok) = lanes_tile_dispatch(row, b, n, j, &c);
+            if ok {
+                out[i * n + j..i * n + j + 8].copy_from_slice(&vals);
+            } else {
+                redo.extend((j..j + 8).map(|jj| (i, jj)));
+            }
+        }
+        redo.extend((n8..n).map(|jj| (i, jj)));
+    }
+    if !redo.is_empty() {
+        let mut col = vec![0.0; k];
+        for (i, j) in redo {
+            for (kk, v) in col.iter_mut().enumerate() {
+                *v = b[kk * n + j];
+            }
+            out[i * n + j] = dot_unchecked(&a[i * k..(i + 1) * k], &col, acc);
+        }
+    }
+    Some(out)
+}
+
+fn lanes_tile_dispatch(
+    row: &[f64],
+    b: &[f64],
+    n: usize,
+    j: usize,
+    c: &AccConsts,
+) -> ([f64; 8], bool) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2, checked just above.
+        return unsafe { lanes_tile_avx2(row, b, n, j, c) };
+    }
+    lanes_tile(row, b, n, j, c)
+}
+
+/// [`lanes_tile`] with AVX2 intrinsics, two registers of 4 lanes: the same IEEE operations
+/// (mul, add, sub on f64) and the same integer logic as [`round_lane`], lane by lane.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn lanes_tile_avx2(row: &[f64], b: &[f64], n: usize, j: usize, c: &AccConsts) -> ([f64; 8], bool) {
+    use std::arch::x86_64::*;
+    let abs_mask = _mm256_set1_epi64x(!SIGN as i64);
+    let sign_mask = _mm256_set1_epi64x(SIGN as i64);
+    let low = _mm256_set1_epi64x(!c.keep as i64);
+    let half = _mm256_set1_epi64x(c.half as i64);
+    let ulp = _mm256_set1_epi64x((1u64 << c.shift) as i64);
+    let one = _mm256_set1_epi64x(1);
+    let min_normal = _mm256_set1_epi64x(c.min_normal as i64);
+    let max_bits = _mm256_set1_epi64x(c.max_bits as i64);
+    let zero_i = _mm256_setzero_si256();
+    let zero = _mm256_setzero_pd();
+    let count = _mm_set_epi64x(0, i64::from(c.shift));
+    let mut bad = _mm256_setzero_si256();
+    // One rounding step on 4 lanes (see `round_lane`).
+    let mut round = |sum: __m256d, err: __m256d| -> __m256d {
+        let bits = _mm256_castpd_si256(sum);
+        let mag = _mm256_and_si256(bits, abs_mask);
+        let sign = _mm256_and_si256(bits, sign_mask);
+        let rem = _mm256_and_si256(mag, low);
+        let trunc = _mm256_andnot_si256(low, mag);
+        let tie = _mm256_cmpeq_epi64(rem, half);
+        let gt = _mm256_cmpgt_epi64(rem, half);
+        let odd = _mm256_cmpeq_epi64(_mm256_and_si256(_mm256_srl_epi64(trunc, count), one), one);
+        let rne = _mm256_or_si256(gt, _mm256_and_si256(tie, odd));
+        let err_nz = _mm256_castpd_si256(_mm256_cmp_pd::<_CMP_NEQ_UQ>(err, zero));
+        let e_pos = _mm256_castpd_si256(_mm256_cmp_pd::<_CMP_GT_OQ>(err, zero));
+        let s_pos = _mm256_castpd_si256(_mm256_cmp_pd::<_CMP_GT_OQ>(sum, zero));
+        let toward = _mm256_cmpeq_epi64(e_pos, s_pos);
+        let use_err = _mm256_and_si256(tie, err_nz);
+        let up = _mm256_blendv_epi8(rne, toward, use_err);
+        let r = _mm256_add_epi64(trunc, _mm256_and_si256(up, ulp));
+        let below = _mm256_cmpgt_epi64(min_normal, mag);
+        let nonzero = _mm256_andnot_si256(_mm256_cmpeq_epi64(mag, zero_i), _mm256_set1_epi64x(-1));
+        let over = _mm256_cmpgt_epi64(r, max_bits);
+        bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_and_si256(below, nonzero), over));
+        _mm256_castsi256_pd(_mm256_or_si256(sign, r))
+    };
+    let load = |k: usize| {
+        let base = k * n + j;
+        let v = &b[base..base + 8];
+        // SAFETY: `v` has 8 elements; unaligned loads.
+        unsafe {
+            (
+                _mm256_loadu_pd(v.as_ptr()),
+                _mm256_loadu_pd(v.as_ptr().add(4)),
+            )
+        }
+    };
+    let (b0, b1) = load(0);
+    let a0 = _mm256_set1_pd(row[0]);
+    let mut s0 = round(_mm256_mul_pd(a0, b0), zero);
+    let mut s1 = round(_mm256_mul_pd(a0, b1), zero);
+    for (kk, &av) in row.iter().enumerate().skip(1) {
+        let (b0, b1) = load(kk);
+        let a = _mm256_set1_pd(av);
+        for (s, bv) in [(&mut s0, b0), (&mut s1, b1)] {
+            let p = _mm256_mul_pd(a, bv);
+            let sum = _mm256_add_pd(*s, p);
+            let bb = _mm256_sub_pd(sum, *s);
+            let err = _mm256_add_pd(
+                _mm256_sub_pd(*s, _mm256_sub_pd(sum, bb)),
+                _mm256_sub_pd(p, bb),
+            );
+            *s = round(sum, err);
+        }
+    }
+    let mut out = [0.0f64; 8];
+    // SAFETY: `out` has 8 elements; unaligned stores.
+    unsafe {
+        _mm256_storeu_pd(out.as_mut_ptr(), s0);
+        _mm256_storeu_pd(out.as_mut_ptr().add(4), s1);
+    }
+    (out, _mm256_testz_si256(bad, bad) == 1)
+}
+
+/// One row of A against 8 columns of B: the sequential reduction in 8 lanes.
+#[inline(always)]
+fn lanes_tile(row: &[f64], b: &[f64], n: usize, j: usize, c: &AccConsts) -> ([f64; 8], bool) {
+    let mut s = [0.0f64; 8];
+    let mut ok = true;
+    let b0 = &b[j..j + 8];
+    for l in 0..8 {
+        let (r, good) = round_lane(row[0] * b0[l], 0.0, c);
+        s[l] = r;
+        ok &= good;
+    }
+    for (kk, &av) in row.iter().enumerate().skip(1) {
+        let bk = &b[kk * n + j..kk * n + j + 8];
+        for l in 0..8 {
+            let p = av * bk[l];
+            let sum = s[l] + p;
+            let bb = sum - s[l];
+            let err = (s[l] - (sum - bb)) + (p - bb);
+            let (r, good) = round_lane(sum, err, c);
+            s[l] = r;
+            ok &= good;
+        }
+    }
+    (s, ok)
 }
 
 /// Whether every non-zero |x| lies in [2^-62, 2^62], so that products of two such values
