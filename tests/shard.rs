@@ -398,3 +398,31 @@ mod validation {
         }
     }
 }
+
+/// The validation sweep gives the same report (every run's per-tensor numbers, the tables, the
+/// bug runs) on 1 and on 3 threads: runs are independent and merged in order.
+#[test]
+fn sweep_results_do_not_depend_on_the_thread_count() {
+    use ttrace::validate::{run_sweep, SweepOptions};
+    let mut o = SweepOptions::default_sweep(1);
+    o.runs = o
+        .runs
+        .iter()
+        .filter(|r| r.mesh.world() <= 4)
+        .take(4)
+        .cloned()
+        .collect();
+    o.simulation.samples = 4;
+    o.perturbation_samples = 1;
+    o.sensitivity_mesh = None;
+    let sweep = |threads: usize| {
+        let mut r = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(|| run_sweep(&o, &|| {}).unwrap());
+        r.seconds = 0.0;
+        serde_json::to_string(&r).unwrap()
+    };
+    assert_eq!(sweep(1), sweep(3));
+}
