@@ -30,6 +30,15 @@ fn rounding(c: &mut Criterion) {
     g.bench_function("half_f16_from_f32_slice", |b| {
         b.iter(|| out_f16.convert_from_f32_slice(black_box(&src32)))
     });
+    let mut bits16 = vec![0u16; n];
+    for f in [Format::BF16, Format::F16] {
+        g.bench_function(format!("ttrace_{}_round_f32_to_bits", f.name()), |b| {
+            b.iter(|| {
+                f.round_f32_to_bits(black_box(&src32), &mut bits16, Overflow::NonSaturating)
+                    .unwrap()
+            })
+        });
+    }
     let mut buf = src64.clone();
     for f in [
         Format::BF16,

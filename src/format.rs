@@ -409,6 +409,61 @@ impl Format {
         self.apply_overflow(pick, s, overflow)
     }
 
+    /// Round `f32` values to this 16-bit format's bit patterns in bulk (BF16 or F16): `dst[i]`
+    /// is `encode(round(src[i] as f64, overflow))` — the same value [`round`](Self::round)
+    /// gives, as its pattern. Fast paths: BF16 by the round-to-nearest-even carry on the `f32`
+    /// pattern, F16 by the F16C conversion instruction when the CPU has it (IEEE 754
+    /// roundTiesToEven with gradual underflow, as `round`); blocks of 8 holding a NaN, or a value
+    /// that saturation would change, go through the element-wise path. Errors: another format,
+    /// or `dst` and `src` of different lengths.
+    pub fn round_f32_to_bits(self, src: &[f32], dst: &mut [u16], overflow: Overflow) -> Result<()> {
+        if !matches!(self, Format::BF16 | Format::F16) {
+            return Err(Error::InvalidParameter {
+                name: "format",
+                reason: format!(
+                    "round_f32_to_bits produces 16-bit patterns: {self} is not BF16 or F16"
+                ),
+            });
+        }
+        if src.len() != dst.len() {
+            return Err(Error::LengthMismatch {
+                what: "round_f32_to_bits",
+                left: src.len(),
+                right: dst.len(),
+            });
+        }
+        let slow = |x: f32, o: &mut u16| -> Result<()> {
+            *o = self.encode(self.round(f64::from(x), overflow))? as u16;
+            Ok(())
+        };
+        // Largest magnitude whose rounding stays finite: saturation leaves the rest alone.
+        let finite_limit = match self {
+            Format::BF16 => f32::MAX,
+            _ => 65504.0 + 16.0, // F16: values below max + half an ulp (65520) round finite
+        };
+        let sat = overflow == Overflow::Saturating;
+        let whole = src.len() / 8 * 8;
+        let mut redo = Vec::new();
+        bulk_16bit(
+            self,
+            &src[..whole],
+            &mut dst[..whole],
+            sat,
+            finite_limit,
+            &mut redo,
+        );
+        for b in redo {
+            for i in b * 8..b * 8 + 8 {
+                slow(src[i], &mut dst[i])?;
+            }
+        }
+        let (si, di) = (&src[whole..], &mut dst[whole..]);
+        for (x, o) in si.iter().zip(di.iter_mut()) {
+            slow(*x, o)?;
+        }
+        Ok(())
+    }
+
     /// Round every element of `xs` in place (see [`round`](Self::round)); bit-identical to
     /// calling `round` on each element, with the format's constants fixed at compile time.
     pub fn round_slice(self, xs: &mut [f64], overflow: Overflow) {
@@ -661,6 +716,89 @@ fn round_slice_const<const P: u32, const EMIN: i32>(
         xs[b * 8..b * 8 + 8].iter_mut().for_each(slow);
     }
     xs[whole..].iter_mut().for_each(slow);
+}
+
+/// Whether a block of 8 may take a fast path: no NaN, and nothing saturation would change.
+#[inline(always)]
+fn plain_block(b: &[f32], sat: bool, limit: f32) -> bool {
+    let mut ok = true;
+    for x in b {
+        ok &= !x.is_nan() & (!sat | (x.abs() < limit));
+    }
+    ok
+}
+
+/// The bulk conversion of [`Format::round_f32_to_bits`] on whole blocks of 8, noting the blocks
+/// left to the element-wise path (NaN, saturation; F16 without F16C).
+fn bulk_16bit(
+    f: Format,
+    src: &[f32],
+    dst: &mut [u16],
+    sat: bool,
+    limit: f32,
+    redo: &mut Vec<usize>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if f == Format::F16 && has!("avx") && has!("f16c") {
+            // SAFETY: the CPU supports AVX and F16C, checked just above.
+            unsafe { bulk_f16_f16c(src, dst, sat, limit, redo) };
+            return;
+        }
+        if f == Format::BF16 && has!("avx2") {
+            // SAFETY: the CPU supports AVX2, checked just above.
+            unsafe { bulk_bf16_avx2(src, dst, sat, limit, redo) };
+            return;
+        }
+    }
+    if f == Format::BF16 {
+        bulk_bf16(src, dst, sat, limit, redo);
+    } else {
+        redo.extend(0..src.len() / 8);
+    }
+}
+
+/// BF16 by the round-to-nearest-even carry on the `f32` pattern (BF16 is the top half of FP32,
+/// subnormals and infinities included).
+#[inline(always)]
+fn bulk_bf16(src: &[f32], dst: &mut [u16], sat: bool, limit: f32, redo: &mut Vec<usize>) {
+    for (i, (sb, db)) in src.chunks_exact(8).zip(dst.chunks_exact_mut(8)).enumerate() {
+        if !plain_block(sb, sat, limit) {
+            redo.push(i);
+            continue;
+        }
+        for (x, o) in sb.iter().zip(db.iter_mut()) {
+            let b = x.to_bits();
+            *o = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) as u16;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn bulk_bf16_avx2(src: &[f32], dst: &mut [u16], sat: bool, limit: f32, redo: &mut Vec<usize>) {
+    bulk_bf16(src, dst, sat, limit, redo)
+}
+
+/// F16 by the F16C conversion instruction (IEEE roundTiesToEven, gradual underflow, overflow to
+/// infinity — what [`Format::round`] does without saturation).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+fn bulk_f16_f16c(src: &[f32], dst: &mut [u16], sat: bool, limit: f32, redo: &mut Vec<usize>) {
+    use std::arch::x86_64::*;
+    for (i, (sb, db)) in src.chunks_exact(8).zip(dst.chunks_exact_mut(8)).enumerate() {
+        if !plain_block(sb, sat, limit) {
+            redo.push(i);
+            continue;
+        }
+        // SAFETY: 8 f32 read and 8 u16 (16 bytes) written, unaligned, within the blocks.
+        unsafe {
+            let v = _mm256_loadu_ps(sb.as_ptr());
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+            _mm_storeu_si128(db.as_mut_ptr() as *mut __m128i, h);
+        }
+    }
 }
 
 /// The constants of the branch-free block rounding of [`round_slice_const`].

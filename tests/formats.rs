@@ -758,3 +758,51 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    /// `round_f32_to_bits` (BF16 carry trick, F16C conversion, element-wise blocks for NaN and
+    /// saturation) gives `encode(round(x))` for every element: normal, subnormal, overflowing,
+    /// infinite and NaN inputs, both overflow modes.
+    #[test]
+    fn round_f32_to_bits_is_encode_of_round(
+        bits in prop::collection::vec(any::<u32>(), 0..60),
+        tame in prop::collection::vec(-70000.0f32..70000.0, 0..60),
+        ties in prop::collection::vec(any::<u32>(), 0..30),
+        f16 in any::<bool>(), sat in any::<bool>())
+    {
+        // Exact midpoints of the target format: BF16 drops 16 bits, F16 (normal range) 13.
+        let tie = |r: u32| if f16 {
+            let e = 103 + (r >> 24) % 40; // exponents around F16's range
+            f32::from_bits((r & 0x8000_0000) | (e << 23) | ((r & 0x3ff) << 13) | 0x1000)
+        } else {
+            f32::from_bits((r & 0xffff_0000) | 0x8000)
+        };
+        let f = if f16 { Format::F16 } else { Format::BF16 };
+        let overflow = if sat { Overflow::Saturating } else { Overflow::NonSaturating };
+        let src: Vec<f32> = bits
+            .iter()
+            .map(|b| f32::from_bits(*b))
+            .chain(tame)
+            .chain(ties.iter().map(|r| tie(*r)))
+            .collect();
+        let mut dst = vec![0u16; src.len()];
+        f.round_f32_to_bits(&src, &mut dst, overflow).unwrap();
+        for (x, got) in src.iter().zip(&dst) {
+            let want = f.encode(f.round(f64::from(*x), overflow)).unwrap() as u16;
+            prop_assert!(want == *got || (x.is_nan() && f.decode(u64::from(*got)).unwrap().is_nan()),
+                "{f} {overflow:?}: {x:e} ({:#010x}) -> {got:#06x}, want {want:#06x}", x.to_bits());
+        }
+    }
+}
+
+#[test]
+fn round_f32_to_bits_rejects_other_formats_and_length_mismatches() {
+    let mut dst = [0u16; 2];
+    assert!(Format::E4M3
+        .round_f32_to_bits(&[1.0, 2.0], &mut dst, Overflow::NonSaturating)
+        .is_err());
+    assert!(Format::BF16
+        .round_f32_to_bits(&[1.0], &mut dst, Overflow::NonSaturating)
+        .is_err());
+}
