@@ -424,5 +424,18 @@ fn sweep_results_do_not_depend_on_the_thread_count() {
         r.seconds = 0.0;
         serde_json::to_string(&r).unwrap()
     };
-    assert_eq!(sweep(1), sweep(3));
+    let (one, three) = (sweep(1), sweep(3));
+    if one != three {
+        let at = one
+            .bytes()
+            .zip(three.bytes())
+            .position(|(a, b)| a != b)
+            .unwrap_or(one.len().min(three.len()));
+        let from = at.saturating_sub(300);
+        panic!(
+            "reports differ at byte {at}:\n1 thread: …{}…\n3 threads: …{}…",
+            &one[from..(at + 100).min(one.len())],
+            &three[from..(at + 100).min(three.len())]
+        );
+    }
 }

@@ -143,8 +143,10 @@ pub fn reduction_error(terms: &[f64], acc: &Accumulation, is_dot: bool) -> Resul
     // k additions of the same t onto the same U add k·η, not √k·η. Low-precision data repeat
     // (the squares of a BF16 row take as many values as the row), so these sites are grouped
     // by (U, t) and a group of k contributes k²·Var(η).
-    let mut repeats: std::collections::HashMap<(u64, u64), (f64, f64)> =
-        std::collections::HashMap::new();
+    // Ordered by key, so that the variance is summed in the same order on every call (a
+    // HashMap's iteration order differs between instances: the last bits would too).
+    let mut repeats: std::collections::BTreeMap<(u64, u64), (f64, f64)> =
+        std::collections::BTreeMap::new();
     // Products rounded to a product format: one rounding per exact product.
     if is_dot {
         if let Products::Rounded(pf) = acc.products {
