@@ -170,7 +170,6 @@ fn gather(
 
 struct Plan {
     ids: Vec<String>,
-    train: Option<Format>,
     recipe: Option<Recipe>,
     depth: u32,
     eps: f64,
@@ -205,7 +204,6 @@ fn plan(reference: &TraceDir, candidate: &TraceDir) -> Result<Plan> {
     };
     Ok(Plan {
         ids,
-        train,
         recipe,
         depth,
         eps,
@@ -233,7 +231,6 @@ fn finish(
     };
     let stat = |j: &str| by_id.get(j).map(|g| g.stat.clone());
     let index = InputIndex::new(&plan.ids);
-    let _ = plan.train;
     // Consumed ids (module inputs, arriving gradients) are other modules' outputs under the
     // naming convention, except across a collective or at the model's inputs: they are judged
     // when they cannot be merged or disagree on non-finite values (no threshold needed), and
