@@ -143,7 +143,7 @@ fn price(c: &mut Criterion) {
     };
     g.bench_function(format!("local_pricing_32_layers_{}_ids", ids.len()), |b| {
         b.iter(|| {
-            let stat = |j: &str| index.get(j).map(|s| (*s).clone());
+            let stat = |j: &str| index.get(j).copied();
             let inputs = InputIndex::new(&ids);
             ids.iter()
                 .filter_map(|id| price_local(id, &inputs, &stat, &ctx))

@@ -27,12 +27,15 @@
 //!   thresholds by difference simulation, TTrace's perturbation estimate, sensitivity, and the
 //!   sweep that `ttrace validate` runs.
 //! * [`bugs`]: fifteen injectable silent bugs, each modelling a real one; [`check`]: per-tensor
-//!   verdicts and the localizer that names the first module whose own output is wrong.
+//!   verdicts, the localizer that names the first module whose own output is wrong, and the
+//!   checking of two trace directories ([`check::check_dir_paths`]) with thresholds priced
+//!   from the manifest and the data ([`check::price`]).
 //! * [`io`]: trace directories — safetensors / `.npy` tensors (BF16 and FP8 read as stored)
 //!   and a versioned manifest of ids, ranks, dtypes and layouts (`papers/trace-format.md`).
 //!
 //! The derivations and sources are in `papers/` (`formats-and-orders.md`,
-//! `bounds-*.md`, `sharding.md`, `checking.md`).
+//! `bounds-*.md`, `sharding.md`, `checking.md`, `trace-format.md`); measured speeds against
+//! same-run baselines in `docs/performance.md`.
 //!
 //! ## Example: the same dot product, reference order versus split-K order
 //!

@@ -229,7 +229,7 @@ fn finish(
         recipe: plan.recipe.clone(),
         log_inv_delta: (1e6f64).ln(),
     };
-    let stat = |j: &str| by_id.get(j).map(|g| g.stat.clone());
+    let stat = |j: &str| by_id.get(j).map(|g| &g.stat);
     let index = InputIndex::new(&plan.ids);
     // Consumed ids (module inputs, arriving gradients) are other modules' outputs under the
     // naming convention, except across a collective or at the model's inputs: they are judged

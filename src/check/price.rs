@@ -226,12 +226,6 @@ pub fn role(id: &str) -> Option<Role> {
     })
 }
 
-/// The traced inputs of a produced id: the module's forward inputs, and for backward tensors
-/// also its arriving output gradients (the ids present in `ids`).
-pub fn inputs_of<'a>(id: &str, ids: &'a [String]) -> Vec<&'a String> {
-    InputIndex::new(ids).of(id)
-}
-
 /// Every module's traced forward inputs and arriving gradients, in trace order, so that
 /// [`price_local`] finds a tensor's inputs without scanning the trace.
 #[derive(Debug, Clone, Default)]
@@ -262,8 +256,9 @@ impl<'a> InputIndex<'a> {
         index
     }
 
-    /// The traced inputs of a produced id (see [`inputs_of`]); empty for consumed ids and ids
-    /// outside the naming convention.
+    /// The traced inputs of a produced id: the module's forward inputs, and for backward
+    /// tensors also its arriving output gradients, in trace order; empty for consumed ids and
+    /// ids outside the naming convention.
     pub fn of(&self, id: &str) -> Vec<&'a String> {
         let Some(r) = role(id) else {
             return vec![];
@@ -394,10 +389,10 @@ fn coarser(a: Format, b: Format) -> bool {
 /// id, `None` for an id that is not traced.
 /// Returns `None` when the id has no traced inputs and is not an embedding output (the caller
 /// falls back).
-pub fn price_local(
+pub fn price_local<'s>(
     id: &str,
     inputs: &InputIndex<'_>,
-    stat: &dyn Fn(&str) -> Option<TensorStat>,
+    stat: &dyn Fn(&str) -> Option<&'s TensorStat>,
     ctx: &PriceContext,
 ) -> Option<Priced> {
     let role = role(id)?;
@@ -409,7 +404,7 @@ pub fn price_local(
         .into_iter()
         .filter(|j| stat(j).is_some())
         .collect();
-    let inputs: Vec<TensorStat> = input_ids.iter().filter_map(|j| stat(j)).collect();
+    let inputs: Vec<&TensorStat> = input_ids.iter().filter_map(|j| stat(j)).collect();
     if inputs.is_empty() && !(kind == Some(ModuleKind::Embedding) && role.pass == Pass::Forward) {
         return None;
     }
@@ -441,7 +436,7 @@ pub fn price_local(
         } else {
             1.0
         };
-        gain_allowance(kind) * gain * inputs.iter().map(TensorStat::rel).sum::<f64>()
+        gain_allowance(kind) * gain * inputs.iter().map(|s| s.rel()).sum::<f64>()
     };
     if !carried.is_finite() {
         return Some(Priced {
@@ -558,12 +553,13 @@ mod tests {
         .iter()
         .map(|s| s.to_string())
         .collect();
-        assert_eq!(inputs_of("m|fwd.output.0", &ids), vec!["m|fwd.input.0"]);
+        let index = InputIndex::new(&ids);
+        assert_eq!(index.of("m|fwd.output.0"), vec!["m|fwd.input.0"]);
         assert_eq!(
-            inputs_of("m|grad.input.0", &ids),
+            index.of("m|grad.input.0"),
             vec!["m|fwd.input.0", "m|grad.output.0"]
         );
-        assert!(inputs_of("m|fwd.input.0", &ids).is_empty());
+        assert!(index.of("m|fwd.input.0").is_empty());
     }
 
     #[test]
