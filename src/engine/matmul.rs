@@ -11,6 +11,7 @@
 //! 5. the output is fl_O(c_ij) in the output format O.
 
 use crate::engine::arith::Arith;
+use crate::engine::lanes32::{narrow_kernel, Narrow};
 use crate::engine::policy::{per_tensor_scale, Policy, Scaling};
 use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
@@ -344,8 +345,10 @@ fn round_lane(sum: f64, err: f64, c: &AccConsts) -> (f64, bool) {
 /// its exact error by TwoSum (Knuth, TAOCP vol. 2, §4.2.2) and one rounding whose midpoint is
 /// broken by the error's sign — the arithmetic of [`Format::add_rounded`], on bit patterns. A
 /// block of 8 outputs that meets a subnormal, an overflow or a non-finite value is recomputed
-/// by the element-wise path. Bit-identical to it (property test
-/// `lanes_kernel_is_the_generic_path`).
+/// by the element-wise path. BF16, TF32 and FP16 accumulators with inputs of at most 12 bits
+/// first take the f32-lane kernel of [`crate::engine::lanes32`] (twice the lanes, and
+/// cheaper steps). Bit-identical to the element-wise path (property test
+/// `lanes_kernel_is_the_generic_path`, and directed midpoint tests).
 fn lanes_kernel(
     a: &[f64],
     b: &[f64],
@@ -373,10 +376,27 @@ fn lanes_kernel(
     };
     let mut out = vec![0.0; m * n];
     let n8 = n / 8 * 8;
+    // The f32-lane kernel first where it applies; its blocks with a non-finite value (overflow,
+    // or a non-finite input) go through the exact-error path.
+    let narrow = match f {
+        Format::BF16 => Some(Narrow::Bf16),
+        Format::TF32 => Some(Narrow::Tf32),
+        Format::F16 => Some(Narrow::F16),
+        _ => None,
+    };
+    let pre = narrow.is_some_and(|nw| {
+        acc.input.precision() <= 12
+            && products_in_f32_range(a)
+            && products_in_f32_range(b)
+            && narrow_kernel(a, b, m, k, n, nw, &mut out)
+    });
     let mut redo = vec![];
     for i in 0..m {
         let row = &a[i * k..(i + 1) * k];
         for j in (0..n8).step_by(8) {
+            if pre && out[i * n + j..i * n + j + 8].iter().all(|v| v.is_finite()) {
+                continue;
+            }
             let (vals, ok) = lanes_tile_dispatch(row, b, n, j, &c);
             if ok {
                 out[i * n + j..i * n + j + 8].copy_from_slice(&vals);
@@ -568,166 +588,15 @@ fn native_f32_kernel(
         } => block,
         _ => return None,
     };
-    let a32: Vec<f32> = a.iter().map(|&x| x as f32).collect();
-    let b32: Vec<f32> = b.iter().map(|&x| x as f32).collect();
     let mut c = vec![0.0f64; m * n];
-    let shape = KernelShape { m, k, n, block };
     // Exact products (both inputs ≤ 12 significant bits, in range): s + a·b rounds once either
-    // way, so a fused multiply-add gives the same bits and half the instructions.
+    // way, so a fused multiply-add gives the same bits and half the instructions. Large
+    // products run on the rayon pool; every element is computed by the same instructions
+    // whichever thread runs it, so the result does not depend on the number of threads.
     let exact_products = matches!(acc.products, Products::Exact);
-    // Large products are split into bands of rows over the rayon pool: every element is
-    // computed by the same instructions whichever thread runs its band, so the result does not
-    // depend on the number of threads.
-    const BAND: usize = 48;
-    if m * n * k >= 1 << 22 && m > BAND && n > 0 && rayon::current_num_threads() > 1 {
-        use rayon::prelude::*;
-        c.par_chunks_mut(BAND * n)
-            .enumerate()
-            .for_each(|(band, cb)| {
-                let rows = cb.len() / n;
-                let a0 = band * BAND * k;
-                let sub = KernelShape { m: rows, ..shape };
-                run_kernel(&a32[a0..a0 + rows * k], &b32, cb, sub, exact_products);
-            });
-    } else {
-        run_kernel(&a32, &b32, &mut c, shape, exact_products);
-    }
+    let shape = crate::engine::gemm::GemmShape { m, k, n, block };
+    crate::engine::gemm::gemm_f32(a, b, &mut c, shape, exact_products);
     Some(c)
-}
-
-/// The kernel with the widest instructions the CPU has (FMA only for exact products).
-fn run_kernel(a: &[f32], b: &[f32], c: &mut [f64], s: KernelShape, exact_products: bool) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if exact_products
-            && std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU supports AVX2 and FMA, checked just above.
-            unsafe { kernel_avx2_fma(a, b, c, s) };
-            return;
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2, checked just above.
-            unsafe { kernel_avx2(a, b, c, s) };
-            return;
-        }
-    }
-    let _ = exact_products;
-    kernel_portable(a, b, c, s);
-}
-
-#[derive(Clone, Copy)]
-struct KernelShape {
-    m: usize,
-    k: usize,
-    n: usize,
-    block: usize,
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn kernel_avx2(a: &[f32], b: &[f32], c: &mut [f64], s: KernelShape) {
-    kernel_tiles::<false>(a, b, c, s);
-}
-
-/// Only for exact products: `mul_add` compiles to the FMA instruction here.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn kernel_avx2_fma(a: &[f32], b: &[f32], c: &mut [f64], s: KernelShape) {
-    kernel_tiles::<true>(a, b, c, s);
-}
-
-fn kernel_portable(a: &[f32], b: &[f32], c: &mut [f64], s: KernelShape) {
-    kernel_tiles::<false>(a, b, c, s);
-}
-
-/// Cover C with register tiles of 6×16 (1×16 for the remaining rows), then 1×1 for the
-/// remaining columns. Every element follows the same sequence of f32 operations.
-#[inline(always)]
-fn kernel_tiles<const FMA: bool>(a: &[f32], b: &[f32], c: &mut [f64], s: KernelShape) {
-    const MR: usize = 6;
-    let (mr, n16) = (s.m / MR * MR, s.n / 16 * 16);
-    // Column panels outermost: a k×16 panel of B stays in cache while every row tile uses it.
-    for j in (0..n16).step_by(16) {
-        for i in (0..mr).step_by(MR) {
-            tile::<MR, 16, FMA>(a, b, c, i, j, s);
-        }
-        for i in mr..s.m {
-            tile::<1, 16, FMA>(a, b, c, i, j, s);
-        }
-    }
-    for i in 0..s.m {
-        for j in n16..s.n {
-            tile::<1, 1, FMA>(a, b, c, i, j, s);
-        }
-    }
-}
-
-/// One MR×NR tile of C (indexed loops over the constant tile sizes unroll into registers):
-/// for each block of the reduction, a sequential sum of products
-/// (first product, then `+=`, fused when `FMA` — exact products only), then added to the
-/// running value (the first block is copied).
-#[inline(always)]
-#[allow(clippy::needless_range_loop)]
-fn tile<const MR: usize, const NR: usize, const FMA: bool>(
-    a: &[f32],
-    b: &[f32],
-    c: &mut [f64],
-    i0: usize,
-    j0: usize,
-    s: KernelShape,
-) {
-    let KernelShape { k, n, block, .. } = s;
-    let mut total = [[0.0f32; NR]; MR];
-    let mut start = 0;
-    let mut first_block = true;
-    while start < k {
-        let end = (start + block).min(k);
-        let mut part = [[0.0f32; NR]; MR];
-        let b0 = start * n + j0;
-        for r in 0..MR {
-            let aik = a[(i0 + r) * k + start];
-            for j in 0..NR {
-                part[r][j] = aik * b[b0 + j];
-            }
-        }
-        for kk in start + 1..end {
-            let bk = &b[kk * n + j0..kk * n + j0 + NR];
-            let mut av = [0.0f32; MR];
-            for r in 0..MR {
-                av[r] = a[(i0 + r) * k + kk];
-            }
-            for r in 0..MR {
-                for j in 0..NR {
-                    part[r][j] = if FMA {
-                        av[r].mul_add(bk[j], part[r][j])
-                    } else {
-                        part[r][j] + av[r] * bk[j]
-                    };
-                }
-            }
-        }
-        if first_block {
-            total = part;
-            first_block = false;
-        } else {
-            for (tr, pr) in total.iter_mut().zip(&part) {
-                for (t, &p) in tr.iter_mut().zip(pr) {
-                    *t += p;
-                }
-            }
-        }
-        start = end;
-    }
-    for (r, tr) in total.iter().enumerate() {
-        for (o, &t) in c[(i0 + r) * n + j0..(i0 + r) * n + j0 + NR]
-            .iter_mut()
-            .zip(tr)
-        {
-            *o = f64::from(t);
-        }
-    }
 }
 
 /// y = x·Wᵀ + b for x of shape [tokens, in], W of shape [out, in] (PyTorch's `nn.Linear`

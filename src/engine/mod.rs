@@ -9,7 +9,9 @@
 
 pub(crate) mod arith;
 pub mod attention;
+mod gemm;
 pub mod init;
+mod lanes32;
 pub mod matmul;
 pub mod model;
 pub mod nn;
