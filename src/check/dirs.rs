@@ -161,6 +161,8 @@ fn gather(
         },
         module,
     };
+    reference.recycle(r);
+    candidate.recycle(c);
     Ok(Gathered {
         verdict,
         stat,

@@ -122,6 +122,15 @@ impl Tensor {
         self.data
     }
 
+    /// Take the elements out, in row-major order (the buffer can be reused, e.g. by
+    /// [`TraceDir::recycle`](crate::io::TraceDir::recycle)).
+    pub fn into_values(self) -> Vec<f64> {
+        // Invariant: standard layout, so the buffer starts at offset 0 in row-major order.
+        let (v, offset) = self.data.into_raw_vec_and_offset();
+        debug_assert!(offset.unwrap_or(0) == 0);
+        v
+    }
+
     /// Round every element into `format` (a no-op copy when the format already contains
     /// this tensor's format).
     pub fn cast(&self, format: Format, overflow: Overflow) -> Tensor {

@@ -29,7 +29,7 @@ use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::io::{npy, safetensors};
-use crate::shard::layout::{merge_owned, Layout, Mesh};
+use crate::shard::layout::{merge_reusing, Layout, Mesh};
 
 /// The schema version this library writes and reads.
 pub const VERSION: u64 = 1;
@@ -283,7 +283,12 @@ pub struct TraceDir {
     by_id: BTreeMap<String, Vec<usize>>,
     order: Vec<String>,
     files: HashMap<String, safetensors::SafetensorsFile>,
+    /// Value buffers handed back by [`TraceDir::recycle`], reused by the next reads.
+    spare: Vec<Vec<f64>>,
 }
+
+/// How many recycled buffers a [`TraceDir`] keeps.
+const SPARE_BUFFERS: usize = 4;
 
 impl TraceDir {
     /// Open `dir`: read `manifest.json` (or, when it is absent, the per-rank fragments
@@ -363,6 +368,7 @@ impl TraceDir {
             by_id: complete,
             order,
             files,
+            spare: Vec::new(),
         })
     }
 
@@ -394,13 +400,25 @@ impl TraceDir {
                     .files
                     .get_mut(&e.file)
                     .ok_or_else(|| ferr(&self.dir, "file not open"))?;
-                f.read(&e.key)?
+                f.read_reusing(&e.key, self.spare.pop().unwrap_or_default())?
             } else {
                 npy::read(&self.dir.join(&e.file), Some(e.dtype))?
             };
             out.push(t);
         }
         Ok((out, self.manifest.tensors[ks[0]].layout))
+    }
+
+    /// Hand a tensor read from this directory (or any tensor) back when it is no longer
+    /// needed: its buffer is kept (up to a few) and reused by the next reads, which saves the
+    /// fresh pages a large allocation costs. The buffers are freed with the `TraceDir`.
+    pub fn recycle(&mut self, t: Tensor) {
+        if self.spare.len() < SPARE_BUFFERS {
+            let v = t.into_values();
+            if v.capacity() > 0 {
+                self.spare.push(v);
+            }
+        }
     }
 
     /// The producer's threshold for an id, if the manifest gives one.
@@ -432,7 +450,14 @@ impl TraceDir {
     /// The merged logical tensor of an id (see [`crate::shard::merge`]).
     pub fn logical(&mut self, id: &str) -> Result<Tensor> {
         let (shards, layout) = self.shards(id)?;
-        merge_owned(shards, &layout, &self.manifest.mesh, id, None)
+        merge_reusing(
+            shards,
+            &layout,
+            &self.manifest.mesh,
+            id,
+            None,
+            &mut self.spare,
+        )
     }
 }
 

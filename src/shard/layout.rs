@@ -321,6 +321,7 @@ fn join(
     id: &str,
     axis: Axis,
     ranks: &[usize],
+    spare: &mut Vec<Vec<f64>>,
 ) -> Result<Tensor> {
     let first: &Tensor = &pieces[0];
     for (k, t) in pieces.iter().enumerate() {
@@ -374,7 +375,8 @@ fn join(
         }
         Placement::Partial => {
             let n = first.len();
-            let mut out = Vec::with_capacity(n);
+            let mut out = spare.pop().unwrap_or_default();
+            out.clear();
             for i in 0..n {
                 let mut acc = ExactAccumulator::new();
                 for t in &pieces {
@@ -382,16 +384,16 @@ fn join(
                 }
                 out.push(first.format().round(acc.to_f64(), Overflow::NonSaturating));
             }
-            Ok(Tensor::from_parts_unchecked(
-                first.shape(),
-                out,
-                first.format(),
-            ))
+            let (shape, format) = (first.shape().to_vec(), first.format());
+            keep_buffers(pieces, spare);
+            Ok(Tensor::from_parts_unchecked(&shape, out, format))
         }
         Placement::Split { dim, .. } | Placement::CpChunks { dim } => {
             let (outer, local, inner) = around(first.shape(), dim);
             let n = local * parts;
-            let mut out = vec![0.0; outer * n * inner];
+            let mut out = spare.pop().unwrap_or_default();
+            out.clear();
+            out.resize(outer * n * inner, 0.0);
             for (i, t) in pieces.iter().enumerate() {
                 let ranges = part_ranges(p, n, parts, i, id)?;
                 let v = t.values();
@@ -406,7 +408,24 @@ fn join(
             }
             let mut shape = first.shape().to_vec();
             shape[dim] = n;
-            Ok(Tensor::from_parts_unchecked(&shape, out, first.format()))
+            let format = first.format();
+            keep_buffers(pieces, spare);
+            Ok(Tensor::from_parts_unchecked(&shape, out, format))
+        }
+    }
+}
+
+/// How many buffers of joined pieces a merge keeps for its later joins (see
+/// [`merge_reusing`]).
+const SPARE_BUFFERS: usize = 4;
+
+/// Keep the buffers of owned pieces (joined already) for later joins.
+fn keep_buffers(pieces: Vec<Cow<'_, Tensor>>, spare: &mut Vec<Vec<f64>>) {
+    for t in pieces {
+        if let Cow::Owned(t) = t {
+            if spare.len() < SPARE_BUFFERS {
+                spare.push(t.into_values());
+            }
         }
     }
 }
@@ -448,6 +467,7 @@ pub fn merge(
         mesh,
         id,
         expected,
+        &mut Vec::new(),
     )
 }
 
@@ -460,12 +480,28 @@ pub fn merge_owned(
     id: &str,
     expected: Option<&[usize]>,
 ) -> Result<Tensor> {
+    merge_reusing(shards, layout, mesh, id, expected, &mut Vec::new())
+}
+
+/// [`merge_owned`] with a pool of spare buffers: joined tensors are built in buffers taken
+/// from `spare` (their contents are replaced), and the buffers of shards consumed by a join
+/// go back to it (up to a few) — so a caller merging tensor after tensor (the checker) does
+/// not pay for fresh pages each time.
+pub fn merge_reusing(
+    shards: Vec<Tensor>,
+    layout: &Layout,
+    mesh: &Mesh,
+    id: &str,
+    expected: Option<&[usize]>,
+    spare: &mut Vec<Vec<f64>>,
+) -> Result<Tensor> {
     merge_cow(
         shards.into_iter().map(Cow::Owned).collect(),
         layout,
         mesh,
         id,
         expected,
+        spare,
     )
 }
 
@@ -475,6 +511,7 @@ fn merge_cow(
     mesh: &Mesh,
     id: &str,
     expected: Option<&[usize]>,
+    spare: &mut Vec<Vec<f64>>,
 ) -> Result<Tensor> {
     if shards.len() != mesh.world() {
         return Err(layout_err(
@@ -505,7 +542,14 @@ fn merge_cow(
                 .iter()
                 .map(|&r| slots[r].take().unwrap_or_else(|| unreachable!()))
                 .collect();
-            per_cp.push(Cow::Owned(join(pieces, layout.tp, id, Axis::Tp, &ranks)?));
+            per_cp.push(Cow::Owned(join(
+                pieces,
+                layout.tp,
+                id,
+                Axis::Tp,
+                &ranks,
+                spare,
+            )?));
         }
         let ranks: Vec<usize> = (0..mesh.cp)
             .map(|c| {
@@ -516,7 +560,14 @@ fn merge_cow(
                 })
             })
             .collect();
-        per_dp.push(Cow::Owned(join(per_cp, layout.cp, id, Axis::Cp, &ranks)?));
+        per_dp.push(Cow::Owned(join(
+            per_cp,
+            layout.cp,
+            id,
+            Axis::Cp,
+            &ranks,
+            spare,
+        )?));
     }
     let ranks: Vec<usize> = (0..mesh.dp)
         .map(|d| {
@@ -527,7 +578,7 @@ fn merge_cow(
             })
         })
         .collect();
-    let merged = join(per_dp, layout.dp, id, Axis::Dp, &ranks)?;
+    let merged = join(per_dp, layout.dp, id, Axis::Dp, &ranks, spare)?;
     if let Some(e) = expected {
         if merged.shape() != e {
             return Err(layout_err(

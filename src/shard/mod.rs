@@ -8,7 +8,7 @@ pub mod model;
 pub mod ring;
 
 pub use collective::{all_gather, all_reduce, all_reduce_max, reduce_scatter, Algorithm};
-pub use layout::{merge, merge_owned, shard, Axis, Coords, Layout, Mesh, Placement};
+pub use layout::{merge, merge_owned, merge_reusing, shard, Axis, Coords, Layout, Mesh, Placement};
 pub use model::{ShardedEntry, ShardedGpt, ShardedStep};
 pub use ring::{
     ring_attention, ring_attention_backward, ring_attention_with, RingOptions, RingSaved,
