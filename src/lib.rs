@@ -98,6 +98,19 @@
 //! # }
 //! ```
 #![warn(missing_docs)]
+// Library code reports bad input as errors: no unwrap/expect/panic outside tests (CI runs
+// clippy with -D warnings; `assert!` remains for internal invariants guarding unsafe code).
+#![cfg_attr(
+    not(test),
+    deny(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::unreachable,
+        clippy::todo,
+        clippy::unimplemented
+    )
+)]
 
 pub mod bounds;
 pub mod bugs;

@@ -591,26 +591,9 @@ fn round(format: Format, saturate: bool) -> Result<(), String> {
     out.flush().map_err(|e| format!("writing output: {e}"))
 }
 
-/// Write `contents` to `path` atomically: a temporary file in the same directory, then a
-/// rename, so an interrupted run never leaves a half-written report.
+/// Write a report atomically (see [`ttrace::io::write_atomic`]).
 fn write_atomic(path: &std::path::Path, contents: &[u8]) -> Result<(), String> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(std::path::Path::new("."));
-    let name = path
-        .file_name()
-        .ok_or_else(|| format!("'{}' is not a file path", path.display()))?;
-    let tmp = dir.join(format!(
-        ".{}.tmp{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    std::fs::write(&tmp, contents).map_err(|e| format!("writing '{}': {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        format!("renaming '{}' to '{}': {e}", tmp.display(), path.display())
-    })
+    ttrace::io::write_atomic(path, contents).map_err(|e| e.to_string())
 }
 
 fn check_dirs_cli(

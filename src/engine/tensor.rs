@@ -15,6 +15,21 @@ pub struct Tensor {
     format: Format,
 }
 
+/// The number of elements of `shape`, if it is a shape an array can have: the product of its
+/// non-zero dimensions must fit in `isize` (ndarray's limit, which applies even when another
+/// dimension is zero). `None` otherwise — file readers turn that into an error instead of
+/// building an impossible tensor.
+pub fn element_count(shape: &[usize]) -> Option<usize> {
+    let nonzero = shape
+        .iter()
+        .filter(|&&d| d != 0)
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))?;
+    if nonzero > isize::MAX as usize {
+        return None;
+    }
+    Some(if shape.contains(&0) { 0 } else { nonzero })
+}
+
 impl Tensor {
     /// Wrap `data`, checking that every element is a value of `format`
     /// ([`Error::NotRepresentable`] names the first one that is not).

@@ -507,6 +507,7 @@ pub fn write_trace_dir(
         tensors,
     };
     let text = serde_json::to_string_pretty(&manifest).map_err(|e| ferr(dir, e.to_string()))?;
-    std::fs::write(dir.join("manifest.json"), text)
-        .map_err(|e| ferr(&dir.join("manifest.json"), format!("writing: {e}")))
+    // Written last and atomically: a dump interrupted before this point has no manifest
+    // (and `TraceDir::open` says so) rather than one naming files that are not there.
+    crate::io::write_atomic(&dir.join("manifest.json"), text.as_bytes())
 }

@@ -8,7 +8,7 @@
 //! big-endian data and other types are refused with a message.
 
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::Path;
 
 use crate::engine::tensor::Tensor;
@@ -152,10 +152,12 @@ pub fn read(path: &Path, declared: Option<Format>) -> Result<Tensor> {
             ));
         }
     }
-    let count = shape
-        .iter()
-        .try_fold(1u64, |a, &d| a.checked_mul(d as u64))
-        .ok_or_else(|| err(path, "npy shape overflows"))?;
+    let count = crate::engine::tensor::element_count(&shape).ok_or_else(|| {
+        err(
+            path,
+            format!("npy shape {shape:?} is too large for an array"),
+        )
+    })? as u64;
     let bytes = count
         .checked_mul(element_size(format) as u64)
         .ok_or_else(|| err(path, "npy shape overflows"))?;
@@ -208,7 +210,5 @@ pub fn write(path: &Path, t: &Tensor) -> Result<()> {
     out.extend_from_slice(&(header.len() as u16).to_le_bytes());
     out.extend_from_slice(header.as_bytes());
     out.extend_from_slice(&encode_values(t.values(), t.format(), "npy")?);
-    File::create(path)
-        .and_then(|mut f| f.write_all(&out))
-        .map_err(|e| err(path, format!("writing: {e}")))
+    crate::io::write_atomic(path, &out)
 }

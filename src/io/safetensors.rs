@@ -13,7 +13,7 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use crate::engine::tensor::Tensor;
@@ -177,6 +177,32 @@ fn widen_body(bytes: &[u8], size: usize, out: &mut Vec<f64>) {
     );
 }
 
+/// A JSON object's members in file order, duplicates kept (a map would silently keep one).
+struct Members(Vec<(String, serde_json::Value)>);
+
+impl<'de> serde::Deserialize<'de> for Members {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Members;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> std::result::Result<Members, A::Error> {
+                let mut out = Vec::new();
+                while let Some(kv) = m.next_entry::<String, serde_json::Value>()? {
+                    out.push(kv);
+                }
+                Ok(Members(out))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
 /// One tensor's entry in the header.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Entry {
@@ -227,16 +253,21 @@ impl SafetensorsFile {
         let mut header = vec![0u8; n as usize];
         file.read_exact(&mut header)
             .map_err(|e| err(path, format!("reading the header: {e}")))?;
-        let json: serde_json::Value = serde_json::from_slice(&header)
-            .map_err(|e| err(path, format!("header is not valid JSON: {e}")))?;
-        let obj = json
-            .as_object()
-            .ok_or_else(|| err(path, "header is not a JSON object"))?;
+        let obj: Members = serde_json::from_slice(&header)
+            .map_err(|e| err(path, format!("header is not a valid JSON object: {e}")))?;
+        let mut names = std::collections::BTreeSet::new();
+        if let Some((dup, _)) = obj.0.iter().find(|(k, _)| !names.insert(k.as_str())) {
+            return Err(err(
+                path,
+                format!("header names '{dup}' twice (which entry would be meant?)"),
+            ));
+        }
+        let obj = obj.0;
         let data_start = 8 + n;
         let data_len = size - data_start;
         let mut entries = BTreeMap::new();
         let mut metadata = BTreeMap::new();
-        for (name, v) in obj {
+        for (name, v) in &obj {
             if name == "__metadata__" {
                 if let Some(m) = v.as_object() {
                     for (k, x) in m {
@@ -274,10 +305,9 @@ impl SafetensorsFile {
             let [b, e] = offs[..] else {
                 return Err(bad("data_offsets must have two entries"));
             };
-            let count = shape
-                .iter()
-                .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
-                .ok_or_else(|| bad("shape overflows"))?;
+            let count = crate::engine::tensor::element_count(&shape)
+                .ok_or_else(|| bad(&format!("shape {shape:?} is too large for an array")))?
+                as u64;
             let bytes = count
                 .checked_mul(element_size(format) as u64)
                 .ok_or_else(|| bad("shape overflows"))?;
@@ -299,6 +329,25 @@ impl SafetensorsFile {
                     range: (b, e),
                 },
             );
+        }
+        // Byte ranges must not overlap (a lying header could alias one tensor's data to
+        // another's); empty tensors occupy nothing.
+        let mut ranges: Vec<(u64, u64, &String)> = entries
+            .iter()
+            .map(|(n, e)| (e.range.0, e.range.1, n))
+            .filter(|(b, e, _)| e > b)
+            .collect();
+        ranges.sort();
+        for w in ranges.windows(2) {
+            if w[1].0 < w[0].1 {
+                return Err(err(
+                    path,
+                    format!(
+                        "tensors '{}' [{}, {}] and '{}' [{}, {}] overlap",
+                        w[0].2, w[0].0, w[0].1, w[1].2, w[1].0, w[1].1
+                    ),
+                ));
+            }
         }
         Ok(SafetensorsFile {
             path: path.to_path_buf(),
@@ -378,11 +427,11 @@ pub fn write(
     while h.len() % 8 != 0 {
         h.push(b' ');
     }
-    let mut f = File::create(path).map_err(|e| err(path, format!("cannot create: {e}")))?;
-    f.write_all(&(h.len() as u64).to_le_bytes())
-        .and_then(|_| f.write_all(&h))
-        .and_then(|_| f.write_all(&data))
-        .map_err(|e| err(path, format!("writing: {e}")))
+    let mut out = Vec::with_capacity(8 + h.len() + data.len());
+    out.extend_from_slice(&(h.len() as u64).to_le_bytes());
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&data);
+    crate::io::write_atomic(path, &out)
 }
 
 #[cfg(test)]

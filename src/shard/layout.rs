@@ -78,8 +78,12 @@ impl Axis {
     }
 }
 
+/// The largest mesh accepted (2^20 ranks): far beyond any training run, small enough that
+/// rank arithmetic cannot overflow.
+pub const MAX_WORLD: usize = 1 << 20;
+
 impl Mesh {
-    /// A mesh, checking that every size is at least 1.
+    /// A mesh, checking that every size is at least 1 and the world at most [`MAX_WORLD`].
     pub fn new(tp: usize, cp: usize, dp: usize, sp: bool) -> Result<Mesh> {
         for (name, v) in [("tp", tp), ("cp", cp), ("dp", dp)] {
             if v == 0 {
@@ -89,7 +93,15 @@ impl Mesh {
                 });
             }
         }
-        Ok(Mesh { tp, cp, dp, sp })
+        match tp.checked_mul(cp).and_then(|x| x.checked_mul(dp)) {
+            Some(world) if world <= MAX_WORLD => Ok(Mesh { tp, cp, dp, sp }),
+            _ => Err(Error::InvalidParameter {
+                name: "mesh",
+                reason: format!(
+                    "tp × cp × dp = {tp} × {cp} × {dp} ranks exceeds {MAX_WORLD} (a corrupted                      manifest?)"
+                ),
+            }),
+        }
     }
 
     /// The single-device mesh.
@@ -540,8 +552,12 @@ fn merge_cow(
                 .collect();
             let pieces: Vec<Cow<'_, Tensor>> = ranks
                 .iter()
-                .map(|&r| slots[r].take().unwrap_or_else(|| unreachable!()))
-                .collect();
+                .map(|&r| {
+                    slots[r]
+                        .take()
+                        .ok_or_else(|| layout_err(id, format!("rank {r} taken twice")))
+                })
+                .collect::<Result<_>>()?;
             per_cp.push(Cow::Owned(join(
                 pieces,
                 layout.tp,
