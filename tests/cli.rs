@@ -660,3 +660,63 @@ fn check_merges_per_rank_manifest_fragments() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("disagrees"));
     std::fs::remove_dir_all(&base).unwrap();
 }
+
+/// An interrupted `ttrace check --json` leaves no report, or a complete one — never a
+/// half-written file or a stray temporary; re-running gives byte-identical reports.
+#[test]
+fn check_reports_are_atomic_and_reproducible() {
+    let base = std::env::temp_dir().join(format!("ttrace-atomic-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let d = base.join("dump");
+    let o = ttrace(
+        &["simulate", "--tp", "2", "--dump", d.to_str().unwrap()],
+        "",
+    );
+    assert!(o.status.code().is_some(), "{o:?}");
+    let (r, c) = (d.join("reference"), d.join("candidate"));
+    let report = base.join("report.json");
+    let args = |out: &std::path::Path| {
+        vec![
+            "check".to_string(),
+            r.to_str().unwrap().to_string(),
+            c.to_str().unwrap().to_string(),
+            "--json".to_string(),
+            out.to_str().unwrap().to_string(),
+        ]
+    };
+    // Interrupt runs at several moments.
+    for delay_ms in [0u64, 5, 20, 80] {
+        let _ = std::fs::remove_file(&report);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ttrace"))
+            .args(args(&report))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        let _ = child.kill();
+        let _ = child.wait();
+        if report.exists() {
+            let text = std::fs::read_to_string(&report).unwrap();
+            serde_json::from_str::<serde_json::Value>(&text)
+                .unwrap_or_else(|e| panic!("half-written report after {delay_ms} ms: {e}"));
+        }
+        let stray: Vec<_> = std::fs::read_dir(&base)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+            .filter(|n| n.contains(".tmp"))
+            .collect();
+        // A kill between the temporary's creation and its rename may leave it (never the
+        // report itself half-written); it must not be mistaken for a report.
+        assert!(stray.iter().all(|n| n.starts_with('.')), "{stray:?}");
+    }
+    let a = base.join("a.json");
+    let b = base.join("b.json");
+    let ra: Vec<String> = args(&a);
+    let rb: Vec<String> = args(&b);
+    let oa = ttrace(&ra.iter().map(String::as_str).collect::<Vec<_>>(), "");
+    let ob = ttrace(&rb.iter().map(String::as_str).collect::<Vec<_>>(), "");
+    assert_eq!(oa.status.code(), ob.status.code());
+    assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+    let _ = std::fs::remove_dir_all(&base);
+}

@@ -158,6 +158,50 @@ fn malformed_safetensors_and_npy_are_rejected_with_the_problem_named() {
         safetensors::SafetensorsFile::open(&w("shape.safetensors", &b)),
         "do not hold",
     );
+    // A header naming a tensor twice, overlapping byte ranges, a shape no array can have
+    // (a zero beside a huge dimension: zero bytes, but impossible), a name that is not UTF-8.
+    let raw = |header: &[u8], data: usize| {
+        let mut b = (header.len() as u64).to_le_bytes().to_vec();
+        b.extend_from_slice(header);
+        b.extend(std::iter::repeat_n(0u8, data));
+        b
+    };
+    expect_file_error(
+        safetensors::SafetensorsFile::open(&w(
+            "dup.safetensors",
+            &raw(
+                br#"{"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"x":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
+                8,
+            ),
+        )),
+        "twice",
+    );
+    expect_file_error(
+        safetensors::SafetensorsFile::open(&w(
+            "overlap.safetensors",
+            &raw(
+                br#"{"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"y":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}"#,
+                12,
+            ),
+        )),
+        "overlap",
+    );
+    expect_file_error(
+        safetensors::SafetensorsFile::open(&w(
+            "huge.safetensors",
+            &raw(
+                br#"{"x":{"dtype":"F32","shape":[0,18446744073709551615],"data_offsets":[0,0]}}"#,
+                0,
+            ),
+        )),
+        "too large",
+    );
+    let mut bad_name = br#"{"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#.to_vec();
+    bad_name[2] = 0xff;
+    expect_file_error(
+        safetensors::SafetensorsFile::open(&w("utf8.safetensors", &raw(&bad_name, 4))),
+        "JSON",
+    );
     // npy: bad magic, truncated data, Fortran order, a BF16 carrier without a declared dtype.
     let q = d.join("ok.npy");
     npy::write(&q, &t).unwrap();
@@ -254,6 +298,14 @@ fn manifest_problems_name_the_tensor_and_field() {
             w["tensors"][1]["file"] = serde_json::json!("../x.safetensors");
         }),
         "inside the trace directory",
+    );
+    // A mesh so large its rank count overflows (or is absurd): refused, not wrapped.
+    expect_file_error(
+        edit(&|w| {
+            w["mesh"]["tp"] = serde_json::json!(1u64 << 40);
+            w["mesh"]["cp"] = serde_json::json!(1u64 << 40);
+        }),
+        "exceeds",
     );
     // A shard whose shape differs from the other rank's: reported when merged.
     v["tensors"][1]["file"] = serde_json::json!("rank1.safetensors");

@@ -33,5 +33,7 @@ pub use elementwise::{
 };
 pub use norm::{norm_threshold, NormOp};
 pub use ops::{allreduce_threshold, matmul_threshold, plan_matmul, plan_sum, sum_threshold};
-pub use reduction::{planned_reduction_error, reduction_error, ReductionError, TermStats};
+pub use reduction::{
+    planned_reduction_error, reduction_error, ReductionError, TermStats, MAX_PLANNED_TERMS,
+};
 pub use softmax::softmax_threshold;

@@ -368,6 +368,7 @@ fn plan(
 ) -> Result<Threshold> {
     reference.validate()?;
     candidate.validate()?;
+    crate::bounds::reduction::check_planned_length(k)?;
     let c_sq = k as f64 * t.mean_square + (k as f64) * (k as f64 - 1.0) * t.mean * t.mean;
     let magnitude = c_sq.sqrt();
     let norm = (c_sq * elements as f64).sqrt();

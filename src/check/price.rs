@@ -428,7 +428,13 @@ pub fn price_local<'s>(
         } else if out_norm > 0.0 {
             abs / out_norm
         } else {
-            f64::INFINITY
+            // An all-zero reference output: x + y = 0 exactly (round-to-nearest gives 0 only
+            // for an exact 0, gradual underflow assumed), so the candidate is fl(Δx + Δy) and
+            // ‖cand − ref‖ ≤ (1 + u)·Σ‖Δ‖ — an absolute bound where relative ones divide by 0.
+            return Some(Priced {
+                threshold: abs * (1.0 + me.format.unit_roundoff()),
+                pricing,
+            });
         }
     } else {
         let gain = if kind == Some(ModuleKind::Norm) {

@@ -1,0 +1,314 @@
+//! Edge cases that must give a typed error or a documented verdict — never a panic, a NaN
+//! verdict, or a silent wrong answer: non-finite values, zero and near-zero references,
+//! subnormals, FP8 saturation, empty tensors, huge and empty reductions, invalid threshold
+//! requests; reports written atomically and identical from run to run.
+
+use std::collections::HashMap;
+
+use ttrace::bounds::{plan_matmul, Confidence, TermStats, MAX_PLANNED_TERMS};
+use ttrace::check::price::{price_local, InputIndex, PriceContext, TensorStat};
+use ttrace::check::{check_dir_paths, compare_tensor, PricingMode};
+use ttrace::engine::{matmul, Policy, Tensor};
+use ttrace::io::{safetensors, write_atomic, write_trace_dir, ModuleInfo};
+use ttrace::shard::{Layout, Mesh};
+use ttrace::{sum, Accumulation, Error, Format, Overflow};
+
+fn t(v: &[f64], f: Format) -> Tensor {
+    Tensor::from_vec(&[v.len()], v.to_vec(), f).unwrap()
+}
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("ttrace-robust-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+// ---- Non-finite values -----------------------------------------------------------------------
+
+#[test]
+fn nan_in_the_candidate_fails_at_its_position_whatever_the_threshold() {
+    let r = t(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], Format::F32);
+    let c = t(&[1.0, 2.0, 3.0, 4.0, 5.0, f64::NAN], Format::F32);
+    let v = compare_tensor("x", &r, &c, f64::INFINITY, 1.0);
+    assert!(!v.passed);
+    assert_eq!(v.first_nonfinite, Some(5));
+    assert_eq!(v.nonfinite_mismatches, 1);
+    // The finite part is still measured (no NaN leaks into the numbers).
+    assert_eq!(v.rel_error, 0.0);
+}
+
+#[test]
+fn nan_or_infinity_in_the_reference_against_finite_values_fails() {
+    for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+        let r = t(&[bad, 1.0], Format::F32);
+        let c = t(&[1.0, 1.0], Format::F32);
+        let v = compare_tensor("x", &r, &c, f64::INFINITY, 1.0);
+        assert!(!v.passed, "{bad}");
+        assert_eq!(v.first_nonfinite, Some(0));
+    }
+}
+
+/// The documented policy: NaN matches NaN (any payload), an infinity matches the same
+/// infinity; −∞ vs +∞ and ∞ vs NaN are mismatches.
+#[test]
+fn matching_non_finite_values_follow_the_policy() {
+    let quiet = f64::NAN;
+    let other_payload = f64::from_bits(f64::NAN.to_bits() | 0x1234);
+    let r = t(&[quiet, f64::INFINITY, f64::NEG_INFINITY, 2.0], Format::F64);
+    let c = t(
+        &[other_payload, f64::INFINITY, f64::NEG_INFINITY, 2.0],
+        Format::F64,
+    );
+    assert!(compare_tensor("x", &r, &c, 0.0, 1.0).passed);
+    for (a, b) in [
+        (f64::INFINITY, f64::NEG_INFINITY),
+        (f64::INFINITY, f64::NAN),
+        (f64::NAN, f64::NEG_INFINITY),
+    ] {
+        let v = compare_tensor(
+            "x",
+            &t(&[a], Format::F64),
+            &t(&[b], Format::F64),
+            1e300,
+            1.0,
+        );
+        assert!(!v.passed && v.nonfinite_mismatches == 1, "{a} vs {b}");
+    }
+}
+
+// ---- Zero and near-zero references ------------------------------------------------------------
+
+#[test]
+fn all_zero_references_never_divide_by_zero() {
+    let zero = t(&[0.0, -0.0, 0.0], Format::BF16);
+    let v = compare_tensor("x", &zero, &zero, 0.0, 1.0);
+    assert!(v.passed && v.rel_error == 0.0 && v.ratio == 0.0);
+    // A non-zero candidate: infinite relative error (not NaN), fails any finite threshold …
+    let c = t(&[0.0, 2f64.powi(-20), 0.0], Format::BF16);
+    let v = compare_tensor("x", &zero, &c, 1e-9, 1.0);
+    assert!(!v.passed && v.rel_error == f64::INFINITY && !v.ratio.is_nan());
+    assert_eq!(v.max_abs, 2f64.powi(-20));
+    // … and passes an absolute threshold that covers it.
+    let v = compare_tensor("x", &zero, &c, 1e-6, 1.0);
+    assert!(v.passed && !v.ratio.is_nan());
+}
+
+#[test]
+fn near_zero_references_keep_finite_relative_errors() {
+    // Subnormal F32 values (the smallest is 2^-149).
+    let tiny = 2f64.powi(-149);
+    let r = t(&[tiny, 3.0 * tiny], Format::F32);
+    let c = t(&[2.0 * tiny, 3.0 * tiny], Format::F32);
+    let v = compare_tensor("x", &r, &c, 2.0 * tiny, 1.0);
+    assert!(v.rel_error.is_finite() && v.rel_error > 0.0 && v.passed);
+    assert_eq!(v.max_ulp, 1);
+}
+
+fn stat(ref_norm: f64, diff_norm: f64, kind: Option<ttrace::engine::ModuleKind>) -> TensorStat {
+    TensorStat {
+        ref_norm,
+        ref_max_abs: ref_norm,
+        diff_norm,
+        elements: 16,
+        last_dim: 4,
+        ndim: 2,
+        format: Format::BF16,
+        layout: Layout::replicated(),
+        norm_gain: 1.0,
+        module: kind.map(ModuleInfo::of),
+    }
+}
+
+/// A residual whose reference output is exactly zero (x + (−x)) is priced by an absolute
+/// bound from its inputs' differences: ‖Δout‖ ≤ (1 + u)(‖Δx‖ + ‖Δy‖) — never 0 (a false
+/// alarm) and never ∞ (a blind spot).
+#[test]
+fn a_zero_residual_output_gets_an_absolute_floor() {
+    use ttrace::engine::ModuleKind;
+    let ids: Vec<String> = ["r|fwd.input.0", "r|fwd.input.1", "r|fwd.output.0"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let mut stats = HashMap::new();
+    stats.insert(ids[0].clone(), stat(4.0, 1e-3, None));
+    stats.insert(ids[1].clone(), stat(4.0, 2e-3, None));
+    stats.insert(ids[2].clone(), stat(0.0, 0.0, Some(ModuleKind::Residual)));
+    let index = InputIndex::new(&ids);
+    let ctx = PriceContext {
+        mesh: Mesh::single(),
+        recipe: None,
+        log_inv_delta: (1e6f64).ln(),
+    };
+    let get = |id: &str| stats.get(id);
+    let p = price_local(&ids[2], &index, &get, &ctx).unwrap();
+    let u = Format::BF16.unit_roundoff();
+    assert_eq!(p.threshold, 3e-3 * (1.0 + u));
+}
+
+// ---- Subnormals --------------------------------------------------------------------------------
+
+#[test]
+fn subnormals_round_and_compare_across_zero() {
+    let s = 2f64.powi(-133); // BF16's smallest subnormal
+    assert_eq!(Format::BF16.round(0.75 * s, Overflow::NonSaturating), s);
+    assert_eq!(Format::BF16.round(0.5 * s, Overflow::NonSaturating), 0.0); // tie to even (0)
+    let v = compare_tensor(
+        "x",
+        &t(&[s], Format::BF16),
+        &t(&[-s], Format::BF16),
+        1.0,
+        1.0,
+    );
+    assert_eq!(v.max_ulp, 2, "−s, 0, s: two steps");
+}
+
+// ---- FP8 saturation and overflow ------------------------------------------------------------
+
+#[test]
+fn fp8_overflow_follows_the_overflow_policy() {
+    assert_eq!(Format::E4M3.round(1000.0, Overflow::Saturating), 448.0);
+    assert_eq!(Format::E4M3.round(-1e30, Overflow::Saturating), -448.0);
+    // E4M3 has no infinity: a non-saturating overflow is NaN.
+    assert!(Format::E4M3.round(1000.0, Overflow::NonSaturating).is_nan());
+    assert_eq!(
+        Format::E5M2.round(1e6, Overflow::NonSaturating),
+        f64::INFINITY
+    );
+    assert_eq!(Format::E5M2.round(1e6, Overflow::Saturating), 57344.0);
+    // Values past FP8's range, not quantizable as FP8: a typed error, not a silent clamp.
+    let e = Tensor::from_vec(&[1], vec![1000.0], Format::E4M3).unwrap_err();
+    assert!(matches!(e, Error::NotRepresentable { .. }), "{e}");
+}
+
+// ---- Empty tensors and reductions -------------------------------------------------------------
+
+#[test]
+fn empty_tensors_compare_store_and_multiply() {
+    let e = Tensor::from_vec(&[0, 3], vec![], Format::BF16).unwrap();
+    let v = compare_tensor("x", &e, &e, 0.0, 1.0);
+    assert!(v.passed && v.rel_error == 0.0 && v.elements == 0);
+    let d = tmp("empty");
+    let p = d.join("e.safetensors");
+    safetensors::write(&p, &[("e", &e)], &Default::default()).unwrap();
+    let back = safetensors::SafetensorsFile::open(&p)
+        .unwrap()
+        .read("e")
+        .unwrap();
+    assert_eq!(back.shape(), &[0, 3]);
+    // An empty reduction is exactly zero in any order.
+    let a = Tensor::zeros(&[2, 0], Format::BF16);
+    let b = Tensor::zeros(&[0, 3], Format::BF16);
+    let c = matmul(
+        &a,
+        &b,
+        &Policy::new(Format::BF16, Format::F32, Format::BF16),
+    )
+    .unwrap();
+    assert_eq!(c.values(), &[0.0; 6]);
+    assert_eq!(
+        sum(
+            &[],
+            &Accumulation::new(Format::BF16, Format::BF16, ttrace::Order::Sequential)
+        )
+        .unwrap(),
+        0.0
+    );
+}
+
+// ---- Threshold requests -------------------------------------------------------------------------
+
+#[test]
+fn invalid_threshold_requests_are_typed_errors() {
+    let p = Policy::new(Format::BF16, Format::F32, Format::BF16);
+    let q = Policy::new(Format::BF16, Format::BF16, Format::BF16);
+    let x = TermStats::normal(0.0, 1.0);
+    let conf = Confidence::default_probabilistic();
+    // Zero length: nothing to price.
+    let e = plan_matmul(4, 0, 4, x, x, &p, &q, conf).unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidParameter { name: "k", .. }),
+        "{e}"
+    );
+    // Huge length: refused up front, not an hour of work or an allocation failure.
+    let e = plan_matmul(4, MAX_PLANNED_TERMS + 1, 4, x, x, &p, &q, conf).unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidParameter { name: "k", .. }),
+        "{e}"
+    );
+    assert!(plan_matmul(4, MAX_PLANNED_TERMS.min(1 << 16), 4, x, x, &p, &q, conf).is_ok());
+    // δ outside (0, 1).
+    for d in [0.0, 1.0, -0.5, 2.0, f64::NAN] {
+        assert!(Confidence::probabilistic(d).is_err(), "{d}");
+    }
+    // Unknown formats.
+    assert!("bf17".parse::<Format>().is_err());
+    assert!("".parse::<Format>().is_err());
+}
+
+// ---- Atomic reports, deterministic results ---------------------------------------------------
+
+#[test]
+fn atomic_writes_leave_the_old_file_or_the_new_one() {
+    let d = tmp("atomic");
+    let p = d.join("report.json");
+    write_atomic(&p, b"old").unwrap();
+    write_atomic(&p, b"new contents").unwrap();
+    assert_eq!(std::fs::read(&p).unwrap(), b"new contents");
+    // A failing write (the target is a directory) leaves no temporary file behind.
+    let target = d.join("sub");
+    std::fs::create_dir_all(target.join("x")).unwrap();
+    assert!(write_atomic(&target, b"data").is_err());
+    let left: Vec<_> = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    assert!(
+        left.iter().all(|n| !n.contains(".tmp")),
+        "temporary files left: {left:?}"
+    );
+    assert_eq!(std::fs::read(&p).unwrap(), b"new contents");
+}
+
+/// A trace pair checked twice and on 1 and 3 threads gives byte-identical JSON reports.
+#[test]
+fn check_reports_are_identical_across_runs_and_thread_counts() {
+    let d = tmp("determinism");
+    let single = Mesh::single();
+    let tp2 = Mesh::new(2, 1, 1, false).unwrap();
+    let mut split = Layout::replicated();
+    split.tp = ttrace::shard::Placement::split(1);
+    let mut re = vec![];
+    let mut ce = vec![];
+    let mut g = ttrace::engine::init::SplitMix64::for_name("robust", 3);
+    for m in 0..6 {
+        let v: Vec<f64> = (0..64)
+            .map(|_| Format::BF16.round(g.uniform() - 0.5, Overflow::Saturating))
+            .collect();
+        let c: Vec<f64> = v
+            .iter()
+            .map(|x| Format::BF16.round(x * (1.0 + 2f64.powi(-8)), Overflow::Saturating))
+            .collect();
+        let id = format!("m{m}|fwd.output.0");
+        let rt = Tensor::from_vec(&[8, 8], v, Format::BF16).unwrap();
+        let ct = Tensor::from_vec(&[8, 8], c, Format::BF16).unwrap();
+        re.push((id.clone(), Layout::replicated(), vec![rt]));
+        let shards = ttrace::shard::shard(&ct, &split, &tp2, &id).unwrap();
+        ce.push((id, split, shards));
+    }
+    let none = HashMap::new();
+    write_trace_dir(&d.join("r"), &single, None, &re, &HashMap::new(), &none).unwrap();
+    write_trace_dir(&d.join("c"), &tp2, None, &ce, &HashMap::new(), &none).unwrap();
+    let run = |threads: usize| {
+        let out = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(|| check_dir_paths(&d.join("r"), &d.join("c"), PricingMode::Auto, &|| {}))
+            .unwrap();
+        serde_json::to_string(&out).unwrap()
+    };
+    let first = run(1);
+    assert_eq!(first, run(1));
+    assert_eq!(first, run(3));
+}
