@@ -8,8 +8,9 @@
 //! Every call runs under `catch_unwind` and a counting global allocator: the property is "no
 //! panic, and no allocation larger than a fixed budget" (a lying header must not make a reader
 //! allocate what the file does not hold). Inputs that break it are written to
-//! `target/fuzz-failures/` for turning into regression cases (`tests/fuzz_regressions/`, replayed
-//! by `regression_cases_are_rejected_cleanly`).
+//! `target/tmp/fuzz-failures/` for turning into regression cases (`tests/fuzz_regressions/`,
+//! replayed by `regression_cases_are_rejected_cleanly`); with `TTRACE_FUZZ_CORPUS=DIR` the first
+//! input of every distinct error message is saved too (the regression set holds such a corpus).
 //!
 //! * In CI: `quick_fuzz_of_every_reader` (a fixed seed, a few thousand inputs per reader).
 //! * The long run (10 minutes per reader by default; `TTRACE_FUZZ_SECS` overrides):
@@ -411,10 +412,18 @@ struct Tally {
     errors: u64,
     kinds: BTreeSet<String>,
     failures: Vec<String>,
+    /// Where to save the first input of every new kind of error (`TTRACE_FUZZ_CORPUS`).
+    corpus: Option<PathBuf>,
 }
 
 impl Tally {
     fn record(&mut self, reader: &str, out: Outcome, input: &[u8]) {
+        self.record_as(reader, reader, out, input)
+    }
+
+    /// `name` prefixes saved inputs (it carries what replaying needs, e.g. npy's declared
+    /// format).
+    fn record_as(&mut self, reader: &str, name: &str, out: Outcome, input: &[u8]) {
         self.runs += 1;
         match out {
             Outcome::Ok => self.ok += 1,
@@ -429,7 +438,13 @@ impl Tally {
                     .filter(|c| !c.is_ascii_digit())
                     .take(90)
                     .collect();
-                self.kinds.insert(kind);
+                if self.kinds.insert(kind) {
+                    if let Some(dir) = &self.corpus {
+                        std::fs::create_dir_all(dir).unwrap();
+                        let p = dir.join(format!("{name}-kind{}.bin", self.kinds.len()));
+                        std::fs::write(p, input).unwrap();
+                    }
+                }
             }
             Outcome::Panic(m) => self.fail(reader, format!("panic: {m}"), input),
             Outcome::Alloc(n) => self.fail(reader, format!("allocation of {n} bytes"), input),
@@ -450,7 +465,10 @@ impl Tally {
 fn fuzz(reader: &str, budget: Duration, max_runs: u64, seed: u64) -> Tally {
     let dir = tmp(reader);
     let mut g = StdRng::seed_from_u64(seed);
-    let mut tally = Tally::default();
+    let mut tally = Tally {
+        corpus: std::env::var_os("TTRACE_FUZZ_CORPUS").map(PathBuf::from),
+        ..Tally::default()
+    };
     let start = Instant::now();
     let st_seed = safetensors_seed(&dir);
     let npy_seed = npy_seeds(&dir);
@@ -475,7 +493,11 @@ fn fuzz(reader: &str, budget: Duration, max_runs: u64, seed: u64) -> Tally {
                     1 => Some(*f),
                     _ => Some(Format::ALL[g.random_range(0..Format::ALL.len())]),
                 };
-                tally.record(reader, guarded(|| read_npy(&p, declared)), &input);
+                let name = format!(
+                    "npy-{}",
+                    declared.map_or("none".to_string(), |f| f.to_string())
+                );
+                tally.record_as(reader, &name, guarded(|| read_npy(&p, declared)), &input);
             }
             _ => {
                 // The manifest (structure-aware or bytes), or a rank file of the candidate.
@@ -587,10 +609,15 @@ fn regression_cases_are_rejected_cleanly() {
             let f = work.join("x.safetensors");
             std::fs::write(&f, &bytes).unwrap();
             guarded(|| read_safetensors(&f))
-        } else if name.starts_with("npy-") {
+        } else if let Some(rest) = name.strip_prefix("npy-") {
+            // npy-{declared format or "none"}-….bin
+            let declared = rest
+                .split('-')
+                .next()
+                .and_then(|d| d.parse::<Format>().ok());
             let f = work.join("x.npy");
             std::fs::write(&f, &bytes).unwrap();
-            guarded(|| read_npy(&f, None))
+            guarded(|| read_npy(&f, declared))
         } else if name.starts_with("trace-") {
             let (r, c) = trace_seed(&work);
             let text = String::from_utf8_lossy(&bytes).to_string();
