@@ -306,14 +306,7 @@ fn pass_avx2<const ULP: bool, const SH: u32>(
             umax = _mm256_max_epu32(umax, dist);
         }
     }
-    let mut acc = Lanes {
-        d2: [0.0; 8],
-        r2: [0.0; 8],
-        rmax: [0.0; 8],
-        dmax: [0.0; 8],
-        umax: [0; 8],
-        nonfinite: [0; 8],
-    };
+    let mut acc = Lanes::default();
     let mut u32s = [0u32; 8];
     // SAFETY: every store writes 4 f64 or 8 u32 into arrays of that many elements.
     unsafe {
@@ -337,7 +330,8 @@ fn pass_avx2<const ULP: bool, const SH: u32>(
     finish_pass(acc, &r[..n], &c[..n], rf, cf, ULP)
 }
 
-/// Per-lane accumulators of the fast pass.
+/// Per-lane accumulators of the fast pass (all zero to start).
+#[derive(Default)]
 struct Lanes {
     d2: [f64; 8],
     r2: [f64; 8],
@@ -398,14 +392,7 @@ fn lanes_over<const ULP: bool, const SH: u32>(r: &[f64], c: &[f64], acc: &mut La
 fn pass_fast_body(r: &[f64], c: &[f64], rf: Format, cf: Format) -> PassStats {
     let n = r.len().min(c.len());
     let (r, c) = (&r[..n], &c[..n]);
-    let mut acc = Lanes {
-        d2: [0.0; 8],
-        r2: [0.0; 8],
-        rmax: [0.0; 8],
-        dmax: [0.0; 8],
-        umax: [0; 8],
-        nonfinite: [0; 8],
-    };
+    let mut acc = Lanes::default();
     // F32 and BF16 ordinals are cheap bit operations on the f32 pattern: computed in the
     // vector loop (0 for equal or non-finite pairs); other formats get a scalar scan.
     let in_loop = match (rf, cf) {

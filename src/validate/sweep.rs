@@ -924,14 +924,26 @@ pub fn render_bugs(report: &SweepReport) -> String {
             r.example_site.clone(),
         ]);
     }
-    let widths: Vec<usize> = (0..rows[0].len())
+    render_columns(&rows, true, false)
+}
+
+/// Rows of cells as aligned text columns: the first column (and the last, with
+/// `last_left`) left-aligned, the others right-aligned, two spaces apart; with `rule_before_last`
+/// a dashed line above the last row (a totals row).
+fn render_columns(rows: &[Vec<String>], last_left: bool, rule_before_last: bool) -> String {
+    let cols = rows.first().map_or(0, Vec::len);
+    let widths: Vec<usize> = (0..cols)
         .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
         .collect();
     let mut out = String::new();
-    for r in &rows {
+    for (i, r) in rows.iter().enumerate() {
+        if rule_before_last && i + 1 == rows.len() {
+            out.push_str(&"-".repeat(widths.iter().sum::<usize>() + 2 * widths.len()));
+            out.push('\n');
+        }
         for (c, cell) in r.iter().enumerate() {
             let pad = widths[c] - cell.chars().count();
-            if c == 0 || c == r.len() - 1 {
+            if c == 0 || (last_left && c + 1 == r.len()) {
                 out.push_str(cell);
                 out.push_str(&" ".repeat(pad + 2));
             } else {
@@ -1008,29 +1020,7 @@ pub fn render_table(report: &SweepReport) -> String {
         }));
         rows.push(row);
     }
-    let widths: Vec<usize> = (0..rows[0].len())
-        .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
-        .collect();
-    let mut out = String::new();
-    for (i, r) in rows.iter().enumerate() {
-        if i == rows.len() - 1 {
-            out.push_str(&"-".repeat(widths.iter().sum::<usize>() + 2 * widths.len()));
-            out.push('\n');
-        }
-        for (c, cell) in r.iter().enumerate() {
-            let pad = widths[c] - cell.chars().count();
-            if c == 0 {
-                out.push_str(cell);
-                out.push_str(&" ".repeat(pad + 2));
-            } else {
-                out.push_str(&" ".repeat(pad));
-                out.push_str(cell);
-                out.push_str("  ");
-            }
-        }
-        out.push('\n');
-    }
-    out
+    render_columns(&rows, false, true)
 }
 
 /// An SVG scatter plot of every differing tensor: observed relative error against our
