@@ -88,7 +88,11 @@ impl Tensor {
         }
     }
 
-    /// Internal constructor for values already known to be in `format` and contiguous.
+    /// Internal constructor for values already known to be in `format` and contiguous, with
+    /// `shape` holding exactly `values.len()` elements (callers guarantee it; readers validate
+    /// shapes with [`element_count`] first). Should the guarantee ever fail, the result is
+    /// poisoned rather than plausible: a flat tensor of NaNs, which no comparison accepts
+    /// (its shape and values both mismatch), instead of silently wrong data.
     pub(crate) fn from_parts_unchecked(
         shape: &[usize],
         values: Vec<f64>,
@@ -96,8 +100,9 @@ impl Tensor {
     ) -> Tensor {
         debug_assert_eq!(shape.iter().product::<usize>(), values.len());
         debug_assert!(format.first_unrepresentable(&values).is_none());
+        let len = values.len();
         let data = ArrayD::from_shape_vec(IxDyn(shape), values)
-            .unwrap_or_else(|_| ArrayD::zeros(IxDyn(shape)));
+            .unwrap_or_else(|_| ArrayD::from_elem(IxDyn(&[len]), f64::NAN));
         Tensor { data, format }
     }
 
