@@ -29,7 +29,7 @@ use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::io::{npy, safetensors};
-use crate::shard::layout::{merge_reusing, Layout, Mesh};
+use crate::shard::layout::{merge_reusing, take_spare, Layout, Mesh};
 
 /// The schema version this library writes and reads.
 pub const VERSION: u64 = 1;
@@ -400,7 +400,10 @@ impl TraceDir {
                     .files
                     .get_mut(&e.file)
                     .ok_or_else(|| ferr(&self.dir, "file not open"))?;
-                f.read_reusing(&e.key, self.spare.pop().unwrap_or_default())?
+                let len = f.entries().get(&e.key).map_or(0, |x| {
+                    crate::engine::tensor::element_count(&x.shape).unwrap_or(0)
+                });
+                f.read_reusing(&e.key, take_spare(&mut self.spare, len))?
             } else {
                 npy::read(&self.dir.join(&e.file), Some(e.dtype))?
             };

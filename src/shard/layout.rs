@@ -387,7 +387,7 @@ fn join(
         }
         Placement::Partial => {
             let n = first.len();
-            let mut out = spare.pop().unwrap_or_default();
+            let mut out = take_spare(spare, n);
             out.clear();
             for i in 0..n {
                 let mut acc = ExactAccumulator::new();
@@ -403,7 +403,7 @@ fn join(
         Placement::Split { dim, .. } | Placement::CpChunks { dim } => {
             let (outer, local, inner) = around(first.shape(), dim);
             let n = local * parts;
-            let mut out = spare.pop().unwrap_or_default();
+            let mut out = take_spare(spare, outer * n * inner);
             out.clear();
             out.resize(outer * n * inner, 0.0);
             for (i, t) in pieces.iter().enumerate() {
@@ -430,6 +430,25 @@ fn join(
 /// How many buffers of joined pieces a merge keeps for its later joins (see
 /// [`merge_reusing`]).
 const SPARE_BUFFERS: usize = 4;
+
+/// The spare buffer that best fits `len` elements: the smallest holding them, else the largest
+/// (growing a buffer that is too small would cost fresh pages). Empty when there is none.
+pub fn take_spare(spare: &mut Vec<Vec<f64>>, len: usize) -> Vec<f64> {
+    let fits = spare
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| v.capacity() >= len)
+        .min_by_key(|(_, v)| v.capacity())
+        .map(|(i, _)| i);
+    let pick = fits.or_else(|| {
+        spare
+            .iter()
+            .enumerate()
+            .max_by_key(|(_, v)| v.capacity())
+            .map(|(i, _)| i)
+    });
+    pick.map(|i| spare.swap_remove(i)).unwrap_or_default()
+}
 
 /// Keep the buffers of owned pieces (joined already) for later joins.
 fn keep_buffers(pieces: Vec<Cow<'_, Tensor>>, spare: &mut Vec<Vec<f64>>) {
