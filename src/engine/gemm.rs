@@ -81,10 +81,12 @@ fn gemm_with(a: &[f64], b: &[f64], c: &mut [f64], s: GemmShape, micro: MicroFn) 
     let band_tiles = MC / MR;
     // Scratch buffers are reused from call to call (see `take`): every element is written
     // before it is read, so their previous contents do not matter.
-    let mut total = take(tm * tn * TILE);
+    // (Pooled buffers may be longer than asked: only the first `tiles_len` elements are used.)
+    let tiles_len = tm * tn * TILE;
+    let mut total = take(tiles_len);
     // A block is open across a chunk boundary when some boundary is not a block boundary.
     let open_blocks = (KC..k).step_by(KC).any(|x| x % block != 0);
-    let mut part = take(if open_blocks { tm * tn * TILE } else { 0 });
+    let mut part = take(if open_blocks { tiles_len } else { 0 });
     let mut bpack = take(tn * KC * NR);
     let parallel = m * n * k >= 1 << 22 && m > MC && rayon::current_num_threads() > 1;
     for k0 in (0..k).step_by(KC) {
@@ -94,12 +96,12 @@ fn gemm_with(a: &[f64], b: &[f64], c: &mut [f64], s: GemmShape, micro: MicroFn) 
         let bpack = &bpack[..tn * kc * NR];
         let band_len = band_tiles * tn * TILE;
         let mut parts: Vec<&mut [f32]> = if open_blocks {
-            part.chunks_mut(band_len).collect()
+            part[..tiles_len].chunks_mut(band_len).collect()
         } else {
             Vec::new()
         };
-        parts.resize_with(total.len().div_ceil(band_len), || &mut []);
-        let work: Vec<_> = total[..tm * tn * TILE]
+        parts.resize_with(tiles_len.div_ceil(band_len), || &mut []);
+        let work: Vec<_> = total[..tiles_len]
             .chunks_mut(band_len)
             .zip(parts)
             .zip(c.chunks_mut(MC * n))
