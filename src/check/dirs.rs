@@ -122,15 +122,15 @@ fn gather(
         .layout(id)
         .unwrap_or_else(crate::shard::Layout::replicated);
     let (c, problem, rank) = match candidate.logical(id) {
-        Ok(c) => (c, None, None),
+        Ok(c) => (Some(c), None, None),
         // Replicas that disagree are a finding (a missing synchronization); shards whose shapes
-        // do not fit their layout are unusable input and end the check.
-        Err(e @ Error::ReplicaMismatch { rank, .. }) => {
-            (r.clone(), Some(e.to_string()), Some(rank))
-        }
+        // do not fit their layout are unusable input and end the check. The verdict's columns
+        // (and the reference's sums, which pricing needs) then come from the reference alone.
+        Err(e @ Error::ReplicaMismatch { rank, .. }) => (None, Some(e.to_string()), Some(rank)),
         Err(e) => return Err(e),
     };
-    let (mut verdict, sums) = compare_with_sums(id, &r, &c, 0.0, eps);
+    let cand = c.as_ref().unwrap_or(&r);
+    let (mut verdict, sums) = compare_with_sums(id, &r, cand, 0.0, eps);
     let (d2, r2, rmax) = (sums.d2, sums.r2, sums.rmax);
     let mut diff_norm = d2.sqrt();
     if let Some(p) = problem {
@@ -139,7 +139,7 @@ fn gather(
         verdict.ratio = f64::INFINITY;
         diff_norm = f64::INFINITY;
     }
-    if verdict.nonfinite_mismatches > 0 || r.shape() != c.shape() {
+    if verdict.nonfinite_mismatches > 0 || r.shape() != cand.shape() {
         diff_norm = f64::INFINITY;
     }
     let last_dim = r.shape().last().copied().unwrap_or(1);
@@ -162,7 +162,9 @@ fn gather(
         module,
     };
     reference.recycle(r);
-    candidate.recycle(c);
+    if let Some(c) = c {
+        candidate.recycle(c);
+    }
     Ok(Gathered {
         verdict,
         stat,

@@ -29,7 +29,7 @@ use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::io::{npy, safetensors};
-use crate::shard::layout::{merge_reusing, take_spare, Layout, Mesh};
+use crate::shard::layout::{give_spare, merge_reusing, take_spare, Layout, Mesh};
 
 /// The schema version this library writes and reads.
 pub const VERSION: u64 = 1;
@@ -287,9 +287,6 @@ pub struct TraceDir {
     spare: Vec<Vec<f64>>,
 }
 
-/// How many recycled buffers a [`TraceDir`] keeps.
-const SPARE_BUFFERS: usize = 4;
-
 impl TraceDir {
     /// Open `dir`: read `manifest.json` (or, when it is absent, the per-rank fragments
     /// `manifest.rank{r}.json` that distributed dumpers write, see [`read_manifest`]), open
@@ -416,12 +413,7 @@ impl TraceDir {
     /// needed: its buffer is kept (up to a few) and reused by the next reads, which saves the
     /// fresh pages a large allocation costs. The buffers are freed with the `TraceDir`.
     pub fn recycle(&mut self, t: Tensor) {
-        if self.spare.len() < SPARE_BUFFERS {
-            let v = t.into_values();
-            if v.capacity() > 0 {
-                self.spare.push(v);
-            }
-        }
+        give_spare(&mut self.spare, t);
     }
 
     /// The producer's threshold for an id, if the manifest gives one.

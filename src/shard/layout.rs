@@ -454,9 +454,18 @@ pub fn take_spare(spare: &mut Vec<Vec<f64>>, len: usize) -> Vec<f64> {
 fn keep_buffers(pieces: Vec<Cow<'_, Tensor>>, spare: &mut Vec<Vec<f64>>) {
     for t in pieces {
         if let Cow::Owned(t) = t {
-            if spare.len() < SPARE_BUFFERS {
-                spare.push(t.into_values());
-            }
+            give_spare(spare, t);
+        }
+    }
+}
+
+/// Keep a tensor's buffer in `spare` for reuse (up to a few; empty buffers are not kept) —
+/// the counterpart of [`take_spare`].
+pub fn give_spare(spare: &mut Vec<Vec<f64>>, t: Tensor) {
+    if spare.len() < SPARE_BUFFERS {
+        let v = t.into_values();
+        if v.capacity() > 0 {
+            spare.push(v);
         }
     }
 }
