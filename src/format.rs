@@ -436,10 +436,13 @@ impl Format {
             *o = self.encode(self.round(f64::from(x), overflow))? as u16;
             Ok(())
         };
-        // Largest magnitude whose rounding stays finite: saturation leaves the rest alone.
+        // Magnitudes below this round to a finite value, so saturation leaves them alone: the
+        // midpoint between the largest finite value and the next power (which itself rounds to
+        // even, i.e. up, to infinity). BF16: 0x7f7f8000 = max + half an ulp (f32::MAX is above
+        // it); F16: 65504 + 16 = 65520.
         let finite_limit = match self {
-            Format::BF16 => f32::MAX,
-            _ => 65504.0 + 16.0, // F16: values below max + half an ulp (65520) round finite
+            Format::BF16 => f32::from_bits(0x7f7f_8000),
+            _ => 65504.0 + 16.0,
         };
         let sat = overflow == Overflow::Saturating;
         let whole = src.len() / 8 * 8;

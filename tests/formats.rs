@@ -806,3 +806,30 @@ fn round_f32_to_bits_rejects_other_formats_and_length_mismatches() {
         .round_f32_to_bits(&[1.0], &mut dst, Overflow::NonSaturating)
         .is_err());
 }
+
+/// The overflow threshold of the bulk 16-bit rounding, in both overflow modes: the midpoint
+/// between the largest finite value and infinity rounds (to even) up, so saturation must catch
+/// it, and the largest value below it stays finite. (The BF16 threshold was once f32::MAX, so a
+/// block holding exactly 0x7f7f8000 became infinity under saturation; found by the proptest.)
+#[test]
+fn bulk_rounding_overflow_threshold_is_the_midpoint() {
+    for (f, mid) in [
+        (Format::BF16, f32::from_bits(0x7f7f_8000)),
+        (Format::F16, 65520.0f32),
+    ] {
+        let below = f32::from_bits(mid.to_bits() - 1);
+        for sat in [Overflow::Saturating, Overflow::NonSaturating] {
+            for x in [mid, -mid, below, -below, f32::MAX, f32::INFINITY] {
+                let src = [x; 8];
+                let mut dst = [0u16; 8];
+                f.round_f32_to_bits(&src, &mut dst, sat).unwrap();
+                let want = f.encode(f.round(f64::from(x), sat)).unwrap() as u16;
+                assert!(
+                    dst.iter().all(|&d| d == want),
+                    "{f} {sat:?} {x:e}: {:#x} vs {want:#x}",
+                    dst[0]
+                );
+            }
+        }
+    }
+}
