@@ -90,6 +90,17 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// A rounding may overflow: a value the computation rounds can reach the format's
+    /// overflow threshold, so the result may be infinite, NaN or clamped and no finite
+    /// threshold holds. Scale the data (or accumulate in a wider format).
+    Overflow {
+        /// What may overflow (e.g. `a partial sum`, `product 3`, `output element 7`).
+        what: String,
+        /// The format it is rounded to.
+        format: Format,
+        /// The largest magnitude the value may reach.
+        magnitude: f64,
+    },
     /// An input that must be finite is NaN or infinite.
     NonFinite {
         /// What the value was (e.g. `input x[3]`).
@@ -153,6 +164,16 @@ impl fmt::Display for Error {
                  differs at flat index {index} ({:e} vs {:e}); the layout is wrong or a \
                  synchronization is missing",
                 values.0, values.1
+            ),
+            Error::Overflow {
+                what,
+                format,
+                magnitude,
+            } => write!(
+                f,
+                "{what} may reach {magnitude:.3e}, beyond the largest finite {format} value \
+                 ({:.3e}): the rounding may overflow and no finite threshold holds",
+                format.max_finite()
             ),
             Error::NonFinite { what, value } => {
                 write!(f, "{what} is {value}, but a finite value is required")

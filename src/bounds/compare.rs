@@ -95,8 +95,12 @@ impl ElementDiff {
         offset: f64,
     ) -> ElementDiff {
         let sum = reference.plus(candidate);
+        // The determined errors are carried as part of the offset (D = E_c − E_r), the ties of
+        // unknown direction at their bound; only the undetermined roundings are random.
+        let determined = offset + (candidate.mean - reference.mean);
         ElementDiff {
-            offset,
+            offset: determined,
+            bias_bound: sum.tie_bound,
             guaranteed: offset.abs() + sum.guaranteed,
             proxy: sum.variance,
             ..ElementDiff::default()

@@ -24,6 +24,7 @@
 use serde::Serialize;
 
 use crate::error::{Error, Result};
+use crate::exact::ExactAccumulator;
 use crate::format::Format;
 use crate::order::{for_each_rounding, Accumulation, Operand, Order, Products, RoundingSite};
 
@@ -71,8 +72,8 @@ fn check_supported(order: &Order) -> Result<()> {
     match order {
         Order::Kahan => Err(Error::InvalidParameter {
             name: "order",
-            reason: "no bound is implemented for compensated (Kahan) summation: its rigorous \
-                     second-order constant is not derived here"
+            reason: "reduction_error walks a tree of roundings, which compensated (Kahan) \
+                     summation is not; its threshold is `kahan_error`"
                 .into(),
         }),
         Order::SplitK { inner, .. } => check_supported(inner),
@@ -80,12 +81,616 @@ fn check_supported(order: &Order) -> Result<()> {
     }
 }
 
+/// Knuth's TwoSum: s + e = a + b exactly, s = fl(a + b).
+fn two_sum(a: f64, b: f64) -> (f64, f64) {
+    let s = a + b;
+    let bb = s - a;
+    (s, (a - (s - bb)) + (b - bb))
+}
+
+/// 2^-50: relative slack for values the model computes in `f64` (range sums, error sums).
+const SLACK: f64 = 8.881_784_197_001_252e-16;
+
+/// Smallest and largest |y| over the interval [c − r, c + r].
+fn abs_range(c: f64, r: f64) -> (f64, f64) {
+    let (lo, hi) = (c - r, c + r);
+    let max = lo.abs().max(hi.abs());
+    let min = if lo <= 0.0 && hi >= 0.0 {
+        0.0
+    } else {
+        lo.abs().min(hi.abs())
+    };
+    (min, max)
+}
+
+/// Whether the integer-valued `x` is odd (exact for every finite `f64`).
+fn is_odd(x: f64) -> bool {
+    (x * 0.5).fract() != 0.0
+}
+
+/// What the model knows of a value ŝ that earlier roundings computed, whose exact
+/// counterpart is s: its error E = ŝ − s is `det` plus at most `bound`, and, while the parity
+/// chain is intact, whether ŝ/U is odd on the grid U — the one bit of ŝ that decides a tie.
+#[derive(Debug, Clone, Copy)]
+struct Known {
+    det: f64,
+    bound: f64,
+    parity: Option<(f64, bool)>,
+    /// Every rounding behind the value was exact: ŝ = s.
+    exact: bool,
+}
+
+/// The parity of ŝ/`grid` when `k` tells it: known on the same grid, even on any finer one
+/// (ŝ is a multiple of the coarser spacing), unknown on a coarser one.
+fn parity_on(k: &Known, grid: f64) -> Option<bool> {
+    match k.parity {
+        Some((g, odd)) if g == grid => Some(odd),
+        Some((g, _)) if g > grid => Some(false),
+        _ => None,
+    }
+}
+
+type Key = (usize, usize, usize, usize);
+
+fn key(first: &std::ops::Range<usize>, second: &std::ops::Range<usize>) -> Key {
+    (first.start, first.end, second.start, second.end)
+}
+
+/// The walk over one reduction's roundings (see [`reduction_error`]).
+struct Walk<'a> {
+    terms: &'a [f64],
+    /// Double-double prefix sums of the exact terms.
+    prefix: Vec<(f64, f64)>,
+    /// Bound on the error of a range sum taken from `prefix`.
+    margin: f64,
+    overflow: crate::format::Overflow,
+    values: std::collections::HashMap<Key, Known>,
+    scratch: ExactAccumulator,
+    /// Σ of the determined errors.
+    mean: f64,
+    /// Σ of the variances of the undetermined roundings.
+    variance: f64,
+    /// Undetermined roundings that add the same determined operand onto the same grid err
+    /// alike (a constant row's identical block sums): grouped by (grid, operand), a group of
+    /// k contributes k²·Var(η), not k·Var(η).
+    repeats: std::collections::BTreeMap<(u64, u64), (f64, f64)>,
+    /// Σ U/2 over the ties whose direction is unknown.
+    tie_bound: f64,
+    /// Σ over roundings of half the smallest subnormal of their format (Higham's underflow
+    /// term, counted for every rounding).
+    underflow: f64,
+    /// A rounding whose value may reach the format's overflow threshold: (format, |value|).
+    overflows: Option<(Format, f64)>,
+}
+
+impl Walk<'_> {
+    /// The exact sum of the terms in two ranges, as a value and a bound on its error.
+    fn range_sum(&self, a: &std::ops::Range<usize>, b: &std::ops::Range<usize>) -> (f64, f64) {
+        let part = |r: &std::ops::Range<usize>| -> (f64, f64) {
+            if r.is_empty() {
+                return (0.0, 0.0);
+            }
+            let (h1, l1) = self.prefix[r.end];
+            let (h0, l0) = self.prefix[r.start];
+            let (h, e) = two_sum(h1, -h0);
+            (h, e + (l1 - l0))
+        };
+        let (ha, la) = part(a);
+        let (hb, lb) = part(b);
+        let (h, e) = two_sum(ha, hb);
+        let v = h + (e + la + lb);
+        (v, self.margin + v.abs() * SLACK)
+    }
+
+    fn note_overflow(&mut self, f: Format, magnitude: f64) {
+        if magnitude == f64::INFINITY {
+            // Only a value of unknown error gives an infinite magnitude here (never expected);
+            // its rounding is priced as undetermined.
+            return;
+        }
+        let limit = f.max_finite() + f.ulp(f.max_finite()).unwrap_or(0.0) / 2.0;
+        if (magnitude >= limit || magnitude.is_nan()) && self.overflows.is_none() {
+            self.overflows = Some((f, magnitude));
+        }
+    }
+
+    /// A computed operand: its state, its exact partial sum (value, error bound), its format,
+    /// and its computed value when every rounding behind it was exact (then ŝ = s, up to the
+    /// slack of the range sum, which rounding to its format removes). A value that an inexact
+    /// rounding has touched keeps its low-order bits to itself: the model treats them as
+    /// random.
+    fn operand(&mut self, op: &Operand) -> Option<(Known, f64, f64, Format, Option<f64>)> {
+        match op {
+            Operand::Value {
+                first,
+                second,
+                format,
+            } => {
+                // Every computed value is consumed once; an empty one is an exact zero.
+                let k = self.values.remove(&key(first, second)).unwrap_or(Known {
+                    det: 0.0,
+                    bound: if first.is_empty() && second.is_empty() {
+                        0.0
+                    } else {
+                        f64::INFINITY
+                    },
+                    parity: None,
+                    exact: first.is_empty() && second.is_empty(),
+                });
+                let (s, err) = self.range_sum(first, second);
+                let known = if k.exact {
+                    let c = s + k.det;
+                    let v = format.round(c, crate::format::Overflow::NonSaturating);
+                    let slack = err + c.abs() * SLACK;
+                    let half = format.ulp(v).unwrap_or(0.0) / 2.0;
+                    // ŝ is the only value of the format within the slack of c.
+                    (v.is_finite() && (c - v).abs() + slack < half).then_some(v)
+                } else {
+                    None
+                };
+                Some((k, s, err, *format, known))
+            }
+            _ => None,
+        }
+    }
+
+    /// Where a computed value lies: the centre and radius of a rigorous interval for ŝ, and
+    /// the smallest spacing of its format there. When the interval holds a single value of
+    /// the format, that value is ŝ and the interval shrinks to it: the model uses a computed
+    /// value's magnitude, never its low-order bits (beyond the parity chain).
+    fn locate(k: &Known, s: f64, err: f64, fa: Format) -> (f64, f64, f64) {
+        let c = s + k.det;
+        let r = k.bound + err + c.abs() * SLACK;
+        if r.is_finite() {
+            let v = fa.round(c, crate::format::Overflow::NonSaturating);
+            if v.is_finite() {
+                let below = fa
+                    .ulp(v.abs() * (1.0 - 2.0 * fa.unit_roundoff()))
+                    .unwrap_or(0.0);
+                if (c - v).abs() + r < below / 2.0 {
+                    return (v, v.abs() * SLACK, fa.ulp(v).unwrap_or(0.0));
+                }
+            }
+        }
+        let (min, _) = abs_range(c, r);
+        (c, r, fa.ulp(min).unwrap_or(0.0))
+    }
+
+    /// An undetermined rounding to `f` of a value in [c − r, c + r] whose operands lie on the
+    /// grid `g`: zero-mean, variance U²/12 + g²/6 and |η| ≤ U/2 (U the largest spacing there),
+    /// exact when g ≥ U.
+    fn random(&mut self, f: Format, c: f64, r: f64, g: f64, operand: Option<f64>) -> f64 {
+        let (_, max) = abs_range(c, r);
+        let u = f.ulp(max).unwrap_or(f64::INFINITY);
+        if g >= u {
+            return 0.0;
+        }
+        let var = u * u / 12.0 + g * g / 6.0;
+        match operand {
+            Some(t) => {
+                let e = self
+                    .repeats
+                    .entry((u.to_bits(), t.to_bits()))
+                    .or_insert((0.0, var));
+                e.0 += 1.0;
+                e.1 = e.1.max(var);
+            }
+            None => self.variance += var,
+        }
+        u / 2.0
+    }
+
+    fn site(&mut self, s: RoundingSite) {
+        let f = s.format;
+        if s.first.is_empty() && s.second.is_empty() {
+            // Rounding a sum of no terms: an exact zero.
+            for op in &s.ops {
+                self.operand(op);
+            }
+            let zero = Known {
+                det: 0.0,
+                bound: 0.0,
+                parity: Some((f64::INFINITY, false)),
+                exact: true,
+            };
+            self.values.insert(key(&s.first, &s.second), zero);
+            return;
+        }
+        self.underflow += f.min_subnormal() / 2.0;
+        // Exact operands (terms, a fused block, known computed values) and unknown ones.
+        let mut exact: Vec<f64> = s.fused.clone().map(|i| self.terms[i]).collect();
+        let mut det_in = 0.0;
+        let mut unknown = vec![];
+        for op in &s.ops {
+            match op {
+                Operand::None => {}
+                Operand::Term(i) => exact.push(self.terms[*i]),
+                Operand::Value { .. } => {
+                    if let Some(v) = self.operand(op) {
+                        match v.4 {
+                            Some(value) => {
+                                exact.push(value);
+                                det_in += v.0.det;
+                            }
+                            None => unknown.push(v),
+                        }
+                    }
+                }
+            }
+        }
+        let result = match unknown.len() {
+            0 => self.exact_site(f, &exact, det_in),
+            1 => self.value_plus_terms(f, unknown[0], &exact, det_in),
+            _ => self.value_plus_value(f, unknown[0], unknown[1]),
+        };
+        self.values.insert(key(&s.first, &s.second), result);
+    }
+
+    /// A rounding of exact operands only (terms, known computed values): its error is
+    /// computed exactly. `det_in` is the known operands' own error.
+    fn exact_site(&mut self, f: Format, exact: &[f64], det_in: f64) -> Known {
+        let (rounded, eta) = if let [t] = exact {
+            let r = f.round(*t, self.overflow);
+            (r, r - t)
+        } else {
+            self.scratch.clear();
+            for &t in exact {
+                self.scratch.add(t);
+            }
+            let r = self.scratch.round(f, self.overflow);
+            if r.is_finite() {
+                self.scratch.add(-r);
+            }
+            (r, -self.scratch.to_f64())
+        };
+        if !rounded.is_finite() || rounded.abs() > f.max_finite() {
+            let magnitude = exact.iter().map(|t| t.abs()).sum::<f64>();
+            self.note_overflow(f, magnitude.max(f.max_finite() * 2.0));
+            return Known {
+                det: det_in,
+                bound: f64::INFINITY,
+                parity: None,
+                exact: false,
+            };
+        }
+        self.mean += eta;
+        // Zero is even on every grid.
+        let grid = if rounded == 0.0 {
+            f64::INFINITY
+        } else {
+            f.ulp(rounded).unwrap_or(f64::INFINITY)
+        };
+        Known {
+            det: det_in + eta,
+            bound: 0.0,
+            parity: Some((grid, rounded != 0.0 && is_odd(rounded / grid))),
+            exact: eta == 0.0,
+        }
+    }
+
+    /// ŝ + t (t exact: a term or a fused block), or ŝ alone rounded to a new format.
+    fn value_plus_terms(
+        &mut self,
+        f: Format,
+        v: (Known, f64, f64, Format, Option<f64>),
+        exact: &[f64],
+        det_in: f64,
+    ) -> Known {
+        let mut known = self.value_plus_exact(f, v, exact);
+        // The known operands' own errors are part of the result's.
+        known.det += det_in;
+        known
+    }
+
+    fn value_plus_exact(
+        &mut self,
+        f: Format,
+        v: (Known, f64, f64, Format, Option<f64>),
+        exact: &[f64],
+    ) -> Known {
+        let (k, s, err, fa, _) = v;
+        let (c, r, spacing_a) = Self::locate(&k, s, err, fa);
+        // The exact sum t of the exact operands, when it is one f64.
+        let t = match exact {
+            [] => Some(0.0),
+            [t] => Some(*t),
+            _ => {
+                self.scratch.clear();
+                for &t in exact {
+                    self.scratch.add(t);
+                }
+                let t = self.scratch.to_f64();
+                self.scratch.add(-t);
+                (self.scratch.to_f64() == 0.0).then_some(t)
+            }
+        };
+        let t_exact = t.unwrap_or_else(|| exact.iter().sum());
+        let cx = c + t_exact;
+        let rx = r + cx.abs() * SLACK;
+        let (xmin, xmax) = abs_range(cx, rx);
+        self.note_overflow(f, xmax);
+        let u = f.ulp(xmax).unwrap_or(f64::INFINITY);
+        let uniform = f.ulp(xmin) == Some(u) && u.is_finite();
+        let undetermined = |w: &mut Self| {
+            let g = match t {
+                Some(t) if t != 0.0 => fa.ulp(s).unwrap_or(0.0).min(lowest_bit(t)),
+                _ => fa.ulp(s).unwrap_or(0.0),
+            };
+            let site = w.random(f, cx, rx, g, t.filter(|_| !exact.is_empty()));
+            Known {
+                det: k.det,
+                bound: k.bound + site,
+                parity: None,
+                exact: false,
+            }
+        };
+        let Some(t) = t else {
+            return undetermined(self);
+        };
+        if !uniform || !t.is_finite() {
+            return undetermined(self);
+        }
+        // ŝ lies on the grid U (or on U/2 with its parity known): ŝ = m·U + ρ with ρ known.
+        let (rho, parity) = if spacing_a >= u {
+            (0.0, parity_on(&k, u))
+        } else if spacing_a >= u / 2.0 {
+            match parity_on(&k, u / 2.0) {
+                Some(odd) => (if odd { u / 2.0 } else { 0.0 }, None),
+                None => return undetermined(self),
+            }
+        } else {
+            return undetermined(self);
+        };
+        // RN_U(m·U + y) = m·U + RN_U(y) for y = ρ + t, away from ties (the grid is uniform).
+        let q = t / u + rho / u;
+        if q - rho / u != t / u || !q.is_finite() {
+            return undetermined(self);
+        }
+        let floor = q.floor();
+        let (eta, parity_after, tie_unknown) = if q - floor == 0.5 {
+            // A tie: ŝ + t = (m + ⌊q⌋ + ½)·U goes to the even neighbour; the result is even.
+            match parity {
+                Some(odd) => {
+                    let down = odd == is_odd(floor); // m + ⌊q⌋ even
+                    (
+                        if down { -u / 2.0 } else { u / 2.0 },
+                        Some((u, false)),
+                        false,
+                    )
+                }
+                None => (0.0, Some((u, false)), true),
+            }
+        } else {
+            let n = q.round_ties_even();
+            let eta = (n - q) * u;
+            (eta, parity.map(|odd| (u, odd ^ is_odd(n))), false)
+        };
+        if tie_unknown {
+            self.tie_bound += u / 2.0;
+            return Known {
+                det: k.det,
+                bound: k.bound + u / 2.0,
+                parity: parity_after,
+                exact: false,
+            };
+        }
+        self.mean += eta;
+        Known {
+            det: k.det + eta,
+            bound: k.bound,
+            parity: parity_after,
+            exact: false,
+        }
+    }
+
+    /// ŝ₁ + ŝ₂: exact when both lie on the result's grid; a tie of unknown direction or an
+    /// exact sum when both lie on half of it with known parities; otherwise undetermined.
+    fn value_plus_value(
+        &mut self,
+        f: Format,
+        v: (Known, f64, f64, Format, Option<f64>),
+        w: (Known, f64, f64, Format, Option<f64>),
+    ) -> Known {
+        let (kv, sv, ev, fv, _) = v;
+        let (kw, sw, ew, fw, _) = w;
+        let (cv, rv, gv) = Self::locate(&kv, sv, ev, fv);
+        let (cw, rw, gw) = Self::locate(&kw, sw, ew, fw);
+        let cx = cv + cw;
+        let rx = rv + rw + cx.abs() * SLACK;
+        let (xmin, xmax) = abs_range(cx, rx);
+        self.note_overflow(f, xmax);
+        let u = f.ulp(xmax).unwrap_or(f64::INFINITY);
+        let uniform = f.ulp(xmin) == Some(u) && u.is_finite();
+        let det = kv.det + kw.det;
+        let bound = kv.bound + kw.bound;
+        if uniform && gv >= u && gw >= u {
+            let parity = match (parity_on(&kv, u), parity_on(&kw, u)) {
+                (Some(a), Some(b)) => Some((u, a ^ b)),
+                _ => None,
+            };
+            return Known {
+                det,
+                bound,
+                parity,
+                exact: kv.exact && kw.exact,
+            };
+        }
+        if uniform && gv >= u / 2.0 && gw >= u / 2.0 {
+            if let (Some(a), Some(b)) = (parity_on(&kv, u / 2.0), parity_on(&kw, u / 2.0)) {
+                if a == b {
+                    return Known {
+                        det,
+                        bound,
+                        parity: None,
+                        exact: false,
+                    };
+                }
+                self.tie_bound += u / 2.0;
+                return Known {
+                    det,
+                    bound: bound + u / 2.0,
+                    parity: Some((u, false)),
+                    exact: false,
+                };
+            }
+        }
+        let g = fv.ulp(sv).unwrap_or(0.0).min(fw.ulp(sw).unwrap_or(0.0));
+        // A determined operand (its error fully known) repeats when the data repeat.
+        let pinned = |k: &Known, c: f64| (k.bound == 0.0).then_some(c);
+        let operand = pinned(&kw, cw).or(pinned(&kv, cv));
+        let site = self.random(f, cx, rx, g, operand);
+        Known {
+            det,
+            bound: bound + site,
+            parity: None,
+            exact: false,
+        }
+    }
+}
+
 /// The error of one execution of a reduction of the exact `terms` (the values for a sum, the
 /// exact products aᵢbᵢ for a dot product) under `acc`. `is_dot` says whether the terms are
 /// products (then `acc.products` applies).
 ///
-/// Cost: O(n + number of roundings) = O(n) for every order.
+/// # Model
+/// Every rounding j of the reduction errs by ηⱼ = RN(xⱼ) − xⱼ, and the result's error is
+/// exactly Σ ηⱼ. The model splits the roundings in two (papers/bounds-reductions.md §2):
+/// * **determined** roundings, whose error follows from the exact terms alone: a rounding of
+///   exact terms; an exact term t added to a computed value ŝ that lies on the result's grid
+///   U in a region of uniform spacing (then RN_U(ŝ + t) − (ŝ + t) = RN_U(t) − t, whatever ŝ
+///   is — absorption, repeated terms and residue patterns included); a tie there, whose
+///   direction follows from the parity of ŝ/U, tracked along the chain (a tie's result is
+///   even, and a determined addition moves the parity by RN_U(t)/U). Their errors are summed
+///   exactly into [`ReductionError::mean`]; ties whose parity is unknown go to
+///   [`ReductionError::tie_bound`] (sign unknown, at most U/2 each).
+/// * **undetermined** roundings, whose outcome depends on low-order bits of computed values
+///   that the model does not track (two computed values added, a computed value rounded to a
+///   narrower format, a sum crossing into a coarser binade, a value whose grid position the
+///   rigorous error interval cannot pin down): independent, zero-mean, uniform on the grid
+///   points within ±U/2 (variance U²/12 + g²/6, g the operands' grid), summed into
+///   [`ReductionError::variance`].
+///
+/// Which case applies is decided on rigorous intervals (the exact partial sums and every
+/// undetermined error at its bound), so the determined errors are the true ones. The
+/// guaranteed field is Higham's bound (Higham 2002, Thm 2.2, Lemma 3.1) with its underflow
+/// term (half the smallest subnormal of each rounding's format) and, for rounded products,
+/// their exact total error.
+///
+/// # Errors
+/// [`Error::Overflow`] when a rounding may reach its format's overflow threshold (no finite
+/// bound holds then); [`Error::NonFinite`] for a NaN or infinite term; invalid orders, and
+/// [`Order::Kahan`] (priced by [`kahan_error`](crate::bounds::kahan_error)).
+///
+/// Cost: O(n) time and memory for every order.
 pub fn reduction_error(terms: &[f64], acc: &Accumulation, is_dot: bool) -> Result<ReductionError> {
+    acc.validate()?;
+    check_supported(&acc.order)?;
+    if let Some(i) = terms.iter().position(|t| !t.is_finite()) {
+        return Err(Error::NonFinite {
+            what: format!("reduction term {i}"),
+            value: terms[i],
+        });
+    }
+    let n = terms.len();
+    // Rounded products: each product's rounding is computed exactly; the accumulation then
+    // runs on the rounded products, which are values of the product format.
+    let mut rounded = Vec::new();
+    let mut product_error = 0.0;
+    let (terms, input) = match (is_dot, acc.products) {
+        (true, Products::Rounded(pf)) => {
+            let mut e = ExactAccumulator::new();
+            for (i, &t) in terms.iter().enumerate() {
+                let r = pf.round(t, acc.overflow);
+                if !r.is_finite() || r.abs() > pf.max_finite() {
+                    return Err(overflow_error(pf, t.abs(), &format!("product {i}")));
+                }
+                e.add(r);
+                e.add(-t);
+                rounded.push(r);
+            }
+            product_error = e.to_f64();
+            (&rounded[..], pf)
+        }
+        (true, Products::Exact) => (terms, Format::F64),
+        (false, _) => (terms, acc.input),
+    };
+    let accumulate = Accumulation {
+        input,
+        products: Products::Exact,
+        ..acc.clone()
+    };
+    let mut prefix = Vec::with_capacity(n + 1);
+    let (mut hi, mut lo, mut abs_sum) = (0.0f64, 0.0f64, 0.0f64);
+    prefix.push((0.0, 0.0));
+    for &t in terms {
+        let (h, e) = two_sum(hi, t);
+        hi = h;
+        lo += e;
+        abs_sum += t.abs();
+        prefix.push((hi, lo));
+    }
+    let mut walk = Walk {
+        terms,
+        prefix,
+        // The low parts accumulate at most n roundings of size 2^-53 of partial errors, each
+        // at most 2^-53 of a partial sum.
+        margin: (n as f64 + 2.0) * abs_sum * 2f64.powi(-100) + f64::MIN_POSITIVE,
+        overflow: acc.overflow,
+        values: std::collections::HashMap::new(),
+        scratch: ExactAccumulator::new(),
+        mean: product_error,
+        variance: 0.0,
+        repeats: std::collections::BTreeMap::new(),
+        tie_bound: 0.0,
+        underflow: 0.0,
+        overflows: None,
+    };
+    let lr = !input.is_subset_of(acc.accumulator);
+    for_each_rounding(&acc.order, n, acc.accumulator, lr, &mut |s| walk.site(s));
+    for (count, var) in walk.repeats.values() {
+        walk.variance += count * count * var;
+    }
+    if let Some((f, magnitude)) = walk.overflows {
+        return Err(overflow_error(f, magnitude, "a partial sum"));
+    }
+    // Guaranteed: Higham's per-term bound from the accumulation depths, the underflow terms
+    // (carried through later roundings by at most the growth factor), and the products' exact
+    // rounding error.
+    let depths = accumulate.sum_depths(n)?;
+    let mut growth: f64 = 0.0;
+    let mut higham = 0.0;
+    for (t, d) in terms.iter().zip(&depths) {
+        let g = d.relative_error_bound();
+        higham += t.abs() * g;
+        growth = growth.max(g);
+    }
+    let guaranteed =
+        ((higham + walk.underflow) * (1.0 + growth) + product_error.abs()) * (1.0 + 1e-12);
+    Ok(ReductionError {
+        guaranteed,
+        mean: walk.mean,
+        variance: walk.variance,
+        tie_bound: walk.tie_bound.min(guaranteed),
+    })
+}
+
+pub(crate) fn overflow_error(f: Format, magnitude: f64, what: &str) -> Error {
+    Error::Overflow {
+        what: what.to_string(),
+        format: f,
+        magnitude,
+    }
+}
+
+/// The all-random model of one execution, for composing sweep thresholds where the
+/// candidate's order is only approximated (`validate::fresh`): every inexact rounding is an
+/// independent zero-mean error (absorption and ties aside), none is computed from the data.
+/// [`reduction_error`] determines what the data determine instead.
+pub(crate) fn random_rounding_error(
+    terms: &[f64],
+    acc: &Accumulation,
+    is_dot: bool,
+) -> Result<ReductionError> {
     acc.validate()?;
     check_supported(&acc.order)?;
     let n = terms.len();

@@ -22,7 +22,7 @@
 
 use std::collections::HashMap;
 
-use crate::bounds::reduction::{reduction_error, ReductionError};
+use crate::bounds::reduction::{random_rounding_error as reduction_error, ReductionError};
 use crate::engine::attention::widest_of;
 use crate::engine::model::{Gpt, ModuleKind, NormKind};
 use crate::engine::policy::{OpClass, Pass, Policy};

@@ -1,0 +1,628 @@
+//! The data zoo: structured inputs that real training produces (non-zero means, sorted and
+//! repeated values, constants, integers, outliers, heavy tails, partial sums on powers of two
+//! and on rounding residues, subnormal and near-overflow magnitudes, masked and degenerate
+//! softmax rows), run through every op family with a threshold and a set of policy pairs.
+//!
+//! Each trial executes both sides with the engine, measures ‖cand − ref‖_F and compares it
+//! with the guaranteed and the probabilistic (δ = 1e-6) thresholds. For sums and dot products
+//! the reference's error against the exact result is also checked against the guaranteed
+//! bound of `reduction_error`, with the exact result from the big-integer oracle in
+//! `tests/common` (never from the code under test).
+//!
+//! Used by `tests/zoo.rs` (a quick slice in `cargo test`) and by
+//! `cargo run --release --example zoo` (the full sweep, writing `docs/zoo.md`).
+#![allow(dead_code)]
+
+use ttrace::bounds::{
+    matmul_threshold, norm_threshold, reduction_error, softmax_threshold, sum_threshold,
+    Confidence, NormOp, Threshold,
+};
+use ttrace::engine::{
+    init::SplitMix64, layer_norm, matmul, online_softmax, rms_norm, softmax, AttentionImpl,
+    Policy, Tensor, Variance,
+};
+use ttrace::{sum, BlockSum, Combine, Error, Format, Order, Overflow, Products};
+
+#[path = "../common/mod.rs"]
+mod common;
+
+/// A family of inputs. `generate` fills a [rows, k] block (rows are reduced along k).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Family {
+    Gaussian,
+    /// N(μ, 1) with μ = this ratio mean/std.
+    Mean(f64),
+    UniformPositive,
+    SortedAscending,
+    SortedDescending,
+    /// One value drawn per trial, repeated everywhere.
+    Constant,
+    /// Integers in [−64, 64].
+    Integers,
+    /// Dyadic rationals k/8, |k| ≤ 64.
+    Dyadic,
+    /// The first row repeated in every row.
+    RepeatedRows,
+    /// Rank-2 data u·vᵀ + w·zᵀ.
+    LowRank,
+    /// Gaussian with every 16th column multiplied by 1000.
+    Outliers,
+    /// Student-t with 2 degrees of freedom.
+    HeavyTail,
+    /// A leading 2^e − small term, then terms that keep the partial sums next to 2^e.
+    NearPowerOfTwo,
+    /// A large term, then terms at 3/4 (or ½ ± one grid step) of the running sum's spacing,
+    /// so that every addition rounds the same way.
+    Residues,
+    /// Gaussian scaled into the subnormal range of the input format.
+    Subnormal,
+    /// Gaussian scaled so that sums come near the largest finite value.
+    NearOverflow,
+}
+
+pub const FAMILIES: [Family; 19] = [
+    Family::Gaussian,
+    Family::Mean(0.5),
+    Family::Mean(1.0),
+    Family::Mean(30.0),
+    Family::Mean(1000.0),
+    Family::UniformPositive,
+    Family::SortedAscending,
+    Family::SortedDescending,
+    Family::Constant,
+    Family::Integers,
+    Family::Dyadic,
+    Family::RepeatedRows,
+    Family::LowRank,
+    Family::Outliers,
+    Family::HeavyTail,
+    Family::NearPowerOfTwo,
+    Family::Residues,
+    Family::Subnormal,
+    Family::NearOverflow,
+];
+
+impl Family {
+    pub fn name(self) -> String {
+        match self {
+            Family::Gaussian => "gaussian".into(),
+            Family::Mean(r) => format!("mean/std {r}"),
+            Family::UniformPositive => "uniform [0,1)".into(),
+            Family::SortedAscending => "sorted up".into(),
+            Family::SortedDescending => "sorted down".into(),
+            Family::Constant => "constant".into(),
+            Family::Integers => "integers".into(),
+            Family::Dyadic => "dyadic k/8".into(),
+            Family::RepeatedRows => "repeated rows".into(),
+            Family::LowRank => "low rank".into(),
+            Family::Outliers => "outlier cols x1000".into(),
+            Family::HeavyTail => "student-t(2)".into(),
+            Family::NearPowerOfTwo => "sums near 2^e".into(),
+            Family::Residues => "residue pattern".into(),
+            Family::Subnormal => "subnormal".into(),
+            Family::NearOverflow => "near overflow".into(),
+        }
+    }
+}
+
+/// Rows × k values of `family`, rounded to `format` (saturating), for trial `seed`.
+/// `acc` is the accumulator the data will meet (for the residue and near-power patterns).
+pub fn generate(family: Family, rows: usize, k: usize, seed: u64, format: Format, acc: Format) -> Vec<f64> {
+    let mut g = SplitMix64::for_name(&format!("zoo-{}", family.name()), seed);
+    let r = |x: f64| format.round(x, Overflow::Saturating);
+    let n = rows * k;
+    let gauss = |g: &mut SplitMix64| g.normal();
+    let mut v: Vec<f64> = match family {
+        Family::Gaussian => (0..n).map(|_| gauss(&mut g)).collect(),
+        Family::Mean(m) => (0..n).map(|_| m + gauss(&mut g)).collect(),
+        Family::UniformPositive => (0..n).map(|_| g.uniform()).collect(),
+        Family::SortedAscending | Family::SortedDescending => {
+            let mut v: Vec<f64> = (0..n).map(|_| g.uniform()).collect();
+            for row in v.chunks_mut(k) {
+                row.sort_by(|a, b| a.total_cmp(b));
+                if family == Family::SortedDescending {
+                    row.reverse();
+                }
+            }
+            v
+        }
+        Family::Constant => {
+            let c = 0.5 + g.uniform() * 1.5;
+            vec![c; n]
+        }
+        Family::Integers => (0..n).map(|_| (g.uniform() * 129.0).floor() - 64.0).collect(),
+        Family::Dyadic => (0..n).map(|_| ((g.uniform() * 129.0).floor() - 64.0) / 8.0).collect(),
+        Family::RepeatedRows => {
+            let row: Vec<f64> = (0..k).map(|_| gauss(&mut g)).collect();
+            (0..n).map(|i| row[i % k]).collect()
+        }
+        Family::LowRank => {
+            let (u, w): (Vec<f64>, Vec<f64>) = (0..rows).map(|_| (gauss(&mut g), gauss(&mut g))).unzip();
+            let (a, b): (Vec<f64>, Vec<f64>) = (0..k).map(|_| (gauss(&mut g), gauss(&mut g))).unzip();
+            (0..n).map(|i| u[i / k] * a[i % k] + w[i / k] * b[i % k]).collect()
+        }
+        Family::Outliers => (0..n)
+            .map(|i| gauss(&mut g) * if i % k % 16 == 3 { 1000.0 } else { 1.0 })
+            .collect(),
+        Family::HeavyTail => (0..n)
+            .map(|_| gauss(&mut g) / (-(1.0 - g.uniform()).ln()).max(1e-300).sqrt())
+            .collect(),
+        Family::NearPowerOfTwo => {
+            let mut v = Vec::with_capacity(n);
+            for _ in 0..rows {
+                let e = (g.uniform() * 8.0).floor() as i32;
+                let p = 2f64.powi(e);
+                let step = p * acc.unit_roundoff() * (1.0 + 4.0 * g.uniform());
+                v.push(p - step);
+                for j in 1..k {
+                    let s = if j % 2 == 1 { 1.0 } else { -1.0 };
+                    v.push(s * step * (1.0 + g.uniform()));
+                }
+            }
+            v
+        }
+        Family::Residues => {
+            let mut v = Vec::with_capacity(n);
+            for _ in 0..rows {
+                let e = 4 + (g.uniform() * 12.0).floor() as i32;
+                let big = 2f64.powi(e);
+                v.push(big);
+                // The spacing at the running sum: the big term's, doubled when k terms push it
+                // into the next binade.
+                let ulp = acc.ulp(big).unwrap_or(1.0);
+                let frac = [0.75, 0.5 + 1.0 / 64.0, 0.25, 0.5][(g.next_u64() % 4) as usize];
+                let sign = if g.uniform() < 0.5 { -1.0 } else { 1.0 };
+                for _ in 1..k {
+                    v.push(sign * frac * ulp);
+                }
+            }
+            v
+        }
+        Family::Subnormal => {
+            let scale = format.min_normal() * 4.0;
+            (0..n).map(|_| gauss(&mut g) * scale).collect()
+        }
+        Family::NearOverflow => {
+            let scale = acc.max_finite().min(format.max_finite()) / (k as f64).max(4.0) / 2.0;
+            (0..n).map(|_| g.uniform() * scale).collect()
+        }
+    };
+    for x in &mut v {
+        *x = r(*x);
+    }
+    v
+}
+
+/// The op families with thresholds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Op {
+    Sum,
+    Mean,
+    /// A·B with A [m, k] from the family and B [k, n] Gaussian (or the family for `square`).
+    Matmul,
+    Softmax(AttentionImpl),
+    LayerNorm(Variance),
+    RmsNorm,
+}
+
+impl Op {
+    pub fn name(self) -> String {
+        match self {
+            Op::Sum => "sum".into(),
+            Op::Mean => "mean".into(),
+            Op::Matmul => "matmul".into(),
+            Op::Softmax(AttentionImpl::Standard) => "softmax".into(),
+            Op::Softmax(AttentionImpl::Online { block }) => format!("online softmax({block})"),
+            Op::LayerNorm(v) => format!("layernorm {v:?}"),
+            Op::RmsNorm => "rmsnorm".into(),
+        }
+    }
+}
+
+/// A pair of policies with a name.
+#[derive(Debug, Clone)]
+pub struct Pair {
+    pub name: String,
+    pub reference: Policy,
+    pub candidate: Policy,
+    /// Softmax / norm forms of the two sides.
+    pub ref_op: Op,
+    pub cand_op: Op,
+}
+
+fn split(p: usize, partial: Format, combine: Combine) -> Order {
+    Order::SplitK {
+        parts: p,
+        inner: Box::new(Order::Sequential),
+        partial,
+        combine,
+    }
+}
+
+/// Candidate orders against a sequential reference.
+pub fn orders() -> Vec<(&'static str, Order)> {
+    vec![
+        ("pairwise(8)", Order::Pairwise { base: 8 }),
+        ("blocked(16)", Order::Blocked { block: 16, inner: BlockSum::Sequential }),
+        ("block-FMA(32)", Order::Blocked { block: 32, inner: BlockSum::Fused }),
+        ("splitK4 tree f32", split(4, Format::F32, Combine::Tree)),
+        ("splitK8 tree f32", split(8, Format::F32, Combine::Tree)),
+        ("TP4 ring bf16", split(4, Format::BF16, Combine::Ring { start: 1 })),
+        ("splitK2 f16 partials", split(2, Format::F16, Combine::Sequential)),
+    ]
+}
+
+/// The policy pairs for an op.
+pub fn pairs(op: Op) -> Vec<Pair> {
+    let mut out = vec![];
+    let mk = |name: String, r: Policy, c: Policy| Pair {
+        name,
+        reference: r,
+        candidate: c,
+        ref_op: op,
+        cand_op: op,
+    };
+    match op {
+        Op::Sum | Op::Mean | Op::Matmul => {
+            for (input, out_f) in [(Format::BF16, Format::F32), (Format::BF16, Format::BF16), (Format::F32, Format::F32)] {
+                let base = Policy::new(input, Format::F32, out_f);
+                for (name, order) in orders() {
+                    out.push(mk(
+                        format!("{input}->{out_f} seq vs {name}"),
+                        base.clone(),
+                        base.clone().with_order(order),
+                    ));
+                }
+            }
+            // Rounded products, FP16 accumulation, different output formats.
+            let base = Policy::new(Format::BF16, Format::F32, Format::F32);
+            out.push(mk(
+                "bf16 products rounded to bf16 vs exact".into(),
+                base.clone().with_products(Products::Rounded(Format::BF16)),
+                base.clone(),
+            ));
+            out.push(mk(
+                "f16 in, f16 acc vs f32 acc".into(),
+                Policy::new(Format::F16, Format::F16, Format::F16),
+                Policy::new(Format::F16, Format::F32, Format::F16),
+            ));
+        }
+        Op::Softmax(_) => {
+            for out_f in [Format::F32, Format::BF16] {
+                let base = Policy::new(Format::BF16, Format::F32, out_f);
+                out.push(Pair {
+                    name: format!("->{out_f} standard seq vs online(16)"),
+                    reference: base.clone(),
+                    candidate: base.clone(),
+                    ref_op: Op::Softmax(AttentionImpl::Standard),
+                    cand_op: Op::Softmax(AttentionImpl::Online { block: 16 }),
+                });
+                out.push(Pair {
+                    name: format!("->{out_f} seq vs pairwise(8)"),
+                    reference: base.clone(),
+                    candidate: base.clone().with_order(Order::Pairwise { base: 8 }),
+                    ref_op: Op::Softmax(AttentionImpl::Standard),
+                    cand_op: Op::Softmax(AttentionImpl::Standard),
+                });
+            }
+        }
+        Op::LayerNorm(_) | Op::RmsNorm => {
+            let base = Policy::new(Format::F32, Format::F32, Format::F32);
+            let variants: Vec<(Op, Op, &str)> = if op == Op::RmsNorm {
+                vec![(Op::RmsNorm, Op::RmsNorm, "rms")]
+            } else {
+                vec![
+                    (Op::LayerNorm(Variance::TwoPass), Op::LayerNorm(Variance::TwoPass), "two-pass"),
+                    (Op::LayerNorm(Variance::TwoPass), Op::LayerNorm(Variance::OnePass), "two-pass vs one-pass"),
+                    (Op::LayerNorm(Variance::TwoPass), Op::LayerNorm(Variance::Welford), "two-pass vs welford"),
+                ]
+            };
+            for (r, c, name) in variants {
+                out.push(Pair {
+                    name: format!("{name}: seq vs pairwise(8)"),
+                    reference: base.clone(),
+                    candidate: base.clone().with_order(Order::Pairwise { base: 8 }),
+                    ref_op: r,
+                    cand_op: c,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// The outcome of one trial.
+#[derive(Debug, Clone, Copy)]
+pub enum Outcome {
+    /// Observed ‖D‖_F, guaranteed and probabilistic thresholds (∞ ratio when D = 0).
+    Priced { observed: f64, guaranteed: f64, probabilistic: f64, oracle_ok: bool },
+    /// The threshold function refused with an overflow (or non-finite) error: allowed only when
+    /// the computation could really leave the finite range.
+    Refused { results_finite: bool },
+    /// Either side produced a non-finite result but the threshold did not refuse.
+    UnflaggedNonFinite,
+}
+
+fn frob(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt()
+}
+
+fn threshold(
+    op_r: Op,
+    op_c: Op,
+    x: &Tensor,
+    b: &Tensor,
+    pair: &Pair,
+    conf: Confidence,
+) -> ttrace::Result<Threshold> {
+    let (r, c) = (&pair.reference, &pair.candidate);
+    match op_r {
+        Op::Sum | Op::Mean => sum_threshold(x, r, c, op_r == Op::Mean, conf),
+        Op::Matmul => matmul_threshold(x, b, None, r, c, conf),
+        Op::Softmax(ri) => {
+            let Op::Softmax(ci) = op_c else { unreachable!() };
+            softmax_threshold(x, r, ri, c, ci, conf)
+        }
+        Op::LayerNorm(_) | Op::RmsNorm => {
+            let n = *x.shape().last().unwrap();
+            let w = Tensor::from_vec(&[n], vec![1.0; n], Format::F32)?;
+            let bias = Tensor::from_vec(&[n], vec![0.0; n], Format::F32)?;
+            let to = |o: Op| match o {
+                Op::LayerNorm(v) => NormOp::LayerNorm(v),
+                _ => NormOp::RmsNorm,
+            };
+            let bias = if op_r == Op::RmsNorm { None } else { Some(&bias) };
+            norm_threshold(x, &w, bias, 1e-5, to(op_r), r, to(op_c), c, conf)
+        }
+    }
+}
+
+fn execute(op: Op, x: &Tensor, b: &Tensor, p: &Policy) -> ttrace::Result<Vec<f64>> {
+    let n = *x.shape().last().unwrap();
+    Ok(match op {
+        Op::Sum | Op::Mean => {
+            let rows = x.len() / n;
+            let mut acc = p.accumulation.clone();
+            acc.input = p.input();
+            let xi = x.cast(p.input(), Overflow::Saturating);
+            let mut out = vec![];
+            for row in 0..rows {
+                let s = sum(&xi.values()[row * n..(row + 1) * n], &acc)?;
+                let v = if op == Op::Mean {
+                    p.accumulator().round(s / n as f64, p.accumulation.overflow)
+                } else {
+                    s
+                };
+                out.push(p.output.round(v, p.accumulation.overflow));
+            }
+            out
+        }
+        Op::Matmul => matmul(x, b, p)?.into_values(),
+        Op::Softmax(AttentionImpl::Standard) => softmax(x, p)?.into_values(),
+        Op::Softmax(AttentionImpl::Online { block }) => online_softmax(x, block, p)?.into_values(),
+        Op::LayerNorm(v) => {
+            let w = Tensor::from_vec(&[n], vec![1.0; n], Format::F32)?;
+            let bias = Tensor::from_vec(&[n], vec![0.0; n], Format::F32)?;
+            layer_norm(x, &w, &bias, 1e-5, v, p)?.0.into_values()
+        }
+        Op::RmsNorm => {
+            let w = Tensor::from_vec(&[n], vec![1.0; n], Format::F32)?;
+            rms_norm(x, &w, 1e-5, p)?.0.into_values()
+        }
+    })
+}
+
+/// One trial of `op` on `family` with reduction length `k` and `rows` outputs.
+pub fn trial(op: Op, family: Family, pair: &Pair, k: usize, rows: usize, seed: u64) -> ttrace::Result<Outcome> {
+    let input = pair.reference.input();
+    let acc = pair.reference.accumulator();
+    let (x, b) = match op {
+        Op::Softmax(_) => {
+            let mut v = generate(family, rows, k, seed, input, acc);
+            softmax_rows(&mut v, k, seed, input);
+            (Tensor::from_vec(&[rows, k], v, input)?, Tensor::zeros(&[1], input))
+        }
+        Op::Matmul => {
+            let m = rows.min(4).max(1);
+            let n = rows.div_ceil(m);
+            let a = generate(family, m, k, seed, input, acc);
+            let bt = generate(Family::Gaussian, n, k, seed ^ 0x5eed, input, acc);
+            // B [k, n] from the transposed rows.
+            let mut bv = vec![0.0; k * n];
+            for j in 0..n {
+                for p in 0..k {
+                    bv[p * n + j] = bt[j * k + p];
+                }
+            }
+            (Tensor::from_vec(&[m, k], a, input)?, Tensor::from_vec(&[k, n], bv, input)?)
+        }
+        _ => {
+            let v = generate(family, rows, k, seed, input, acc);
+            (Tensor::from_vec(&[rows, k], v, input)?, Tensor::zeros(&[1], input))
+        }
+    };
+    let (op_r, op_c) = match op {
+        Op::Softmax(_) | Op::LayerNorm(_) | Op::RmsNorm => (pair.ref_op, pair.cand_op),
+        _ => (op, op),
+    };
+    let r = execute(op_r, &x, &b, &pair.reference)?;
+    let c = execute(op_c, &x, &b, &pair.candidate)?;
+    let finite = r.iter().chain(&c).all(|v| v.is_finite());
+    let g = threshold(op_r, op_c, &x, &b, pair, Confidence::Guaranteed);
+    let p = threshold(op_r, op_c, &x, &b, pair, Confidence::Probabilistic { delta: 1e-6 });
+    match (g, p) {
+        (Ok(g), Ok(p)) => {
+            if !finite {
+                return Ok(Outcome::UnflaggedNonFinite);
+            }
+            let oracle_ok = if matches!(op, Op::Sum) { sum_oracle(&x, pair)? } else { true };
+            Ok(Outcome::Priced {
+                observed: frob(&r, &c),
+                guaranteed: g.abs_frobenius,
+                probabilistic: p.abs_frobenius,
+                oracle_ok,
+            })
+        }
+        (Err(Error::Overflow { .. }), _) | (_, Err(Error::Overflow { .. })) => {
+            Ok(Outcome::Refused { results_finite: finite })
+        }
+        (Err(e), _) | (_, Err(e)) => Err(e),
+    }
+}
+
+/// Masked and degenerate softmax rows: every third trial masks a causal tail with −∞ or with
+/// a large negative additive mask; the families "constant" give all-equal logits.
+fn softmax_rows(v: &mut [f64], k: usize, seed: u64, input: Format) {
+    for (ri, row) in v.chunks_mut(k).enumerate() {
+        match (seed + ri as u64) % 4 {
+            1 => {
+                for x in row.iter_mut().skip(ri % k + 1) {
+                    *x = f64::NEG_INFINITY;
+                }
+            }
+            2 => {
+                for x in row.iter_mut().skip(ri % k + 1) {
+                    *x = input.round(*x - 1e4, Overflow::Saturating);
+                }
+            }
+            3 => row[ri % k] = input.round(row[ri % k] + 30.0, Overflow::Saturating),
+            _ => {}
+        }
+    }
+}
+
+/// Each row's reference sum against the exact sum from the big-integer oracle: within the
+/// guaranteed bound of `reduction_error`.
+fn sum_oracle(x: &Tensor, pair: &Pair) -> ttrace::Result<bool> {
+    let n = *x.shape().last().unwrap();
+    let p = &pair.reference;
+    let mut acc = p.accumulation.clone();
+    acc.input = p.input();
+    let xi = x.cast(p.input(), Overflow::Saturating);
+    for row in xi.values().chunks(n) {
+        let computed = sum(row, &acc)?;
+        let exact = common::exact(row);
+        let err = common::Dy::from_f64(computed).add(&exact.neg()).round(common::spec("f64"), false).abs();
+        let bound = reduction_error(row, &acc, false)?.guaranteed;
+        if err > bound {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Statistics of one cell.
+#[derive(Debug, Clone, Default)]
+pub struct Cell {
+    pub trials: usize,
+    pub guaranteed_violations: usize,
+    pub probabilistic_violations: usize,
+    pub oracle_violations: usize,
+    pub refused: usize,
+    /// Refusals although both results were finite.
+    pub refused_finite: usize,
+    pub unflagged_non_finite: usize,
+    pub exact: usize,
+    pub ratios: Vec<f64>,
+}
+
+impl Cell {
+    pub fn add(&mut self, o: Outcome) {
+        self.trials += 1;
+        match o {
+            Outcome::Priced { observed, guaranteed, probabilistic, oracle_ok } => {
+                if observed > guaranteed {
+                    self.guaranteed_violations += 1;
+                }
+                if observed > probabilistic {
+                    self.probabilistic_violations += 1;
+                }
+                if !oracle_ok {
+                    self.oracle_violations += 1;
+                }
+                if observed == 0.0 {
+                    self.exact += 1;
+                } else {
+                    self.ratios.push(probabilistic / observed);
+                }
+            }
+            Outcome::Refused { results_finite } => {
+                self.refused += 1;
+                if results_finite {
+                    self.refused_finite += 1;
+                }
+            }
+            Outcome::UnflaggedNonFinite => self.unflagged_non_finite += 1,
+        }
+    }
+
+    pub fn closest(&self) -> f64 {
+        self.ratios.iter().copied().fold(f64::INFINITY, f64::min)
+    }
+
+    pub fn median(&self) -> f64 {
+        let mut r = self.ratios.clone();
+        if r.is_empty() {
+            return f64::NAN;
+        }
+        r.sort_by(|a, b| a.total_cmp(b));
+        r[r.len() / 2]
+    }
+
+    pub fn failures(&self) -> usize {
+        self.guaranteed_violations
+            + self.probabilistic_violations
+            + self.oracle_violations
+            + self.unflagged_non_finite
+    }
+}
+
+/// One row of a sweep.
+#[derive(Debug, Clone)]
+pub struct Row {
+    pub op: Op,
+    pub family: Family,
+    pub pair: String,
+    pub k: usize,
+    pub rows: usize,
+    pub cell: Cell,
+}
+
+/// The ops of the sweep.
+pub fn ops() -> Vec<Op> {
+    vec![
+        Op::Sum,
+        Op::Mean,
+        Op::Matmul,
+        Op::Softmax(AttentionImpl::Standard),
+        Op::LayerNorm(Variance::TwoPass),
+        Op::RmsNorm,
+    ]
+}
+
+/// Run `trials` trials of every (op, family, pair) at each (k, rows); `keep` filters cells.
+pub fn sweep(
+    ops: &[Op],
+    shapes: &[(usize, usize)],
+    trials: usize,
+    keep: &dyn Fn(Op, Family, &str) -> bool,
+) -> ttrace::Result<Vec<Row>> {
+    let mut out = vec![];
+    for &op in ops {
+        for pair in pairs(op) {
+            for family in FAMILIES {
+                if !keep(op, family, &pair.name) {
+                    continue;
+                }
+                for &(k, rows) in shapes {
+                    let mut cell = Cell::default();
+                    for t in 0..trials {
+                        cell.add(trial(op, family, &pair, k, rows, t as u64)?);
+                    }
+                    out.push(Row { op, family, pair: pair.name.clone(), k, rows, cell });
+                }
+            }
+        }
+    }
+    Ok(out)
+}
