@@ -18,8 +18,8 @@ use ttrace::bounds::{
     Confidence, NormOp, Threshold,
 };
 use ttrace::engine::{
-    init::SplitMix64, layer_norm, matmul, online_softmax, rms_norm, softmax, AttentionImpl,
-    Policy, Tensor, Variance,
+    init::SplitMix64, layer_norm, matmul, online_softmax, rms_norm, softmax, AttentionImpl, Policy,
+    Tensor, Variance,
 };
 use ttrace::{sum, BlockSum, Combine, Error, Format, Order, Overflow, Products};
 
@@ -107,7 +107,14 @@ impl Family {
 
 /// Rows × k values of `family`, rounded to `format` (saturating), for trial `seed`.
 /// `acc` is the accumulator the data will meet (for the residue and near-power patterns).
-pub fn generate(family: Family, rows: usize, k: usize, seed: u64, format: Format, acc: Format) -> Vec<f64> {
+pub fn generate(
+    family: Family,
+    rows: usize,
+    k: usize,
+    seed: u64,
+    format: Format,
+    acc: Format,
+) -> Vec<f64> {
     let mut g = SplitMix64::for_name(&format!("zoo-{}", family.name()), seed);
     let r = |x: f64| format.round(x, Overflow::Saturating);
     let n = rows * k;
@@ -130,16 +137,24 @@ pub fn generate(family: Family, rows: usize, k: usize, seed: u64, format: Format
             let c = 0.5 + g.uniform() * 1.5;
             vec![c; n]
         }
-        Family::Integers => (0..n).map(|_| (g.uniform() * 129.0).floor() - 64.0).collect(),
-        Family::Dyadic => (0..n).map(|_| ((g.uniform() * 129.0).floor() - 64.0) / 8.0).collect(),
+        Family::Integers => (0..n)
+            .map(|_| (g.uniform() * 129.0).floor() - 64.0)
+            .collect(),
+        Family::Dyadic => (0..n)
+            .map(|_| ((g.uniform() * 129.0).floor() - 64.0) / 8.0)
+            .collect(),
         Family::RepeatedRows => {
             let row: Vec<f64> = (0..k).map(|_| gauss(&mut g)).collect();
             (0..n).map(|i| row[i % k]).collect()
         }
         Family::LowRank => {
-            let (u, w): (Vec<f64>, Vec<f64>) = (0..rows).map(|_| (gauss(&mut g), gauss(&mut g))).unzip();
-            let (a, b): (Vec<f64>, Vec<f64>) = (0..k).map(|_| (gauss(&mut g), gauss(&mut g))).unzip();
-            (0..n).map(|i| u[i / k] * a[i % k] + w[i / k] * b[i % k]).collect()
+            let (u, w): (Vec<f64>, Vec<f64>) =
+                (0..rows).map(|_| (gauss(&mut g), gauss(&mut g))).unzip();
+            let (a, b): (Vec<f64>, Vec<f64>) =
+                (0..k).map(|_| (gauss(&mut g), gauss(&mut g))).unzip();
+            (0..n)
+                .map(|i| u[i / k] * a[i % k] + w[i / k] * b[i % k])
+                .collect()
         }
         Family::Outliers => (0..n)
             .map(|i| gauss(&mut g) * if i % k % 16 == 3 { 1000.0 } else { 1.0 })
@@ -243,12 +258,30 @@ fn split(p: usize, partial: Format, combine: Combine) -> Order {
 pub fn orders() -> Vec<(&'static str, Order)> {
     vec![
         ("pairwise(8)", Order::Pairwise { base: 8 }),
-        ("blocked(16)", Order::Blocked { block: 16, inner: BlockSum::Sequential }),
-        ("block-FMA(32)", Order::Blocked { block: 32, inner: BlockSum::Fused }),
+        (
+            "blocked(16)",
+            Order::Blocked {
+                block: 16,
+                inner: BlockSum::Sequential,
+            },
+        ),
+        (
+            "block-FMA(32)",
+            Order::Blocked {
+                block: 32,
+                inner: BlockSum::Fused,
+            },
+        ),
         ("splitK4 tree f32", split(4, Format::F32, Combine::Tree)),
         ("splitK8 tree f32", split(8, Format::F32, Combine::Tree)),
-        ("TP4 ring bf16", split(4, Format::BF16, Combine::Ring { start: 1 })),
-        ("splitK2 f16 partials", split(2, Format::F16, Combine::Sequential)),
+        (
+            "TP4 ring bf16",
+            split(4, Format::BF16, Combine::Ring { start: 1 }),
+        ),
+        (
+            "splitK2 f16 partials",
+            split(2, Format::F16, Combine::Sequential),
+        ),
     ]
 }
 
@@ -264,7 +297,11 @@ pub fn pairs(op: Op) -> Vec<Pair> {
     };
     match op {
         Op::Sum | Op::Mean | Op::Matmul => {
-            for (input, out_f) in [(Format::BF16, Format::F32), (Format::BF16, Format::BF16), (Format::F32, Format::F32)] {
+            for (input, out_f) in [
+                (Format::BF16, Format::F32),
+                (Format::BF16, Format::BF16),
+                (Format::F32, Format::F32),
+            ] {
                 let base = Policy::new(input, Format::F32, out_f);
                 for (name, order) in orders() {
                     out.push(mk(
@@ -312,9 +349,21 @@ pub fn pairs(op: Op) -> Vec<Pair> {
                 vec![(Op::RmsNorm, Op::RmsNorm, "rms")]
             } else {
                 vec![
-                    (Op::LayerNorm(Variance::TwoPass), Op::LayerNorm(Variance::TwoPass), "two-pass"),
-                    (Op::LayerNorm(Variance::TwoPass), Op::LayerNorm(Variance::OnePass), "two-pass vs one-pass"),
-                    (Op::LayerNorm(Variance::TwoPass), Op::LayerNorm(Variance::Welford), "two-pass vs welford"),
+                    (
+                        Op::LayerNorm(Variance::TwoPass),
+                        Op::LayerNorm(Variance::TwoPass),
+                        "two-pass",
+                    ),
+                    (
+                        Op::LayerNorm(Variance::TwoPass),
+                        Op::LayerNorm(Variance::OnePass),
+                        "two-pass vs one-pass",
+                    ),
+                    (
+                        Op::LayerNorm(Variance::TwoPass),
+                        Op::LayerNorm(Variance::Welford),
+                        "two-pass vs welford",
+                    ),
                 ]
             };
             for (r, c, name) in variants {
@@ -335,7 +384,12 @@ pub fn pairs(op: Op) -> Vec<Pair> {
 #[derive(Debug, Clone, Copy)]
 pub enum Outcome {
     /// Observed ‖D‖_F, guaranteed and probabilistic thresholds (∞ ratio when D = 0).
-    Priced { observed: f64, guaranteed: f64, probabilistic: f64, oracle_ok: bool },
+    Priced {
+        observed: f64,
+        guaranteed: f64,
+        probabilistic: f64,
+        oracle_ok: bool,
+    },
     /// The threshold function refused with an overflow (or non-finite) error: allowed only when
     /// the computation could really leave the finite range.
     Refused { results_finite: bool },
@@ -344,7 +398,11 @@ pub enum Outcome {
 }
 
 fn frob(a: &[f64], b: &[f64]) -> f64 {
-    a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt()
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y) * (x - y))
+        .sum::<f64>()
+        .sqrt()
 }
 
 fn threshold(
@@ -360,7 +418,9 @@ fn threshold(
         Op::Sum | Op::Mean => sum_threshold(x, r, c, op_r == Op::Mean, conf),
         Op::Matmul => matmul_threshold(x, b, None, r, c, conf),
         Op::Softmax(ri) => {
-            let Op::Softmax(ci) = op_c else { unreachable!() };
+            let Op::Softmax(ci) = op_c else {
+                unreachable!()
+            };
             softmax_threshold(x, r, ri, c, ci, conf)
         }
         Op::LayerNorm(_) | Op::RmsNorm => {
@@ -371,7 +431,11 @@ fn threshold(
                 Op::LayerNorm(v) => NormOp::LayerNorm(v),
                 _ => NormOp::RmsNorm,
             };
-            let bias = if op_r == Op::RmsNorm { None } else { Some(&bias) };
+            let bias = if op_r == Op::RmsNorm {
+                None
+            } else {
+                Some(&bias)
+            };
             norm_threshold(x, &w, bias, 1e-5, to(op_r), r, to(op_c), c, conf)
         }
     }
@@ -413,17 +477,27 @@ fn execute(op: Op, x: &Tensor, b: &Tensor, p: &Policy) -> ttrace::Result<Vec<f64
 }
 
 /// One trial of `op` on `family` with reduction length `k` and `rows` outputs.
-pub fn trial(op: Op, family: Family, pair: &Pair, k: usize, rows: usize, seed: u64) -> ttrace::Result<Outcome> {
+pub fn trial(
+    op: Op,
+    family: Family,
+    pair: &Pair,
+    k: usize,
+    rows: usize,
+    seed: u64,
+) -> ttrace::Result<Outcome> {
     let input = pair.reference.input();
     let acc = pair.reference.accumulator();
     let (x, b) = match op {
         Op::Softmax(_) => {
             let mut v = generate(family, rows, k, seed, input, acc);
             softmax_rows(&mut v, k, seed, input);
-            (Tensor::from_vec(&[rows, k], v, input)?, Tensor::zeros(&[1], input))
+            (
+                Tensor::from_vec(&[rows, k], v, input)?,
+                Tensor::zeros(&[1], input),
+            )
         }
         Op::Matmul => {
-            let m = rows.min(4).max(1);
+            let m = rows.clamp(1, 4);
             let n = rows.div_ceil(m);
             let a = generate(family, m, k, seed, input, acc);
             let bt = generate(Family::Gaussian, n, k, seed ^ 0x5eed, input, acc);
@@ -434,11 +508,17 @@ pub fn trial(op: Op, family: Family, pair: &Pair, k: usize, rows: usize, seed: u
                     bv[p * n + j] = bt[j * k + p];
                 }
             }
-            (Tensor::from_vec(&[m, k], a, input)?, Tensor::from_vec(&[k, n], bv, input)?)
+            (
+                Tensor::from_vec(&[m, k], a, input)?,
+                Tensor::from_vec(&[k, n], bv, input)?,
+            )
         }
         _ => {
             let v = generate(family, rows, k, seed, input, acc);
-            (Tensor::from_vec(&[rows, k], v, input)?, Tensor::zeros(&[1], input))
+            (
+                Tensor::from_vec(&[rows, k], v, input)?,
+                Tensor::zeros(&[1], input),
+            )
         }
     };
     let (op_r, op_c) = match op {
@@ -449,13 +529,24 @@ pub fn trial(op: Op, family: Family, pair: &Pair, k: usize, rows: usize, seed: u
     let c = execute(op_c, &x, &b, &pair.candidate)?;
     let finite = r.iter().chain(&c).all(|v| v.is_finite());
     let g = threshold(op_r, op_c, &x, &b, pair, Confidence::Guaranteed);
-    let p = threshold(op_r, op_c, &x, &b, pair, Confidence::Probabilistic { delta: 1e-6 });
+    let p = threshold(
+        op_r,
+        op_c,
+        &x,
+        &b,
+        pair,
+        Confidence::Probabilistic { delta: 1e-6 },
+    );
     match (g, p) {
         (Ok(g), Ok(p)) => {
             if !finite {
                 return Ok(Outcome::UnflaggedNonFinite);
             }
-            let oracle_ok = if matches!(op, Op::Sum) { sum_oracle(&x, pair)? } else { true };
+            let oracle_ok = if matches!(op, Op::Sum) {
+                sum_oracle(&x, pair)?
+            } else {
+                true
+            };
             Ok(Outcome::Priced {
                 observed: frob(&r, &c),
                 guaranteed: g.abs_frobenius,
@@ -464,7 +555,9 @@ pub fn trial(op: Op, family: Family, pair: &Pair, k: usize, rows: usize, seed: u
             })
         }
         (Err(Error::Overflow { .. }), _) | (_, Err(Error::Overflow { .. })) => {
-            Ok(Outcome::Refused { results_finite: finite })
+            Ok(Outcome::Refused {
+                results_finite: finite,
+            })
         }
         (Err(e), _) | (_, Err(e)) => Err(e),
     }
@@ -502,7 +595,10 @@ fn sum_oracle(x: &Tensor, pair: &Pair) -> ttrace::Result<bool> {
     for row in xi.values().chunks(n) {
         let computed = sum(row, &acc)?;
         let exact = common::exact(row);
-        let err = common::Dy::from_f64(computed).add(&exact.neg()).round(common::spec("f64"), false).abs();
+        let err = common::Dy::from_f64(computed)
+            .add(&exact.neg())
+            .round(common::spec("f64"), false)
+            .abs();
         let bound = reduction_error(row, &acc, false)?.guaranteed;
         if err > bound {
             return Ok(false);
@@ -530,7 +626,12 @@ impl Cell {
     pub fn add(&mut self, o: Outcome) {
         self.trials += 1;
         match o {
-            Outcome::Priced { observed, guaranteed, probabilistic, oracle_ok } => {
+            Outcome::Priced {
+                observed,
+                guaranteed,
+                probabilistic,
+                oracle_ok,
+            } => {
                 if observed > guaranteed {
                     self.guaranteed_violations += 1;
                 }
@@ -619,7 +720,14 @@ pub fn sweep(
                     for t in 0..trials {
                         cell.add(trial(op, family, &pair, k, rows, t as u64)?);
                     }
-                    out.push(Row { op, family, pair: pair.name.clone(), k, rows, cell });
+                    out.push(Row {
+                        op,
+                        family,
+                        pair: pair.name.clone(),
+                        k,
+                        rows,
+                        cell,
+                    });
                 }
             }
         }
