@@ -73,7 +73,7 @@ fn check_supported(order: &Order) -> Result<()> {
         Order::Kahan => Err(Error::InvalidParameter {
             name: "order",
             reason: "reduction_error walks a tree of roundings, which compensated (Kahan) \
-                     summation is not; its threshold is `kahan_error`"
+                     summation is not; no threshold for it is implemented yet"
                 .into(),
         }),
         Order::SplitK { inner, .. } => check_supported(inner),
@@ -579,7 +579,7 @@ impl Walk<'_> {
 /// # Errors
 /// [`Error::Overflow`] when a rounding may reach its format's overflow threshold (no finite
 /// bound holds then); [`Error::NonFinite`] for a NaN or infinite term; invalid orders, and
-/// [`Order::Kahan`] (priced by [`kahan_error`](crate::bounds::kahan_error)).
+/// [`Order::Kahan`] (not a tree of roundings; not priced yet).
 ///
 /// Cost: O(n) time and memory for every order.
 pub fn reduction_error(terms: &[f64], acc: &Accumulation, is_dot: bool) -> Result<ReductionError> {
