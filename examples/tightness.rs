@@ -13,6 +13,10 @@
 //! * the baselines' false-alarm rates (PyTorch assert_close, Megatron 4·1.03·ε) and their
 //!   nominal relative tolerance divided by the median relative threshold.
 
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use common::frob;
 use ttrace::bounds::baselines::baselines_for;
 use ttrace::bounds::{
     matmul_threshold, norm_threshold, softmax_threshold, sum_threshold, Confidence, NormOp,
@@ -28,14 +32,6 @@ fn data(n: usize, seed: u64) -> Vec<f64> {
     (0..n)
         .map(|_| Format::BF16.round(g.normal(), Overflow::Saturating))
         .collect()
-}
-
-fn frob(a: &[f64], b: &[f64]) -> f64 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y) * (x - y))
-        .sum::<f64>()
-        .sqrt()
 }
 
 #[derive(Clone, Copy, PartialEq)]

@@ -1,6 +1,9 @@
 //! Bounds validated against the engine: guaranteed bounds never violated; probabilistic
 //! thresholds violated no more often than δ allows; identical arithmetic priced at zero.
 
+mod common;
+
+use common::frob;
 use proptest::prelude::*;
 use statrs::distribution::{Binomial, DiscreteCDF};
 use ttrace::bounds::baselines::baselines_for;
@@ -51,14 +54,6 @@ fn orders() -> Vec<Order> {
             combine: Combine::Tree,
         },
     ]
-}
-
-fn frob(a: &[f64], b: &[f64]) -> f64 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y) * (x - y))
-        .sum::<f64>()
-        .sqrt()
 }
 
 proptest! {

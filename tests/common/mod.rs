@@ -208,3 +208,12 @@ pub fn fl_add(a: f64, b: f64, s: Spec) -> f64 {
 pub fn same(a: f64, b: f64) -> bool {
     a == b || (a.is_nan() && b.is_nan())
 }
+
+/// ‖a − b‖_F in `f64` (the observed difference of two executions).
+pub fn frob(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y) * (x - y))
+        .sum::<f64>()
+        .sqrt()
+}

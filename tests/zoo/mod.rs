@@ -25,6 +25,7 @@ use ttrace::{sum, BlockSum, Combine, Error, Format, Order, Overflow, Products};
 
 #[path = "../common/mod.rs"]
 mod common;
+use common::frob;
 
 /// A family of inputs. `generate` fills a [rows, k] block (rows are reduced along k).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -395,14 +396,6 @@ pub enum Outcome {
     Refused { results_finite: bool },
     /// Either side produced a non-finite result but the threshold did not refuse.
     UnflaggedNonFinite,
-}
-
-fn frob(a: &[f64], b: &[f64]) -> f64 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y) * (x - y))
-        .sum::<f64>()
-        .sqrt()
 }
 
 fn threshold(
