@@ -146,6 +146,8 @@ struct Walk<'a> {
     overflow: crate::format::Overflow,
     values: std::collections::HashMap<Key, Known>,
     scratch: ExactAccumulator,
+    /// The exact operands of the current site (a reused buffer).
+    exact: Vec<f64>,
     /// Σ of the determined errors.
     mean: f64,
     /// Σ of the variances of the undetermined roundings.
@@ -298,9 +300,14 @@ impl Walk<'_> {
         }
         self.underflow += f.min_subnormal() / 2.0;
         // Exact operands (terms, a fused block, known computed values) and unknown ones.
-        let mut exact: Vec<f64> = s.fused.clone().map(|i| self.terms[i]).collect();
+        // The site's operand buffer is reused from site to site (this runs once per rounding).
+        let mut exact = std::mem::take(&mut self.exact);
+        exact.clear();
+        exact.extend(s.fused.clone().map(|i| self.terms[i]));
         let mut det_in = 0.0;
-        let mut unknown = vec![];
+        // At most two operands: the unknown ones, in order.
+        let mut unknown = [None, None];
+        let mut count = 0;
         for op in &s.ops {
             match op {
                 Operand::None => {}
@@ -312,18 +319,22 @@ impl Walk<'_> {
                                 exact.push(value);
                                 det_in += v.0.det;
                             }
-                            None => unknown.push(v),
+                            None => {
+                                unknown[count] = Some(v);
+                                count += 1;
+                            }
                         }
                     }
                 }
             }
         }
-        let result = match unknown.len() {
-            0 => self.exact_site(f, &exact, det_in),
-            1 => self.value_plus_terms(f, unknown[0], &exact, det_in),
-            _ => self.value_plus_value(f, unknown[0], unknown[1]),
+        let result = match unknown {
+            [Some(v), Some(w)] => self.value_plus_value(f, v, w),
+            [Some(v), None] => self.value_plus_terms(f, v, &exact, det_in),
+            _ => self.exact_site(f, &exact, det_in),
         };
         self.values.insert(key(&s.first, &s.second), result);
+        self.exact = exact;
     }
 
     /// A rounding of exact operands only (terms, known computed values): its error is
@@ -638,6 +649,7 @@ pub fn reduction_error(terms: &[f64], acc: &Accumulation, is_dot: bool) -> Resul
         overflow: acc.overflow,
         values: std::collections::HashMap::new(),
         scratch: ExactAccumulator::new(),
+        exact: Vec::new(),
         mean: product_error,
         variance: 0.0,
         repeats: std::collections::BTreeMap::new(),
