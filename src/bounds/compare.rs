@@ -264,6 +264,63 @@ pub(crate) fn finish(
     th
 }
 
+/// The threshold of a tensor whose elements come in groups of identical differences:
+/// `groups` holds one difference per group and how many elements share it. Elements computed
+/// from identical inputs by identical arithmetic differ identically — repeated rows of a batch,
+/// repeated values of a low-precision tensor — so a group of c is one component √c·D of
+/// ‖D‖_F, not c independent ones. The per-element bound is the largest group's bound at
+/// δ/elements (union bound over the elements). `elements` is the tensor's element count.
+pub(crate) fn grouped_threshold(
+    groups: &[(ElementDiff, usize)],
+    reference_norm: f64,
+    confidence: Confidence,
+    elements: usize,
+) -> Threshold {
+    let scaled: Vec<ElementDiff> = groups
+        .iter()
+        .map(|(d, c)| {
+            let mut w = *d;
+            w.scale((*c as f64).sqrt());
+            w
+        })
+        .collect();
+    let mut th = tensor_threshold(&scaled, reference_norm, confidence);
+    th.elements = elements;
+    th.per_element = groups
+        .iter()
+        .map(|(d, _)| match confidence {
+            Confidence::Guaranteed => d.guaranteed,
+            Confidence::Probabilistic { delta } => {
+                d.probabilistic_bound(delta / elements.max(1) as f64)
+            }
+        })
+        .fold(0.0, f64::max);
+    th
+}
+
+/// Classes of identical rows of a [rows, n] row-major array (bit for bit): each row's class
+/// and, per class, its first row and its size, in order of first appearance.
+pub(crate) fn row_classes(values: &[f64], n: usize) -> (Vec<usize>, Vec<(usize, usize)>) {
+    let rows = values.len().checked_div(n).unwrap_or(0);
+    let mut seen: std::collections::HashMap<Vec<u64>, usize> = std::collections::HashMap::new();
+    let mut class = Vec::with_capacity(rows);
+    let mut classes: Vec<(usize, usize)> = vec![];
+    for r in 0..rows {
+        let bits: Vec<u64> = values[r * n..(r + 1) * n]
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        let next = classes.len();
+        let c = *seen.entry(bits).or_insert(next);
+        if c == next {
+            classes.push((r, 0));
+        }
+        classes[c].1 += 1;
+        class.push(c);
+    }
+    (class, classes)
+}
+
 /// Combine per-element differences into a tensor threshold (see the module docs).
 pub fn tensor_threshold(
     diffs: &[ElementDiff],

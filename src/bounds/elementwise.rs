@@ -15,7 +15,7 @@
 
 use serde::Serialize;
 
-use crate::bounds::compare::{tensor_threshold, Confidence, ElementDiff, Threshold};
+use crate::bounds::compare::{grouped_threshold, Confidence, ElementDiff, Threshold};
 use crate::engine::matmul::quantize;
 use crate::engine::nn::{gelu_f64, gelu_grad_f64};
 use crate::engine::policy::{Policy, Scaling};
@@ -115,8 +115,7 @@ pub fn elementwise_threshold(
         e.1 += 1;
     }
     let (ar, ac) = (reference.accumulator(), candidate.accumulator());
-    let mut scaled = Vec::with_capacity(order.len());
-    let mut per_element = Vec::with_capacity(order.len());
+    let mut grouped = Vec::with_capacity(order.len());
     for &i in &order {
         let count = groups[&(
             x.values()[i].to_bits(),
@@ -148,27 +147,13 @@ pub fn elementwise_threshold(
         }
         crate::bounds::ops::round_sides(&mut d, (Format::F64, Format::F64), (ar, ac), vr);
         crate::bounds::ops::round_sides(&mut d, (ar, ac), (reference.output, candidate.output), vr);
-        per_element.push(d);
-        let mut w = d;
-        w.scale((count as f64).sqrt());
-        scaled.push(w);
+        grouped.push((d, count));
     }
     let norm = norm_sq.sqrt();
     if identical {
         return Ok(Threshold::identical(confidence, norm, x.len()));
     }
-    let mut th = tensor_threshold(&scaled, norm, confidence);
-    th.elements = x.len();
-    th.per_element = per_element
-        .iter()
-        .map(|d| match confidence {
-            Confidence::Guaranteed => d.guaranteed,
-            Confidence::Probabilistic { delta } => {
-                d.probabilistic_bound(delta / x.len().max(1) as f64)
-            }
-        })
-        .fold(0.0, f64::max);
-    Ok(th)
+    Ok(grouped_threshold(&grouped, norm, confidence, x.len()))
 }
 
 /// Error statistics of FP8 quantization of a tensor: the largest |x̂ − x| and the model's

@@ -7,7 +7,7 @@
 //! rounding).
 
 use crate::bounds::compare::{
-    tensor_threshold, tensor_threshold_weighted, Confidence, ElementDiff, Threshold,
+    grouped_threshold, row_classes, tensor_threshold_weighted, Confidence, ElementDiff, Threshold,
 };
 use crate::bounds::reduction::{
     planned_reduction_error, reduction_error, ReductionError, TermStats,
@@ -147,12 +147,28 @@ pub fn matmul_threshold(
     let same_operands =
         r.q_a.values == c.q_a.values && r.q_b.values == c.q_b.values && r.factor == c.factor;
     let identical = reference == candidate;
-    let mut diffs = Vec::with_capacity(m * n);
+    // Identical rows of A (as both sides quantize them) and identical columns of B (with their
+    // bias) give identical output differences: price each pair of classes once.
+    let (_, rows) = row_classes(&side_by_side(&r.q_a.values, k, &c.q_a.values, k), 2 * k);
+    let column = |q: &Quantized| -> Vec<f64> {
+        (0..n)
+            .flat_map(|j| (0..k).map(move |p| (j, p)))
+            .map(|(j, p)| q.values[p * n + j])
+            .collect()
+    };
+    let mut cols_key = side_by_side(&column(&r.q_b), k, &column(&c.q_b), k);
+    if let Some(b) = &bias_vals {
+        cols_key = side_by_side(&cols_key, 2 * k, b, 1);
+    }
+    let key_len = 2 * k + usize::from(bias_vals.is_some());
+    let (_, cols) = row_classes(&cols_key, key_len);
+    let mut groups = Vec::with_capacity(rows.len() * cols.len());
     let mut norm_sq = 0.0;
     let mut tr = vec![0.0; k];
     let mut tc = vec![0.0; k];
-    for i in 0..m {
-        for j in 0..n {
+    for &(i, count_i) in &rows {
+        for &(j, count_j) in &cols {
+            let weight = count_i * count_j;
             for p in 0..k {
                 tr[p] = r.q_a.values[i * k + p] * r.q_b.values[p * n + j];
                 tc[p] = c.q_a.values[i * k + p] * c.q_b.values[p * n + j];
@@ -166,7 +182,7 @@ pub fn matmul_threshold(
             };
             let bias_j = bias_vals.as_ref().map_or(0.0, |b| b[j]);
             let v = exact_r + bias_j;
-            norm_sq += v * v;
+            norm_sq += v * v * weight as f64;
             if identical {
                 continue;
             }
@@ -178,6 +194,10 @@ pub fn matmul_threshold(
             let er = scaled(reduction_error(&tr, &r.acc, true)?, r.factor.unwrap_or(1.0));
             let ec = scaled(reduction_error(&tc, &c.acc, true)?, c.factor.unwrap_or(1.0));
             let mut d = ElementDiff::from_reductions(er, ec, offset);
+            if !same_operands {
+                // Both exact values were rounded to f64 before the subtraction.
+                d.bias_bound += (exact_r.abs() + (exact_r + offset).abs()) * f64::EPSILON;
+            }
             let (ar, ac) = (r.policy.accumulator(), c.policy.accumulator());
             // The format each side's value is in after the reduction, then after each step.
             let mut cur = (r.acc.order.result_format(ar), c.acc.order.result_format(ac));
@@ -196,14 +216,14 @@ pub fn matmul_threshold(
                 cur = (ar, ac);
             }
             round_sides(&mut d, cur, (r.policy.output, c.policy.output), v);
-            diffs.push(d);
+            groups.push((d, weight));
         }
     }
     let norm = norm_sq.sqrt();
     if identical {
         return Ok(Threshold::identical(confidence, norm, m * n));
     }
-    Ok(tensor_threshold(&diffs, norm, confidence))
+    Ok(grouped_threshold(&groups, norm, confidence, m * n))
 }
 
 /// The exact value f·Σₚ a_ip·b_pj of one side (f its FP8 rescale factor), via the long
@@ -238,29 +258,40 @@ pub fn sum_threshold(
     let mut accc = candidate.accumulation.clone();
     accc.input = candidate.input();
     let identical = reference == candidate;
-    let mut diffs = Vec::with_capacity(rows);
-    let mut norm_sq = 0.0;
+    let exact = |v: &[f64]| {
+        let mut e = ExactAccumulator::new();
+        e.add_all(v);
+        e.to_f64()
+    };
     let inv_n = if n > 0 { 1.0 / n as f64 } else { 0.0 };
+    let mut norm_sq = 0.0;
     for row in 0..rows {
-        let vr = &xr.values()[row * n..(row + 1) * n];
-        let vc = &xc.values()[row * n..(row + 1) * n];
-        let exact = |v: &[f64]| {
-            let mut e = ExactAccumulator::new();
-            e.add_all(v);
-            e.to_f64()
-        };
-        let sr = exact(vr);
+        let sr = exact(&xr.values()[row * n..(row + 1) * n]);
         let value = if mean { sr * inv_n } else { sr };
         norm_sq += value * value;
-        if identical {
-            continue;
-        }
+    }
+    let norm = norm_sq.sqrt();
+    if identical {
+        return Ok(Threshold::identical(confidence, norm, rows));
+    }
+    // Identical rows (as both sides read them) differ identically: one component each.
+    let (_, classes) = row_classes(&side_by_side(xr.values(), n, xc.values(), n), 2 * n);
+    let mut groups = Vec::with_capacity(classes.len());
+    for &(row, count) in &classes {
+        let vr = &xr.values()[row * n..(row + 1) * n];
+        let vc = &xc.values()[row * n..(row + 1) * n];
+        let sr = exact(vr);
+        let value = if mean { sr * inv_n } else { sr };
         let offset = if vr == vc { 0.0 } else { exact(vc) - sr };
         let mut d = ElementDiff::from_reductions(
             reduction_error(vr, &accr, false)?,
             reduction_error(vc, &accc, false)?,
             offset,
         );
+        if offset != 0.0 {
+            // Both exact sums were rounded to f64 before the subtraction.
+            d.bias_bound += (sr.abs() + (sr + offset).abs()) * f64::EPSILON;
+        }
         let (ar, ac) = (reference.accumulator(), candidate.accumulator());
         let mut cur = (accr.order.result_format(ar), accc.order.result_format(ac));
         if mean {
@@ -269,13 +300,20 @@ pub fn sum_threshold(
             cur = (ar, ac);
         }
         round_sides(&mut d, cur, (reference.output, candidate.output), value);
-        diffs.push(d);
+        groups.push((d, count));
     }
-    let norm = norm_sq.sqrt();
-    if identical {
-        return Ok(Threshold::identical(confidence, norm, rows));
+    Ok(grouped_threshold(&groups, norm, confidence, rows))
+}
+
+/// Rows of a [rows, na] and a [rows, nb] array side by side ([rows, na + nb]), so that row
+/// classes cover both.
+fn side_by_side(a: &[f64], na: usize, b: &[f64], nb: usize) -> Vec<f64> {
+    let mut out = Vec::with_capacity(a.len() + b.len());
+    for (ra, rb) in a.chunks(na.max(1)).zip(b.chunks(nb.max(1))) {
+        out.extend_from_slice(ra);
+        out.extend_from_slice(rb);
     }
-    Ok(tensor_threshold(&diffs, norm, confidence))
+    out
 }
 
 /// Threshold for an all-reduce (sum) of `partials` — p tensors of one shape, one per rank —

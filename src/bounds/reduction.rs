@@ -150,6 +150,10 @@ struct Walk<'a> {
     exact: Vec<f64>,
     /// Σ of the determined errors.
     mean: f64,
+    /// Σ of their magnitudes (bounds the rounding error of summing them in `f64`).
+    mean_abs: f64,
+    /// Number of roundings.
+    sites: f64,
     /// Σ of the variances of the undetermined roundings.
     variance: f64,
     /// Undetermined roundings that add the same determined operand onto the same grid err
@@ -299,6 +303,7 @@ impl Walk<'_> {
             return;
         }
         self.underflow += f.min_subnormal() / 2.0;
+        self.sites += 1.0;
         // Exact operands (terms, a fused block, known computed values) and unknown ones.
         // The site's operand buffer is reused from site to site (this runs once per rounding).
         let mut exact = std::mem::take(&mut self.exact);
@@ -365,6 +370,7 @@ impl Walk<'_> {
             };
         }
         self.mean += eta;
+        self.mean_abs += eta.abs();
         // Zero is even on every grid.
         let grid = if rounded == 0.0 {
             f64::INFINITY
@@ -422,11 +428,14 @@ impl Walk<'_> {
         self.note_overflow(f, xmax);
         let u = f.ulp(xmax).unwrap_or(f64::INFINITY);
         let uniform = f.ulp(xmin) == Some(u) && u.is_finite();
+        // The grid of the exact operands: each one's lowest bit (their sum may need more bits
+        // than one f64 holds).
+        let g_exact = exact
+            .iter()
+            .map(|&e| lowest_bit(e))
+            .fold(f64::INFINITY, f64::min);
         let undetermined = |w: &mut Self| {
-            let g = match t {
-                Some(t) if t != 0.0 => fa.ulp(s).unwrap_or(0.0).min(lowest_bit(t)),
-                _ => fa.ulp(s).unwrap_or(0.0),
-            };
+            let g = fa.ulp(s).unwrap_or(0.0).min(g_exact);
             let site = w.random(f, cx, rx, g, t.filter(|_| !exact.is_empty()));
             Known {
                 det: k.det,
@@ -486,6 +495,7 @@ impl Walk<'_> {
             };
         }
         self.mean += eta;
+        self.mean_abs += eta.abs();
         Known {
             det: k.det + eta,
             bound: k.bound,
@@ -651,6 +661,8 @@ pub fn reduction_error(terms: &[f64], acc: &Accumulation, is_dot: bool) -> Resul
         scratch: ExactAccumulator::new(),
         exact: Vec::new(),
         mean: product_error,
+        mean_abs: product_error.abs(),
+        sites: 0.0,
         variance: 0.0,
         repeats: std::collections::BTreeMap::new(),
         tie_bound: 0.0,
@@ -682,7 +694,10 @@ pub fn reduction_error(terms: &[f64], acc: &Accumulation, is_dot: bool) -> Resul
         guaranteed,
         mean: walk.mean,
         variance: walk.variance,
-        tie_bound: walk.tie_bound.min(guaranteed),
+        // The determined errors are summed in f64: their rounding, ≤ (sites + 1)·2^-53 of
+        // Σ|η|, joins the part of unknown sign.
+        tie_bound: (walk.tie_bound + (walk.sites + 2.0) * f64::EPSILON * walk.mean_abs)
+            .min(guaranteed),
     })
 }
 
