@@ -101,6 +101,15 @@ pub enum Error {
         /// The largest magnitude the value may reach.
         magnitude: f64,
     },
+    /// The computation can lose every significant digit on these inputs (a one-pass variance
+    /// of rows whose mean dwarfs their spread may come out zero or negative), so its output
+    /// may be infinite or NaN and no finite threshold holds.
+    NoFiniteBound {
+        /// What cannot be priced.
+        what: String,
+        /// Why, with the magnitudes involved.
+        reason: String,
+    },
     /// An input that must be finite is NaN or infinite.
     NonFinite {
         /// What the value was (e.g. `input x[3]`).
@@ -175,6 +184,9 @@ impl fmt::Display for Error {
                  ({:.3e}): the rounding may overflow and no finite threshold holds",
                 format.max_finite()
             ),
+            Error::NoFiniteBound { what, reason } => {
+                write!(f, "no finite threshold holds for {what}: {reason}")
+            }
             Error::NonFinite { what, value } => {
                 write!(f, "{what} is {value}, but a finite value is required")
             }

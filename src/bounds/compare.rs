@@ -19,15 +19,19 @@
 //! side's value already lies on ("snap"), D becomes Δ rounded to a multiple of ulp: zero
 //! while |Δ| < ulp/2, with E(D²) ≤ Σₖ k²·ulp²·P(|Δ| ≥ (k − ½)·ulp) and |D| ≤ |Δ| + ulp/2.
 //!
-//! Tensor level, with probability ≥ 1 − δ (δ/3 for each of three events):
-//! ‖D‖_F ≤ ‖o‖ + ‖X‖ + ‖R‖, where
-//! * ‖X‖² ≤ Σhᵢ + 2√(t·Σhᵢ²) + 2t·max hᵢ, t = ln(3/δ) (Hsu, Kakade & Zhang 2012, Thm 1, for
-//!   independent sub-Gaussian components);
+//! Tensor level, with probability ≥ 1 − δ (δ/5 for each of five events):
+//! ‖D‖_F ≤ ‖o + X‖ + ‖X_s‖ + ‖R‖ with ‖o + X‖² = ‖o‖² + 2⟨o, X⟩ + ‖X‖² (oᵢ at |oᵢ| + its tie
+//! bound; X the components on their own element, X_s those spread over a row, which may align
+//! with the offsets), where
+//! * ‖X‖² ≤ Σhᵢ + 2√(t·Σhᵢ²) + 2t·max hᵢ, t = ln(5/δ) (Hsu, Kakade & Zhang 2012, Thm 1, for
+//!   independent sub-Gaussian components), and the same for ‖X_s‖²;
+//! * ⟨o, X⟩ ≤ √(2t·Σ oᵢ²hᵢ) (a linear form of independent sub-Gaussian components is
+//!   sub-Gaussian with proxy Σ oᵢ²hᵢ); never looser than ‖o‖ + ‖X‖;
 //! * every |Rᵢ| ≤ bᵢ, its deterministic part plus the sub-Gaussian tail of what a snap moved
-//!   into it at δ/(3N);
+//!   into it at δ/(5N);
 //! * Σ Rᵢ² ≤ E + t' with Bernstein's inequality for independent summands in [0, b²]
 //!   (Boucheron, Lugosi & Massart 2013, Thm 2.10): Var(Rᵢ²) ≤ b²·E(Rᵢ²),
-//!   t' = bL/3 + √((bL/3)² + 2bL·E), b = max bᵢ², L = ln(3/δ).
+//!   t' = bL/3 + √((bL/3)² + 2bL·E), b = max bᵢ², L = ln(5/δ).
 
 use serde::Serialize;
 
@@ -85,6 +89,10 @@ pub struct ElementDiff {
     pub rounding_bound: f64,
     /// Proxy of a sub-Gaussian variable whose tail also bounds |R| (after a snap).
     pub rounding_bound_proxy: f64,
+    /// A component spread over many elements (the row-common part of a softmax or a norm):
+    /// its direction may align with the offsets of those elements, so the tensor threshold
+    /// adds it by the triangle inequality instead of as an orthogonal coordinate.
+    pub spread: bool,
 }
 
 impl ElementDiff {
@@ -351,36 +359,46 @@ pub fn tensor_threshold_weighted(
         Confidence::Guaranteed => (g_abs, g_max),
         Confidence::Probabilistic { delta } => {
             let nf = n.max(1) as f64;
+            // Five events at δ/5 each: the quadratic forms of X (own coordinates) and of the
+            // spread components, the linear form ⟨o, X⟩, and the two of the rounding part.
+            let t = (5.0 / delta).ln();
             // Offsets: deterministic (the tie part, of unknown sign, at its bound).
-            let o = diffs
+            let off = |d: &ElementDiff| d.offset.abs() + d.bias_bound;
+            let o2: f64 = diffs.iter().map(|(d, c)| off(d).powi(2) * w(c)).sum();
+            // Hsu–Kakade–Zhang for ‖X‖² over a set of independent components.
+            let hkz = |spread: bool| {
+                let part = || diffs.iter().filter(|(d, _)| d.spread == spread);
+                let sum_h: f64 = part().map(|(d, c)| d.proxy * w(c)).sum();
+                let sum_h2: f64 = part().map(|(d, c)| d.proxy * d.proxy * w(c)).sum();
+                let max_h = part().map(|(d, _)| d.proxy).fold(0.0, f64::max);
+                sum_h + 2.0 * (t * sum_h2).sqrt() + 2.0 * t * max_h
+            };
+            // Own coordinates: ‖o + X‖² = ‖o‖² + 2⟨o, X⟩ + ‖X‖² with the sub-Gaussian linear
+            // form ⟨o, X⟩ ≤ √(2t·Σ oᵢ²hᵢ); spread components by the triangle inequality.
+            let o2h: f64 = diffs
                 .iter()
-                .map(|(d, c)| (d.offset.abs() + d.bias_bound).powi(2) * w(c))
-                .sum::<f64>()
-                .sqrt();
-            // Continuous part: Hsu–Kakade–Zhang at δ/3.
-            let t = (3.0 / delta).ln();
-            let sum_h: f64 = diffs.iter().map(|(d, c)| d.proxy * w(c)).sum();
-            let sum_h2: f64 = diffs.iter().map(|(d, c)| d.proxy * d.proxy * w(c)).sum();
-            let max_h = diffs.iter().map(|(d, _)| d.proxy).fold(0.0, f64::max);
-            let x = (sum_h + 2.0 * (t * sum_h2).sqrt() + 2.0 * t * max_h).sqrt();
-            // Rounding part: truncation at δ/(3N) per element, Bernstein at δ/3.
+                .filter(|(d, _)| !d.spread)
+                .map(|(d, c)| off(d).powi(2) * d.proxy * w(c))
+                .sum();
+            let ox = (o2 + 2.0 * (2.0 * t * o2h).sqrt() + hkz(false)).sqrt() + hkz(true).sqrt();
+            // Rounding part: truncation at δ/(5N) per element, Bernstein at δ/5.
             let b = diffs
                 .iter()
-                .map(|(d, _)| d.rounding_part_bound(delta / (3.0 * nf)))
+                .map(|(d, _)| d.rounding_part_bound(delta / (5.0 * nf)))
                 .fold(0.0, f64::max);
             let e_r: f64 = diffs
                 .iter()
                 .map(|(d, c)| d.rounding_mean_square * w(c))
                 .sum();
             let b2 = b * b;
-            let l = (3.0 / delta).ln();
+            let l = t;
             let t_r = b2 * l / 3.0 + ((b2 * l / 3.0).powi(2) + 2.0 * b2 * l * e_r).sqrt();
             let r = if b2 > 0.0 { (e_r + t_r).sqrt() } else { 0.0 };
             let per = diffs
                 .iter()
                 .map(|(d, _)| d.probabilistic_bound(delta / nf))
                 .fold(0.0, f64::max);
-            ((o + x + r).min(g_abs), per.min(g_max))
+            ((ox + r).min(g_abs), per.min(g_max))
         }
     };
     Threshold {

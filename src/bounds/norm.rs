@@ -17,9 +17,9 @@
 //! the dᵢ roundings (independent unless the two sides share μ̂) and the trailing roundings of
 //! nearly equal values.
 
-use crate::bounds::compare::{finish, Confidence, ElementDiff, Threshold};
+use crate::bounds::compare::{grouped_threshold, row_classes, Confidence, ElementDiff, Threshold};
 use crate::bounds::ops::round_sides;
-use crate::bounds::reduction::reduction_error;
+use crate::bounds::reduction::{random_rounding_error, reduction_error};
 use crate::engine::nn::Variance;
 use crate::engine::policy::Policy;
 use crate::engine::tensor::Tensor;
@@ -46,6 +46,10 @@ pub enum NormOp {
 
 /// One side's statistics for one row.
 struct SideRow {
+    /// The exact model mean (0 for RMSNorm).
+    mu: f64,
+    /// The side's computed dᵢ = ra(xᵢ − μ̂), when its μ̂ is determined.
+    d_hat: Option<Vec<f64>>,
     mu_tie: f64,
     rho_tie: f64,
     mu_var: f64,
@@ -66,10 +70,14 @@ fn side_row(x: &[f64], op: NormOp, eps: f64, policy: &Policy) -> Result<SideRow>
     acc_in.input = policy.input();
     let mut acc_a = policy.accumulation.clone();
     acc_a.input = a;
-    let exact_sum: f64 = x.iter().sum();
+    let ov = policy.accumulation.overflow;
+    let exact_sum = crate::exact::exact_sum(x);
     let mu = exact_sum / n;
     let centered = matches!(op, NormOp::LayerNorm(_));
     let (mut mu_var, mut mu_max, mut mu_mean, mut mu_tie) = (0.0, 0.0, 0.0, 0.0);
+    // The side's μ̂ = ra(Ŝ/n), when every rounding of its sum is determined: then the dᵢ it
+    // computes are known exactly too.
+    let mut mu_hat = None;
     if centered {
         let es = reduction_error(x, &acc_in, false)?;
         mu_tie = es.tie_bound / n;
@@ -77,7 +85,21 @@ fn side_row(x: &[f64], op: NormOp, eps: f64, policy: &Policy) -> Result<SideRow>
         mu_var = es.variance / (n * n) + rv;
         mu_max = es.guaranteed / n + rm;
         mu_mean = es.mean / n;
+        if es.variance == 0.0 {
+            let rf = acc_in.order.result_format(a);
+            let c = exact_sum + es.mean;
+            let s_hat = rf.round(c, ov);
+            let below = rf
+                .ulp(s_hat.abs() * (1.0 - 2.0 * rf.unit_roundoff()))
+                .unwrap_or(0.0);
+            let slack = es.tie_bound + c.abs() * 4.0 * f64::EPSILON;
+            if s_hat.is_finite() && (c - s_hat).abs() + slack < below / 2.0 {
+                mu_hat = Some(a.round(s_hat / n, ov));
+            }
+        }
     }
+    let d_hat: Option<Vec<f64>> =
+        mu_hat.map(|m| x.iter().map(|&v| a.add_rounded(v, -m, ov)).collect());
     let d: Vec<f64> = x
         .iter()
         .map(|&v| if centered { v - mu } else { v })
@@ -86,6 +108,20 @@ fn side_row(x: &[f64], op: NormOp, eps: f64, policy: &Policy) -> Result<SideRow>
     let mut d_max = vec![0.0; x.len()];
     let (var_exact, mut var_var, mut var_max, mut var_mean, var_tie);
     match op {
+        NormOp::LayerNorm(Variance::TwoPass) if d_hat.is_some() => {
+            // The side's dᵢ are known: var = ra(dot(d̂, d̂)/n) on its actual terms, and the
+            // difference of Σd̂² from Σd² is a determined part of its error.
+            let dh = d_hat.as_deref().unwrap_or(&[]);
+            let sq: Vec<f64> = dh.iter().map(|v| v * v).collect();
+            var_exact = d.iter().map(|v| v * v).sum::<f64>() / n;
+            let shift = sq.iter().sum::<f64>() / n - var_exact;
+            let ed = reduction_error(&sq, &acc_a, true)?;
+            let (rv, rm) = rounding(a, var_exact + shift);
+            var_var = ed.variance / (n * n) + rv;
+            var_max = ed.guaranteed / n + shift.abs() + rm;
+            var_mean = ed.mean / n + shift;
+            var_tie = ed.tie_bound / n + (var_exact.abs() + shift.abs()) * 8.0 * f64::EPSILON;
+        }
         NormOp::LayerNorm(Variance::TwoPass) => {
             for (i, &di) in d.iter().enumerate() {
                 let (v, m) = rounding(a, di);
@@ -94,22 +130,44 @@ fn side_row(x: &[f64], op: NormOp, eps: f64, policy: &Policy) -> Result<SideRow>
             }
             let sq: Vec<f64> = d.iter().map(|v| v * v).collect();
             var_exact = sq.iter().sum::<f64>() / n;
-            let ed = reduction_error(&sq, &acc_a, false)?;
+            // The side squares its computed dᵢ, which the model knows only approximately: the
+            // all-random model prices this sum (the dᵢ roundings are added below).
+            let ed = random_rounding_error(&sq, &acc_a, false)?;
             let (rv, rm) = rounding(a, var_exact);
             var_var = ed.variance / (n * n) + rv;
             var_max = ed.guaranteed / n + rm;
             var_mean = ed.mean / n;
             var_tie = ed.tie_bound / n;
-            // The dᵢ roundings move the variance by (2dᵢ/n)·η, and dᵢ² by (2dᵢ + η)·η.
+            // The dᵢ roundings move the variance by (2dᵢ/n)·η, and dᵢ² by (2dᵢ + η)·η. Those
+            // on the same grid with the same residue of xᵢ err alike: coherently per group.
+            let mut coherent: std::collections::BTreeMap<(u64, u64), (f64, f64)> =
+                Default::default();
             for (i, &di) in d.iter().enumerate() {
-                var_var += (2.0 * di / n).powi(2) * d_var[i];
                 var_max += (2.0 * di.abs() + d_max[i]) * d_max[i] / n;
+                if d_var[i] > 0.0 {
+                    let ulp = a.ulp(di).unwrap_or(0.0);
+                    let residue = x[i] - ulp * (x[i] / ulp).floor();
+                    let e = coherent
+                        .entry((ulp.to_bits(), residue.to_bits()))
+                        .or_insert((0.0, d_var[i]));
+                    e.0 += 2.0 * di / n;
+                }
             }
+            // Coherent within a group, independent across groups; never below the
+            // independent sum (a group's terms may also partly cancel in another order).
+            let independent: f64 = d
+                .iter()
+                .zip(&d_var)
+                .map(|(&di, &v)| (2.0 * di / n).powi(2) * v)
+                .sum();
+            let grouped: f64 = coherent.values().map(|(s, v)| s * s * v).sum();
+            var_var += independent.max(grouped);
         }
         NormOp::LayerNorm(Variance::OnePass) | NormOp::RmsNorm => {
             let sq: Vec<f64> = x.iter().map(|v| v * v).collect();
             let ms = sq.iter().sum::<f64>() / n;
-            let ed = reduction_error(&sq, &acc_in, false)?;
+            // dot(x, x): the exact products xᵢ², handled as the policy's products are.
+            let ed = reduction_error(&sq, &acc_in, true)?;
             let (rv, rm) = rounding(a, ms);
             var_var = ed.variance / (n * n) + rv;
             var_max = ed.guaranteed / n + rm;
@@ -144,13 +202,30 @@ fn side_row(x: &[f64], op: NormOp, eps: f64, policy: &Policy) -> Result<SideRow>
     let (vv, vm) = rounding(a, v);
     var_var += vv;
     var_max += vm;
+    // A computed var + eps within var_max of v: rstd = 1/√(v(1 + δ)), |δ| ≤ r = var_max/v.
+    // With r ≥ 1 the computed value may be zero or negative (one-pass variance of rows whose
+    // |mean| ≫ std cancels): rstd may be infinite or NaN, and no finite threshold holds.
+    let r = var_max / v;
+    if r >= 1.0 || r.is_nan() {
+        return Err(Error::NoFiniteBound {
+            what: format!("{op:?} of a row of {} values", x.len()),
+            reason: format!(
+                "its variance {var_exact:.3e} (+ eps) may be computed with an error up to \
+                 {var_max:.3e}, so the computed value may be zero or negative and the output \
+                 infinite or NaN (mean² / variance = {:.3e}; use the two-pass form)",
+                mu * mu / var_exact.max(f64::MIN_POSITIVE)
+            ),
+        });
+    }
     let rstd = 1.0 / v.sqrt();
     let (rv, rm) = rounding(a, rstd);
     let rho_var = var_var / (4.0 * v * v) + rv / (rstd * rstd);
-    let rho_max = (var_max / (2.0 * v)) / (1.0 - (var_max / v).min(0.5)) + rm / rstd;
+    let rho_max = 1.0 / (1.0 - r).sqrt() - 1.0 + rm / rstd;
     let rho_mean = -var_mean / (2.0 * v);
     let rho_tie = var_tie / (2.0 * v);
     Ok(SideRow {
+        mu,
+        d_hat,
         mu_tie,
         rho_tie,
         mu_var,
@@ -224,11 +299,10 @@ pub fn norm_threshold(
     // everything before the output rounding is the same when the whole arithmetic is.
     let shared_mu = reference.accumulation.order == candidate.accumulation.order;
     let same_internal = reference.accumulation == candidate.accumulation && ref_op == cand_op;
-    let mut diffs = vec![];
-    let mut norm_sq = 0.0;
-    for r in 0..rows {
-        let row = &xi.values()[r * n..(r + 1) * n];
-        let centered = matches!(ref_op, NormOp::LayerNorm(_));
+    let centered = matches!(ref_op, NormOp::LayerNorm(_));
+    let bias_at = |i: usize| b.as_ref().map_or(0.0, |b| b.values()[i]);
+    // The exact model of one row: μ, rstd, x̂ and y.
+    let exact_row = |row: &[f64]| {
         let mu = if centered {
             row.iter().sum::<f64>() / n as f64
         } else {
@@ -238,12 +312,27 @@ pub fn norm_threshold(
         let rstd = 1.0 / (var + eps).sqrt();
         let xhat: Vec<f64> = row.iter().map(|v| (v - mu) * rstd).collect();
         let y: Vec<f64> = (0..n)
-            .map(|i| xhat[i] * w.values()[i] + b.as_ref().map_or(0.0, |b| b.values()[i]))
+            .map(|i| xhat[i] * w.values()[i] + bias_at(i))
             .collect();
+        (rstd, xhat, y)
+    };
+    let mut norm_sq = 0.0;
+    for r in 0..rows {
+        let (_, _, y) = exact_row(&xi.values()[r * n..(r + 1) * n]);
         norm_sq += y.iter().map(|v| v * v).sum::<f64>();
-        if identical {
-            continue;
-        }
+    }
+    if identical {
+        return Ok(Threshold::identical(confidence, norm_sq.sqrt(), rows * n));
+    }
+    // Correlated components, priced once with their multiplicity (grouped_threshold):
+    // identical rows; within a row, elements with identical (x, γ, β); and the roundings of
+    // dᵢ = x − μ̂ that share a grid and a residue of x on it (integers, constants), which err
+    // alike whatever μ̂ is.
+    let mut groups: Vec<(ElementDiff, usize)> = vec![];
+    let (_, classes) = row_classes(xi.values(), n);
+    for &(r, count) in &classes {
+        let row = &xi.values()[r * n..(r + 1) * n];
+        let (rstd, xhat, y) = exact_row(row);
         let sr = side_row(row, ref_op, eps, reference)?;
         let sc = side_row(row, cand_op, eps, candidate)?;
         // Row-common part: γ ⊙ (−rstd·Δμ·1 + Δρ·x̂), two scalars times fixed vectors; the
@@ -253,6 +342,13 @@ pub fn norm_threshold(
             .map(|i| (w.values()[i] * xhat[i]).powi(2))
             .sum::<f64>()
             .sqrt();
+        // Both sides' dᵢ known exactly: their difference is a determined offset per element,
+        // and neither μ̂ nor the dᵢ roundings are random.
+        let known_d = match (&sr.d_hat, &sc.d_hat) {
+            (Some(dr), Some(dc)) => Some((dr, dc)),
+            _ => None,
+        };
+        let shared_mu = shared_mu || known_d.is_some();
         let (mu_var, mu_max) = if shared_mu {
             (0.0, 0.0)
         } else {
@@ -265,40 +361,93 @@ pub fn norm_threshold(
         };
         let s1 = mu_var.sqrt() * rstd * g_norm;
         let s2 = rho_var.sqrt() * gx_norm;
-        let row_proxy = (s1 + s2).powi(2);
-        diffs.push(ElementDiff {
-            proxy: row_proxy,
-            guaranteed: mu_max * rstd * g_norm + rho_max * gx_norm,
-            ..ElementDiff::default()
-        });
-        let dmu_mean = sc.mu_mean - sr.mu_mean;
+        groups.push((
+            ElementDiff {
+                proxy: (s1 + s2).powi(2),
+                guaranteed: mu_max * rstd * g_norm + rho_max * gx_norm,
+                spread: true,
+                ..ElementDiff::default()
+            },
+            count,
+        ));
+        let dmu_mean = if shared_mu {
+            0.0
+        } else {
+            sc.mu_mean - sr.mu_mean
+        };
         let drho_mean = sc.rho_mean - sr.rho_mean;
-        for i in 0..n {
+        let mu_tie = if shared_mu {
+            0.0
+        } else {
+            sr.mu_tie + sc.mu_tie
+        };
+        let rho_tie = if same_internal {
+            0.0
+        } else {
+            sr.rho_tie + sc.rho_tie
+        };
+        // The dᵢ roundings, by (grid, residue of xᵢ on it): one component each, proxy
+        // Var(η)·Σ (γᵢ·rstd)² over the group.
+        let mut d_groups: std::collections::BTreeMap<(u64, u64), f64> = Default::default();
+        let mut elements: std::collections::HashMap<(u64, u64, u64), (usize, usize)> =
+            Default::default();
+        let mut order = vec![];
+        for (i, (&xv, &gi)) in row.iter().zip(w.values()).enumerate() {
+            let key = (xv.to_bits(), gi.to_bits(), bias_at(i).to_bits());
+            elements
+                .entry(key)
+                .or_insert_with(|| {
+                    order.push(i);
+                    (i, 0)
+                })
+                .1 += 1;
+            if !shared_mu {
+                let dv = sr.d_var[i] + sc.d_var[i];
+                if dv > 0.0 {
+                    let ulp = a.ulp(xv - sr.mu).unwrap_or(0.0);
+                    let residue = xv - ulp * (xv / ulp).floor();
+                    *d_groups
+                        .entry((ulp.to_bits(), residue.to_bits()))
+                        .or_default() += dv * (gi * rstd).powi(2);
+                }
+            }
+        }
+        for proxy in d_groups.values() {
+            groups.push((
+                ElementDiff {
+                    proxy: *proxy,
+                    spread: true,
+                    ..ElementDiff::default()
+                },
+                count,
+            ));
+        }
+        for &i in &order {
+            let cnt = elements[&(
+                row[i].to_bits(),
+                w.values()[i].to_bits(),
+                bias_at(i).to_bits(),
+            )]
+                .1;
             let gi = w.values()[i];
             let (dv, dm) = if shared_mu {
                 (0.0, 0.0)
             } else {
                 (sr.d_var[i] + sc.d_var[i], sr.d_max[i] + sc.d_max[i])
             };
-            let mu_tie = if shared_mu {
-                0.0
-            } else {
-                sr.mu_tie + sc.mu_tie
-            };
-            let rho_tie = if same_internal {
-                0.0
-            } else {
-                sr.rho_tie + sc.rho_tie
-            };
+            let dd = known_d.map_or(0.0, |(dr, dc)| dc[i] - dr[i]);
             let mut d = ElementDiff {
-                offset: gi * (-rstd * dmu_mean + drho_mean * xhat[i]),
+                offset: gi * (rstd * (dd - dmu_mean) + drho_mean * xhat[i]),
                 bias_bound: gi.abs() * (rstd * mu_tie + rho_tie * xhat[i].abs()),
-                proxy: gi * gi * rstd * rstd * dv,
-                guaranteed: gi.abs() * (rstd * (dm + mu_max) + rho_max * xhat[i].abs()) * 1.01,
+                guaranteed: gi.abs()
+                    * (rstd * (dm + mu_max + dd.abs()) + rho_max * xhat[i].abs())
+                    * 1.01,
                 ..ElementDiff::default()
             };
-            // The row part's share of this element sets E|Δ| for the trailing roundings.
-            let share = (gi * (rstd * mu_var.sqrt() + xhat[i].abs() * rho_var.sqrt())).powi(2);
+            // The row part's and the dᵢ rounding's share of this element set E|Δ| for the
+            // trailing roundings; both are priced as their own components above.
+            let share = (gi * (rstd * mu_var.sqrt() + xhat[i].abs() * rho_var.sqrt())).powi(2)
+                + gi * gi * rstd * rstd * dv;
             d.proxy += share;
             if !same_internal {
                 d.round_both(a, xhat[i]);
@@ -309,14 +458,13 @@ pub fn norm_threshold(
             }
             round_sides(&mut d, (a, a), (reference.output, candidate.output), y[i]);
             d.proxy -= share;
-            diffs.push(d);
+            groups.push((d, cnt * count));
         }
     }
-    Ok(finish(
-        &diffs,
+    Ok(grouped_threshold(
+        &groups,
         norm_sq.sqrt(),
         confidence,
-        identical,
         rows * n,
     ))
 }

@@ -486,7 +486,9 @@ impl Walk<'_> {
             (eta, parity.map(|odd| (u, odd ^ is_odd(n))), false)
         };
         if tie_unknown {
-            self.tie_bound += u / 2.0;
+            // Its direction is the parity bit of ŝ, a low-order bit the model does not know:
+            // ±U/2 with a random sign (variance and sub-Gaussian proxy U²/4).
+            self.variance += u * u / 4.0;
             return Known {
                 det: k.det,
                 bound: k.bound + u / 2.0,
@@ -546,7 +548,8 @@ impl Walk<'_> {
                         exact: false,
                     };
                 }
-                self.tie_bound += u / 2.0;
+                // A tie decided by a parity bit the model does not know: ±U/2, random sign.
+                self.variance += u * u / 4.0;
                 return Known {
                     det,
                     bound: bound + u / 2.0,

@@ -21,7 +21,7 @@
 
 use crate::bounds::compare::{finish, Confidence, ElementDiff, Threshold};
 use crate::bounds::ops::round_sides;
-use crate::bounds::reduction::reduction_error;
+use crate::bounds::reduction::{random_rounding_error, reduction_error};
 use crate::engine::attention::AttentionImpl;
 use crate::engine::policy::Policy;
 use crate::engine::tensor::Tensor;
@@ -71,6 +71,7 @@ fn side_row(row: &[f64], policy: &Policy, imp: AttentionImpl) -> Result<SideRow>
     let mut num_max = vec![0.0; n];
     let mut e = vec![0.0; n]; // exact model numerators exp(x − m)
     let mut block_terms = vec![]; // l_B · f_B, exact
+    let mut standard_terms = vec![]; // the computed numerators, standard form
     let mut den_var_abs = 0.0;
     let mut den_max_abs = 0.0;
     let mut den_mean_abs = 0.0;
@@ -80,6 +81,11 @@ fn side_row(row: &[f64], policy: &Policy, imp: AttentionImpl) -> Result<SideRow>
         let base = bi * block;
         let mb = chunk.iter().fold(f64::NEG_INFINITY, |x, &y| x.max(y));
         let online = block < n;
+        if (mb - m).exp() == 0.0 {
+            // A masked block (every element −∞) or one so far below the row's maximum that
+            // its factor underflows: both sides compute exact zeros for it, which add nothing.
+            continue;
+        }
         // Factor f_B = exp(m_B − m): rounding of the difference (absolute → relative) and of exp.
         let (fvar, fmax) = if online {
             let (dv, dm) = rounding_stats(a, mb - m);
@@ -91,10 +97,29 @@ fn side_row(row: &[f64], policy: &Policy, imp: AttentionImpl) -> Result<SideRow>
         };
         let fb = (mb - m).exp();
         let mut block_e = Vec::with_capacity(chunk.len());
+        // The numerators as the side computes them, ra(exp(ra(x − m_B))): the terms its sum
+        // really adds (their own errors are the nᵢ above).
+        let ov = policy.accumulation.overflow;
+        let computed: Vec<f64> = chunk
+            .iter()
+            .map(|&x| {
+                if x == f64::NEG_INFINITY {
+                    0.0
+                } else {
+                    a.round(a.add_rounded(x, -mb, ov).exp(), ov)
+                }
+            })
+            .collect();
         for (j, &x) in chunk.iter().enumerate() {
             let i = base + j;
             let dlocal = x - mb;
             let el = dlocal.exp();
+            if el == 0.0 || el * fb == 0.0 {
+                // Masked (−∞) or underflowed even in f64 (a −1e4 additive mask): an exact zero
+                // numerator on both sides (exp of an argument below −745 is 0).
+                block_e.push(0.0);
+                continue;
+            }
             let (dv, dm) = rounding_stats(a, dlocal);
             let (ev, em) = rounding_stats(a, el);
             let mut v = dv + ev / (el * el);
@@ -111,9 +136,12 @@ fn side_row(row: &[f64], policy: &Policy, imp: AttentionImpl) -> Result<SideRow>
             e[i] = el * fb;
             block_e.push(el);
         }
+        if !online {
+            standard_terms = computed.clone();
+        }
         if online {
             // The block sum in the side's order, then the product l_B·f_B (rounded) is added.
-            let eb = reduction_error(&block_e, &acc, false)?;
+            let eb = reduction_error(&computed, &acc, false)?;
             let lb: f64 = block_e.iter().sum();
             den_var_abs += eb.variance * fb * fb + fvar * (lb * fb).powi(2);
             den_mean_abs += eb.mean * fb;
@@ -128,7 +156,8 @@ fn side_row(row: &[f64], policy: &Policy, imp: AttentionImpl) -> Result<SideRow>
         // of each product (counted for every block, the first included, to stay on the safe
         // side of the walker's load rounding).
         let outer = Accumulation::new(Format::F64, a, Order::Sequential);
-        let eo = reduction_error(&block_terms, &outer, false)?;
+        // Its terms are computed values the model knows only approximately: all-random model.
+        let eo = random_rounding_error(&block_terms, &outer, false)?;
         let prod_var: f64 = block_terms.iter().map(|&t| rounding_stats(a, t).0).sum();
         let prod_max: f64 = block_terms.iter().map(|&t| rounding_stats(a, t).1).sum();
         den_var_abs += eo.variance + prod_var;
@@ -136,7 +165,7 @@ fn side_row(row: &[f64], policy: &Policy, imp: AttentionImpl) -> Result<SideRow>
         den_tie_abs += eo.tie_bound;
         den_max_abs += eo.guaranteed + prod_max;
     } else {
-        let es = reduction_error(&e, &acc, false)?;
+        let es = reduction_error(&standard_terms, &acc, false)?;
         den_var_abs += es.variance;
         den_mean_abs += es.mean;
         den_tie_abs += es.tie_bound;
@@ -197,14 +226,21 @@ pub fn softmax_threshold(
     let mut norm_sq = 0.0;
     for r in 0..rows {
         let row = &xi.values()[r * n..(r + 1) * n];
-        if row.iter().any(|v| !v.is_finite()) {
+        // −∞ is a mask (an exact zero probability); NaN and +∞ have no softmax, and neither
+        // has a row whose every element is masked (0/0).
+        if let Some(&v) = row.iter().find(|v| v.is_nan() || **v == f64::INFINITY) {
             return Err(Error::NonFinite {
                 what: format!("softmax threshold: row {r} of the input"),
-                value: row
-                    .iter()
-                    .copied()
-                    .find(|v| !v.is_finite())
-                    .unwrap_or(f64::NAN),
+                value: v,
+            });
+        }
+        if row.iter().all(|&v| v == f64::NEG_INFINITY) {
+            return Err(Error::NonFinite {
+                what: format!(
+                    "softmax threshold: row {r} is masked entirely (its softmax is 0/0); \
+                     every row needs one finite element"
+                ),
+                value: f64::NEG_INFINITY,
             });
         }
         let sr = side_row(row, reference, ref_impl)?;
@@ -231,10 +267,15 @@ pub fn softmax_threshold(
         diffs.push(ElementDiff {
             proxy: dvar * p_sq,
             guaranteed: dmax * p_sq.sqrt() * inflate,
+            spread: true,
             ..ElementDiff::default()
         });
         for j in 0..n {
             let p = sr.p[j];
+            if p == 0.0 && sc.p[j] == 0.0 {
+                // Masked on both sides: exactly zero.
+                continue;
+            }
             let (nv, nm) = if shared_numerators {
                 (0.0, 0.0)
             } else {

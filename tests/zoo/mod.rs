@@ -547,11 +547,10 @@ pub fn trial(
                 oracle_ok,
             })
         }
-        (Err(Error::Overflow { .. }), _) | (_, Err(Error::Overflow { .. })) => {
-            Ok(Outcome::Refused {
-                results_finite: finite,
-            })
-        }
+        (Err(Error::Overflow { .. } | Error::NoFiniteBound { .. }), _)
+        | (_, Err(Error::Overflow { .. } | Error::NoFiniteBound { .. })) => Ok(Outcome::Refused {
+            results_finite: finite,
+        }),
         (Err(e), _) | (_, Err(e)) => Err(e),
     }
 }
