@@ -35,10 +35,85 @@ fn rounding(f: Format, v: f64) -> (f64, f64) {
     (ulp * ulp / 12.0, ulp / 2.0)
 }
 
+/// First-order error statistics of Welford's recurrence on the exact inputs x, every step
+/// rounded to `a` (see `engine::nn::Variance::Welford`):
+/// δ = ra(x_k − μ), μ' = ra(μ + ra(δ/k)), M2' = ra(M2 + ra(δ·ra(x_k − μ'))).
+///
+/// # Derivation (papers/bounds-norm.md, Welford)
+/// With e_μ, e_M the errors of μ̂, M̂2 and η₁…η₆ the six roundings of step k (exact values δ,
+/// r = x_k − μ'), to first order
+/// e_μ' = (1 − 1/k)·e_μ + η₁/k + η₂ + η₃,
+/// e_M' = e_M − (r + δ(1 − 1/k))·e_μ + (r − δ/k)·η₁ − δ·η₂ − δ·η₃ + δ·η₄ + η₅ + η₆.
+/// The η are independent, zero-mean, uniform within half a spacing (variance ulp²/12, 0 for an
+/// exact rounding): the 2×2 covariance of (e_μ, e_M) is propagated exactly under this linear
+/// map. The bounds propagate |η| ≤ ulp/2 at each value's largest possible magnitude by the
+/// triangle inequality, with the one second-order product (e_δ·e_r) carried.
+struct WelfordError {
+    /// The exact model M2 = Σ (x − μ)².
+    m2: f64,
+    mu_var: f64,
+    mu_max: f64,
+    m2_var: f64,
+    m2_max: f64,
+}
+
+fn welford_error(x: &[f64], a: Format) -> WelfordError {
+    // Rounding of the exact value v of a computed quantity known within b: exact only when
+    // nothing is uncertain and v lies on the grid.
+    let rnd = |v: f64, b: f64| -> (f64, f64) {
+        if b == 0.0 && a.round(v, Overflow::NonSaturating) == v {
+            return (0.0, 0.0);
+        }
+        let ulp = a.ulp(v.abs() + b).unwrap_or(f64::INFINITY);
+        (ulp * ulp / 12.0, ulp / 2.0)
+    };
+    let (mut mu, mut m2) = (0.0f64, 0.0f64);
+    let (mut vmu, mut vm, mut cov) = (0.0f64, 0.0f64, 0.0f64);
+    let (mut bmu, mut bm) = (0.0f64, 0.0f64);
+    for (k, &xk) in x.iter().enumerate() {
+        let kf = (k + 1) as f64;
+        let delta = xk - mu;
+        let (v1, m1) = rnd(delta, bmu);
+        let q = delta / kf;
+        let (v2, m2r) = rnd(q, (bmu + m1) / kf);
+        let mu_new = mu + q;
+        let (v3, m3) = rnd(mu_new, bmu + (bmu + m1) / kf + m2r);
+        let keep = 1.0 - 1.0 / kf;
+        let bmu_new = keep * bmu + m1 / kf + m2r + m3;
+        let r = xk - mu_new;
+        let (v4, m4) = rnd(r, bmu_new);
+        let p = delta * r;
+        let (bd, br) = (bmu + m1, bmu_new + m4);
+        let bp_in = r.abs() * bd + delta.abs() * br + bd * br;
+        let (v5, m5) = rnd(p, bp_in);
+        let (v6, m6) = rnd(m2 + p, bm + bp_in + m5);
+        let c = -(r + delta * keep);
+        let var_n_mu = v1 / (kf * kf) + v2 + v3;
+        let cov_n = (r - delta / kf) * v1 / kf - delta * (v2 + v3);
+        let var_n_m = (r - delta / kf).powi(2) * v1 + delta * delta * (v2 + v3 + v4) + v5 + v6;
+        let vmu_new = keep * keep * vmu + var_n_mu;
+        let cov_new = keep * (c * vmu + cov) + cov_n;
+        vm = c * c * vmu + 2.0 * c * cov + vm + var_n_m;
+        vmu = vmu_new;
+        cov = cov_new;
+        bm += bp_in + m5 + m6;
+        bmu = bmu_new;
+        mu = mu_new;
+        m2 += p;
+    }
+    WelfordError {
+        m2,
+        mu_var: vmu,
+        mu_max: bmu * (1.0 + 1e-12),
+        m2_var: vm.max(0.0),
+        m2_max: bm * (1.0 + 1e-12),
+    }
+}
+
 /// Which normalization.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NormOp {
-    /// LayerNorm with the given variance algorithm (Welford is not priced).
+    /// LayerNorm with the given variance algorithm.
     LayerNorm(Variance),
     /// RMSNorm.
     RmsNorm,
@@ -98,7 +173,7 @@ fn side_row(x: &[f64], op: NormOp, eps: f64, policy: &Policy) -> Result<SideRow>
             }
         }
     }
-    let d_hat: Option<Vec<f64>> =
+    let mut d_hat: Option<Vec<f64>> =
         mu_hat.map(|m| x.iter().map(|&v| a.add_rounded(v, -m, ov)).collect());
     let d: Vec<f64> = x
         .iter()
@@ -191,12 +266,27 @@ fn side_row(x: &[f64], op: NormOp, eps: f64, policy: &Policy) -> Result<SideRow>
                 var_exact = ms;
             }
         }
-        NormOp::LayerNorm(Variance::Welford) => return Err(Error::InvalidParameter {
-            name: "variance",
-            reason:
-                "thresholds for Welford's variance are not modelled yet (two-pass and one-pass are)"
-                    .into(),
-        }),
+        NormOp::LayerNorm(Variance::Welford) => {
+            // Welford's recurrence replaces the sum: its μ̂ and M̂2 errors are propagated
+            // through the recurrence (welford_error); nothing about μ̂ is determined.
+            let we = welford_error(x, a);
+            mu_var = we.mu_var;
+            mu_max = we.mu_max;
+            mu_mean = 0.0;
+            mu_tie = 0.0;
+            d_hat = None;
+            for (i, &di) in d.iter().enumerate() {
+                let (v, m) = rounding(a, di);
+                d_var[i] = v;
+                d_max[i] = m;
+            }
+            var_exact = we.m2 / n;
+            let (rv, rm) = rounding(a, var_exact);
+            var_var = we.m2_var / (n * n) + rv;
+            var_max = we.m2_max / n + rm;
+            var_mean = 0.0;
+            var_tie = 0.0;
+        }
     }
     let v = var_exact + eps;
     let (vv, vm) = rounding(a, v);

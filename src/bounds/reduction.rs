@@ -72,8 +72,8 @@ fn check_supported(order: &Order) -> Result<()> {
     match order {
         Order::Kahan => Err(Error::InvalidParameter {
             name: "order",
-            reason: "reduction_error walks a tree of roundings, which compensated (Kahan) \
-                     summation is not; no threshold for it is implemented yet"
+            reason: "compensated (Kahan) summation is priced as a whole order, not inside a \
+                     split-K part"
                 .into(),
         }),
         Order::SplitK { inner, .. } => check_supported(inner),
@@ -603,12 +603,15 @@ impl Walk<'_> {
 /// # Errors
 /// [`Error::Overflow`] when a rounding may reach its format's overflow threshold (no finite
 /// bound holds then); [`Error::NonFinite`] for a NaN or infinite term; invalid orders, and
-/// [`Order::Kahan`] (not a tree of roundings; not priced yet).
+/// [`Order::Kahan`] nested inside a split (Kahan's order itself is priced by a running-bound
+/// analysis of its four roundings per term, papers/bounds-reductions.md §2.4).
 ///
 /// Cost: O(n) time and memory for every order.
 pub fn reduction_error(terms: &[f64], acc: &Accumulation, is_dot: bool) -> Result<ReductionError> {
     acc.validate()?;
-    check_supported(&acc.order)?;
+    if acc.order != Order::Kahan {
+        check_supported(&acc.order)?;
+    }
     if let Some(i) = terms.iter().position(|t| !t.is_finite()) {
         return Err(Error::NonFinite {
             what: format!("reduction term {i}"),
@@ -638,6 +641,13 @@ pub fn reduction_error(terms: &[f64], acc: &Accumulation, is_dot: bool) -> Resul
         (true, Products::Exact) => (terms, Format::F64),
         (false, _) => (terms, acc.input),
     };
+    if acc.order == Order::Kahan {
+        let load = !input.is_subset_of(acc.accumulator);
+        let mut e = kahan_error(terms, acc.accumulator, load)?;
+        e.mean += product_error;
+        e.guaranteed = (e.guaranteed + product_error.abs()) * (1.0 + 1e-12);
+        return Ok(e);
+    }
     let accumulate = Accumulation {
         input,
         products: Products::Exact,
@@ -701,6 +711,62 @@ pub fn reduction_error(terms: &[f64], acc: &Accumulation, is_dot: bool) -> Resul
         // Σ|η|, joins the part of unknown sign.
         tie_bound: (walk.tie_bound + (walk.sites + 2.0) * f64::EPSILON * walk.mean_abs)
             .min(guaranteed),
+    })
+}
+
+/// The error of Kahan's compensated summation of the exact `terms` in format `f` (the first
+/// term loaded with a rounding when `load`), as `order::sum` executes it: s = fl(x₀), c = 0;
+/// y = fl(xᵢ − c), t = fl(s + y), c = fl(fl(t − s) − y), s = t.
+///
+/// # Derivation (papers/bounds-reductions.md §2.4)
+/// With V = s − c, one step gives exactly V' = V + xᵢ + η₁ − η₃ − η₄ (η₁, η₃, η₄ the errors of
+/// y, of t − s and of the new c), so the result s_n = V_n + c_n errs by
+/// Σᵢ (η₁ − η₃ − η₄) + c_n, and c' = η₂ + η₃ + η₄ (η₂ the error of t). Each |η| ≤ u·|v| +
+/// λ/2 for the value v it rounds (λ the smallest subnormal: Higham 2002, §2.1), and the
+/// magnitudes are bounded step by step from the exact partial sums, so
+/// * guaranteed: the propagated Σ(|η₁| + |η₃| + |η₄|) + |c_n| — about 2u·Σ|xᵢ| to first order
+///   (Knuth's and Goldberg's 2u + O(nu²), here with the second-order terms carried);
+/// * probabilistic: the η independent and zero-mean, each uniform within its bound
+///   (variance bound²/3), and c_n a deterministic part of unknown sign (`tie_bound`).
+pub(crate) fn kahan_error(terms: &[f64], f: Format, load: bool) -> Result<ReductionError> {
+    let u = f.unit_roundoff();
+    let half_sub = f.min_subnormal() / 2.0;
+    let eta = |v: f64| u * v + half_sub;
+    let (mut exact, mut bound_v, mut bound_c) = (0.0f64, 0.0f64, 0.0f64);
+    let mut variance = 0.0;
+    let mut first = true;
+    for &x in terms {
+        if first {
+            first = false;
+            exact = x;
+            if load {
+                let e0 = eta(x.abs());
+                bound_v = e0;
+                variance += e0 * e0 / 3.0;
+            }
+            continue;
+        }
+        let xc = x.abs() + bound_c;
+        let e1 = eta(xc);
+        let y = xc * (1.0 + u) + half_sub;
+        let s = exact.abs() + bound_v + bound_c;
+        let e2 = eta(s + y);
+        let e3 = eta(y + e2);
+        let e4 = eta(e2 + e3);
+        let limit = f.max_finite() + f.ulp(f.max_finite()).unwrap_or(0.0) / 2.0;
+        if s + y >= limit {
+            return Err(overflow_error(f, s + y, "a partial sum"));
+        }
+        bound_v += e1 + e3 + e4;
+        bound_c = e2 + e3 + e4;
+        variance += (e1 * e1 + e3 * e3 + e4 * e4) / 3.0;
+        exact += x;
+    }
+    Ok(ReductionError {
+        guaranteed: (bound_v + bound_c) * (1.0 + 1e-12),
+        mean: 0.0,
+        variance,
+        tie_bound: bound_c,
     })
 }
 
