@@ -2,6 +2,8 @@
 //! tests with their explicit inputs, and a quick slice of the data zoo (`tests/zoo/mod.rs`;
 //! the full sweep is `cargo run --release --example zoo`).
 
+#[path = "common/mod.rs"]
+mod common;
 #[path = "zoo/mod.rs"]
 mod zoo;
 
@@ -104,18 +106,8 @@ fn overflow_is_refused() {
     }
 }
 
-/// A quick slice of the zoo: sums over every data family and candidate order at K = 2 and 64,
-/// 6 trials each: no guaranteed or probabilistic violation, no unflagged non-finite result, the
-/// oracle's exact sums within the guaranteed bound.
-///
-/// Repeated rows are left out: identical rows have identical differences, and the tensor-level
-/// tail still treats elements as independent (issue 16, open).
-#[test]
-fn zoo_slice_sums() {
-    let rows = zoo::sweep(&[zoo::Op::Sum], &[(2, 4), (64, 8)], 6, &|_, fam, _| {
-        fam != zoo::Family::RepeatedRows
-    })
-    .unwrap();
+fn assert_slice(ops: &[zoo::Op], trials: usize, min_cells: usize) {
+    let rows = zoo::sweep(ops, &[(2, 4), (64, 8)], trials, &|_, _, _| true).unwrap();
     let failing: Vec<String> = rows
         .iter()
         .filter(|r| r.cell.failures() > 0)
@@ -130,6 +122,179 @@ fn zoo_slice_sums() {
             )
         })
         .collect();
-    assert!(rows.len() > 300, "the slice ran {} cells", rows.len());
+    assert!(
+        rows.len() >= min_cells,
+        "the slice ran {} cells",
+        rows.len()
+    );
     assert!(failing.is_empty(), "{}", failing.join("\n"));
+}
+
+/// A quick slice of the zoo (the full sweep is `cargo run --release --example zoo`): every
+/// data family and policy pair at K = 2 and 64 — no guaranteed or probabilistic violation, no
+/// non-finite result the threshold did not refuse, the oracle's exact sums within the
+/// guaranteed bound of both sides.
+#[test]
+fn zoo_slice_sums_and_means() {
+    assert_slice(&[zoo::Op::Sum, zoo::Op::Mean], 5, 600);
+}
+
+#[test]
+fn zoo_slice_matmuls() {
+    assert_slice(&[zoo::Op::Matmul], 3, 300);
+}
+
+#[test]
+fn zoo_slice_softmax_and_norms() {
+    use ttrace::engine::{AttentionImpl, Variance};
+    let ops = [
+        zoo::Op::Softmax(AttentionImpl::Standard),
+        zoo::Op::LayerNorm(Variance::TwoPass),
+        zoo::Op::RmsNorm,
+    ];
+    assert_slice(&ops, 5, 150);
+}
+
+/// Masked softmax rows: a −∞ causal mask and a −1e4 additive mask are priced (finite
+/// thresholds that pass identical and correct outputs), a fully masked row is refused.
+#[test]
+fn masked_softmax_is_priced() {
+    use ttrace::bounds::softmax_threshold;
+    use ttrace::engine::{online_softmax, softmax, AttentionImpl};
+    let k = 64;
+    let mut x: Vec<f64> = (0..4 * k)
+        .map(|i| ((i * 37 % 23) as f64 - 11.0) / 4.0)
+        .collect();
+    for r in 0..4 {
+        for j in r * 8 + 1..k {
+            x[r * k + j] = if r % 2 == 0 {
+                f64::NEG_INFINITY
+            } else {
+                x[r * k + j] - 9984.0
+            };
+        }
+    }
+    let x = Tensor::from_vec(&[4, k], x, Format::F32).unwrap();
+    let p = Policy::new(Format::BF16, Format::F32, Format::BF16);
+    let standard = softmax(&x, &p).unwrap();
+    let online = online_softmax(&x, 16, &p).unwrap();
+    let observed = common::frob(standard.values(), online.values());
+    let online_form = AttentionImpl::Online { block: 16 };
+    for conf in [Confidence::Guaranteed, DELTA] {
+        let same = softmax_threshold(
+            &x,
+            &p,
+            AttentionImpl::Standard,
+            &p,
+            AttentionImpl::Standard,
+            conf,
+        )
+        .unwrap();
+        assert!(same.abs_frobenius == 0.0 && same.accepts(0.0));
+        let th = softmax_threshold(&x, &p, AttentionImpl::Standard, &p, online_form, conf).unwrap();
+        assert!(
+            th.abs_frobenius.is_finite() && observed <= th.abs_frobenius,
+            "{observed} > {th:?}"
+        );
+    }
+    let all_masked = Tensor::from_vec(&[1, 4], vec![f64::NEG_INFINITY; 4], Format::F32).unwrap();
+    assert!(matches!(
+        softmax_threshold(
+            &all_masked,
+            &p,
+            AttentionImpl::Standard,
+            &p,
+            online_form,
+            DELTA
+        ),
+        Err(Error::NonFinite { .. })
+    ));
+}
+
+/// One-pass LayerNorm of rows 1000 ± 1 (the variance cancels and may come out negative): no
+/// finite threshold, refused with the variant that says so; two-pass and Welford are priced.
+#[test]
+fn one_pass_variance_cancellation_is_refused() {
+    use ttrace::bounds::{norm_threshold, NormOp};
+    use ttrace::engine::Variance;
+    let n = 1024;
+    let x: Vec<f64> = (0..n)
+        .map(|i| {
+            Format::F32.round(
+                1000.0 + ((i * 7919 % 2001) as f64 - 1000.0) / 1000.0,
+                ttrace::Overflow::NonSaturating,
+            )
+        })
+        .collect();
+    let x = Tensor::from_vec(&[1, n], x, Format::F32).unwrap();
+    let w = Tensor::from_vec(&[n], vec![1.0; n], Format::F32).unwrap();
+    let p = Policy::new(Format::F32, Format::F32, Format::F32);
+    let two = NormOp::LayerNorm(Variance::TwoPass);
+    let r = norm_threshold(
+        &x,
+        &w,
+        None,
+        1e-5,
+        two,
+        &p,
+        NormOp::LayerNorm(Variance::OnePass),
+        &p,
+        DELTA,
+    );
+    assert!(matches!(r, Err(Error::NoFiniteBound { .. })), "{r:?}");
+    for cand in [two, NormOp::LayerNorm(Variance::Welford)] {
+        let th = norm_threshold(
+            &x,
+            &w,
+            None,
+            1e-5,
+            two,
+            &p,
+            cand,
+            &p.clone().with_order(Order::Pairwise { base: 8 }),
+            DELTA,
+        )
+        .unwrap();
+        assert!(th.abs_frobenius.is_finite());
+    }
+}
+
+/// Kahan's guaranteed bound against the exact sum (big-integer oracle) on cancelling,
+/// constant and absorbing data, in BF16 and FP32 accumulators.
+#[test]
+fn kahan_guaranteed_bound_holds() {
+    let cases: Vec<Vec<f64>> = vec![
+        (0..500)
+            .map(|i| if i % 2 == 0 { 1e4 } else { -1e4 } + (i as f64) / 64.0)
+            .collect(),
+        vec![1.8622474670410156; 300],
+        std::iter::once(2f64.powi(24))
+            .chain(std::iter::repeat(0.75).take(200))
+            .collect(),
+    ];
+    for acc_f in [Format::F32, Format::BF16] {
+        for xs in &cases {
+            let xs: Vec<f64> = xs
+                .iter()
+                .map(|&v| acc_f.round(v, ttrace::Overflow::NonSaturating))
+                .collect();
+            let acc = Accumulation::new(acc_f, acc_f, Order::Kahan);
+            let computed = sum(&xs, &acc).unwrap();
+            let err = common::Dy::from_f64(computed)
+                .add(&common::exact(&xs).neg())
+                .round(common::spec("f64"), false)
+                .abs();
+            let g = reduction_error(&xs, &acc, false).unwrap().guaranteed;
+            assert!(err <= g, "{acc_f}: error {err:e} > bound {g:e}");
+            // In FP32 (n·u ≪ 1) about 2u·Σ|x| (Knuth), not the n·u of recursive summation; in
+            // BF16 with n·u ≈ 1 the second-order terms are of the same size.
+            if acc_f == Format::F32 {
+                let scale: f64 = xs.iter().map(|v| v.abs()).sum();
+                assert!(
+                    g <= 2.1 * acc_f.unit_roundoff() * scale,
+                    "{g:e} vs {scale:e}"
+                );
+            }
+        }
+    }
 }

@@ -723,9 +723,10 @@ pub fn reduction_error(terms: &[f64], acc: &Accumulation, is_dot: bool) -> Resul
 /// y, of t − s and of the new c), so the result s_n = V_n + c_n errs by
 /// Σᵢ (η₁ − η₃ − η₄) + c_n, and c' = η₂ + η₃ + η₄ (η₂ the error of t). Each |η| ≤ u·|v| +
 /// λ/2 for the value v it rounds (λ the smallest subnormal: Higham 2002, §2.1), and the
-/// magnitudes are bounded step by step from the exact partial sums, so
-/// * guaranteed: the propagated Σ(|η₁| + |η₃| + |η₄|) + |c_n| — about 2u·Σ|xᵢ| to first order
-///   (Knuth's and Goldberg's 2u + O(nu²), here with the second-order terms carried);
+/// magnitudes are bounded step by step from the exact partial sums; when |s| ≥ |y| is certain,
+/// η₃ = η₄ = 0 (Dekker's Fast2Sum), so
+/// * guaranteed: the propagated Σ(|η₁| + |η₃| + |η₄|) + |c_n| — between u·Σ|xᵢ| and 2u·Σ|xᵢ|
+///   to first order (Knuth's and Goldberg's 2u + O(nu²), with the second-order terms carried);
 /// * probabilistic: the η independent and zero-mean, each uniform within its bound
 ///   (variance bound²/3), and c_n a deterministic part of unknown sign (`tie_bound`).
 pub(crate) fn kahan_error(terms: &[f64], f: Format, load: bool) -> Result<ReductionError> {
@@ -750,9 +751,15 @@ pub(crate) fn kahan_error(terms: &[f64], f: Format, load: bool) -> Result<Reduct
         let e1 = eta(xc);
         let y = xc * (1.0 + u) + half_sub;
         let s = exact.abs() + bound_v + bound_c;
+        let s_min = exact.abs() - bound_v - bound_c;
         let e2 = eta(s + y);
-        let e3 = eta(y + e2);
-        let e4 = eta(e2 + e3);
+        // Fast2Sum (Dekker 1971): when |s| ≥ |y|, t − s and then (t − s) − y are exact.
+        let (e3, e4) = if y <= s_min {
+            (0.0, 0.0)
+        } else {
+            let e3 = eta(y + e2);
+            (e3, eta(e2 + e3))
+        };
         let limit = f.max_finite() + f.ulp(f.max_finite()).unwrap_or(0.0) / 2.0;
         if s + y >= limit {
             return Err(overflow_error(f, s + y, "a partial sum"));
