@@ -2,10 +2,10 @@
 //! tests with their explicit inputs, and a quick slice of the data zoo (`tests/zoo/mod.rs`;
 //! the full sweep is `cargo run --release --example zoo`).
 
-#[path = "common/mod.rs"]
-mod common;
 #[path = "zoo/mod.rs"]
 mod zoo;
+
+use zoo::common;
 
 use ttrace::bounds::{matmul_threshold, reduction_error, sum_threshold, Confidence};
 use ttrace::engine::{Policy, Tensor};
@@ -269,7 +269,7 @@ fn kahan_guaranteed_bound_holds() {
             .collect(),
         vec![1.8622474670410156; 300],
         std::iter::once(2f64.powi(24))
-            .chain(std::iter::repeat(0.75).take(200))
+            .chain(std::iter::repeat_n(0.75, 200))
             .collect(),
     ];
     for acc_f in [Format::F32, Format::BF16] {

@@ -24,7 +24,7 @@ use ttrace::engine::{
 use ttrace::{sum, BlockSum, Combine, Error, Format, Order, Overflow, Products};
 
 #[path = "../common/mod.rs"]
-mod common;
+pub mod common;
 use common::frob;
 
 /// A family of inputs. `generate` fills a [rows, k] block (rows are reduced along k).
