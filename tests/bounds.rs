@@ -292,8 +292,23 @@ fn bad_requests_are_errors() {
     let b = Tensor::zeros(&[4, 2], Format::BF16);
     let p = Policy::new(Format::BF16, Format::F32, Format::BF16);
     assert!(matmul_threshold(&a, &b, None, &p, &p, Confidence::Guaranteed).is_err());
+    // Kahan's order is priced on its own, not nested inside a split-K part.
     let kahan = Accumulation::new(Format::F32, Format::F32, Order::Kahan);
-    assert!(reduction_error(&[1.0, 2.0], &kahan, false).is_err());
+    assert!(reduction_error(&[1.0, 2.0], &kahan, false).is_ok());
+    let nested = Accumulation::new(
+        Format::F32,
+        Format::F32,
+        Order::SplitK {
+            parts: 2,
+            inner: Box::new(Order::Kahan),
+            partial: Format::F32,
+            combine: Combine::Tree,
+        },
+    );
+    assert!(matches!(
+        reduction_error(&[1.0, 2.0], &nested, false),
+        Err(ttrace::Error::InvalidParameter { name: "order", .. })
+    ));
     assert!(!baselines_for(Format::BF16, 1).is_empty());
 }
 

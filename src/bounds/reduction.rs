@@ -118,6 +118,9 @@ struct Known {
     parity: Option<(f64, bool)>,
     /// Every rounding behind the value was exact: ŝ = s.
     exact: bool,
+    /// A hash of how the value was computed (its terms, formats and operations): values with
+    /// equal content are computed identically and carry identical errors.
+    content: u64,
 }
 
 /// The parity of ŝ/`grid` when `k` tells it: known on the same grid, even on any finer one
@@ -131,6 +134,14 @@ fn parity_on(k: &Known, grid: f64) -> Option<bool> {
 }
 
 type Key = (usize, usize, usize, usize);
+
+/// An order-sensitive 64-bit mix (SplitMix64's finalizer) for content hashes.
+fn mix(a: u64, b: u64) -> u64 {
+    let mut z = a ^ b.rotate_left(17) ^ 0x9E37_79B9_7F4A_7C15;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
 
 fn key(first: &std::ops::Range<usize>, second: &std::ops::Range<usize>) -> Key {
     (first.start, first.end, second.start, second.end)
@@ -148,6 +159,9 @@ struct Walk<'a> {
     scratch: ExactAccumulator,
     /// The exact operands of the current site (a reused buffer).
     exact: Vec<f64>,
+    /// Content hashes of the current site and of its exact operands.
+    site_content: u64,
+    exact_content: u64,
     /// Σ of the determined errors.
     mean: f64,
     /// Σ of their magnitudes (bounds the rounding error of summing them in `f64`).
@@ -222,6 +236,7 @@ impl Walk<'_> {
                     },
                     parity: None,
                     exact: first.is_empty() && second.is_empty(),
+                    content: 0,
                 });
                 let (s, err) = self.range_sum(first, second);
                 let known = if k.exact {
@@ -265,24 +280,16 @@ impl Walk<'_> {
     /// An undetermined rounding to `f` of a value in [c − r, c + r] whose operands lie on the
     /// grid `g`: zero-mean, variance U²/12 + g²/6 and |η| ≤ U/2 (U the largest spacing there),
     /// exact when g ≥ U.
-    fn random(&mut self, f: Format, c: f64, r: f64, g: f64, operand: Option<f64>) -> f64 {
+    fn random(&mut self, f: Format, c: f64, r: f64, g: f64, key: u64) -> f64 {
         let (_, max) = abs_range(c, r);
         let u = f.ulp(max).unwrap_or(f64::INFINITY);
         if g >= u {
             return 0.0;
         }
         let var = u * u / 12.0 + g * g / 6.0;
-        match operand {
-            Some(t) => {
-                let e = self
-                    .repeats
-                    .entry((u.to_bits(), t.to_bits()))
-                    .or_insert((0.0, var));
-                e.0 += 1.0;
-                e.1 = e.1.max(var);
-            }
-            None => self.variance += var,
-        }
+        let e = self.repeats.entry((u.to_bits(), key)).or_insert((0.0, var));
+        e.0 += 1.0;
+        e.1 = e.1.max(var);
         u / 2.0
     }
 
@@ -298,6 +305,7 @@ impl Walk<'_> {
                 bound: 0.0,
                 parity: Some((f64::INFINITY, false)),
                 exact: true,
+                content: 0,
             };
             self.values.insert(key(&s.first, &s.second), zero);
             return;
@@ -310,19 +318,31 @@ impl Walk<'_> {
         exact.clear();
         exact.extend(s.fused.clone().map(|i| self.terms[i]));
         let mut det_in = 0.0;
+        let mut site_content = mix(f.index() as u64, s.fused.len() as u64);
+        let mut exact_content = 0;
+        for i in s.fused.clone() {
+            exact_content = mix(exact_content, self.terms[i].to_bits());
+        }
         // At most two operands: the unknown ones, in order.
         let mut unknown = [None, None];
         let mut count = 0;
         for op in &s.ops {
             match op {
-                Operand::None => {}
-                Operand::Term(i) => exact.push(self.terms[*i]),
+                Operand::None => site_content = mix(site_content, 0),
+                Operand::Term(i) => {
+                    exact.push(self.terms[*i]);
+                    let h = mix(1, self.terms[*i].to_bits());
+                    exact_content = mix(exact_content, h);
+                    site_content = mix(site_content, h);
+                }
                 Operand::Value { .. } => {
                     if let Some(v) = self.operand(op) {
+                        site_content = mix(site_content, v.0.content);
                         match v.4 {
                             Some(value) => {
                                 exact.push(value);
                                 det_in += v.0.det;
+                                exact_content = mix(exact_content, v.0.content);
                             }
                             None => {
                                 unknown[count] = Some(v);
@@ -333,11 +353,15 @@ impl Walk<'_> {
                 }
             }
         }
-        let result = match unknown {
+        site_content = mix(site_content, exact_content);
+        self.site_content = site_content;
+        self.exact_content = exact_content;
+        let mut result = match unknown {
             [Some(v), Some(w)] => self.value_plus_value(f, v, w),
             [Some(v), None] => self.value_plus_terms(f, v, &exact, det_in),
             _ => self.exact_site(f, &exact, det_in),
         };
+        result.content = site_content;
         self.values.insert(key(&s.first, &s.second), result);
         self.exact = exact;
     }
@@ -367,6 +391,7 @@ impl Walk<'_> {
                 bound: f64::INFINITY,
                 parity: None,
                 exact: false,
+                content: 0,
             };
         }
         self.mean += eta;
@@ -382,6 +407,7 @@ impl Walk<'_> {
             bound: 0.0,
             parity: Some((grid, rounded != 0.0 && is_odd(rounded / grid))),
             exact: eta == 0.0,
+            content: 0,
         }
     }
 
@@ -436,12 +462,20 @@ impl Walk<'_> {
             .fold(f64::INFINITY, f64::min);
         let undetermined = |w: &mut Self| {
             let g = fa.ulp(s).unwrap_or(0.0).min(g_exact);
-            let site = w.random(f, cx, rx, g, t.filter(|_| !exact.is_empty()));
+            // Alike when the same exact operands meet the same grid (the error depends on
+            // them and on bits of ŝ), and when the whole computation repeats.
+            let group = if exact.is_empty() {
+                w.site_content
+            } else {
+                mix(2, w.exact_content)
+            };
+            let site = w.random(f, cx, rx, g, group);
             Known {
                 det: k.det,
                 bound: k.bound + site,
                 parity: None,
                 exact: false,
+                content: 0,
             }
         };
         let Some(t) = t else {
@@ -494,6 +528,7 @@ impl Walk<'_> {
                 bound: k.bound + u / 2.0,
                 parity: parity_after,
                 exact: false,
+                content: 0,
             };
         }
         self.mean += eta;
@@ -503,6 +538,7 @@ impl Walk<'_> {
             bound: k.bound,
             parity: parity_after,
             exact: false,
+            content: 0,
         }
     }
 
@@ -536,6 +572,7 @@ impl Walk<'_> {
                 bound,
                 parity,
                 exact: kv.exact && kw.exact,
+                content: 0,
             };
         }
         if uniform && gv >= u / 2.0 && gw >= u / 2.0 {
@@ -546,6 +583,7 @@ impl Walk<'_> {
                         bound,
                         parity: None,
                         exact: false,
+                        content: 0,
                     };
                 }
                 // A tie decided by a parity bit the model does not know: ±U/2, random sign.
@@ -555,19 +593,25 @@ impl Walk<'_> {
                     bound: bound + u / 2.0,
                     parity: Some((u, false)),
                     exact: false,
+                    content: 0,
                 };
             }
         }
         let g = fv.ulp(sv).unwrap_or(0.0).min(fw.ulp(sw).unwrap_or(0.0));
-        // A determined operand (its error fully known) repeats when the data repeat.
-        let pinned = |k: &Known, c: f64| (k.bound == 0.0).then_some(c);
-        let operand = pinned(&kw, cw).or(pinned(&kv, cv));
-        let site = self.random(f, cx, rx, g, operand);
+        // The error depends on the smaller operand's bits on the result's grid: additions of
+        // identically computed operands (the repeated blocks of a constant row) err alike.
+        let smaller = if cv.abs() <= cw.abs() {
+            kv.content
+        } else {
+            kw.content
+        };
+        let site = self.random(f, cx, rx, g, mix(3, smaller));
         Known {
             det,
             bound: bound + site,
             parity: None,
             exact: false,
+            content: 0,
         }
     }
 }
@@ -673,6 +717,8 @@ pub fn reduction_error(terms: &[f64], acc: &Accumulation, is_dot: bool) -> Resul
         values: std::collections::HashMap::new(),
         scratch: ExactAccumulator::new(),
         exact: Vec::new(),
+        site_content: 0,
+        exact_content: 0,
         mean: product_error,
         mean_abs: product_error.abs(),
         sites: 0.0,

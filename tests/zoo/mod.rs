@@ -696,13 +696,15 @@ pub fn ops() -> Vec<Op> {
 }
 
 /// Run `trials` trials of every (op, family, pair) at each (k, rows); `keep` filters cells.
+/// Cells run in parallel (rayon); the rows come back in a fixed order.
 pub fn sweep(
     ops: &[Op],
     shapes: &[(usize, usize)],
     trials: usize,
-    keep: &dyn Fn(Op, Family, &str) -> bool,
+    keep: &(dyn Fn(Op, Family, &str) -> bool + Sync),
 ) -> ttrace::Result<Vec<Row>> {
-    let mut out = vec![];
+    use rayon::prelude::*;
+    let mut jobs = vec![];
     for &op in ops {
         for pair in pairs(op) {
             for family in FAMILIES {
@@ -710,21 +712,25 @@ pub fn sweep(
                     continue;
                 }
                 for &(k, rows) in shapes {
-                    let mut cell = Cell::default();
-                    for t in 0..trials {
-                        cell.add(trial(op, family, &pair, k, rows, t as u64)?);
-                    }
-                    out.push(Row {
-                        op,
-                        family,
-                        pair: pair.name.clone(),
-                        k,
-                        rows,
-                        cell,
-                    });
+                    jobs.push((op, family, pair.clone(), k, rows));
                 }
             }
         }
     }
-    Ok(out)
+    jobs.into_par_iter()
+        .map(|(op, family, pair, k, rows)| {
+            let mut cell = Cell::default();
+            for t in 0..trials {
+                cell.add(trial(op, family, &pair, k, rows, t as u64)?);
+            }
+            Ok(Row {
+                op,
+                family,
+                pair: pair.name.clone(),
+                k,
+                rows,
+                cell,
+            })
+        })
+        .collect()
 }
