@@ -252,6 +252,8 @@ fn threshold_prices_every_supported_op() {
         assert!(rel.is_finite() && rel > 0.0, "{op}: {rel}");
         assert!(rel <= v["threshold"]["guaranteed_relative"].as_f64().unwrap());
     }
+    // Welford's variance is priced; a one-pass variance of rows 1000 ± 1 may cancel to zero or
+    // below, and the refusal says so with exit code 2.
     let o = ttrace(
         &[
             "threshold",
@@ -262,10 +264,34 @@ fn threshold_prices_every_supported_op() {
             "2",
             "--k",
             "16",
+            "--json",
         ],
         "",
     );
-    assert!(!o.status.success(), "Welford is not priced and must say so");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v["threshold"]["relative"].as_f64().unwrap().is_finite());
+    let o = ttrace(
+        &[
+            "threshold",
+            "layernorm",
+            "--ref",
+            "in=f32,acc=f32,out=f32,variance=twopass",
+            "--cand",
+            "in=f32,acc=f32,out=f32,variance=onepass",
+            "--m",
+            "2",
+            "--k",
+            "1024",
+            "--mean",
+            "1000",
+            "--std",
+            "1",
+        ],
+        "",
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no finite threshold"));
 }
 
 #[test]

@@ -10,7 +10,7 @@
 //! * [`ops`]: whole ops — matmul / linear with FP8 quantization, sum, mean, all-reduce — from
 //!   the data (checking) or from summary statistics (planning).
 //! * [`softmax`]: softmax, standard and online (blockwise), in any pair of orders.
-//! * [`norm`]: LayerNorm (two-pass and one-pass variance) and RMSNorm.
+//! * [`norm`]: LayerNorm (two-pass, Welford and one-pass variance) and RMSNorm.
 //! * [`elementwise`]: add, scale, GELU, SiLU, exp; FP8 quantization error; first-order gains
 //!   that carry an input difference to the output (composition along a network).
 //! * [`baselines`]: PyTorch, TransformerEngine and Megatron tolerances for side-by-side reports.
