@@ -230,31 +230,14 @@ fn one_pass_variance_cancellation_is_refused() {
     let w = Tensor::from_vec(&[n], vec![1.0; n], Format::F32).unwrap();
     let p = Policy::new(Format::F32, Format::F32, Format::F32);
     let two = NormOp::LayerNorm(Variance::TwoPass);
-    let r = norm_threshold(
-        &x,
-        &w,
-        None,
-        1e-5,
-        two,
-        &p,
-        NormOp::LayerNorm(Variance::OnePass),
-        &p,
-        DELTA,
-    );
+    let price = |cand: NormOp, order: Order| {
+        let c = p.clone().with_order(order);
+        norm_threshold(&x, &w, None, 1e-5, two, &p, cand, &c, DELTA)
+    };
+    let r = price(NormOp::LayerNorm(Variance::OnePass), Order::Sequential);
     assert!(matches!(r, Err(Error::NoFiniteBound { .. })), "{r:?}");
     for cand in [two, NormOp::LayerNorm(Variance::Welford)] {
-        let th = norm_threshold(
-            &x,
-            &w,
-            None,
-            1e-5,
-            two,
-            &p,
-            cand,
-            &p.clone().with_order(Order::Pairwise { base: 8 }),
-            DELTA,
-        )
-        .unwrap();
+        let th = price(cand, Order::Pairwise { base: 8 }).unwrap();
         assert!(th.abs_frobenius.is_finite());
     }
 }

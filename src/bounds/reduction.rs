@@ -1,25 +1,23 @@
 //! Introduced error of one execution of a reduction (sum, dot product, one matmul element):
 //! a guaranteed bound and the statistics of the probabilistic model.
 //!
-//! Derivation (papers/bounds-reductions.md):
-//! * Every rounding j of the reduction rounds an intermediate value ŝⱼ ≈ sⱼ (the exact sum of
-//!   the terms it covers, see `order::for_each_rounding`) to a format F, with absolute error
-//!   ηⱼ, |ηⱼ| ≤ ulp_F(sⱼ)/2. The total error is Σⱼ ηⱼ to first order (the (1 + δ) factors
-//!   multiplying earlier errors are 1 + O(u) and are absorbed in the guaranteed bound).
+//! Derivation (papers/bounds-reductions.md §2):
+//! * Every rounding j of the reduction rounds an intermediate value to a format F with absolute
+//!   error ηⱼ = RN(xⱼ) − xⱼ at the value xⱼ the execution actually rounds; the result's error
+//!   is exactly Σⱼ ηⱼ.
 //! * **Guaranteed**: Higham's bound along each term's path, Σᵢ |tᵢ|·(Π_f (1 + u_f)^(dᵢ,f) − 1)
 //!   (Higham 2002, Thm 2.2 and Lemma 3.1; Higham 1993 for general summation trees), plus half
-//!   the smallest subnormal for each rounding of an exact product (underflow, Higham 2002 §2.1).
-//! * **Probabilistic model** (Higham & Mary 2019; Connolly, Higham & Mary 2021, sharpened by
-//!   a distribution): the ηⱼ are independent, zero-mean, and uniform on the grid points
-//!   within ±ulpⱼ/2 of the exact value (a rounding of a value whose low-order bits are
-//!   random). If the exact value lies on a grid of spacing g ≥ ulpⱼ the rounding is exact;
-//!   otherwise E(ηⱼ²) = ulpⱼ²/12 + g²/6. The uniform law is strictly sub-Gaussian — its
-//!   variance proxy equals its variance (Buldygin & Kozachenko 2000) — and the model takes the
-//!   same for its discrete version on the grid, so E = Σ ηⱼ is sub-Gaussian with proxy Var E:
-//!   P(|E| ≥ t) ≤ 2·exp(−t²/(2·Var E)). The variance uses the spacing at the actual partial
-//!   sums, not u·Σ|tᵢ|, which is what makes it tight for zero-mean data whose partial sums
-//!   grow like √j, and the grid of the terms, which makes it tight when many roundings are
-//!   exact (BF16 products accumulated in FP32).
+//!   the smallest subnormal of every rounding's format (underflow, Higham 2002 §2.1), plus the
+//!   exact error of rounded products; a rounding that may overflow is an error
+//!   ([`Error::Overflow`]). Kahan's order has its own running bound (`kahan_error`, papers §2.4).
+//! * **Probabilistic model**: the roundings whose error the exact data determine (see
+//!   [`reduction_error`]) are computed exactly and carried as [`ReductionError::mean`]; the
+//!   others are independent, zero-mean and uniform on the grid points within ±ulpⱼ/2
+//!   (Higham & Mary 2019; Connolly, Higham & Mary 2021, sharpened by a distribution):
+//!   E(ηⱼ²) = ulpⱼ²/12 + g²/6 (0 when the operands' grid g reaches the result's spacing). The
+//!   uniform law is strictly sub-Gaussian (Buldygin & Kozachenko 2000), so the random part is
+//!   sub-Gaussian with proxy [`ReductionError::variance`]; undetermined roundings of
+//!   identically computed operands are grouped (a group of k counts k²·E(η²)).
 
 use serde::Serialize;
 
