@@ -254,24 +254,6 @@ fn relative(abs: f64, norm: f64) -> f64 {
     }
 }
 
-/// The threshold of a priced op: zero for identical arithmetic, else [`tensor_threshold`] of
-/// the components (which may be fewer or more than the tensor's `elements`, e.g. one per row
-/// plus one per element), reported with the tensor's element count.
-pub(crate) fn finish(
-    diffs: &[ElementDiff],
-    reference_norm: f64,
-    confidence: Confidence,
-    identical: bool,
-    elements: usize,
-) -> Threshold {
-    if identical {
-        return Threshold::identical(confidence, reference_norm, elements);
-    }
-    let mut th = tensor_threshold(diffs, reference_norm, confidence);
-    th.elements = elements;
-    th
-}
-
 /// The threshold of a tensor whose elements come in groups of identical differences:
 /// `groups` holds one difference per group and how many elements share it. Elements computed
 /// from identical inputs by identical arithmetic differ identically — repeated rows of a batch,

@@ -57,6 +57,23 @@ pub(crate) fn round_sides(
     }
 }
 
+/// Refuse an output rounding that may overflow either side's output format: the value `v`
+/// (exact) within the difference's guaranteed bound may reach the format's overflow threshold.
+fn check_output(d: &ElementDiff, v: f64, outputs: (Format, Format)) -> Result<()> {
+    let magnitude = v.abs() + d.guaranteed;
+    for f in [outputs.0, outputs.1] {
+        let limit = f.max_finite() + f.ulp(f.max_finite()).unwrap_or(0.0) / 2.0;
+        if magnitude >= limit {
+            return Err(crate::bounds::reduction::overflow_error(
+                f,
+                magnitude,
+                "an output element",
+            ));
+        }
+    }
+    Ok(())
+}
+
 struct Side {
     q_a: Quantized,
     q_b: Quantized,
@@ -215,6 +232,7 @@ pub fn matmul_threshold(
                 round_sides(&mut d, (Format::F64, Format::F64), (ar, ac), v);
                 cur = (ar, ac);
             }
+            check_output(&d, v, (r.policy.output, c.policy.output))?;
             round_sides(&mut d, cur, (r.policy.output, c.policy.output), v);
             groups.push((d, weight));
         }
@@ -299,6 +317,7 @@ pub fn sum_threshold(
             round_sides(&mut d, (Format::F64, Format::F64), (ar, ac), value);
             cur = (ar, ac);
         }
+        check_output(&d, value, (reference.output, candidate.output))?;
         round_sides(&mut d, cur, (reference.output, candidate.output), value);
         groups.push((d, count));
     }

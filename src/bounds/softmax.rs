@@ -19,7 +19,7 @@
 //! Guaranteed: |ρ| ≤ max|n| + max|σ| + O(u²) with |n| ≤ u·(|d| + 1) (+ the online factor
 //! terms) and |σ| ≤ G_S/S + Σ pⱼ|nⱼ|, inflated by 1/(1 − |σ|).
 
-use crate::bounds::compare::{finish, Confidence, ElementDiff, Threshold};
+use crate::bounds::compare::{grouped_threshold, row_classes, Confidence, ElementDiff, Threshold};
 use crate::bounds::ops::round_sides;
 use crate::bounds::reduction::{random_rounding_error, reduction_error};
 use crate::engine::attention::AttentionImpl;
@@ -45,6 +45,11 @@ struct SideRow {
     den_mean: f64,
     /// Bound on the denominator's relative tie error (deterministic, unknown sign).
     den_tie: f64,
+    /// The online form's block factors ra(exp(ra(m_B − m))), by block maximum: each factor's
+    /// relative rounding error is shared by every element of the blocks with that maximum and
+    /// by their part of the denominator, (variance, that part's weight l_B·f_B / l, and the
+    /// elements' Σ p²).
+    factors: std::collections::BTreeMap<u64, (f64, f64, f64)>,
 }
 
 /// Variance and bound of the absolute error of rounding the exact `v` to `f` (exact when the
@@ -72,6 +77,7 @@ fn side_row(row: &[f64], policy: &Policy, imp: AttentionImpl) -> Result<SideRow>
     let mut e = vec![0.0; n]; // exact model numerators exp(x − m)
     let mut block_terms = vec![]; // l_B · f_B, exact
     let mut standard_terms = vec![]; // the computed numerators, standard form
+    let mut factors = std::collections::BTreeMap::new();
     let mut den_var_abs = 0.0;
     let mut den_max_abs = 0.0;
     let mut den_mean_abs = 0.0;
@@ -128,7 +134,8 @@ fn side_row(row: &[f64], policy: &Policy, imp: AttentionImpl) -> Result<SideRow>
             if online {
                 let prod = el * fb;
                 let (pv, pm) = rounding_stats(a, prod);
-                v += fvar + pv / (prod * prod);
+                // The factor's own error (fvar) is shared by the block: priced in `factors`.
+                v += pv / (prod * prod);
                 mx += fmax + pm / prod;
             }
             num_var[i] = v;
@@ -143,7 +150,11 @@ fn side_row(row: &[f64], policy: &Policy, imp: AttentionImpl) -> Result<SideRow>
             // The block sum in the side's order, then the product l_B·f_B (rounded) is added.
             let eb = reduction_error(&computed, &acc, false)?;
             let lb: f64 = block_e.iter().sum();
-            den_var_abs += eb.variance * fb * fb + fvar * (lb * fb).powi(2);
+            den_var_abs += eb.variance * fb * fb;
+            let f = factors.entry(mb.to_bits()).or_insert((fvar, 0.0, 0.0));
+            f.0 = f.0.max(fvar);
+            f.1 += lb * fb;
+            f.2 += block_e.iter().map(|el| (el * fb).powi(2)).sum::<f64>();
             den_mean_abs += eb.mean * fb;
             den_tie_abs += eb.tie_bound * fb;
             den_max_abs += eb.guaranteed * fb + fmax * lb * fb;
@@ -180,6 +191,10 @@ fn side_row(row: &[f64], policy: &Policy, imp: AttentionImpl) -> Result<SideRow>
         den_max: den_max_abs / s,
         den_mean: den_mean_abs / s,
         den_tie: den_tie_abs / s,
+        factors: factors
+            .into_iter()
+            .map(|(k, (v, w, p2))| (k, (v, w / s, p2 / (s * s))))
+            .collect(),
     })
 }
 
@@ -222,8 +237,6 @@ pub fn softmax_threshold(
     let identical = reference == candidate && ref_impl == cand_impl;
     let shared_numerators = ref_impl == cand_impl;
     let a = reference.accumulator();
-    let mut diffs = Vec::with_capacity(rows * (n + 1));
-    let mut norm_sq = 0.0;
     for r in 0..rows {
         let row = &xi.values()[r * n..(r + 1) * n];
         // −∞ is a mask (an exact zero probability); NaN and +∞ have no softmax, and neither
@@ -243,18 +256,54 @@ pub fn softmax_threshold(
                 value: f64::NEG_INFINITY,
             });
         }
+    }
+    // Identical rows differ identically, and so do the elements of a row with the same logit
+    // in the same block of each side's form (their numerators, probabilities and trailing
+    // roundings are the same computations): one component each, with its multiplicity.
+    // An element's numerator is computed from its logit and its block's maximum: equal pairs
+    // give equal numerators (and equal rounding errors) on that side.
+    let block_maxima = |row: &[f64], imp: AttentionImpl| -> Vec<u64> {
+        let b = match imp {
+            AttentionImpl::Standard => row.len(),
+            AttentionImpl::Online { block } => block.max(1),
+        };
+        row.chunks(b)
+            .flat_map(|c| {
+                let m = c.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v)).to_bits();
+                std::iter::repeat_n(m, c.len())
+            })
+            .collect()
+    };
+    let (_, classes) = row_classes(xi.values(), n);
+    let mut groups: Vec<(ElementDiff, usize)> = Vec::new();
+    let mut norm_sq = 0.0;
+    for &(r, count) in &classes {
+        let row = &xi.values()[r * n..(r + 1) * n];
         let sr = side_row(row, reference, ref_impl)?;
         let sc = side_row(row, candidate, cand_impl)?;
         let p_sq: f64 = sr.p.iter().map(|p| p * p).sum();
-        norm_sq += p_sq;
+        norm_sq += p_sq * count as f64;
         if identical {
             continue;
         }
-        // Denominator terms, common to the row.
+        // Alike elements: the same logit under the same block maximum on each side.
+        let mut alike: std::collections::HashMap<(u64, u64, u64), usize> = Default::default();
+        let mut order = vec![];
+        let (max_r, max_c) = (block_maxima(row, ref_impl), block_maxima(row, cand_impl));
+        for (j, &xj) in row.iter().enumerate() {
+            let key = (xj.to_bits(), max_r[j], max_c[j]);
+            let next = order.len();
+            let g = *alike.entry(key).or_insert(next);
+            if g == next {
+                order.push((j, 0usize));
+            }
+            order[g].1 += 1;
+        }
+        // Denominator terms, common to the row; alike numerators err alike (coherently).
         let (mut dvar, mut dmax) = (sr.den_var + sc.den_var, sr.den_max + sc.den_max);
         if !shared_numerators {
-            for j in 0..n {
-                let pj = sr.p[j];
+            for &(j, same) in &order {
+                let pj = sr.p[j] * same as f64;
                 dvar += pj * pj * (sr.num_var[j] + sc.num_var[j]);
                 dmax += pj * (sr.num_max[j] + sc.num_max[j]);
             }
@@ -264,13 +313,31 @@ pub fn softmax_threshold(
         } else {
             f64::INFINITY
         };
-        diffs.push(ElementDiff {
-            proxy: dvar * p_sq,
-            guaranteed: dmax * p_sq.sqrt() * inflate,
-            spread: true,
-            ..ElementDiff::default()
-        });
-        for j in 0..n {
+        groups.push((
+            ElementDiff {
+                proxy: dvar * p_sq,
+                guaranteed: dmax * p_sq.sqrt() * inflate,
+                spread: true,
+                ..ElementDiff::default()
+            },
+            count,
+        ));
+        // Each block factor's rounding moves its blocks' elements (Σ p² over them) and their
+        // share w of the denominator (w·p for every element), coherently.
+        for side in [&sr, &sc] {
+            for &(fv, w, p2) in side.factors.values() {
+                let reach = p2.sqrt() + w * p_sq.sqrt();
+                groups.push((
+                    ElementDiff {
+                        proxy: fv * reach * reach,
+                        spread: true,
+                        ..ElementDiff::default()
+                    },
+                    count,
+                ));
+            }
+        }
+        for &(j, same) in &order {
             let p = sr.p[j];
             if p == 0.0 && sc.p[j] == 0.0 {
                 // Masked on both sides: exactly zero.
@@ -297,14 +364,16 @@ pub fn softmax_threshold(
             d.round_both(a, p);
             round_sides(&mut d, (a, a), (reference.output, candidate.output), p);
             d.proxy -= row_part;
-            diffs.push(d);
+            groups.push((d, same * count));
         }
     }
-    Ok(finish(
-        &diffs,
+    if identical {
+        return Ok(Threshold::identical(confidence, norm_sq.sqrt(), rows * n));
+    }
+    Ok(grouped_threshold(
+        &groups,
         norm_sq.sqrt(),
         confidence,
-        identical,
         rows * n,
     ))
 }
