@@ -7,7 +7,7 @@ mod zoo;
 
 use zoo::common;
 
-use ttrace::bounds::{matmul_threshold, reduction_error, sum_threshold, Confidence};
+use ttrace::bounds::{matmul_threshold, reduction_error, sum_threshold, Confidence, Threshold};
 use ttrace::engine::{Policy, Tensor};
 use ttrace::{
     dot, exact_dot, exact_sum, sum, Accumulation, Combine, Error, Format, Order, Products,
@@ -209,6 +209,49 @@ fn masked_softmax_is_priced() {
         ),
         Err(Error::NonFinite { .. })
     ));
+}
+
+/// One dominant logit over many small ones: the standard form's sequential FP32 denominator
+/// absorbs every small numerator (each below half an ulp of 1), while the online form adds
+/// block sums between half an ulp and one, each rounded up to the next point of the grid. Both
+/// errors are deterministic (hundreds of ulps together), and both thresholds must carry them.
+#[test]
+fn absorbed_softmax_denominator_is_carried() {
+    use ttrace::bounds::softmax_threshold;
+    use ttrace::engine::{online_softmax, softmax, AttentionImpl};
+    let p = Policy::new(Format::BF16, Format::F32, Format::F32);
+    let online_form = AttentionImpl::Online { block: 16 };
+    let judge = |x: &Tensor| -> (f64, Vec<Threshold>) {
+        let standard = softmax(x, &p).unwrap();
+        let online = online_softmax(x, 16, &p).unwrap();
+        let observed = common::frob(standard.values(), online.values());
+        let th = [Confidence::Guaranteed, DELTA].map(|conf| {
+            softmax_threshold(x, &p, AttentionImpl::Standard, &p, online_form, conf).unwrap()
+        });
+        for t in &th {
+            assert!(t.accepts(observed), "{observed} > {t:?}");
+        }
+        (observed, th.to_vec())
+    };
+    // Logits 0 and 4095 × −19: the standard denominator stays exactly 1 (each e^−19 is below
+    // half an ulp of 1), the online one rounds each block sum (16 e^−19, between half an ulp
+    // and one) up. Both errors are known from the data: the threshold is within 1.5 × of them.
+    let k = 4096;
+    let x: Vec<f64> = (0..k).map(|i| if i == 0 { 0.0 } else { -19.0 }).collect();
+    let x = Tensor::from_vec(&[1, k], x, Format::BF16).unwrap();
+    let (observed, th) = judge(&x);
+    let dropped: f64 = x.values()[1..].iter().map(|v| v.exp()).sum();
+    assert!(observed > dropped && dropped > 100.0 * f32::EPSILON as f64);
+    assert!(
+        th[1].abs_frobenius < 1.5 * observed,
+        "{observed} vs {:?}",
+        th[1]
+    );
+    // The zoo's cell that found it: dyadic logits k/8 with one raised by 30 (trial 155).
+    let k = 16384;
+    let mut v = zoo::generate(zoo::Family::Dyadic, 1, k, 155, Format::BF16, Format::F32);
+    zoo::dominant_logit(&mut v, 0, 30.0, Format::BF16);
+    judge(&Tensor::from_vec(&[1, k], v, Format::BF16).unwrap());
 }
 
 /// One-pass LayerNorm of rows 1000 ± 1 (the variance cancels and may come out negative): no

@@ -21,7 +21,7 @@
 
 use crate::bounds::compare::{grouped_threshold, row_classes, Confidence, ElementDiff, Threshold};
 use crate::bounds::ops::round_sides;
-use crate::bounds::reduction::{random_rounding_error, reduction_error};
+use crate::bounds::reduction::reduction_error;
 use crate::engine::attention::AttentionImpl;
 use crate::engine::policy::Policy;
 use crate::engine::tensor::Tensor;
@@ -76,6 +76,7 @@ fn side_row(row: &[f64], policy: &Policy, imp: AttentionImpl) -> Result<SideRow>
     let mut num_max = vec![0.0; n];
     let mut e = vec![0.0; n]; // exact model numerators exp(x − m)
     let mut block_terms = vec![]; // l_B · f_B, exact
+    let mut computed_terms = vec![]; // ra(l̂_B · f̂_B), as the side computes them
     let mut standard_terms = vec![]; // the computed numerators, standard form
     let mut factors = std::collections::BTreeMap::new();
     let mut den_var_abs = 0.0;
@@ -159,16 +160,19 @@ fn side_row(row: &[f64], policy: &Policy, imp: AttentionImpl) -> Result<SideRow>
             den_tie_abs += eb.tie_bound * fb;
             den_max_abs += eb.guaranteed * fb + fmax * lb * fb;
             block_terms.push(lb * fb);
+            let f_hat = a.round(a.add_rounded(mb, -m, ov).exp(), ov);
+            computed_terms.push(a.round(crate::order::sum(&computed, &acc)? * f_hat, ov));
         }
     }
     let s: f64 = e.iter().sum();
     if block < n {
-        // l = Σ_B fl(l_B·f_B) added sequentially in A: the additions' errors, plus one rounding
-        // of each product (counted for every block, the first included, to stay on the safe
-        // side of the walker's load rounding).
-        let outer = Accumulation::new(Format::F64, a, Order::Sequential);
-        // Its terms are computed values the model knows only approximately: all-random model.
-        let eo = random_rounding_error(&block_terms, &outer, false)?;
+        // l = Σ_B ra(l̂_B·f̂_B) added sequentially in A: the additions' errors on the terms the
+        // side really adds (the products as computed; their own errors — block sums, factors,
+        // product roundings — are priced above and below), so absorptions and roundings the
+        // data determine are carried exactly, as in the standard form; plus one rounding of
+        // each product.
+        let outer = Accumulation::new(a, a, Order::Sequential);
+        let eo = reduction_error(&computed_terms, &outer, false)?;
         let prod_var: f64 = block_terms.iter().map(|&t| rounding_stats(a, t).0).sum();
         let prod_max: f64 = block_terms.iter().map(|&t| rounding_stats(a, t).1).sum();
         den_var_abs += eo.variance + prod_var;

@@ -571,10 +571,15 @@ fn softmax_rows(v: &mut [f64], k: usize, seed: u64, input: Format) {
                     *x = input.round(*x - 1e4, Overflow::Saturating);
                 }
             }
-            3 => row[ri % k] = input.round(row[ri % k] + 30.0, Overflow::Saturating),
+            3 => dominant_logit(row, ri % k, 30.0, input),
             _ => {}
         }
     }
+}
+
+/// Raise `row[j]` by `by` (rounded to `input`): one dominant logit.
+pub fn dominant_logit(row: &mut [f64], j: usize, by: f64, input: Format) {
+    row[j] = input.round(row[j] + by, Overflow::Saturating);
 }
 
 /// Each row's sum on both sides against the exact sum from the big-integer oracle: within the
