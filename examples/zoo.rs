@@ -2,9 +2,11 @@
 //! pairs, at several reduction lengths; prints each cell and writes a Markdown report of
 //! violations, refusals, closest calls and median tightness per op and family.
 //!
-//! `cargo run --release --example zoo -- [trials] [filter] [report.md]`
-//! (default 100 trials per cell, every cell, no report; `docs/zoo.md` records the published
-//! run and its command). Cells run in parallel on all cores.
+//! `cargo run --release --example zoo -- [trials] [filter] [report.md] [shapes]`
+//! (default 100 trials per cell, every cell, no report, shapes
+//! `2x1,64x16,1024x64,16384x4`; a shape may carry its own trial count, `64x16:1000`;
+//! `docs/zoo.md` records the published run and its command). Cells run in parallel on all
+//! cores.
 #[path = "../tests/zoo/mod.rs"]
 mod zoo;
 
@@ -16,9 +18,13 @@ fn main() -> ttrace::Result<()> {
     let trials: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(100);
     let filter = args.get(2).cloned().unwrap_or_default();
     let report = args.get(3).cloned();
-    let shapes = [(2, 1), (64, 16), (1024, 64), (16384, 4)];
+    let spec = args
+        .get(4)
+        .cloned()
+        .unwrap_or_else(|| "2x1,64x16,1024x64,16384x4".into());
+    let shapes = parse_shapes(&spec, trials)?;
     let start = std::time::Instant::now();
-    let rows = zoo::sweep(&zoo::ops(), &shapes, trials, &|op, fam, pair| {
+    let rows = zoo::sweep(&zoo::ops(), &shapes, &|op, fam, pair| {
         filter.is_empty() || format!("{} {} {}", op.name(), fam.name(), pair).contains(&filter)
     })?;
     let mut bad = 0;
@@ -36,11 +42,11 @@ fn main() -> ttrace::Result<()> {
     }
     let secs = start.elapsed().as_secs_f64();
     println!(
-        "{bad} failing cells of {} ({trials} trials each, {secs:.0} s)",
+        "{bad} failing cells of {} ({spec}, {secs:.0} s)",
         rows.len()
     );
-    if let Some(path) = report {
-        std::fs::write(&path, markdown(&rows, trials, secs)).map_err(|e| ttrace::Error::File {
+    if let Some(path) = report.filter(|p| !p.is_empty()) {
+        std::fs::write(&path, markdown(&rows, &spec, secs)).map_err(|e| ttrace::Error::File {
             path: path.clone(),
             reason: e.to_string(),
         })?;
@@ -48,8 +54,32 @@ fn main() -> ttrace::Result<()> {
     Ok(())
 }
 
+/// `KxROWS[:TRIALS],…` → (k, rows, trials), `trials` where a shape names none.
+fn parse_shapes(spec: &str, trials: usize) -> ttrace::Result<Vec<(usize, usize, usize)>> {
+    let bad = || ttrace::Error::InvalidParameter {
+        name: "shapes",
+        reason: format!("expected KxROWS[:TRIALS],… (e.g. 2x1:10000,64x16), got {spec:?}"),
+    };
+    spec.split(',')
+        .map(|s| {
+            let (shape, t) = s.split_once(':').unwrap_or((s, ""));
+            let (k, r) = shape.split_once('x').ok_or_else(bad)?;
+            let t = if t.is_empty() {
+                trials
+            } else {
+                t.parse().map_err(|_| bad())?
+            };
+            Ok((
+                k.parse().map_err(|_| bad())?,
+                r.parse().map_err(|_| bad())?,
+                t,
+            ))
+        })
+        .collect()
+}
+
 /// Per (op, family): cells, trials, violations, refusals, closest call and median tightness.
-fn markdown(rows: &[zoo::Row], trials: usize, secs: f64) -> String {
+fn markdown(rows: &[zoo::Row], spec: &str, secs: f64) -> String {
     #[derive(Default)]
     struct Agg {
         cells: usize,
@@ -88,7 +118,7 @@ fn markdown(rows: &[zoo::Row], trials: usize, secs: f64) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{cells} cells, {trials} trials each ({total} trials), δ = 1e-6, {secs:.0} s on this machine.\n"
+        "{cells} cells (shapes K×outputs:trials {spec}), {total} trials, δ = 1e-6, {secs:.0} s on this machine.\n"
     );
     let _ = writeln!(
         s,

@@ -107,7 +107,7 @@ fn overflow_is_refused() {
 }
 
 fn assert_slice(ops: &[zoo::Op], trials: usize, min_cells: usize) {
-    let rows = zoo::sweep(ops, &[(2, 4), (64, 8)], trials, &|_, _, _| true).unwrap();
+    let rows = zoo::sweep(ops, &[(2, 4, trials), (64, 8, trials)], &|_, _, _| true).unwrap();
     let failing: Vec<String> = rows
         .iter()
         .filter(|r| r.cell.failures() > 0)

@@ -106,24 +106,60 @@ fn is_odd(x: f64) -> bool {
     (x * 0.5).fract() != 0.0
 }
 
+/// A sum of determined rounding errors as the model computes it in `f64`: the value and a
+/// rigorous bound on its own rounding error (each addition's exact error, from TwoSum).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Det {
+    v: f64,
+    err: f64,
+}
+
+impl std::ops::Add for Det {
+    type Output = Det;
+    fn add(self, o: Det) -> Det {
+        let (v, e) = two_sum(self.v, o.v);
+        Det {
+            v,
+            err: self.err + o.err + e.abs(),
+        }
+    }
+}
+
+impl Det {
+    /// An error computed exactly, or within `err`.
+    fn of(v: f64, err: f64) -> Det {
+        Det { v, err }
+    }
+}
+
 /// What the model knows of a value ŝ that earlier roundings computed, whose exact
 /// counterpart is s: its error E = ŝ − s is `det` plus at most `bound`, and, while the parity
 /// chain is intact, whether ŝ/U is odd on the grid U — the one bit of ŝ that decides a tie.
+/// Beyond the parity, `lattice`: a power of two ŝ is known to be a multiple of (a rounding's
+/// result lies on its grid; an exact sum on its operands' coarsest common grid) — what makes a
+/// sum that crosses into a coarser binade exact when its terms are coarse.
 #[derive(Debug, Clone, Copy)]
 struct Known {
-    det: f64,
+    det: Det,
     bound: f64,
     parity: Option<(f64, bool)>,
     /// Every rounding behind the value was exact: ŝ = s.
     exact: bool,
+    /// ŝ is a multiple of this power of two (0: nothing known; ∞: ŝ = 0).
+    lattice: f64,
     /// A hash of how the value was computed (its terms, formats and operations): values with
     /// equal content are computed identically and carry identical errors.
     content: u64,
 }
 
-/// The parity of ŝ/`grid` when `k` tells it: known on the same grid, even on any finer one
-/// (ŝ is a multiple of the coarser spacing), unknown on a coarser one.
+/// The parity of ŝ/`grid` when `k` tells it: known on the same grid, even on any grid finer
+/// than the parity's or the lattice's (ŝ is a multiple of the coarser spacing), unknown on a
+/// coarser one.
 fn parity_on(k: &Known, grid: f64) -> Option<bool> {
+    if k.lattice > grid {
+        // ŝ is a multiple of a coarser power of two: an even multiple of `grid`.
+        return Some(false);
+    }
     match k.parity {
         Some((g, odd)) if g == grid => Some(odd),
         Some((g, _)) if g > grid => Some(false),
@@ -226,7 +262,7 @@ impl Walk<'_> {
             } => {
                 // Every computed value is consumed once; an empty one is an exact zero.
                 let k = self.values.remove(&key(first, second)).unwrap_or(Known {
-                    det: 0.0,
+                    det: Det::default(),
                     bound: if first.is_empty() && second.is_empty() {
                         0.0
                     } else {
@@ -234,13 +270,18 @@ impl Walk<'_> {
                     },
                     parity: None,
                     exact: first.is_empty() && second.is_empty(),
+                    lattice: if first.is_empty() && second.is_empty() {
+                        f64::INFINITY
+                    } else {
+                        0.0
+                    },
                     content: 0,
                 });
                 let (s, err) = self.range_sum(first, second);
                 let known = if k.exact {
-                    let c = s + k.det;
+                    let c = s + k.det.v;
                     let v = format.round(c, crate::format::Overflow::NonSaturating);
-                    let slack = err + c.abs() * SLACK;
+                    let slack = err + k.det.err + c.abs() * SLACK;
                     let half = format.ulp(v).unwrap_or(0.0) / 2.0;
                     // ŝ is the only value of the format within the slack of c.
                     (v.is_finite() && (c - v).abs() + slack < half).then_some(v)
@@ -256,10 +297,10 @@ impl Walk<'_> {
     /// Where a computed value lies: the centre and radius of a rigorous interval for ŝ, and
     /// the smallest spacing of its format there. When the interval holds a single value of
     /// the format, that value is ŝ and the interval shrinks to it: the model uses a computed
-    /// value's magnitude, never its low-order bits (beyond the parity chain).
+    /// value's magnitude, never its low-order bits (beyond the parity chain and the lattice).
     fn locate(k: &Known, s: f64, err: f64, fa: Format) -> (f64, f64, f64) {
-        let c = s + k.det;
-        let r = k.bound + err + c.abs() * SLACK;
+        let c = s + k.det.v;
+        let r = k.bound + k.det.err + err + c.abs() * SLACK;
         if r.is_finite() {
             let v = fa.round(c, crate::format::Overflow::NonSaturating);
             if v.is_finite() {
@@ -299,10 +340,11 @@ impl Walk<'_> {
                 self.operand(op);
             }
             let zero = Known {
-                det: 0.0,
+                det: Det::default(),
                 bound: 0.0,
                 parity: Some((f64::INFINITY, false)),
                 exact: true,
+                lattice: f64::INFINITY,
                 content: 0,
             };
             self.values.insert(key(&s.first, &s.second), zero);
@@ -315,7 +357,7 @@ impl Walk<'_> {
         let mut exact = std::mem::take(&mut self.exact);
         exact.clear();
         exact.extend(s.fused.clone().map(|i| self.terms[i]));
-        let mut det_in = 0.0;
+        let mut det_in = Det::default();
         let mut site_content = mix(f.index() as u64, s.fused.len() as u64);
         let mut exact_content = 0;
         for i in s.fused.clone() {
@@ -339,7 +381,7 @@ impl Walk<'_> {
                         match v.4 {
                             Some(value) => {
                                 exact.push(value);
-                                det_in += v.0.det;
+                                det_in = det_in + v.0.det;
                                 exact_content = mix(exact_content, v.0.content);
                             }
                             None => {
@@ -364,22 +406,40 @@ impl Walk<'_> {
         self.exact = exact;
     }
 
+    /// RN_f of the exact sum of `exact`: the result, its error η rounded to f64, and a bound on
+    /// that last rounding.
+    fn round_exact(&mut self, f: Format, exact: &[f64]) -> (f64, f64, f64) {
+        self.scratch.clear();
+        for &t in exact {
+            self.scratch.add(t);
+        }
+        let r = self.scratch.round(f, self.overflow);
+        if r.is_finite() {
+            self.scratch.add(-r);
+        }
+        let eta = -self.scratch.to_f64();
+        (r, eta, eta.abs() * f64::EPSILON + f64::MIN_POSITIVE)
+    }
+
     /// A rounding of exact operands only (terms, known computed values): its error is
     /// computed exactly. `det_in` is the known operands' own error.
-    fn exact_site(&mut self, f: Format, exact: &[f64], det_in: f64) -> Known {
-        let (rounded, eta) = if let [t] = exact {
+    fn exact_site(&mut self, f: Format, exact: &[f64], det_in: Det) -> Known {
+        // η = RN(x) − x: exact in f64 for one operand (|η| ≤ half a spacing of the narrower
+        // grid, a multiple of the operand's f64 spacing); the exact residual rounded once
+        // otherwise.
+        let (rounded, eta, eta_err) = if let [t] = exact {
             let r = f.round(*t, self.overflow);
-            (r, r - t)
+            (r, r - t, 0.0)
+        } else if let [a, b] = exact {
+            let (x, e) = two_sum(*a, *b);
+            if e == 0.0 {
+                let r = f.round(x, self.overflow);
+                (r, r - x, 0.0)
+            } else {
+                self.round_exact(f, exact)
+            }
         } else {
-            self.scratch.clear();
-            for &t in exact {
-                self.scratch.add(t);
-            }
-            let r = self.scratch.round(f, self.overflow);
-            if r.is_finite() {
-                self.scratch.add(-r);
-            }
-            (r, -self.scratch.to_f64())
+            self.round_exact(f, exact)
         };
         if !rounded.is_finite() || rounded.abs() > f.max_finite() {
             let magnitude = exact.iter().map(|t| t.abs()).sum::<f64>();
@@ -389,6 +449,7 @@ impl Walk<'_> {
                 bound: f64::INFINITY,
                 parity: None,
                 exact: false,
+                lattice: 0.0,
                 content: 0,
             };
         }
@@ -401,10 +462,11 @@ impl Walk<'_> {
             f.ulp(rounded).unwrap_or(f64::INFINITY)
         };
         Known {
-            det: det_in + eta,
+            det: det_in + Det::of(eta, eta_err),
             bound: 0.0,
             parity: Some((grid, rounded != 0.0 && is_odd(rounded / grid))),
             exact: eta == 0.0,
+            lattice: lowest_bit(rounded),
             content: 0,
         }
     }
@@ -415,11 +477,11 @@ impl Walk<'_> {
         f: Format,
         v: (Known, f64, f64, Format, Option<f64>),
         exact: &[f64],
-        det_in: f64,
+        det_in: Det,
     ) -> Known {
         let mut known = self.value_plus_exact(f, v, exact);
         // The known operands' own errors are part of the result's.
-        known.det += det_in;
+        known.det = known.det + det_in;
         known
     }
 
@@ -458,8 +520,13 @@ impl Walk<'_> {
             .iter()
             .map(|&e| lowest_bit(e))
             .fold(f64::INFINITY, f64::min);
+        // ŝ is a multiple of its lattice and of its format's spacing at its smallest
+        // magnitude; the exact sum ŝ + t of the coarser of the two and of t's grid.
+        let sa = spacing_a.max(k.lattice);
+        let lx = sa.min(g_exact);
+        let lattice = lattice_after(lx, f.ulp(xmin).unwrap_or(0.0), u);
         let undetermined = |w: &mut Self| {
-            let g = fa.ulp(s).unwrap_or(0.0).min(g_exact);
+            let g = fa.ulp(s).unwrap_or(0.0).max(sa).min(g_exact);
             // Alike when the same exact operands meet the same grid (the error depends on
             // them and on bits of ŝ), and when the whole computation repeats.
             let group = if exact.is_empty() {
@@ -473,6 +540,7 @@ impl Walk<'_> {
                 bound: k.bound + site,
                 parity: None,
                 exact: false,
+                lattice,
                 content: 0,
             }
         };
@@ -483,9 +551,9 @@ impl Walk<'_> {
             return undetermined(self);
         }
         // ŝ lies on the grid U (or on U/2 with its parity known): ŝ = m·U + ρ with ρ known.
-        let (rho, parity) = if spacing_a >= u {
+        let (rho, parity) = if sa >= u {
             (0.0, parity_on(&k, u))
-        } else if spacing_a >= u / 2.0 {
+        } else if sa >= u / 2.0 {
             match parity_on(&k, u / 2.0) {
                 Some(odd) => (if odd { u / 2.0 } else { 0.0 }, None),
                 None => return undetermined(self),
@@ -526,16 +594,18 @@ impl Walk<'_> {
                 bound: k.bound + u / 2.0,
                 parity: parity_after,
                 exact: false,
+                lattice,
                 content: 0,
             };
         }
         self.mean += eta;
         self.mean_abs += eta.abs();
         Known {
-            det: k.det + eta,
+            det: k.det + Det::of(eta, 0.0),
             bound: k.bound,
             parity: parity_after,
             exact: false,
+            lattice,
             content: 0,
         }
     }
@@ -552,6 +622,7 @@ impl Walk<'_> {
         let (kw, sw, ew, fw, _) = w;
         let (cv, rv, gv) = Self::locate(&kv, sv, ev, fv);
         let (cw, rw, gw) = Self::locate(&kw, sw, ew, fw);
+        let (gv, gw) = (gv.max(kv.lattice), gw.max(kw.lattice));
         let cx = cv + cw;
         let rx = rv + rw + cx.abs() * SLACK;
         let (xmin, xmax) = abs_range(cx, rx);
@@ -560,6 +631,7 @@ impl Walk<'_> {
         let uniform = f.ulp(xmin) == Some(u) && u.is_finite();
         let det = kv.det + kw.det;
         let bound = kv.bound + kw.bound;
+        let lattice = lattice_after(gv.min(gw), f.ulp(xmin).unwrap_or(0.0), u);
         if uniform && gv >= u && gw >= u {
             let parity = match (parity_on(&kv, u), parity_on(&kw, u)) {
                 (Some(a), Some(b)) => Some((u, a ^ b)),
@@ -570,6 +642,7 @@ impl Walk<'_> {
                 bound,
                 parity,
                 exact: kv.exact && kw.exact,
+                lattice,
                 content: 0,
             };
         }
@@ -581,6 +654,8 @@ impl Walk<'_> {
                         bound,
                         parity: None,
                         exact: false,
+                        // Both odd or both even multiples of U/2: a multiple of U.
+                        lattice: lattice.max(u),
                         content: 0,
                     };
                 }
@@ -591,11 +666,12 @@ impl Walk<'_> {
                     bound: bound + u / 2.0,
                     parity: Some((u, false)),
                     exact: false,
+                    lattice: lattice.max(u),
                     content: 0,
                 };
             }
         }
-        let g = fv.ulp(sv).unwrap_or(0.0).min(fw.ulp(sw).unwrap_or(0.0));
+        let g = (fv.ulp(sv).unwrap_or(0.0).max(gv)).min(fw.ulp(sw).unwrap_or(0.0).max(gw));
         // The error depends on the smaller operand's bits on the result's grid: additions of
         // identically computed operands (the repeated blocks of a constant row) err alike.
         let smaller = if cv.abs() <= cw.abs() {
@@ -609,6 +685,7 @@ impl Walk<'_> {
             bound: bound + site,
             parity: None,
             exact: false,
+            lattice,
             content: 0,
         }
     }
@@ -631,14 +708,17 @@ impl Walk<'_> {
 ///   [`ReductionError::tie_bound`] (sign unknown, at most U/2 each).
 /// * **undetermined** roundings, whose outcome depends on low-order bits of computed values
 ///   that the model does not track (two computed values added, a computed value rounded to a
-///   narrower format, a sum crossing into a coarser binade, a value whose grid position the
-///   rigorous error interval cannot pin down): independent, zero-mean, uniform on the grid
+///   narrower format, a sum crossing into a coarser binade while its parity on the finer grid
+///   is unknown, a value whose grid position the rigorous error interval cannot pin down):
+///   independent, zero-mean, uniform on the grid
 ///   points within ±U/2 (variance U²/12 + g²/6, g the operands' grid), summed into
 ///   [`ReductionError::variance`].
 ///
 /// Which case applies is decided on rigorous intervals (the exact partial sums and every
-/// undetermined error at its bound), so the determined errors are the true ones. The
-/// guaranteed field is Higham's bound (Higham 2002, Thm 2.2, Lemma 3.1) with its underflow
+/// undetermined error at its bound), so the determined errors are the true ones. Besides the
+/// parity, each computed value carries a lattice: a power of two it is a multiple of (a
+/// rounding's result lies on its grid; an exact sum on its operands' common grid), which tells
+/// the parity on every finer grid. The guaranteed field is Higham's bound (Higham 2002, Thm 2.2, Lemma 3.1) with its underflow
 /// term (half the smallest subnormal of each rounding's format) and, for rounded products,
 /// their exact total error.
 ///
@@ -991,6 +1071,17 @@ pub(crate) fn random_rounding_error(
 }
 
 /// The weight of the lowest set bit of `x` (+inf for zero): the grid an exact term lies on.
+/// The lattice of a rounding's result: the exact value's own `lx` when it is a multiple of
+/// the result's largest possible spacing `u_max` (then the rounding is exact), otherwise the
+/// format's spacing at the result's smallest possible magnitude.
+fn lattice_after(lx: f64, u_min: f64, u_max: f64) -> f64 {
+    if lx >= u_max {
+        lx
+    } else {
+        u_min
+    }
+}
+
 fn lowest_bit(x: f64) -> f64 {
     if x == 0.0 || !x.is_finite() {
         return f64::INFINITY;

@@ -700,12 +700,11 @@ pub fn ops() -> Vec<Op> {
     ]
 }
 
-/// Run `trials` trials of every (op, family, pair) at each (k, rows); `keep` filters cells.
+/// Run trials of every (op, family, pair) at each (k, rows, trials); `keep` filters cells.
 /// Cells run in parallel (rayon); the rows come back in a fixed order.
 pub fn sweep(
     ops: &[Op],
-    shapes: &[(usize, usize)],
-    trials: usize,
+    shapes: &[(usize, usize, usize)],
     keep: &(dyn Fn(Op, Family, &str) -> bool + Sync),
 ) -> ttrace::Result<Vec<Row>> {
     use rayon::prelude::*;
@@ -716,14 +715,14 @@ pub fn sweep(
                 if !keep(op, family, &pair.name) {
                     continue;
                 }
-                for &(k, rows) in shapes {
-                    jobs.push((op, family, pair.clone(), k, rows));
+                for &(k, rows, trials) in shapes {
+                    jobs.push((op, family, pair.clone(), k, rows, trials));
                 }
             }
         }
     }
     jobs.into_par_iter()
-        .map(|(op, family, pair, k, rows)| {
+        .map(|(op, family, pair, k, rows, trials)| {
             let mut cell = Cell::default();
             for t in 0..trials {
                 cell.add(trial(op, family, &pair, k, rows, t as u64)?);
