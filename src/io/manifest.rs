@@ -28,6 +28,7 @@ use crate::engine::model::ModuleKind;
 use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::Format;
+use crate::io::guard::{limits, printable, TrustedDir};
 use crate::io::{npy, safetensors};
 use crate::shard::layout::{give_spare, merge_reusing, take_spare, Layout, Mesh};
 
@@ -114,10 +115,12 @@ fn ferr(path: &Path, reason: impl Into<String>) -> Error {
 }
 
 impl Manifest {
-    /// Parse and validate a manifest's text (`path` names it in errors).
+    /// Parse and validate a manifest's text (`path` names it in errors). Strict: a key named
+    /// twice in one object is an error (which of the two would be meant?), and so is a field
+    /// of the wrong JSON type.
     pub fn parse(text: &str, path: &Path) -> Result<Manifest> {
-        let v: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| ferr(path, format!("not valid JSON: {e}")))?;
+        let v = crate::io::guard::parse_json_strict(text.as_bytes())
+            .map_err(|e| ferr(path, format!("not valid JSON: {e}")))?;
         let version = v
             .get("version")
             .and_then(|x| x.as_u64())
@@ -231,19 +234,29 @@ impl Manifest {
 /// agree on version, mesh and recipe; their tensors are concatenated in rank order. Returns the
 /// manifest and the path errors should name.
 pub fn read_manifest(dir: &Path) -> Result<(Manifest, PathBuf)> {
+    read_manifest_in(&TrustedDir::new(dir)?)
+}
+
+/// Read the manifest text `name` of `td` (bounded, strict UTF-8) and parse it.
+fn read_one(td: &TrustedDir, name: &str) -> Result<(Manifest, PathBuf)> {
+    let (path, bytes) = td.read(name, limits::MANIFEST_BYTES, "manifest")?;
+    let text = std::str::from_utf8(&bytes).map_err(|e| ferr(&path, format!("not UTF-8: {e}")))?;
+    Ok((Manifest::parse(text, &path)?, path))
+}
+
+fn read_manifest_in(td: &TrustedDir) -> Result<(Manifest, PathBuf)> {
+    let dir = td.path();
     let mpath = dir.join("manifest.json");
-    if mpath.exists() || !dir.is_dir() {
-        let text = std::fs::read_to_string(&mpath)
-            .map_err(|e| ferr(&mpath, format!("cannot read: {e}")))?;
-        return Ok((Manifest::parse(&text, &mpath)?, mpath));
+    if std::fs::symlink_metadata(&mpath).is_ok() {
+        return read_one(td, "manifest.json");
     }
-    let mut parts: Vec<(usize, PathBuf)> = std::fs::read_dir(dir)
+    let mut parts: Vec<(usize, String)> = std::fs::read_dir(dir)
         .map_err(|e| ferr(dir, format!("cannot list: {e}")))?
         .filter_map(|e| e.ok())
         .filter_map(|e| {
-            let name = e.file_name().to_string_lossy().to_string();
+            let name = e.file_name().to_str()?.to_string();
             let r = name.strip_prefix("manifest.rank")?.strip_suffix(".json")?;
-            Some((r.parse::<usize>().ok()?, e.path()))
+            Some((r.parse::<usize>().ok()?, name))
         })
         .collect();
     if parts.is_empty() {
@@ -254,9 +267,9 @@ pub fn read_manifest(dir: &Path) -> Result<(Manifest, PathBuf)> {
     }
     parts.sort();
     let mut merged: Option<Manifest> = None;
-    for (_, p) in &parts {
-        let text = std::fs::read_to_string(p).map_err(|e| ferr(p, format!("cannot read: {e}")))?;
-        let m = Manifest::parse(&text, p)?;
+    for (_, name) in &parts {
+        let (m, p) = read_one(td, name)?;
+        let p = &p;
         match &mut merged {
             None => merged = Some(m),
             Some(all) => {
@@ -277,7 +290,7 @@ pub fn read_manifest(dir: &Path) -> Result<(Manifest, PathBuf)> {
 /// An open trace directory: the manifest, validated against the files' headers.
 #[derive(Debug)]
 pub struct TraceDir {
-    dir: PathBuf,
+    dir: TrustedDir,
     manifest: Manifest,
     /// Per id: the entries of every rank (index = rank).
     by_id: BTreeMap<String, Vec<usize>>,
@@ -294,16 +307,22 @@ impl TraceDir {
     /// tensor exists with the declared dtype, that every id is present once per rank, and
     /// that all ranks agree on its layout.
     pub fn open(dir: &Path) -> Result<TraceDir> {
-        let (manifest, mpath) = read_manifest(dir)?;
+        let td = TrustedDir::new(dir)?;
+        let (manifest, mpath) = read_manifest_in(&td)?;
         let mut files = HashMap::new();
-        let mut by_id: BTreeMap<String, Vec<Option<usize>>> = BTreeMap::new();
+        // Per id, (rank, entry) pairs: memory linear in the entries, whatever the mesh says.
+        let mut by_id: HashMap<String, Vec<(usize, usize)>> = HashMap::new();
         let mut order = vec![];
         let world = manifest.mesh.world();
         for (k, e) in manifest.tensors.iter().enumerate() {
             let path = dir.join(&e.file);
             if e.file.ends_with(".safetensors") {
                 if !files.contains_key(&e.file) {
-                    files.insert(e.file.clone(), safetensors::SafetensorsFile::open(&path)?);
+                    let (shown, file) = td.open(&e.file)?;
+                    files.insert(
+                        e.file.clone(),
+                        safetensors::SafetensorsFile::from_file(&shown, file)?,
+                    );
                 }
                 let f = &files[&e.file];
                 let entry = f.entries().get(&e.key).ok_or_else(|| {
@@ -324,43 +343,66 @@ impl TraceDir {
                         ),
                     ));
                 }
-            } else if !path.exists() {
-                return Err(ferr(
-                    &path,
-                    format!("file of tensor '{}' (rank {}) is missing", e.id, e.rank),
-                ));
+            } else {
+                // Resolved now (inside the directory, or refused); read when compared.
+                td.resolve(&e.file).map_err(|er| match er {
+                    Error::File { reason, .. } => ferr(
+                        &path,
+                        format!("file of tensor {} (rank {}): {reason}", printable(&e.id), e.rank),
+                    ),
+                    other => other,
+                })?;
             }
             let slots = by_id.entry(e.id.clone()).or_insert_with(|| {
                 order.push(e.id.clone());
-                vec![None; world]
+                Vec::new()
             });
-            if slots[e.rank].replace(k).is_some() {
+            if slots.len() >= world {
                 return Err(ferr(
                     &mpath,
-                    format!("tensor '{}' is listed twice for rank {}", e.id, e.rank),
+                    format!(
+                        "tensor {} has more entries than the mesh has ranks ({world})",
+                        printable(&e.id)
+                    ),
                 ));
             }
+            slots.push((e.rank, k));
         }
         let mut complete = BTreeMap::new();
-        for (id, slots) in by_id {
-            let mut ks = Vec::with_capacity(world);
-            for (r, s) in slots.iter().enumerate() {
-                let k = s.ok_or_else(|| {
-                    ferr(&mpath, format!("tensor '{id}' has no shard for rank {r}"))
-                })?;
-                ks.push(k);
+        for id in &order {
+            let Some(mut slots) = by_id.remove(id) else {
+                continue;
+            };
+            slots.sort_unstable();
+            if let Some(w) = slots.windows(2).find(|w| w[0].0 == w[1].0) {
+                return Err(ferr(
+                    &mpath,
+                    format!("tensor {} is listed twice for rank {}", printable(id), w[0].0),
+                ));
             }
+            if slots.len() < world {
+                let r = slots
+                    .iter()
+                    .enumerate()
+                    .find(|(i, (r, _))| i != r)
+                    .map_or(slots.len(), |(i, _)| i);
+                return Err(ferr(
+                    &mpath,
+                    format!("tensor {} has no shard for rank {r}", printable(id)),
+                ));
+            }
+            let ks: Vec<usize> = slots.into_iter().map(|(_, k)| k).collect();
             let l0 = manifest.tensors[ks[0]].layout;
             if ks.iter().any(|&k| manifest.tensors[k].layout != l0) {
                 return Err(ferr(
                     &mpath,
-                    format!("tensor '{id}': ranks declare different layouts"),
+                    format!("tensor {}: ranks declare different layouts", printable(id)),
                 ));
             }
-            complete.insert(id, ks);
+            complete.insert(id.clone(), ks);
         }
         Ok(TraceDir {
-            dir: dir.to_path_buf(),
+            dir: td,
             manifest,
             by_id: complete,
             order,
@@ -396,13 +438,14 @@ impl TraceDir {
                 let f = self
                     .files
                     .get_mut(&e.file)
-                    .ok_or_else(|| ferr(&self.dir, "file not open"))?;
+                    .ok_or_else(|| ferr(self.dir.path(), "file not open"))?;
                 let len = f.entries().get(&e.key).map_or(0, |x| {
                     crate::engine::tensor::element_count(&x.shape).unwrap_or(0)
                 });
                 f.read_reusing(&e.key, take_spare(&mut self.spare, len))?
             } else {
-                npy::read(&self.dir.join(&e.file), Some(e.dtype))?
+                let (shown, file) = self.dir.open(&e.file)?;
+                npy::read_from(&shown, file, Some(e.dtype))?
             };
             out.push(t);
         }

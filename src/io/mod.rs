@@ -1,6 +1,7 @@
 //! Trace files: safetensors and `.npy` tensors, and the manifest that says what each stored
 //! tensor is (see `papers/trace-format.md`).
 
+pub mod guard;
 pub mod manifest;
 pub mod npy;
 pub mod safetensors;

@@ -34,39 +34,122 @@ pub struct NpyHeader {
     pub data_offset: usize,
 }
 
+/// Parse the header dict strictly, as NumPy's own reader does: exactly the keys `descr` (a
+/// string), `fortran_order` (`True` or `False`) and `shape` (a tuple of non-negative integers),
+/// each once; Python string quotes `'` or `"`; a trailing comma allowed; nothing after the
+/// closing brace but spaces and the newline.
 fn parse_header(text: &str, path: &Path) -> Result<(String, bool, Vec<usize>)> {
-    let field = |key: &str| -> Result<&str> {
-        let k = format!("'{key}':");
-        let at = text
-            .find(&k)
-            .ok_or_else(|| err(path, format!("npy header has no '{key}'")))?;
-        Ok(text[at + k.len()..].trim_start())
+    let bad = |why: &str| err(path, format!("npy header: {why}"));
+    let b = text.as_bytes();
+    let mut i = 0;
+    let skip = |i: &mut usize| {
+        while *i < b.len() && matches!(b[*i], b' ' | b'\t' | b'\n' | b'\r') {
+            *i += 1;
+        }
     };
-    let d = field("descr")?;
-    let descr = d
-        .strip_prefix('\'')
-        .and_then(|r| r.split('\'').next())
-        .ok_or_else(|| err(path, "npy descr is not a quoted string"))?
-        .to_string();
-    let fortran = field("fortran_order")?.starts_with("True");
-    let s = field("shape")?;
-    let inner = s
-        .strip_prefix('(')
-        .and_then(|r| r.split(')').next())
-        .ok_or_else(|| err(path, "npy shape is not a tuple"))?;
-    let shape = inner
-        .split(',')
-        .map(str::trim)
-        .filter(|x| !x.is_empty())
-        .map(|x| x.parse::<usize>())
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|_| {
-            err(
-                path,
-                format!("npy shape ({inner}) is not a tuple of integers"),
-            )
-        })?;
-    Ok((descr, fortran, shape))
+    let expect = |i: &mut usize, c: u8, what: &str| -> Result<()> {
+        skip(i);
+        if b.get(*i) == Some(&c) {
+            *i += 1;
+            Ok(())
+        } else {
+            Err(bad(&format!("expected {what}")))
+        }
+    };
+    let string = |i: &mut usize| -> Result<String> {
+        skip(i);
+        let q = *b.get(*i).ok_or_else(|| bad("unexpected end"))?;
+        if q != b'\'' && q != b'"' {
+            return Err(bad("expected a quoted string"));
+        }
+        let from = *i + 1;
+        let len = b[from..]
+            .iter()
+            .position(|&c| c == q || c == b'\\')
+            .ok_or_else(|| bad("unterminated string"))?;
+        if b[from + len] == b'\\' {
+            return Err(bad("escapes in strings are not supported"));
+        }
+        *i = from + len + 1;
+        Ok(text[from..from + len].to_string())
+    };
+    expect(&mut i, b'{', "'{'")?;
+    let (mut descr, mut fortran, mut shape) = (None, None, None);
+    loop {
+        skip(&mut i);
+        if b.get(i) == Some(&b'}') {
+            i += 1;
+            break;
+        }
+        let key = string(&mut i)?;
+        expect(&mut i, b':', "':' after a key")?;
+        skip(&mut i);
+        match key.as_str() {
+            "descr" if descr.is_none() => descr = Some(string(&mut i)?),
+            "fortran_order" if fortran.is_none() => {
+                fortran = Some(if text[i..].starts_with("True") {
+                    i += 4;
+                    true
+                } else if text[i..].starts_with("False") {
+                    i += 5;
+                    false
+                } else {
+                    return Err(bad("'fortran_order' must be True or False"));
+                });
+            }
+            "shape" if shape.is_none() => {
+                expect(&mut i, b'(', "a tuple for 'shape'")?;
+                let mut dims = Vec::new();
+                loop {
+                    skip(&mut i);
+                    if b.get(i) == Some(&b')') {
+                        i += 1;
+                        break;
+                    }
+                    let from = i;
+                    while i < b.len() && b[i].is_ascii_digit() {
+                        i += 1;
+                    }
+                    let d = text[from..i]
+                        .parse::<usize>()
+                        .map_err(|_| bad("'shape' must be a tuple of non-negative integers"))?;
+                    if dims.len() == crate::io::guard::limits::DIMS {
+                        return Err(bad("'shape' has too many dimensions"));
+                    }
+                    dims.push(d);
+                    skip(&mut i);
+                    match b.get(i) {
+                        Some(b',') => i += 1,
+                        Some(b')') => {}
+                        _ => return Err(bad("'shape' must be a tuple of non-negative integers")),
+                    }
+                }
+                shape = Some(dims);
+            }
+            "descr" | "fortran_order" | "shape" => {
+                return Err(bad(&format!("key '{key}' appears twice")))
+            }
+            other => {
+                return Err(bad(&format!(
+                    "unexpected key {} (an npy header has descr, fortran_order and shape)",
+                    crate::io::guard::escape(other)
+                )))
+            }
+        }
+        skip(&mut i);
+        match b.get(i) {
+            Some(b',') => i += 1,
+            Some(b'}') => {}
+            _ => return Err(bad("expected ',' or '}' after a value")),
+        }
+    }
+    if text[i..].bytes().any(|c| !matches!(c, b' ' | b'\n' | b'\0')) {
+        return Err(bad("text after the closing brace"));
+    }
+    match (descr, fortran, shape) {
+        (Some(d), Some(f), Some(s)) => Ok((d, f, s)),
+        _ => Err(bad("missing one of descr, fortran_order, shape")),
+    }
 }
 
 /// The format a descr holds, given the format the manifest says for bit-pattern carriers.
@@ -93,7 +176,8 @@ fn descr_format(descr: &str, declared: Option<Format>, path: &Path) -> Result<Fo
         other => Err(err(
             path,
             format!(
-                "unsupported npy dtype '{other}' (little-endian f8, f4, f2, or u2/u1 bit patterns)"
+                "unsupported npy dtype {} (little-endian f8, f4, f2, or u2/u1 bit patterns)",
+                crate::io::guard::escape(other)
             ),
         )),
     }
@@ -102,7 +186,11 @@ fn descr_format(descr: &str, declared: Option<Format>, path: &Path) -> Result<Fo
 /// Read a `.npy` file; `declared` is the stored format the manifest names (needed for BF16
 /// and FP8 bit patterns; when given it must agree with a float descr).
 pub fn read(path: &Path, declared: Option<Format>) -> Result<Tensor> {
-    let mut f = File::open(path).map_err(|e| err(path, format!("cannot open: {e}")))?;
+    read_from(path, crate::io::guard::open_regular(path)?, declared)
+}
+
+/// [`read`] from a file already opened (`path` names it in errors).
+pub fn read_from(path: &Path, mut f: File, declared: Option<Format>) -> Result<Tensor> {
     let size = f
         .metadata()
         .map_err(|e| err(path, format!("cannot stat: {e}")))?
@@ -126,7 +214,7 @@ pub fn read(path: &Path, declared: Option<Format>) -> Result<Tensor> {
         }
         v => return Err(err(path, format!("unsupported npy version {v}"))),
     };
-    if start + hlen > size {
+    if hlen > crate::io::guard::limits::NPY_HEADER_BYTES || start + hlen > size {
         return Err(err(
             path,
             format!("npy header length {hlen} exceeds the file ({size} bytes)"),

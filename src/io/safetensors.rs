@@ -228,8 +228,13 @@ pub struct SafetensorsFile {
 
 impl SafetensorsFile {
     /// Open and validate the header (see the module docs).
+    /// Only a regular file is opened (a FIFO or a device is refused, never blocks).
     pub fn open(path: &Path) -> Result<SafetensorsFile> {
-        let mut file = File::open(path).map_err(|e| err(path, format!("cannot open: {e}")))?;
+        Self::from_file(path, crate::io::guard::open_regular(path)?)
+    }
+
+    /// [`SafetensorsFile::open`] on a file already opened (`path` names it in errors).
+    pub fn from_file(path: &Path, mut file: File) -> Result<SafetensorsFile> {
         let size = file
             .metadata()
             .map_err(|e| err(path, format!("cannot stat: {e}")))?
@@ -253,6 +258,10 @@ impl SafetensorsFile {
         let mut header = vec![0u8; n as usize];
         file.read_exact(&mut header)
             .map_err(|e| err(path, format!("reading the header: {e}")))?;
+        // Strict: a key named twice at any depth is refused (checked on the whole header), and
+        // the top level keeps file order.
+        crate::io::guard::parse_json_strict(&header)
+            .map_err(|e| err(path, format!("header is not valid JSON: {e}")))?;
         let obj: Members = serde_json::from_slice(&header)
             .map_err(|e| err(path, format!("header is not a valid JSON object: {e}")))?;
         let mut names = std::collections::BTreeSet::new();

@@ -80,7 +80,7 @@ impl Axis {
 
 /// The largest mesh accepted (2^20 ranks): far beyond any training run, small enough that
 /// rank arithmetic cannot overflow.
-pub const MAX_WORLD: usize = 1 << 20;
+pub const MAX_WORLD: usize = crate::io::guard::limits::RANKS;
 
 impl Mesh {
     /// A mesh, checking that every size is at least 1 and the world at most [`MAX_WORLD`].
@@ -98,7 +98,7 @@ impl Mesh {
             _ => Err(Error::InvalidParameter {
                 name: "mesh",
                 reason: format!(
-                    "tp × cp × dp = {tp} × {cp} × {dp} ranks exceeds {MAX_WORLD} (a corrupted                      manifest?)"
+                    "tp × cp × dp = {tp} × {cp} × {dp} ranks exceeds {MAX_WORLD} (a corrupted manifest?)"
                 ),
             }),
         }
