@@ -224,6 +224,13 @@ fn validate_order(order: &Order) -> Result<()> {
             ..
         } => {
             positive("parts", *parts)?;
+            let most = crate::io::guard::limits::SPLIT_PARTS;
+            if *parts > most {
+                return Err(Error::InvalidParameter {
+                    name: "parts",
+                    reason: format!("a split into {parts} parts exceeds the limit of {most}"),
+                });
+            }
             if let Combine::Ring { start } = combine {
                 if start >= parts {
                     return Err(Error::InvalidParameter {

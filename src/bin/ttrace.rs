@@ -4,6 +4,28 @@ use std::io::{self, BufRead, BufWriter, Write};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
+
+/// `println!` that returns a write error (a closed pipe, a full disk, `> /dev/full`) as the
+/// command's error (exit code 2) instead of panicking.
+macro_rules! outln {
+    () => {
+        writeln!(io::stdout().lock()).map_err(stdout_error)?
+    };
+    ($($t:tt)*) => {
+        writeln!(io::stdout().lock(), $($t)*).map_err(stdout_error)?
+    };
+}
+
+/// `print!` with the same error handling as [`outln!`].
+macro_rules! out {
+    ($($t:tt)*) => {
+        write!(io::stdout().lock(), $($t)*).map_err(stdout_error)?
+    };
+}
+
+fn stdout_error(e: io::Error) -> String {
+    format!("writing to standard output: {e}")
+}
 use serde::Serialize;
 use ttrace::bounds::baselines::{baselines_for, Baseline};
 use ttrace::bounds::{
@@ -339,7 +361,10 @@ fn synthetic(
     seed: &str,
     format: Format,
 ) -> Result<Tensor, String> {
-    let n: usize = shape.iter().product();
+    let n = shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .unwrap_or(usize::MAX);
     if n > 1 << 24 {
         return Err(format!(
             "synthetic pricing is limited to 2^24 elements (asked {n}); use smaller --m/--k/--n"
@@ -462,7 +487,7 @@ fn threshold(
             threshold: th,
             baselines,
         };
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?
         );
@@ -483,24 +508,24 @@ fn threshold(
         Op::Sum => "closed-form plan",
         _ => "priced on a synthetic tensor",
     };
-    println!("op: {name}  shape: {shape:?}  inputs ~ N({mean}, {std}^2)  ({how})");
-    println!("reference: {reference}\ncandidate: {candidate}");
+    outln!("op: {name}  shape: {shape:?}  inputs ~ N({mean}, {std}^2)  ({how})");
+    outln!("reference: {reference}\ncandidate: {candidate}");
     if th.identical {
-        println!("identical arithmetic: the outputs agree bit for bit; threshold 0");
+        outln!("identical arithmetic: the outputs agree bit for bit; threshold 0");
         return Ok(());
     }
-    println!("kind: {kind}");
-    println!(
+    outln!("kind: {kind}");
+    outln!(
         "  ||cand - ref||_F / ||ref||_F <= {:.3e}   (expected {:.3e}; worst case {:.3e})",
         th.relative, th.expected_relative, th.guaranteed_relative
     );
-    println!("  max |cand - ref| per element <= {:.3e}", th.per_element);
-    println!(
+    outln!("  max |cand - ref| per element <= {:.3e}", th.per_element);
+    outln!(
         "baselines for {} outputs (nominal relative tolerance):",
         out_format.name()
     );
     for b in &baselines {
-        println!("  {:<62} {:.3e}", b.baseline.name, b.nominal_relative);
+        outln!("  {:<62} {:.3e}", b.baseline.name, b.nominal_relative);
     }
     Ok(())
 }
@@ -596,28 +621,63 @@ fn write_atomic(path: &std::path::Path, contents: &[u8]) -> Result<(), String> {
     ttrace::io::write_atomic(path, contents).map_err(|e| e.to_string())
 }
 
+/// A report is never written into a trace directory being read: it could replace one of the
+/// inputs (the manifest, a rank file) of this or a later check.
+fn refuse_report_inside(report: &std::path::Path, dirs: &[&std::path::Path]) -> Result<(), String> {
+    let parent = report
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    let Ok(parent) = std::fs::canonicalize(parent) else {
+        // A missing parent directory fails when the report is written, with its own message.
+        return Ok(());
+    };
+    let target = parent.join(report.file_name().unwrap_or_default());
+    for dir in dirs {
+        if let Ok(d) = std::fs::canonicalize(dir) {
+            if target.starts_with(&d) {
+                return Err(format!(
+                    "{}: refusing to write the report inside the trace directory {} (it could \
+                     replace one of its files); write it elsewhere",
+                    report.display(),
+                    dir.display()
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn check_dirs_cli(
     reference: &std::path::Path,
     candidate: &std::path::Path,
     json: Option<&std::path::Path>,
     mode: ttrace::check::PricingMode,
 ) -> Result<bool, String> {
-    let c = ttrace::io::TraceDir::open(candidate).map_err(|e| e.to_string())?;
+    if let Some(path) = json {
+        refuse_report_inside(path, &[reference, candidate])?;
+    }
+    // Headers only: a TraceDir holds no file open between reads.
     let n = ttrace::io::TraceDir::open(reference)
         .map_err(|e| e.to_string())?
         .ids()
         .len();
+    let world = ttrace::io::TraceDir::open(candidate)
+        .map_err(|e| e.to_string())?
+        .manifest()
+        .mesh
+        .world();
     let bar = indicatif::ProgressBar::new(n as u64);
     let out = ttrace::check::check_dir_paths(reference, candidate, mode, &|| bar.inc(1))
         .map_err(|e| e.to_string())?;
     bar.finish_and_clear();
-    println!(
+    outln!(
         "ttrace check: {} against {} ({} ranks)",
         candidate.display(),
         reference.display(),
-        c.manifest().mesh.world()
+        world
     );
-    print!("{}", ttrace::check::render_check(&out.report));
+    out!("{}", ttrace::check::render_check(&out.report));
     if let Some(l) = &out.localization {
         let kind = l.kind.map(|k| format!(" ({k:?})")).unwrap_or_default();
         let pass = match l.pass {
@@ -626,14 +686,16 @@ fn check_dirs_cli(
             None => "",
         };
         let rank = l.rank.map(|r| format!(", rank {r}")).unwrap_or_default();
-        println!(
+        outln!(
             "localized: module {}{kind}{pass}, tensor {}{rank}: {}",
-            l.module, l.tensor, l.detail
+            ttrace::io::guard::printable(&l.module),
+            ttrace::io::guard::printable(&l.tensor),
+            ttrace::io::guard::sanitize(&l.detail)
         );
     }
-    println!("thresholds:");
+    outln!("thresholds:");
     for (_, n, rule) in &out.pricing_summary {
-        println!("  {n:>6} tensors: {rule}");
+        outln!("  {n:>6} tensors: {rule}");
     }
     if let Some(path) = json {
         let text = serde_json::to_string_pretty(&out).map_err(|e| e.to_string())?;
@@ -674,18 +736,18 @@ fn bugs(json: bool) -> Result<(), String> {
         })
         .collect();
     if json {
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&rows).map_err(|e| e.to_string())?
         );
         return Ok(());
     }
     for r in &rows {
-        println!(
+        outln!(
             "{:<32} needs {:<40} expected at {}",
             r.name, r.needs, r.localized_at
         );
-        println!("{:<32} models {}", "", r.models);
+        outln!("{:<32} models {}", "", r.models);
     }
     Ok(())
 }
@@ -731,7 +793,7 @@ fn simulate(
     if let Some(dir) = dump {
         dump_run(&options, &run, bug, &thresholds, dir).map_err(|e| e.to_string())?;
         if !json {
-            println!(
+            outln!(
                 "traces written to {} and {}",
                 dir.join("reference").display(),
                 dir.join("candidate").display()
@@ -739,12 +801,12 @@ fn simulate(
         }
     }
     if json {
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?
         );
     } else {
-        println!(
+        outln!(
             "ttrace simulate: {} {}{} (seed {seed}, {} all-reduce), model {} layers, hidden {}",
             mesh.label(),
             recipe,
@@ -757,10 +819,10 @@ fn simulate(
             options.model.layers,
             options.model.hidden
         );
-        print!("{}", ttrace::check::render_check(&r.check));
+        out!("{}", ttrace::check::render_check(&r.check));
         match &r.localization {
-            None => println!("localizer: every module's own output is within its local threshold"),
-            Some(l) => println!(
+            None => outln!("localizer: every module's own output is within its local threshold"),
+            Some(l) => outln!(
                 "localizer: first wrong module {} ({}, {:?}{}{}): {} — {}",
                 l.module,
                 if l.pass == ttrace::engine::Pass::Forward {
@@ -797,8 +859,12 @@ fn validate(
         render_bugs, render_sensitivity, render_svg, render_table, run_sweep, SweepOptions,
     };
     let seeds = seeds.unwrap_or(if full { 6 } else { 2 });
-    if seeds == 0 {
-        return Err("--seeds must be at least 1".into());
+    let most = ttrace::io::guard::limits::SWEEP_RUNS;
+    if seeds == 0 || seeds > most {
+        return Err(format!("--seeds must be between 1 and {most} (got {seeds})"));
+    }
+    if samples as u64 > most {
+        return Err(format!("--samples must be at most {most} (got {samples})"));
     }
     let mut options = if full {
         SweepOptions::full_sweep(seeds)
@@ -845,7 +911,7 @@ fn validate(
         .map_err(|e| e.to_string())?;
     bar.finish_and_clear();
     let compared: usize = report.runs.iter().map(|r| r.tensors.len()).sum();
-    println!(
+    outln!(
         "ttrace validate: {} runs ({} meshes x recipes x seeds), model {} layers, hidden {}, \
          seq {}, batch {}; {} produced tensors compared; delta = {:e}, {} simulation samples; \
          {:.1} s on {} threads",
@@ -861,18 +927,18 @@ fn validate(
         report.seconds,
         pool.current_num_threads()
     );
-    println!();
-    print!("{}", render_table(&report));
-    println!();
-    println!(
+    outln!();
+    out!("{}", render_table(&report));
+    outln!();
+    outln!(
         "ε: machine epsilon of the training dtype (fp32: 2^-23; bf16 and fp8 recipes: 2^-7). \
          tight = threshold / observed, over tensors that differ. FA = false alarms on these \
          correct runs (pert = perturbation estimate; torch = assert_close defaults for the \
          tensor's dtype; megatron = 4*1.03^(L+1)*ε)."
     );
     if !report.bugs.is_empty() {
-        println!();
-        println!(
+        outln!();
+        outln!(
             "Bug detection: every catalog bug injected on up to {} meshes where it applies, per \
              recipe (seed {}); end-to-end = our composed thresholds flag a tensor; detected = \
              end-to-end or the localizer; localized = the localizer names the module kind and \
@@ -881,16 +947,16 @@ fn validate(
             options.bug_meshes,
             options.runs.first().map(|r| r.seed).unwrap_or(0)
         );
-        print!("{}", render_bugs(&report));
-        println!(
+        out!("{}", render_bugs(&report));
+        outln!(
             "Localizer on the {} correct runs: {} false alarms.",
             report.runs.len(),
             report.localizer_false_alarms
         );
     }
     if !report.sensitivity_rows.is_empty() {
-        println!();
-        println!(
+        outln!();
+        outln!(
             "Sensitivity on {}: the smallest relative perturbation ρ of one tensor (Gaussian, \
              ‖N‖ ≈ ρ‖ref‖) each rule detects with 99% power, median over tensors, in units of ε \
              (smaller is more sensitive; FA n: the rule rejects n of these correct tensors \
@@ -900,10 +966,10 @@ fn validate(
                 .map(|m| m.label())
                 .unwrap_or_default()
         );
-        print!("{}", render_sensitivity(&report));
+        out!("{}", render_sensitivity(&report));
     }
     if report.fp8_scales.compared > 0 {
-        println!(
+        outln!(
             "FP8: {} of {} per-tensor scales of the sharded runs differ from the reference's \
              own (largest relative difference {:.2e}: an amax element differs by round-off); \
              FP8 runs are compared against the reference quantized with the candidate's scales.",
@@ -915,7 +981,7 @@ fn validate(
         write_atomic(path, text.as_bytes())?;
         let svg = path.with_extension("svg");
         write_atomic(&svg, render_svg(&report).as_bytes())?;
-        println!("report: {} and {}", path.display(), svg.display());
+        outln!("report: {} and {}", path.display(), svg.display());
     }
     Ok(report.total.false_alarms == 0 && report.localizer_false_alarms == 0)
 }
@@ -1029,18 +1095,34 @@ fn main() -> ExitCode {
             json.as_deref(),
         ) {
             Ok(true) => Ok(()),
-            Ok(false) => return ExitCode::from(1),
+            Ok(false) => {
+                cli_extra = Some(ExitCode::from(1));
+                Ok(())
+            }
             Err(e) => Err(e),
         },
     };
+    // What is still buffered must reach standard output too, or the run failed.
+    let result = result.and_then(|()| io::stdout().flush().map_err(stdout_error));
     let result = match (result, cli_extra) {
+        (Err(e), _) if e.starts_with("writing to standard output") => Err(e),
         (r, None) => r,
-        (_, Some(code)) => return code,
+        (_, Some(code)) => {
+            if io::stdout().flush().is_err() {
+                let _ = writeln!(io::stderr(), "ttrace: error: writing to standard output");
+                return ExitCode::from(2);
+            }
+            return code;
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
-            eprintln!("ttrace: error: {message}");
+            let _ = writeln!(
+                io::stderr(),
+                "ttrace: error: {}",
+                ttrace::io::guard::sanitize(&message)
+            );
             ExitCode::from(2)
         }
     }

@@ -131,8 +131,8 @@ fn gather(
     };
     let cand = c.as_ref().unwrap_or(&r);
     let (mut verdict, sums) = compare_with_sums(id, &r, cand, 0.0, eps);
-    let (d2, r2, rmax) = (sums.d2, sums.r2, sums.rmax);
-    let mut diff_norm = d2.sqrt();
+    let (dn, rn, rmax) = (sums.dn, sums.rn, sums.rmax);
+    let mut diff_norm = dn;
     if let Some(p) = problem {
         verdict.problem = Some(p);
         verdict.passed = false;
@@ -146,7 +146,7 @@ fn gather(
     let is_norm_input = module.as_ref().is_some_and(|m| m.kind == ModuleKind::Norm)
         && role(id).is_some_and(|x| !x.produced && x.pass == Pass::Forward);
     let stat = TensorStat {
-        ref_norm: r2.sqrt(),
+        ref_norm: rn,
         ref_max_abs: rmax,
         diff_norm,
         elements: r.len(),
@@ -181,7 +181,14 @@ struct Plan {
 
 fn plan(reference: &TraceDir, candidate: &TraceDir) -> Result<Plan> {
     let ids = reference.ids().to_vec();
-    if let Some(missing) = ids.iter().find(|id| !candidate.ids().contains(id)) {
+    if ids.is_empty() {
+        return Err(Error::File {
+            path: reference.path().display().to_string(),
+            reason: "the reference trace holds no tensors: there is nothing to compare".into(),
+        });
+    }
+    // A map lookup per id: linear in the number of tensors.
+    if let Some(missing) = ids.iter().find(|id| !candidate.contains(id)) {
         return Err(Error::UnknownName {
             kind: "tensor of the reference trace that the candidate trace lacks",
             name: missing.clone(),

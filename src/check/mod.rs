@@ -107,10 +107,10 @@ pub fn compare_tensor(
 /// Sums gathered by one comparison pass over the finite pairs.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Sums {
-    /// Σ (c − r)².
-    pub d2: f64,
-    /// Σ r².
-    pub r2: f64,
+    /// ‖c − r‖_F over the finite pairs (+∞ only when it exceeds the largest `f64`).
+    pub dn: f64,
+    /// ‖r‖_F over the finite pairs (likewise).
+    pub rn: f64,
     /// max |r|.
     pub rmax: f64,
 }
@@ -155,10 +155,50 @@ pub(crate) fn compare_with_sums(
     verdict.max_ulp = st.max_ulp;
     verdict.nonfinite_mismatches = st.nonfinite_mismatches;
     verdict.first_nonfinite = st.first_nonfinite;
-    apply_threshold(&mut verdict, st.d2.sqrt(), st.r2.sqrt(), threshold_abs);
+    let (dn, rn) = if st.d2.is_finite() && st.r2.is_finite() {
+        (st.d2.sqrt(), st.r2.sqrt())
+    } else {
+        // A square overflowed (values beyond about 1e154): the norms again, scaled.
+        scaled_norms(reference.values(), candidate.values())
+    };
+    apply_threshold(&mut verdict, dn, rn, threshold_abs);
     verdict.rel_error_eps = verdict.rel_error / eps;
-    let (d2, r2, rmax) = (st.d2, st.r2, st.rmax);
-    (verdict, Sums { d2, r2, rmax })
+    (
+        verdict,
+        Sums {
+            dn,
+            rn,
+            rmax: st.rmax,
+        },
+    )
+}
+
+/// ‖c − r‖_F and ‖r‖_F over the finite pairs, scaled by the largest magnitudes so that no
+/// square overflows; +∞ only for a norm beyond the largest `f64`. A difference of two finite
+/// values may itself overflow (1e308 against −1e308): it is computed halved.
+fn scaled_norms(r: &[f64], c: &[f64]) -> (f64, f64) {
+    let finite = || {
+        r.iter()
+            .zip(c)
+            .filter(|(a, b)| a.is_finite() && b.is_finite())
+    };
+    let (mut dmax, mut rmax) = (0.0f64, 0.0f64);
+    for (&a, &b) in finite() {
+        dmax = dmax.max((b / 2.0 - a / 2.0).abs());
+        rmax = rmax.max(a.abs());
+    }
+    let (mut ds, mut rs) = (0.0f64, 0.0f64);
+    for (&a, &b) in finite() {
+        if dmax > 0.0 {
+            let d = (b / 2.0 - a / 2.0) / dmax;
+            ds += d * d;
+        }
+        if rmax > 0.0 {
+            let x = a / rmax;
+            rs += x * x;
+        }
+    }
+    (2.0 * dmax * ds.sqrt(), rmax * rs.sqrt())
 }
 
 /// Everything one comparison pass gathers. Sums run in 8 lanes (element i goes to lane i mod
@@ -465,12 +505,22 @@ pub fn apply_threshold(verdict: &mut TensorVerdict, dn: f64, rn: f64, threshold_
     verdict.threshold = rel(threshold_abs);
     verdict.ratio = if dn == 0.0 {
         0.0
-    } else if threshold_abs > 0.0 {
+    } else if threshold_abs > 0.0 && threshold_abs.is_finite() {
         dn / threshold_abs
     } else {
         f64::INFINITY
     };
-    verdict.passed = dn <= threshold_abs && verdict.nonfinite_mismatches == 0;
+    // A differing tensor never passes on an infinite (or NaN) threshold, and a difference
+    // whose norm overflows never passes: both would be vacuous.
+    verdict.passed = verdict.nonfinite_mismatches == 0
+        && (dn == 0.0 || (dn.is_finite() && threshold_abs.is_finite() && dn <= threshold_abs));
+    if !verdict.passed && verdict.problem.is_none() && verdict.nonfinite_mismatches == 0 {
+        if !dn.is_finite() {
+            verdict.problem = Some("the difference's norm overflows f64".into());
+        } else if !threshold_abs.is_finite() {
+            verdict.problem = Some("no finite threshold for this tensor".into());
+        }
+    }
 }
 
 /// Check a merged candidate trace against the reference: every id of `ids` (in order) is
@@ -527,7 +577,10 @@ fn failed(id: &str, elements: usize, problem: String) -> TensorVerdict {
 }
 
 /// The report as a table: the failing tensors first (all of them), then a count of passes.
+/// Ids and notes come from files: control characters in them are escaped
+/// ([`crate::io::guard::printable`]).
 pub fn render_check(report: &CheckReport) -> String {
+    use crate::io::guard::{printable, sanitize};
     let mut out = String::new();
     let n = report.verdicts.len();
     if report.passed() {
@@ -540,7 +593,7 @@ pub fn render_check(report: &CheckReport) -> String {
     out.push_str(&format!(
         "FAIL: {} of {n} tensors outside their thresholds; first in execution order: {}\n",
         report.failures,
-        report.first_failure.as_deref().unwrap_or("-")
+        printable(report.first_failure.as_deref().unwrap_or("-"))
     ));
     out.push_str(&format!(
         "{:<44} {:>11} {:>11} {:>9} {:>10} {:>8}  note\n",
@@ -557,7 +610,7 @@ pub fn render_check(report: &CheckReport) -> String {
         };
         out.push_str(&format!(
             "{:<44} {:>11.3} {:>11.3} {:>9.3} {:>10.3e} {:>8}  {}\n",
-            v.id,
+            printable(&v.id),
             v.rel_error_eps,
             v.threshold / report.eps,
             v.ratio,
@@ -567,7 +620,7 @@ pub fn render_check(report: &CheckReport) -> String {
             } else {
                 v.max_ulp.to_string()
             },
-            note
+            sanitize(&note)
         ));
     }
     out

@@ -316,6 +316,26 @@ pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
     }
 }
 
+/// `text` for a terminal: every control character except newline and tab (escape sequences
+/// included) and every bidirectional control written as `\u{…}`.
+pub fn sanitize(text: &str) -> std::borrow::Cow<'_, str> {
+    let bad = |c: char| (c.is_control() && c != '\n' && c != '\t') || is_bidi_control(c);
+    if !text.chars().any(bad) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    std::borrow::Cow::Owned(
+        text.chars()
+            .map(|c| {
+                if bad(c) {
+                    format!("\\u{{{:x}}}", c as u32)
+                } else {
+                    c.to_string()
+                }
+            })
+            .collect(),
+    )
+}
+
 /// Unicode bidirectional controls, which reorder what a terminal shows.
 fn is_bidi_control(c: char) -> bool {
     matches!(c, '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}' | '\u{200E}' | '\u{200F}')

@@ -318,11 +318,16 @@ impl TraceDir {
             let path = dir.join(&e.file);
             if e.file.ends_with(".safetensors") {
                 if !files.contains_key(&e.file) {
-                    let (shown, file) = td.open(&e.file)?;
-                    files.insert(
-                        e.file.clone(),
-                        safetensors::SafetensorsFile::from_file(&shown, file)?,
-                    );
+                    let (shown, real) = td.resolve(&e.file)?;
+                    let file = crate::io::guard::open_regular(&real).map_err(|er| match er {
+                        Error::File { reason, .. } => ferr(&shown, reason),
+                        other => other,
+                    })?;
+                    let mut f = safetensors::SafetensorsFile::from_file(&shown, file)?;
+                    // No handle kept between reads: a trace of many ranks stays far below
+                    // the open-file limit.
+                    f.release(&real)?;
+                    files.insert(e.file.clone(), f);
                 }
                 let f = &files[&e.file];
                 let entry = f.entries().get(&e.key).ok_or_else(|| {
@@ -414,6 +419,16 @@ impl TraceDir {
     /// The manifest.
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
+    }
+
+    /// The directory, as given when it was opened.
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Whether the trace holds `id` (a map lookup).
+    pub fn contains(&self, id: &str) -> bool {
+        self.by_id.contains_key(id)
     }
 
     /// Ids in manifest order.

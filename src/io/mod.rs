@@ -13,14 +13,25 @@ pub use safetensors::SafetensorsFile;
 /// the same file system), flushed to disk, then renamed over `path`. A reader — or a run that
 /// is interrupted — sees either the old file (or none) or the complete new one, never a
 /// half-written file; on an error the temporary file is removed and `path` is untouched.
+///
+/// Hostile surroundings: the temporary name is unpredictable and created exclusively (an
+/// existing file or a planted symbolic link at that name makes the creation fail, never
+/// receives the data); a `path` that is itself a symbolic link is replaced, not followed. A
+/// `path` that is a FIFO or a character device (`/dev/stdout`, a pipe) is written in place —
+/// opened without blocking, so a FIFO nobody reads is an error, not a hang — and never
+/// replaced; a directory, a block device or a socket is refused.
 pub fn write_atomic(path: &std::path::Path, contents: &[u8]) -> crate::error::Result<()> {
     use std::io::Write;
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
     let fail = |reason: String| crate::error::Error::File {
         path: path.display().to_string(),
         reason,
     };
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        let t = meta.file_type();
+        if !t.is_file() && !t.is_symlink() {
+            return write_in_place(path, &meta, contents);
+        }
+    }
     let name = path
         .file_name()
         .ok_or_else(|| fail("not a file path".into()))?;
@@ -29,16 +40,85 @@ pub fn write_atomic(path: &std::path::Path, contents: &[u8]) -> crate::error::Re
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(std::path::Path::new("."));
     let tmp = dir.join(format!(
-        ".{}.tmp{}-{}",
+        ".{}.{:016x}.tmp",
         name.to_string_lossy(),
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
+        unpredictable()
     ));
-    let written = std::fs::File::create(&tmp)
-        .and_then(|mut f| f.write_all(contents).and_then(|_| f.sync_all()))
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o644);
+    }
+    let mut file = options
+        .open(&tmp)
+        .map_err(|e| fail(format!("creating a temporary file beside it: {e}")))?;
+    let written = file
+        .write_all(contents)
+        .and_then(|_| file.sync_all())
         .and_then(|_| std::fs::rename(&tmp, path));
     written.map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
         fail(format!("writing: {e}"))
     })
+}
+
+/// A FIFO or a character device named as the output: written in place (see [`write_atomic`]).
+fn write_in_place(
+    path: &std::path::Path,
+    meta: &std::fs::Metadata,
+    contents: &[u8],
+) -> crate::error::Result<()> {
+    use std::io::Write;
+    let fail = |reason: String| crate::error::Error::File {
+        path: path.display().to_string(),
+        reason,
+    };
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+        use std::os::unix::io::AsRawFd;
+        let t = meta.file_type();
+        if t.is_fifo() || t.is_char_device() {
+            let mut file = std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(path)
+                .map_err(|e| fail(format!("cannot open for writing: {e}")))?;
+            // Opened: back to blocking writes (a full pipe waits for its reader).
+            // SAFETY: fcntl on a descriptor this function owns, with flags read just before.
+            let ok = unsafe {
+                let fd = file.as_raw_fd();
+                let flags = libc::fcntl(fd, libc::F_GETFL);
+                flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) >= 0
+            };
+            if !ok {
+                return Err(fail("cannot set blocking mode".into()));
+            }
+            return file
+                .write_all(contents)
+                .and_then(|_| file.flush())
+                .map_err(|e| fail(format!("writing: {e}")));
+        }
+    }
+    Err(fail(format!(
+        "is {}; refusing to replace it with a report",
+        guard::kind(meta)
+    )))
+}
+
+/// 64 unpredictable bits for temporary names (the standard library's per-process random
+/// hash keys, mixed with the time and a counter).
+fn unpredictable() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.write_u32(std::process::id());
+    if let Ok(t) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+        h.write_u128(t.as_nanos());
+    }
+    h.finish()
 }

@@ -218,7 +218,10 @@ pub struct Entry {
 #[derive(Debug)]
 pub struct SafetensorsFile {
     path: PathBuf,
-    file: File,
+    /// The open handle; `None` after [`SafetensorsFile::release`] (reopened per read).
+    file: Option<File>,
+    /// Where to reopen it (resolved), and its size when the header was validated.
+    reopen: Option<(PathBuf, u64)>,
     data_start: u64,
     entries: BTreeMap<String, Entry>,
     metadata: BTreeMap<String, String>,
@@ -360,12 +363,29 @@ impl SafetensorsFile {
         }
         Ok(SafetensorsFile {
             path: path.to_path_buf(),
-            file,
+            file: Some(file),
+            reopen: None,
             data_start,
             entries,
             metadata,
             scratch: Vec::new(),
         })
+    }
+
+    /// Close the handle and reopen `real` (the resolved path it was opened from) for every
+    /// read, closing it again after: a trace of many ranks then holds no file open between
+    /// reads. A reopened file whose size changed since its header was validated is refused.
+    pub fn release(&mut self, real: &Path) -> Result<()> {
+        let size = match &self.file {
+            Some(f) => f
+                .metadata()
+                .map_err(|e| err(&self.path, format!("cannot stat: {e}")))?
+                .len(),
+            None => return Ok(()),
+        };
+        self.file = None;
+        self.reopen = Some((real.to_path_buf(), size));
+        Ok(())
     }
 
     /// Tensor names and entries.
@@ -391,13 +411,36 @@ impl SafetensorsFile {
             .get(name)
             .ok_or_else(|| err(&self.path, format!("no tensor named '{name}'")))?
             .clone();
-        let len = (e.range.1 - e.range.0) as usize;
+        let len = usize::try_from(e.range.1 - e.range.0)
+            .map_err(|_| err(&self.path, format!("tensor '{name}' is too large to read")))?;
+        let mut reopened = None;
+        let file = match (&mut self.file, &self.reopen) {
+            (Some(f), _) => f,
+            (None, Some((real, size))) => {
+                let f = crate::io::guard::open_regular(real).map_err(|e| match e {
+                    Error::File { reason, .. } => err(&self.path, reason),
+                    other => other,
+                })?;
+                let now = f
+                    .metadata()
+                    .map_err(|e| err(&self.path, format!("cannot stat: {e}")))?
+                    .len();
+                if now != *size {
+                    return Err(err(
+                        &self.path,
+                        format!("changed while it was read ({size} bytes, now {now})"),
+                    ));
+                }
+                reopened.insert(f)
+            }
+            (None, None) => return Err(err(&self.path, "file is closed")),
+        };
         self.scratch.resize(len, 0);
         let bytes = &mut self.scratch[..len];
-        self.file
-            .seek(SeekFrom::Start(self.data_start + e.range.0))
-            .and_then(|_| self.file.read_exact(bytes))
+        file.seek(SeekFrom::Start(self.data_start + e.range.0))
+            .and_then(|_| file.read_exact(bytes))
             .map_err(|er| err(&self.path, format!("reading '{name}': {er}")))?;
+        drop(reopened);
         decode_values_into(bytes, e.format, &mut buffer)?;
         // Decoded patterns are values of the format by construction.
         Ok(Tensor::from_parts_unchecked(&e.shape, buffer, e.format))

@@ -238,7 +238,16 @@ fn part_ranges(
 ) -> Result<Vec<(usize, usize)>> {
     match p {
         Placement::Split { groups, .. } => {
-            if groups == 0 || n % (groups * parts) != 0 {
+            let Some(whole) = groups.checked_mul(parts).filter(|&w| w > 0) else {
+                return Err(Error::InvalidParameter {
+                    name: "groups",
+                    reason: format!(
+                        "{groups} group(s) × {parts} parts is not a usable split of a \
+                         dimension of size {n}"
+                    ),
+                });
+            };
+            if n % whole != 0 {
                 return Err(layout_err(
                     id,
                     format!(
@@ -247,7 +256,7 @@ fn part_ranges(
                     ),
                 ));
             }
-            let len = n / (groups * parts);
+            let len = n / whole;
             Ok((0..groups).map(|g| ((g * parts + i) * len, len)).collect())
         }
         Placement::CpChunks { .. } => {
@@ -402,10 +411,23 @@ fn join(
         }
         Placement::Split { dim, .. } | Placement::CpChunks { dim } => {
             let (outer, local, inner) = around(first.shape(), dim);
-            let n = local * parts;
-            let mut out = take_spare(spare, outer * n * inner);
+            // Sizes from files: checked (a wrapped product would "match" an empty tensor).
+            let (n, total) = local
+                .checked_mul(parts)
+                .and_then(|n| Some((n, outer.checked_mul(n)?.checked_mul(inner)?)))
+                .ok_or_else(|| {
+                    layout_err(
+                        id,
+                        format!(
+                            "the merged shape ({parts} shards of {:?} along dim {dim}) has \
+                             more elements than memory can index",
+                            first.shape()
+                        ),
+                    )
+                })?;
+            let mut out = take_spare(spare, total);
             out.clear();
-            out.resize(outer * n * inner, 0.0);
+            out.resize(total, 0.0);
             for (i, t) in pieces.iter().enumerate() {
                 let ranges = part_ranges(p, n, parts, i, id)?;
                 let v = t.values();

@@ -709,6 +709,16 @@ impl SweepReport {
 /// configuration is deterministic and independent).
 pub fn run_sweep(options: &SweepOptions, progress: &(dyn Fn() + Sync)) -> Result<SweepReport> {
     use rayon::prelude::*;
+    let most = crate::io::guard::limits::SWEEP_RUNS;
+    if options.simulation.samples as u64 > most {
+        return Err(crate::error::Error::InvalidParameter {
+            name: "samples",
+            reason: format!(
+                "{} samples exceed the limit of {most}",
+                options.simulation.samples
+            ),
+        });
+    }
     let start = std::time::Instant::now();
     let done: Vec<(RunResult, Thresholds)> = options
         .runs
