@@ -517,7 +517,9 @@ fn threshold(
     outln!("kind: {kind}");
     outln!(
         "  ||cand - ref||_F / ||ref||_F <= {:.3e}   (expected {:.3e}; worst case {:.3e})",
-        th.relative, th.expected_relative, th.guaranteed_relative
+        th.relative,
+        th.expected_relative,
+        th.guaranteed_relative
     );
     outln!("  max |cand - ref| per element <= {:.3e}", th.per_element);
     outln!(
@@ -745,7 +747,9 @@ fn bugs(json: bool) -> Result<(), String> {
     for r in &rows {
         outln!(
             "{:<32} needs {:<40} expected at {}",
-            r.name, r.needs, r.localized_at
+            r.name,
+            r.needs,
+            r.localized_at
         );
         outln!("{:<32} models {}", "", r.models);
     }
@@ -861,7 +865,9 @@ fn validate(
     let seeds = seeds.unwrap_or(if full { 6 } else { 2 });
     let most = ttrace::io::guard::limits::SWEEP_RUNS;
     if seeds == 0 || seeds > most {
-        return Err(format!("--seeds must be between 1 and {most} (got {seeds})"));
+        return Err(format!(
+            "--seeds must be between 1 and {most} (got {seeds})"
+        ));
     }
     if samples as u64 > most {
         return Err(format!("--samples must be at most {most} (got {samples})"));
@@ -973,7 +979,9 @@ fn validate(
             "FP8: {} of {} per-tensor scales of the sharded runs differ from the reference's \
              own (largest relative difference {:.2e}: an amax element differs by round-off); \
              FP8 runs are compared against the reference quantized with the candidate's scales.",
-            report.fp8_scales.differing, report.fp8_scales.compared, report.fp8_scales.max_relative
+            report.fp8_scales.differing,
+            report.fp8_scales.compared,
+            report.fp8_scales.max_relative
         );
     }
     if let Some(path) = json {

@@ -155,8 +155,8 @@ impl TrustedDir {
                 format!("not a trace directory ({})", kind(&meta)),
             ));
         }
-        let root = std::fs::canonicalize(dir)
-            .map_err(|e| ferr(dir, format!("cannot resolve: {e}")))?;
+        let root =
+            std::fs::canonicalize(dir).map_err(|e| ferr(dir, format!("cannot resolve: {e}")))?;
         Ok(TrustedDir {
             dir: dir.to_path_buf(),
             root,
@@ -184,8 +184,8 @@ impl TrustedDir {
                  absolute path)",
             ));
         }
-        let real = std::fs::canonicalize(&shown)
-            .map_err(|e| ferr(&shown, format!("cannot open: {e}")))?;
+        let real =
+            std::fs::canonicalize(&shown).map_err(|e| ferr(&shown, format!("cannot open: {e}")))?;
         if !real.starts_with(&self.root) {
             return Err(ferr(
                 &shown,

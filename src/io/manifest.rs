@@ -353,7 +353,11 @@ impl TraceDir {
                 td.resolve(&e.file).map_err(|er| match er {
                     Error::File { reason, .. } => ferr(
                         &path,
-                        format!("file of tensor {} (rank {}): {reason}", printable(&e.id), e.rank),
+                        format!(
+                            "file of tensor {} (rank {}): {reason}",
+                            printable(&e.id),
+                            e.rank
+                        ),
                     ),
                     other => other,
                 })?;
@@ -382,7 +386,11 @@ impl TraceDir {
             if let Some(w) = slots.windows(2).find(|w| w[0].0 == w[1].0) {
                 return Err(ferr(
                     &mpath,
-                    format!("tensor {} is listed twice for rank {}", printable(id), w[0].0),
+                    format!(
+                        "tensor {} is listed twice for rank {}",
+                        printable(id),
+                        w[0].0
+                    ),
                 ));
             }
             if slots.len() < world {

@@ -143,7 +143,10 @@ fn parse_header(text: &str, path: &Path) -> Result<(String, bool, Vec<usize>)> {
             _ => return Err(bad("expected ',' or '}' after a value")),
         }
     }
-    if text[i..].bytes().any(|c| !matches!(c, b' ' | b'\n' | b'\0')) {
+    if text[i..]
+        .bytes()
+        .any(|c| !matches!(c, b' ' | b'\n' | b'\0'))
+    {
         return Err(bad("text after the closing brace"));
     }
     match (descr, fortran, shape) {

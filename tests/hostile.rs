@@ -1,0 +1,415 @@
+//! Hostile input (issue 17): trace directories and arguments that try to escape the directory,
+//! clobber files, hang, exhaust memory or pass when they must fail. Every case runs the real
+//! binary (or the library) and asserts the documented behaviour: exit code 2 naming the file
+//! and the problem, or a failing verdict with a reason — never a panic, a hang, an escape, a
+//! clobbered file or a vacuous PASS.
+#![cfg(unix)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// Run the binary with a deadline: a hang is a test failure, not a stuck CI job.
+fn run(args: &[&str], stdout: Stdio) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ttrace"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(stdout)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("ttrace {args:?} did not finish within 60 s (a hang)");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn ttrace(args: &[&str]) -> (Option<i32>, String, String) {
+    let o = run(args, Stdio::piped());
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout).to_string(),
+        String::from_utf8_lossy(&o.stderr).to_string(),
+    )
+}
+
+fn base(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ttrace-hostile-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A clean pair of traces (TP 2) under `dir`: (reference, candidate).
+fn dump(dir: &Path, extra: &[&str]) -> (PathBuf, PathBuf) {
+    let mut args = vec!["simulate", "--tp", "2", "--dump", dir.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let (code, _, err) = ttrace(&args);
+    assert_eq!(code, Some(0), "{err}");
+    (dir.join("reference"), dir.join("candidate"))
+}
+
+fn check(r: &Path, c: &Path) -> (Option<i32>, String, String) {
+    ttrace(&["check", r.to_str().unwrap(), c.to_str().unwrap()])
+}
+
+fn mkfifo(p: &Path) {
+    let c = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+}
+
+fn manifest(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap()
+}
+
+fn write_manifest(dir: &Path, m: &serde_json::Value) {
+    std::fs::write(dir.join("manifest.json"), serde_json::to_string(m).unwrap()).unwrap();
+}
+
+#[test]
+fn symlinks_that_leave_the_trace_directory_are_refused() {
+    let b = base("escape");
+    let (r, c) = dump(&b.join("run"), &[]);
+    // A rank file that is a link to a copy outside: refused (it used to be read and checked).
+    let outside = b.join("outside.safetensors");
+    std::fs::copy(c.join("rank1.safetensors"), &outside).unwrap();
+    std::fs::remove_file(c.join("rank1.safetensors")).unwrap();
+    std::os::unix::fs::symlink(&outside, c.join("rank1.safetensors")).unwrap();
+    let (code, _, err) = check(&r, &c);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("rank1.safetensors") && err.contains("leaves the trace directory"),
+        "{err}"
+    );
+    // A link that stays inside the directory is fine.
+    std::fs::remove_file(c.join("rank1.safetensors")).unwrap();
+    std::fs::rename(&outside, c.join("data1.bin")).unwrap();
+    std::os::unix::fs::symlink("data1.bin", c.join("rank1.safetensors")).unwrap();
+    let (code, out, err) = check(&r, &c);
+    assert_eq!(code, Some(0), "{out}{err}");
+    // A subdirectory linked to / and a manifest path through it: refused, nothing of the
+    // outside file printed.
+    std::os::unix::fs::symlink("/", c.join("sub")).unwrap();
+    let mut m = manifest(&c);
+    m["tensors"][0]["file"] = "sub/etc/passwd.npy".into();
+    write_manifest(&c, &m);
+    let (code, out, err) = check(&r, &c);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(!err.contains("root:") && !out.contains("root:"), "{err}");
+    m["tensors"][0]["file"] = "sub/etc/passwd".into();
+    m["tensors"][0]["dtype"] = "f32".into();
+    write_manifest(&c, &m);
+    let (code, _, err) = check(&r, &c);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("leaves the trace directory"), "{err}");
+    std::fs::remove_dir_all(&b).unwrap();
+}
+
+#[test]
+fn fifos_and_devices_are_refused_without_hanging() {
+    let b = base("fifo");
+    let (r, c) = dump(&b.join("run"), &[]);
+    // A rank file that is a FIFO (nobody writes to it): refused at once.
+    std::fs::rename(c.join("rank0.safetensors"), b.join("saved")).unwrap();
+    mkfifo(&c.join("rank0.safetensors"));
+    let (code, _, err) = check(&r, &c);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("rank0.safetensors") && err.contains("FIFO"),
+        "{err}"
+    );
+    std::fs::remove_file(c.join("rank0.safetensors")).unwrap();
+    std::fs::rename(b.join("saved"), c.join("rank0.safetensors")).unwrap();
+    // A manifest that is a FIFO.
+    std::fs::rename(c.join("manifest.json"), b.join("saved.json")).unwrap();
+    mkfifo(&c.join("manifest.json"));
+    let (code, _, err) = check(&r, &c);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("manifest.json") && err.contains("FIFO"),
+        "{err}"
+    );
+    // A manifest that is a link to /dev/zero (read forever, before): refused.
+    std::fs::remove_file(c.join("manifest.json")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", c.join("manifest.json")).unwrap();
+    let (code, _, err) = check(&r, &c);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("manifest.json"), "{err}");
+    std::fs::remove_dir_all(&b).unwrap();
+}
+
+#[test]
+fn reports_never_clobber_inputs_or_devices() {
+    let b = base("report");
+    let (r, c) = dump(&b.join("run"), &[]);
+    let rm = r.join("manifest.json");
+    let before = std::fs::read(&rm).unwrap();
+    // The reference's own manifest as the report path: refused, the manifest intact.
+    let (code, _, err) = ttrace(&[
+        "check",
+        r.to_str().unwrap(),
+        c.to_str().unwrap(),
+        "--json",
+        rm.to_str().unwrap(),
+    ]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("inside the trace directory"), "{err}");
+    assert_eq!(std::fs::read(&rm).unwrap(), before);
+    // A FIFO nobody reads: an error at once, not a hang, and the FIFO stays a FIFO.
+    let fifo = b.join("report.fifo");
+    mkfifo(&fifo);
+    let json = |p: &Path| {
+        ttrace(&[
+            "check",
+            r.to_str().unwrap(),
+            c.to_str().unwrap(),
+            "--json",
+            p.to_str().unwrap(),
+        ])
+    };
+    let (code, _, err) = json(&fifo);
+    assert_eq!(code, Some(2), "{err}");
+    use std::os::unix::fs::FileTypeExt;
+    assert!(std::fs::symlink_metadata(&fifo)
+        .unwrap()
+        .file_type()
+        .is_fifo());
+    // /dev/null: written in place, still a character device afterwards.
+    let (code, _, err) = json(Path::new("/dev/null"));
+    assert_eq!(code, Some(0), "{err}");
+    assert!(std::fs::metadata("/dev/null")
+        .unwrap()
+        .file_type()
+        .is_char_device());
+    // A report path that is a link: the link is replaced, its target untouched.
+    let target = b.join("precious.txt");
+    std::fs::write(&target, "keep me").unwrap();
+    let link = b.join("report.json");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let (code, _, err) = json(&link);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep me");
+    let meta = std::fs::symlink_metadata(&link).unwrap();
+    assert!(meta.file_type().is_file());
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&link).unwrap()).unwrap();
+    assert!(report.get("report").is_some());
+    // No temporary file left beside it.
+    let left: Vec<_> = std::fs::read_dir(&b)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+        .collect();
+    assert!(left.is_empty());
+    std::fs::remove_dir_all(&b).unwrap();
+}
+
+#[test]
+fn write_errors_on_stdout_exit_2() {
+    let b = base("stdout");
+    let (r, c) = dump(&b.join("run"), &[]);
+    let full = || Stdio::from(std::fs::File::create("/dev/full").unwrap());
+    for args in [
+        vec!["check", r.to_str().unwrap(), c.to_str().unwrap()],
+        vec!["bugs"],
+        vec!["threshold", "matmul", "--m", "4", "--k", "64", "--n", "4"],
+        vec!["simulate", "--tp", "2"],
+        vec!["formats"],
+    ] {
+        let o = run(&args, full());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains("No space left"), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+    std::fs::remove_dir_all(&b).unwrap();
+}
+
+#[test]
+fn vacuous_and_overflowing_comparisons_fail() {
+    use ttrace::check::{apply_threshold, compare_tensor};
+    use ttrace::engine::Tensor;
+    use ttrace::Format;
+    let b = base("vacuous");
+    let (r, c) = dump(&b.join("run"), &[]);
+    // A reference with no tensors: an error, not "PASS: all 0 tensors".
+    let mut m = manifest(&r);
+    m["tensors"] = serde_json::json!([]);
+    write_manifest(&r, &m);
+    let (code, out, err) = check(&r, &c);
+    assert_eq!(code, Some(2), "{out}{err}");
+    assert!(err.contains("no tensors"), "{err}");
+    // FP64 values whose difference overflows: fail, under any threshold.
+    let x = Tensor::from_vec(&[2], vec![1e200, 1e308], Format::F64).unwrap();
+    let y = Tensor::from_vec(&[2], vec![-1e200, -1e308], Format::F64).unwrap();
+    for th in [0.0, 1e300, f64::MAX, f64::INFINITY] {
+        let v = compare_tensor("t", &x, &y, th, 1e-16);
+        assert!(!v.passed, "{th}: {v:?}");
+    }
+    // Large but representable norms are measured, not overflowed: 1e200 against 1e200 + ulp.
+    let z = Tensor::from_vec(&[1], vec![1e200], Format::F64).unwrap();
+    let w = Tensor::from_vec(&[1], vec![1e200 * (1.0 + f64::EPSILON)], Format::F64).unwrap();
+    let v = compare_tensor("t", &z, &w, 1e185, 1e-16);
+    assert!(
+        v.passed && v.rel_error > 0.0 && v.rel_error.is_finite(),
+        "{v:?}"
+    );
+    // A differing tensor never passes on an infinite threshold; an identical one does.
+    let mut v = compare_tensor("t", &z, &w, 0.0, 1e-16);
+    apply_threshold(&mut v, 1.0, 1e200, f64::INFINITY);
+    assert!(!v.passed && v.problem.is_some());
+    let mut v = compare_tensor("t", &z, &z, 0.0, 1e-16);
+    apply_threshold(&mut v, 0.0, 1e200, f64::INFINITY);
+    assert!(v.passed);
+    std::fs::remove_dir_all(&b).unwrap();
+}
+
+#[test]
+fn sizes_from_arguments_are_bounded() {
+    for p in ["18446744073709551615", "1000000000"] {
+        let cand = format!("--cand=in=bf16,acc=f32,out=f32,order=splitk:{p}:f32:tree");
+        let (code, _, err) = ttrace(&["threshold", "matmul", &cand]);
+        assert_eq!(code, Some(2), "{err}");
+        assert!(err.contains("'parts'"), "{err}");
+    }
+    for arg in ["--seeds", "--samples"] {
+        let (code, _, err) = ttrace(&["validate", arg, "18446744073709551615"]);
+        assert_eq!(code, Some(2), "{err}");
+        assert!(err.contains(arg), "{err}");
+    }
+    // Groups × parts that overflow: a typed error from the library, not a panic.
+    use ttrace::shard::{Layout, Mesh, Placement};
+    let mesh = Mesh::new(2, 1, 1, false).unwrap();
+    let t = ttrace::engine::Tensor::zeros(&[4, 4], ttrace::Format::F32);
+    let mut layout = Layout::replicated();
+    layout.tp = Placement::Split {
+        dim: 0,
+        groups: usize::MAX,
+    };
+    assert!(ttrace::shard::shard(&t, &layout, &mesh, "t").is_err());
+}
+
+#[test]
+fn ids_are_escaped_when_printed() {
+    use ttrace::check::{render_check, CheckReport, TensorVerdict};
+    let v = TensorVerdict {
+        id: "evil\u{1b}[2J\u{1b}]0;title\u{7}|fwd.output.0".into(),
+        elements: 1,
+        rel_error: 1.0,
+        rel_error_eps: 1.0,
+        threshold: 0.0,
+        ratio: f64::INFINITY,
+        max_abs: 1.0,
+        max_ulp: 1,
+        nonfinite_mismatches: 0,
+        first_nonfinite: None,
+        problem: Some("note with \u{1b}[31m color".into()),
+        passed: false,
+    };
+    let report = CheckReport {
+        first_failure: Some(v.id.clone()),
+        verdicts: vec![v],
+        failures: 1,
+        eps: 1e-3,
+    };
+    let text = render_check(&report);
+    assert!(
+        !text.contains('\u{1b}') && !text.contains('\u{7}'),
+        "{text:?}"
+    );
+    assert!(text.contains("evil"), "{text}");
+}
+
+#[test]
+fn strict_parsing_refuses_duplicates_and_wrong_types() {
+    let b = base("strict");
+    let (r, c) = dump(&b.join("run"), &[]);
+    // A manifest naming "version" twice.
+    let text = std::fs::read_to_string(c.join("manifest.json")).unwrap();
+    let twice = text.replacen('{', "{\"version\": 2, ", 1);
+    std::fs::write(c.join("manifest.json"), &twice).unwrap();
+    let (code, _, err) = check(&r, &c);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("twice"), "{err}");
+    // A nested duplicate in a tensor entry.
+    let dup = text.replacen("\"dtype\":", "\"dtype\": \"f32\", \"dtype\":", 1);
+    std::fs::write(c.join("manifest.json"), &dup).unwrap();
+    let (code, _, err) = check(&r, &c);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("twice"), "{err}");
+    std::fs::write(c.join("manifest.json"), &text).unwrap();
+    // A safetensors header with a nested duplicate key.
+    let header = br#"{"a":{"dtype":"F32","dtype":"F64","shape":[1],"data_offsets":[0,4]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header);
+    bytes.extend_from_slice(&[0; 4]);
+    let p = b.join("dup.safetensors");
+    std::fs::write(&p, &bytes).unwrap();
+    let e = ttrace::io::SafetensorsFile::open(&p).unwrap_err();
+    assert!(
+        matches!(e, ttrace::Error::File { .. }) && e.to_string().contains("twice"),
+        "{e}"
+    );
+    // npy headers: fortran_order must be True or False; descr only as a key.
+    let npy = |dict: &str| {
+        let mut h = dict.to_string();
+        while (10 + h.len() + 1) % 64 != 0 {
+            h.push(' ');
+        }
+        h.push('\n');
+        let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+        bytes.extend_from_slice(&(h.len() as u16).to_le_bytes());
+        bytes.extend_from_slice(h.as_bytes());
+        bytes.extend_from_slice(&[0; 4]);
+        let p = b.join("t.npy");
+        std::fs::write(&p, &bytes).unwrap();
+        ttrace::io::npy::read(&p, None)
+    };
+    assert!(npy("{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }").is_ok());
+    for bad in [
+        "{'descr': '<f4', 'fortran_order': 1, 'shape': (1,), }",
+        "{'note': \"'descr': '<f4'\", 'fortran_order': False, 'shape': (1,), }",
+        "{'descr': '<f4', 'descr': '<f8', 'fortran_order': False, 'shape': (1,), }",
+        "{'descr': '<f4', 'fortran_order': False, 'shape': (1,), } trailing",
+    ] {
+        let e = npy(bad).unwrap_err();
+        assert!(matches!(e, ttrace::Error::File { .. }), "{bad}: {e}");
+    }
+    std::fs::remove_dir_all(&b).unwrap();
+}
+
+#[test]
+fn many_ranks_check_within_a_small_open_file_limit() {
+    let b = base("nofile");
+    let dir = b.join("run");
+    let (code, _, err) = ttrace(&[
+        "simulate",
+        "--tp",
+        "4",
+        "--dp",
+        "4",
+        "--dump",
+        dir.to_str().unwrap(),
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    // 16 rank files per side (32 open at once used to be needed, 3 times over); 16
+    // descriptors, stdin/out/err included, are enough when files are opened one at a time.
+    let script = format!(
+        "ulimit -n 16 && exec {} check {} {}",
+        env!("CARGO_BIN_EXE_ttrace"),
+        dir.join("reference").display(),
+        dir.join("candidate").display()
+    );
+    let o = Command::new("sh").arg("-c").arg(&script).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    std::fs::remove_dir_all(&b).unwrap();
+}
