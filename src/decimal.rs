@@ -124,6 +124,72 @@ fn compare_magnitudes(text: &str, x: f64) -> Option<Ordering> {
     Some(d.cmp(&b))
 }
 
+/// Significant digits kept by [`canonical`]: more than the 767 that can decide a rounding of
+/// an `f64` (or of any narrower format), the rest stood in for by one sticky digit.
+const KEEP_DIGITS: usize = 800;
+
+/// `text` as an equivalent decimal of bounded size, `±0.DDD…e±P` with at most
+/// [`KEEP_DIGITS`] + 1 significant digits: leading and trailing zeros removed, the exponent
+/// folded with the digit positions in checked arithmetic, digits beyond the kept ones
+/// replaced by a single `1` when any of them is non-zero (a sticky digit: it keeps the value
+/// on the same side of every rounding boundary). Values beyond 10^400 or below 10^−400 become
+/// `1e400` / `0`, which every format rounds alike. Rust's own parser saturates explicit
+/// exponents (a million digits with exponent −1,000,000 parsed as `inf`); this form never
+/// reaches that. Text that is not a plain decimal (`inf`, `NaN`, garbage) is returned as is.
+fn canonical(text: &str) -> std::borrow::Cow<'_, str> {
+    use std::borrow::Cow;
+    let (sign, t) = match text.strip_prefix('-') {
+        Some(r) => ("-", r),
+        None => ("", text.strip_prefix('+').unwrap_or(text)),
+    };
+    let (mantissa, exp) = match t.find(['e', 'E']) {
+        Some(i) => (&t[..i], Some(&t[i + 1..])),
+        None => (t, None),
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let digits_ok = |d: &str| d.bytes().all(|c| c.is_ascii_digit());
+    if int.len() + frac.len() == 0 || !digits_ok(int) || !digits_ok(frac) {
+        return Cow::Borrowed(text);
+    }
+    let exp: i64 = match exp {
+        None => 0,
+        Some(e) => {
+            let body = e.strip_prefix(['+', '-']).unwrap_or(e);
+            if body.is_empty() || !digits_ok(body) {
+                return Cow::Borrowed(text);
+            }
+            // Saturate: anything beyond ±10^15 is far outside every format's range.
+            let v: i64 = body.parse().unwrap_or(i64::MAX / 4).min(i64::MAX / 4);
+            if e.starts_with('-') {
+                -v
+            } else {
+                v
+            }
+        }
+    };
+    let all = || int.bytes().chain(frac.bytes());
+    let lead = all().take_while(|&c| c == b'0').count();
+    let total = int.len() + frac.len();
+    if lead == total {
+        return Cow::Owned(format!("{sign}0"));
+    }
+    let trail = all().rev().take_while(|&c| c == b'0').count();
+    let sig: Vec<u8> = all().skip(lead).take(total - lead - trail).collect();
+    // value = 0.sig × 10^p
+    let p = exp.saturating_add(int.len() as i64 - lead as i64);
+    if p > 400 {
+        return Cow::Owned(format!("{sign}1e400"));
+    }
+    if p < -400 {
+        return Cow::Owned(format!("{sign}0"));
+    }
+    let mut kept: String = sig.iter().take(KEEP_DIGITS).map(|&c| c as char).collect();
+    if sig.len() > KEEP_DIGITS && sig[KEEP_DIGITS..].iter().any(|&c| c != b'0') {
+        kept.push('1');
+    }
+    Cow::Owned(format!("{sign}0.{kept}e{p}"))
+}
+
 impl Format {
     /// Round the decimal number in `text` to this format, correctly (one rounding of the exact
     /// decimal value, ties to even), with `overflow` applied past the largest finite value.
@@ -140,20 +206,23 @@ impl Format {
     /// assert_eq!(r, 1.0 + 2f64.powi(-7));
     /// ```
     pub fn round_decimal(self, text: &str, overflow: Overflow) -> Result<f64> {
-        let trimmed = text.trim();
-        let x: f64 = trimmed.parse().map_err(|_| Error::InvalidParameter {
+        let shown = text.trim();
+        let bad = || Error::InvalidParameter {
             name: "number",
-            reason: format!("'{trimmed}' is not a decimal number"),
-        })?;
+            reason: format!(
+                "{} is not a decimal number",
+                crate::io::guard::escape(&shown.chars().take(80).collect::<String>())
+            ),
+        };
+        let canon = canonical(shown);
+        let trimmed: &str = &canon;
+        let x: f64 = trimmed.parse().map_err(|_| bad())?;
         if self == Format::F64 || !x.is_finite() || x == 0.0 {
             return Ok(self.round(x, overflow));
         }
         if self == Format::F32 {
             // The standard library's f32 parser rounds the exact decimal once.
-            let y: f32 = trimmed.parse().map_err(|_| Error::InvalidParameter {
-                name: "number",
-                reason: format!("'{trimmed}' is not a decimal number"),
-            })?;
+            let y: f32 = trimmed.parse().map_err(|_| bad())?;
             return Ok(self.round(y as f64, overflow));
         }
         let r = self.round(x, Overflow::NonSaturating);
@@ -203,5 +272,29 @@ mod tests {
         assert_eq!(compare_magnitudes("-1.25e2", -125.0), Some(Ordering::Equal));
         // The f64 nearest 0.001 is 0.001000000000000000020816681711721685..., above 1e-3.
         assert_eq!(compare_magnitudes("1e-3", 0.001), Some(Ordering::Less));
+    }
+
+    proptest::proptest! {
+        /// The bounded form parses to the same f64 and f32 as the text itself (within the
+        /// exponents Rust's parser handles), including long digit strings with zeros.
+        #[test]
+        fn canonical_form_parses_alike(
+            int in "[0-9]{0,30}",
+            frac in "[0-9]{0,900}",
+            exp in -350i64..350,
+            neg in proptest::bool::ANY,
+        ) {
+            proptest::prop_assume!(!(int.is_empty() && frac.is_empty()));
+            let text = format!("{}{int}.{frac}e{exp}", if neg { "-" } else { "" });
+            let c = canonical(&text);
+            proptest::prop_assert_eq!(
+                text.parse::<f64>().unwrap().to_bits(),
+                c.parse::<f64>().unwrap().to_bits()
+            );
+            proptest::prop_assert_eq!(
+                text.parse::<f32>().unwrap().to_bits(),
+                c.parse::<f32>().unwrap().to_bits()
+            );
+        }
     }
 }

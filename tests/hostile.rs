@@ -413,3 +413,46 @@ fn many_ranks_check_within_a_small_open_file_limit() {
     assert_eq!(o.status.code(), Some(0), "{err}");
     std::fs::remove_dir_all(&b).unwrap();
 }
+
+#[test]
+fn extreme_decimal_text_rounds_correctly() {
+    use ttrace::{Format, Overflow};
+    // 0.111… (a million ones, written as an integer with exponent −1,000,000) and 0.1 written
+    // with a million zeros and exponent +1,000,000: Rust's parser saturates such exponents.
+    let ones = format!("{}e-1000000", "1".repeat(1_000_000));
+    let tenth = format!("0.{}1e1000000", "0".repeat(1_000_000));
+    for (text, value) in [(&ones, 1.0 / 9.0), (&tenth, 0.1)] {
+        let start = Instant::now();
+        let f64_ = Format::F64
+            .round_decimal(text, Overflow::NonSaturating)
+            .unwrap();
+        assert_eq!(f64_, value);
+        let bf = Format::BF16
+            .round_decimal(text, Overflow::NonSaturating)
+            .unwrap();
+        assert_eq!(bf, half::bf16::from_f64(value).to_f64());
+        let f32_ = Format::F32
+            .round_decimal(text, Overflow::NonSaturating)
+            .unwrap();
+        assert_eq!(f32_, value as f32 as f64);
+        assert!(start.elapsed() < Duration::from_secs(10));
+    }
+    // Exponents beyond any integer type: zero and overflow, not errors.
+    let tiny = Format::F32.round_decimal("1e-99999999999999999999999", Overflow::NonSaturating);
+    assert_eq!(tiny.unwrap(), 0.0);
+    let huge = Format::BF16.round_decimal("-1e99999999999999999999", Overflow::NonSaturating);
+    assert_eq!(huge.unwrap(), f64::NEG_INFINITY);
+    // The CLI prints the same.
+    let path = base("decimal").join("in.txt");
+    std::fs::write(&path, format!("{ones}\n{tenth}\n")).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_ttrace"))
+        .args(["round", "--format", "f64"])
+        .stdin(std::fs::File::open(&path).unwrap())
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        ["0.1111111111111111", "0.1"]
+    );
+}
