@@ -278,7 +278,12 @@ fn finish(
             },
         };
         let mut v = g.verdict.clone();
-        if v.problem.is_none() {
+        if priced.1 == Pricing::InputFailed && v.problem.is_none() {
+            // Not judged: the failing input is reported (and fails the check) itself.
+            v.threshold = f64::INFINITY;
+            v.ratio = 0.0;
+            v.passed = v.nonfinite_mismatches == 0;
+        } else if v.problem.is_none() {
             apply_threshold(&mut v, g.stat.diff_norm, g.stat.ref_norm, priced.0);
         }
         verdicts.push(v);

@@ -445,10 +445,16 @@ pub fn price_local<'s>(
         gain_allowance(kind) * gain * inputs.iter().map(|s| s.rel()).sum::<f64>()
     };
     if !carried.is_finite() {
-        return Some(Priced {
-            threshold: f64::INFINITY,
-            pricing: Pricing::InputFailed,
-        });
+        if inputs.iter().any(|s| !s.diff_norm.is_finite()) {
+            // An input failed (it is judged, and reported, itself).
+            return Some(Priced {
+                threshold: f64::INFINITY,
+                pricing: Pricing::InputFailed,
+            });
+        }
+        // An input whose reference is all zero differs: no relative measure carries it, and
+        // nothing failed — priced by the fallback rule instead of left unjudged.
+        return None;
     }
     // Formats: metadata, else the recipe's policy, else defaults.
     let out = me.format;
@@ -540,6 +546,48 @@ pub fn price_local<'s>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An input whose reference is all zero but which differs: the output is priced (by the
+    /// fallback rule, `None` here), not left unjudged as if an input had failed; an input that
+    /// failed (non-finite difference) leaves it unjudged.
+    #[test]
+    fn zero_reference_inputs_are_not_failures() {
+        let stat = |ref_norm: f64, diff_norm: f64| TensorStat {
+            ref_norm,
+            ref_max_abs: ref_norm,
+            diff_norm,
+            elements: 16,
+            last_dim: 4,
+            ndim: 2,
+            format: Format::BF16,
+            layout: Layout::replicated(),
+            norm_gain: 1.0,
+            module: Some(crate::io::manifest::ModuleInfo::of(ModuleKind::Linear)),
+        };
+        let ids = vec!["l|fwd.input.0".to_string(), "l|fwd.output.0".to_string()];
+        let index = InputIndex::new(&ids);
+        let ctx = PriceContext {
+            mesh: Mesh::single(),
+            recipe: None,
+            log_inv_delta: 1e6f64.ln(),
+        };
+        let out = stat(1.0, 0.01);
+        for (input, expect) in [
+            (stat(0.0, 0.5), None),
+            (stat(1.0, f64::INFINITY), Some(Pricing::InputFailed)),
+            (stat(1.0, 0.001), Some(Pricing::Local)),
+        ] {
+            let lookup = |j: &str| -> Option<&TensorStat> {
+                if j == "l|fwd.input.0" {
+                    Some(&input)
+                } else {
+                    Some(&out)
+                }
+            };
+            let p = price_local("l|fwd.output.0", &index, &lookup, &ctx);
+            assert_eq!(p.map(|p| p.pricing), expect);
+        }
+    }
 
     #[test]
     fn roles_follow_the_naming_convention() {
