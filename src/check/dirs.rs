@@ -394,8 +394,8 @@ pub fn check_dirs(
     ))
 }
 
-/// [`check_dirs`] on directory paths, spread over the rayon thread pool: every worker opens
-/// its own handles and reads a contiguous run of tensors; the verdicts come back in the
+/// [`check_dirs`] on directory paths, spread over the rayon thread pool: every worker reads a
+/// contiguous run of tensors through its own reader (sharing the validated headers); the verdicts come back in the
 /// reference's order, identical for any number of threads. Memory: one tensor pair per
 /// worker.
 pub fn check_dir_paths(
@@ -409,7 +409,6 @@ pub fn check_dir_paths(
     let plan = plan(&r0, &c0)?;
     let (producer, kinds) = side_info(&r0);
     let mesh = c0.manifest().mesh;
-    drop((r0, c0));
     let workers = rayon::current_num_threads().max(1);
     // One run of tensors per worker: each opens its handles once and reuses their read and
     // value buffers for every tensor (smaller runs balanced load better but paid fresh pages
@@ -419,8 +418,8 @@ pub fn check_dir_paths(
         .ids
         .par_chunks(chunk)
         .map(|part| {
-            let mut r = TraceDir::open(reference)?;
-            let mut c = TraceDir::open(candidate)?;
+            // Readers sharing the validated headers: memory for the metadata once.
+            let (mut r, mut c) = (r0.share(), c0.share());
             part.iter()
                 .map(|id| {
                     let g = gather(&mut r, &mut c, id, plan.eps);

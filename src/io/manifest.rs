@@ -114,23 +114,162 @@ fn ferr(path: &Path, reason: impl Into<String>) -> Error {
     }
 }
 
+/// A manifest entry as the typed fast path reads it (serde refuses a field named twice).
+#[derive(Deserialize)]
+struct RawEntry {
+    id: String,
+    rank: u64,
+    file: String,
+    #[serde(default)]
+    key: Option<String>,
+    dtype: String,
+    layout: Layout,
+    #[serde(default)]
+    module: Option<ModuleInfo>,
+    #[serde(default)]
+    threshold: Option<f64>,
+}
+
+/// The manifest as the typed fast path reads it.
+#[derive(Deserialize)]
+struct RawManifest {
+    version: u64,
+    #[serde(default)]
+    recipe: Option<String>,
+    mesh: Mesh,
+    tensors: Vec<RawEntry>,
+}
+
+/// The checks of one entry, shared by both parsers.
+#[allow(clippy::too_many_arguments)]
+fn entry(
+    i: usize,
+    id: String,
+    rank: u64,
+    file: String,
+    key: Option<String>,
+    dtype: &str,
+    layout: Layout,
+    module: Option<ModuleInfo>,
+    threshold: Option<f64>,
+    mesh: &Mesh,
+    path: &Path,
+) -> Result<ManifestEntry> {
+    let who = format!("tensor #{i} ('{}')", printable(&id));
+    let rank = usize::try_from(rank)
+        .ok()
+        .filter(|&r| r < mesh.world())
+        .ok_or_else(|| {
+            ferr(
+                path,
+                format!(
+                    "{who}: rank {rank} is outside the mesh ({} ranks)",
+                    mesh.world()
+                ),
+            )
+        })?;
+    if file.contains("..") || Path::new(&file).is_absolute() {
+        return Err(ferr(
+            path,
+            format!(
+                "{who}: file '{}' must stay inside the trace directory",
+                printable(&file)
+            ),
+        ));
+    }
+    let dtype = dtype
+        .parse::<Format>()
+        .map_err(|e| ferr(path, format!("{who}: 'dtype': {e}")))?;
+    if threshold.is_some_and(|t| t.is_nan() || t < 0.0) {
+        return Err(ferr(
+            path,
+            format!("{who}: 'threshold' must be a non-negative number"),
+        ));
+    }
+    Ok(ManifestEntry {
+        key: key.unwrap_or_else(|| id.clone()),
+        id,
+        rank,
+        file,
+        dtype,
+        layout,
+        module,
+        threshold,
+    })
+}
+
 impl Manifest {
-    /// Parse and validate a manifest's text (`path` names it in errors). Strict: a key named
+    /// Parse and validate a manifest's text (`path` names it in errors). Strict: a field named
     /// twice in one object is an error (which of the two would be meant?), and so is a field
-    /// of the wrong JSON type.
+    /// of the wrong JSON type. Typed parsing first (memory about the size of the entries);
+    /// when it fails, a second, field-by-field pass finds the message that names the tensor
+    /// and the field.
     pub fn parse(text: &str, path: &Path) -> Result<Manifest> {
-        let v = crate::io::guard::parse_json_strict(text.as_bytes())
-            .map_err(|e| ferr(path, format!("not valid JSON: {e}")))?;
-        let version = v
-            .get("version")
-            .and_then(|x| x.as_u64())
-            .ok_or_else(|| ferr(path, "missing required field 'version'"))?;
+        let fast = Self::parse_typed(text, path);
+        match fast {
+            Ok(m) => Ok(m),
+            Err(e) => match Self::parse_detailed(text, path) {
+                Err(detailed) => Err(detailed),
+                Ok(_) => Err(e),
+            },
+        }
+    }
+
+    fn check_version(version: u64, path: &Path) -> Result<()> {
         if version != VERSION {
             return Err(ferr(
                 path,
                 format!("schema version {version} is not supported (this ttrace reads {VERSION})"),
             ));
         }
+        Ok(())
+    }
+
+    fn parse_typed(text: &str, path: &Path) -> Result<Manifest> {
+        let raw: RawManifest = serde_json::from_str(text)
+            .map_err(|e| ferr(path, format!("not a valid manifest: {e}")))?;
+        Self::check_version(raw.version, path)?;
+        let mesh = raw.mesh;
+        Mesh::new(mesh.tp, mesh.cp, mesh.dp, mesh.sp).map_err(|e| ferr(path, e.to_string()))?;
+        let tensors = raw
+            .tensors
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| {
+                entry(
+                    i,
+                    t.id,
+                    t.rank,
+                    t.file,
+                    t.key,
+                    &t.dtype,
+                    t.layout,
+                    t.module,
+                    t.threshold,
+                    &mesh,
+                    path,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Manifest {
+            format: "ttrace-trace".into(),
+            version: raw.version,
+            recipe: raw.recipe,
+            mesh,
+            tensors,
+        })
+    }
+
+    /// Field by field on a strictly parsed JSON value, for messages that name the tensor and
+    /// the field.
+    fn parse_detailed(text: &str, path: &Path) -> Result<Manifest> {
+        let v = crate::io::guard::parse_json_strict(text.as_bytes())
+            .map_err(|e| ferr(path, format!("not valid JSON: {e}")))?;
+        let version = v
+            .get("version")
+            .and_then(|x| x.as_u64())
+            .ok_or_else(|| ferr(path, "missing required field 'version'"))?;
+        Self::check_version(version, path)?;
         let mesh: Mesh = serde_json::from_value(
             v.get("mesh")
                 .cloned()
@@ -146,7 +285,7 @@ impl Manifest {
         for (i, t) in list.iter().enumerate() {
             let id = t.get("id").and_then(|x| x.as_str()).map(str::to_string);
             let who = match &id {
-                Some(id) => format!("tensor #{i} ('{id}')"),
+                Some(id) => format!("tensor #{i} ('{}')", printable(id)),
                 None => format!("tensor #{i}"),
             };
             let need = |field: &str| {
@@ -159,39 +298,24 @@ impl Manifest {
                     path,
                     format!("{who}: 'rank' must be a non-negative integer"),
                 )
-            })? as usize;
-            if rank >= mesh.world() {
-                return Err(ferr(
-                    path,
-                    format!(
-                        "{who}: rank {rank} is outside the mesh ({} ranks)",
-                        mesh.world()
-                    ),
-                ));
-            }
+            })?;
             let file = need("file")?
                 .as_str()
                 .ok_or_else(|| ferr(path, format!("{who}: 'file' must be a string")))?
                 .to_string();
-            if file.contains("..") || Path::new(&file).is_absolute() {
-                return Err(ferr(
-                    path,
-                    format!("{who}: file '{file}' must stay inside the trace directory"),
-                ));
-            }
-            let dtype_s = need("dtype")?
+            let dtype = need("dtype")?
                 .as_str()
                 .ok_or_else(|| ferr(path, format!("{who}: 'dtype' must be a string")))?;
-            let dtype = dtype_s
-                .parse::<Format>()
-                .map_err(|e| ferr(path, format!("{who}: 'dtype': {e}")))?;
             let layout: Layout = serde_json::from_value(need("layout")?.clone())
                 .map_err(|e| ferr(path, format!("{who}: 'layout': {e}")))?;
-            let key = t
-                .get("key")
-                .and_then(|x| x.as_str())
-                .map(str::to_string)
-                .unwrap_or_else(|| id.clone());
+            let key = match t.get("key") {
+                None | Some(serde_json::Value::Null) => None,
+                Some(k) => Some(
+                    k.as_str()
+                        .ok_or_else(|| ferr(path, format!("{who}: 'key' must be a string")))?
+                        .to_string(),
+                ),
+            };
             let module = match t.get("module") {
                 None | Some(serde_json::Value::Null) => None,
                 Some(m) => Some(
@@ -201,28 +325,29 @@ impl Manifest {
             };
             let threshold = match t.get("threshold") {
                 None | Some(serde_json::Value::Null) => None,
-                Some(x) => Some(x.as_f64().filter(|v| *v >= 0.0).ok_or_else(|| {
+                Some(x) => Some(x.as_f64().ok_or_else(|| {
                     ferr(
                         path,
                         format!("{who}: 'threshold' must be a non-negative number"),
                     )
                 })?),
             };
-            tensors.push(ManifestEntry {
-                id,
-                rank,
-                file,
-                key,
-                dtype,
-                layout,
-                module,
-                threshold,
-            });
+            tensors.push(entry(
+                i, id, rank, file, key, dtype, layout, module, threshold, &mesh, path,
+            )?);
         }
+        let recipe = match v.get("recipe") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(r) => Some(
+                r.as_str()
+                    .ok_or_else(|| ferr(path, "'recipe' must be a string"))?
+                    .to_string(),
+            ),
+        };
         Ok(Manifest {
             format: "ttrace-trace".into(),
             version,
-            recipe: v.get("recipe").and_then(|x| x.as_str()).map(str::to_string),
+            recipe,
             mesh,
             tensors,
         })
@@ -291,10 +416,10 @@ fn read_manifest_in(td: &TrustedDir) -> Result<(Manifest, PathBuf)> {
 #[derive(Debug)]
 pub struct TraceDir {
     dir: TrustedDir,
-    manifest: Manifest,
+    manifest: std::sync::Arc<Manifest>,
     /// Per id: the entries of every rank (index = rank).
-    by_id: BTreeMap<String, Vec<usize>>,
-    order: Vec<String>,
+    by_id: std::sync::Arc<BTreeMap<String, Vec<usize>>>,
+    order: std::sync::Arc<Vec<String>>,
     files: HashMap<String, safetensors::SafetensorsFile>,
     /// Value buffers handed back by [`TraceDir::recycle`], reused by the next reads.
     spare: Vec<Vec<f64>>,
@@ -416,12 +541,30 @@ impl TraceDir {
         }
         Ok(TraceDir {
             dir: td,
-            manifest,
-            by_id: complete,
-            order,
+            manifest: std::sync::Arc::new(manifest),
+            by_id: std::sync::Arc::new(complete),
+            order: std::sync::Arc::new(order),
             files,
             spare: Vec::new(),
         })
+    }
+
+    /// A second reader of the same directory sharing everything validated on opening (the
+    /// manifest, the headers): no copies, no files held open, its own read buffers — what a
+    /// thread needs to read other tensors in parallel.
+    pub fn share(&self) -> TraceDir {
+        TraceDir {
+            dir: self.dir.clone(),
+            manifest: self.manifest.clone(),
+            by_id: self.by_id.clone(),
+            order: self.order.clone(),
+            files: self
+                .files
+                .iter()
+                .filter_map(|(k, f)| Some((k.clone(), f.share()?)))
+                .collect(),
+            spare: Vec::new(),
+        }
     }
 
     /// The manifest.

@@ -13,6 +13,8 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
+
+use crate::io::guard::printable;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
@@ -177,8 +179,57 @@ fn widen_body(bytes: &[u8], size: usize, out: &mut Vec<f64>) {
     );
 }
 
-/// A JSON object's members in file order, duplicates kept (a map would silently keep one).
-struct Members(Vec<(String, serde_json::Value)>);
+/// One tensor's entry as the header gives it (serde refuses a field named twice; unknown
+/// fields are ignored).
+#[derive(serde::Deserialize)]
+struct RawTensor {
+    dtype: String,
+    shape: Vec<u64>,
+    data_offsets: Vec<u64>,
+}
+
+/// A header item: the `__metadata__` map or a tensor.
+enum Item {
+    Metadata(Vec<(String, String)>),
+    Tensor(RawTensor),
+}
+
+/// A string-to-string map whose keys must differ.
+struct StringMap(Vec<(String, String)>);
+
+impl<'de> serde::Deserialize<'de> for StringMap {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = StringMap;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a map of strings to strings")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> std::result::Result<StringMap, A::Error> {
+                let mut out: Vec<(String, String)> = Vec::new();
+                let mut seen = std::collections::HashSet::new();
+                while let Some((k, v)) = m.next_entry::<String, String>()? {
+                    if !seen.insert(k.clone()) {
+                        return Err(serde::de::Error::custom(format!(
+                            "__metadata__ names {} twice",
+                            crate::io::guard::escape(&k)
+                        )));
+                    }
+                    out.push((k, v));
+                }
+                Ok(StringMap(out))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+/// The header's items in file order; a name given twice is an error (a map would silently
+/// keep one of the two). Typed, so memory stays near the size of the entries.
+struct Members(Vec<(String, Item)>);
 
 impl<'de> serde::Deserialize<'de> for Members {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
@@ -193,8 +244,20 @@ impl<'de> serde::Deserialize<'de> for Members {
                 mut m: A,
             ) -> std::result::Result<Members, A::Error> {
                 let mut out = Vec::new();
-                while let Some(kv) = m.next_entry::<String, serde_json::Value>()? {
-                    out.push(kv);
+                let mut seen = std::collections::HashSet::new();
+                while let Some(k) = m.next_key::<String>()? {
+                    if !seen.insert(k.clone()) {
+                        return Err(serde::de::Error::custom(format!(
+                            "header names {} twice (which entry would be meant?)",
+                            crate::io::guard::escape(&k)
+                        )));
+                    }
+                    let item = if k == "__metadata__" {
+                        Item::Metadata(m.next_value::<StringMap>()?.0)
+                    } else {
+                        Item::Tensor(m.next_value::<RawTensor>()?)
+                    };
+                    out.push((k, item));
                 }
                 Ok(Members(out))
             }
@@ -223,8 +286,8 @@ pub struct SafetensorsFile {
     /// Where to reopen it (resolved), and its size when the header was validated.
     reopen: Option<(PathBuf, u64)>,
     data_start: u64,
-    entries: BTreeMap<String, Entry>,
-    metadata: BTreeMap<String, String>,
+    entries: std::sync::Arc<BTreeMap<String, Entry>>,
+    metadata: std::sync::Arc<BTreeMap<String, String>>,
     /// Read buffer reused across reads (no fresh pages per tensor).
     scratch: Vec<u8>,
 }
@@ -261,59 +324,44 @@ impl SafetensorsFile {
         let mut header = vec![0u8; n as usize];
         file.read_exact(&mut header)
             .map_err(|e| err(path, format!("reading the header: {e}")))?;
-        // Strict: a key named twice at any depth is refused (checked on the whole header), and
-        // the top level keeps file order.
-        crate::io::guard::parse_json_strict(&header)
-            .map_err(|e| err(path, format!("header is not valid JSON: {e}")))?;
-        let obj: Members = serde_json::from_slice(&header)
-            .map_err(|e| err(path, format!("header is not a valid JSON object: {e}")))?;
-        let mut names = std::collections::BTreeSet::new();
-        if let Some((dup, _)) = obj.0.iter().find(|(k, _)| !names.insert(k.as_str())) {
-            return Err(err(
+        // Strict and typed: a name or a field given twice is refused.
+        let obj: Members = serde_json::from_slice(&header).map_err(|e| {
+            err(
                 path,
-                format!("header names '{dup}' twice (which entry would be meant?)"),
-            ));
-        }
+                format!("header is not valid JSON for safetensors: {e}"),
+            )
+        })?;
         let obj = obj.0;
         let data_start = 8 + n;
         let data_len = size - data_start;
         let mut entries = BTreeMap::new();
         let mut metadata = BTreeMap::new();
-        for (name, v) in &obj {
-            if name == "__metadata__" {
-                if let Some(m) = v.as_object() {
-                    for (k, x) in m {
-                        metadata.insert(k.clone(), x.as_str().unwrap_or_default().to_string());
-                    }
+        for (name, item) in obj {
+            let v = match item {
+                Item::Metadata(m) => {
+                    metadata.extend(m);
+                    continue;
                 }
-                continue;
-            }
-            let bad = |why: &str| err(path, format!("tensor '{name}': {why}"));
-            let dtype = v
-                .get("dtype")
-                .and_then(|d| d.as_str())
-                .ok_or_else(|| bad("missing dtype"))?;
+                Item::Tensor(t) => t,
+            };
+            let bad = |why: &str| err(path, format!("tensor {}: {why}", printable(&name)));
+            let dtype = v.dtype.as_str();
             let format = dtype_format(dtype).ok_or_else(|| {
                 bad(&format!(
-                    "unsupported dtype '{dtype}' (F64, F32, F16, BF16, F8_E4M3, F8_E5M2)"
+                    "unsupported dtype {} (F64, F32, F16, BF16, F8_E4M3, F8_E5M2)",
+                    crate::io::guard::escape(dtype)
                 ))
             })?;
+            if v.shape.len() > crate::io::guard::limits::DIMS {
+                return Err(bad("shape has too many dimensions"));
+            }
             let shape: Vec<usize> = v
-                .get("shape")
-                .and_then(|s| s.as_array())
-                .ok_or_else(|| bad("missing shape"))?
+                .shape
                 .iter()
-                .map(|d| d.as_u64().and_then(|x| usize::try_from(x).ok()))
+                .map(|&x| usize::try_from(x).ok())
                 .collect::<Option<_>>()
-                .ok_or_else(|| bad("shape entries must be non-negative integers"))?;
-            let offs: Vec<u64> = v
-                .get("data_offsets")
-                .and_then(|s| s.as_array())
-                .ok_or_else(|| bad("missing data_offsets"))?
-                .iter()
-                .map(|d| d.as_u64())
-                .collect::<Option<_>>()
-                .ok_or_else(|| bad("data_offsets must be non-negative integers"))?;
+                .ok_or_else(|| bad("shape entries must fit the platform's sizes"))?;
+            let offs = &v.data_offsets;
             let [b, e] = offs[..] else {
                 return Err(bad("data_offsets must have two entries"));
             };
@@ -334,7 +382,7 @@ impl SafetensorsFile {
                 )));
             }
             entries.insert(
-                name.clone(),
+                name,
                 Entry {
                     format,
                     shape,
@@ -366,8 +414,8 @@ impl SafetensorsFile {
             file: Some(file),
             reopen: None,
             data_start,
-            entries,
-            metadata,
+            entries: std::sync::Arc::new(entries),
+            metadata: std::sync::Arc::new(metadata),
             scratch: Vec::new(),
         })
     }
@@ -386,6 +434,24 @@ impl SafetensorsFile {
         self.file = None;
         self.reopen = Some((real.to_path_buf(), size));
         Ok(())
+    }
+
+    /// A second reader of a released file (see [`SafetensorsFile::release`]) sharing its
+    /// validated header: no copy of the entries, its own read buffer. `None` while the file
+    /// holds an open handle.
+    pub fn share(&self) -> Option<SafetensorsFile> {
+        if self.file.is_some() {
+            return None;
+        }
+        Some(SafetensorsFile {
+            path: self.path.clone(),
+            file: None,
+            reopen: self.reopen.clone(),
+            data_start: self.data_start,
+            entries: self.entries.clone(),
+            metadata: self.metadata.clone(),
+            scratch: Vec::new(),
+        })
     }
 
     /// Tensor names and entries.
