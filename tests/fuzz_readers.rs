@@ -3,7 +3,11 @@
 //! seeds by byte-level mutations (bit flips, random bytes, insertions, deletions, truncation,
 //! duplicated chunks) and structure-aware ones (a header or manifest JSON node replaced by a
 //! hostile value — huge or negative numbers, floats, strings, nulls, nested lists —, keys deleted
-//! or duplicated, header lengths that lie).
+//! or duplicated, header lengths that lie); and file-system shapes of a trace directory (reader
+//! `fs`: links that leave the directory or stay inside it, dangling links and loops, FIFOs,
+//! directories and `/dev/zero` where files belong, a subdirectory linked to `/` or to the
+//! parent with the manifest routed through it), where the property also asks that a trace
+//! whose files leave the directory or are not regular is refused, and that no run hangs.
 //!
 //! Every call runs under `catch_unwind` and a counting global allocator: the property is "no
 //! panic, and no allocation larger than a fixed budget" (a lying header must not make a reader
@@ -461,6 +465,117 @@ impl Tally {
     }
 }
 
+/// One file-system mutation of the candidate trace directory `c` (rank files `rank0/1`, the
+/// manifest): links that leave the directory or stay inside, dangling links and loops, FIFOs,
+/// directories and devices where files belong, a subdirectory linked to `/` or to the parent
+/// with the manifest pointing through it. Returns what it did; `refuse` records, per file,
+/// whether its present state must make the trace be refused (a later mutation of the same
+/// file replaces the earlier one's verdict).
+#[cfg(unix)]
+fn mutate_fs(
+    c: &Path,
+    seed: &Path,
+    outside: &Path,
+    g: &mut StdRng,
+    refuse: &mut BTreeMap<&'static str, bool>,
+) -> String {
+    use std::os::unix::fs::symlink;
+    let targets = ["rank0.safetensors", "rank1.safetensors", "manifest.json"];
+    let name = targets[g.random_range(0..targets.len())];
+    let p = c.join(name);
+    // The seed's bytes (the file here may already be a FIFO, which a read would wait on).
+    let saved = std::fs::read(seed.join(name)).unwrap();
+    if std::fs::remove_file(&p).is_err() {
+        let _ = std::fs::remove_dir_all(&p);
+    }
+    let what = g.random_range(0..9);
+    let mut bad = true;
+    match what {
+        0 => {
+            // A link to an identical copy outside.
+            let o = outside.join(name);
+            std::fs::write(&o, &saved).unwrap();
+            symlink(&o, &p).unwrap();
+        }
+        1 => {
+            // A link to an identical copy inside (allowed).
+            let o = c.join(format!("data-{name}"));
+            std::fs::write(&o, &saved).unwrap();
+            symlink(format!("data-{name}"), &p).unwrap();
+            bad = false;
+        }
+        2 => symlink(c.join("nowhere"), &p).unwrap(),
+        3 => {
+            let _ = symlink(c.join("loop-b"), c.join("loop-a"));
+            let _ = symlink(c.join("loop-a"), c.join("loop-b"));
+            symlink(c.join("loop-a"), &p).unwrap();
+        }
+        4 => {
+            let path = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
+            // SAFETY: a valid NUL-terminated path.
+            assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o644) }, 0);
+        }
+        5 => std::fs::create_dir(&p).unwrap(),
+        6 => symlink("/dev/zero", &p).unwrap(),
+        7 => {
+            // Put the file back; route the manifest through a subdirectory linked to `/` (an
+            // escape) or to the parent directory (back inside: allowed).
+            std::fs::write(&p, &saved).unwrap();
+            bad = false;
+            let sub = c.join("sub");
+            let _ = std::fs::remove_file(&sub);
+            let to_root = g.random_bool(0.5);
+            symlink(
+                if to_root {
+                    Path::new("/")
+                } else {
+                    Path::new("..")
+                },
+                &sub,
+            )
+            .unwrap();
+            let m = c.join("manifest.json");
+            let is_file = std::fs::symlink_metadata(&m).is_ok_and(|t| t.file_type().is_file());
+            let text = if is_file {
+                std::fs::read_to_string(&m).unwrap_or_default()
+            } else {
+                String::new()
+            };
+            let via = if to_root {
+                "sub/etc/passwd"
+            } else {
+                "sub/candidate/rank1.safetensors"
+            };
+            if is_file && name != "manifest.json" {
+                std::fs::write(&m, text.replacen("rank1.safetensors", via, 1)).unwrap();
+                refuse.insert("route", to_root);
+            } else if name == "manifest.json" {
+                // The manifest was just restored from the seed: no route any more.
+                refuse.insert("route", false);
+            }
+        }
+        _ => {
+            // An empty file.
+            std::fs::write(&p, b"").unwrap();
+        }
+    }
+    refuse.insert(name, bad);
+    if name == "manifest.json" && what != 7 {
+        refuse.insert("route", false);
+    }
+    format!("{name}: mutation {what}")
+}
+
+/// Run `f` on another thread; a run that does not finish within `limit` is a hang.
+fn with_deadline(limit: Duration, f: impl FnOnce() -> Outcome + Send + 'static) -> Outcome {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit)
+        .unwrap_or_else(|_| Outcome::Panic(format!("no answer within {limit:?} (a hang)")))
+}
+
 /// Fuzz one reader for `budget` (or `max_runs` inputs, whichever comes first).
 fn fuzz(reader: &str, budget: Duration, max_runs: u64, seed: u64) -> Tally {
     let dir = tmp(reader);
@@ -477,6 +592,38 @@ fn fuzz(reader: &str, budget: Duration, max_runs: u64, seed: u64) -> Tally {
     let rank1 = std::fs::read(cdir.join("rank1.safetensors")).unwrap();
     while start.elapsed() < budget && tally.runs < max_runs {
         match reader {
+            #[cfg(unix)]
+            "fs" => {
+                // A fresh copy of the candidate, one to three file-system mutations.
+                let run = dir.join("fs");
+                let _ = std::fs::remove_dir_all(&run);
+                let (c, outside) = (run.join("candidate"), run.join("outside"));
+                std::fs::create_dir_all(&c).unwrap();
+                std::fs::create_dir_all(&outside).unwrap();
+                for f in ["manifest.json", "rank0.safetensors", "rank1.safetensors"] {
+                    std::fs::copy(cdir.join(f), c.join(f)).unwrap();
+                }
+                let mut done = vec![];
+                let mut state = BTreeMap::new();
+                for _ in 0..g.random_range(1..4) {
+                    done.push(mutate_fs(&c, &cdir, &outside, &mut g, &mut state));
+                }
+                let refuse = state.values().any(|&b| b);
+                let (rd, cd) = (rdir.clone(), c.clone());
+                let out = with_deadline(Duration::from_secs(20), move || {
+                    guarded(|| read_trace(&rd, &cd))
+                });
+                let input = done.join("\n").into_bytes();
+                match out {
+                    Outcome::Ok if refuse => tally.fail(
+                        reader,
+                        "accepted a trace whose files leave the directory or are not regular"
+                            .into(),
+                        &input,
+                    ),
+                    out => tally.record(reader, out, &input),
+                }
+            }
             "safetensors" => {
                 let input = mutate_safetensors(&st_seed, &mut g);
                 let p = dir.join("x.safetensors");
@@ -544,7 +691,7 @@ fn report(reader: &str, t: &Tally, elapsed: Duration) {
     }
 }
 
-const READERS: [&str; 3] = ["safetensors", "npy", "trace"];
+const READERS: [&str; 4] = ["safetensors", "npy", "trace", "fs"];
 
 /// Quick and deterministic: a fixed number of inputs per reader.
 #[test]
