@@ -715,3 +715,36 @@ pub fn write_trace_dir(
     // (and `TraceDir::open` says so) rather than one naming files that are not there.
     crate::io::write_atomic(&dir.join("manifest.json"), text.as_bytes())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The typed fast path and the field-by-field pass read the same manifests alike, and both
+    /// refuse a field named twice.
+    #[test]
+    fn both_parsers_agree() {
+        let path = Path::new("manifest.json");
+        let text = r#"{"format": "ttrace-trace", "version": 1, "recipe": "bf16",
+            "mesh": {"tp": 2, "cp": 1, "dp": 1, "sp": false},
+            "tensors": [
+              {"id": "a|fwd.output.0", "rank": 0, "file": "rank0.safetensors", "dtype": "bf16",
+               "layout": {"dp": {"kind": "replicate"}, "cp": {"kind": "replicate"},
+                          "tp": {"kind": "split", "dim": 1, "groups": 1}},
+               "module": {"kind": "linear", "accumulate": "f32"}, "threshold": 0.5},
+              {"id": "a|fwd.output.0", "rank": 1, "file": "rank1.safetensors", "key": "k",
+               "dtype": "bf16", "threshold": null, "extra": [1, 2],
+               "layout": {"dp": {"kind": "replicate"}, "cp": {"kind": "replicate"},
+                          "tp": {"kind": "split", "dim": 1, "groups": 1}}}]}"#;
+        let fast = Manifest::parse_typed(text, path).unwrap();
+        let slow = Manifest::parse_detailed(text, path).unwrap();
+        assert_eq!(fast, slow);
+        assert_eq!(fast.tensors[0].key, "a|fwd.output.0");
+        assert_eq!(fast.tensors[1].key, "k");
+        let twice = text.replacen("\"rank\": 0,", "\"rank\": 0, \"rank\": 1,", 1);
+        assert!(Manifest::parse_typed(&twice, path).is_err());
+        assert!(Manifest::parse_detailed(&twice, path).is_err());
+        let e = Manifest::parse(&twice, path).unwrap_err().to_string();
+        assert!(e.contains("twice"), "{e}");
+    }
+}
