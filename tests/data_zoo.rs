@@ -136,7 +136,19 @@ fn assert_slice(ops: &[zoo::Op], trials: usize, min_cells: usize) {
 /// guaranteed bound of both sides.
 #[test]
 fn zoo_slice_sums_and_means() {
-    assert_slice(&[zoo::Op::Sum, zoo::Op::Mean], 5, 600);
+    assert_slice(&[zoo::Op::Sum, zoo::Op::Mean, zoo::Op::AllReduce], 5, 900);
+}
+
+#[test]
+fn zoo_slice_elementwise() {
+    use ttrace::bounds::Elementwise;
+    let ops = [
+        zoo::Op::Elementwise(Elementwise::Add),
+        zoo::Op::Elementwise(Elementwise::Scale { c: 0.1 }),
+        zoo::Op::Elementwise(Elementwise::Gelu),
+        zoo::Op::Elementwise(Elementwise::Silu),
+    ];
+    assert_slice(&ops, 5, 400);
 }
 
 #[test]

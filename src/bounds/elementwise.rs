@@ -2,8 +2,12 @@
 //!
 //! * [`elementwise_threshold`]: reference vs candidate for add, scale, GELU, SiLU and exp, which
 //!   the engine computes as ro(ra(v)) with v the exact (or `f64`) value of the op on the
-//!   side's inputs. Identical arithmetic gives zero; otherwise each side's chain of roundings is
-//!   priced with the rules of `compare` (offsets when the sides' values differ, nearly equal
+//!   side's inputs. Identical arithmetic gives zero. Add and scale are correctly rounded
+//!   operations on exact operands, so each side's result follows from the data and the
+//!   difference is computed exactly (issue 16's determined roundings; the zoo found BF16 sums
+//!   that tie half the time, beyond any independent-rounding model). For GELU, SiLU and exp,
+//!   whose f64 evaluation may differ by an ulp between libraries, each side's chain of
+//!   roundings is priced with the rules of `compare` (offsets when the sides' values differ, nearly equal
 //!   roundings, snaps, independent roundings). A rounding error here is a deterministic
 //!   function of the element's inputs, and low-precision inputs repeat (a BF16 tensor in
 //!   [0, 1) has about a thousand distinct values): elements with identical inputs are one
@@ -134,6 +138,46 @@ pub fn elementwise_threshold(
         }
         norm_sq += vr * vr * count as f64;
         if identical {
+            continue;
+        }
+        if matches!(op, Elementwise::Add | Elementwise::Scale { .. }) {
+            // Correctly rounded operations on exact operands: each side's result is determined
+            // by the data (the engine computes ro(ra(x + y)) and ro(ra(x·ra(c))) exactly), so
+            // the difference is computed, not modelled — a BF16 sum of two BF16 values ties
+            // half the time, which no independent-rounding model prices right.
+            let result = |p: &Policy, x: f64, y: f64| {
+                let ar = crate::engine::arith::Arith::new(
+                    p.accumulator(),
+                    p.output,
+                    p.accumulation.overflow,
+                );
+                ar.ro(match op {
+                    Elementwise::Scale { c } => ar.mul(x, ar.ra(c)),
+                    _ => ar.add(x, y),
+                })
+            };
+            let rr = result(reference, xr.values()[i], yri);
+            let rc = result(candidate, xc.values()[i], yci);
+            for (r, f) in [(rr, reference.output), (rc, candidate.output)] {
+                if !r.is_finite() || r.abs() > f.max_finite() {
+                    return Err(crate::bounds::reduction::overflow_error(
+                        f,
+                        vr.abs().max(vc.abs()),
+                        "an output element",
+                    ));
+                }
+            }
+            // Slack for the f64 arithmetic of a norm of these differences, summed in any order
+            // (relative (n + 8)·ε, a few 1e-12 at a million elements): the threshold is the
+            // determined difference itself.
+            let slack = (rc - rr).abs() * (x.len() as f64 + 8.0) * f64::EPSILON;
+            let d = ElementDiff {
+                offset: rc - rr,
+                guaranteed: (rc - rr).abs() + slack,
+                bias_bound: slack,
+                ..ElementDiff::default()
+            };
+            grouped.push((d, count));
             continue;
         }
         let mut d = ElementDiff {

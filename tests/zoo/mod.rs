@@ -14,12 +14,12 @@
 #![allow(dead_code)]
 
 use ttrace::bounds::{
-    matmul_threshold, norm_threshold, reduction_error, softmax_threshold, sum_threshold,
-    Confidence, NormOp, Threshold,
+    allreduce_threshold, elementwise_threshold, matmul_threshold, norm_threshold, reduction_error,
+    softmax_threshold, sum_threshold, Confidence, Elementwise, NormOp, Threshold,
 };
 use ttrace::engine::{
-    init::SplitMix64, layer_norm, matmul, online_softmax, rms_norm, softmax, AttentionImpl, Policy,
-    Tensor, Variance,
+    add, gelu, init::SplitMix64, layer_norm, matmul, online_softmax, rms_norm, scale, silu,
+    softmax, AttentionImpl, Policy, Scaling, Tensor, Variance,
 };
 use ttrace::{sum, BlockSum, Combine, Error, Format, Order, Overflow, Products};
 
@@ -214,6 +214,10 @@ pub fn generate(
 pub enum Op {
     Sum,
     Mean,
+    /// A sum over k ranks' partials of `rows` elements (`allreduce_threshold`).
+    AllReduce,
+    /// An elementwise op on the [rows, k] data (the second operand of `add` Gaussian).
+    Elementwise(Elementwise),
     /// A·B with A [m, k] from the family and B [k, n] Gaussian (or the family for `square`).
     Matmul,
     Softmax(AttentionImpl),
@@ -226,6 +230,9 @@ impl Op {
         match self {
             Op::Sum => "sum".into(),
             Op::Mean => "mean".into(),
+            Op::AllReduce => "all-reduce".into(),
+            Op::Elementwise(Elementwise::Scale { .. }) => "scale".into(),
+            Op::Elementwise(e) => format!("{e:?}").to_lowercase(),
             Op::Matmul => "matmul".into(),
             Op::Softmax(AttentionImpl::Standard) => "softmax".into(),
             Op::Softmax(AttentionImpl::Online { block }) => format!("online softmax({block})"),
@@ -298,7 +305,28 @@ pub fn pairs(op: Op) -> Vec<Pair> {
         cand_op: op,
     };
     match op {
-        Op::Sum | Op::Mean | Op::Matmul => {
+        Op::Elementwise(_) => {
+            let policies = [
+                (
+                    "bf16->bf16",
+                    Policy::new(Format::BF16, Format::F32, Format::BF16),
+                ),
+                (
+                    "bf16->f32",
+                    Policy::new(Format::BF16, Format::F32, Format::F32),
+                ),
+                (
+                    "bf16 acc",
+                    Policy::new(Format::BF16, Format::BF16, Format::BF16),
+                ),
+            ];
+            for (i, (rn, r)) in policies.iter().enumerate() {
+                for (cn, c) in &policies[i + 1..] {
+                    out.push(mk(format!("{rn} vs {cn}"), r.clone(), c.clone()));
+                }
+            }
+        }
+        Op::Sum | Op::Mean | Op::Matmul | Op::AllReduce => {
             for (input, out_f) in [
                 (Format::BF16, Format::F32),
                 (Format::BF16, Format::BF16),
@@ -310,6 +338,22 @@ pub fn pairs(op: Op) -> Vec<Pair> {
                         format!("{input}->{out_f} seq vs {name}"),
                         base.clone(),
                         base.clone().with_order(order),
+                    ));
+                }
+            }
+            if op == Op::Matmul {
+                // FP8 operands with current per-tensor and block scaling, in two orders.
+                for (name, scaling) in [
+                    ("e4m3 per-tensor", Scaling::PerTensorCurrent { margin: 0 }),
+                    ("e4m3 block(32)", Scaling::Block { size: 32 }),
+                ] {
+                    let base =
+                        Policy::new(Format::E4M3, Format::F32, Format::BF16).with_scaling(scaling);
+                    out.push(mk(
+                        format!("{name} seq vs splitK4 tree f32"),
+                        base.clone(),
+                        base.clone()
+                            .with_order(split(4, Format::F32, Combine::Tree)),
                     ));
                 }
             }
@@ -410,6 +454,11 @@ fn threshold(
     let (r, c) = (&pair.reference, &pair.candidate);
     match op_r {
         Op::Sum | Op::Mean => sum_threshold(x, r, c, op_r == Op::Mean, conf),
+        Op::AllReduce => allreduce_threshold(&partials(x)?, r, c, conf),
+        Op::Elementwise(e) => {
+            let y = (e == Elementwise::Add).then_some(b);
+            elementwise_threshold(e, x, y, r, c, conf)
+        }
         Op::Matmul => matmul_threshold(x, b, None, r, c, conf),
         Op::Softmax(ri) => {
             let Op::Softmax(ci) = op_c else {
@@ -435,10 +484,30 @@ fn threshold(
     }
 }
 
+/// The k partials of an all-reduce over a [rows, k] block: partial r is column r.
+fn partials(x: &Tensor) -> ttrace::Result<Vec<Tensor>> {
+    let k = *x.shape().last().unwrap();
+    let rows = x.len() / k;
+    (0..k)
+        .map(|r| {
+            let col: Vec<f64> = (0..rows).map(|i| x.values()[i * k + r]).collect();
+            Tensor::from_vec(&[rows], col, x.format())
+        })
+        .collect()
+}
+
 fn execute(op: Op, x: &Tensor, b: &Tensor, p: &Policy) -> ttrace::Result<Vec<f64>> {
     let n = *x.shape().last().unwrap();
     Ok(match op {
-        Op::Sum | Op::Mean => {
+        Op::Elementwise(e) => match e {
+            Elementwise::Add => add(x, b, p)?,
+            Elementwise::Scale { c } => scale(x, c, p)?,
+            Elementwise::Gelu => gelu(x, p)?,
+            Elementwise::Silu => silu(x, p)?,
+            Elementwise::Exp => unreachable!("not in the zoo's ops"),
+        }
+        .into_values(),
+        Op::Sum | Op::Mean | Op::AllReduce => {
             let rows = x.len() / n;
             let mut acc = p.accumulation.clone();
             acc.input = p.input();
@@ -507,6 +576,14 @@ pub fn trial(
                 Tensor::from_vec(&[k, n], bv, input)?,
             )
         }
+        Op::Elementwise(_) => {
+            let v = generate(family, rows, k, seed, input, acc);
+            let y = generate(Family::Gaussian, rows, k, seed ^ 0x5eed, input, acc);
+            (
+                Tensor::from_vec(&[rows, k], v, input)?,
+                Tensor::from_vec(&[rows, k], y, input)?,
+            )
+        }
         _ => {
             let v = generate(family, rows, k, seed, input, acc);
             (
@@ -536,7 +613,7 @@ pub fn trial(
             if !finite {
                 return Ok(Outcome::UnflaggedNonFinite);
             }
-            let oracle_ok = if matches!(op, Op::Sum) {
+            let oracle_ok = if matches!(op, Op::Sum | Op::AllReduce) {
                 sum_oracle(&x, pair)?
             } else {
                 true
@@ -693,6 +770,11 @@ pub fn ops() -> Vec<Op> {
     vec![
         Op::Sum,
         Op::Mean,
+        Op::AllReduce,
+        Op::Elementwise(Elementwise::Add),
+        Op::Elementwise(Elementwise::Scale { c: 0.1 }),
+        Op::Elementwise(Elementwise::Gelu),
+        Op::Elementwise(Elementwise::Silu),
         Op::Matmul,
         Op::Softmax(AttentionImpl::Standard),
         Op::LayerNorm(Variance::TwoPass),
