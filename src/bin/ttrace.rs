@@ -659,19 +659,13 @@ fn check_dirs_cli(
     if let Some(path) = json {
         refuse_report_inside(path, &[reference, candidate])?;
     }
-    // Headers only: a TraceDir holds no file open between reads.
-    let n = ttrace::io::TraceDir::open(reference)
-        .map_err(|e| e.to_string())?
-        .ids()
-        .len();
-    let world = ttrace::io::TraceDir::open(candidate)
-        .map_err(|e| e.to_string())?
-        .manifest()
-        .mesh
-        .world();
+    // Each trace is opened (its headers validated) once; no file stays open between reads.
+    let r = ttrace::io::TraceDir::open(reference).map_err(|e| e.to_string())?;
+    let c = ttrace::io::TraceDir::open(candidate).map_err(|e| e.to_string())?;
+    let (n, world) = (r.ids().len(), c.manifest().mesh.world());
     let bar = indicatif::ProgressBar::new(n as u64);
-    let out = ttrace::check::check_dir_paths(reference, candidate, mode, &|| bar.inc(1))
-        .map_err(|e| e.to_string())?;
+    let out =
+        ttrace::check::check_dir_traces(&r, &c, mode, &|| bar.inc(1)).map_err(|e| e.to_string())?;
     bar.finish_and_clear();
     outln!(
         "ttrace check: {} against {} ({} ranks)",

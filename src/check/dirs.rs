@@ -404,10 +404,25 @@ pub fn check_dir_paths(
     mode: PricingMode,
     progress: &(dyn Fn() + Sync),
 ) -> Result<DirCheck> {
+    check_dir_traces(
+        &TraceDir::open(reference)?,
+        &TraceDir::open(candidate)?,
+        mode,
+        progress,
+    )
+}
+
+/// [`check_dir_paths`] on traces already opened (their headers validated once; every worker
+/// reads through its own [`TraceDir::share`]).
+pub fn check_dir_traces(
+    r0: &TraceDir,
+    c0: &TraceDir,
+    mode: PricingMode,
+    progress: &(dyn Fn() + Sync),
+) -> Result<DirCheck> {
     use rayon::prelude::*;
-    let (r0, c0) = (TraceDir::open(reference)?, TraceDir::open(candidate)?);
-    let plan = plan(&r0, &c0)?;
-    let (producer, kinds) = side_info(&r0);
+    let plan = plan(r0, c0)?;
+    let (producer, kinds) = side_info(r0);
     let mesh = c0.manifest().mesh;
     let workers = rayon::current_num_threads().max(1);
     // One run of tensors per worker: each opens its handles once and reuses their read and

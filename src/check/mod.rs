@@ -23,7 +23,9 @@ use crate::engine::trace::Trace;
 use crate::error::Error;
 use crate::format::Format;
 
-pub use dirs::{check_dir_paths, check_dirs, DirCheck, FileLocalization, PricingMode};
+pub use dirs::{
+    check_dir_paths, check_dir_traces, check_dirs, DirCheck, FileLocalization, PricingMode,
+};
 pub use localize::{localize, Localization};
 
 /// The verdict on one tensor.

@@ -196,11 +196,12 @@ impl TrustedDir {
         Ok((shown, real))
     }
 
-    /// Open `name` inside the directory (see [`TrustedDir::resolve`]), a regular file only.
-    pub fn open(&self, name: &str) -> Result<(PathBuf, File)> {
+    /// Open `name` inside the directory (see [`TrustedDir::resolve`]), a regular file only:
+    /// its path as given, its resolved path and the handle.
+    pub fn open(&self, name: &str) -> Result<(PathBuf, PathBuf, File)> {
         let (shown, real) = self.resolve(name)?;
         let file = open_regular(&real).map_err(|e| rename_path(e, &shown))?;
-        Ok((shown, file))
+        Ok((shown, real, file))
     }
 
     /// Read `name` whole, at most `limit` bytes.

@@ -443,11 +443,7 @@ impl TraceDir {
             let path = dir.join(&e.file);
             if e.file.ends_with(".safetensors") {
                 if !files.contains_key(&e.file) {
-                    let (shown, real) = td.resolve(&e.file)?;
-                    let file = crate::io::guard::open_regular(&real).map_err(|er| match er {
-                        Error::File { reason, .. } => ferr(&shown, reason),
-                        other => other,
-                    })?;
+                    let (shown, real, file) = td.open(&e.file)?;
                     let mut f = safetensors::SafetensorsFile::from_file(&shown, file)?;
                     // No handle kept between reads: a trace of many ranks stays far below
                     // the open-file limit.
@@ -610,7 +606,7 @@ impl TraceDir {
                 });
                 f.read_reusing(&e.key, take_spare(&mut self.spare, len))?
             } else {
-                let (shown, file) = self.dir.open(&e.file)?;
+                let (shown, _, file) = self.dir.open(&e.file)?;
                 npy::read_from(&shown, file, Some(e.dtype))?
             };
             out.push(t);
