@@ -1,6 +1,8 @@
 //! Files written by Python's `safetensors` and `numpy` packages (with `ml_dtypes` for BF16 and
-//! FP8) are read bit for bit. `.ci/run` installs the packages; without Python this test fails
-//! unless `TTRACE_SKIP_PYTHON=1` says to skip it.
+//! FP8) are read bit for bit. When `python3` lacks the packages, the test makes its own virtual
+//! environment under the target directory and installs them from PyPI (once; later runs reuse
+//! it), so `cargo test` needs nothing but `python3` with `venv`. Without Python, or without
+//! network on the first run, it fails unless `TTRACE_SKIP_PYTHON=1` says to skip it.
 
 use std::process::Command;
 
@@ -15,7 +17,38 @@ fn python_written_safetensors_and_npy_read_bit_for_bit() {
         env!("CARGO_MANIFEST_DIR"),
         "/tests/python/write_fixtures.py"
     );
-    let run = Command::new("python3").arg(script).arg(&dir).output();
+    let has_packages = |py: &str| {
+        Command::new(py)
+            .args(["-c", "import numpy, safetensors, ml_dtypes"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let python = if has_packages("python3") {
+        "python3".to_string()
+    } else {
+        // A private environment, made once.
+        let venv = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("pyenv");
+        let py = venv.join("bin/python3").display().to_string();
+        if !has_packages(&py) {
+            let _ = Command::new("python3")
+                .arg("-m")
+                .arg("venv")
+                .arg(&venv)
+                .output();
+            let _ = Command::new(&py)
+                .args([
+                    "-m",
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "--disable-pip-version-check",
+                ])
+                .args(["numpy", "safetensors", "ml_dtypes"])
+                .output();
+        }
+        py
+    };
+    let run = Command::new(&python).arg(script).arg(&dir).output();
     let ok = matches!(&run, Ok(o) if o.status.success());
     if !ok {
         if std::env::var("TTRACE_SKIP_PYTHON").as_deref() == Ok("1") {
@@ -23,8 +56,8 @@ fn python_written_safetensors_and_npy_read_bit_for_bit() {
             return;
         }
         panic!(
-            "python3 with numpy, safetensors and ml_dtypes is needed (pip install numpy \
-             safetensors ml_dtypes; .ci/run does it): {:?}",
+            "python3 with numpy, safetensors and ml_dtypes is needed (installing them into \
+             a private venv failed; pip install numpy safetensors ml_dtypes): {:?}",
             run.map(|o| String::from_utf8_lossy(&o.stderr).to_string())
         );
     }
