@@ -416,3 +416,59 @@ fn parallel_check_equals_sequential_check() {
     }
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// Shards that are all addends of one sum (a 4-rank partial layout, more elements than one
+/// block of the streamed sum) merge to the exactly summed, once rounded values, for every
+/// stored format; the oracle is `exact_sum` element by element.
+#[test]
+fn partial_shards_sum_exactly_block_by_block() {
+    let mesh = Mesh::new(4, 1, 1, false).unwrap();
+    let layout = Layout {
+        tp: ttrace::shard::Placement::Partial,
+        ..Layout::replicated()
+    };
+    let n = 70_001;
+    let mut g = ttrace::engine::init::SplitMix64::for_name("partial-stream", 3);
+    for f in formats() {
+        let width = f.bit_width();
+        let shards: Vec<Tensor> = (0..4)
+            .map(|_| {
+                let v = (0..n)
+                    .map(|_| {
+                        let b = g.next_u64();
+                        f.decode(if width == 64 {
+                            b
+                        } else {
+                            b & ((1 << width) - 1)
+                        })
+                        .unwrap()
+                    })
+                    .collect();
+                Tensor::from_vec(&[n], v, f).unwrap()
+            })
+            .collect();
+        let d = tmp(&format!("partial-{f}"));
+        let id = "mlp.fc2|fwd.output.0".to_string();
+        let none = (HashMap::new(), HashMap::new());
+        write_trace_dir(
+            &d,
+            &mesh,
+            None,
+            &[(id.clone(), layout, shards.clone())],
+            &none.0,
+            &none.1,
+        )
+        .unwrap();
+        let merged = TraceDir::open(&d).unwrap().logical(&id).unwrap();
+        assert_eq!(merged.shape(), &[n]);
+        for (i, &m) in merged.values().iter().enumerate() {
+            let addends: Vec<f64> = shards.iter().map(|s| s.values()[i]).collect();
+            let want = f.round(ttrace::exact_sum(&addends), ttrace::Overflow::NonSaturating);
+            assert!(
+                m.to_bits() == want.to_bits() || (m.is_nan() && want.is_nan()),
+                "{f} element {i}: {m} vs {want} from {addends:?}"
+            );
+        }
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}

@@ -2,7 +2,9 @@
 //! merged into logical tensors one at a time and compared with the reference's.
 //!
 //! Two passes. The first reads every traced id of both runs once (tensors are streamed: one
-//! tensor per worker in memory) and keeps per-id statistics — norms of the reference and of
+//! tensor pair per worker in memory, kept in its stored format — an FP8 element is one byte —
+//! from the file through the merge to the comparison, which decodes a piece at a time) and
+//! keeps per-id statistics — norms of the reference and of
 //! the difference, the candidate's layout, the norm gain of norm inputs — and the verdict's
 //! error columns. The second prices each produced tensor's threshold without touching the
 //! files:
@@ -25,13 +27,14 @@ use std::path::Path;
 use serde::Serialize;
 
 use crate::check::price::{
-    norm_gain, price_local, role, InputIndex, PriceContext, Pricing, TensorStat,
+    norm_gain_by, price_local, role, InputIndex, PriceContext, Pricing, TensorStat,
 };
-use crate::check::{apply_threshold, compare_with_sums, CheckReport, TensorVerdict};
+use crate::check::{apply_threshold, compare_stored, CheckReport, TensorVerdict};
 use crate::engine::model::ModuleKind;
 use crate::engine::policy::{Pass, Recipe};
 use crate::error::{Error, Result};
 use crate::format::Format;
+use crate::io::stored::Window;
 use crate::io::TraceDir;
 
 /// Which thresholds `ttrace check` uses.
@@ -116,12 +119,14 @@ fn gather(
     id: &str,
     eps: f64,
 ) -> Result<Gathered> {
-    let r = reference.logical(id)?;
+    // Both sides stay as stored (an FP8 element is one byte) and are decoded a piece at a
+    // time by the comparison.
+    let r = reference.logical_stored(id)?;
     let module = reference.module(id).cloned();
     let layout = candidate
         .layout(id)
         .unwrap_or_else(crate::shard::Layout::replicated);
-    let (c, problem, rank) = match candidate.logical(id) {
+    let (c, problem, rank) = match candidate.logical_stored(id) {
         Ok(c) => (Some(c), None, None),
         // Replicas that disagree are a finding (a missing synchronization); shards whose shapes
         // do not fit their layout are unusable input and end the check. The verdict's columns
@@ -130,7 +135,7 @@ fn gather(
         Err(e) => return Err(e),
     };
     let cand = c.as_ref().unwrap_or(&r);
-    let (mut verdict, sums) = compare_with_sums(id, &r, cand, 0.0, eps);
+    let (mut verdict, sums) = compare_stored(id, &r, cand, 0.0, eps);
     let (dn, rn, rmax) = (sums.dn, sums.rn, sums.rmax);
     let mut diff_norm = dn;
     if let Some(p) = problem {
@@ -155,7 +160,8 @@ fn gather(
         format: r.format(),
         layout,
         norm_gain: if is_norm_input {
-            norm_gain(r.values(), last_dim)
+            let mut window = Window::new(&r);
+            norm_gain_by(r.len(), last_dim, &mut |s, e, f| window.visit(s, e, f))
         } else {
             1.0
         },

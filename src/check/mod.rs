@@ -22,6 +22,7 @@ use crate::engine::tensor::Tensor;
 use crate::engine::trace::Trace;
 use crate::error::Error;
 use crate::format::Format;
+use crate::io::stored::Stored;
 
 pub use dirs::{
     check_dir_paths, check_dir_traces, check_dirs, DirCheck, FileLocalization, PricingMode,
@@ -117,6 +118,57 @@ pub(crate) struct Sums {
     pub rmax: f64,
 }
 
+/// A reference and a candidate tensor of one shape, visited as pieces of decoded values.
+trait Pair {
+    fn shapes(&self) -> (&[usize], &[usize]);
+    fn formats(&self) -> (Format, Format);
+    fn len(&self) -> usize;
+    /// Hand `f` the pairs in order, in pieces of a multiple of 8 pairs (but the last).
+    fn pieces(&self, f: &mut dyn FnMut(&[f64], &[f64]));
+}
+
+impl Pair for (&Tensor, &Tensor) {
+    fn shapes(&self) -> (&[usize], &[usize]) {
+        (self.0.shape(), self.1.shape())
+    }
+    fn formats(&self) -> (Format, Format) {
+        (self.0.format(), self.1.format())
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn pieces(&self, f: &mut dyn FnMut(&[f64], &[f64])) {
+        f(self.0.values(), self.1.values())
+    }
+}
+
+/// Elements decoded at a time when stored tensors are compared (a multiple of 8: 128 KiB of
+/// values per side, which stay in the cache between decoding and comparing).
+const PIECE: usize = 1 << 14;
+
+impl Pair for (&Stored, &Stored) {
+    fn shapes(&self) -> (&[usize], &[usize]) {
+        (self.0.shape(), self.1.shape())
+    }
+    fn formats(&self) -> (Format, Format) {
+        (self.0.format(), self.1.format())
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn pieces(&self, f: &mut dyn FnMut(&[f64], &[f64])) {
+        let n = self.0.len().min(self.1.len());
+        let cap = PIECE.min(n);
+        let (mut a, mut b) = (Vec::with_capacity(cap), Vec::with_capacity(cap));
+        for start in (0..n).step_by(PIECE) {
+            let end = (start + PIECE).min(n);
+            self.0.decode_range(start, end, &mut a);
+            self.1.decode_range(start, end, &mut b);
+            f(&a, &b);
+        }
+    }
+}
+
 /// [`compare_tensor`], also returning its sums (one pass over the data).
 pub(crate) fn compare_with_sums(
     id: &str,
@@ -125,9 +177,25 @@ pub(crate) fn compare_with_sums(
     threshold_abs: f64,
     eps: f64,
 ) -> (TensorVerdict, Sums) {
+    compare_pair(id, &(reference, candidate), threshold_abs, eps)
+}
+
+/// [`compare_with_sums`] on tensors as stored, decoded a piece at a time: the same numbers
+/// bit for bit, in memory for the patterns and two pieces of values.
+pub(crate) fn compare_stored(
+    id: &str,
+    reference: &Stored,
+    candidate: &Stored,
+    threshold_abs: f64,
+    eps: f64,
+) -> (TensorVerdict, Sums) {
+    compare_pair(id, &(reference, candidate), threshold_abs, eps)
+}
+
+fn compare_pair(id: &str, pair: &dyn Pair, threshold_abs: f64, eps: f64) -> (TensorVerdict, Sums) {
     let mut verdict = TensorVerdict {
         id: id.to_string(),
-        elements: reference.len(),
+        elements: pair.len(),
         rel_error: 0.0,
         rel_error_eps: 0.0,
         threshold: 0.0,
@@ -139,20 +207,15 @@ pub(crate) fn compare_with_sums(
         problem: None,
         passed: false,
     };
-    if reference.shape() != candidate.shape() {
-        verdict.problem = Some(format!(
-            "shape {:?} differs from the reference's {:?}",
-            candidate.shape(),
-            reference.shape()
-        ));
+    let (rs, cs) = pair.shapes();
+    if rs != cs {
+        verdict.problem = Some(format!("shape {cs:?} differs from the reference's {rs:?}"));
         return (verdict, Sums::default());
     }
-    let st = pass_fast(
-        reference.values(),
-        candidate.values(),
-        reference.format(),
-        candidate.format(),
-    );
+    let (rf, cf) = pair.formats();
+    let mut pass = Pass::new(rf, cf);
+    pair.pieces(&mut |r, c| pass.feed(r, c));
+    let st = pass.finish();
     verdict.max_abs = st.max_abs;
     verdict.max_ulp = st.max_ulp;
     verdict.nonfinite_mismatches = st.nonfinite_mismatches;
@@ -161,7 +224,7 @@ pub(crate) fn compare_with_sums(
         (st.d2.sqrt(), st.r2.sqrt())
     } else {
         // A square overflowed (values beyond about 1e154): the norms again, scaled.
-        scaled_norms(reference.values(), candidate.values())
+        scaled_norms(pair)
     };
     apply_threshold(&mut verdict, dn, rn, threshold_abs);
     verdict.rel_error_eps = verdict.rel_error / eps;
@@ -177,29 +240,30 @@ pub(crate) fn compare_with_sums(
 
 /// ‖c − r‖_F and ‖r‖_F over the finite pairs, scaled by the largest magnitudes so that no
 /// square overflows; +∞ only for a norm beyond the largest `f64`. A difference of two finite
-/// values may itself overflow (1e308 against −1e308): it is computed halved.
-fn scaled_norms(r: &[f64], c: &[f64]) -> (f64, f64) {
-    let finite = || {
-        r.iter()
-            .zip(c)
-            .filter(|(a, b)| a.is_finite() && b.is_finite())
-    };
+/// values may itself overflow (1e308 against −1e308): it is computed halved. Two visits: the
+/// maxima, then the scaled sums.
+fn scaled_norms(pair: &dyn Pair) -> (f64, f64) {
+    let finite = |a: f64, b: f64| a.is_finite() && b.is_finite();
     let (mut dmax, mut rmax) = (0.0f64, 0.0f64);
-    for (&a, &b) in finite() {
-        dmax = dmax.max((b / 2.0 - a / 2.0).abs());
-        rmax = rmax.max(a.abs());
-    }
+    pair.pieces(&mut |r, c| {
+        for (&a, &b) in r.iter().zip(c).filter(|(&a, &b)| finite(a, b)) {
+            dmax = dmax.max((b / 2.0 - a / 2.0).abs());
+            rmax = rmax.max(a.abs());
+        }
+    });
     let (mut ds, mut rs) = (0.0f64, 0.0f64);
-    for (&a, &b) in finite() {
-        if dmax > 0.0 {
-            let d = (b / 2.0 - a / 2.0) / dmax;
-            ds += d * d;
+    pair.pieces(&mut |r, c| {
+        for (&a, &b) in r.iter().zip(c).filter(|(&a, &b)| finite(a, b)) {
+            if dmax > 0.0 {
+                let d = (b / 2.0 - a / 2.0) / dmax;
+                ds += d * d;
+            }
+            if rmax > 0.0 {
+                let x = a / rmax;
+                rs += x * x;
+            }
         }
-        if rmax > 0.0 {
-            let x = a / rmax;
-            rs += x * x;
-        }
-    }
+    });
     (2.0 * dmax * ds.sqrt(), rmax * rs.sqrt())
 }
 
@@ -263,47 +327,139 @@ pub(crate) fn pass_simple(r: &[f64], c: &[f64], rf: Format, cf: Format) -> PassS
 /// mismatches. Bit-identical to [`pass_simple`] (property test `fast_pass_is_the_simple_pass`).
 /// Compiled for AVX2 when the CPU has it (the same operations: IEEE adds, multiplies, maxima
 /// and conversions give identical results on any instruction set).
+#[cfg(test)]
 pub(crate) fn pass_fast(r: &[f64], c: &[f64], rf: Format, cf: Format) -> PassStats {
+    let mut pass = Pass::new(rf, cf);
+    pass.feed(r, c);
+    pass.finish()
+}
+
+/// The comparison pass over a pair of tensors fed in pieces, in order: every piece but the
+/// last must hold a multiple of 8 pairs, so each lane keeps summing its elements in index
+/// order across pieces and the result is that of one piece, bit for bit (see [`pass_fast`]).
+/// A stored tensor is compared this way a decoded block at a time.
+pub(crate) struct Pass {
+    acc: Lanes,
+    rf: Format,
+    cf: Format,
+    /// F32 and BF16 ulp distances come from the lane loop; other formats need a scan.
+    in_loop: bool,
+    /// Pairs fed so far.
+    seen: usize,
+    /// The scalar scans' findings.
+    scanned: PassStats,
+}
+
+impl Pass {
+    /// A pass comparing values of `rf` (reference) with values of `cf` (candidate).
+    pub(crate) fn new(rf: Format, cf: Format) -> Pass {
+        Pass {
+            acc: Lanes::default(),
+            rf,
+            cf,
+            in_loop: matches!(
+                (rf, cf),
+                (Format::F32, Format::F32) | (Format::BF16, Format::BF16)
+            ),
+            seen: 0,
+            scanned: PassStats::default(),
+        }
+    }
+
+    /// The next pairs (the shorter slice's length of them).
+    pub(crate) fn feed(&mut self, r: &[f64], c: &[f64]) {
+        debug_assert_eq!(self.seen % 8, 0, "pieces before the last hold 8k pairs");
+        let n = r.len().min(c.len());
+        let (r, c) = (&r[..n], &c[..n]);
+        let nonfinite = lanes_dispatch(&mut self.acc, r, c, self.rf, self.cf);
+        // Ulp distances of other formats once some pair differed (this piece or an earlier
+        // one: the scan then runs on every later piece); non-finite pairs of this piece.
+        let differs = !self.in_loop && self.acc.dmax.iter().any(|&d| d > 0.0);
+        if differs || nonfinite {
+            let st = &mut self.scanned;
+            for (i, (&a, &b)) in r.iter().zip(c).enumerate() {
+                if a.is_finite() && b.is_finite() {
+                    if a != b && !self.in_loop {
+                        st.max_ulp = st.max_ulp.max(ulp_distance(self.rf, self.cf, a, b));
+                    }
+                } else if !((a.is_nan() && b.is_nan()) || a == b) {
+                    st.nonfinite_mismatches += 1;
+                    st.first_nonfinite.get_or_insert(self.seen + i);
+                }
+            }
+        }
+        self.seen += n;
+    }
+
+    /// Combine the lanes.
+    pub(crate) fn finish(self) -> PassStats {
+        let acc = &self.acc;
+        let max = |l: &[f64; 8]| l.iter().fold(0.0f64, |m, &x| m.max(x));
+        PassStats {
+            d2: combine_lanes(acc.d2),
+            r2: combine_lanes(acc.r2),
+            rmax: max(&acc.rmax),
+            max_abs: max(&acc.dmax),
+            max_ulp: (acc.umax.iter().copied().max().unwrap_or(0) as u64).max(self.scanned.max_ulp),
+            nonfinite_mismatches: self.scanned.nonfinite_mismatches,
+            first_nonfinite: self.scanned.first_nonfinite,
+        }
+    }
+}
+
+/// The lane loop over one piece, continuing `acc`, on the best instruction set; whether the
+/// piece holds a non-finite value.
+fn lanes_dispatch(acc: &mut Lanes, r: &[f64], c: &[f64], rf: Format, cf: Format) -> bool {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2, checked just above.
-        return unsafe { pass_fast_avx2(r, c, rf, cf) };
+        return unsafe { lanes_avx2(acc, r, c, rf, cf) };
     }
-    pass_fast_body(r, c, rf, cf)
+    lanes_plain(acc, r, c, rf, cf)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn pass_fast_avx2(r: &[f64], c: &[f64], rf: Format, cf: Format) -> PassStats {
+fn lanes_avx2(acc: &mut Lanes, r: &[f64], c: &[f64], rf: Format, cf: Format) -> bool {
     match (rf, cf) {
-        (Format::F32, Format::F32) => pass_avx2::<true, 0>(r, c, rf, cf),
-        (Format::BF16, Format::BF16) => pass_avx2::<true, 16>(r, c, rf, cf),
-        _ => pass_avx2::<false, 0>(r, c, rf, cf),
+        (Format::F32, Format::F32) => pass_avx2::<true, 0>(acc, r, c),
+        (Format::BF16, Format::BF16) => pass_avx2::<true, 16>(acc, r, c),
+        _ => pass_avx2::<false, 0>(acc, r, c),
     }
 }
 
-/// The lane loop of [`pass_fast_body`] in AVX2 intrinsics: lanes 0–3 and 4–7 of each sum in
-/// two registers, the same IEEE operations in the same order per lane (x − x = 0 tests
-/// finiteness; masks replace the selects; `max_pd(m, x)` is `if x > m { x } else { m }` for
-/// the non-negative, non-NaN values here). The ulp distance runs on 8 `f32` patterns at once:
-/// |mag_a − mag_b| for equal signs, mag_a + mag_b for opposite ones (below 2^32 for finite
-/// values, so u32 lanes hold it), the BF16 distance being the F32 one over 2^16 (BF16 values
-/// have 16 zero low bits). The tail of fewer than 8 elements goes through [`lane`].
+/// The lane loop of [`lanes_plain`] in AVX2 intrinsics: lanes 0–3 and 4–7 of each sum in
+/// two registers (loaded from `acc` and stored back), the same IEEE operations in the same
+/// order per lane (x − x = 0 tests finiteness; masks replace the selects; `max_pd(m, x)` is
+/// `if x > m { x } else { m }` for the non-negative, non-NaN values here). The ulp distance
+/// runs on 8 `f32` patterns at once: |mag_a − mag_b| for equal signs, mag_a + mag_b for
+/// opposite ones (below 2^32 for finite values, so u32 lanes hold it), the BF16 distance being
+/// the F32 one over 2^16 (BF16 values have 16 zero low bits). The tail of fewer than 8
+/// elements goes through [`lane`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn pass_avx2<const ULP: bool, const SH: u32>(
-    r: &[f64],
-    c: &[f64],
-    rf: Format,
-    cf: Format,
-) -> PassStats {
+fn pass_avx2<const ULP: bool, const SH: u32>(acc: &mut Lanes, r: &[f64], c: &[f64]) -> bool {
     use std::arch::x86_64::*;
     let n = r.len().min(c.len());
     let blocks = n / 8 * 8;
     let zero = _mm256_setzero_pd();
     let abs = _mm256_castsi256_pd(_mm256_set1_epi64x(i64::MAX));
     let mag32 = _mm256_set1_epi32(i32::MAX);
-    let (mut d2, mut r2, mut rmax, mut dmax) = ([zero; 2], [zero; 2], [zero; 2], [zero; 2]);
+    let load = |l: &[f64; 8]| {
+        // SAFETY: reads 4 f64 at offsets 0 and 4 of an 8-element array.
+        unsafe {
+            [
+                _mm256_loadu_pd(l.as_ptr()),
+                _mm256_loadu_pd(l.as_ptr().add(4)),
+            ]
+        }
+    };
+    let (mut d2, mut r2, mut rmax, mut dmax) = (
+        load(&acc.d2),
+        load(&acc.r2),
+        load(&acc.rmax),
+        load(&acc.dmax),
+    );
     let mut all_finite = _mm256_castsi256_pd(_mm256_set1_epi64x(-1));
     let mut umax = _mm256_setzero_si256();
     let (rp, cp) = (r.as_ptr(), c.as_ptr());
@@ -348,7 +504,6 @@ fn pass_avx2<const ULP: bool, const SH: u32>(
             umax = _mm256_max_epu32(umax, dist);
         }
     }
-    let mut acc = Lanes::default();
     let mut u32s = [0u32; 8];
     // SAFETY: every store writes 4 f64 or 8 u32 into arrays of that many elements.
     unsafe {
@@ -361,15 +516,13 @@ fn pass_avx2<const ULP: bool, const SH: u32>(
         _mm256_storeu_si256(u32s.as_mut_ptr().cast(), umax);
     }
     for (u, &x) in acc.umax.iter_mut().zip(&u32s) {
-        *u = i64::from(x >> SH);
+        *u = (*u).max(i64::from(x >> SH));
     }
-    if _mm256_movemask_pd(all_finite) != 0xf {
-        acc.nonfinite[0] = 1;
-    }
+    let before = acc.nonfinite.iter().sum::<u64>();
     for i in blocks..n {
-        lane::<ULP, SH>(&mut acc, i % 8, r[i], c[i]);
+        lane::<ULP, SH>(acc, i % 8, r[i], c[i]);
     }
-    finish_pass(acc, &r[..n], &c[..n], rf, cf, ULP)
+    _mm256_movemask_pd(all_finite) != 0xf || acc.nonfinite.iter().sum::<u64>() != before
 }
 
 /// Per-lane accumulators of the fast pass (all zero to start).
@@ -430,65 +583,21 @@ fn lanes_over<const ULP: bool, const SH: u32>(r: &[f64], c: &[f64], acc: &mut La
     }
 }
 
+/// The lane loop written for the compiler to vectorize (element i into lane i mod 8, branch-free
+/// selects), continuing `acc`; whether the piece holds a non-finite value. F32 and BF16
+/// ordinals are cheap bit operations on the f32 pattern and are computed here (0 for equal or
+/// non-finite pairs); other formats get the scalar scan of [`Pass::feed`].
 #[inline(always)]
-fn pass_fast_body(r: &[f64], c: &[f64], rf: Format, cf: Format) -> PassStats {
+fn lanes_plain(acc: &mut Lanes, r: &[f64], c: &[f64], rf: Format, cf: Format) -> bool {
     let n = r.len().min(c.len());
     let (r, c) = (&r[..n], &c[..n]);
-    let mut acc = Lanes::default();
-    // F32 and BF16 ordinals are cheap bit operations on the f32 pattern: computed in the
-    // vector loop (0 for equal or non-finite pairs); other formats get a scalar scan.
-    let in_loop = match (rf, cf) {
-        (Format::F32, Format::F32) => {
-            lanes_over::<true, 0>(r, c, &mut acc);
-            true
-        }
-        (Format::BF16, Format::BF16) => {
-            lanes_over::<true, 16>(r, c, &mut acc);
-            true
-        }
-        _ => {
-            lanes_over::<false, 0>(r, c, &mut acc);
-            false
-        }
-    };
-    finish_pass(acc, r, c, rf, cf, in_loop)
-}
-
-/// Combine the lanes of a pass, then the scalar scan when it is needed: ulp distances of
-/// formats the lane loop does not handle, and the non-finite mismatches.
-#[inline(always)]
-fn finish_pass(
-    acc: Lanes,
-    r: &[f64],
-    c: &[f64],
-    rf: Format,
-    cf: Format,
-    in_loop: bool,
-) -> PassStats {
-    let max = |l: &[f64; 8]| l.iter().fold(0.0f64, |m, &x| m.max(x));
-    let mut st = PassStats {
-        d2: combine_lanes(acc.d2),
-        r2: combine_lanes(acc.r2),
-        rmax: max(&acc.rmax),
-        max_abs: max(&acc.dmax),
-        max_ulp: acc.umax.iter().copied().max().unwrap_or(0) as u64,
-        ..PassStats::default()
-    };
-    let differs = st.max_abs > 0.0;
-    let nonfinite = acc.nonfinite.iter().any(|&k| k > 0);
-    if (differs && !in_loop) || nonfinite {
-        for (i, (&a, &b)) in r.iter().zip(c).enumerate() {
-            if a.is_finite() && b.is_finite() {
-                if a != b && !in_loop {
-                    st.max_ulp = st.max_ulp.max(ulp_distance(rf, cf, a, b));
-                }
-            } else if !((a.is_nan() && b.is_nan()) || a == b) {
-                st.nonfinite_mismatches += 1;
-                st.first_nonfinite.get_or_insert(i);
-            }
-        }
+    let before = acc.nonfinite.iter().sum::<u64>();
+    match (rf, cf) {
+        (Format::F32, Format::F32) => lanes_over::<true, 0>(r, c, acc),
+        (Format::BF16, Format::BF16) => lanes_over::<true, 16>(r, c, acc),
+        _ => lanes_over::<false, 0>(r, c, acc),
     }
-    st
+    acc.nonfinite.iter().sum::<u64>() != before
 }
 
 /// Fill a verdict's error, threshold, ratio and pass columns from ‖cand − ref‖_F = `dn`,
@@ -730,7 +839,8 @@ mod pass_tests {
         #[test]
         fn fast_pass_is_the_simple_pass(
             pairs in prop::collection::vec((any::<u8>(), any::<u8>(), -1e3f64..1e3, 0u8..5), 0..200),
-            pick in 0usize..4)
+            pick in 0usize..4,
+            cuts in prop::collection::vec(0usize..6, 0..6))
         {
             // F32 and BF16 take the in-loop ulp distance, F16 and F64 the scalar scan.
             let f = [Format::F32, Format::BF16, Format::F16, Format::F64][pick];
@@ -747,14 +857,60 @@ mod pass_tests {
                 // Opposite extremes: the difference overflows to ±∞ between finite values.
                 _ => -a,
             }).collect();
-            let (s, q) = (pass_simple(&r, &c, f, f), pass_fast(&r, &c, f, f));
-            prop_assert_eq!(s.d2.to_bits(), q.d2.to_bits());
-            prop_assert_eq!(s.r2.to_bits(), q.r2.to_bits());
-            prop_assert_eq!(s.rmax.to_bits(), q.rmax.to_bits());
-            prop_assert_eq!(s.max_abs.to_bits(), q.max_abs.to_bits());
-            prop_assert_eq!(s.max_ulp, q.max_ulp);
-            prop_assert_eq!(s.nonfinite_mismatches, q.nonfinite_mismatches);
-            prop_assert_eq!(s.first_nonfinite, q.first_nonfinite);
+            let s = pass_simple(&r, &c, f, f);
+            // In one piece, and fed in pieces of 8k pairs.
+            let mut pieces = Pass::new(f, f);
+            let mut at = 0usize;
+            for k in cuts.iter().chain([&usize::MAX]) {
+                let to = at.saturating_add(k.saturating_mul(8)).min(r.len());
+                pieces.feed(&r[at..to], &c[at..to]);
+                at = to;
+            }
+            for q in [pass_fast(&r, &c, f, f), pieces.finish()] {
+                prop_assert_eq!(s.d2.to_bits(), q.d2.to_bits());
+                prop_assert_eq!(s.r2.to_bits(), q.r2.to_bits());
+                prop_assert_eq!(s.rmax.to_bits(), q.rmax.to_bits());
+                prop_assert_eq!(s.max_abs.to_bits(), q.max_abs.to_bits());
+                prop_assert_eq!(s.max_ulp, q.max_ulp);
+                prop_assert_eq!(s.nonfinite_mismatches, q.nonfinite_mismatches);
+                prop_assert_eq!(s.first_nonfinite, q.first_nonfinite);
+            }
+        }
+
+        /// Tensors compared as stored patterns, decoded a piece at a time, give the verdict
+        /// and sums of the decoded tensors, on random patterns of every stored format (NaN,
+        /// infinities and values whose squares overflow included) and lengths that cross
+        /// pieces.
+        #[test]
+        fn stored_comparison_is_the_decoded_one(
+            seed in any::<u64>(),
+            pick in 0usize..6,
+            n in prop_oneof![0usize..64, (PIECE - 9)..(2 * PIECE + 20)],
+            edits in 0usize..4)
+        {
+            let f = [Format::F64, Format::F32, Format::F16, Format::BF16, Format::E4M3,
+                Format::E5M2][pick];
+            let mut g = crate::engine::init::SplitMix64::for_name("stored-compare", seed);
+            let w = crate::io::safetensors::element_size(f);
+            let rb: Vec<u8> = (0..n * w).map(|_| g.next_u64() as u8).collect();
+            let mut cb = rb.clone();
+            // None, a few low bits, many bytes, every byte.
+            if let Some(step) = [None, Some(997), Some(7), Some(1)][edits] {
+                for i in (0..cb.len()).step_by(step) {
+                    cb[i] = if step == 997 { cb[i] ^ 1 } else { g.next_u64() as u8 };
+                }
+            }
+            let (rs, cs) = (
+                Stored::new(&[n], f, rb).unwrap(),
+                Stored::new(&[n], f, cb).unwrap(),
+            );
+            let (v1, s1) = compare_stored("x", &rs, &cs, 1.0, 0.5);
+            let (v2, s2) = compare_with_sums("x", &rs.decode(), &cs.decode(), 1.0, 0.5);
+            prop_assert_eq!(format!("{v1:?}"), format!("{v2:?}"));
+            prop_assert_eq!(
+                (s1.dn.to_bits(), s1.rn.to_bits(), s1.rmax.to_bits()),
+                (s2.dn.to_bits(), s2.rn.to_bits(), s2.rmax.to_bits())
+            );
         }
     }
 }

@@ -149,14 +149,36 @@ impl TensorStat {
 /// The norm gain g = sqrt(mean_rows ‖x_r‖² / ‖x_r − x̄_r‖²) of a tensor viewed as rows of
 /// its last dimension (rows with zero spread are skipped; 1 for an empty tensor).
 pub fn norm_gain(values: &[f64], row: usize) -> f64 {
-    if row < 2 || values.is_empty() {
+    norm_gain_by(values.len(), row, &mut |s, e, f| f(&values[s..e]))
+}
+
+/// A reader of a tensor's values: `read(start, end, f)` hands `f` the values `start..end`.
+pub(crate) type ReadRange<'a> = dyn FnMut(usize, usize, &mut dyn FnMut(&[f64])) + 'a;
+
+/// [`norm_gain`] of `len` values read through `read(start, end, f)`, which hands `f` the
+/// values `start..end` in order (in pieces if it likes): each row is visited twice (its sums,
+/// then its spread about the mean), so a stored tensor need not be decoded whole.
+pub(crate) fn norm_gain_by(len: usize, row: usize, read: &mut ReadRange<'_>) -> f64 {
+    if row < 2 || len == 0 {
         return 1.0;
     }
     let (mut acc, mut n) = (0.0, 0usize);
-    for r in values.chunks(row) {
-        let mean = r.iter().sum::<f64>() / r.len() as f64;
-        let total: f64 = r.iter().map(|x| x * x).sum();
-        let spread: f64 = r.iter().map(|x| (x - mean) * (x - mean)).sum();
+    for start in (0..len).step_by(row) {
+        let end = (start + row).min(len);
+        let (mut sum, mut total) = (0.0f64, 0.0f64);
+        read(start, end, &mut |p| {
+            for &x in p {
+                sum += x;
+                total += x * x;
+            }
+        });
+        let mean = sum / (end - start) as f64;
+        let mut spread = 0.0f64;
+        read(start, end, &mut |p| {
+            for &x in p {
+                spread += (x - mean) * (x - mean);
+            }
+        });
         if spread > 0.0 && total.is_finite() {
             acc += total / spread;
             n += 1;

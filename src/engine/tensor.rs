@@ -142,8 +142,8 @@ impl Tensor {
         self.data
     }
 
-    /// Take the elements out, in row-major order (the buffer can be reused, e.g. by
-    /// [`TraceDir::recycle`](crate::io::TraceDir::recycle)).
+    /// Take the elements out, in row-major order (the buffer can be reused, e.g. in the spare
+    /// pool of [`merge_reusing`](crate::shard::merge_reusing)).
     pub fn into_values(self) -> Vec<f64> {
         // Invariant: standard layout, so the buffer starts at offset 0 in row-major order.
         let (v, offset) = self.data.into_raw_vec_and_offset();

@@ -19,6 +19,7 @@
 //! Unknown fields are ignored; a missing required field is an error naming the tensor and the
 //! field. Every id must be present once on every rank of the mesh.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -29,8 +30,9 @@ use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::io::guard::{limits, printable, TrustedDir};
+use crate::io::stored::Stored;
 use crate::io::{npy, safetensors};
-use crate::shard::layout::{give_spare, merge_reusing, take_spare, Layout, Mesh};
+use crate::shard::layout::{keep, merge_fetched, same_kind, take_spare, Joinable, Layout, Mesh};
 
 /// The schema version this library writes and reads.
 pub const VERSION: u64 = 1;
@@ -421,8 +423,8 @@ pub struct TraceDir {
     by_id: std::sync::Arc<BTreeMap<String, Vec<usize>>>,
     order: std::sync::Arc<Vec<String>>,
     files: HashMap<String, safetensors::SafetensorsFile>,
-    /// Value buffers handed back by [`TraceDir::recycle`], reused by the next reads.
-    spare: Vec<Vec<f64>>,
+    /// Read buffers handed back by [`TraceDir::recycle`], reused by the next reads.
+    spare: Vec<Vec<u8>>,
 }
 
 impl TraceDir {
@@ -585,40 +587,30 @@ impl TraceDir {
 
     /// Every rank's shard of a tensor, and its layout.
     pub fn shards(&mut self, id: &str) -> Result<(Vec<Tensor>, Layout)> {
-        let ks = self
-            .by_id
-            .get(id)
-            .ok_or_else(|| Error::UnknownName {
-                kind: "traced tensor",
-                name: id.to_string(),
-            })?
-            .clone();
-        let mut out = Vec::with_capacity(ks.len());
-        for k in &ks {
-            let e = self.manifest.tensors[*k].clone();
-            let t = if e.file.ends_with(".safetensors") {
-                let f = self
-                    .files
-                    .get_mut(&e.file)
-                    .ok_or_else(|| ferr(self.dir.path(), "file not open"))?;
-                let len = f.entries().get(&e.key).map_or(0, |x| {
-                    crate::engine::tensor::element_count(&x.shape).unwrap_or(0)
-                });
-                f.read_reusing(&e.key, take_spare(&mut self.spare, len))?
-            } else {
-                let (shown, _, file) = self.dir.open(&e.file)?;
-                npy::read_from(&shown, file, Some(e.dtype))?
-            };
-            out.push(t);
-        }
+        let (stored, layout) = self.stored_shards(id)?;
+        let tensors = stored.iter().map(Stored::decode).collect();
+        stored.into_iter().for_each(|s| self.recycle(s));
+        Ok((tensors, layout))
+    }
+
+    /// [`TraceDir::shards`] as stored (patterns not decoded).
+    pub(crate) fn stored_shards(&mut self, id: &str) -> Result<(Vec<Stored>, Layout)> {
+        let ks = self.entries_of(id)?;
+        let out = ks
+            .iter()
+            .map(|&k| {
+                let e = &self.manifest.tensors[k];
+                read_entry(&mut self.files, &self.dir, e, &mut self.spare)
+            })
+            .collect::<Result<_>>()?;
         Ok((out, self.manifest.tensors[ks[0]].layout))
     }
 
-    /// Hand a tensor read from this directory (or any tensor) back when it is no longer
-    /// needed: its buffer is kept (up to a few) and reused by the next reads, which saves the
-    /// fresh pages a large allocation costs. The buffers are freed with the `TraceDir`.
-    pub fn recycle(&mut self, t: Tensor) {
-        give_spare(&mut self.spare, t);
+    /// Hand a tensor read from this directory back when it is no longer needed: its buffer is
+    /// kept (up to a few) and reused by the next reads, which saves the fresh pages a large
+    /// allocation costs. The buffers are freed with the `TraceDir`.
+    pub(crate) fn recycle(&mut self, t: Stored) {
+        keep(&mut self.spare, t.into_bytes());
     }
 
     /// The producer's threshold for an id, if the manifest gives one.
@@ -649,15 +641,144 @@ impl TraceDir {
 
     /// The merged logical tensor of an id (see [`crate::shard::merge`]).
     pub fn logical(&mut self, id: &str) -> Result<Tensor> {
-        let (shards, layout) = self.shards(id)?;
-        merge_reusing(
-            shards,
+        let stored = self.logical_stored(id)?;
+        let t = stored.decode();
+        self.recycle(stored);
+        Ok(t)
+    }
+
+    /// [`TraceDir::logical`] as stored: the shards merged pattern by pattern (a partial sum
+    /// is decoded a block at a time and its rounded result stored again), so memory stays
+    /// that of the stored format.
+    pub(crate) fn logical_stored(&mut self, id: &str) -> Result<Stored> {
+        let ks = self.entries_of(id)?;
+        let layout = self.manifest.tensors[ks[0]].layout;
+        let manifest = self.manifest.clone();
+        let (files, dir) = (&mut self.files, &self.dir);
+        merge_fetched(
+            &mut |ranks, spare| {
+                let entries: Vec<&ManifestEntry> =
+                    ranks.iter().map(|&r| &manifest.tensors[ks[r]]).collect();
+                let streamed = entries.iter().all(|e| e.file.ends_with(".safetensors"));
+                if let [e] = entries[..] {
+                    read_entry(files, dir, e, spare).map(Cow::Owned)
+                } else if streamed {
+                    sum_streamed(files, dir, id, ranks, &entries, spare).map(Cow::Owned)
+                } else {
+                    // Addends in npy files: read whole, summed together.
+                    let pieces = entries
+                        .iter()
+                        .map(|e| read_entry(files, dir, e, spare))
+                        .collect::<Result<Vec<_>>>()?;
+                    for (p, &r) in pieces.iter().zip(ranks).skip(1) {
+                        same_kind(&pieces[0], p, ranks[0], r, id)?;
+                    }
+                    let refs: Vec<&Stored> = pieces.iter().collect();
+                    Stored::exact_sum(&refs, Vec::new()).map(Cow::Owned)
+                }
+            },
             &layout,
-            &self.manifest.mesh,
+            &manifest.mesh,
             id,
             None,
             &mut self.spare,
         )
+    }
+
+    /// The manifest entries of an id, by rank.
+    fn entries_of(&self, id: &str) -> Result<Vec<usize>> {
+        self.by_id
+            .get(id)
+            .cloned()
+            .ok_or_else(|| Error::UnknownName {
+                kind: "traced tensor",
+                name: id.to_string(),
+            })
+    }
+}
+
+/// The sum of the tensors of `entries` (the addends of one partial sum, held by `ranks`),
+/// taken a block at a time from the files: memory for the sum and one block per addend, not
+/// for every addend.
+fn sum_streamed(
+    files: &mut HashMap<String, safetensors::SafetensorsFile>,
+    dir: &TrustedDir,
+    id: &str,
+    ranks: &[usize],
+    entries: &[&ManifestEntry],
+    spare: &mut Vec<Vec<u8>>,
+) -> Result<Stored> {
+    let header = |files: &HashMap<String, safetensors::SafetensorsFile>, e: &ManifestEntry| {
+        files
+            .get(&e.file)
+            .and_then(|f| f.entries().get(&e.key).cloned())
+            .ok_or_else(|| ferr(dir.path(), "file not open"))
+    };
+    let first = header(files, entries[0])?;
+    for (e, &r) in entries.iter().zip(ranks).skip(1) {
+        let h = header(files, e)?;
+        if (h.format, &h.shape) != (first.format, &first.shape) {
+            return Err(Error::Layout {
+                id: id.to_string(),
+                reason: format!(
+                    "shards differ: rank {} holds {} {:?}, rank {r} holds {} {:?}",
+                    ranks[0], first.format, first.shape, h.format, h.shape
+                ),
+            });
+        }
+    }
+    let w = safetensors::element_size(first.format);
+    // The header's validation tied the byte range to the shape.
+    let n = usize::try_from(first.range.1 - first.range.0).unwrap_or(0) / w;
+    // Blocks of at most 4 MiB over all addends (at least one element).
+    let block = ((4 << 20) / (entries.len() * w)).clamp(1, 1 << 16);
+    let mut out = take_spare(spare, n * w);
+    out.clear();
+    let mut buffers: Vec<Vec<u8>> = vec![Vec::new(); entries.len()];
+    let mut sum_buffer = Vec::new();
+    for start in (0..n).step_by(block) {
+        let end = (start + block).min(n);
+        let mut pieces = Vec::with_capacity(entries.len());
+        for (e, buf) in entries.iter().zip(&mut buffers) {
+            let f = files
+                .get_mut(&e.file)
+                .ok_or_else(|| ferr(dir.path(), "file not open"))?;
+            pieces.push(f.read_stored_range(&e.key, start, end, std::mem::take(buf))?);
+        }
+        let refs: Vec<&Stored> = pieces.iter().collect();
+        let sum = Stored::exact_sum(&refs, std::mem::take(&mut sum_buffer))?;
+        out.extend_from_slice(sum.bytes());
+        sum_buffer = sum.into_bytes();
+        for (p, buf) in pieces.into_iter().zip(&mut buffers) {
+            *buf = p.into_bytes();
+        }
+    }
+    Ok(Stored::from_parts_unchecked(
+        &first.shape,
+        first.format,
+        out,
+    ))
+}
+
+/// Read one manifest entry's tensor as stored, in a buffer from `spare`.
+fn read_entry(
+    files: &mut HashMap<String, safetensors::SafetensorsFile>,
+    dir: &TrustedDir,
+    e: &ManifestEntry,
+    spare: &mut Vec<Vec<u8>>,
+) -> Result<Stored> {
+    if e.file.ends_with(".safetensors") {
+        let f = files
+            .get_mut(&e.file)
+            .ok_or_else(|| ferr(dir.path(), "file not open"))?;
+        let len = f
+            .entries()
+            .get(&e.key)
+            .map_or(0, |x| usize::try_from(x.range.1 - x.range.0).unwrap_or(0));
+        f.read_stored(&e.key, take_spare(spare, len))
+    } else {
+        let (shown, _, file) = dir.open(&e.file)?;
+        npy::read_stored_from(&shown, file, Some(e.dtype))
     }
 }
 

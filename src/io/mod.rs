@@ -5,6 +5,7 @@ pub mod guard;
 pub mod manifest;
 pub mod npy;
 pub mod safetensors;
+pub(crate) mod stored;
 
 pub use manifest::{read_manifest, write_trace_dir, Manifest, ManifestEntry, ModuleInfo, TraceDir};
 pub use safetensors::SafetensorsFile;

@@ -14,7 +14,8 @@ use std::path::Path;
 use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::Format;
-use crate::io::safetensors::{decode_values, element_size, encode_values};
+use crate::io::safetensors::{element_size, encode_values};
+use crate::io::stored::Stored;
 
 fn err(path: &Path, reason: impl Into<String>) -> Error {
     Error::File {
@@ -193,7 +194,16 @@ pub fn read(path: &Path, declared: Option<Format>) -> Result<Tensor> {
 }
 
 /// [`read`] from a file already opened (`path` names it in errors).
-pub fn read_from(path: &Path, mut f: File, declared: Option<Format>) -> Result<Tensor> {
+pub fn read_from(path: &Path, f: File, declared: Option<Format>) -> Result<Tensor> {
+    Ok(read_stored_from(path, f, declared)?.decode())
+}
+
+/// [`read_from`] keeping the patterns as stored.
+pub(crate) fn read_stored_from(
+    path: &Path,
+    mut f: File,
+    declared: Option<Format>,
+) -> Result<Stored> {
     let size = f
         .metadata()
         .map_err(|e| err(path, format!("cannot stat: {e}")))?
@@ -264,11 +274,8 @@ pub fn read_from(path: &Path, mut f: File, declared: Option<Format>) -> Result<T
     let mut data = vec![0u8; bytes as usize];
     f.read_exact(&mut data)
         .map_err(|e| err(path, format!("reading npy data: {e}")))?;
-    Ok(Tensor::from_parts_unchecked(
-        &shape,
-        decode_values(&data, format)?,
-        format,
-    ))
+    // The size check above tied the data's length to the shape and the format.
+    Ok(Stored::from_parts_unchecked(&shape, format, data))
 }
 
 /// Write a tensor as a version 1.0 `.npy` file (BF16 as `<u2`, FP8 as `|u1` bit patterns).

@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::Format;
+use crate::io::stored::Stored;
 
 /// The largest header accepted (the format's own reference implementation uses 100 MB).
 pub const MAX_HEADER: u64 = 100_000_000;
@@ -122,6 +123,19 @@ pub fn decode_values_into(bytes: &[u8], f: Format, out: &mut Vec<f64>) -> Result
                 }
             }
         }
+        // Every pattern's value from a table (built once): no decoding per element.
+        Format::E4M3 | Format::E5M2 => {
+            let table = pattern_table(f);
+            out.extend(bytes.iter().map(|&b| table[usize::from(b)]));
+        }
+        Format::F16 => {
+            let table = pattern_table(f);
+            out.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| table[usize::from(u16::from_le_bytes([c[0], c[1]]))]),
+            );
+        }
         _ => {
             let size = element_size(f);
             for c in bytes.chunks_exact(size) {
@@ -132,6 +146,25 @@ pub fn decode_values_into(bytes: &[u8], f: Format, out: &mut Vec<f64>) -> Result
         }
     }
     Ok(())
+}
+
+/// The value of every bit pattern of a format of at most 16 bits, by pattern (built on first
+/// use: 2 KiB for an FP8 format, 512 KiB for F16).
+fn pattern_table(f: Format) -> &'static [f64] {
+    use std::sync::OnceLock;
+    debug_assert!(matches!(f, Format::E4M3 | Format::E5M2 | Format::F16));
+    static TABLES: [OnceLock<Vec<f64>>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    let slot = match f {
+        Format::E4M3 => 0,
+        Format::E5M2 => 1,
+        _ => 2,
+    };
+    TABLES[slot].get_or_init(|| {
+        (0..1u64 << f.bit_width())
+            // Every pattern of the format's width decodes.
+            .map(|b| f.decode(b).unwrap_or(f64::NAN))
+            .collect()
+    })
 }
 
 /// Append the values of little-endian F32 (`size` 4) or BF16 (`size` 2) patterns to `out`,
@@ -472,12 +505,73 @@ impl SafetensorsFile {
     /// [`SafetensorsFile::read`] decoding into `buffer` (its capacity is reused; its contents
     /// are replaced).
     pub fn read_reusing(&mut self, name: &str, mut buffer: Vec<f64>) -> Result<Tensor> {
+        let mut bytes = std::mem::take(&mut self.scratch);
+        let read = self.read_into(name, &mut bytes);
+        let decoded = read.and_then(|e| {
+            decode_values_into(&bytes, e.format, &mut buffer)?;
+            // Decoded patterns are values of the format by construction.
+            Ok(Tensor::from_parts_unchecked(&e.shape, buffer, e.format))
+        });
+        self.scratch = bytes;
+        decoded
+    }
+
+    /// One tensor as stored (its patterns not decoded), read into `buffer` (its capacity is
+    /// reused; its contents are replaced).
+    pub(crate) fn read_stored(&mut self, name: &str, mut buffer: Vec<u8>) -> Result<Stored> {
+        let e = self.read_into(name, &mut buffer)?;
+        // The header's validation tied the byte range to the shape and the format.
+        Ok(Stored::from_parts_unchecked(&e.shape, e.format, buffer))
+    }
+
+    /// Elements `start..end` of a tensor as stored (a block of a larger read), into `buffer`.
+    pub(crate) fn read_stored_range(
+        &mut self,
+        name: &str,
+        start: usize,
+        end: usize,
+        mut buffer: Vec<u8>,
+    ) -> Result<Stored> {
+        let e = self.read_range_into(name, Some((start, end)), &mut buffer)?;
+        Ok(Stored::from_parts_unchecked(
+            &[end - start],
+            e.format,
+            buffer,
+        ))
+    }
+
+    /// Read a tensor's bytes into `bytes` (resized to them); its entry.
+    fn read_into(&mut self, name: &str, bytes: &mut Vec<u8>) -> Result<Entry> {
+        self.read_range_into(name, None, bytes)
+    }
+
+    /// [`SafetensorsFile::read_into`], of elements `start..end` only when a range is given.
+    fn read_range_into(
+        &mut self,
+        name: &str,
+        elements: Option<(usize, usize)>,
+        bytes: &mut Vec<u8>,
+    ) -> Result<Entry> {
         let e = self
             .entries
             .get(name)
             .ok_or_else(|| err(&self.path, format!("no tensor named '{name}'")))?
             .clone();
-        let len = usize::try_from(e.range.1 - e.range.0)
+        let size = element_size(e.format) as u64;
+        let (from, to) = match elements {
+            None => e.range,
+            Some((a, b)) => {
+                let (ba, bb) = (a as u64 * size, b as u64 * size);
+                if ba > bb || bb > e.range.1 - e.range.0 {
+                    return Err(err(
+                        &self.path,
+                        format!("elements {a}..{b} lie outside tensor '{name}'"),
+                    ));
+                }
+                (e.range.0 + ba, e.range.0 + bb)
+            }
+        };
+        let len = usize::try_from(to - from)
             .map_err(|_| err(&self.path, format!("tensor '{name}' is too large to read")))?;
         let mut reopened = None;
         let file = match (&mut self.file, &self.reopen) {
@@ -501,15 +595,12 @@ impl SafetensorsFile {
             }
             (None, None) => return Err(err(&self.path, "file is closed")),
         };
-        self.scratch.resize(len, 0);
-        let bytes = &mut self.scratch[..len];
-        file.seek(SeekFrom::Start(self.data_start + e.range.0))
+        bytes.clear();
+        bytes.resize(len, 0);
+        file.seek(SeekFrom::Start(self.data_start + from))
             .and_then(|_| file.read_exact(bytes))
             .map_err(|er| err(&self.path, format!("reading '{name}': {er}")))?;
-        drop(reopened);
-        decode_values_into(bytes, e.format, &mut buffer)?;
-        // Decoded patterns are values of the format by construction.
-        Ok(Tensor::from_parts_unchecked(&e.shape, buffer, e.format))
+        Ok(e)
     }
 }
 
@@ -556,6 +647,25 @@ pub fn write(
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// Every pattern of the table-decoded formats gives [`Format::decode`]'s bits.
+    #[test]
+    fn tables_decode_every_pattern() {
+        for f in [Format::E4M3, Format::E5M2, Format::F16] {
+            let size = element_size(f);
+            let bytes: Vec<u8> = (0..1u32 << f.bit_width())
+                .flat_map(|b| b.to_le_bytes()[..size].to_vec())
+                .collect();
+            let got = decode_values(&bytes, f).unwrap();
+            for (b, x) in got.iter().enumerate() {
+                assert_eq!(
+                    x.to_bits(),
+                    f.decode(b as u64).unwrap().to_bits(),
+                    "{f} {b:#x}"
+                );
+            }
+        }
+    }
 
     proptest! {
         /// The blocked (vectorized) widening gives, pattern by pattern, the bits of the plain

@@ -20,6 +20,13 @@
 //!   order.
 //! * `Partial` — the logical tensor is the sum of the ranks' tensors. Merging sums exactly (long
 //!   accumulator) and rounds once to the tensor's format.
+//!
+//! Merging works a group of ranks at a time: the ranks that differ only along partial axes
+//! hold addends of the same region; their sum (rounded once, over all partial axes together)
+//! is written at the region's place, found by composing the cuts of the split axes. Copies
+//! along replicated axes are compared with what their first copy wrote — after their own
+//! partial sums are taken. A merge holds the logical tensor and one group's sum, never every
+//! shard at once.
 
 use std::borrow::Cow;
 
@@ -28,7 +35,9 @@ use serde::{Deserialize, Serialize};
 use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::exact::ExactAccumulator;
-use crate::format::Overflow;
+use crate::format::{Format, Overflow};
+use crate::io::safetensors::encode_values;
+use crate::io::stored::Stored;
 
 /// A device mesh: data-, context- and tensor-parallel sizes, and whether sequence parallelism
 /// splits the non-tensor-parallel regions along the sequence across the TP group.
@@ -335,117 +344,131 @@ fn cut(t: &Tensor, p: Placement, parts: usize, id: &str) -> Result<Vec<Tensor>> 
     }
 }
 
-/// Join the `pieces` of one axis (in axis order) back into one tensor.
-fn join(
-    mut pieces: Vec<Cow<'_, Tensor>>,
-    p: Placement,
-    id: &str,
-    axis: Axis,
-    ranks: &[usize],
-    spare: &mut Vec<Vec<f64>>,
-) -> Result<Tensor> {
-    let first: &Tensor = &pieces[0];
-    for (k, t) in pieces.iter().enumerate() {
-        if t.shape() != first.shape() {
-            return Err(layout_err(
-                id,
-                format!(
-                    "shards along {} have different shapes: rank {} has {:?}, rank {} has {:?}",
-                    axis.name(),
-                    ranks[0],
-                    first.shape(),
-                    ranks[k],
-                    t.shape()
-                ),
-            ));
-        }
-        if t.format() != first.format() {
-            return Err(layout_err(
-                id,
-                format!(
-                    "shards along {} have different formats ({} and {})",
-                    axis.name(),
-                    first.format(),
-                    t.format()
-                ),
-            ));
-        }
+/// What a merge joins: decoded values ([`Tensor`]) or stored bit patterns
+/// ([`Stored`](crate::io::stored::Stored)), so a checker can merge shards without widening them.
+pub(crate) trait Joinable: Clone {
+    /// One unit of the buffer: an `f64` value, or one byte of a stored pattern.
+    type Unit: Copy + Default;
+    /// The shape.
+    fn shape(&self) -> &[usize];
+    /// The format.
+    fn format(&self) -> Format;
+    /// Units per element.
+    fn width(&self) -> usize;
+    /// The elements' units, in order.
+    fn units(&self) -> &[Self::Unit];
+    /// A tensor from units known to hold `shape`'s elements.
+    fn assemble(shape: &[usize], format: Format, units: Vec<Self::Unit>) -> Self;
+    /// The buffer, for reuse.
+    fn into_units(self) -> Vec<Self::Unit>;
+    /// The first position where two runs of units differ bit for bit.
+    fn first_unit_difference(a: &[Self::Unit], b: &[Self::Unit]) -> Option<usize>;
+    /// The value of one element's units.
+    fn value_of(format: Format, units: &[Self::Unit]) -> f64;
+    /// The elementwise sum of `pieces` (same shape and format, at least one), each element
+    /// summed exactly and rounded once to the format, built in `out`.
+    fn exact_sum(pieces: &[&Self], out: Vec<Self::Unit>) -> Result<Self>;
+}
+
+impl Joinable for Tensor {
+    type Unit = f64;
+    fn shape(&self) -> &[usize] {
+        Tensor::shape(self)
     }
-    check_dim(p, first.shape(), id)?;
-    let parts = pieces.len();
-    match p {
-        Placement::Replicate => {
-            for (k, t) in pieces.iter().enumerate().skip(1) {
-                if let Some(i) = first
-                    .values()
-                    .iter()
-                    .zip(t.values())
-                    .position(|(a, b)| a.to_bits() != b.to_bits())
-                {
-                    return Err(Error::ReplicaMismatch {
-                        id: id.to_string(),
-                        axis: axis.name(),
-                        rank: ranks[k],
-                        index: i,
-                        values: (first.values()[i], t.values()[i]),
-                    });
-                }
+    fn format(&self) -> Format {
+        Tensor::format(self)
+    }
+    fn width(&self) -> usize {
+        1
+    }
+    fn units(&self) -> &[f64] {
+        self.values()
+    }
+    fn assemble(shape: &[usize], format: Format, units: Vec<f64>) -> Tensor {
+        Tensor::from_parts_unchecked(shape, units, format)
+    }
+    fn into_units(self) -> Vec<f64> {
+        self.into_values()
+    }
+    fn first_unit_difference(a: &[f64], b: &[f64]) -> Option<usize> {
+        a.iter()
+            .zip(b)
+            .position(|(x, y)| x.to_bits() != y.to_bits())
+    }
+    fn value_of(_: Format, units: &[f64]) -> f64 {
+        units[0]
+    }
+    fn exact_sum(pieces: &[&Tensor], mut out: Vec<f64>) -> Result<Tensor> {
+        let first = pieces[0];
+        out.clear();
+        for i in 0..first.len() {
+            let mut acc = ExactAccumulator::new();
+            for t in pieces {
+                acc.add(t.values()[i]);
             }
-            // Moved when owned (merged along an earlier axis, or given by value).
-            Ok(pieces.swap_remove(0).into_owned())
+            out.push(first.format().round(acc.to_f64(), Overflow::NonSaturating));
         }
-        Placement::Partial => {
-            let n = first.len();
-            let mut out = take_spare(spare, n);
-            out.clear();
-            for i in 0..n {
+        Ok(Tensor::from_parts_unchecked(
+            first.shape(),
+            out,
+            first.format(),
+        ))
+    }
+}
+
+impl Joinable for Stored {
+    type Unit = u8;
+    fn shape(&self) -> &[usize] {
+        Stored::shape(self)
+    }
+    fn format(&self) -> Format {
+        Stored::format(self)
+    }
+    fn width(&self) -> usize {
+        Stored::width(self)
+    }
+    fn units(&self) -> &[u8] {
+        self.bytes()
+    }
+    fn assemble(shape: &[usize], format: Format, units: Vec<u8>) -> Stored {
+        Stored::from_parts_unchecked(shape, format, units)
+    }
+    fn into_units(self) -> Vec<u8> {
+        self.into_bytes()
+    }
+    fn first_unit_difference(a: &[u8], b: &[u8]) -> Option<usize> {
+        if a == b {
+            return None;
+        }
+        a.iter().zip(b).position(|(x, y)| x != y)
+    }
+    fn value_of(format: Format, units: &[u8]) -> f64 {
+        Stored::from_parts_unchecked(&[], format, units.to_vec()).value(0)
+    }
+    fn exact_sum(pieces: &[&Stored], mut out: Vec<u8>) -> Result<Stored> {
+        // A block of every piece decoded at a time: memory stays that of the patterns.
+        const BLOCK: usize = 1 << 12;
+        let first = pieces[0];
+        let (n, format) = (first.len(), first.format());
+        out.clear();
+        let mut decoded = vec![Vec::new(); pieces.len()];
+        let mut sums = Vec::with_capacity(BLOCK.min(n));
+        for start in (0..n).step_by(BLOCK) {
+            let end = (start + BLOCK).min(n);
+            for (t, buf) in pieces.iter().zip(&mut decoded) {
+                t.decode_range(start, end, buf);
+            }
+            sums.clear();
+            sums.extend((0..end - start).map(|i| {
                 let mut acc = ExactAccumulator::new();
-                for t in &pieces {
-                    acc.add(t.values()[i]);
+                for buf in &decoded {
+                    acc.add(buf[i]);
                 }
-                out.push(first.format().round(acc.to_f64(), Overflow::NonSaturating));
-            }
-            let (shape, format) = (first.shape().to_vec(), first.format());
-            keep_buffers(pieces, spare);
-            Ok(Tensor::from_parts_unchecked(&shape, out, format))
+                format.round(acc.to_f64(), Overflow::NonSaturating)
+            }));
+            out.extend_from_slice(&encode_values(&sums, format, "a partial sum")?);
         }
-        Placement::Split { dim, .. } | Placement::CpChunks { dim } => {
-            let (outer, local, inner) = around(first.shape(), dim);
-            // Sizes from files: checked (a wrapped product would "match" an empty tensor).
-            let (n, total) = local
-                .checked_mul(parts)
-                .and_then(|n| Some((n, outer.checked_mul(n)?.checked_mul(inner)?)))
-                .ok_or_else(|| {
-                    layout_err(
-                        id,
-                        format!(
-                            "the merged shape ({parts} shards of {:?} along dim {dim}) has \
-                             more elements than memory can index",
-                            first.shape()
-                        ),
-                    )
-                })?;
-            let mut out = take_spare(spare, total);
-            out.clear();
-            out.resize(total, 0.0);
-            for (i, t) in pieces.iter().enumerate() {
-                let ranges = part_ranges(p, n, parts, i, id)?;
-                let v = t.values();
-                let mut src = 0;
-                for o in 0..outer {
-                    for &(start, len) in &ranges {
-                        let base = (o * n + start) * inner;
-                        out[base..base + len * inner].copy_from_slice(&v[src..src + len * inner]);
-                        src += len * inner;
-                    }
-                }
-            }
-            let mut shape = first.shape().to_vec();
-            shape[dim] = n;
-            let format = first.format();
-            keep_buffers(pieces, spare);
-            Ok(Tensor::from_parts_unchecked(&shape, out, format))
-        }
+        Ok(Stored::from_parts_unchecked(first.shape(), format, out))
     }
 }
 
@@ -455,7 +478,7 @@ const SPARE_BUFFERS: usize = 4;
 
 /// The spare buffer that best fits `len` elements: the smallest holding them, else the largest
 /// (growing a buffer that is too small would cost fresh pages). Empty when there is none.
-pub fn take_spare(spare: &mut Vec<Vec<f64>>, len: usize) -> Vec<f64> {
+pub(crate) fn take_spare<U>(spare: &mut Vec<Vec<U>>, len: usize) -> Vec<U> {
     let fits = spare
         .iter()
         .enumerate()
@@ -472,23 +495,10 @@ pub fn take_spare(spare: &mut Vec<Vec<f64>>, len: usize) -> Vec<f64> {
     pick.map(|i| spare.swap_remove(i)).unwrap_or_default()
 }
 
-/// Keep the buffers of owned pieces (joined already) for later joins.
-fn keep_buffers(pieces: Vec<Cow<'_, Tensor>>, spare: &mut Vec<Vec<f64>>) {
-    for t in pieces {
-        if let Cow::Owned(t) = t {
-            give_spare(spare, t);
-        }
-    }
-}
-
-/// Keep a tensor's buffer in `spare` for reuse (up to a few; empty buffers are not kept) —
-/// the counterpart of [`take_spare`].
-pub fn give_spare(spare: &mut Vec<Vec<f64>>, t: Tensor) {
-    if spare.len() < SPARE_BUFFERS {
-        let v = t.into_values();
-        if v.capacity() > 0 {
-            spare.push(v);
-        }
+/// Keep a buffer in `spare` for reuse (up to a few; empty buffers are not kept).
+pub(crate) fn keep<U>(spare: &mut Vec<Vec<U>>, v: Vec<U>) {
+    if spare.len() < SPARE_BUFFERS && v.capacity() > 0 {
+        spare.push(v);
     }
 }
 
@@ -567,14 +577,14 @@ pub fn merge_reusing(
     )
 }
 
-fn merge_cow(
-    shards: Vec<Cow<'_, Tensor>>,
+pub(crate) fn merge_cow<T: Joinable>(
+    shards: Vec<Cow<'_, T>>,
     layout: &Layout,
     mesh: &Mesh,
     id: &str,
     expected: Option<&[usize]>,
-    spare: &mut Vec<Vec<f64>>,
-) -> Result<Tensor> {
+    spare: &mut Vec<Vec<T::Unit>>,
+) -> Result<T> {
     if shards.len() != mesh.world() {
         return Err(layout_err(
             id,
@@ -586,65 +596,81 @@ fn merge_cow(
             ),
         ));
     }
-    let mut slots: Vec<Option<Cow<'_, Tensor>>> = shards.into_iter().map(Some).collect();
-    let mut per_dp = Vec::with_capacity(mesh.dp);
-    for d in 0..mesh.dp {
-        let mut per_cp = Vec::with_capacity(mesh.cp);
-        for c in 0..mesh.cp {
-            let ranks: Vec<usize> = (0..mesh.tp)
-                .map(|t| {
-                    mesh.rank(Coords {
-                        dp: d,
-                        cp: c,
-                        tp: t,
-                    })
-                })
-                .collect();
-            let pieces: Vec<Cow<'_, Tensor>> = ranks
-                .iter()
-                .map(|&r| {
-                    slots[r]
-                        .take()
-                        .ok_or_else(|| layout_err(id, format!("rank {r} taken twice")))
-                })
-                .collect::<Result<_>>()?;
-            per_cp.push(Cow::Owned(join(
-                pieces,
-                layout.tp,
-                id,
-                Axis::Tp,
-                &ranks,
-                spare,
-            )?));
-        }
-        let ranks: Vec<usize> = (0..mesh.cp)
-            .map(|c| {
-                mesh.rank(Coords {
-                    dp: d,
-                    cp: c,
-                    tp: 0,
-                })
-            })
-            .collect();
-        per_dp.push(Cow::Owned(join(
-            per_cp,
-            layout.cp,
+    let mut slots: Vec<Option<Cow<'_, T>>> = shards.into_iter().map(Some).collect();
+    merge_fetched(
+        &mut |ranks, spare| {
+            let mut pieces: Vec<Cow<'_, T>> = Vec::with_capacity(ranks.len());
+            for &r in ranks {
+                let t = slots[r]
+                    .take()
+                    .ok_or_else(|| layout_err(id, format!("rank {r} taken twice")))?;
+                if let Some(first) = pieces.first() {
+                    same_kind(&**first, &*t, ranks[0], r, id)?;
+                }
+                pieces.push(t);
+            }
+            if pieces.len() == 1 {
+                return Ok(pieces.swap_remove(0));
+            }
+            let refs: Vec<&T> = pieces.iter().map(|t| &**t).collect();
+            let sum = T::exact_sum(&refs, take_spare(spare, refs[0].units().len()))?;
+            for t in pieces {
+                if let Cow::Owned(t) = t {
+                    keep(spare, t.into_units());
+                }
+            }
+            Ok(Cow::Owned(sum))
+        },
+        layout,
+        mesh,
+        id,
+        expected,
+        spare,
+    )
+}
+
+/// An error unless two shards have one shape and one format.
+pub(crate) fn same_kind<T: Joinable>(a: &T, b: &T, ra: usize, rb: usize, id: &str) -> Result<()> {
+    if a.shape() != b.shape() || a.format() != b.format() {
+        return Err(layout_err(
             id,
-            Axis::Cp,
-            &ranks,
-            spare,
-        )?));
+            format!(
+                "shards differ: rank {ra} holds {} {:?}, rank {rb} holds {} {:?}",
+                a.format(),
+                a.shape(),
+                b.format(),
+                b.shape()
+            ),
+        ));
     }
-    let ranks: Vec<usize> = (0..mesh.dp)
-        .map(|d| {
-            mesh.rank(Coords {
-                dp: d,
-                cp: 0,
-                tp: 0,
-            })
-        })
-        .collect();
-    let merged = join(per_dp, layout.dp, id, Axis::Dp, &ranks, spare)?;
+    Ok(())
+}
+
+/// Gives the sum of the shards of `ranks` (the addends of one partial sum, in rank order), or
+/// the shard itself for one rank, given the pool of spare buffers to build it in.
+pub(crate) type Fetch<'f, 'a, T> =
+    dyn FnMut(&[usize], &mut Vec<Vec<<T as Joinable>::Unit>>) -> Result<Cow<'a, T>> + 'f;
+
+/// [`merge_cow`] with the shards fetched on demand, each once, a group at a time: the ranks
+/// that differ only along partial axes hold addends of the same region (their sum, taken
+/// exactly and rounded once, is fetched as one piece); the region is written into the logical
+/// tensor — or, for a copy along a replicated axis, compared with what the first copy wrote.
+/// Memory: the logical tensor and one group's sum (plus what `fetch` needs to form it).
+pub(crate) fn merge_fetched<'a, T: Joinable>(
+    fetch: &mut Fetch<'_, 'a, T>,
+    layout: &Layout,
+    mesh: &Mesh,
+    id: &str,
+    expected: Option<&[usize]>,
+    spare: &mut Vec<Vec<T::Unit>>,
+) -> Result<T> {
+    let groups = groups(layout, mesh);
+    let first = fetch(&groups[0].1, spare)?;
+    let merged = if groups.len() == 1 {
+        first.into_owned()
+    } else {
+        scatter(first, &groups, fetch, layout, mesh, id, spare)?
+    };
     if let Some(e) = expected {
         if merged.shape() != e {
             return Err(layout_err(
@@ -658,6 +684,266 @@ fn merge_cow(
         }
     }
     Ok(merged)
+}
+
+/// The ranks grouped by their coordinates along the split and replicated axes (the members
+/// of a group differ along partial axes only: addends of one region), each group with the
+/// innermost replicated axis along which it is a copy (`None` for first copies); first
+/// copies first, each list in rank order.
+fn groups(layout: &Layout, mesh: &Mesh) -> Vec<(Option<Axis>, Vec<usize>)> {
+    let mut by_key: std::collections::BTreeMap<(bool, [usize; 3]), Vec<usize>> = Default::default();
+    let mut copy_axis = std::collections::HashMap::new();
+    for r in 0..mesh.world() {
+        let c = axes(mesh, mesh.coords(r));
+        let key = c.map(|(axis, _, i)| {
+            if layout.along(axis) == Placement::Partial {
+                0
+            } else {
+                i
+            }
+        });
+        let copy = c
+            .iter()
+            .rev()
+            .find(|&&(axis, _, i)| layout.along(axis) == Placement::Replicate && i > 0)
+            .map(|&(axis, _, _)| axis);
+        // Ranks in order: a group's key is first met at its lowest rank.
+        let group = by_key.entry((copy.is_some(), key)).or_default();
+        if group.is_empty() {
+            copy_axis.insert(r, copy);
+        }
+        group.push(r);
+    }
+    let mut out: Vec<(Option<Axis>, Vec<usize>)> = by_key
+        .into_values()
+        .map(|ranks| (copy_axis[&ranks[0]], ranks))
+        .collect();
+    out.sort_by_key(|(copy, ranks)| (copy.is_some(), ranks[0]));
+    out
+}
+
+/// Per dimension of a shard, where its coordinates lie in the logical tensor: segments
+/// (length, logical start), in the shard's order.
+type DimMap = Vec<(usize, usize)>;
+
+/// The coordinates `start..start + len` of a map.
+fn restrict(map: &[(usize, usize)], start: usize, len: usize) -> DimMap {
+    let (end, mut at, mut out) = (start + len, 0usize, vec![]);
+    for &(l, logical) in map {
+        let (a, b) = (at.max(start), (at + l).min(end));
+        if a < b {
+            out.push((b - a, logical + (a - at)));
+        }
+        at += l;
+        if at >= end {
+            break;
+        }
+    }
+    out
+}
+
+/// The mesh axes, outermost first, with their sizes and a rank's coordinate along each.
+fn axes(mesh: &Mesh, c: Coords) -> [(Axis, usize, usize); 3] {
+    [
+        (Axis::Dp, mesh.dp, c.dp),
+        (Axis::Cp, mesh.cp, c.cp),
+        (Axis::Tp, mesh.tp, c.tp),
+    ]
+}
+
+/// The logical shape of shards of `shape`, checked: dimensions that exist, sizes and the
+/// element count (times `width` units) that fit in memory.
+fn logical_shape(
+    shape: &[usize],
+    width: usize,
+    layout: &Layout,
+    mesh: &Mesh,
+    id: &str,
+) -> Result<Vec<usize>> {
+    let too_large = || {
+        layout_err(
+            id,
+            format!(
+                "the merged shape ({} shards of {shape:?}) has more elements than memory can \
+                 index",
+                mesh.world()
+            ),
+        )
+    };
+    let mut s = shape.to_vec();
+    for (axis, parts, _) in axes(
+        mesh,
+        Coords {
+            dp: 0,
+            cp: 0,
+            tp: 0,
+        },
+    ) {
+        let p = layout.along(axis);
+        check_dim(p, shape, id)?;
+        if let Some(d) = dim_of(p) {
+            s[d] = s[d].checked_mul(parts).ok_or_else(too_large)?;
+        }
+    }
+    crate::engine::tensor::element_count(&s)
+        .and_then(|n| n.checked_mul(width))
+        .filter(|&n| n <= isize::MAX as usize)
+        .ok_or_else(too_large)?;
+    Ok(s)
+}
+
+/// Where a rank's shard lies in the logical tensor, per dimension: the cuts of the outer
+/// axes first, each choosing coordinates of what the outer ones left.
+fn dim_maps(
+    logical: &[usize],
+    layout: &Layout,
+    mesh: &Mesh,
+    rank: usize,
+    id: &str,
+) -> Result<Vec<DimMap>> {
+    let mut maps: Vec<DimMap> = logical.iter().map(|&n| vec![(n, 0)]).collect();
+    for (axis, parts, i) in axes(mesh, mesh.coords(rank)) {
+        let p = layout.along(axis);
+        if let Some(d) = dim_of(p) {
+            let n = maps[d].iter().map(|s| s.0).sum();
+            let ranges = part_ranges(p, n, parts, i, id)?;
+            maps[d] = ranges
+                .iter()
+                .flat_map(|&(start, len)| restrict(&maps[d], start, len))
+                .collect();
+        }
+    }
+    Ok(maps)
+}
+
+/// The contiguous runs of a shard of `shape` in the logical tensor, as (shard element,
+/// logical element, elements): the dimensions after the last one its maps cut are copied
+/// whole; the ones before it are walked.
+fn runs(
+    maps: &[DimMap],
+    shape: &[usize],
+    logical: &[usize],
+    f: &mut dyn FnMut(usize, usize, usize),
+) {
+    let total: usize = shape.iter().product();
+    if total == 0 {
+        return;
+    }
+    let whole = |k: usize| maps[k].len() == 1 && maps[k][0] == (logical[k], 0);
+    let Some(cut) = (0..shape.len()).rev().find(|&k| !whole(k)) else {
+        f(0, 0, total);
+        return;
+    };
+    let inner: usize = shape[cut + 1..].iter().product();
+    let stride = |dims: &[usize], k: usize| dims[k + 1..].iter().product::<usize>();
+    // Per walked dimension: the logical coordinate of each shard coordinate.
+    let tables: Vec<Vec<usize>> = (0..cut)
+        .map(|k| {
+            maps[k]
+                .iter()
+                .flat_map(|&(len, start)| start..start + len)
+                .collect()
+        })
+        .collect();
+    let mut idx = vec![0usize; cut];
+    loop {
+        let (mut src, mut dst) = (0, 0);
+        for k in 0..cut {
+            src += idx[k] * stride(shape, k);
+            dst += tables[k][idx[k]] * stride(logical, k);
+        }
+        let mut at = 0;
+        for &(len, start) in &maps[cut] {
+            f(src + at * inner, dst + start * inner, len * inner);
+            at += len;
+        }
+        // The next walked coordinate, innermost fastest.
+        let Some(k) = (0..cut).rev().find(|&k| idx[k] + 1 < shape[k]) else {
+            return;
+        };
+        idx[k] += 1;
+        idx[k + 1..].iter_mut().for_each(|i| *i = 0);
+    }
+}
+
+/// The logical tensor from the groups' pieces (`first` is the first group's): first copies
+/// written at their regions, other copies compared with what is there.
+fn scatter<'a, T: Joinable>(
+    first: Cow<'a, T>,
+    groups: &[(Option<Axis>, Vec<usize>)],
+    fetch: &mut Fetch<'_, 'a, T>,
+    layout: &Layout,
+    mesh: &Mesh,
+    id: &str,
+    spare: &mut Vec<Vec<T::Unit>>,
+) -> Result<T> {
+    let (shape, format, w) = (first.shape().to_vec(), first.format(), first.width());
+    let logical = logical_shape(&shape, w, layout, mesh, id)?;
+    let mut out = if shape == logical {
+        // The first piece is the whole tensor (no axis splits it): moved when owned.
+        first.into_owned().into_units()
+    } else {
+        // Checked by `logical_shape`.
+        let total = logical.iter().product::<usize>() * w;
+        let mut out = take_spare(spare, total);
+        out.clear();
+        out.resize(total, T::Unit::default());
+        let maps = dim_maps(&logical, layout, mesh, groups[0].1[0], id)?;
+        let src = first.units();
+        runs(&maps, &shape, &logical, &mut |s, d, n| {
+            out[d * w..(d + n) * w].copy_from_slice(&src[s * w..(s + n) * w])
+        });
+        if let Cow::Owned(t) = first {
+            keep(spare, t.into_units());
+        }
+        out
+    };
+    for (copy, ranks) in &groups[1..] {
+        let r = ranks[0];
+        let t = fetch(ranks, spare)?;
+        if t.shape() != shape.as_slice() || t.format() != format {
+            return Err(layout_err(
+                id,
+                format!(
+                    "shards differ: rank 0 holds {format} {shape:?}, rank {r} holds {} {:?}",
+                    t.format(),
+                    t.shape()
+                ),
+            ));
+        }
+        let maps = dim_maps(&logical, layout, mesh, r, id)?;
+        let src = t.units();
+        match copy {
+            None => runs(&maps, &shape, &logical, &mut |s, d, n| {
+                out[d * w..(d + n) * w].copy_from_slice(&src[s * w..(s + n) * w])
+            }),
+            Some(axis) => {
+                let mut first_diff = None;
+                runs(&maps, &shape, &logical, &mut |s, d, n| {
+                    if first_diff.is_none() {
+                        let (a, b) = (&out[d * w..(d + n) * w], &src[s * w..(s + n) * w]);
+                        first_diff = T::first_unit_difference(a, b).map(|u| (d + u / w, s + u / w));
+                    }
+                });
+                if let Some((d, s)) = first_diff {
+                    return Err(Error::ReplicaMismatch {
+                        id: id.to_string(),
+                        axis: axis.name(),
+                        rank: r,
+                        index: d,
+                        values: (
+                            T::value_of(format, &out[d * w..(d + 1) * w]),
+                            T::value_of(format, &src[s * w..(s + 1) * w]),
+                        ),
+                    });
+                }
+            }
+        }
+        if let Cow::Owned(t) = t {
+            keep(spare, t.into_units());
+        }
+    }
+    Ok(T::assemble(&logical, format, out))
 }
 
 #[cfg(test)]
@@ -711,5 +997,94 @@ mod tests {
         let s = shard(&t, &l, &m, "qkv").unwrap();
         assert_eq!(s[0].values(), &[0.0, 2.0, 4.0]);
         assert_eq!(s[1].values(), &[1.0, 3.0, 5.0]);
+    }
+
+    fn random_stored(
+        shape: &[usize],
+        f: Format,
+        g: &mut crate::engine::init::SplitMix64,
+    ) -> Stored {
+        let n: usize = shape.iter().product();
+        let bytes = (0..n * f.bit_width().div_ceil(8) as usize)
+            .map(|_| g.next_u64() as u8)
+            .collect();
+        Stored::new(shape, f, bytes).unwrap()
+    }
+
+    /// Shards merged as stored patterns give the merge of their decoded values bit for bit
+    /// (or the same error), for every placement and stored format: with shards cut from a
+    /// logical tensor (the merge must give it back) and with random shards (partial sums of
+    /// arbitrary patterns, NaN and infinities included; replicas that differ).
+    #[test]
+    fn stored_merge_is_the_value_merge() {
+        use crate::engine::init::SplitMix64;
+        let mesh = Mesh::new(2, 2, 2, false).unwrap();
+        let placements = [
+            Placement::Replicate,
+            Placement::Partial,
+            Placement::split(0),
+            Placement::Split { dim: 1, groups: 3 },
+            Placement::CpChunks { dim: 0 },
+        ];
+        let mut g = SplitMix64::for_name("stored-merge", 0);
+        let mut cases = 0;
+        for f in [
+            Format::F64,
+            Format::F32,
+            Format::F16,
+            Format::BF16,
+            Format::E4M3,
+            Format::E5M2,
+        ] {
+            for (k, &dp) in placements.iter().enumerate() {
+                for &cp in &placements {
+                    let tp = placements[(k + cases) % placements.len()];
+                    cases += 1;
+                    let layout = Layout { dp, cp, tp };
+                    let logical = random_stored(&[16, 24], f, &mut g);
+                    let Ok(cut) = shard(&logical.decode(), &layout, &mesh, "x") else {
+                        continue;
+                    };
+                    let stored: Vec<Stored> =
+                        cut.iter().map(|t| Stored::encode(t).unwrap()).collect();
+                    let mut spare = Vec::new();
+                    let owned = |v: &[Stored]| v.iter().cloned().map(Cow::Owned).collect();
+                    let merged: Stored =
+                        merge_cow(owned(&stored), &layout, &mesh, "x", None, &mut spare).unwrap();
+                    if [dp, cp, tp].contains(&Placement::Partial) {
+                        // The zeros of the other ranks were added: -0 may turn into +0.
+                        let (a, b) = (merged.decode(), logical.decode());
+                        for (x, y) in a.values().iter().zip(b.values()) {
+                            assert!(x == y || (x.is_nan() && y.is_nan()), "{f} {layout:?}");
+                        }
+                    } else {
+                        assert_eq!(merged, logical, "{f} {layout:?}");
+                    }
+                    // Random shards of the cut shapes.
+                    let random: Vec<Stored> = stored
+                        .iter()
+                        .map(|s| random_stored(s.shape(), f, &mut g))
+                        .collect();
+                    let decoded: Vec<Tensor> = random.iter().map(Stored::decode).collect();
+                    let by_values = merge(&decoded, &layout, &mesh, "x", None);
+                    let by_patterns: Result<Stored> =
+                        merge_cow(owned(&random), &layout, &mesh, "x", None, &mut spare);
+                    match (by_values, by_patterns) {
+                        (Ok(v), Ok(p)) => {
+                            let p = p.decode();
+                            assert_eq!(v.shape(), p.shape());
+                            // A NaN sum is stored as the format's NaN pattern: any payload.
+                            for (x, y) in v.values().iter().zip(p.values()) {
+                                let same = x.to_bits() == y.to_bits() || x.is_nan() && y.is_nan();
+                                assert!(same, "{f} {layout:?}: {x} vs {y}");
+                            }
+                        }
+                        (Err(a), Err(b)) => assert_eq!(format!("{a:?}"), format!("{b:?}")),
+                        (a, b) => panic!("{f} {layout:?}: {a:?} vs {b:?}"),
+                    }
+                }
+            }
+        }
+        assert!(cases >= 150);
     }
 }
