@@ -8,6 +8,9 @@
 //!   every tensor of a 32-layer GPT trace from per-tensor statistics (no data).
 //! * `check_dir_256MB`: `ttrace check` on a 128 MB BF16 reference against a 2-rank candidate on
 //!   disk (page cache warm) beside reading the same files into memory.
+//! * `check_tensor_count`: `ttrace check` of traces of 10,000 and of 100,000 small tensors
+//!   (64 BF16 elements, TP 2): the time per tensor of the larger beside the smaller's (the
+//!   baseline) — equal for a check linear in the number of tensors.
 
 use std::hint::black_box;
 use std::path::Path;
@@ -214,5 +217,47 @@ fn check_dir(c: &mut Criterion) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-criterion_group!(benches, compare, price, check_dir);
+/// A GPT-like trace of `count` tensors of 64 BF16 elements (linear modules' inputs and
+/// outputs), the candidate on 2 ranks.
+fn write_many(dir: &Path, count: usize) {
+    let (mesh1, mesh2) = (Mesh::single(), Mesh::new(2, 1, 1, false).unwrap());
+    let mut split = Layout::replicated();
+    split.tp = Placement::split(1);
+    let (mut re, mut ce) = (vec![], vec![]);
+    let mut modules = std::collections::HashMap::new();
+    let x = values(64, 3, Format::BF16);
+    for m in 0..count / 2 {
+        for role in ["fwd.input.0", "fwd.output.0"] {
+            let id = format!("layers.{}.m{}|{role}", m / 8, m % 8);
+            let t = Tensor::from_vec(&[8, 8], x.clone(), Format::BF16).unwrap();
+            let shards = ttrace::shard::shard(&t, &split, &mesh2, &id).unwrap();
+            modules.insert(id.clone(), ModuleKind::Linear);
+            re.push((id.clone(), Layout::replicated(), vec![t]));
+            ce.push((id, split, shards));
+        }
+    }
+    let none = std::collections::HashMap::new();
+    write_trace_dir(&dir.join("reference"), &mesh1, None, &re, &modules, &none).unwrap();
+    write_trace_dir(&dir.join("candidate"), &mesh2, None, &ce, &modules, &none).unwrap();
+}
+
+fn check_count(c: &mut Criterion) {
+    let mut g = c.benchmark_group("check_tensor_count");
+    g.measurement_time(Duration::from_secs(10)).sample_size(10);
+    for count in [10_000, 100_000] {
+        let dir =
+            std::env::temp_dir().join(format!("ttrace-bench-count-{count}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        write_many(&dir, count);
+        let (r, cd) = (dir.join("reference"), dir.join("candidate"));
+        g.throughput(Throughput::Elements(count as u64));
+        g.bench_function(format!("ttrace_check_{count}_tensors"), |b| {
+            b.iter(|| check_dir_paths(&r, &cd, PricingMode::Auto, &|| {}).unwrap())
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    g.finish();
+}
+
+criterion_group!(benches, compare, price, check_dir, check_count);
 criterion_main!(benches);

@@ -454,3 +454,63 @@ fn extreme_decimal_text_rounds_correctly() {
         ["0.1111111111111111", "0.1"]
     );
 }
+
+/// A trace of one 256 MiB FP8 tensor (a sparse file of zeros) checked against itself under an
+/// address-space limit of 1.5 GiB: tensors stay in their stored format (decoded to `f64` on
+/// both sides, this pair once took 4.9 GB). Then a manifest over the 512 MiB limit (sparse
+/// too): refused by its size, before it is read.
+#[test]
+fn narrow_formats_stay_narrow_and_manifests_are_bounded() {
+    let b = base("narrow");
+    let n: u64 = 1 << 28;
+    for side in ["reference", "candidate"] {
+        let d = b.join(side);
+        std::fs::create_dir_all(&d).unwrap();
+        let mut header = format!(
+            r#"{{"x|fwd.output.0":{{"dtype":"F8_E4M3","shape":[16384,16384],"data_offsets":[0,{n}]}}}}"#
+        );
+        while header.len() % 8 != 0 {
+            header.push(' ');
+        }
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        let f = d.join("rank0.safetensors");
+        std::fs::write(&f, &bytes).unwrap();
+        let file = std::fs::OpenOptions::new().write(true).open(&f).unwrap();
+        file.set_len(bytes.len() as u64 + n).unwrap();
+        let manifest = serde_json::json!({
+            "format": "ttrace-trace", "version": 1,
+            "mesh": {"tp": 1, "cp": 1, "dp": 1, "sp": false},
+            "tensors": [{"id": "x|fwd.output.0", "rank": 0, "file": "rank0.safetensors",
+                "key": "x|fwd.output.0", "dtype": "e4m3",
+                "layout": {"dp": {"kind": "replicate"}, "cp": {"kind": "replicate"},
+                           "tp": {"kind": "replicate"}}}]
+        });
+        write_manifest(&d, &manifest);
+    }
+    let (r, c) = (b.join("reference"), b.join("candidate"));
+    let script = format!(
+        "ulimit -v {} && exec {} check {} {}",
+        3 << 19, // KiB: 1.5 GiB
+        env!("CARGO_BIN_EXE_ttrace"),
+        r.display(),
+        c.display()
+    );
+    let o = Command::new("sh").arg("-c").arg(&script).output().unwrap();
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert_eq!(o.status.code(), Some(0), "{out}{err}");
+    assert!(out.contains("PASS"), "{out}");
+    let m = c.join("manifest.json");
+    let file = std::fs::OpenOptions::new().write(true).open(&m).unwrap();
+    file.set_len(600 << 20).unwrap();
+    let (code, _, err) = check(&r, &c);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("manifest.json") && err.contains("limit"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&b).unwrap();
+}

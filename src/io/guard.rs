@@ -23,9 +23,11 @@ use crate::error::{Error, Result};
 
 /// The limits on what ttrace reads from files and arguments, in one place.
 pub mod limits {
-    /// Largest manifest file (each `manifest.json` or per-rank fragment): 64 MiB. The
-    /// manifest is parsed whole, at about 20× its size in memory.
-    pub const MANIFEST_BYTES: u64 = 64 << 20;
+    /// Largest manifest file (each `manifest.json` or per-rank fragment): 512 MiB, about two
+    /// million entries as ttrace writes them (one compact line each; a trace of 100,000
+    /// tensors on 2 ranks is 52 MB). A checked trace is held at about 4× its manifests' size
+    /// (the entries, the safetensors headers they name and the per-id index).
+    pub const MANIFEST_BYTES: u64 = 512 << 20;
     /// Largest safetensors header: 100 MB (the `safetensors` crate's own cap).
     pub const SAFETENSORS_HEADER_BYTES: u64 = 100_000_000;
     /// Largest `.npy` header: 1 MiB (NumPy writes a few hundred bytes).

@@ -827,15 +827,65 @@ pub fn write_trace_dir(
         mesh: *mesh,
         tensors,
     };
-    let text = serde_json::to_string_pretty(&manifest).map_err(|e| ferr(dir, e.to_string()))?;
+    let text = manifest_text(&manifest).map_err(|e| ferr(dir, e.to_string()))?;
     // Written last and atomically: a dump interrupted before this point has no manifest
     // (and `TraceDir::open` says so) rather than one naming files that are not there.
     crate::io::write_atomic(&dir.join("manifest.json"), text.as_bytes())
 }
 
+/// A manifest as JSON: the header fields one per line, then one line per entry (compact: a
+/// trace of 100,000 tensors on 2 ranks takes about 40 MB, not the 92 MB of indented JSON).
+fn manifest_text(m: &Manifest) -> serde_json::Result<String> {
+    use serde_json::to_string as json;
+    let mut out = format!(
+        "{{\n  \"format\": {},\n  \"version\": {},\n",
+        json(&m.format)?,
+        m.version
+    );
+    if let Some(r) = &m.recipe {
+        out += &format!("  \"recipe\": {},\n", json(r)?);
+    }
+    out += &format!("  \"mesh\": {},\n  \"tensors\": [", json(&m.mesh)?);
+    for (k, e) in m.tensors.iter().enumerate() {
+        out += if k == 0 { "\n    " } else { ",\n    " };
+        out += &json(e)?;
+    }
+    out += "\n  ]\n}\n";
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The compact text is the manifest: it parses back to the same value as serde's own
+    /// (indented) rendering.
+    #[test]
+    fn compact_text_is_the_manifest() {
+        let e = |rank: usize| ManifestEntry {
+            id: "a|fwd.output.0".into(),
+            rank,
+            file: format!("rank{rank}.safetensors"),
+            key: "a\u{1b}|\"q\"".into(),
+            dtype: Format::BF16,
+            layout: Layout::replicated(),
+            module: Some(ModuleInfo::of(ModuleKind::Linear)),
+            threshold: Some(0.25),
+        };
+        for (recipe, tensors) in [(None, vec![]), (Some("bf16".to_string()), vec![e(0), e(1)])] {
+            let m = Manifest {
+                format: "ttrace-trace".into(),
+                version: VERSION,
+                recipe,
+                mesh: Mesh::new(2, 1, 1, false).unwrap(),
+                tensors,
+            };
+            let text = manifest_text(&m).unwrap();
+            let a: serde_json::Value = serde_json::from_str(&text).unwrap();
+            let b = serde_json::to_value(&m).unwrap();
+            assert_eq!(a, b);
+        }
+    }
 
     /// The typed fast path and the field-by-field pass read the same manifests alike, and both
     /// refuse a field named twice.
