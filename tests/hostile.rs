@@ -514,3 +514,76 @@ fn narrow_formats_stay_narrow_and_manifests_are_bounded() {
     );
     std::fs::remove_dir_all(&b).unwrap();
 }
+
+/// Scale the candidate's tensor `key` by `factor` (rounded to its format) in every rank file.
+fn scale_candidate(c: &Path, key: &str, factor: f64) {
+    use ttrace::io::safetensors::{write, SafetensorsFile};
+    for entry in std::fs::read_dir(c).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "safetensors") {
+            continue;
+        }
+        let mut f = SafetensorsFile::open(&path).unwrap();
+        let meta = f.metadata().clone();
+        let names: Vec<String> = f.entries().keys().cloned().collect();
+        let mut tensors = vec![];
+        for n in &names {
+            let mut t = f.read(n).unwrap();
+            if n == key {
+                let fmt = t.format();
+                let v = t
+                    .values()
+                    .iter()
+                    .map(|x| fmt.round(x * factor, ttrace::Overflow::NonSaturating))
+                    .collect();
+                t = ttrace::engine::Tensor::from_vec(t.shape(), v, fmt).unwrap();
+            }
+            tensors.push(t);
+        }
+        drop(f);
+        let list: Vec<(&str, &ttrace::engine::Tensor)> =
+            names.iter().map(String::as_str).zip(&tensors).collect();
+        write(&path, &list, &meta).unwrap();
+    }
+}
+
+/// A consumed tensor (a module's input, an arriving gradient) carries its difference into its
+/// module's threshold: inflating it in the candidate must not widen that threshold unnoticed.
+/// One passed between traced modules may differ no more than the tensor it equals in the
+/// reference; one made by untraced code (autograd's sum of gradients) is judged on a rule the
+/// candidate does not control.
+#[test]
+fn consumed_tensors_cannot_widen_thresholds() {
+    let b = base("inflate");
+    for (key, output) in [
+        (
+            "layers.1.mlp.fc2|fwd.input.0",
+            Some("layers.1.mlp.fc2|fwd.output.0"),
+        ),
+        ("layers.0.resid1|grad.output.0", None),
+    ] {
+        let (r, c) = dump(&b.join(key.replace('|', "_")), &[]);
+        scale_candidate(&c, key, 1.05);
+        if let Some(o) = output {
+            // The module's output wrong by as much: "explained" by the inflated input.
+            scale_candidate(&c, o, 1.05);
+        }
+        for pricing in ["local", "auto"] {
+            let json = b.join("report.json");
+            let (code, out, err) = ttrace(&[
+                "check",
+                "--pricing",
+                pricing,
+                "--json",
+                json.to_str().unwrap(),
+                r.to_str().unwrap(),
+                c.to_str().unwrap(),
+            ]);
+            assert_eq!(code, Some(1), "{key} {pricing}: {out}{err}");
+            let j: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+            assert_eq!(j["report"]["first_failure"], key, "{pricing}: {out}");
+        }
+    }
+    std::fs::remove_dir_all(&b).unwrap();
+}

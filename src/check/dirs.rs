@@ -27,13 +27,14 @@ use std::path::Path;
 use serde::Serialize;
 
 use crate::check::price::{
-    norm_gain_by, price_local, role, InputIndex, PriceContext, Pricing, TensorStat,
+    gain_allowance, norm_gain_by, price_local, role, InputIndex, PriceContext, Pricing, TensorStat,
 };
 use crate::check::{apply_threshold, compare_stored, CheckReport, TensorVerdict};
 use crate::engine::model::ModuleKind;
 use crate::engine::policy::{Pass, Recipe};
 use crate::error::{Error, Result};
 use crate::format::Format;
+use crate::io::guard::printable;
 use crate::io::stored::Window;
 use crate::io::TraceDir;
 
@@ -111,6 +112,10 @@ struct Gathered {
     stat: TensorStat,
     /// Rank of a replica mismatch.
     rank: Option<usize>,
+    /// A hash of the reference's stored content (which consumed tensor is which produced one).
+    content: u64,
+    /// The reference's shape.
+    shape: Vec<usize>,
 }
 
 fn gather(
@@ -167,6 +172,7 @@ fn gather(
         },
         module,
     };
+    let (content, shape) = (r.content_hash(), r.shape().to_vec());
     reference.recycle(r);
     if let Some(c) = c {
         candidate.recycle(c);
@@ -175,6 +181,8 @@ fn gather(
         verdict,
         stat,
         rank,
+        content,
+        shape,
     })
 }
 
@@ -248,39 +256,59 @@ fn finish(
     };
     let stat = |j: &str| by_id.get(j).map(|g| &g.stat);
     let index = InputIndex::new(&plan.ids);
-    // Consumed ids (module inputs, arriving gradients) are other modules' outputs under the
-    // naming convention, except across a collective or at the model's inputs: they are judged
-    // when they cannot be merged or disagree on non-finite values (no threshold needed), and
-    // the model's inputs (forward inputs listed before any produced tensor) must be identical.
+    // Consumed ids (module inputs, arriving gradients) carry their differences into their
+    // modules' thresholds, so none goes unjudged: a model input (a forward input listed before
+    // any produced tensor) must be identical; one equal in the reference to an earlier
+    // produced tensor (the same content: the tensor passed between modules) may differ no
+    // more than that tensor does — more was changed between the two, where nothing is traced;
+    // any other (made by untraced code: autograd's sum of gradients, functional code) is
+    // judged on the generic rule of `untraced_threshold`.
     let first_produced = plan
         .ids
         .iter()
         .position(|id| role(id).is_none_or(|r| r.produced))
         .unwrap_or(plan.ids.len());
-    let judged: Vec<(&String, bool)> = plan
-        .ids
-        .iter()
-        .enumerate()
-        .filter_map(|(k, id)| {
-            let produced = role(id).is_none_or(|r| r.produced);
-            let g = by_id[id.as_str()];
-            let broken = g.verdict.problem.is_some() || g.verdict.nonfinite_mismatches > 0;
-            (produced || broken || k < first_produced).then_some((id, produced))
-        })
-        .collect();
-    let mut verdicts = Vec::with_capacity(judged.len());
-    let mut pricing = Vec::with_capacity(judged.len());
-    for (id, produced) in judged {
+    let mut same_content: HashMap<(u64, Vec<usize>), &str> = HashMap::new();
+    // Per pass and shape (elements, last dimension): the largest relative difference of a
+    // produced tensor so far.
+    let mut upstream: HashMap<(Pass, usize, usize), f64> = HashMap::new();
+    let mut verdicts = Vec::with_capacity(plan.ids.len());
+    let mut pricing = Vec::with_capacity(plan.ids.len());
+    for (k, id) in plan.ids.iter().enumerate() {
         let g = by_id[id.as_str()];
+        let produced = role(id).is_none_or(|r| r.produced);
+        let key = (g.content, g.shape.clone());
+        let source = (!produced)
+            .then(|| same_content.get(&key).copied())
+            .flatten();
+        if produced {
+            same_content.entry(key).or_insert(id.as_str());
+            let rel = g.stat.rel();
+            if let (Some(r), true) = (role(id), rel.is_finite()) {
+                let e = upstream
+                    .entry((r.pass, g.stat.elements, g.stat.last_dim))
+                    .or_insert(0.0f64);
+                *e = e.max(rel);
+            }
+        }
+        let broken = g.verdict.problem.is_some() || g.verdict.nonfinite_mismatches > 0;
         let priced = match (mode, producer.get(id)) {
-            _ if !produced => (0.0, Pricing::ModelInput),
+            _ if !produced && (broken || k < first_produced) => (0.0, Pricing::ModelInput),
+            _ if !produced => match source {
+                // One rounding of its format may lie between (a cast, a collective).
+                Some(p) => (
+                    by_id[p].stat.diff_norm + g.stat.format.unit_roundoff() * g.stat.ref_norm,
+                    Pricing::Carried,
+                ),
+                None => (
+                    untraced_threshold(id, &upstream, plan, &g.stat),
+                    Pricing::Untraced,
+                ),
+            },
             (PricingMode::Auto, Some(&t)) => (t, Pricing::Producer),
             _ => match price_local(id, &index, &stat, &ctx) {
                 Some(p) => (p.threshold, p.pricing),
-                None => (
-                    4.0 * 1.03f64.powi(plan.depth as i32) * plan.eps * g.stat.ref_norm,
-                    Pricing::Megatron,
-                ),
+                None => (megatron(plan, &g.stat), Pricing::Megatron),
             },
         };
         let mut v = g.verdict.clone();
@@ -291,6 +319,16 @@ fn finish(
             v.passed = v.nonfinite_mismatches == 0;
         } else if v.problem.is_none() {
             apply_threshold(&mut v, g.stat.diff_norm, g.stat.ref_norm, priced.0);
+            if let (false, Some(p)) = (v.passed, source) {
+                v.problem = Some(format!(
+                    "differs from the reference more than {} does ({:.3e} against {:.3e}), \
+                     which it equals in the reference: changed between the two, where \
+                     nothing is traced",
+                    printable(p),
+                    g.stat.diff_norm,
+                    priced.0
+                ));
+            }
         }
         verdicts.push(v);
         pricing.push(priced.1);
@@ -356,6 +394,29 @@ fn finish(
         localization,
         mode,
     }
+}
+
+/// Megatron's 4·1.03^(L+1)·ε·‖ref‖.
+fn megatron(plan: &Plan, stat: &TensorStat) -> f64 {
+    4.0 * 1.03f64.powi(plan.depth as i32) * plan.eps * stat.ref_norm
+}
+
+/// The threshold of a consumed tensor made by untraced code: the larger of Megatron's rule and
+/// the generic gain allowance (κ = 3) times the largest relative difference of an earlier
+/// produced tensor of its shape in the same pass (the addends of an autograd sum, the operand
+/// of functional code; `upstream`, by pass, elements and last dimension), times ‖ref‖ — from
+/// the reference and judged tensors only, so the candidate cannot widen it.
+fn untraced_threshold(
+    id: &str,
+    upstream: &HashMap<(Pass, usize, usize), f64>,
+    plan: &Plan,
+    me: &TensorStat,
+) -> f64 {
+    let up = role(id)
+        .and_then(|r| upstream.get(&(r.pass, me.elements, me.last_dim)))
+        .copied()
+        .unwrap_or(0.0);
+    megatron(plan, me).max(gain_allowance(None) * up * me.ref_norm)
 }
 
 fn side_info(reference: &TraceDir) -> (HashMap<String, f64>, HashMap<String, ModuleKind>) {

@@ -77,13 +77,21 @@ pub enum Pricing {
     LocalGeneric,
     /// Not judged: an input of the module already differs by a non-finite amount.
     InputFailed,
-    /// A consumed tensor (a module input or arriving gradient): judged only when it cannot be
-    /// merged or disagrees on non-finite values, or when it is one of the model's inputs
-    /// (listed before any produced tensor), which consistent generation makes identical.
+    /// A model input (a consumed tensor listed before any produced one), which consistent
+    /// generation makes identical, or a consumed tensor that cannot be merged or disagrees on
+    /// non-finite values: threshold 0.
     ModelInput,
     /// Megatron's 4·1.03^(L+1)·ε·‖ref‖: no inputs of the tensor are traced (its id does not
     /// follow the `{module}|…` convention).
     Megatron,
+    /// A consumed tensor equal in the reference to an earlier produced one (the tensor passed
+    /// between modules): it may differ no more than that tensor does, plus one unit roundoff
+    /// of its format relative to its norm (a cast or a collective may lie between).
+    Carried,
+    /// A consumed tensor made by untraced code (equal to no earlier produced tensor): the
+    /// larger of Megatron's rule and κ = 3 times the largest relative difference of an earlier
+    /// produced tensor of its shape in the same pass.
+    Untraced,
 }
 
 impl Pricing {
@@ -103,6 +111,14 @@ impl Pricing {
             }
             Pricing::Megatron => {
                 "fallback Megatron 4*1.03^(L+1)*eps*||ref|| (no traced inputs for this id)"
+            }
+            Pricing::Carried => {
+                "consumed tensor: may differ no more than the produced tensor it equals in the \
+                 reference (+ u ||ref||)"
+            }
+            Pricing::Untraced => {
+                "consumed tensor made by untraced code: max(Megatron's rule, 3 x the largest \
+                 relative difference upstream of its shape)"
             }
         }
     }

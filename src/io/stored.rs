@@ -92,6 +92,38 @@ impl Stored {
         self.bytes
     }
 
+    /// A hash of the patterns, shape and format (64 bits; equal tensors hash alike, different
+    /// ones almost never do — it tells which traced tensors hold the same content).
+    pub(crate) fn content_hash(&self) -> u64 {
+        const K: u64 = 0x9E37_79B9_7F4A_7C15;
+        // Four independent lanes over 32-byte blocks: the multiplications overlap.
+        let mut lanes = [1u64, 2, 3, 4];
+        let mix = |h: u64, w: u64| (h ^ w).wrapping_mul(K).rotate_left(29);
+        let blocks = self.bytes.chunks_exact(32);
+        let tail = blocks.remainder();
+        for b in blocks {
+            for (l, h) in lanes.iter_mut().enumerate() {
+                let w = u64::from_le_bytes(b[8 * l..8 * l + 8].try_into().unwrap_or([0; 8]));
+                *h = mix(*h, w);
+            }
+        }
+        let mut h = lanes
+            .iter()
+            .fold(self.bytes.len() as u64, |h, &l| mix(h, l));
+        for c in tail.chunks(8) {
+            let mut w = [0u8; 8];
+            w[..c.len()].copy_from_slice(c);
+            h = mix(h, u64::from_le_bytes(w));
+        }
+        for &d in &self.shape {
+            h = mix(h, d as u64);
+        }
+        mix(
+            h,
+            self.format.bit_width() as u64 ^ (self.format.precision() as u64) << 8,
+        )
+    }
+
     /// The values of elements `start..end` into `out` (cleared first; its capacity is reused).
     pub(crate) fn decode_range(&self, start: usize, end: usize, out: &mut Vec<f64>) {
         let w = self.width();
