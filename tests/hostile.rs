@@ -587,3 +587,150 @@ fn consumed_tensors_cannot_widen_thresholds() {
     }
     std::fs::remove_dir_all(&b).unwrap();
 }
+
+/// Write a one-rank trace of `(id, values)` in F32 (module kinds where given) under `dir`.
+fn write_f32_trace(dir: &Path, tensors: &[(&str, Vec<f64>)], kinds: &[(&str, &str)]) {
+    use ttrace::engine::Tensor;
+    use ttrace::shard::{Layout, Mesh};
+    let entries: Vec<(String, Layout, Vec<Tensor>)> = tensors
+        .iter()
+        .map(|(id, v)| {
+            let t = Tensor::from_vec(&[v.len()], v.clone(), ttrace::Format::F32).unwrap();
+            (id.to_string(), Layout::replicated(), vec![t])
+        })
+        .collect();
+    let modules = kinds
+        .iter()
+        .map(|(id, k)| {
+            let kind = serde_json::from_value(serde_json::json!(k)).unwrap();
+            (id.to_string(), kind)
+        })
+        .collect();
+    ttrace::io::write_trace_dir(
+        dir,
+        &Mesh::single(),
+        None,
+        &entries,
+        &modules,
+        &Default::default(),
+    )
+    .unwrap();
+}
+
+/// Thresholds never become infinite from what a trace claims, and an input never silences its
+/// module's verdict unless it failed itself: an id of layer 30,000 (Megatron's 1.03^L
+/// overflows) with a difference fails with a reason, never passes on an infinite threshold; an
+/// all-zero reference input that the candidate changes leaves its module judged, and fails
+/// itself.
+#[test]
+fn fallback_thresholds_and_zero_inputs_never_pass_vacuously() {
+    let b = base("fallback");
+    let (r, c) = (b.join("deep/reference"), b.join("deep/candidate"));
+    write_f32_trace(&r, &[("layers.30000.w", vec![1.0, 2.0])], &[]);
+    write_f32_trace(&c, &[("layers.30000.w", vec![1.0, 2.5])], &[]);
+    let (code, out, err) = check(&r, &c);
+    assert_eq!(code, Some(1), "{out}{err}");
+    assert!(
+        out.contains("layers.30000.w") && out.contains("threshold"),
+        "{out}"
+    );
+    // The same ids, identical: pass.
+    let (code, out, err) = check(&r, &r);
+    assert_eq!(code, Some(0), "{out}{err}");
+
+    let (r, c) = (b.join("zero/reference"), b.join("zero/candidate"));
+    let ids = [
+        "embedding|fwd.output.0",
+        "act|fwd.input.0",
+        "act|fwd.output.0",
+    ];
+    let kinds = [
+        ("embedding|fwd.output.0", "embedding"),
+        ("act|fwd.output.0", "activation"),
+    ];
+    let (x, y) = (vec![1.0, -1.0, 0.5, 2.0], vec![0.0; 4]);
+    write_f32_trace(
+        &r,
+        &[
+            (ids[0], x.clone()),
+            (ids[1], y.clone()),
+            (ids[2], y.clone()),
+        ],
+        &kinds,
+    );
+    write_f32_trace(
+        &c,
+        &[
+            (ids[0], x),
+            (ids[1], vec![0.0, 0.0, 0.0, 0.5f64.powi(10)]),
+            (ids[2], y),
+        ],
+        &kinds,
+    );
+    let json = b.join("zero/report.json");
+    let (code, out, err) = ttrace(&[
+        "check",
+        "--pricing",
+        "local",
+        "--json",
+        json.to_str().unwrap(),
+        r.to_str().unwrap(),
+        c.to_str().unwrap(),
+    ]);
+    assert_eq!(code, Some(1), "{out}{err}");
+    let j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(j["report"]["first_failure"], ids[1], "{out}");
+    let pricing: Vec<&str> = j["pricing"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_str().unwrap())
+        .collect();
+    assert!(!pricing.contains(&"input_failed"), "{pricing:?}");
+    std::fs::remove_dir_all(&b).unwrap();
+}
+
+/// Sizes from files use checked arithmetic: shards whose merged element count overflows are an
+/// error (they used to wrap to an empty shape that "matched" an empty reference); a manifest
+/// of 5,000 ids on an incomplete 2^20-rank mesh is refused at once, without an allocation per
+/// rank and id.
+#[test]
+fn overflowing_shapes_and_huge_meshes_are_refused() {
+    use ttrace::shard::{merge, Layout, Mesh, Placement};
+    let mesh = Mesh::new(4, 1, 1, false).unwrap();
+    let t = ttrace::engine::Tensor::zeros(&[1 << 62, 0], ttrace::Format::F32);
+    let layout = Layout {
+        tp: Placement::split(0),
+        ..Layout::replicated()
+    };
+    let shards = vec![t.clone(), t.clone(), t.clone(), t];
+    let e = merge(&shards, &layout, &mesh, "x", None).unwrap_err();
+    assert!(matches!(e, ttrace::Error::Layout { .. }), "{e}");
+
+    let b = base("mesh");
+    let (r, c) = dump(&b.join("run"), &[]);
+    let mut m = manifest(&c);
+    let first = m["tensors"][0].clone();
+    m["mesh"] = serde_json::json!({"tp": 1 << 20, "cp": 1, "dp": 1, "sp": false});
+    m["tensors"] = (0..5000)
+        .map(|k| {
+            let mut e = first.clone();
+            e["id"] = serde_json::json!(format!("m{k}|fwd.output.0"));
+            e
+        })
+        .collect();
+    write_manifest(&c, &m);
+    let script = format!(
+        "ulimit -v {} && exec {} check {} {}",
+        1 << 20, // KiB: 1 GiB
+        env!("CARGO_BIN_EXE_ttrace"),
+        r.display(),
+        c.display()
+    );
+    let o = Command::new("sh").arg("-c").arg(&script).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("no shard for rank 1"), "{err}");
+    std::fs::remove_dir_all(&b).unwrap();
+}
