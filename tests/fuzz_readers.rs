@@ -131,6 +131,12 @@ fn trace_seed(dir: &Path) -> (PathBuf, PathBuf) {
     let x = tensor(&[4, 6], Format::BF16, 10);
     let y = tensor(&[4, 6], Format::BF16, 11);
     let shards = ttrace::shard::shard(&x, &split, &tp2, "m0|fwd.output.0").unwrap();
+    // An FP8 tensor whose candidate is a partial sum (summed a block at a time from the
+    // files), and a consumed tensor equal to a produced one (judged against it).
+    let mut partial = Layout::replicated();
+    partial.tp = Placement::Partial;
+    let z = tensor(&[3, 5], Format::E4M3, 12);
+    let addends = ttrace::shard::shard(&z, &partial, &tp2, "m2|fwd.output.0").unwrap();
     let kinds = HashMap::new();
     let none = HashMap::new();
     let r = dir.join("reference");
@@ -150,6 +156,12 @@ fn trace_seed(dir: &Path) -> (PathBuf, PathBuf) {
                 Layout::replicated(),
                 vec![y.clone()],
             ),
+            (
+                "m2|fwd.input.0".into(),
+                Layout::replicated(),
+                vec![y.clone()],
+            ),
+            ("m2|fwd.output.0".into(), Layout::replicated(), vec![z]),
         ],
         &kinds,
         &none,
@@ -164,8 +176,14 @@ fn trace_seed(dir: &Path) -> (PathBuf, PathBuf) {
             (
                 "m1|fwd.output.0".into(),
                 Layout::replicated(),
+                vec![y.clone(), y.clone()],
+            ),
+            (
+                "m2|fwd.input.0".into(),
+                Layout::replicated(),
                 vec![y.clone(), y],
             ),
+            ("m2|fwd.output.0".into(), partial, addends),
         ],
         &kinds,
         &none,

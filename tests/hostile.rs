@@ -60,6 +60,23 @@ fn check(r: &Path, c: &Path) -> (Option<i32>, String, String) {
     ttrace(&["check", r.to_str().unwrap(), c.to_str().unwrap()])
 }
 
+/// `ttrace check REF CAND` under a shell `ulimit` (e.g. `-v 1048576`): exit code, stdout,
+/// stderr.
+fn check_limited(limit: &str, r: &Path, c: &Path) -> (Option<i32>, String, String) {
+    let script = format!(
+        "ulimit {limit} && exec {} check {} {}",
+        env!("CARGO_BIN_EXE_ttrace"),
+        r.display(),
+        c.display()
+    );
+    let o = Command::new("sh").arg("-c").arg(&script).output().unwrap();
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout).to_string(),
+        String::from_utf8_lossy(&o.stderr).to_string(),
+    )
+}
+
 fn mkfifo(p: &Path) {
     let c = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
     // SAFETY: a valid NUL-terminated path.
@@ -400,15 +417,8 @@ fn many_ranks_check_within_a_small_open_file_limit() {
     assert_eq!(code, Some(0), "{err}");
     // 16 rank files per side (32 open at once used to be needed, 3 times over); 16
     // descriptors, stdin/out/err included, are enough when files are opened one at a time.
-    let script = format!(
-        "ulimit -n 16 && exec {} check {} {}",
-        env!("CARGO_BIN_EXE_ttrace"),
-        dir.join("reference").display(),
-        dir.join("candidate").display()
-    );
-    let o = Command::new("sh").arg("-c").arg(&script).output().unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(0), "{err}");
+    let (code, _, err) = check_limited("-n 16", &dir.join("reference"), &dir.join("candidate"));
+    assert_eq!(code, Some(0), "{err}");
     std::fs::remove_dir_all(&b).unwrap();
 }
 
@@ -489,19 +499,9 @@ fn narrow_formats_stay_narrow_and_manifests_are_bounded() {
         write_manifest(&d, &manifest);
     }
     let (r, c) = (b.join("reference"), b.join("candidate"));
-    let script = format!(
-        "ulimit -v {} && exec {} check {} {}",
-        3 << 19, // KiB: 1.5 GiB
-        env!("CARGO_BIN_EXE_ttrace"),
-        r.display(),
-        c.display()
-    );
-    let o = Command::new("sh").arg("-c").arg(&script).output().unwrap();
-    let (out, err) = (
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr),
-    );
-    assert_eq!(o.status.code(), Some(0), "{out}{err}");
+    // 1.5 GiB of address space.
+    let (code, out, err) = check_limited("-v 1572864", &r, &c);
+    assert_eq!(code, Some(0), "{out}{err}");
     assert!(out.contains("PASS"), "{out}");
     let m = c.join("manifest.json");
     let file = std::fs::OpenOptions::new().write(true).open(&m).unwrap();
@@ -721,16 +721,9 @@ fn overflowing_shapes_and_huge_meshes_are_refused() {
         })
         .collect();
     write_manifest(&c, &m);
-    let script = format!(
-        "ulimit -v {} && exec {} check {} {}",
-        1 << 20, // KiB: 1 GiB
-        env!("CARGO_BIN_EXE_ttrace"),
-        r.display(),
-        c.display()
-    );
-    let o = Command::new("sh").arg("-c").arg(&script).output().unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(2), "{err}");
+    // 1 GiB of address space.
+    let (code, _, err) = check_limited("-v 1048576", &r, &c);
+    assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("no shard for rank 1"), "{err}");
     std::fs::remove_dir_all(&b).unwrap();
 }

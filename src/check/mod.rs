@@ -118,56 +118,21 @@ pub(crate) struct Sums {
     pub rmax: f64,
 }
 
-/// A reference and a candidate tensor of one shape, visited as pieces of decoded values.
-trait Pair {
-    fn shapes(&self) -> (&[usize], &[usize]);
-    fn formats(&self) -> (Format, Format);
-    fn len(&self) -> usize;
-    /// Hand `f` the pairs in order, in pieces of a multiple of 8 pairs (but the last).
-    fn pieces(&self, f: &mut dyn FnMut(&[f64], &[f64]));
+/// A reference and a candidate tensor, visited as pieces of decoded values.
+struct Pair<'a> {
+    shapes: (&'a [usize], &'a [usize]),
+    formats: (Format, Format),
+    elements: usize,
+    /// Hands its argument the pairs in order, in pieces of a multiple of 8 pairs (but the last).
+    pieces: &'a Pieces<'a>,
 }
 
-impl Pair for (&Tensor, &Tensor) {
-    fn shapes(&self) -> (&[usize], &[usize]) {
-        (self.0.shape(), self.1.shape())
-    }
-    fn formats(&self) -> (Format, Format) {
-        (self.0.format(), self.1.format())
-    }
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-    fn pieces(&self, f: &mut dyn FnMut(&[f64], &[f64])) {
-        f(self.0.values(), self.1.values())
-    }
-}
+/// A visitor of a pair's values, piece by piece (see [`Pair`]).
+type Pieces<'a> = dyn Fn(&mut dyn FnMut(&[f64], &[f64])) + 'a;
 
 /// Elements decoded at a time when stored tensors are compared (a multiple of 8: 128 KiB of
 /// values per side, which stay in the cache between decoding and comparing).
 const PIECE: usize = 1 << 14;
-
-impl Pair for (&Stored, &Stored) {
-    fn shapes(&self) -> (&[usize], &[usize]) {
-        (self.0.shape(), self.1.shape())
-    }
-    fn formats(&self) -> (Format, Format) {
-        (self.0.format(), self.1.format())
-    }
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-    fn pieces(&self, f: &mut dyn FnMut(&[f64], &[f64])) {
-        let n = self.0.len().min(self.1.len());
-        let cap = PIECE.min(n);
-        let (mut a, mut b) = (Vec::with_capacity(cap), Vec::with_capacity(cap));
-        for start in (0..n).step_by(PIECE) {
-            let end = (start + PIECE).min(n);
-            self.0.decode_range(start, end, &mut a);
-            self.1.decode_range(start, end, &mut b);
-            f(&a, &b);
-        }
-    }
-}
 
 /// [`compare_tensor`], also returning its sums (one pass over the data).
 pub(crate) fn compare_with_sums(
@@ -177,7 +142,13 @@ pub(crate) fn compare_with_sums(
     threshold_abs: f64,
     eps: f64,
 ) -> (TensorVerdict, Sums) {
-    compare_pair(id, &(reference, candidate), threshold_abs, eps)
+    let pair = Pair {
+        shapes: (reference.shape(), candidate.shape()),
+        formats: (reference.format(), candidate.format()),
+        elements: reference.len(),
+        pieces: &|f| f(reference.values(), candidate.values()),
+    };
+    compare_pair(id, &pair, threshold_abs, eps)
 }
 
 /// [`compare_with_sums`] on tensors as stored, decoded a piece at a time: the same numbers
@@ -189,13 +160,30 @@ pub(crate) fn compare_stored(
     threshold_abs: f64,
     eps: f64,
 ) -> (TensorVerdict, Sums) {
-    compare_pair(id, &(reference, candidate), threshold_abs, eps)
+    let pieces = |f: &mut dyn FnMut(&[f64], &[f64])| {
+        let n = reference.len().min(candidate.len());
+        let cap = PIECE.min(n);
+        let (mut a, mut b) = (Vec::with_capacity(cap), Vec::with_capacity(cap));
+        for start in (0..n).step_by(PIECE) {
+            let end = (start + PIECE).min(n);
+            reference.decode_range(start, end, &mut a);
+            candidate.decode_range(start, end, &mut b);
+            f(&a, &b);
+        }
+    };
+    let pair = Pair {
+        shapes: (reference.shape(), candidate.shape()),
+        formats: (reference.format(), candidate.format()),
+        elements: reference.len(),
+        pieces: &pieces,
+    };
+    compare_pair(id, &pair, threshold_abs, eps)
 }
 
-fn compare_pair(id: &str, pair: &dyn Pair, threshold_abs: f64, eps: f64) -> (TensorVerdict, Sums) {
+fn compare_pair(id: &str, pair: &Pair, threshold_abs: f64, eps: f64) -> (TensorVerdict, Sums) {
     let mut verdict = TensorVerdict {
         id: id.to_string(),
-        elements: pair.len(),
+        elements: pair.elements,
         rel_error: 0.0,
         rel_error_eps: 0.0,
         threshold: 0.0,
@@ -207,14 +195,14 @@ fn compare_pair(id: &str, pair: &dyn Pair, threshold_abs: f64, eps: f64) -> (Ten
         problem: None,
         passed: false,
     };
-    let (rs, cs) = pair.shapes();
+    let (rs, cs) = pair.shapes;
     if rs != cs {
         verdict.problem = Some(format!("shape {cs:?} differs from the reference's {rs:?}"));
         return (verdict, Sums::default());
     }
-    let (rf, cf) = pair.formats();
+    let (rf, cf) = pair.formats;
     let mut pass = Pass::new(rf, cf);
-    pair.pieces(&mut |r, c| pass.feed(r, c));
+    (pair.pieces)(&mut |r, c| pass.feed(r, c));
     let st = pass.finish();
     verdict.max_abs = st.max_abs;
     verdict.max_ulp = st.max_ulp;
@@ -242,17 +230,17 @@ fn compare_pair(id: &str, pair: &dyn Pair, threshold_abs: f64, eps: f64) -> (Ten
 /// square overflows; +∞ only for a norm beyond the largest `f64`. A difference of two finite
 /// values may itself overflow (1e308 against −1e308): it is computed halved. Two visits: the
 /// maxima, then the scaled sums.
-fn scaled_norms(pair: &dyn Pair) -> (f64, f64) {
+fn scaled_norms(pair: &Pair) -> (f64, f64) {
     let finite = |a: f64, b: f64| a.is_finite() && b.is_finite();
     let (mut dmax, mut rmax) = (0.0f64, 0.0f64);
-    pair.pieces(&mut |r, c| {
+    (pair.pieces)(&mut |r, c| {
         for (&a, &b) in r.iter().zip(c).filter(|(&a, &b)| finite(a, b)) {
             dmax = dmax.max((b / 2.0 - a / 2.0).abs());
             rmax = rmax.max(a.abs());
         }
     });
     let (mut ds, mut rs) = (0.0f64, 0.0f64);
-    pair.pieces(&mut |r, c| {
+    (pair.pieces)(&mut |r, c| {
         for (&a, &b) in r.iter().zip(c).filter(|(&a, &b)| finite(a, b)) {
             if dmax > 0.0 {
                 let d = (b / 2.0 - a / 2.0) / dmax;

@@ -472,8 +472,7 @@ impl Joinable for Stored {
     }
 }
 
-/// How many buffers of joined pieces a merge keeps for its later joins (see
-/// [`merge_reusing`]).
+/// How many spare buffers a pool keeps (see [`merge_reusing`]).
 const SPARE_BUFFERS: usize = 4;
 
 /// The spare buffer that best fits `len` elements: the smallest holding them, else the largest
@@ -543,8 +542,8 @@ pub fn merge(
     )
 }
 
-/// [`merge`] taking the shards by value: replicated shards are moved, not copied (the
-/// checker's path, where tensors are large and read from files).
+/// [`merge`] taking the shards by value: a shard that holds the whole tensor (replicated on
+/// every axis) is moved, not copied.
 pub fn merge_owned(
     shards: Vec<Tensor>,
     layout: &Layout,
@@ -555,10 +554,10 @@ pub fn merge_owned(
     merge_reusing(shards, layout, mesh, id, expected, &mut Vec::new())
 }
 
-/// [`merge_owned`] with a pool of spare buffers: joined tensors are built in buffers taken
-/// from `spare` (their contents are replaced), and the buffers of shards consumed by a join
-/// go back to it (up to a few) — so a caller merging tensor after tensor (the checker) does
-/// not pay for fresh pages each time.
+/// [`merge_owned`] with a pool of spare buffers: the merged tensor (and any partial sum) is
+/// built in a buffer taken from `spare` (its contents are replaced), and the buffers of the
+/// shards it consumed go back to it (up to a few) — so a caller merging tensor after tensor
+/// does not pay for fresh pages each time.
 pub fn merge_reusing(
     shards: Vec<Tensor>,
     layout: &Layout,
@@ -577,6 +576,8 @@ pub fn merge_reusing(
     )
 }
 
+/// [`merge_reusing`] for values or stored patterns, borrowed or owned (see
+/// [`merge_fetched`]).
 pub(crate) fn merge_cow<T: Joinable>(
     shards: Vec<Cow<'_, T>>,
     layout: &Layout,
