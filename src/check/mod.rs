@@ -356,8 +356,11 @@ impl Pass {
 
     /// The next pairs (the shorter slice's length of them).
     pub(crate) fn feed(&mut self, r: &[f64], c: &[f64]) {
-        debug_assert_eq!(self.seen % 8, 0, "pieces before the last hold 8k pairs");
         let n = r.len().min(c.len());
+        debug_assert!(
+            n == 0 || self.seen % 8 == 0,
+            "pieces before the last hold 8k pairs"
+        );
         let (r, c) = (&r[..n], &c[..n]);
         let nonfinite = lanes_dispatch(&mut self.acc, r, c, self.rf, self.cf);
         // Ulp distances of other formats once some pair differed (this piece or an earlier
