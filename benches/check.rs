@@ -18,16 +18,16 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use ttrace::bounds::{plan_matmul, Confidence, TermStats};
-use ttrace::check::price::{price_local, InputIndex, PriceContext, TensorStat};
 use ttrace::check::{check_dir_paths, compare_tensor, PricingMode};
-use ttrace::engine::model::ModuleKind;
-use ttrace::engine::{Policy, Tensor};
+use ttrace::check::{price_local, InputIndex, PriceContext, TensorStat};
+use ttrace::engine::ModuleKind;
 use ttrace::io::{write_trace_dir, ModuleInfo};
 use ttrace::shard::{Layout, Mesh, Placement};
 use ttrace::{Format, Overflow};
+use ttrace::{Policy, Tensor};
 
 fn values(n: usize, seed: u64, f: Format) -> Vec<f64> {
-    let mut g = ttrace::engine::init::SplitMix64::for_name("bench-check", seed);
+    let mut g = ttrace::engine::SplitMix64::for_name("bench-check", seed);
     (0..n)
         .map(|_| f.round(4.0 * g.uniform() - 2.0, Overflow::NonSaturating))
         .collect()

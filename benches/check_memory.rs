@@ -19,10 +19,10 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::process::Command;
 
-use ttrace::engine::init::SplitMix64;
-use ttrace::engine::Tensor;
+use ttrace::engine::SplitMix64;
 use ttrace::io::write_trace_dir;
 use ttrace::shard::{shard, Layout, Mesh, Placement};
+use ttrace::Tensor;
 use ttrace::{Format, Overflow};
 
 fn values(n: usize, f: Format, seed: u64) -> Vec<f64> {

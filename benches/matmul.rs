@@ -9,11 +9,12 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use ndarray::Array2;
-use ttrace::engine::{matmul, Policy, Tensor};
+use ttrace::engine::matmul;
 use ttrace::{BlockSum, Format, Order, Overflow, Products};
+use ttrace::{Policy, Tensor};
 
 fn values(n: usize, seed: u64) -> Vec<f64> {
-    let mut g = ttrace::engine::init::SplitMix64::for_name("bench", seed);
+    let mut g = ttrace::engine::SplitMix64::for_name("bench", seed);
     (0..n)
         .map(|_| Format::BF16.round(2.0 * g.uniform() - 1.0, Overflow::NonSaturating))
         .collect()

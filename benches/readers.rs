@@ -11,8 +11,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use ttrace::engine::Tensor;
 use ttrace::io::safetensors as ours;
+use ttrace::Tensor;
 use ttrace::{Format, Overflow};
 
 fn write(path: &Path, count: usize, len: usize) -> u64 {

@@ -17,15 +17,15 @@
 mod common;
 
 use common::frob;
-use ttrace::bounds::baselines::baselines_for;
+use ttrace::bounds::baselines_for;
 use ttrace::bounds::{
     matmul_threshold, norm_threshold, softmax_threshold, sum_threshold, Confidence, NormOp,
 };
 use ttrace::engine::{
-    init::SplitMix64, layer_norm, matmul, online_softmax, softmax, AttentionImpl, Policy, Tensor,
-    Variance,
+    layer_norm, matmul, online_softmax, softmax, AttentionImpl, SplitMix64, Variance,
 };
 use ttrace::{sum, BlockSum, Combine, Format, Order, Overflow};
+use ttrace::{Policy, Tensor};
 
 fn data(n: usize, seed: u64) -> Vec<f64> {
     let mut g = SplitMix64::for_name("tightness", seed);

@@ -3,7 +3,8 @@
 //! `cargo run --release --example tiny_gpt [recipe]` with recipe one of f64, fp32, bf16,
 //! fp8-current, fp8-delayed, fp8-mx (default bf16).
 
-use ttrace::engine::{Gpt, GptConfig, Recipe};
+use ttrace::engine::{Gpt, GptConfig};
+use ttrace::Recipe;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let name = std::env::args()

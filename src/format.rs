@@ -311,7 +311,7 @@ impl Format {
     /// operation therefore rounds twice, which is harmless for one +, −, ×, ÷ or √ of operands
     /// of precision p ≤ 25 into a format of that precision (double rounding is innocuous when
     /// the intermediate format has at least 2p + 2 bits: Figueroa, ACM SIGNUM 1995), and not in
-    /// general. The reductions in [`crate::order`] take care of this.
+    /// general. The reductions in [`sum`](crate::sum) and [`dot`](crate::dot) take care of this.
     ///
     /// ```
     /// use ttrace::{Format, Overflow};

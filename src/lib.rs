@@ -15,7 +15,7 @@
 //!   accumulator format, and report the rounding depth of each term.
 //! * [`ExactAccumulator`], [`exact_sum`], [`exact_dot`]: exact arithmetic for oracles.
 //! * [`engine`]: tensors of exact emulated values, ops forward and backward under an arithmetic
-//!   [`engine::Policy`] (which embeds the same [`Accumulation`]), a tiny GPT
+//!   [`Policy`] (which embeds the same [`Accumulation`]), a tiny GPT
 //!   ([`engine::Gpt`]) whose training step records a [`engine::Trace`] of every intermediate
 //!   tensor under canonical ids, and replay of any module on substituted inputs.
 //! * [`bounds`]: comparison thresholds (guaranteed and probabilistic) for "reference order vs
@@ -29,7 +29,7 @@
 //! * [`bugs`]: fifteen injectable silent bugs, each modelling a real one; [`check`]: per-tensor
 //!   verdicts, the localizer that names the first module whose own output is wrong, and the
 //!   checking of two trace directories ([`check::check_dir_paths`]) with thresholds priced
-//!   from the manifest and the data ([`check::price`]).
+//!   from the manifest and the data ([`check::price_local`]).
 //! * [`io`]: trace directories — safetensors / `.npy` tensors (BF16 and FP8 read as stored)
 //!   and a versioned manifest of ids, ranks, dtypes and layouts (`papers/trace-format.md`).
 //!
@@ -80,7 +80,8 @@
 //! ## Example: a sharded training step, merged back and compared
 //!
 //! ```
-//! use ttrace::engine::{AttentionImpl, Gpt, GptConfig, Recipe};
+//! use ttrace::engine::{AttentionImpl, Gpt, GptConfig};
+//! use ttrace::{Recipe};
 //! use ttrace::shard::{Algorithm, Mesh, ShardedGpt};
 //!
 //! # fn main() -> ttrace::Result<()> {
@@ -117,14 +118,16 @@ pub mod bugs;
 pub mod check;
 mod decimal;
 pub mod engine;
-pub mod error;
-pub mod exact;
-pub mod format;
+pub(crate) mod error;
+pub(crate) mod exact;
+pub(crate) mod format;
 pub mod io;
-pub mod order;
+pub(crate) mod order;
 pub mod shard;
 pub mod validate;
 
+pub use engine::policy::{Policy, Recipe, Scaling};
+pub use engine::tensor::Tensor;
 pub use error::{Error, Result};
 pub use exact::{exact_dot, exact_sum, exact_sum_abs, ExactAccumulator};
 pub use format::{Format, FormatInfo, Overflow};

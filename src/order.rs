@@ -184,7 +184,7 @@ impl Accumulation {
     }
 
     /// For a sum of `n` terms: how many roundings each term undergoes, per format.
-    /// Errors: invalid order parameters, or n above [`MAX_DEPTH_TERMS`].
+    /// Errors: invalid order parameters, or n above `MAX_DEPTH_TERMS`.
     pub fn sum_depths(&self, n: usize) -> Result<Vec<TermDepth>> {
         self.validate()?;
         check_depth_len(n)?;

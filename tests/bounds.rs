@@ -6,10 +6,11 @@ mod common;
 use common::frob;
 use proptest::prelude::*;
 use statrs::distribution::{Binomial, DiscreteCDF};
-use ttrace::bounds::baselines::baselines_for;
+use ttrace::bounds::baselines_for;
 use ttrace::bounds::{matmul_threshold, reduction_error, sum_threshold, Confidence};
-use ttrace::engine::{init::SplitMix64, matmul, Policy, Scaling, Tensor};
+use ttrace::engine::{matmul, SplitMix64};
 use ttrace::{exact_sum, sum, Accumulation, BlockSum, Combine, Format, Order, Overflow, Products};
+use ttrace::{Policy, Scaling, Tensor};
 
 /// Input distributions: Gaussian, uniform, all-positive, heavy-tailed, and offset data whose
 /// dot products cancel.

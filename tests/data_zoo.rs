@@ -8,10 +8,10 @@ mod zoo;
 use zoo::common;
 
 use ttrace::bounds::{matmul_threshold, reduction_error, sum_threshold, Confidence, Threshold};
-use ttrace::engine::{Policy, Tensor};
 use ttrace::{
     dot, exact_dot, exact_sum, sum, Accumulation, Combine, Error, Format, Order, Products,
 };
+use ttrace::{Policy, Tensor};
 
 const DELTA: Confidence = Confidence::Probabilistic { delta: 1e-6 };
 

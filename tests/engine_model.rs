@@ -5,6 +5,7 @@ use std::collections::BTreeSet;
 
 use ttrace::engine::*;
 use ttrace::{Format, Overflow};
+use ttrace::{Recipe, Scaling, Tensor};
 
 /// The canonical ids of one step, written out from the architecture (not from the model code).
 fn expected_ids(layers: usize, norm_bias: bool) -> BTreeSet<String> {
@@ -253,7 +254,7 @@ fn whole_model_gradient_check_f64() {
             .require(&format!("{name}|param_grad"))
             .unwrap()
             .clone();
-        let v = init::normal_values(
+        let v = normal_values(
             &format!("direction.{name}"),
             theta.len(),
             0.0,
@@ -315,7 +316,7 @@ fn steps_are_deterministic_and_seeded_by_name() {
     // Parameters are the generator's values for their names, rounded to the parameter format.
     let model = Gpt::new(c.clone(), Recipe::bf16()).unwrap();
     let w = model.param("layers.0.mlp.fc1.weight").unwrap();
-    let expect = init::normal_values("layers.0.mlp.fc1.weight", w.len(), 0.0, 0.02, c.seed);
+    let expect = normal_values("layers.0.mlp.fc1.weight", w.len(), 0.0, 0.02, c.seed);
     for (x, e) in w.values().iter().zip(expect) {
         assert_eq!(*x, Format::BF16.round(e, Overflow::Saturating));
     }

@@ -4,11 +4,12 @@
 use proptest::prelude::*;
 use ttrace::engine::*;
 use ttrace::{dot, sum, Accumulation, BlockSum, Combine, Format, Order, Overflow, Products};
+use ttrace::{Policy, Recipe, Scaling, Tensor};
 
 // ------------------------------------------------------------------ helpers
 
 fn seeded(n: usize, seed: u64, scale: f64) -> Vec<f64> {
-    let mut g = init::SplitMix64::for_name("test", seed);
+    let mut g = SplitMix64::for_name("test", seed);
     (0..n).map(|_| scale * (2.0 * g.uniform() - 1.0)).collect()
 }
 

@@ -30,10 +30,10 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use ttrace::check::{check_dirs, PricingMode};
-use ttrace::engine::Tensor;
 use ttrace::io::{npy, safetensors, write_trace_dir, TraceDir};
 use ttrace::shard::{Layout, Mesh, Placement};
 use ttrace::Format;
+use ttrace::Tensor;
 
 // ---------------------------------------------------------------------------------------------
 // A global allocator that records the largest single allocation since the last reset.
@@ -84,7 +84,7 @@ fn tmp(name: &str) -> PathBuf {
 
 fn tensor(shape: &[usize], f: Format, seed: u64) -> Tensor {
     let n: usize = shape.iter().product();
-    let mut g = ttrace::engine::init::SplitMix64::for_name("fuzz", seed);
+    let mut g = ttrace::engine::SplitMix64::for_name("fuzz", seed);
     let v = (0..n)
         .map(|_| f.round(4.0 * g.uniform() - 2.0, ttrace::Overflow::Saturating))
         .collect();

@@ -253,8 +253,8 @@ fn write_errors_on_stdout_exit_2() {
 #[test]
 fn vacuous_and_overflowing_comparisons_fail() {
     use ttrace::check::{apply_threshold, compare_tensor};
-    use ttrace::engine::Tensor;
     use ttrace::Format;
+    use ttrace::Tensor;
     let b = base("vacuous");
     let (r, c) = dump(&b.join("run"), &[]);
     // A reference with no tensors: an error, not "PASS: all 0 tensors".
@@ -305,7 +305,7 @@ fn sizes_from_arguments_are_bounded() {
     // Groups × parts that overflow: a typed error from the library, not a panic.
     use ttrace::shard::{Layout, Mesh, Placement};
     let mesh = Mesh::new(2, 1, 1, false).unwrap();
-    let t = ttrace::engine::Tensor::zeros(&[4, 4], ttrace::Format::F32);
+    let t = ttrace::Tensor::zeros(&[4, 4], ttrace::Format::F32);
     let mut layout = Layout::replicated();
     layout.tp = Placement::Split {
         dim: 0,
@@ -370,7 +370,7 @@ fn strict_parsing_refuses_duplicates_and_wrong_types() {
     bytes.extend_from_slice(&[0; 4]);
     let p = b.join("dup.safetensors");
     std::fs::write(&p, &bytes).unwrap();
-    let e = ttrace::io::SafetensorsFile::open(&p).unwrap_err();
+    let e = ttrace::io::safetensors::SafetensorsFile::open(&p).unwrap_err();
     assert!(matches!(e, ttrace::Error::File { .. }), "{e}");
     assert!(e.to_string().contains("duplicate field `dtype`"), "{e}");
     // npy headers: fortran_order must be True or False; descr only as a key.
@@ -536,12 +536,12 @@ fn scale_candidate(c: &Path, key: &str, factor: f64) {
                     .iter()
                     .map(|x| fmt.round(x * factor, ttrace::Overflow::NonSaturating))
                     .collect();
-                t = ttrace::engine::Tensor::from_vec(t.shape(), v, fmt).unwrap();
+                t = ttrace::Tensor::from_vec(t.shape(), v, fmt).unwrap();
             }
             tensors.push(t);
         }
         drop(f);
-        let list: Vec<(&str, &ttrace::engine::Tensor)> =
+        let list: Vec<(&str, &ttrace::Tensor)> =
             names.iter().map(String::as_str).zip(&tensors).collect();
         write(&path, &list, &meta).unwrap();
     }
@@ -590,8 +590,8 @@ fn consumed_tensors_cannot_widen_thresholds() {
 
 /// Write a one-rank trace of `(id, values)` in F32 (module kinds where given) under `dir`.
 fn write_f32_trace(dir: &Path, tensors: &[(&str, Vec<f64>)], kinds: &[(&str, &str)]) {
-    use ttrace::engine::Tensor;
     use ttrace::shard::{Layout, Mesh};
+    use ttrace::Tensor;
     let entries: Vec<(String, Layout, Vec<Tensor>)> = tensors
         .iter()
         .map(|(id, v)| {
@@ -699,7 +699,7 @@ fn fallback_thresholds_and_zero_inputs_never_pass_vacuously() {
 fn overflowing_shapes_and_huge_meshes_are_refused() {
     use ttrace::shard::{merge, Layout, Mesh, Placement};
     let mesh = Mesh::new(4, 1, 1, false).unwrap();
-    let t = ttrace::engine::Tensor::zeros(&[1 << 62, 0], ttrace::Format::F32);
+    let t = ttrace::Tensor::zeros(&[1 << 62, 0], ttrace::Format::F32);
     let layout = Layout {
         tp: Placement::split(0),
         ..Layout::replicated()

@@ -5,11 +5,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
 use proptest::prelude::*;
-use ttrace::engine::{Gpt, Recipe, Tensor};
+use ttrace::engine::Gpt;
 use ttrace::io::{npy, safetensors, write_trace_dir, TraceDir};
 use ttrace::shard::{Algorithm, Layout, Mesh, ShardedGpt};
 use ttrace::validate::SweepOptions;
 use ttrace::{Error, Format};
+use ttrace::{Recipe, Tensor};
 
 fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("ttrace-io-{}-{name}", std::process::id()));
@@ -428,7 +429,7 @@ fn partial_shards_sum_exactly_block_by_block() {
         ..Layout::replicated()
     };
     let n = 70_001;
-    let mut g = ttrace::engine::init::SplitMix64::for_name("partial-stream", 3);
+    let mut g = ttrace::engine::SplitMix64::for_name("partial-stream", 3);
     for f in formats() {
         let width = f.bit_width();
         let shards: Vec<Tensor> = (0..4)

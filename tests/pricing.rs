@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use ttrace::bugs::Bug;
-use ttrace::check::price::Pricing;
+use ttrace::check::Pricing;
 use ttrace::check::{check_dirs, DirCheck, PricingMode};
 use ttrace::io::TraceDir;
 use ttrace::shard::Algorithm;

@@ -6,7 +6,7 @@
 
 use std::process::Command;
 
-use ttrace::io::{npy, SafetensorsFile};
+use ttrace::io::{npy, safetensors::SafetensorsFile};
 use ttrace::Format;
 
 #[test]

@@ -6,12 +6,13 @@
 use std::collections::HashMap;
 
 use ttrace::bounds::{plan_matmul, Confidence, TermStats, MAX_PLANNED_TERMS};
-use ttrace::check::price::{price_local, InputIndex, PriceContext, TensorStat};
 use ttrace::check::{check_dir_paths, compare_tensor, PricingMode};
-use ttrace::engine::{matmul, Policy, Tensor};
+use ttrace::check::{price_local, InputIndex, PriceContext, TensorStat};
+use ttrace::engine::matmul;
 use ttrace::io::{safetensors, write_atomic, write_trace_dir, ModuleInfo};
 use ttrace::shard::{Layout, Mesh};
 use ttrace::{sum, Accumulation, Error, Format, Overflow};
+use ttrace::{Policy, Tensor};
 
 fn t(v: &[f64], f: Format) -> Tensor {
     Tensor::from_vec(&[v.len()], v.to_vec(), f).unwrap()
@@ -280,7 +281,7 @@ fn check_reports_are_identical_across_runs_and_thread_counts() {
     split.tp = ttrace::shard::Placement::split(1);
     let mut re = vec![];
     let mut ce = vec![];
-    let mut g = ttrace::engine::init::SplitMix64::for_name("robust", 3);
+    let mut g = ttrace::engine::SplitMix64::for_name("robust", 3);
     for m in 0..6 {
         let v: Vec<f64> = (0..64)
             .map(|_| Format::BF16.round(g.uniform() - 0.5, Overflow::Saturating))

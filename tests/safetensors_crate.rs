@@ -10,8 +10,8 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use safetensors::SafeTensors;
-use ttrace::engine::Tensor;
 use ttrace::io::safetensors as ours;
+use ttrace::Tensor;
 use ttrace::{Error, Format, Overflow};
 
 fn tmp(name: &str) -> PathBuf {

@@ -1,12 +1,13 @@
 //! Sharded simulation: layouts, collectives, and the sharded GPT against the reference.
 
 use proptest::prelude::*;
-use ttrace::engine::{AttentionImpl, Gpt, GptConfig, Recipe, Tensor};
+use ttrace::engine::{AttentionImpl, Gpt, GptConfig};
 use ttrace::shard::{
     all_gather, all_reduce, merge, reduce_scatter, shard, Algorithm, Layout, Mesh, Placement,
     ShardedGpt,
 };
 use ttrace::{exact_sum, Error, Format};
+use ttrace::{Recipe, Tensor};
 
 fn config() -> GptConfig {
     GptConfig {
@@ -227,13 +228,14 @@ proptest! {
 }
 
 mod ring {
-    use ttrace::engine::{attention, attention_backward, AttentionImpl, Policy, Tensor};
+    use ttrace::engine::{attention, attention_backward, AttentionImpl};
     use ttrace::shard::{ring_attention, ring_attention_backward, shard, Layout, Mesh, Placement};
     use ttrace::{Format, Overflow};
+    use ttrace::{Policy, Tensor};
 
     fn qkv(batch: usize, seq: usize, hidden: usize, fmt: Format) -> Tensor {
         let n = batch * seq * 3 * hidden;
-        let v = ttrace::engine::init::normal_values("qkv", n, 0.0, 1.0, 7);
+        let v = ttrace::engine::normal_values("qkv", n, 0.0, 1.0, 7);
         Tensor::rounded(&[batch, seq, 3 * hidden], v, fmt, Overflow::Saturating).unwrap()
     }
 
@@ -274,7 +276,7 @@ mod ring {
             let x = qkv(2, 16, 16, fmt);
             let imp = AttentionImpl::Online { block: 4 };
             let (r, saved) = attention(&x, 2, true, imp, &p).unwrap();
-            let dout_v = ttrace::engine::init::normal_values("dout", r.len(), 0.0, 1.0, 9);
+            let dout_v = ttrace::engine::normal_values("dout", r.len(), 0.0, 1.0, 9);
             let dout = Tensor::rounded(r.shape(), dout_v, fmt, Overflow::Saturating).unwrap();
             let dref = attention_backward(&saved, &dout, &p).unwrap();
             for cp in [2, 4] {

@@ -27,13 +27,14 @@ fn stdout_error(e: io::Error) -> String {
     format!("writing to standard output: {e}")
 }
 use serde::Serialize;
-use ttrace::bounds::baselines::{baselines_for, Baseline};
+use ttrace::bounds::{baselines_for, Baseline};
 use ttrace::bounds::{
     elementwise_threshold, matmul_threshold, norm_threshold, plan_matmul, plan_sum,
     softmax_threshold, Confidence, Elementwise, NormOp, TermStats, Threshold,
 };
-use ttrace::engine::{AttentionImpl, Policy, Scaling, Tensor, Variance};
+use ttrace::engine::{AttentionImpl, Variance};
 use ttrace::{BlockSum, Combine, Format, Order, Overflow, Products};
+use ttrace::{Policy, Scaling, Tensor};
 
 #[derive(Parser)]
 #[command(
@@ -370,7 +371,7 @@ fn synthetic(
             "synthetic pricing is limited to 2^24 elements (asked {n}); use smaller --m/--k/--n"
         ));
     }
-    let values = ttrace::engine::init::normal_values(seed, n, mean, std, 7);
+    let values = ttrace::engine::normal_values(seed, n, mean, std, 7);
     Tensor::rounded(shape, values, format, Overflow::Saturating).map_err(|e| e.to_string())
 }
 
@@ -677,16 +678,16 @@ fn check_dirs_cli(
     if let Some(l) = &out.localization {
         let kind = l.kind.map(|k| format!(" ({k:?})")).unwrap_or_default();
         let pass = match l.pass {
-            Some(ttrace::engine::policy::Pass::Forward) => " forward",
-            Some(ttrace::engine::policy::Pass::Backward) => " backward",
+            Some(ttrace::engine::Pass::Forward) => " forward",
+            Some(ttrace::engine::Pass::Backward) => " backward",
             None => "",
         };
         let rank = l.rank.map(|r| format!(", rank {r}")).unwrap_or_default();
         outln!(
             "localized: module {}{kind}{pass}, tensor {}{rank}: {}",
-            ttrace::io::guard::printable(&l.module),
-            ttrace::io::guard::printable(&l.tensor),
-            ttrace::io::guard::sanitize(&l.detail)
+            ttrace::io::printable(&l.module),
+            ttrace::io::printable(&l.tensor),
+            ttrace::io::sanitize(&l.detail)
         );
     }
     outln!("thresholds:");
@@ -768,7 +769,7 @@ fn simulate(
         .map(ttrace::bugs::Bug::by_name)
         .transpose()
         .map_err(|e| e.to_string())?;
-    ttrace::engine::Recipe::by_name(recipe).map_err(|e| e.to_string())?;
+    ttrace::Recipe::by_name(recipe).map_err(|e| e.to_string())?;
     let algorithm = match algorithm {
         "ring" => ttrace::shard::Algorithm::Ring,
         "tree" => ttrace::shard::Algorithm::Tree,
@@ -857,7 +858,7 @@ fn validate(
         render_bugs, render_sensitivity, render_svg, render_table, run_sweep, SweepOptions,
     };
     let seeds = seeds.unwrap_or(if full { 6 } else { 2 });
-    let most = ttrace::io::guard::limits::SWEEP_RUNS;
+    let most = ttrace::io::limits::SWEEP_RUNS;
     if seeds == 0 || seeds > most {
         return Err(format!(
             "--seeds must be between 1 and {most} (got {seeds})"
@@ -872,7 +873,7 @@ fn validate(
         SweepOptions::default_sweep(seeds)
     };
     for r in recipes {
-        ttrace::engine::Recipe::by_name(r).map_err(|e| e.to_string())?;
+        ttrace::Recipe::by_name(r).map_err(|e| e.to_string())?;
     }
     if !recipes.is_empty() {
         options.runs.retain(|run| recipes.contains(&run.recipe));
@@ -1123,7 +1124,7 @@ fn main() -> ExitCode {
             let _ = writeln!(
                 io::stderr(),
                 "ttrace: error: {}",
-                ttrace::io::guard::sanitize(&message)
+                ttrace::io::sanitize(&message)
             );
             ExitCode::from(2)
         }

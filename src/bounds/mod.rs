@@ -1,31 +1,39 @@
 //! Error bounds and comparison thresholds: how far a candidate execution of an op may differ
 //! from the reference execution on the same logical inputs because of rounding alone.
 //!
-//! * [`reduction`]: the introduced error of one execution of a sum / dot product under an
-//!   [`Accumulation`](crate::Accumulation), guaranteed (Higham) and probabilistic (random
-//!   rounding model, with the spacing at the actual partial sums).
-//! * [`compare`]: the difference of two executions, the rounding of nearly equal values to the
-//!   same output format, and the tensor-level threshold on ‖cand − ref‖_F by Bernstein's
-//!   inequality.
-//! * [`ops`]: whole ops — matmul / linear with FP8 quantization, sum, mean, all-reduce — from
-//!   the data (checking) or from summary statistics (planning).
-//! * [`softmax`]: softmax, standard and online (blockwise), in any pair of orders.
-//! * [`norm`]: LayerNorm (two-pass, Welford and one-pass variance) and RMSNorm.
-//! * [`elementwise`]: add, scale, GELU, SiLU, exp; FP8 quantization error; first-order gains
-//!   that carry an input difference to the output (composition along a network).
-//! * [`baselines`]: PyTorch, TransformerEngine and Megatron tolerances for side-by-side reports.
+//! * Reductions ([`reduction_error`], [`planned_reduction_error`]): the introduced error of one
+//!   execution of a sum / dot product under an [`Accumulation`](crate::Accumulation),
+//!   guaranteed (Higham) and probabilistic (random rounding model, with the spacing at the
+//!   actual partial sums).
+//! * Comparisons ([`Threshold`], [`tensor_threshold`]): the difference of two executions, the
+//!   rounding of nearly equal values to the same output format, and the tensor-level threshold
+//!   on ‖cand − ref‖_F by Bernstein's inequality.
+//! * Whole ops ([`matmul_threshold`], [`sum_threshold`], [`allreduce_threshold`],
+//!   [`plan_matmul`], [`plan_sum`]): matmul / linear with FP8 quantization, sum, mean,
+//!   all-reduce — from the data (checking) or from summary statistics (planning).
+//! * [`softmax_threshold`]: softmax, standard and online (blockwise), in any pair of orders.
+//! * [`norm_threshold`]: LayerNorm (two-pass, Welford and one-pass variance) and RMSNorm.
+//! * [`elementwise_threshold`]: add, scale, GELU, SiLU, exp; [`quantization_error`] of FP8;
+//!   first-order [`Gain`]s that carry an input difference to the output (composition along a
+//!   network).
+//! * [`baselines_for`]: PyTorch, TransformerEngine and Megatron tolerances for side-by-side
+//!   reports.
 //!
 //! Conventions: u = 2^-p is the unit roundoff everywhere; δ is the failure probability of a
 //! probabilistic threshold. Derivations and sources: `papers/bounds-reductions.md`.
 
-pub mod baselines;
-pub mod compare;
-pub mod elementwise;
-pub mod norm;
-pub mod ops;
-pub mod reduction;
-pub mod softmax;
+pub(crate) mod baselines;
+pub(crate) mod compare;
+pub(crate) mod elementwise;
+pub(crate) mod norm;
+pub(crate) mod ops;
+pub(crate) mod reduction;
+pub(crate) mod softmax;
 
+pub use baselines::{
+    baselines_for, megatron_ttrace, torch_assert_close, transformer_engine_fp8, Baseline,
+    BaselineRule,
+};
 pub use compare::{tensor_threshold, Confidence, ElementDiff, Threshold};
 pub use elementwise::{
     elementwise_gain, elementwise_threshold, matmul_gain, norm_gain, quantization_error,

@@ -10,9 +10,9 @@
 //! left out of the norms. A shard set that cannot be merged (replicas that differ, a layout
 //! that does not fit) is a failure with the merge error as its reason.
 
-pub mod dirs;
-pub mod localize;
-pub mod price;
+pub(crate) mod dirs;
+pub(crate) mod localize;
+pub(crate) mod price;
 
 use std::collections::HashMap;
 
@@ -28,6 +28,7 @@ pub use dirs::{
     check_dir_paths, check_dir_traces, check_dirs, DirCheck, FileLocalization, PricingMode,
 };
 pub use localize::{localize, Localization};
+pub use price::{price_local, InputIndex, PriceContext, Priced, Pricing, TensorStat};
 
 /// The verdict on one tensor.
 #[derive(Debug, Clone, PartialEq, Serialize)]

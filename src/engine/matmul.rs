@@ -127,7 +127,8 @@ fn check_2d(t: &Tensor, what: &str) -> Result<[usize; 2]> {
 /// C = A·B for A of shape [m, k] and B of shape [k, n] under `policy` (see the module docs).
 ///
 /// ```
-/// use ttrace::engine::{matmul, Policy, Tensor};
+/// use ttrace::engine::matmul;
+/// use ttrace::{Policy, Tensor};
 /// use ttrace::Format;
 /// let a = Tensor::from_vec(&[1, 2], vec![1.0, 2.0], Format::BF16).unwrap();
 /// let b = Tensor::from_vec(&[2, 1], vec![3.0, 4.0], Format::BF16).unwrap();

@@ -1,5 +1,5 @@
 //! The reference tensor engine: tensors of exact emulated values, ops that execute forward and
-//! backward under an arithmetic [`Policy`], a tiny GPT-style model, and traces of named
+//! backward under an arithmetic [`Policy`](crate::Policy), a tiny GPT-style model, and traces of named
 //! intermediate tensors.
 //!
 //! Every op states its arithmetic precisely in its doc comment (which roundings, in which
@@ -8,18 +8,19 @@
 //! tests do exactly that and require bit-identical results.
 
 pub(crate) mod arith;
-pub mod attention;
-mod gemm;
-pub mod init;
+pub(crate) mod attention;
+pub(crate) mod gemm;
+pub(crate) mod init;
 mod lanes32;
-pub mod matmul;
-pub mod model;
-pub mod nn;
-pub mod policy;
-pub mod tensor;
-pub mod trace;
+pub(crate) mod matmul;
+pub(crate) mod model;
+pub(crate) mod nn;
+pub(crate) mod policy;
+pub(crate) mod tensor;
+pub(crate) mod trace;
 
 pub use attention::{attention, attention_backward, AttentionImpl, AttentionSaved};
+pub use init::{fnv1a64, normal_values, uniform_ints, SplitMix64};
 pub use matmul::{
     column_sums, linear, linear_backward, linear_scaled, matmul, matmul_scaled, quantize,
     transpose, Quantized,
@@ -32,6 +33,5 @@ pub use nn::{
     layer_norm, norm_backward, online_softmax, rms_norm, scale, silu, silu_backward, softmax,
     softmax_backward, NormSaved, Variance,
 };
-pub use policy::{delayed_scale, per_tensor_scale, OpClass, Pass, Policy, Recipe, Scaling};
-pub use tensor::Tensor;
+pub use policy::{delayed_scale, per_tensor_scale, OpClass, Pass};
 pub use trace::{Trace, TraceEntry};

@@ -1,23 +1,22 @@
 //! Tensors: n-dimensional arrays of `f64` that hold exact values of a declared [`Format`].
 
-use ndarray::{ArrayD, IxDyn};
-
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 
 /// An n-dimensional array (row-major, contiguous) whose every element is a value of `format`.
 ///
-/// The invariant is checked when a tensor is built from outside data ([`Tensor::new`],
+/// The invariant is checked when a tensor is built from outside data ([`Tensor::from_vec`],
 /// [`Tensor::from_vec`]); operations produce tensors by rounding into their output format.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tensor {
-    data: ArrayD<f64>,
+    shape: Vec<usize>,
+    values: Vec<f64>,
     format: Format,
 }
 
 /// The number of elements of `shape`, if it is a shape an array can have: the product of its
-/// non-zero dimensions must fit in `isize` (ndarray's limit, which applies even when another
-/// dimension is zero). `None` otherwise — file readers turn that into an error instead of
+/// non-zero dimensions must fit in `isize` (the limit of an allocation, applied even when
+/// another dimension is zero). `None` otherwise — file readers turn that into an error instead of
 /// building an impossible tensor.
 pub fn element_count(shape: &[usize]) -> Option<usize> {
     let nonzero = shape
@@ -31,42 +30,43 @@ pub fn element_count(shape: &[usize]) -> Option<usize> {
 }
 
 impl Tensor {
-    /// Wrap `data`, checking that every element is a value of `format`
-    /// ([`Error::NotRepresentable`] names the first one that is not).
-    pub fn new(data: ArrayD<f64>, format: Format) -> Result<Tensor> {
-        let data = if data.is_standard_layout() {
-            data
-        } else {
-            data.as_standard_layout().into_owned()
-        };
-        let flat = data.as_slice().unwrap_or(&[]);
-        if let Some(i) = format.first_unrepresentable(flat) {
-            return Err(Error::NotRepresentable {
-                value: flat[i],
-                format,
-                what: format!("tensor element {i} (flat index, shape {:?})", data.shape()),
-            });
-        }
-        Ok(Tensor { data, format })
-    }
-
-    /// A tensor of the given shape from row-major values, checked as in [`Tensor::new`].
+    /// A tensor of the given shape from row-major values, checking that they are as many as
+    /// the shape holds ([`Error::ShapeMismatch`]) and that every one is a value of `format`
+    /// ([`Error::NotRepresentable`] names the first that is not).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use ttrace::{Format, Tensor};
+    /// let t = Tensor::from_vec(&[2, 2], vec![1.0, 0.5, -2.0, 0.25], Format::BF16)?;
+    /// assert_eq!(t.shape(), &[2, 2]);
+    /// // 0.1 is not a BF16 value: round it first (`Tensor::rounded`).
+    /// assert!(matches!(
+    ///     Tensor::from_vec(&[1], vec![0.1], Format::BF16),
+    ///     Err(ttrace::Error::NotRepresentable { .. })
+    /// ));
+    /// # Ok::<(), ttrace::Error>(())
+    /// ```
     pub fn from_vec(shape: &[usize], values: Vec<f64>, format: Format) -> Result<Tensor> {
-        let expected: usize = shape.iter().product();
-        if expected != values.len() {
+        if element_count(shape) != Some(values.len()) {
             return Err(Error::ShapeMismatch {
                 what: "Tensor::from_vec".into(),
                 expected: shape.to_vec(),
                 found: vec![values.len()],
             });
         }
-        let data =
-            ArrayD::from_shape_vec(IxDyn(shape), values).map_err(|e| Error::ShapeMismatch {
-                what: format!("Tensor::from_vec: {e}"),
-                expected: shape.to_vec(),
-                found: vec![expected],
-            })?;
-        Tensor::new(data, format)
+        if let Some(i) = format.first_unrepresentable(&values) {
+            return Err(Error::NotRepresentable {
+                value: values[i],
+                format,
+                what: format!("tensor element {i} (flat index, shape {shape:?})"),
+            });
+        }
+        Ok(Tensor {
+            shape: shape.to_vec(),
+            values,
+            format,
+        })
     }
 
     /// Round arbitrary `f64` values into `format` (with `overflow`) and wrap them.
@@ -80,19 +80,28 @@ impl Tensor {
         Tensor::from_vec(shape, values, format)
     }
 
-    /// A tensor of zeros.
+    /// A tensor of zeros. A shape no array can have (its element count overflows, see
+    /// `element_count`) gives the empty tensor of shape `[0]`.
     pub fn zeros(shape: &[usize], format: Format) -> Tensor {
-        Tensor {
-            data: ArrayD::zeros(IxDyn(shape)),
-            format,
+        match element_count(shape) {
+            Some(n) => Tensor {
+                shape: shape.to_vec(),
+                values: vec![0.0; n],
+                format,
+            },
+            None => Tensor {
+                shape: vec![0],
+                values: vec![],
+                format,
+            },
         }
     }
 
-    /// Internal constructor for values already known to be in `format` and contiguous, with
-    /// `shape` holding exactly `values.len()` elements (callers guarantee it; readers validate
-    /// shapes with [`element_count`] first). Should the guarantee ever fail, the result is
-    /// poisoned rather than plausible: a flat tensor of NaNs, which no comparison accepts
-    /// (its shape and values both mismatch), instead of silently wrong data.
+    /// Internal constructor for values already known to be in `format`, with `shape` holding
+    /// exactly `values.len()` elements (callers guarantee it; readers validate shapes with
+    /// [`element_count`] first). Should the guarantee ever fail, the result is poisoned rather
+    /// than plausible: a flat tensor of NaNs, which no comparison accepts (its shape and
+    /// values both mismatch), instead of silently wrong data.
     pub(crate) fn from_parts_unchecked(
         shape: &[usize],
         values: Vec<f64>,
@@ -100,10 +109,19 @@ impl Tensor {
     ) -> Tensor {
         debug_assert_eq!(shape.iter().product::<usize>(), values.len());
         debug_assert!(format.first_unrepresentable(&values).is_none());
-        let len = values.len();
-        let data = ArrayD::from_shape_vec(IxDyn(shape), values)
-            .unwrap_or_else(|_| ArrayD::from_elem(IxDyn(&[len]), f64::NAN));
-        Tensor { data, format }
+        if element_count(shape) != Some(values.len()) {
+            let len = values.len();
+            return Tensor {
+                shape: vec![len],
+                values: vec![f64::NAN; len],
+                format,
+            };
+        }
+        Tensor {
+            shape: shape.to_vec(),
+            values,
+            format,
+        }
     }
 
     /// The element format.
@@ -113,42 +131,28 @@ impl Tensor {
 
     /// The shape.
     pub fn shape(&self) -> &[usize] {
-        self.data.shape()
+        &self.shape
     }
 
     /// Number of elements.
     pub fn len(&self) -> usize {
-        self.data.len()
+        self.values.len()
     }
 
     /// Whether the tensor has no elements.
     pub fn is_empty(&self) -> bool {
-        self.data.is_empty()
-    }
-
-    /// The array.
-    pub fn data(&self) -> &ArrayD<f64> {
-        &self.data
+        self.values.is_empty()
     }
 
     /// The elements in row-major order.
     pub fn values(&self) -> &[f64] {
-        // Invariant: always standard layout.
-        self.data.as_slice().unwrap_or(&[])
-    }
-
-    /// Take the array out.
-    pub fn into_data(self) -> ArrayD<f64> {
-        self.data
+        &self.values
     }
 
     /// Take the elements out, in row-major order (the buffer can be reused, e.g. in the spare
     /// pool of [`merge_reusing`](crate::shard::merge_reusing)).
     pub fn into_values(self) -> Vec<f64> {
-        // Invariant: standard layout, so the buffer starts at offset 0 in row-major order.
-        let (v, offset) = self.data.into_raw_vec_and_offset();
-        debug_assert!(offset.unwrap_or(0) == 0);
-        v
+        self.values
     }
 
     /// Round every element into `format` (a no-op copy when the format already contains
@@ -156,7 +160,8 @@ impl Tensor {
     pub fn cast(&self, format: Format, overflow: Overflow) -> Tensor {
         if self.format.is_subset_of(format) {
             return Tensor {
-                data: self.data.clone(),
+                shape: self.shape.clone(),
+                values: self.values.clone(),
                 format,
             };
         }

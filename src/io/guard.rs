@@ -310,7 +310,7 @@ pub fn escape(s: &str) -> String {
 }
 
 /// `s` as is when it holds nothing a terminal would interpret (no control characters),
-/// otherwise [`escape`]d — for ids printed in reports.
+/// otherwise escaped as a Rust string literal — for ids printed in reports.
 pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
     if s.chars().any(|c| c.is_control() || is_bidi_control(c)) {
         std::borrow::Cow::Owned(escape(s))

@@ -38,7 +38,7 @@ use crate::shard::layout::{keep, merge_fetched, same_kind, take_spare, Joinable,
 pub const VERSION: u64 = 1;
 
 /// What produced a tensor, for pricing its threshold (see `papers/trace-format.md` and
-/// [`crate::check::price`]). Only `kind` is required; the formats default to the recipe's
+/// [`price_local`](crate::check::price_local)). Only `kind` is required; the formats default to the recipe's
 /// policy when the manifest names a ttrace recipe, else to "no quantization, FP32 accumulation
 /// (FP64 for FP64 tensors), cross-rank combination in the tensor's own dtype".
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

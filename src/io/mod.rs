@@ -1,14 +1,14 @@
 //! Trace files: safetensors and `.npy` tensors, and the manifest that says what each stored
 //! tensor is (see `papers/trace-format.md`).
 
-pub mod guard;
-pub mod manifest;
+pub(crate) mod guard;
+pub(crate) mod manifest;
 pub mod npy;
 pub mod safetensors;
 pub(crate) mod stored;
 
+pub use guard::{limits, printable, sanitize};
 pub use manifest::{read_manifest, write_trace_dir, Manifest, ManifestEntry, ModuleInfo, TraceDir};
-pub use safetensors::SafetensorsFile;
 
 /// Write `contents` to `path` atomically: into a temporary file beside it (same directory, so
 /// the same file system), flushed to disk, then renamed over `path`. A reader — or a run that

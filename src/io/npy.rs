@@ -24,17 +24,6 @@ fn err(path: &Path, reason: impl Into<String>) -> Error {
     }
 }
 
-/// The parsed header of a `.npy` file.
-#[derive(Debug, Clone, PartialEq)]
-pub struct NpyHeader {
-    /// The `descr` string.
-    pub descr: String,
-    /// Shape.
-    pub shape: Vec<usize>,
-    /// Byte offset of the data.
-    pub data_offset: usize,
-}
-
 /// Parse the header dict strictly, as NumPy's own reader does: exactly the keys `descr` (a
 /// string), `fortran_order` (`True` or `False`) and `shape` (a tuple of non-negative integers),
 /// each once; Python string quotes `'` or `"`; a trailing comma allowed; nothing after the

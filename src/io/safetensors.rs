@@ -14,7 +14,7 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 
-use crate::io::guard::printable;
+use crate::io::guard::{limits, printable};
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
@@ -22,9 +22,6 @@ use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::io::stored::Stored;
-
-/// The largest header accepted (the format's own reference implementation uses 100 MB).
-pub const MAX_HEADER: u64 = 100_000_000;
 
 fn err(path: &Path, reason: impl Into<String>) -> Error {
     Error::File {
@@ -348,7 +345,7 @@ impl SafetensorsFile {
         file.read_exact(&mut len)
             .map_err(|e| err(path, format!("reading the header length: {e}")))?;
         let n = u64::from_le_bytes(len);
-        if n > MAX_HEADER || n > size - 8 {
+        if n > limits::SAFETENSORS_HEADER_BYTES || n > size - 8 {
             return Err(err(
                 path,
                 format!("header length {n} exceeds the file ({size} bytes) or the 100 MB cap"),

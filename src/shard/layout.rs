@@ -92,7 +92,7 @@ impl Axis {
 pub const MAX_WORLD: usize = crate::io::guard::limits::RANKS;
 
 impl Mesh {
-    /// A mesh, checking that every size is at least 1 and the world at most [`MAX_WORLD`].
+    /// A mesh, checking that every size is at least 1 and the world at most 2^20 ranks ([`limits::RANKS`](crate::io::limits::RANKS)).
     pub fn new(tp: usize, cp: usize, dp: usize, sp: bool) -> Result<Mesh> {
         for (name, v) in [("tp", tp), ("cp", cp), ("dp", dp)] {
             if v == 0 {

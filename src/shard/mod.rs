@@ -2,10 +2,10 @@
 //! canonical merge, collectives with explicit order and format, ring attention, and the tiny
 //! GPT executed the Megatron-LM way (see `papers/sharding.md`).
 
-pub mod collective;
-pub mod layout;
-pub mod model;
-pub mod ring;
+pub(crate) mod collective;
+pub(crate) mod layout;
+pub(crate) mod model;
+pub(crate) mod ring;
 
 pub use collective::{all_gather, all_reduce, all_reduce_max, reduce_scatter, Algorithm};
 pub use layout::{merge, merge_owned, merge_reusing, shard, Axis, Coords, Layout, Mesh, Placement};

@@ -2,14 +2,17 @@
 //! reference and a sharded configuration, merge, compare every traced tensor against our
 //! composed threshold, the perturbation estimate and the folklore baselines.
 //!
-//! * [`fresh`]: where a sharded run's arithmetic differs from the reference's, and by how much;
-//! * [`compose`]: end-to-end thresholds by difference simulation, and the perturbation estimate;
-//! * [`sweep`]: configurations, per-tensor results, the per-kind table, JSON and SVG reports.
+//! * [`fresh_sites`]: where a sharded run's arithmetic differs from the reference's, and by
+//!   how much;
+//! * [`simulate`], [`perturbation_estimate`]: end-to-end thresholds by difference simulation,
+//!   and TTrace's perturbation estimate;
+//! * [`run_sweep`]: configurations, per-tensor results, the per-kind table, JSON and SVG
+//!   reports.
 
-pub mod compose;
-pub mod fresh;
-pub mod sensitivity;
-pub mod sweep;
+pub(crate) mod compose;
+pub(crate) mod fresh;
+pub(crate) mod sensitivity;
+pub(crate) mod sweep;
 
 pub use compose::{perturbation_estimate, simulate, Composed, SimulationConfig};
 pub use fresh::{fresh_sites, local_thresholds, FreshSites};

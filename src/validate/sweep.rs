@@ -1151,7 +1151,7 @@ pub fn render_svg(report: &SweepReport) -> String {
 /// Run `run` (with `bug`, if any) and write two trace directories under `dir`: `reference`
 /// (the single-device step — for FP8, quantized with the candidate's scales, as the checks
 /// compare) and `candidate` (every rank's shards with their layouts), in the format of
-/// [`crate::io::manifest`]; the reference's manifest carries the clean run's composed
+/// [`Manifest`](crate::io::Manifest); the reference's manifest carries the clean run's composed
 /// `thresholds` so that `ttrace check` can use them.
 pub fn dump_run(
     options: &SweepOptions,

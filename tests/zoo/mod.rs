@@ -18,10 +18,11 @@ use ttrace::bounds::{
     softmax_threshold, sum_threshold, Confidence, Elementwise, NormOp, Threshold,
 };
 use ttrace::engine::{
-    add, gelu, init::SplitMix64, layer_norm, matmul, online_softmax, rms_norm, scale, silu,
-    softmax, AttentionImpl, Policy, Scaling, Tensor, Variance,
+    add, gelu, layer_norm, matmul, online_softmax, rms_norm, scale, silu, softmax, AttentionImpl,
+    SplitMix64, Variance,
 };
 use ttrace::{sum, BlockSum, Combine, Error, Format, Order, Overflow, Products};
+use ttrace::{Policy, Scaling, Tensor};
 
 #[path = "../common/mod.rs"]
 pub mod common;
