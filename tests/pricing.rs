@@ -206,5 +206,8 @@ fn local_pricing_sweep() {
         }
     }
     println!("bugs: {runs} runs, detected {found}, localized right {right}");
+    // The README's figures (0 false alarms; 79 of 87 bug runs detected, every detection
+    // localized to the right module kind and pass).
     assert_eq!(fa_tensors, 0);
+    assert_eq!((runs, found, right), (87, 79, 79));
 }
