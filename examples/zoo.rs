@@ -49,6 +49,7 @@ fn main() -> ttrace::Result<()> {
         std::fs::write(&path, markdown(&rows, &spec, secs)).map_err(|e| ttrace::Error::File {
             path: path.clone(),
             reason: e.to_string(),
+            io: Some(ttrace::IoError(std::sync::Arc::new(e))),
         })?;
     }
     Ok(())

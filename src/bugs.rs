@@ -13,6 +13,7 @@ use crate::shard::layout::Mesh;
 
 /// An injectable bug (serialized as its catalog name).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Bug {
     /// LayerNorm weight and bias gradients are not all-reduced across the TP group under
     /// sequence parallelism (Megatron-LM #1446).

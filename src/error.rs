@@ -9,6 +9,7 @@ use crate::format::Format;
 
 /// Everything that can go wrong in `ttrace`.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub enum Error {
     /// A value was handed to a format that cannot hold it exactly (for example `encode` of 0.1 in
     /// BF16, or an input to `sum` that is not a value of the declared input format).
@@ -89,6 +90,8 @@ pub enum Error {
         path: String,
         /// What is wrong.
         reason: String,
+        /// The operating system's error behind it, if any (also [`std::error::Error::source`]).
+        io: Option<IoError>,
     },
     /// A rounding may overflow: a value the computation rounds can reach the format's
     /// overflow threshold, so the result may be infinite, NaN or clamped and no finite
@@ -160,7 +163,7 @@ impl fmt::Display for Error {
             } => write!(f, "{what}: expected shape {expected:?}, found {found:?}"),
             Error::UnknownName { kind, name } => write!(f, "unknown {kind} '{name}'"),
             Error::Layout { id, reason } => write!(f, "tensor '{id}': {reason}"),
-            Error::File { path, reason } => write!(f, "{path}: {reason}"),
+            Error::File { path, reason, .. } => write!(f, "{path}: {reason}"),
             Error::ReplicaMismatch {
                 id,
                 axis,
@@ -194,4 +197,38 @@ impl fmt::Display for Error {
     }
 }
 
-impl std::error::Error for Error {}
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::File { io: Some(e), .. } => Some(&*e.0),
+            _ => None,
+        }
+    }
+}
+
+/// An operating-system error kept inside an [`Error::File`]: shared, so the error stays
+/// `Clone`; two are equal when their kind and message are.
+#[derive(Debug, Clone)]
+pub struct IoError(pub std::sync::Arc<std::io::Error>);
+
+impl PartialEq for IoError {
+    fn eq(&self, other: &IoError) -> bool {
+        self.0.kind() == other.0.kind() && self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl Error {
+    /// A file error caused by the operating system's `e`: `reason` is followed by its message,
+    /// and `e` is the error's source.
+    pub(crate) fn io(
+        path: &std::path::Path,
+        reason: impl fmt::Display,
+        e: std::io::Error,
+    ) -> Error {
+        Error::File {
+            path: path.display().to_string(),
+            reason: format!("{reason}: {e}"),
+            io: Some(IoError(std::sync::Arc::new(e))),
+        }
+    }
+}

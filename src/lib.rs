@@ -128,7 +128,7 @@ pub mod validate;
 
 pub use engine::policy::{Policy, Recipe, Scaling};
 pub use engine::tensor::Tensor;
-pub use error::{Error, Result};
+pub use error::{Error, IoError, Result};
 pub use exact::{exact_dot, exact_sum, exact_sum_abs, ExactAccumulator};
 pub use format::{Format, FormatInfo, Overflow};
 pub use order::{dot, sum, Accumulation, BlockSum, Combine, Order, Products, TermDepth};

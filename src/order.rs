@@ -26,6 +26,7 @@ use crate::format::{Format, Overflow};
 /// The order in which the terms of a reduction are combined.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum Order {
     /// Left to right: s = x₀, then s = fl(s + xᵢ) for i = 1, …, n−1 (Higham 2002, §4.1,
     /// "recursive summation"). A term entering at step i is rounded n − i times (x₀ and x₁

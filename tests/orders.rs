@@ -99,6 +99,7 @@ fn r_reduce(t: &[Dy], order: &Order, f: Format) -> f64 {
             }
             s
         }
+        other => panic!("the oracle has no reduction for {other:?}: add one"),
     }
 }
 

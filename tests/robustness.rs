@@ -313,3 +313,21 @@ fn check_reports_are_identical_across_runs_and_thread_counts() {
     assert_eq!(first, run(1));
     assert_eq!(first, run(3));
 }
+
+/// A file the operating system refuses keeps its `io::Error` as the error's source.
+#[test]
+fn file_errors_keep_the_operating_systems_error_as_source() {
+    use std::error::Error as _;
+    let missing = tmp("no-such-dir").join("missing.safetensors");
+    let e = ttrace::io::safetensors::SafetensorsFile::open(&missing).unwrap_err();
+    assert!(
+        matches!(e, ttrace::Error::File { io: Some(_), .. }),
+        "{e:?}"
+    );
+    let io = e.source().and_then(|s| s.downcast_ref::<std::io::Error>());
+    assert_eq!(
+        io.map(|e| e.kind()),
+        Some(std::io::ErrorKind::NotFound),
+        "{e:?}"
+    );
+}

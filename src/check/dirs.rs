@@ -199,6 +199,7 @@ fn plan(reference: &TraceDir, candidate: &TraceDir) -> Result<Plan> {
         return Err(Error::File {
             path: reference.path().display().to_string(),
             reason: "the reference trace holds no tensors: there is nothing to compare".into(),
+            io: None,
         });
     }
     // A map lookup per id: linear in the number of tensors.

@@ -46,21 +46,22 @@ fn ferr(path: &Path, reason: impl Into<String>) -> Error {
     Error::File {
         path: path.display().to_string(),
         reason: reason.into(),
+        io: None,
     }
 }
 
 /// Open `path` for reading if it is a regular file (after following links), without blocking:
 /// FIFOs, devices, sockets and directories are refused with a message.
 pub fn open_regular(path: &Path) -> Result<File> {
-    let meta = std::fs::metadata(path).map_err(|e| ferr(path, format!("cannot open: {e}")))?;
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, "cannot open", e))?;
     if !meta.is_file() {
         return Err(ferr(path, format!("not a regular file ({})", kind(&meta))));
     }
-    let file = open_nonblocking(path).map_err(|e| ferr(path, format!("cannot open: {e}")))?;
+    let file = open_nonblocking(path).map_err(|e| Error::io(path, "cannot open", e))?;
     // The file opened may not be the one checked (a rename in between): check the handle.
     let meta = file
         .metadata()
-        .map_err(|e| ferr(path, format!("cannot stat: {e}")))?;
+        .map_err(|e| Error::io(path, "cannot stat", e))?;
     if !meta.is_file() {
         return Err(ferr(path, format!("not a regular file ({})", kind(&meta))));
     }
@@ -116,7 +117,7 @@ pub fn read_limited(path: &Path, limit: u64, what: &str) -> Result<Vec<u8>> {
     let file = open_regular(path)?;
     let size = file
         .metadata()
-        .map_err(|e| ferr(path, format!("cannot stat: {e}")))?
+        .map_err(|e| Error::io(path, "cannot stat", e))?
         .len();
     if size > limit {
         return Err(ferr(
@@ -128,7 +129,7 @@ pub fn read_limited(path: &Path, limit: u64, what: &str) -> Result<Vec<u8>> {
     // `take` guards against a file that grows after the size was read.
     file.take(limit + 1)
         .read_to_end(&mut out)
-        .map_err(|e| ferr(path, format!("cannot read: {e}")))?;
+        .map_err(|e| Error::io(path, "cannot read", e))?;
     if out.len() as u64 > limit {
         return Err(ferr(
             path,
@@ -150,15 +151,14 @@ pub struct TrustedDir {
 impl TrustedDir {
     /// `dir` must be a directory.
     pub fn new(dir: &Path) -> Result<TrustedDir> {
-        let meta = std::fs::metadata(dir).map_err(|e| ferr(dir, format!("cannot open: {e}")))?;
+        let meta = std::fs::metadata(dir).map_err(|e| Error::io(dir, "cannot open", e))?;
         if !meta.is_dir() {
             return Err(ferr(
                 dir,
                 format!("not a trace directory ({})", kind(&meta)),
             ));
         }
-        let root =
-            std::fs::canonicalize(dir).map_err(|e| ferr(dir, format!("cannot resolve: {e}")))?;
+        let root = std::fs::canonicalize(dir).map_err(|e| Error::io(dir, "cannot resolve", e))?;
         Ok(TrustedDir {
             dir: dir.to_path_buf(),
             root,
@@ -187,7 +187,7 @@ impl TrustedDir {
             ));
         }
         let real =
-            std::fs::canonicalize(&shown).map_err(|e| ferr(&shown, format!("cannot open: {e}")))?;
+            std::fs::canonicalize(&shown).map_err(|e| Error::io(&shown, "cannot open", e))?;
         if !real.starts_with(&self.root) {
             return Err(ferr(
                 &shown,

@@ -113,6 +113,7 @@ fn ferr(path: &Path, reason: impl Into<String>) -> Error {
     Error::File {
         path: path.display().to_string(),
         reason: reason.into(),
+        io: None,
     }
 }
 
@@ -378,7 +379,7 @@ fn read_manifest_in(td: &TrustedDir) -> Result<(Manifest, PathBuf)> {
         return read_one(td, "manifest.json");
     }
     let mut parts: Vec<(usize, String)> = std::fs::read_dir(dir)
-        .map_err(|e| ferr(dir, format!("cannot list: {e}")))?
+        .map_err(|e| Error::io(dir, "cannot list", e))?
         .filter_map(|e| e.ok())
         .filter_map(|e| {
             let name = e.file_name().to_str()?.to_string();
@@ -793,7 +794,7 @@ pub fn write_trace_dir(
     modules: &HashMap<String, ModuleKind>,
     thresholds: &HashMap<String, f64>,
 ) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|e| ferr(dir, format!("cannot create: {e}")))?;
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, "cannot create", e))?;
     let world = mesh.world();
     let mut tensors = vec![];
     for r in 0..world {

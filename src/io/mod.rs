@@ -26,6 +26,7 @@ pub fn write_atomic(path: &std::path::Path, contents: &[u8]) -> crate::error::Re
     let fail = |reason: String| crate::error::Error::File {
         path: path.display().to_string(),
         reason,
+        io: None,
     };
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         let t = meta.file_type();
@@ -75,6 +76,7 @@ fn write_in_place(
     let fail = |reason: String| crate::error::Error::File {
         path: path.display().to_string(),
         reason,
+        io: None,
     };
     #[cfg(unix)]
     {

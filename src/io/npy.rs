@@ -21,6 +21,7 @@ fn err(path: &Path, reason: impl Into<String>) -> Error {
     Error::File {
         path: path.display().to_string(),
         reason: reason.into(),
+        io: None,
     }
 }
 
@@ -195,7 +196,7 @@ pub(crate) fn read_stored_from(
 ) -> Result<Stored> {
     let size = f
         .metadata()
-        .map_err(|e| err(path, format!("cannot stat: {e}")))?
+        .map_err(|e| Error::io(path, "cannot stat", e))?
         .len();
     let mut pre = [0u8; 10];
     f.read_exact(&mut pre)
@@ -224,7 +225,7 @@ pub(crate) fn read_stored_from(
     }
     let mut h = vec![0u8; hlen as usize];
     f.read_exact(&mut h)
-        .map_err(|e| err(path, format!("reading the npy header: {e}")))?;
+        .map_err(|e| Error::io(path, "reading the npy header", e))?;
     let text = String::from_utf8(h).map_err(|_| err(path, "npy header is not UTF-8"))?;
     let (descr, fortran, shape) = parse_header(&text, path)?;
     if fortran {
@@ -262,7 +263,7 @@ pub(crate) fn read_stored_from(
     }
     let mut data = vec![0u8; bytes as usize];
     f.read_exact(&mut data)
-        .map_err(|e| err(path, format!("reading npy data: {e}")))?;
+        .map_err(|e| Error::io(path, "reading npy data", e))?;
     // The size check above tied the data's length to the shape and the format.
     Ok(Stored::from_parts_unchecked(&shape, format, data))
 }

@@ -27,6 +27,7 @@ fn err(path: &Path, reason: impl Into<String>) -> Error {
     Error::File {
         path: path.display().to_string(),
         reason: reason.into(),
+        io: None,
     }
 }
 
@@ -333,7 +334,7 @@ impl SafetensorsFile {
     pub fn from_file(path: &Path, mut file: File) -> Result<SafetensorsFile> {
         let size = file
             .metadata()
-            .map_err(|e| err(path, format!("cannot stat: {e}")))?
+            .map_err(|e| Error::io(path, "cannot stat", e))?
             .len();
         if size < 8 {
             return Err(err(
@@ -343,7 +344,7 @@ impl SafetensorsFile {
         }
         let mut len = [0u8; 8];
         file.read_exact(&mut len)
-            .map_err(|e| err(path, format!("reading the header length: {e}")))?;
+            .map_err(|e| Error::io(path, "reading the header length", e))?;
         let n = u64::from_le_bytes(len);
         if n > limits::SAFETENSORS_HEADER_BYTES || n > size - 8 {
             return Err(err(
@@ -353,7 +354,7 @@ impl SafetensorsFile {
         }
         let mut header = vec![0u8; n as usize];
         file.read_exact(&mut header)
-            .map_err(|e| err(path, format!("reading the header: {e}")))?;
+            .map_err(|e| Error::io(path, "reading the header", e))?;
         // Strict and typed: a name or a field given twice is refused.
         let obj: Members = serde_json::from_slice(&header).map_err(|e| {
             err(
@@ -457,7 +458,7 @@ impl SafetensorsFile {
         let size = match &self.file {
             Some(f) => f
                 .metadata()
-                .map_err(|e| err(&self.path, format!("cannot stat: {e}")))?
+                .map_err(|e| Error::io(&self.path, "cannot stat", e))?
                 .len(),
             None => return Ok(()),
         };
@@ -580,7 +581,7 @@ impl SafetensorsFile {
                 })?;
                 let now = f
                     .metadata()
-                    .map_err(|e| err(&self.path, format!("cannot stat: {e}")))?
+                    .map_err(|e| Error::io(&self.path, "cannot stat", e))?
                     .len();
                 if now != *size {
                     return Err(err(
@@ -596,7 +597,7 @@ impl SafetensorsFile {
         bytes.resize(len, 0);
         file.seek(SeekFrom::Start(self.data_start + from))
             .and_then(|_| file.read_exact(bytes))
-            .map_err(|er| err(&self.path, format!("reading '{name}': {er}")))?;
+            .map_err(|er| Error::io(&self.path, format!("reading '{name}'"), er))?;
         Ok(e)
     }
 }
