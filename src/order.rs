@@ -70,6 +70,49 @@ pub enum Order {
 }
 
 impl Order {
+    /// [`Order::Pairwise`] with ranges of at most `base` terms summed sequentially.
+    pub fn pairwise(base: usize) -> Order {
+        Order::Pairwise { base }
+    }
+
+    /// [`Order::Blocked`] with each block of `block` terms summed sequentially.
+    pub fn blocked(block: usize) -> Order {
+        Order::Blocked {
+            block,
+            inner: BlockSum::Sequential,
+        }
+    }
+
+    /// [`Order::Blocked`] with each block added to the running total in one fused operation
+    /// (tensor cores' block FMA).
+    pub fn block_fma(block: usize) -> Order {
+        Order::Blocked {
+            block,
+            inner: BlockSum::Fused,
+        }
+    }
+
+    /// [`Order::SplitK`] with each part summed sequentially: `parts` partial results rounded to
+    /// `partial` and combined by `combine` in `partial`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use ttrace::{Combine, Format, Order};
+    /// let o = Order::split_k(8, Format::BF16, Combine::Ring { start: 1 });
+    /// assert_eq!(o.to_string(), "splitk:8:bf16:ring:1");
+    /// assert_eq!("splitk:8:bf16:ring:1".parse::<Order>()?, o);
+    /// # Ok::<(), ttrace::Error>(())
+    /// ```
+    pub fn split_k(parts: usize, partial: Format, combine: Combine) -> Order {
+        Order::SplitK {
+            parts,
+            inner: Box::new(Order::Sequential),
+            partial,
+            combine,
+        }
+    }
+
     /// The format the result of a reduction in this order is a value of, given the
     /// accumulator format: the partial format for split-K (its last additions round there),
     /// the accumulator otherwise.
@@ -78,6 +121,122 @@ impl Order {
             Order::SplitK { partial, .. } => *partial,
             _ => accumulator,
         }
+    }
+}
+
+/// The text form read by [`Order::from_str`](std::str::FromStr::from_str): `sequential`,
+/// `pairwise:B`, `blocked:B`, `blockfma:B`, `kahan`, or `splitk:P:FMT:COMBINE` with COMBINE
+/// `seq`, `tree` or `ring:START`, followed by `:inner=ORDER` when the parts are not summed
+/// sequentially. Parsing the text gives the order back.
+impl std::fmt::Display for Order {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Order::Sequential => f.write_str("sequential"),
+            Order::Pairwise { base } => write!(f, "pairwise:{base}"),
+            Order::Blocked {
+                block,
+                inner: BlockSum::Sequential,
+            } => write!(f, "blocked:{block}"),
+            Order::Blocked {
+                block,
+                inner: BlockSum::Fused,
+            } => write!(f, "blockfma:{block}"),
+            Order::Kahan => f.write_str("kahan"),
+            Order::SplitK {
+                parts,
+                inner,
+                partial,
+                combine,
+            } => {
+                write!(f, "splitk:{parts}:{partial}:")?;
+                match combine {
+                    Combine::Sequential => f.write_str("seq")?,
+                    Combine::Tree => f.write_str("tree")?,
+                    Combine::Ring { start } => write!(f, "ring:{start}")?,
+                }
+                if **inner != Order::Sequential {
+                    write!(f, ":inner={inner}")?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl std::str::FromStr for Order {
+    type Err = Error;
+
+    /// Parse the text form of [`Order`]'s `Display` (`seq` for `sequential` too; in a split-K
+    /// order the partial format defaults to `f32`, the combination to `seq` and a ring's start
+    /// to chunk 0's, 1 mod P: [`Combine::ring_for_chunk`]). The order's parameters are checked as [`Accumulation::validate`] does.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidParameter`] (`name` "order") for text that is not an order, or the
+    /// parameter error of an order whose parameters are invalid (`blocked:0`).
+    fn from_str(s: &str) -> Result<Order> {
+        let bad = |why: String| Error::InvalidParameter {
+            name: "order",
+            reason: format!(
+                "'{s}': {why} (sequential, pairwise:B, blocked:B, blockfma:B, kahan, \
+                 splitk:P:FMT:seq|tree|ring:START[:inner=ORDER])"
+            ),
+        };
+        let s = s.trim();
+        let (head, rest) = s.split_once(':').unwrap_or((s, ""));
+        let whole = |what: &str, text: &str| {
+            text.parse::<usize>()
+                .map_err(|_| bad(format!("{what} '{text}' is not a whole number")))
+        };
+        let none = |order: Order| {
+            if rest.is_empty() {
+                Ok(order)
+            } else {
+                Err(bad(format!("'{head}' takes no parameter")))
+            }
+        };
+        let order = match head {
+            "sequential" | "seq" => none(Order::Sequential)?,
+            "kahan" => none(Order::Kahan)?,
+            "pairwise" => Order::pairwise(whole("base", rest)?),
+            "blocked" => Order::blocked(whole("block size", rest)?),
+            "blockfma" => Order::block_fma(whole("block size", rest)?),
+            "splitk" => {
+                let (fields, inner) = match rest.split_once(":inner=") {
+                    Some((f, i)) => (f, Box::new(i.parse::<Order>()?)),
+                    None => (rest, Box::new(Order::Sequential)),
+                };
+                let fields: Vec<&str> = fields.split(':').collect();
+                let parts = whole("number of parts", fields[0])?;
+                let partial = match fields.get(1) {
+                    Some(t) => t.parse::<Format>()?,
+                    None => Format::F32,
+                };
+                let combine = match (fields.get(2).copied(), fields.get(3)) {
+                    (None | Some("seq" | "sequential"), None) => Combine::Sequential,
+                    (Some("tree"), None) => Combine::Tree,
+                    // The accumulation order of chunk 0 of a ring reduce-scatter.
+                    (Some("ring"), None) => Combine::ring_for_chunk(0, parts)?,
+                    (Some("ring"), Some(t)) => Combine::Ring {
+                        start: whole("ring start", t)?,
+                    },
+                    (Some(c), _) => return Err(bad(format!("unknown combination '{c}'"))),
+                    (None, Some(_)) => return Err(bad("stray field".into())),
+                };
+                if fields.len() > 4 {
+                    return Err(bad("too many fields".into()));
+                }
+                Order::SplitK {
+                    parts,
+                    inner,
+                    partial,
+                    combine,
+                }
+            }
+            other => return Err(bad(format!("unknown order '{other}'"))),
+        };
+        validate_order(&order)?;
+        Ok(order)
     }
 }
 

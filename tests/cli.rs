@@ -210,20 +210,19 @@ fn threshold_rejects_bad_specs() {
 
 #[test]
 fn threshold_prices_every_supported_op() {
-    for (op, extra_ref, extra_cand) in [
-        ("softmax", "", ",form=online:64"),
-        ("layernorm", "", ",variance=onepass"),
-        ("rmsnorm", "", ",order=pairwise:8"),
-        ("gelu", "", ",out=f32"),
-        ("silu", "", ",acc=bf16"),
+    // Policies: the defaults (in=bf16, acc=f32, out=bf16, sequential) with these keys set.
+    for (op, r, c) in [
+        ("softmax", "", "form=online:64"),
+        ("layernorm", "", "variance=onepass"),
+        ("rmsnorm", "", "order=pairwise:8"),
+        ("gelu", "", "out=f32"),
+        ("silu", "", "acc=bf16"),
         (
             "matmul",
-            ",in=e4m3,scaling=current",
-            ",in=e4m3,scaling=current,order=splitk:4:bf16:tree",
+            "in=e4m3,scaling=current",
+            "in=e4m3,scaling=current,order=splitk:4:bf16:tree",
         ),
     ] {
-        let r = format!("in=bf16,acc=f32,out=bf16{extra_ref}");
-        let c = format!("in=bf16,acc=f32,out=bf16{extra_cand}");
         let o = ttrace(
             &[
                 "threshold",
@@ -235,9 +234,9 @@ fn threshold_prices_every_supported_op() {
                 "--n",
                 "8",
                 "--ref",
-                &r,
+                r,
                 "--cand",
-                &c,
+                c,
                 "--json",
             ],
             "",

@@ -547,3 +547,129 @@ fn ring_for_chunk_starts_after_the_owner() {
     );
     assert!(Combine::ring_for_chunk(0, 0).is_err());
 }
+
+// ------------------------------------------------------------------ text forms
+
+fn any_format() -> impl Strategy<Value = Format> {
+    prop::sample::select(vec![
+        Format::F64,
+        Format::F32,
+        Format::TF32,
+        Format::F16,
+        Format::BF16,
+        Format::E4M3,
+        Format::E5M2,
+    ])
+}
+
+fn any_order() -> impl Strategy<Value = Order> {
+    let leaf = prop_oneof![
+        Just(Order::Sequential),
+        Just(Order::Kahan),
+        (1usize..64).prop_map(Order::pairwise),
+        (1usize..64).prop_map(Order::blocked),
+        (1usize..64).prop_map(Order::block_fma),
+    ];
+    leaf.prop_recursive(2, 8, 1, |inner| {
+        (1usize..16, inner, any_format(), 0usize..3, 0usize..16).prop_map(
+            |(parts, inner, partial, c, start)| Order::SplitK {
+                parts,
+                inner: Box::new(inner),
+                partial,
+                combine: [
+                    Combine::Sequential,
+                    Combine::Tree,
+                    Combine::Ring {
+                        start: start % parts,
+                    },
+                ][c],
+            },
+        )
+    })
+}
+
+proptest! {
+    /// Every order and policy reads back from its text form (the grammar the CLI and the
+    /// bindings share).
+    #[test]
+    fn orders_and_policies_read_back_from_their_text(
+        order in any_order(),
+        (input, acc, out) in (any_format(), any_format(), any_format()),
+        products in prop::option::of(any_format()),
+        rhs in prop::option::of(any_format()),
+        scaling in 0usize..5,
+        margin in -3i32..4,
+        saturating in any::<bool>(),
+    ) {
+        let text = order.to_string();
+        prop_assert_eq!(text.parse::<Order>().unwrap(), order.clone(), "{}", text);
+        let mut p = ttrace::Policy::new(input, acc, out).with_order(order);
+        if let Some(f) = products {
+            p = p.with_products(Products::Rounded(f));
+        }
+        if let Some(f) = rhs {
+            p = p.with_rhs_input(f);
+        }
+        p = p.with_scaling([
+            ttrace::Scaling::None,
+            ttrace::Scaling::PerTensorCurrent { margin },
+            ttrace::Scaling::PerTensorDelayed { margin },
+            ttrace::Scaling::Block { size: 32 },
+            ttrace::Scaling::Block { size: 16 },
+        ][scaling]);
+        if saturating {
+            p.accumulation = p.accumulation.clone().with_overflow(Overflow::Saturating);
+        }
+        let text = p.to_string();
+        prop_assert_eq!(text.parse::<ttrace::Policy>().unwrap(), p, "{}", text);
+    }
+}
+
+/// Text that is not an order or a policy is an `InvalidParameter` naming it (or the error of
+/// the format, or of the order's parameters).
+#[test]
+fn bad_order_and_policy_text_is_refused_with_the_reason() {
+    use ttrace::Error;
+    for bad in [
+        "",
+        "zigzag",
+        "pairwise",
+        "pairwise:x",
+        "sequential:3",
+        "splitk",
+        "splitk:4:bf16:spiral",
+        "splitk:4:bf16:ring:1:9",
+    ] {
+        let e = bad.parse::<Order>().unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidParameter { name: "order", .. }),
+            "{bad:?}: {e:?}"
+        );
+    }
+    // Parameters out of range: the order's own checks.
+    assert!(matches!(
+        "blocked:0".parse::<Order>(),
+        Err(Error::InvalidParameter { name: "block", .. })
+    ));
+    assert!(matches!(
+        "splitk:4:bf16:ring:4".parse::<Order>(),
+        Err(Error::InvalidParameter { name: "start", .. })
+    ));
+    assert!(matches!(
+        "splitk:4:bf17:seq".parse::<Order>(),
+        Err(Error::UnknownFormat { .. })
+    ));
+    for bad in [
+        "in=bf16,in=f32",
+        "input",
+        "in=bf16,colour=red",
+        "scaling=sometimes",
+        "overflow=wrap",
+    ] {
+        let e = bad.parse::<ttrace::Policy>().unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidParameter { name: "policy", .. }),
+            "{bad:?}: {e:?}"
+        );
+    }
+}

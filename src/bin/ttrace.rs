@@ -33,7 +33,7 @@ use ttrace::bounds::{
     softmax_threshold, Confidence, Elementwise, NormOp, TermStats, Threshold,
 };
 use ttrace::engine::{AttentionImpl, Variance};
-use ttrace::{BlockSum, Combine, Format, Order, Overflow, Products};
+use ttrace::{Format, Overflow};
 use ttrace::{Policy, Scaling, Tensor};
 
 #[derive(Parser)]
@@ -231,36 +231,6 @@ enum Op {
     Silu,
 }
 
-fn parse_order(s: &str) -> Result<Order, String> {
-    let parts: Vec<&str> = s.split(':').collect();
-    let num = |i: usize, what: &str| -> Result<usize, String> {
-        parts
-            .get(i)
-            .ok_or_else(|| format!("order '{s}': missing {what}"))?
-            .parse::<usize>()
-            .map_err(|_| format!("order '{s}': {what} must be a whole number"))
-    };
-    Ok(match parts[0] {
-        "sequential" | "seq" => Order::Sequential,
-        "pairwise" => Order::Pairwise { base: num(1, "base")? },
-        "blocked" => Order::Blocked { block: num(1, "block size")?, inner: BlockSum::Sequential },
-        "blockfma" => Order::Blocked { block: num(1, "block size")?, inner: BlockSum::Fused },
-        "kahan" => Order::Kahan,
-        "splitk" => {
-            let parts_n = num(1, "number of parts")?;
-            let partial = parse_format(parts.get(2).copied().unwrap_or("f32"))?;
-            let combine = match parts.get(3).copied().unwrap_or("seq") {
-                "seq" | "sequential" => Combine::Sequential,
-                "tree" => Combine::Tree,
-                "ring" => Combine::Ring { start: if parts.len() > 4 { num(4, "ring start")? } else { 1 % parts_n.max(1) } },
-                other => return Err(format!("order '{s}': unknown combine '{other}' (seq, tree, ring)")),
-            };
-            Order::SplitK { parts: parts_n, inner: Box::new(Order::Sequential), partial, combine }
-        }
-        other => return Err(format!("unknown order '{other}' (sequential, pairwise:B, blocked:B, blockfma:B, splitk:P:FMT:COMBINE, kahan)")),
-    })
-}
-
 /// Options of a policy spec that are not part of `Policy`: the softmax form and the LayerNorm
 /// variance algorithm.
 #[derive(Clone, Copy)]
@@ -269,18 +239,19 @@ struct SpecExtras {
     variance: Variance,
 }
 
-fn parse_extras(s: &str) -> Result<SpecExtras, String> {
+/// A policy spec: the library's policy text (`Policy`'s `FromStr`, which refuses unknown
+/// keys) plus the keys `form=standard|online:B` and `variance=twopass|onepass|welford` that
+/// only the softmax and norm thresholds read — one parser, every key accounted for.
+fn parse_spec(s: &str) -> Result<(Policy, SpecExtras), String> {
     let mut extras = SpecExtras {
         form: AttentionImpl::Standard,
         variance: Variance::TwoPass,
     };
+    let mut policy = vec![];
     for item in s.split(',').filter(|x| !x.trim().is_empty()) {
-        let Some((key, value)) = item.split_once('=') else {
-            continue;
-        };
-        match key.trim() {
-            "form" => {
-                extras.form = match value.trim() {
+        match item.split_once('=').map(|(k, v)| (k.trim(), v.trim())) {
+            Some(("form", v)) => {
+                extras.form = match v {
                     "standard" => AttentionImpl::Standard,
                     v if v.starts_with("online:") => AttentionImpl::Online {
                         block: v[7..]
@@ -290,8 +261,8 @@ fn parse_extras(s: &str) -> Result<SpecExtras, String> {
                     v => return Err(format!("unknown softmax form '{v}' (standard, online:B)")),
                 }
             }
-            "variance" => {
-                extras.variance = match value.trim() {
+            Some(("variance", v)) => {
+                extras.variance = match v {
                     "twopass" => Variance::TwoPass,
                     "onepass" => Variance::OnePass,
                     "welford" => Variance::Welford,
@@ -302,56 +273,14 @@ fn parse_extras(s: &str) -> Result<SpecExtras, String> {
                     }
                 }
             }
-            _ => {}
+            _ => policy.push(item),
         }
     }
-    Ok(extras)
-}
-
-fn parse_policy(s: &str) -> Result<Policy, String> {
-    let mut input = Format::BF16;
-    let mut acc = Format::F32;
-    let mut out = Format::BF16;
-    let mut order = Order::Sequential;
-    let mut products = Products::Exact;
-    let mut scaling = Scaling::None;
-    for item in s.split(',').filter(|x| !x.trim().is_empty()) {
-        let (key, value) = item
-            .split_once('=')
-            .ok_or_else(|| format!("policy '{s}': '{item}' is not key=value"))?;
-        match key.trim() {
-            "in" | "input" => input = parse_format(value)?,
-            "acc" | "accumulator" => acc = parse_format(value)?,
-            "out" | "output" => out = parse_format(value)?,
-            "order" => order = parse_order(value.trim())?,
-            "products" => {
-                products = if value.trim() == "exact" {
-                    Products::Exact
-                } else {
-                    Products::Rounded(parse_format(value)?)
-                }
-            }
-            "scaling" => {
-                scaling = match value.trim() {
-                    "none" => Scaling::None,
-                    "current" => Scaling::PerTensorCurrent { margin: 0 },
-                    "delayed" => Scaling::PerTensorDelayed { margin: 0 },
-                    "mx" => Scaling::Block { size: 32 },
-                    v => return Err(format!("unknown scaling '{v}' (none, current, delayed, mx)")),
-                }
-            }
-            "form" | "variance" => {}
-            other => {
-                return Err(format!(
-                    "policy '{s}': unknown key '{other}' (in, acc, out, order, products, scaling, form, variance)"
-                ))
-            }
-        }
-    }
-    Ok(Policy::new(input, acc, out)
-        .with_order(order)
-        .with_products(products)
-        .with_scaling(scaling))
+    let policy = policy
+        .join(",")
+        .parse::<Policy>()
+        .map_err(|e| e.to_string())?;
+    Ok((policy, extras))
 }
 
 /// A synthetic tensor with entries mean + std·N(0, 1), rounded to `format`.
@@ -407,8 +336,8 @@ fn threshold(
     guaranteed: bool,
     json: bool,
 ) -> Result<(), String> {
-    let rp = parse_policy(reference)?;
-    let cp = parse_policy(candidate)?;
+    let (rp, er) = parse_spec(reference)?;
+    let (cp, ec) = parse_spec(candidate)?;
     if !(std >= 0.0 && std.is_finite() && mean.is_finite()) {
         return Err(format!(
             "--mean and --std must be finite and --std non-negative (got {mean}, {std})"
@@ -420,7 +349,6 @@ fn threshold(
         Confidence::probabilistic(delta).map_err(|e| e.to_string())?
     };
     let stats = TermStats::normal(mean, std);
-    let (er, ec) = (parse_extras(reference)?, parse_extras(candidate)?);
     let fmt = rp.input();
     let e = |r: ttrace::Result<Threshold>| r.map_err(|e| e.to_string());
     let fp8 = rp.scaling != Scaling::None || cp.scaling != Scaling::None;

@@ -137,6 +137,151 @@ impl Policy {
     }
 }
 
+/// The text form read by [`Policy::from_str`](std::str::FromStr::from_str), one grammar for
+/// the CLI, the library and the Python bindings: comma-separated `key=value` items —
+/// `in=FMT`, `acc=FMT`, `out=FMT`, `order=ORDER` (see [`Order`]'s text form), and when not the
+/// default `products=exact|FMT`, `rhs=FMT` (the right operand's format), `scaling=none|
+/// current[:MARGIN]|delayed[:MARGIN]|mx|block:SIZE` and `overflow=saturating`. Parsing the
+/// text gives the policy back.
+impl std::fmt::Display for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let a = &self.accumulation;
+        write!(
+            f,
+            "in={},acc={},out={},order={}",
+            a.input, a.accumulator, self.output, a.order
+        )?;
+        if let Products::Rounded(p) = a.products {
+            write!(f, ",products={p}")?;
+        }
+        if let Some(r) = self.rhs_input {
+            write!(f, ",rhs={r}")?;
+        }
+        match self.scaling {
+            Scaling::None => {}
+            Scaling::PerTensorCurrent { margin: 0 } => f.write_str(",scaling=current")?,
+            Scaling::PerTensorCurrent { margin } => write!(f, ",scaling=current:{margin}")?,
+            Scaling::PerTensorDelayed { margin: 0 } => f.write_str(",scaling=delayed")?,
+            Scaling::PerTensorDelayed { margin } => write!(f, ",scaling=delayed:{margin}")?,
+            Scaling::Block { size: 32 } => f.write_str(",scaling=mx")?,
+            Scaling::Block { size } => write!(f, ",scaling=block:{size}")?,
+        }
+        if a.overflow == Overflow::Saturating {
+            f.write_str(",overflow=saturating")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::str::FromStr for Policy {
+    type Err = Error;
+
+    /// Parse the text form of [`Policy`]'s `Display`. Keys may come in any order and be left
+    /// out: `in=bf16`, `acc=f32`, `out=bf16`, `order=sequential` by default (the long names
+    /// `input`, `accumulator` and `output` are accepted too). The policy is validated.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use ttrace::{Format, Policy};
+    /// let p: Policy = "in=bf16,acc=f32,out=bf16,order=splitk:4:bf16:ring:1".parse()?;
+    /// assert_eq!(p.accumulator(), Format::F32);
+    /// assert_eq!(p.to_string().parse::<Policy>()?, p);
+    /// # Ok::<(), ttrace::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidParameter`] (`name` "policy") for an item that is not `key=value`, an
+    /// unknown or repeated key, or a bad value; the errors of [`Format`] and [`Order`] parsing
+    /// and of [`Policy::validate`].
+    fn from_str(s: &str) -> Result<Policy> {
+        let bad = |why: String| Error::InvalidParameter {
+            name: "policy",
+            reason: format!("'{s}': {why}"),
+        };
+        let mut p = Policy::new(Format::BF16, Format::F32, Format::BF16);
+        let mut seen: Vec<&str> = vec![];
+        for item in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
+            let (key, value) = item
+                .split_once('=')
+                .ok_or_else(|| bad(format!("'{item}' is not key=value")))?;
+            let (key, value) = (key.trim(), value.trim());
+            let canonical = match key {
+                "input" => "in",
+                "accumulator" => "acc",
+                "output" => "out",
+                k => k,
+            };
+            if seen.contains(&canonical) {
+                return Err(bad(format!("'{key}' is given twice")));
+            }
+            seen.push(canonical);
+            let margin = |t: Option<&str>| match t {
+                None => Ok(0),
+                Some(t) => t
+                    .parse::<i32>()
+                    .map_err(|_| bad(format!("scaling margin '{t}' is not an integer"))),
+            };
+            match canonical {
+                "in" => p.accumulation.input = value.parse()?,
+                "acc" => p.accumulation.accumulator = value.parse()?,
+                "out" => p.output = value.parse()?,
+                "order" => p.accumulation.order = value.parse()?,
+                "rhs" => p.rhs_input = Some(value.parse()?),
+                "products" => {
+                    p.accumulation.products = match value {
+                        "exact" => Products::Exact,
+                        v => Products::Rounded(v.parse()?),
+                    }
+                }
+                "scaling" => {
+                    let (kind, arg) = match value.split_once(':') {
+                        Some((k, a)) => (k, Some(a)),
+                        None => (value, None),
+                    };
+                    p.scaling = match (kind, arg) {
+                        ("none", None) => Scaling::None,
+                        ("current", a) => Scaling::PerTensorCurrent { margin: margin(a)? },
+                        ("delayed", a) => Scaling::PerTensorDelayed { margin: margin(a)? },
+                        ("mx", None) => Scaling::Block { size: 32 },
+                        ("block", Some(a)) => Scaling::Block {
+                            size: a
+                                .parse()
+                                .map_err(|_| bad(format!("block size '{a}' is not a number")))?,
+                        },
+                        _ => {
+                            return Err(bad(format!(
+                                "unknown scaling '{value}' (none, current[:MARGIN], \
+                                 delayed[:MARGIN], mx, block:SIZE)"
+                            )))
+                        }
+                    }
+                }
+                "overflow" => {
+                    p.accumulation.overflow = match value {
+                        "saturating" => Overflow::Saturating,
+                        "nonsaturating" => Overflow::NonSaturating,
+                        v => {
+                            return Err(bad(format!(
+                                "unknown overflow '{v}' (saturating, nonsaturating)"
+                            )))
+                        }
+                    }
+                }
+                other => {
+                    return Err(bad(format!(
+                        "unknown key '{other}' (in, acc, out, order, products, rhs, scaling, \
+                         overflow)"
+                    )))
+                }
+            }
+        }
+        p.validate()?;
+        Ok(p)
+    }
+}
+
 /// The scale s = fl32(max_fp8 / amax / 2^margin) used by per-tensor FP8 scaling, with amax the
 /// maximum of `amax_history` (delayed scaling) — 1 when that maximum is 0 or not finite, as a
 /// fresh TransformerEngine scaling state starts.
