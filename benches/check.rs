@@ -17,7 +17,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use ttrace::bounds::{plan_matmul, Confidence, TermStats};
+use ttrace::bounds::{plan_matmul, Confidence, MatmulPlan, TermStats};
 use ttrace::check::{check_dir_paths, compare_tensor, PricingMode};
 use ttrace::check::{price_local, InputIndex, PriceContext, TensorStat};
 use ttrace::engine::ModuleKind;
@@ -134,7 +134,21 @@ fn price(c: &mut Criterion) {
     let conf = Confidence::default_probabilistic();
     let stats = TermStats::normal(0.0, 1.0);
     g.bench_function("plan_matmul_from_summary_stats", |b| {
-        b.iter(|| plan_matmul(4096, 4096, 4096, stats, stats, black_box(&p), &p, conf).unwrap())
+        b.iter(|| {
+            plan_matmul(
+                &MatmulPlan {
+                    m: 4096,
+                    k: 4096,
+                    n: 4096,
+                    a: stats,
+                    b: stats,
+                },
+                black_box(&p),
+                &p,
+                conf,
+            )
+            .unwrap()
+        })
     });
     let (ids, st) = gpt_stats(32);
     let index: std::collections::HashMap<&str, &TensorStat> =

@@ -19,7 +19,8 @@ mod common;
 use common::frob;
 use ttrace::bounds::baselines_for;
 use ttrace::bounds::{
-    matmul_threshold, norm_threshold, softmax_threshold, sum_threshold, Confidence, NormOp,
+    matmul_threshold, norm_threshold, softmax_threshold, sum_threshold, Confidence, NormData,
+    NormOp, NormSide,
 };
 use ttrace::engine::{
     layer_norm, matmul, online_softmax, softmax, AttentionImpl, SplitMix64, Variance,
@@ -213,14 +214,20 @@ fn main() {
                         .values()
                         .to_vec();
                     let th = norm_threshold(
-                        &x,
-                        &w,
-                        Some(&b),
-                        1e-5,
-                        NormOp::LayerNorm(Variance::TwoPass),
-                        &case.reference,
-                        NormOp::LayerNorm(var),
-                        &case.candidate,
+                        &NormData {
+                            x: &x,
+                            weight: &w,
+                            bias: Some(&b),
+                            eps: 1e-5,
+                        },
+                        NormSide {
+                            op: NormOp::LayerNorm(Variance::TwoPass),
+                            policy: &case.reference,
+                        },
+                        NormSide {
+                            op: NormOp::LayerNorm(var),
+                            policy: &case.candidate,
+                        },
                         conf,
                     )
                     .unwrap();

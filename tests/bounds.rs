@@ -7,7 +7,9 @@ use common::frob;
 use proptest::prelude::*;
 use statrs::distribution::{Binomial, DiscreteCDF};
 use ttrace::bounds::baselines_for;
-use ttrace::bounds::{matmul_threshold, reduction_error, sum_threshold, Confidence};
+use ttrace::bounds::{
+    matmul_threshold, reduction_error, sum_threshold, Confidence, NormData, NormSide,
+};
 use ttrace::engine::{matmul, SplitMix64};
 use ttrace::{exact_sum, sum, Accumulation, BlockSum, Combine, Format, Order, Overflow, Products};
 use ttrace::{Policy, Scaling, Tensor};
@@ -634,19 +636,29 @@ fn norm_thresholds_hold() {
                 };
                 let d = frob(run(ro, rp).values(), run(co, cp).values());
                 let th = norm_threshold(
-                    &x,
-                    &w,
-                    bias,
-                    1e-5,
-                    ro,
-                    rp,
-                    co,
-                    cp,
+                    &NormData {
+                        x: &x,
+                        weight: &w,
+                        bias,
+                        eps: 1e-5,
+                    },
+                    NormSide { op: ro, policy: rp },
+                    NormSide { op: co, policy: cp },
                     Confidence::default_probabilistic(),
                 )
                 .unwrap();
-                let g = norm_threshold(&x, &w, bias, 1e-5, ro, rp, co, cp, Confidence::Guaranteed)
-                    .unwrap();
+                let g = norm_threshold(
+                    &NormData {
+                        x: &x,
+                        weight: &w,
+                        bias,
+                        eps: 1e-5,
+                    },
+                    NormSide { op: ro, policy: rp },
+                    NormSide { op: co, policy: cp },
+                    Confidence::Guaranteed,
+                )
+                .unwrap();
                 assert!(
                     d <= g.abs_frobenius,
                     "guaranteed t={t} {ro:?}/{co:?}: {d:e} > {:e}",

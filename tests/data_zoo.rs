@@ -7,7 +7,9 @@ mod zoo;
 
 use zoo::common;
 
-use ttrace::bounds::{matmul_threshold, reduction_error, sum_threshold, Confidence, Threshold};
+use ttrace::bounds::{
+    matmul_threshold, reduction_error, sum_threshold, Confidence, NormData, NormSide, Threshold,
+};
 use ttrace::{
     dot, exact_dot, exact_sum, sum, Accumulation, Combine, Error, Format, Order, Products,
 };
@@ -287,7 +289,23 @@ fn one_pass_variance_cancellation_is_refused() {
     let two = NormOp::LayerNorm(Variance::TwoPass);
     let price = |cand: NormOp, order: Order| {
         let c = p.clone().with_order(order);
-        norm_threshold(&x, &w, None, 1e-5, two, &p, cand, &c, DELTA)
+        norm_threshold(
+            &NormData {
+                x: &x,
+                weight: &w,
+                bias: None,
+                eps: 1e-5,
+            },
+            NormSide {
+                op: two,
+                policy: &p,
+            },
+            NormSide {
+                op: cand,
+                policy: &c,
+            },
+            DELTA,
+        )
     };
     let r = price(NormOp::LayerNorm(Variance::OnePass), Order::Sequential);
     assert!(matches!(r, Err(Error::NoFiniteBound { .. })), "{r:?}");

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use ttrace::bounds::{plan_matmul, Confidence, TermStats, MAX_PLANNED_TERMS};
+use ttrace::bounds::{plan_matmul, Confidence, MatmulPlan, TermStats, MAX_PLANNED_TERMS};
 use ttrace::check::{check_dir_paths, compare_tensor, PricingMode};
 use ttrace::check::{price_local, InputIndex, PriceContext, TensorStat};
 use ttrace::engine::matmul;
@@ -226,18 +226,59 @@ fn invalid_threshold_requests_are_typed_errors() {
     let x = TermStats::normal(0.0, 1.0);
     let conf = Confidence::default_probabilistic();
     // Zero length: nothing to price.
-    let e = plan_matmul(4, 0, 4, x, x, &p, &q, conf).unwrap_err();
+    let e = plan_matmul(
+        &MatmulPlan {
+            m: 4,
+            k: 0,
+            n: 4,
+            a: x,
+            b: x,
+        },
+        &p,
+        &q,
+        conf,
+    )
+    .unwrap_err();
     assert!(
         matches!(e, Error::InvalidParameter { name: "k", .. }),
         "{e}"
     );
     // Huge length: refused up front, not an hour of work or an allocation failure.
-    let e = plan_matmul(4, MAX_PLANNED_TERMS + 1, 4, x, x, &p, &q, conf).unwrap_err();
+    let e = plan_matmul(
+        &MatmulPlan {
+            m: 4,
+            k: MAX_PLANNED_TERMS + 1,
+            n: 4,
+            a: x,
+            b: x,
+        },
+        &p,
+        &q,
+        conf,
+    )
+    .unwrap_err();
     assert!(
         matches!(e, Error::InvalidParameter { name: "k", .. }),
         "{e}"
     );
-    assert!(plan_matmul(4, MAX_PLANNED_TERMS.min(1 << 16), 4, x, x, &p, &q, conf).is_ok());
+    assert!(plan_matmul(
+        &MatmulPlan {
+            m: 4,
+            k: MAX_PLANNED_TERMS.min(1 << 16),
+            n: 4,
+            a: x,
+            b: x
+        },
+        &p,
+        &q,
+        conf
+    )
+    .is_ok());
+    // A plan is checked where it is built, too: zero rows, an output that overflows.
+    for (m, n, name) in [(0, 4, "m"), (usize::MAX, 2, "n")] {
+        let e = MatmulPlan::new(m, 16, n, x, x).unwrap_err();
+        assert!(matches!(e, Error::InvalidParameter { name: got, .. } if got == name), "{e}");
+    }
     // δ outside (0, 1).
     for d in [0.0, 1.0, -0.5, 2.0, f64::NAN] {
         assert!(Confidence::probabilistic(d).is_err(), "{d}");

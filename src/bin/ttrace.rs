@@ -27,7 +27,7 @@ fn stdout_error(e: io::Error) -> String {
     format!("writing to standard output: {e}")
 }
 use serde::Serialize;
-use ttrace::bounds::{baselines_for, Baseline};
+use ttrace::bounds::{baselines_for, Baseline, MatmulPlan, NormData, NormSide};
 use ttrace::bounds::{
     elementwise_threshold, matmul_threshold, norm_threshold, plan_matmul, plan_sum,
     softmax_threshold, Confidence, Elementwise, NormOp, TermStats, Threshold,
@@ -358,7 +358,18 @@ fn threshold(
             let b = synthetic(&[k, n], mean, std, "cli.b", Format::F32)?;
             e(matmul_threshold(&a, &b, None, &rp, &cp, confidence))?
         }
-        Op::Matmul => e(plan_matmul(m, k, n, stats, stats, &rp, &cp, confidence))?,
+        Op::Matmul => e(plan_matmul(
+            &MatmulPlan {
+                m,
+                k,
+                n,
+                a: stats,
+                b: stats,
+            },
+            &rp,
+            &cp,
+            confidence,
+        ))?,
         Op::Sum => e(plan_sum(m, k, stats, &rp, &cp, confidence))?,
         Op::Softmax => {
             let x = synthetic(&[m, k], mean, std, "cli.x", fmt)?;
@@ -380,7 +391,21 @@ fn threshold(
                 )
             };
             e(norm_threshold(
-                &x, &w, bias, 1e-5, ro, &rp, co, &cp, confidence,
+                &NormData {
+                    x: &x,
+                    weight: &w,
+                    bias,
+                    eps: 1e-5,
+                },
+                NormSide {
+                    op: ro,
+                    policy: &rp,
+                },
+                NormSide {
+                    op: co,
+                    policy: &cp,
+                },
+                confidence,
             ))?
         }
         Op::Gelu | Op::Silu => {

@@ -36,6 +36,8 @@
 use serde::Serialize;
 
 use crate::bounds::reduction::ReductionError;
+use crate::check::TensorVerdict;
+use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::Format;
 
@@ -241,6 +243,42 @@ impl Threshold {
     /// Whether an observed ‖cand − ref‖_F passes.
     pub fn accepts(&self, observed_abs_frobenius: f64) -> bool {
         observed_abs_frobenius <= self.abs_frobenius
+    }
+
+    /// Judge a candidate tensor against the reference under this threshold: the verdict holds
+    /// the relative Frobenius error (also in units of ε of the reference's format), the largest
+    /// absolute and ulp differences and any non-finite mismatch; it passes when ‖cand − ref‖_F
+    /// is within [`abs_frobenius`](Self::abs_frobenius) and no non-finite value disagrees (a
+    /// NaN where the reference is finite fails whatever the threshold). Shapes that differ
+    /// fail with the reason in `problem`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use ttrace::bounds::{matmul_threshold, Confidence};
+    /// use ttrace::{Format, Order, Combine, Policy, Tensor};
+    ///
+    /// # fn main() -> ttrace::Result<()> {
+    /// let a = Tensor::from_vec(&[2, 4], vec![1.0, 0.5, -0.25, 2.0, 1.5, -1.0, 0.75, 0.5], Format::BF16)?;
+    /// let b = Tensor::from_vec(&[4, 1], vec![0.5, -1.5, 1.0, 0.25], Format::BF16)?;
+    /// let reference: Policy = "in=bf16,acc=f32,out=bf16".parse()?;
+    /// let candidate = reference.clone().with_order(Order::split_k(2, Format::BF16, Combine::Tree));
+    /// let t = matmul_threshold(&a, &b, None, &reference, &candidate, Confidence::Guaranteed)?;
+    /// // Run both (here: the engine's emulation) and judge the candidate.
+    /// let r = ttrace::engine::matmul(&a, &b, &reference)?;
+    /// let c = ttrace::engine::matmul(&a, &b, &candidate)?;
+    /// assert!(t.check(&r, &c).passed);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn check(&self, reference: &Tensor, candidate: &Tensor) -> TensorVerdict {
+        crate::check::compare_tensor(
+            "tensor",
+            reference,
+            candidate,
+            self.abs_frobenius,
+            reference.format().machine_epsilon(),
+        )
     }
 }
 

@@ -39,8 +39,10 @@ pub use elementwise::{
     elementwise_gain, elementwise_threshold, matmul_gain, norm_gain, quantization_error,
     softmax_gain, Elementwise, Gain, QuantizationError,
 };
-pub use norm::{norm_threshold, NormOp};
-pub use ops::{allreduce_threshold, matmul_threshold, plan_matmul, plan_sum, sum_threshold};
+pub use norm::{norm_threshold, NormData, NormOp, NormSide};
+pub use ops::{
+    allreduce_threshold, matmul_threshold, plan_matmul, plan_sum, sum_threshold, MatmulPlan,
+};
 pub use reduction::{
     planned_reduction_error, reduction_error, ReductionError, TermStats, MAX_PLANNED_TERMS,
 };

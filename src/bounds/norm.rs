@@ -329,21 +329,51 @@ fn side_row(x: &[f64], op: NormOp, eps: f64, policy: &Policy) -> Result<SideRow>
     })
 }
 
-/// Threshold for a normalization of the rows (last dimension) of `x` with weight γ (and
-/// bias β for LayerNorm), reference `ref_op` under `reference` versus `cand_op` under
-/// `candidate`.
-#[allow(clippy::too_many_arguments)]
+/// The data of a normalization for [`norm_threshold`]: the rows (last dimension) of `x`, the
+/// weight γ, LayerNorm's bias β, and the ε added to the variance.
+#[derive(Debug, Clone, Copy)]
+pub struct NormData<'a> {
+    /// The input; rows along its last dimension.
+    pub x: &'a Tensor,
+    /// γ, one per element of a row.
+    pub weight: &'a Tensor,
+    /// β (LayerNorm), one per element of a row.
+    pub bias: Option<&'a Tensor>,
+    /// The ε added to the variance (≥ 0).
+    pub eps: f64,
+}
+
+/// How one side normalizes: the algorithm and its arithmetic.
+#[derive(Debug, Clone, Copy)]
+pub struct NormSide<'a> {
+    /// LayerNorm (with its variance algorithm) or RMSNorm.
+    pub op: NormOp,
+    /// The arithmetic.
+    pub policy: &'a Policy,
+}
+
+/// Threshold for a normalization of `data` computed by `reference` versus `candidate`.
+///
+/// # Errors
+///
+/// [`Error::InvalidParameter`] for sides with different input or accumulator formats or
+/// different functions (LayerNorm against RMSNorm), or an invalid ε;
+/// [`Error::ShapeMismatch`] for a weight or bias that does not match a row;
+/// [`Error::NoFiniteBound`] when a one-pass variance may lose every digit.
 pub fn norm_threshold(
-    x: &Tensor,
-    weight: &Tensor,
-    bias: Option<&Tensor>,
-    eps: f64,
-    ref_op: NormOp,
-    reference: &Policy,
-    cand_op: NormOp,
-    candidate: &Policy,
+    data: &NormData<'_>,
+    reference: NormSide<'_>,
+    candidate: NormSide<'_>,
     confidence: Confidence,
 ) -> Result<Threshold> {
+    let NormData {
+        x,
+        weight,
+        bias,
+        eps,
+    } = *data;
+    let (ref_op, reference) = (reference.op, reference.policy);
+    let (cand_op, candidate) = (candidate.op, candidate.policy);
     reference.validate()?;
     candidate.validate()?;
     if reference.input() != candidate.input() || reference.accumulator() != candidate.accumulator()

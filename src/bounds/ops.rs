@@ -380,26 +380,97 @@ pub fn allreduce_threshold(
 /// magnitudes; the result is the expected threshold for such data, not a guarantee for a
 /// particular tensor (use [`matmul_threshold`] on the data for that). FP8 scaling is not
 /// modelled here (the quantized operands depend on the data).
-#[allow(clippy::too_many_arguments)]
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::{plan_matmul, Confidence, MatmulPlan, TermStats};
+/// use ttrace::Policy;
+///
+/// # fn main() -> ttrace::Result<()> {
+/// // A 4096³ BF16 GEMM with FP32 accumulation, split-K over 8 ranks all-reduced in BF16.
+/// let x = TermStats::normal(0.0, 1.0);
+/// let shape = MatmulPlan::new(4096, 4096, 4096, x, x)?;
+/// let reference: Policy = "in=bf16,acc=f32,out=bf16".parse()?;
+/// let candidate: Policy = "in=bf16,acc=f32,out=bf16,order=splitk:8:bf16:ring".parse()?;
+/// let t = plan_matmul(&shape, &reference, &candidate, Confidence::default_probabilistic())?;
+/// assert!(t.relative > 0.0 && t.relative < 0.1);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::InvalidParameter`](crate::Error::InvalidParameter) for an invalid plan (see
+/// [`MatmulPlan::new`]), an invalid policy or confidence; the errors of pricing (a
+/// reduction that may overflow its format).
 pub fn plan_matmul(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: TermStats,
-    b: TermStats,
+    shape: &MatmulPlan,
     reference: &Policy,
     candidate: &Policy,
     confidence: Confidence,
 ) -> Result<Threshold> {
+    let outputs = shape.outputs()?;
     plan(
-        m * n,
-        k,
-        TermStats::product(a, b),
+        outputs,
+        shape.k,
+        TermStats::product(shape.a, shape.b),
         true,
         reference,
         candidate,
         confidence,
     )
+}
+
+/// An [m, k]·[k, n] matmul described for [`plan_matmul`]: its sizes and the statistics of the
+/// entries of A and B.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MatmulPlan {
+    /// Rows of A and of the output.
+    pub m: usize,
+    /// The reduction length (columns of A, rows of B).
+    pub k: usize,
+    /// Columns of B and of the output.
+    pub n: usize,
+    /// Statistics of A's entries.
+    pub a: TermStats,
+    /// Statistics of B's entries.
+    pub b: TermStats,
+}
+
+impl MatmulPlan {
+    /// A checked plan.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidParameter`](crate::Error::InvalidParameter) naming `m`, `k` or `n`: a
+    /// zero size, a reduction longer than
+    /// [`MAX_PLANNED_TERMS`](crate::bounds::MAX_PLANNED_TERMS), or an output whose element
+    /// count overflows.
+    pub fn new(m: usize, k: usize, n: usize, a: TermStats, b: TermStats) -> Result<MatmulPlan> {
+        let p = MatmulPlan { m, k, n, a, b };
+        p.outputs()?;
+        Ok(p)
+    }
+
+    /// The number of output elements, checking the plan.
+    fn outputs(&self) -> Result<usize> {
+        crate::bounds::reduction::check_planned_length(self.k)?;
+        for (name, v) in [("m", self.m), ("n", self.n)] {
+            if v == 0 {
+                return Err(crate::Error::InvalidParameter {
+                    name,
+                    reason: "a matmul needs at least one row and one column".into(),
+                });
+            }
+        }
+        self.m
+            .checked_mul(self.n)
+            .ok_or(crate::Error::InvalidParameter {
+                name: "n",
+                reason: format!("{} x {} output elements overflow", self.m, self.n),
+            })
+    }
 }
 
 /// Planning: the threshold for `rows` sums of `n` i.i.d. values with the given statistics.

@@ -15,7 +15,8 @@
 
 use ttrace::bounds::{
     allreduce_threshold, elementwise_threshold, matmul_threshold, norm_threshold, reduction_error,
-    softmax_threshold, sum_threshold, Confidence, Elementwise, NormOp, Threshold,
+    softmax_threshold, sum_threshold, Confidence, Elementwise, NormData, NormOp, NormSide,
+    Threshold,
 };
 use ttrace::engine::{
     add, gelu, layer_norm, matmul, online_softmax, rms_norm, scale, silu, softmax, AttentionImpl,
@@ -480,7 +481,23 @@ fn threshold(
             } else {
                 Some(&bias)
             };
-            norm_threshold(x, &w, bias, 1e-5, to(op_r), r, to(op_c), c, conf)
+            norm_threshold(
+                &NormData {
+                    x,
+                    weight: &w,
+                    bias,
+                    eps: 1e-5,
+                },
+                NormSide {
+                    op: to(op_r),
+                    policy: r,
+                },
+                NormSide {
+                    op: to(op_c),
+                    policy: c,
+                },
+                conf,
+            )
         }
     }
 }
