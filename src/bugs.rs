@@ -1,6 +1,6 @@
 //! A catalog of silent bugs that can be injected into the sharded model
 //! ([`ShardedGpt::with_bug`](crate::shard::ShardedGpt::with_bug)), each modelling a real class
-//! of distributed-training bug (sources in `../shared/research/ttrace-paper-notes.md` §3 and
+//! of distributed-training bug (sources in `papers/ttrace-paper-notes.md` §3 and
 //! the issue trackers named below). None of them crashes or changes a shape: they only change
 //! values, which is what makes them silent.
 

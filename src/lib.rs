@@ -137,3 +137,8 @@ pub use order::{dot, sum, Accumulation, BlockSum, Combine, Order, Products, Term
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+
+/// The guide's Rust examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide.md")]
+pub struct GuideDoctests;
