@@ -277,7 +277,10 @@ fn invalid_threshold_requests_are_typed_errors() {
     // A plan is checked where it is built, too: zero rows, an output that overflows.
     for (m, n, name) in [(0, 4, "m"), (usize::MAX, 2, "n")] {
         let e = MatmulPlan::new(m, 16, n, x, x).unwrap_err();
-        assert!(matches!(e, Error::InvalidParameter { name: got, .. } if got == name), "{e}");
+        assert!(
+            matches!(e, Error::InvalidParameter { name: got, .. } if got == name),
+            "{e}"
+        );
     }
     // δ outside (0, 1).
     for d in [0.0, 1.0, -0.5, 2.0, f64::NAN] {
