@@ -1,0 +1,96 @@
+//! `ttrace check`: compare a candidate trace directory with a reference one.
+
+use std::io::{self, Write};
+
+use clap::ValueEnum;
+use ttrace::check::PricingMode;
+
+use crate::out::{refuse_report_inside, stdout_error, write_atomic};
+use crate::Outcome;
+
+/// The options of `ttrace check`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The reference trace directory.
+    pub reference: std::path::PathBuf,
+    /// The candidate trace directory.
+    pub candidate: std::path::PathBuf,
+    /// Also write the report as JSON to this path.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+    /// Thresholds: `auto` uses the producer's thresholds from the reference manifest where
+    /// present and prices the rest from the metadata and the data; `local` prices every
+    /// tensor from the metadata and the data.
+    #[arg(long, value_enum, default_value_t = Pricing::Auto)]
+    pub pricing: Pricing,
+}
+
+/// How `ttrace check` prices thresholds.
+#[derive(Clone, Copy, ValueEnum)]
+pub enum Pricing {
+    /// The producer's thresholds from the reference manifest where present, the local model
+    /// elsewhere.
+    Auto,
+    /// The local model everywhere.
+    Local,
+}
+
+/// Check, print the report, and write it as JSON when asked.
+pub fn run(a: Args) -> Result<Outcome, String> {
+    let mode = match a.pricing {
+        Pricing::Auto => PricingMode::Auto,
+        Pricing::Local => PricingMode::Local,
+    };
+    let passed = check_dirs_cli(&a.reference, &a.candidate, a.json.as_deref(), mode)?;
+    Ok(Outcome::of(passed))
+}
+
+fn check_dirs_cli(
+    reference: &std::path::Path,
+    candidate: &std::path::Path,
+    json: Option<&std::path::Path>,
+    mode: ttrace::check::PricingMode,
+) -> Result<bool, String> {
+    if let Some(path) = json {
+        refuse_report_inside(path, &[reference, candidate])?;
+    }
+    // Each trace is opened (its headers validated) once; no file stays open between reads.
+    let r = ttrace::io::TraceDir::open(reference).map_err(|e| e.to_string())?;
+    let c = ttrace::io::TraceDir::open(candidate).map_err(|e| e.to_string())?;
+    let (n, world) = (r.ids().len(), c.manifest().mesh.world());
+    let bar = indicatif::ProgressBar::new(n as u64);
+    let out =
+        ttrace::check::check_dir_traces(&r, &c, mode, &|| bar.inc(1)).map_err(|e| e.to_string())?;
+    bar.finish_and_clear();
+    outln!(
+        "ttrace check: {} against {} ({} ranks)",
+        candidate.display(),
+        reference.display(),
+        world
+    );
+    out!("{}", ttrace::check::render_check(&out.report));
+    if let Some(l) = &out.localization {
+        let kind = l.kind.map(|k| format!(" ({k:?})")).unwrap_or_default();
+        let pass = match l.pass {
+            Some(ttrace::engine::Pass::Forward) => " forward",
+            Some(ttrace::engine::Pass::Backward) => " backward",
+            None => "",
+        };
+        let rank = l.rank.map(|r| format!(", rank {r}")).unwrap_or_default();
+        outln!(
+            "localized: module {}{kind}{pass}, tensor {}{rank}: {}",
+            ttrace::io::printable(&l.module),
+            ttrace::io::printable(&l.tensor),
+            ttrace::io::sanitize(&l.detail)
+        );
+    }
+    outln!("thresholds:");
+    for (_, n, rule) in &out.pricing_summary {
+        outln!("  {n:>6} tensors: {rule}");
+    }
+    if let Some(path) = json {
+        let text = serde_json::to_string_pretty(&out).map_err(|e| e.to_string())?;
+        write_atomic(path, text.as_bytes())?;
+    }
+    Ok(out.report.passed())
+}

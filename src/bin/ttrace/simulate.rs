@@ -1,0 +1,140 @@
+//! `ttrace simulate`: one sharded training step, checked and localized.
+
+use std::io::{self, Write};
+
+use crate::out::stdout_error;
+use crate::Outcome;
+
+/// The options of `ttrace simulate`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Tensor-parallel size.
+    #[arg(long, default_value_t = 2)]
+    pub tp: usize,
+    /// Sequence parallelism.
+    #[arg(long)]
+    pub sp: bool,
+    /// Context-parallel size.
+    #[arg(long, default_value_t = 1)]
+    pub cp: usize,
+    /// Data-parallel size.
+    #[arg(long, default_value_t = 1)]
+    pub dp: usize,
+    /// Recipe: fp32, bf16, fp8-delayed, fp8-current.
+    #[arg(long, default_value = "bf16", value_parser = crate::out::parse_recipe)]
+    pub recipe: String,
+    /// Inject this bug (see `ttrace bugs`).
+    #[arg(long, value_parser = parse_bug)]
+    pub bug: Option<ttrace::bugs::Bug>,
+    /// Seed of the consistent generator.
+    #[arg(long, default_value_t = 1000)]
+    pub seed: u64,
+    /// All-reduce algorithm.
+    #[arg(long, value_enum, default_value_t = Algorithm::Ring)]
+    pub algorithm: Algorithm,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Also write the reference and candidate traces (safetensors per rank + manifest)
+    /// to DIR/reference and DIR/candidate.
+    #[arg(long)]
+    pub dump: Option<std::path::PathBuf>,
+}
+
+/// The all-reduce algorithm of the simulated collectives.
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum Algorithm {
+    /// Ring reduce-scatter and all-gather.
+    Ring,
+    /// A binary tree.
+    Tree,
+}
+
+/// A bug of the catalog, by name.
+fn parse_bug(s: &str) -> Result<ttrace::bugs::Bug, String> {
+    ttrace::bugs::Bug::by_name(s).map_err(|e| e.to_string())
+}
+
+/// Simulate, check, localize and print.
+pub fn run(a: Args) -> Result<Outcome, String> {
+    let Args {
+        tp,
+        sp,
+        cp,
+        dp,
+        recipe,
+        bug,
+        seed,
+        algorithm,
+        json,
+        dump,
+    } = a;
+    use ttrace::validate::{dump_run, run_bug, run_config_cached, RunConfig, SweepOptions};
+    let (recipe, dump) = (recipe.as_str(), dump.as_deref());
+    let algorithm = match algorithm {
+        Algorithm::Ring => ttrace::shard::Algorithm::Ring,
+        Algorithm::Tree => ttrace::shard::Algorithm::Tree,
+    };
+    let mesh = ttrace::shard::Mesh::new(tp, cp, dp, sp).map_err(|e| e.to_string())?;
+    let options = SweepOptions::default_sweep(1);
+    let run = RunConfig {
+        mesh,
+        recipe: recipe.to_string(),
+        seed,
+        algorithm,
+    };
+    let (_, thresholds) = run_config_cached(&options, &run).map_err(|e| e.to_string())?;
+    let r = run_bug(&options, &run, bug, &thresholds).map_err(|e| e.to_string())?;
+    if let Some(dir) = dump {
+        dump_run(&options, &run, bug, &thresholds, dir).map_err(|e| e.to_string())?;
+        if !json {
+            outln!(
+                "traces written to {} and {}",
+                dir.join("reference").display(),
+                dir.join("candidate").display()
+            );
+        }
+    }
+    if json {
+        outln!(
+            "{}",
+            serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?
+        );
+    } else {
+        outln!(
+            "ttrace simulate: {} {}{} (seed {seed}, {} all-reduce), model {} layers, hidden {}",
+            mesh.label(),
+            recipe,
+            bug.map(|b| format!(", bug {b}")).unwrap_or_default(),
+            if algorithm == ttrace::shard::Algorithm::Ring {
+                "ring"
+            } else {
+                "tree"
+            },
+            options.model.layers,
+            options.model.hidden
+        );
+        out!("{}", ttrace::check::render_check(&r.check));
+        match &r.localization {
+            None => outln!("localizer: every module's own output is within its local threshold"),
+            Some(l) => outln!(
+                "localizer: first wrong module {} ({}, {:?}{}{}): {} — {}",
+                l.module,
+                if l.pass == ttrace::engine::Pass::Forward {
+                    "forward"
+                } else {
+                    "backward"
+                },
+                l.kind,
+                l.rank.map(|r| format!(", rank {r}")).unwrap_or_default(),
+                l.parameter
+                    .as_ref()
+                    .map(|p| format!(", parameter {p}"))
+                    .unwrap_or_default(),
+                l.tensor,
+                l.detail
+            ),
+        }
+    }
+    Ok(Outcome::of(!r.detected))
+}
