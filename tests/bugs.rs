@@ -60,7 +60,9 @@ fn every_bug_is_detected_and_localized_and_clean_runs_pass() {
                     r.localization
                 );
             }
-            let mut distinct = meshes.clone();
+            // Sorted first: dedup alone only drops adjacent repeats.
+            let mut distinct: Vec<String> = meshes.iter().map(Mesh::label).collect();
+            distinct.sort();
             distinct.dedup();
             assert_eq!(distinct.len(), meshes.len(), "{bug}: repeated meshes");
         }

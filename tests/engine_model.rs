@@ -346,3 +346,26 @@ fn recipes_differ_but_stay_close() {
         );
     }
 }
+
+/// Every recipe's name reads back through `Recipe::by_name` as the same recipe.
+#[test]
+fn recipe_names_read_back() {
+    let mut all = vec![
+        Recipe::fp32(),
+        Recipe::bf16(),
+        Recipe::fp8(Scaling::None),
+        Recipe::fp8(Scaling::PerTensorCurrent { margin: 0 }),
+        Recipe::fp8(Scaling::PerTensorDelayed { margin: 0 }),
+        Recipe::fp8(Scaling::Block { size: 32 }),
+    ];
+    all.extend([Format::F64, Format::F32, Format::BF16, Format::F16].map(Recipe::uniform));
+    for r in all {
+        let back = Recipe::by_name(&r.name).unwrap();
+        assert_eq!(back, r, "{}", r.name);
+    }
+    assert_eq!(Recipe::by_name("f32").unwrap().name, "fp32");
+    assert!(matches!(
+        Recipe::by_name("fp7"),
+        Err(ttrace::Error::UnknownName { .. })
+    ));
+}

@@ -341,7 +341,7 @@ fn quick_options(samples: usize) -> SweepOptions {
 fn every_catalog_bug_round_trips_through_files_and_is_found() {
     use ttrace::bugs::Bug;
     use ttrace::check::check_dirs;
-    use ttrace::validate::{bug_meshes, dump_run, run_config_cached, RunConfig};
+    use ttrace::validate::{bug_meshes, dump_run, run_config_with_thresholds, RunConfig};
     let options = quick_options(8);
     for bug in Bug::ALL {
         let recipe = if bug == Bug::Fp8AmaxNotReduced {
@@ -356,7 +356,7 @@ fn every_catalog_bug_round_trips_through_files_and_is_found() {
             seed: 1000,
             algorithm: Algorithm::Ring,
         };
-        let (_, th) = run_config_cached(&options, &run).unwrap();
+        let (_, th) = run_config_with_thresholds(&options, &run).unwrap();
         for (with_bug, want_pass) in [(None, true), (Some(bug), false)] {
             let d = tmp(&format!("{bug}-{}", with_bug.is_some()));
             dump_run(&options, &run, with_bug, &th, &d).unwrap();
@@ -385,7 +385,7 @@ fn every_catalog_bug_round_trips_through_files_and_is_found() {
 fn parallel_check_equals_sequential_check() {
     use ttrace::bugs::Bug;
     use ttrace::check::{check_dir_paths, check_dirs};
-    use ttrace::validate::{dump_run, run_config_cached, RunConfig};
+    use ttrace::validate::{dump_run, run_config_with_thresholds, RunConfig};
     let options = quick_options(4);
     let run = RunConfig {
         mesh: Mesh::new(2, 2, 1, true).unwrap(),
@@ -393,7 +393,7 @@ fn parallel_check_equals_sequential_check() {
         seed: 1000,
         algorithm: Algorithm::Ring,
     };
-    let (_, th) = run_config_cached(&options, &run).unwrap();
+    let (_, th) = run_config_with_thresholds(&options, &run).unwrap();
     let d = tmp("parallel");
     dump_run(&options, &run, Some(Bug::CpWrongLseCorrection), &th, &d).unwrap();
     let (rp, cp) = (d.join("reference"), d.join("candidate"));
@@ -472,4 +472,50 @@ fn partial_shards_sum_exactly_block_by_block() {
         }
         std::fs::remove_dir_all(&d).unwrap();
     }
+}
+
+/// `ttrace simulate --dump` writes its traces from the run it checks (`run_bug_dumping`):
+/// the same files, byte for byte, as a separate `dump_run` of that configuration, and the
+/// same verdict as `run_bug`.
+#[test]
+fn dumping_from_the_checked_run_writes_the_same_traces() {
+    use ttrace::bugs::Bug;
+    use ttrace::validate::{
+        dump_run, run_bug, run_bug_dumping, run_config_with_thresholds, RunConfig,
+    };
+    let options = quick_options(4);
+    let run = RunConfig {
+        mesh: Mesh::new(2, 1, 2, false).unwrap(),
+        recipe: "fp8-delayed".into(),
+        seed: 1000,
+        algorithm: Algorithm::Ring,
+    };
+    let bug = Some(Bug::GradAllReduceInBf16);
+    let (_, th) = run_config_with_thresholds(&options, &run).unwrap();
+    let (a, b) = (tmp("dump-separate"), tmp("dump-same-run"));
+    dump_run(&options, &run, bug, &th, &a).unwrap();
+    let with_dump = run_bug_dumping(&options, &run, bug, &th, Some(&b)).unwrap();
+    let plain = run_bug(&options, &run, bug, &th).unwrap();
+    assert_eq!(
+        serde_json::to_string(&with_dump).unwrap(),
+        serde_json::to_string(&plain).unwrap()
+    );
+    for side in ["reference", "candidate"] {
+        let mut names: Vec<_> = std::fs::read_dir(a.join(side))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        assert!(names.len() >= 2, "{side}: {names:?}");
+        for n in names {
+            let (x, y) = (a.join(side).join(&n), b.join(side).join(&n));
+            assert!(
+                std::fs::read(&x).unwrap() == std::fs::read(&y).unwrap(),
+                "{} differs",
+                x.display()
+            );
+        }
+    }
+    std::fs::remove_dir_all(&a).unwrap();
+    std::fs::remove_dir_all(&b).unwrap();
 }

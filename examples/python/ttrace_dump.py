@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -207,6 +206,8 @@ class Tracer:
         self.recipe = recipe
         self.dp_dim = dp_dim
         named = dict(model.named_modules())
+        # Looked up once: recording a tensor must not walk the whole model again.
+        self._named = named
         names = list(modules) if modules is not None else [
             n for n, m in named.items() if n and not any(True for _ in m.children())
         ]
@@ -219,8 +220,10 @@ class Tracer:
         self.order: List[str] = []
         self.handles = []
         # A module whose inputs need no gradient (the first layer) still has its output
-        # gradients recorded; torch warns about exactly that.
-        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients")
+        # gradients recorded, and torch warns "Full backward hook is firing when gradients
+        # are computed with respect to module outputs since no inputs require gradients".
+        # The warning is harmless here; it is left to the caller to filter (the tracer
+        # changes no process-wide state).
         for n in names:
             m = named[n]
             self.handles.append(m.register_forward_hook(self._forward_hook(n)))
@@ -264,7 +267,7 @@ class Tracer:
     def _kind(self, name: str) -> Optional[str]:
         if name in self.kinds:
             return self.kinds[name]
-        return _kind_of(dict(self.model.named_modules())[name])
+        return _kind_of(self._named[name])
 
     def _module_info(self, name: str) -> Optional[dict]:
         kind = self._kind(name)
@@ -307,7 +310,7 @@ class Tracer:
         directory. Parameter gradients are placed right after their module's backward
         tensors, so the manifest lists tensors in execution order."""
         os.makedirs(directory, exist_ok=True)
-        named = dict(self.model.named_modules())
+        named = self._named
         order, seen = [], set()
         for item in self.order:
             if isinstance(item, tuple):

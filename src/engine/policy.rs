@@ -355,12 +355,16 @@ impl Recipe {
     /// reference).
     pub fn uniform(format: Format) -> Recipe {
         let p = Policy::uniform(format);
-        Recipe::from_default(format.name(), format, format, format, p)
+        let name = format!("uniform-{}", format.name());
+        Recipe::from_default(&name, format, format, format, p)
     }
 
-    /// FP32 everywhere.
+    /// FP32 everywhere (`uniform-f32`, named `fp32`).
     pub fn fp32() -> Recipe {
-        Recipe::uniform(Format::F32)
+        Recipe {
+            name: "fp32".into(),
+            ..Recipe::uniform(Format::F32)
+        }
     }
 
     /// BF16 storage of parameters and activations, FP32 accumulation (FMA) in every reduction,
@@ -412,18 +416,29 @@ impl Recipe {
         r
     }
 
-    /// Look a recipe up by name: `f64`, `fp32`, `bf16`, `fp8-current`, `fp8-delayed`, `fp8-mx`.
+    /// Look a recipe up by name: `f64`, `fp32`, `bf16`, `fp8-current`, `fp8-delayed`, `fp8-mx`,
+    /// `fp8-unscaled`, `uniform-FMT` (one format everywhere); every recipe's `name` reads back.
     pub fn by_name(name: &str) -> Result<Recipe> {
+        if let Some(f) = name.strip_prefix("uniform-") {
+            if let Ok(format) = f.parse::<Format>() {
+                return Ok(Recipe::uniform(format));
+            }
+        }
         Ok(match name {
-            "f64" | "fp64" => Recipe::uniform(Format::F64),
+            "f64" | "fp64" => Recipe {
+                name: "f64".into(),
+                ..Recipe::uniform(Format::F64)
+            },
             "fp32" | "f32" => Recipe::fp32(),
             "bf16" => Recipe::bf16(),
             "fp8-current" => Recipe::fp8(Scaling::PerTensorCurrent { margin: 0 }),
             "fp8-delayed" => Recipe::fp8(Scaling::PerTensorDelayed { margin: 0 }),
             "fp8-mx" => Recipe::fp8(Scaling::Block { size: 32 }),
+            "fp8-unscaled" => Recipe::fp8(Scaling::None),
             _ => {
                 return Err(Error::UnknownName {
-                    kind: "recipe (f64, fp32, bf16, fp8-current, fp8-delayed, fp8-mx)",
+                    kind: "recipe (f64, fp32, bf16, fp8-current, fp8-delayed, fp8-mx, \
+                           fp8-unscaled, uniform-FMT)",
                     name: name.to_string(),
                 })
             }

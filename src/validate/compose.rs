@@ -155,7 +155,7 @@ fn upstream_moved(
 
 /// Composed thresholds for every traced tensor of `reference`, the last step of a model whose
 /// state before that step is `before`.
-pub fn simulate(
+pub fn composed_thresholds(
     before: &Gpt,
     reference: &Trace,
     sites: &FreshSites,
@@ -448,7 +448,7 @@ mod tests {
         };
         let model = Gpt::new(cfg, Recipe::bf16()).unwrap();
         let reference = model.clone().step().unwrap().trace;
-        let th = simulate(
+        let th = composed_thresholds(
             &model,
             &reference,
             &FreshSites::new(),
@@ -461,7 +461,7 @@ mod tests {
             samples: 1,
             ..SimulationConfig::default()
         };
-        assert!(simulate(&model, &reference, &FreshSites::new(), bad).is_err());
+        assert!(composed_thresholds(&model, &reference, &FreshSites::new(), bad).is_err());
         // The perturbation estimate moves every tensor downstream of the embedding.
         let p = perturbation_estimate(&model, &reference, 2, 3).unwrap();
         assert!(p["lm_head|fwd.output.0"] > 0.0);

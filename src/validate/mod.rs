@@ -4,7 +4,7 @@
 //!
 //! * [`fresh_sites`]: where a sharded run's arithmetic differs from the reference's, and by
 //!   how much;
-//! * [`simulate`], [`perturbation_estimate`]: end-to-end thresholds by difference simulation,
+//! * [`composed_thresholds`], [`perturbation_estimate`]: end-to-end thresholds by difference simulation,
 //!   and TTrace's perturbation estimate;
 //! * [`run_sweep`]: configurations, per-tensor results, the per-kind table, JSON and SVG
 //!   reports.
@@ -14,11 +14,12 @@ pub(crate) mod fresh;
 pub(crate) mod sensitivity;
 pub(crate) mod sweep;
 
-pub use compose::{perturbation_estimate, simulate, Composed, SimulationConfig};
+pub use compose::{composed_thresholds, perturbation_estimate, Composed, SimulationConfig};
 pub use fresh::{fresh_sites, local_thresholds, FreshSites};
 pub use sensitivity::{sensitivity, Sensitivity};
 pub use sweep::{
     bug_meshes, dump_run, render_bugs, render_sensitivity, render_svg, render_table, run_bug,
-    run_config, run_config_cached, run_sweep, BugResult, BugRow, KindRow, RunConfig, RunResult,
-    ScaleSummary, SensitivityRow, SweepOptions, SweepReport, TensorResult, Thresholds,
+    run_bug_dumping, run_config, run_config_with_thresholds, run_sweep, BugResult, BugRow, KindRow,
+    RunConfig, RunResult, ScaleSummary, SensitivityRow, SweepOptions, SweepReport, TensorResult,
+    Thresholds,
 };

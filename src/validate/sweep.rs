@@ -16,12 +16,13 @@ use crate::engine::attention::AttentionImpl;
 use crate::engine::model::{Gpt, GptConfig};
 use crate::engine::policy::{Recipe, Scaling};
 use crate::engine::tensor::Tensor;
+use crate::engine::trace::Trace;
 use crate::error::Result;
 use crate::io::write_trace_dir;
 use crate::shard::collective::Algorithm;
 use crate::shard::layout::Mesh;
-use crate::shard::model::ShardedGpt;
-use crate::validate::compose::{perturbation_estimate, simulate, SimulationConfig};
+use crate::shard::model::{ShardedGpt, ShardedStep};
+use crate::validate::compose::{composed_thresholds, perturbation_estimate, SimulationConfig};
 use crate::validate::fresh::{fresh_sites, local_thresholds};
 use crate::validate::sensitivity::{sensitivity, Sensitivity};
 
@@ -278,7 +279,7 @@ fn rel_diff(r: &Tensor, c: &Tensor) -> f64 {
 /// Only produced tensors are compared (`fwd.output`, `grad.input`, `param_grad`): a module's
 /// inputs are the same tensors under their consumer's id.
 pub fn run_config(options: &SweepOptions, run: &RunConfig) -> Result<RunResult> {
-    Ok(run_config_cached(options, run)?.0)
+    Ok(run_config_with_thresholds(options, run)?.0)
 }
 
 /// What a configuration's clean run leaves for the bug runs of the same configuration: our
@@ -324,7 +325,7 @@ fn prepare(
 
 /// [`run_config`], also returning the thresholds for bug runs of the same configuration; the
 /// localizer runs on the clean step too (a module it names is a localizer false alarm).
-pub fn run_config_cached(
+pub fn run_config_with_thresholds(
     options: &SweepOptions,
     run: &RunConfig,
 ) -> Result<(RunResult, Thresholds)> {
@@ -355,7 +356,7 @@ pub fn run_config_cached(
     let sites = fresh_sites(&before, &ref_trace, &run.mesh, run.algorithm)?;
     let mut sim = options.simulation;
     sim.seed ^= run.seed;
-    let composed = simulate(&before, &ref_trace, &sites, sim)?;
+    let composed = composed_thresholds(&before, &ref_trace, &sites, sim)?;
     let pert = perturbation_estimate(&before, &ref_trace, options.perturbation_samples, run.seed)?;
     let local = local_thresholds(
         &sites,
@@ -469,12 +470,27 @@ pub fn run_bug(
     bug: Option<Bug>,
     thresholds: &Thresholds,
 ) -> Result<BugResult> {
+    run_bug_dumping(options, run, bug, thresholds, None)
+}
+
+/// [`run_bug`], also writing the step's traces under `dump` as [`dump_run`] does — from the
+/// same run, not a second one.
+pub fn run_bug_dumping(
+    options: &SweepOptions,
+    run: &RunConfig,
+    bug: Option<Bug>,
+    thresholds: &Thresholds,
+    dump: Option<&Path>,
+) -> Result<BugResult> {
     let (recipe, mut reference, mut sharded) = prepare(options, run, bug)?;
     let cand_step = sharded.step()?;
     if !sharded.scales().is_empty() {
         reference.set_scale_overrides(sharded.scales().clone());
     }
     let ref_trace = reference.step()?.trace;
+    if let Some(dir) = dump {
+        write_dump(run, &reference, &ref_trace, &cand_step, thresholds, dir)?;
+    }
     let (merged, errors) = cand_step.merge_each(&ref_trace);
     let ids: Vec<String> = ref_trace
         .ids()
@@ -724,7 +740,7 @@ pub fn run_sweep(options: &SweepOptions, progress: &(dyn Fn() + Sync)) -> Result
         .runs
         .par_iter()
         .map(|r| {
-            let out = run_config_cached(options, r);
+            let out = run_config_with_thresholds(options, r);
             progress();
             out
         })
@@ -1166,6 +1182,18 @@ pub fn dump_run(
         reference.set_scale_overrides(sharded.scales().clone());
     }
     let ref_trace = reference.step()?.trace;
+    write_dump(run, &reference, &ref_trace, &cand, thresholds, dir)
+}
+
+/// Write the two trace directories of [`dump_run`] from a step already run.
+fn write_dump(
+    run: &RunConfig,
+    reference: &Gpt,
+    ref_trace: &Trace,
+    cand: &ShardedStep,
+    thresholds: &Thresholds,
+    dir: &Path,
+) -> Result<()> {
     let mut kinds = HashMap::new();
     for e in ref_trace.entries() {
         let (name, what) = e.id.split_once('|').unwrap_or((&e.id, ""));

@@ -69,7 +69,7 @@ pub fn run(a: Args) -> Result<Outcome, String> {
         json,
         dump,
     } = a;
-    use ttrace::validate::{dump_run, run_bug, run_config_cached, RunConfig, SweepOptions};
+    use ttrace::validate::{run_bug_dumping, run_config_with_thresholds, RunConfig, SweepOptions};
     let (recipe, dump) = (recipe.as_str(), dump.as_deref());
     let algorithm = match algorithm {
         Algorithm::Ring => ttrace::shard::Algorithm::Ring,
@@ -83,10 +83,10 @@ pub fn run(a: Args) -> Result<Outcome, String> {
         seed,
         algorithm,
     };
-    let (_, thresholds) = run_config_cached(&options, &run).map_err(|e| e.to_string())?;
-    let r = run_bug(&options, &run, bug, &thresholds).map_err(|e| e.to_string())?;
+    let (_, thresholds) = run_config_with_thresholds(&options, &run).map_err(|e| e.to_string())?;
+    // One run of the step, checked and (with --dump) written.
+    let r = run_bug_dumping(&options, &run, bug, &thresholds, dump).map_err(|e| e.to_string())?;
     if let Some(dir) = dump {
-        dump_run(&options, &run, bug, &thresholds, dir).map_err(|e| e.to_string())?;
         if !json {
             outln!(
                 "traces written to {} and {}",
