@@ -59,6 +59,31 @@ fn side_value(op: Elementwise, x: f64, y: f64, policy: &Policy) -> f64 {
 
 /// Threshold for an elementwise op computed under `reference` and `candidate` on the same
 /// inputs `x` (and `y` for [`Elementwise::Add`], same shape).
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::{elementwise_threshold, Confidence, Elementwise};
+/// use ttrace::{Format, Policy, Tensor};
+///
+/// # fn main() -> ttrace::Result<()> {
+/// let x = Tensor::rounded(&[64], (0..64).map(|i| i as f64 / 16.0 - 2.0).collect(),
+///     Format::BF16, ttrace::Overflow::Saturating)?;
+/// // GELU evaluated in FP32 against GELU evaluated in BF16, both with BF16 outputs.
+/// let r: Policy = "in=bf16,acc=f32,out=bf16".parse()?;
+/// let c: Policy = "in=bf16,acc=bf16,out=bf16".parse()?;
+/// let t = elementwise_threshold(Elementwise::Gelu, &x, None, &r, &c, Confidence::Guaranteed)?;
+/// // |x| <= 2 here: a few BF16 ulps of outputs below 2 at most.
+/// assert!(t.per_element > 0.0 && t.per_element < 0.1);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::ShapeMismatch`] for a `y` of another shape (or missing for `Add`);
+/// [`Error::InvalidParameter`] for a scale that is not finite, an invalid policy or
+/// confidence; [`Error::Overflow`] when a rounding may overflow.
 pub fn elementwise_threshold(
     op: Elementwise,
     x: &Tensor,

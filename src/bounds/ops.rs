@@ -128,6 +128,36 @@ fn side(a: &Tensor, b: &Tensor, m: usize, k: usize, n: usize, policy: &Policy) -
 /// output element, the operands as each side quantizes them, and the reference's magnitudes.
 ///
 /// Cost: O(m·n·k) per side, like the matmul itself.
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::{matmul_threshold, Confidence};
+/// use ttrace::{Format, Policy, Tensor};
+///
+/// # fn main() -> ttrace::Result<()> {
+/// let a = Tensor::rounded(&[4, 64], (0..256).map(|i| (i as f64 * 0.37).sin()).collect(),
+///     Format::BF16, ttrace::Overflow::Saturating)?;
+/// let b = Tensor::rounded(&[64, 3], (0..192).map(|i| (i as f64 * 0.11).cos()).collect(),
+///     Format::BF16, ttrace::Overflow::Saturating)?;
+/// let reference: Policy = "in=bf16,acc=f32,out=bf16".parse()?;
+/// let blocked: Policy = "in=bf16,acc=f32,out=bf16,order=blockfma:16".parse()?;
+/// let t = matmul_threshold(&a, &b, None, &reference, &blocked, Confidence::Guaranteed)?;
+/// assert!(t.abs_frobenius > 0.0);
+/// // The engine's two executions differ by no more.
+/// let r = ttrace::engine::matmul(&a, &b, &reference)?;
+/// let c = ttrace::engine::matmul(&a, &b, &blocked)?;
+/// assert!(t.check(&r, &c).passed);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::ShapeMismatch`] for operands that are not [m, k] and [k, n] (or a bias that is
+/// not [n]); [`Error::InvalidParameter`] for an invalid policy or confidence;
+/// [`Error::NotRepresentable`] for operands that are not values of the policies' input
+/// formats; [`Error::Overflow`] when a rounding may overflow its format.
 pub fn matmul_threshold(
     a: &Tensor,
     b: &Tensor,
@@ -258,6 +288,29 @@ fn exact_value(s: &Side, i: usize, j: usize, _m: usize, k: usize, n: usize) -> f
 /// `ttrace::sum` computes each under the policy's accumulation, then rounded to the output
 /// format), reference vs candidate. With `mean`, each sum is divided by n (one rounding in the
 /// accumulator format) before the output rounding.
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::{sum_threshold, Confidence};
+/// use ttrace::{Format, Policy, Tensor};
+///
+/// # fn main() -> ttrace::Result<()> {
+/// // 8 rows of 1,000 FP32 values: sequential versus pairwise summation.
+/// let x = Tensor::rounded(&[8, 1000], (0..8000).map(|i| 1.0 + (i as f64).sqrt()).collect(),
+///     Format::F32, ttrace::Overflow::Saturating)?;
+/// let seq: Policy = "in=f32,acc=f32,out=f32".parse()?;
+/// let pairwise: Policy = "in=f32,acc=f32,out=f32,order=pairwise:8".parse()?;
+/// let t = sum_threshold(&x, &seq, &pairwise, false, Confidence::default_probabilistic())?;
+/// assert!(t.relative < 1e-5);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// As [`matmul_threshold`]: an invalid policy or confidence, values outside the input format,
+/// a rounding that may overflow.
 pub fn sum_threshold(
     x: &Tensor,
     reference: &Policy,
@@ -338,6 +391,11 @@ fn side_by_side(a: &[f64], na: usize, b: &[f64], nb: usize) -> Vec<f64> {
 /// Threshold for an all-reduce (sum) of `partials` — p tensors of one shape, one per rank —
 /// done in the reference's order versus the candidate's (for example a single-device sum
 /// versus a ring all-reduce in BF16): element i is the sum over ranks r of `partials[r][i]`.
+///
+/// # Errors
+///
+/// [`Error::InvalidParameter`] for no partials; [`Error::ShapeMismatch`] for partials of
+/// different shapes; otherwise as [`sum_threshold`].
 pub fn allreduce_threshold(
     partials: &[Tensor],
     reference: &Policy,
@@ -474,6 +532,12 @@ impl MatmulPlan {
 }
 
 /// Planning: the threshold for `rows` sums of `n` i.i.d. values with the given statistics.
+///
+/// # Errors
+///
+/// [`Error::InvalidParameter`] for `n` = 0 or above
+/// [`MAX_PLANNED_TERMS`](crate::bounds::MAX_PLANNED_TERMS), an invalid policy or confidence;
+/// [`Error::Overflow`] when the expected partial sums may overflow a format.
 pub fn plan_sum(
     rows: usize,
     n: usize,

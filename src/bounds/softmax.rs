@@ -206,6 +206,31 @@ fn side_row(row: &[f64], policy: &Policy, imp: AttentionImpl) -> Result<SideRow>
 /// form `ref_impl` and under `candidate` with `cand_impl` (standard, or online with a block
 /// size). Both sides must read the same inputs in the same input format and accumulate in the
 /// same format (different orders and output formats are allowed).
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::{softmax_threshold, Confidence};
+/// use ttrace::engine::AttentionImpl;
+/// use ttrace::{Format, Policy, Tensor};
+///
+/// # fn main() -> ttrace::Result<()> {
+/// let x = Tensor::rounded(&[2, 128], (0..256).map(|i| 3.0 * (i as f64 * 0.7).sin()).collect(),
+///     Format::BF16, ttrace::Overflow::Saturating)?;
+/// let p: Policy = "in=bf16,acc=f32,out=bf16".parse()?;
+/// // The standard softmax against the online (flash-style) one in blocks of 32.
+/// let t = softmax_threshold(&x, &p, AttentionImpl::Standard, &p,
+///     AttentionImpl::Online { block: 32 }, Confidence::default_probabilistic())?;
+/// assert!(t.relative > 0.0);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::InvalidParameter`] for sides that differ in input or accumulator format, an
+/// invalid block size, policy or confidence; [`Error::NoFiniteBound`] for a row masked
+/// entirely (its softmax is 0/0); [`Error::Overflow`] when a rounding may overflow.
 pub fn softmax_threshold(
     x: &Tensor,
     reference: &Policy,
