@@ -155,7 +155,7 @@ fn side(a: &Tensor, b: &Tensor, m: usize, k: usize, n: usize, policy: &Policy) -
 /// # Errors
 ///
 /// [`Error::ShapeMismatch`] for operands that are not [m, k] and [k, n] (or a bias that is
-/// not [n]); [`Error::InvalidParameter`] for an invalid policy or confidence;
+/// not of length n); [`Error::InvalidParameter`] for an invalid policy or confidence;
 /// [`Error::NotRepresentable`] for operands that are not values of the policies' input
 /// formats; [`Error::Overflow`] when a rounding may overflow its format.
 pub fn matmul_threshold(
