@@ -16,7 +16,7 @@ use crate::engine::model::ModuleKind;
 use crate::engine::policy::Pass;
 use crate::engine::trace::Trace;
 use crate::error::{Error, Result};
-use crate::shard::layout::merge;
+use crate::shard::merge::merge;
 use crate::shard::model::{ShardedEntry, ShardedGpt, ShardedStep};
 
 /// Where the localizer found the first wrong result.

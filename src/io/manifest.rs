@@ -32,7 +32,8 @@ use crate::format::Format;
 use crate::io::guard::{limits, printable, TrustedDir};
 use crate::io::stored::Stored;
 use crate::io::{npy, safetensors};
-use crate::shard::layout::{keep, merge_fetched, same_kind, take_spare, Joinable, Layout, Mesh};
+use crate::shard::layout::{Layout, Mesh};
+use crate::shard::merge::{keep, merge_fetched, same_kind, take_spare, Joinable};
 
 /// The schema version this library writes and reads.
 pub const VERSION: u64 = 1;

@@ -20,7 +20,8 @@ use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::order::Combine;
-use crate::shard::layout::{merge, Layout, Mesh, Placement};
+use crate::shard::layout::{Layout, Mesh, Placement};
+use crate::shard::merge::merge;
 
 /// The algorithm of an all-reduce.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

@@ -47,7 +47,8 @@ use crate::engine::trace::Trace;
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::shard::collective::{all_gather, all_reduce, reduce_scatter, Algorithm};
-use crate::shard::layout::{merge, shard, Coords, Layout, Mesh, Placement};
+use crate::shard::layout::{shard, Coords, Layout, Mesh, Placement};
+use crate::shard::merge::merge;
 use crate::shard::ring::{ring_attention_backward, ring_attention_with, RingOptions, RingSaved};
 
 /// One traced tensor of a sharded step: every rank's shard and the layout that merges them.
