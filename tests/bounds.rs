@@ -635,30 +635,19 @@ fn norm_thresholds_hold() {
                     Some(&b)
                 };
                 let d = frob(run(ro, rp).values(), run(co, cp).values());
-                let th = norm_threshold(
-                    &NormData {
-                        x: &x,
-                        weight: &w,
-                        bias,
-                        eps: 1e-5,
-                    },
+                let data = NormData {
+                    x: &x,
+                    weight: &w,
+                    bias,
+                    eps: 1e-5,
+                };
+                let (rs, cs) = (
                     NormSide { op: ro, policy: rp },
                     NormSide { op: co, policy: cp },
-                    Confidence::default_probabilistic(),
-                )
-                .unwrap();
-                let g = norm_threshold(
-                    &NormData {
-                        x: &x,
-                        weight: &w,
-                        bias,
-                        eps: 1e-5,
-                    },
-                    NormSide { op: ro, policy: rp },
-                    NormSide { op: co, policy: cp },
-                    Confidence::Guaranteed,
-                )
-                .unwrap();
+                );
+                let th =
+                    norm_threshold(&data, rs, cs, Confidence::default_probabilistic()).unwrap();
+                let g = norm_threshold(&data, rs, cs, Confidence::Guaranteed).unwrap();
                 assert!(
                     d <= g.abs_frobenius,
                     "guaranteed t={t} {ro:?}/{co:?}: {d:e} > {:e}",

@@ -225,55 +225,23 @@ fn invalid_threshold_requests_are_typed_errors() {
     let q = Policy::new(Format::BF16, Format::BF16, Format::BF16);
     let x = TermStats::normal(0.0, 1.0);
     let conf = Confidence::default_probabilistic();
-    // Zero length: nothing to price.
-    let e = plan_matmul(
-        &MatmulPlan {
-            m: 4,
-            k: 0,
-            n: 4,
-            a: x,
-            b: x,
-        },
-        &p,
-        &q,
-        conf,
-    )
-    .unwrap_err();
-    assert!(
-        matches!(e, Error::InvalidParameter { name: "k", .. }),
-        "{e}"
-    );
-    // Huge length: refused up front, not an hour of work or an allocation failure.
-    let e = plan_matmul(
-        &MatmulPlan {
-            m: 4,
-            k: MAX_PLANNED_TERMS + 1,
-            n: 4,
-            a: x,
-            b: x,
-        },
-        &p,
-        &q,
-        conf,
-    )
-    .unwrap_err();
-    assert!(
-        matches!(e, Error::InvalidParameter { name: "k", .. }),
-        "{e}"
-    );
-    assert!(plan_matmul(
-        &MatmulPlan {
-            m: 4,
-            k: MAX_PLANNED_TERMS.min(1 << 16),
-            n: 4,
-            a: x,
-            b: x
-        },
-        &p,
-        &q,
-        conf
-    )
-    .is_ok());
+    // Zero length (nothing to price), and a huge one: refused up front, not an hour of work
+    // or an allocation failure. The plan's fields are public, so plan_matmul checks too.
+    let plan = |k| MatmulPlan {
+        m: 4,
+        k,
+        n: 4,
+        a: x,
+        b: x,
+    };
+    for k in [0, MAX_PLANNED_TERMS + 1] {
+        let e = plan_matmul(&plan(k), &p, &q, conf).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidParameter { name: "k", .. }),
+            "{e}"
+        );
+    }
+    assert!(plan_matmul(&plan(MAX_PLANNED_TERMS.min(1 << 16)), &p, &q, conf).is_ok());
     // A plan is checked where it is built, too: zero rows, an output that overflows.
     for (m, n, name) in [(0, 4, "m"), (usize::MAX, 2, "n")] {
         let e = MatmulPlan::new(m, 16, n, x, x).unwrap_err();
