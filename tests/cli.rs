@@ -411,7 +411,7 @@ fn simulate_reports_a_bug_and_its_module_with_exit_code_1() {
         "{text}"
     );
     assert!(
-        text.contains("localizer: first wrong module final_ln (backward"),
+        text.contains("localized: module final_ln (Norm) backward"),
         "{text}"
     );
     // The same configuration without the bug passes.

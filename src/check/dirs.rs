@@ -29,7 +29,7 @@ use serde::Serialize;
 use crate::check::price::{
     gain_allowance, norm_gain_by, price_local, role, InputIndex, PriceContext, Pricing, TensorStat,
 };
-use crate::check::{apply_threshold, compare_stored, CheckReport, TensorVerdict};
+use crate::check::{apply_threshold, compare_stored, CheckReport, Localization, TensorVerdict};
 use crate::engine::model::ModuleKind;
 use crate::engine::policy::{Pass, Recipe};
 use crate::error::{Error, Result};
@@ -49,25 +49,6 @@ pub enum PricingMode {
     Local,
 }
 
-/// Where `ttrace check` localized the first failure.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct FileLocalization {
-    /// The module (the part of the id before `|`; a parameter's module for its gradient).
-    pub module: String,
-    /// Its kind, if the manifest says.
-    pub kind: Option<ModuleKind>,
-    /// Forward or backward.
-    pub pass: Option<Pass>,
-    /// The failing tensor.
-    pub tensor: String,
-    /// The rank whose replica differs, for a replica mismatch.
-    pub rank: Option<usize>,
-    /// Error / threshold (∞ for a failure against a zero threshold or a merge failure).
-    pub ratio: f64,
-    /// What failed.
-    pub detail: String,
-}
-
 /// The result of checking two trace directories.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct DirCheck {
@@ -80,7 +61,7 @@ pub struct DirCheck {
     /// Ids whose threshold is a fallback (generic local model or Megatron's rule).
     pub fallback: Vec<String>,
     /// The first failure, localized.
-    pub localization: Option<FileLocalization>,
+    pub localization: Option<Localization>,
     /// The mode used.
     pub mode: PricingMode,
 }
@@ -356,13 +337,18 @@ fn finish(
                 pricing[i].describe()
             ),
         };
-        FileLocalization {
+        Localization {
             kind: kinds
                 .get(&module)
                 .copied()
                 .or_else(|| by_id[v.id.as_str()].stat.module.as_ref().map(|m| m.kind)),
             module,
-            pass: r.map(|r| r.pass),
+            pass: r.as_ref().map(|r| r.pass),
+            parameter: r
+                .as_ref()
+                .filter(|r| r.param_grad)
+                .and_then(|_| v.id.strip_suffix("|param_grad"))
+                .map(str::to_string),
             tensor: v.id.clone(),
             rank: by_id[v.id.as_str()].rank,
             ratio: v.ratio,

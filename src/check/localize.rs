@@ -19,15 +19,16 @@ use crate::error::{Error, Result};
 use crate::shard::merge::merge;
 use crate::shard::model::{ShardedEntry, ShardedGpt, ShardedStep};
 
-/// Where the localizer found the first wrong result.
+/// Where the first wrong result was found — by the replaying localizer ([`localize`]) or by
+/// the checker of trace directories ([`check_dirs`](crate::check::check_dirs)).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Localization {
     /// Module name.
     pub module: String,
-    /// Module kind.
-    pub kind: ModuleKind,
-    /// Forward or backward.
-    pub pass: Pass,
+    /// Module kind, if known (the manifest of a trace from elsewhere may not say).
+    pub kind: Option<ModuleKind>,
+    /// Forward or backward, if the id says.
+    pub pass: Option<Pass>,
     /// The failing tensor's canonical id (or FP8 scale key).
     pub tensor: String,
     /// The rank whose copy differs, when replicas disagree.
@@ -136,8 +137,8 @@ pub fn localize(
             let parameter = tensor.strip_suffix("|param_grad").map(str::to_string);
             Localization {
                 module: m.name.clone(),
-                kind: m.kind,
-                pass,
+                kind: Some(m.kind),
+                pass: Some(pass),
                 tensor,
                 rank,
                 parameter,

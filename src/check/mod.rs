@@ -26,9 +26,7 @@ use crate::format::Format;
 use crate::io::stored::Stored;
 use pass::Pass;
 
-pub use dirs::{
-    check_dir_paths, check_dir_traces, check_dirs, DirCheck, FileLocalization, PricingMode,
-};
+pub use dirs::{check_dir_paths, check_dir_traces, check_dirs, DirCheck, PricingMode};
 pub use localize::{localize, Localization};
 pub use price::{price_local, InputIndex, PriceContext, Priced, Pricing, TensorStat};
 

@@ -512,8 +512,8 @@ pub fn run_bug_dumping(
         Some(b) => {
             let site = b.site();
             localization.as_ref().is_some_and(|l| {
-                l.kind == site.kind
-                    && l.pass == site.pass
+                l.kind == Some(site.kind)
+                    && l.pass == Some(site.pass)
                     && site.name_suffix.is_none_or(|sfx| l.module.ends_with(sfx))
             })
         }
@@ -905,10 +905,10 @@ fn bug_rows(bugs: &[BugResult]) -> Vec<BugRow> {
                         format!(
                             "{} {}",
                             l.module,
-                            if l.pass == crate::engine::Pass::Forward {
-                                "fwd"
-                            } else {
-                                "bwd"
+                            match l.pass {
+                                Some(crate::engine::Pass::Forward) => "fwd",
+                                Some(crate::engine::Pass::Backward) => "bwd",
+                                None => "?",
                             }
                         )
                     })

@@ -70,19 +70,7 @@ fn check_dirs_cli(
     );
     out!("{}", ttrace::check::render_check(&out.report));
     if let Some(l) = &out.localization {
-        let kind = l.kind.map(|k| format!(" ({k:?})")).unwrap_or_default();
-        let pass = match l.pass {
-            Some(ttrace::engine::Pass::Forward) => " forward",
-            Some(ttrace::engine::Pass::Backward) => " backward",
-            None => "",
-        };
-        let rank = l.rank.map(|r| format!(", rank {r}")).unwrap_or_default();
-        outln!(
-            "localized: module {}{kind}{pass}, tensor {}{rank}: {}",
-            ttrace::io::printable(&l.module),
-            ttrace::io::printable(&l.tensor),
-            ttrace::io::sanitize(&l.detail)
-        );
+        outln!("{}", crate::out::localization_line(l));
     }
     outln!("thresholds:");
     for (_, n, rule) in &out.pricing_summary {

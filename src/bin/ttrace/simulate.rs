@@ -117,23 +117,7 @@ pub fn run(a: Args) -> Result<Outcome, String> {
         out!("{}", ttrace::check::render_check(&r.check));
         match &r.localization {
             None => outln!("localizer: every module's own output is within its local threshold"),
-            Some(l) => outln!(
-                "localizer: first wrong module {} ({}, {:?}{}{}): {} — {}",
-                l.module,
-                if l.pass == ttrace::engine::Pass::Forward {
-                    "forward"
-                } else {
-                    "backward"
-                },
-                l.kind,
-                l.rank.map(|r| format!(", rank {r}")).unwrap_or_default(),
-                l.parameter
-                    .as_ref()
-                    .map(|p| format!(", parameter {p}"))
-                    .unwrap_or_default(),
-                l.tensor,
-                l.detail
-            ),
+            Some(l) => outln!("{}", crate::out::localization_line(l)),
         }
     }
     Ok(Outcome::of(!r.detected))
