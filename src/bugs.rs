@@ -9,7 +9,6 @@ use serde::Serialize;
 use crate::engine::model::ModuleKind;
 use crate::engine::policy::Pass;
 use crate::error::{Error, Result};
-use crate::shard::layout::Mesh;
 
 /// An injectable bug (serialized as its catalog name).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -181,27 +180,6 @@ impl Bug {
             Bug::GradAllReduceInBf16 => "dp·cp > 1, FP32 gradients",
             Bug::NormEpsMismatch => "always",
             Bug::ReduceScatterWrongDim => "tp > 1 with SP, batch/dp divisible by tp",
-        }
-    }
-
-    /// Whether the bug can show on this mesh with this recipe (FP8 per-tensor scaling, batch
-    /// size for the reduce-scatter confusion).
-    pub fn applies(self, mesh: &Mesh, fp8: bool, batch: usize) -> bool {
-        let sp = mesh.sequence_parallel();
-        match self {
-            Bug::SpNormGradNotReduced | Bug::SpRowBiasGradNotReduced => sp,
-            Bug::CpWrongLseCorrection
-            | Bug::CpChunkOrderNotInverted
-            | Bug::CpStaleKvBlock
-            | Bug::MissingMicrobatchDivision => mesh.cp > 1,
-            Bug::Fp8AmaxNotReduced => fp8 && mesh.tp > 1,
-            Bug::DpGradSummedNotAveraged | Bug::EmbeddingGradNotDpReduced => mesh.dp > 1,
-            Bug::RowBiasOnEveryRank | Bug::SoftmaxScaleFromLocalWidth | Bug::QkvWrongInterleave => {
-                mesh.tp > 1
-            }
-            Bug::GradAllReduceInBf16 => mesh.dp * mesh.cp > 1,
-            Bug::NormEpsMismatch => true,
-            Bug::ReduceScatterWrongDim => sp && (batch / mesh.dp) % mesh.tp == 0,
         }
     }
 

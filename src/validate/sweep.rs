@@ -555,7 +555,7 @@ pub fn run_bug_dumping(
 pub fn bug_meshes(bug: Bug, fp8: bool, batch: usize, n: usize) -> Vec<Mesh> {
     let all: Vec<Mesh> = SweepOptions::meshes()
         .into_iter()
-        .filter(|m| bug.applies(m, fp8, batch))
+        .filter(|m| applies(bug, m, fp8, batch))
         .collect();
     let mut out = vec![];
     for i in [
@@ -1239,4 +1239,25 @@ fn write_dump(
         &kinds,
         &HashMap::new(),
     )
+}
+
+/// Whether `bug` can show on this mesh with this recipe (FP8 per-tensor scaling, batch
+/// size for the reduce-scatter confusion).
+fn applies(bug: Bug, mesh: &Mesh, fp8: bool, batch: usize) -> bool {
+    let sp = mesh.sequence_parallel();
+    match bug {
+        Bug::SpNormGradNotReduced | Bug::SpRowBiasGradNotReduced => sp,
+        Bug::CpWrongLseCorrection
+        | Bug::CpChunkOrderNotInverted
+        | Bug::CpStaleKvBlock
+        | Bug::MissingMicrobatchDivision => mesh.cp > 1,
+        Bug::Fp8AmaxNotReduced => fp8 && mesh.tp > 1,
+        Bug::DpGradSummedNotAveraged | Bug::EmbeddingGradNotDpReduced => mesh.dp > 1,
+        Bug::RowBiasOnEveryRank | Bug::SoftmaxScaleFromLocalWidth | Bug::QkvWrongInterleave => {
+            mesh.tp > 1
+        }
+        Bug::GradAllReduceInBf16 => mesh.dp * mesh.cp > 1,
+        Bug::NormEpsMismatch => true,
+        Bug::ReduceScatterWrongDim => sp && (batch / mesh.dp) % mesh.tp == 0,
+    }
 }
