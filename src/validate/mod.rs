@@ -11,15 +11,16 @@
 
 pub(crate) mod compose;
 pub(crate) mod fresh;
+pub(crate) mod render;
 pub(crate) mod sensitivity;
 pub(crate) mod sweep;
 
 pub use compose::{composed_thresholds, perturbation_estimate, Composed, SimulationConfig};
 pub use fresh::{fresh_sites, local_thresholds, FreshSites};
+pub use render::{render_bugs, render_sensitivity, render_svg, render_table};
 pub use sensitivity::{sensitivity, Sensitivity};
 pub use sweep::{
-    bug_meshes, dump_run, render_bugs, render_sensitivity, render_svg, render_table, run_bug,
-    run_bug_dumping, run_config, run_config_with_thresholds, run_sweep, BugResult, BugRow, KindRow,
-    RunConfig, RunResult, ScaleSummary, SensitivityRow, SweepOptions, SweepReport, TensorResult,
-    Thresholds,
+    bug_meshes, dump_run, run_bug, run_bug_dumping, run_config, run_config_with_thresholds,
+    run_sweep, BugResult, BugRow, KindRow, RunConfig, RunResult, ScaleSummary, SensitivityRow,
+    SweepOptions, SweepReport, TensorResult, Thresholds,
 };
