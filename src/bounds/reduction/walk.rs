@@ -1,0 +1,656 @@
+//! The walk over a reduction's rounding sites that [`reduction_error`] prices: exact
+//! tracking of determined roundings (TwoSum-carried sums, parity chains, lattices of exact
+//! values) and the random-rounding model for the rest.
+
+use super::*;
+
+/// Knuth's TwoSum: s + e = a + b exactly, s = fl(a + b).
+pub(super) fn two_sum(a: f64, b: f64) -> (f64, f64) {
+    let s = a + b;
+    let bb = s - a;
+    (s, (a - (s - bb)) + (b - bb))
+}
+
+/// 2^-50: relative slack for values the model computes in `f64` (range sums, error sums).
+pub(super) const SLACK: f64 = 8.881_784_197_001_252e-16;
+
+/// Smallest and largest |y| over the interval [c − r, c + r].
+pub(super) fn abs_range(c: f64, r: f64) -> (f64, f64) {
+    let (lo, hi) = (c - r, c + r);
+    let max = lo.abs().max(hi.abs());
+    let min = if lo <= 0.0 && hi >= 0.0 {
+        0.0
+    } else {
+        lo.abs().min(hi.abs())
+    };
+    (min, max)
+}
+
+/// Whether the integer-valued `x` is odd (exact for every finite `f64`).
+pub(super) fn is_odd(x: f64) -> bool {
+    (x * 0.5).fract() != 0.0
+}
+
+/// A sum of determined rounding errors as the model computes it in `f64`: the value and a
+/// rigorous bound on its own rounding error (each addition's exact error, from TwoSum).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(super) struct Det {
+    pub(super) v: f64,
+    pub(super) err: f64,
+}
+
+impl std::ops::Add for Det {
+    type Output = Det;
+    fn add(self, o: Det) -> Det {
+        let (v, e) = two_sum(self.v, o.v);
+        Det {
+            v,
+            err: self.err + o.err + e.abs(),
+        }
+    }
+}
+
+impl Det {
+    /// An error computed exactly, or within `err`.
+    pub(super) fn of(v: f64, err: f64) -> Det {
+        Det { v, err }
+    }
+}
+
+/// What the model knows of a value ŝ that earlier roundings computed, whose exact
+/// counterpart is s: its error E = ŝ − s is `det` plus at most `bound`, and, while the parity
+/// chain is intact, whether ŝ/U is odd on the grid U — the one bit of ŝ that decides a tie.
+/// Beyond the parity, `lattice`: a power of two ŝ is known to be a multiple of (a rounding's
+/// result lies on its grid; an exact sum on its operands' coarsest common grid) — what makes a
+/// sum that crosses into a coarser binade exact when its terms are coarse.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Known {
+    pub(super) det: Det,
+    pub(super) bound: f64,
+    pub(super) parity: Option<(f64, bool)>,
+    /// Every rounding behind the value was exact: ŝ = s.
+    pub(super) exact: bool,
+    /// ŝ is a multiple of this power of two (0: nothing known; ∞: ŝ = 0).
+    pub(super) lattice: f64,
+    /// A hash of how the value was computed (its terms, formats and operations): values with
+    /// equal content are computed identically and carry identical errors.
+    pub(super) content: u64,
+}
+
+/// The parity of ŝ/`grid` when `k` tells it: known on the same grid, even on any grid finer
+/// than the parity's or the lattice's (ŝ is a multiple of the coarser spacing), unknown on a
+/// coarser one.
+pub(super) fn parity_on(k: &Known, grid: f64) -> Option<bool> {
+    if k.lattice > grid {
+        // ŝ is a multiple of a coarser power of two: an even multiple of `grid`.
+        return Some(false);
+    }
+    match k.parity {
+        Some((g, odd)) if g == grid => Some(odd),
+        Some((g, _)) if g > grid => Some(false),
+        _ => None,
+    }
+}
+
+pub(super) type Key = (usize, usize, usize, usize);
+
+/// An order-sensitive 64-bit mix (SplitMix64's finalizer) for content hashes.
+pub(super) fn mix(a: u64, b: u64) -> u64 {
+    let mut z = a ^ b.rotate_left(17) ^ 0x9E37_79B9_7F4A_7C15;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+pub(super) fn key(first: &std::ops::Range<usize>, second: &std::ops::Range<usize>) -> Key {
+    (first.start, first.end, second.start, second.end)
+}
+
+/// The walk over one reduction's roundings (see [`reduction_error`]).
+pub(super) struct Walk<'a> {
+    pub(super) terms: &'a [f64],
+    /// Double-double prefix sums of the exact terms.
+    pub(super) prefix: Vec<(f64, f64)>,
+    /// Bound on the error of a range sum taken from `prefix`.
+    pub(super) margin: f64,
+    pub(super) overflow: crate::format::Overflow,
+    pub(super) values: std::collections::HashMap<Key, Known>,
+    pub(super) scratch: ExactAccumulator,
+    /// The exact operands of the current site (a reused buffer).
+    pub(super) exact: Vec<f64>,
+    /// Content hashes of the current site and of its exact operands.
+    pub(super) site_content: u64,
+    pub(super) exact_content: u64,
+    /// Σ of the determined errors.
+    pub(super) mean: f64,
+    /// Σ of their magnitudes (bounds the rounding error of summing them in `f64`).
+    pub(super) mean_abs: f64,
+    /// Number of roundings.
+    pub(super) sites: f64,
+    /// Σ of the variances of the undetermined roundings.
+    pub(super) variance: f64,
+    /// Undetermined roundings that add the same determined operand onto the same grid err
+    /// alike (a constant row's identical block sums): grouped by (grid, operand), a group of
+    /// k contributes k²·Var(η), not k·Var(η).
+    pub(super) repeats: std::collections::BTreeMap<(u64, u64), (f64, f64)>,
+    /// Σ U/2 over the ties whose direction is unknown.
+    pub(super) tie_bound: f64,
+    /// Σ over roundings of half the smallest subnormal of their format (Higham's underflow
+    /// term, counted for every rounding).
+    pub(super) underflow: f64,
+    /// A rounding whose value may reach the format's overflow threshold: (format, |value|).
+    pub(super) overflows: Option<(Format, f64)>,
+}
+
+impl Walk<'_> {
+    /// The exact sum of the terms in two ranges, as a value and a bound on its error.
+    pub(super) fn range_sum(
+        &self,
+        a: &std::ops::Range<usize>,
+        b: &std::ops::Range<usize>,
+    ) -> (f64, f64) {
+        let part = |r: &std::ops::Range<usize>| -> (f64, f64) {
+            if r.is_empty() {
+                return (0.0, 0.0);
+            }
+            let (h1, l1) = self.prefix[r.end];
+            let (h0, l0) = self.prefix[r.start];
+            let (h, e) = two_sum(h1, -h0);
+            (h, e + (l1 - l0))
+        };
+        let (ha, la) = part(a);
+        let (hb, lb) = part(b);
+        let (h, e) = two_sum(ha, hb);
+        let v = h + (e + la + lb);
+        (v, self.margin + v.abs() * SLACK)
+    }
+
+    pub(super) fn note_overflow(&mut self, f: Format, magnitude: f64) {
+        if magnitude == f64::INFINITY {
+            // Only a value of unknown error gives an infinite magnitude here (never expected);
+            // its rounding is priced as undetermined.
+            return;
+        }
+        let limit = f.max_finite() + f.ulp(f.max_finite()).unwrap_or(0.0) / 2.0;
+        if (magnitude >= limit || magnitude.is_nan()) && self.overflows.is_none() {
+            self.overflows = Some((f, magnitude));
+        }
+    }
+
+    /// A computed operand: its state, its exact partial sum (value, error bound), its format,
+    /// and its computed value when every rounding behind it was exact (then ŝ = s, up to the
+    /// slack of the range sum, which rounding to its format removes). A value that an inexact
+    /// rounding has touched keeps its low-order bits to itself: the model treats them as
+    /// random.
+    pub(super) fn operand(
+        &mut self,
+        op: &Operand,
+    ) -> Option<(Known, f64, f64, Format, Option<f64>)> {
+        match op {
+            Operand::Value {
+                first,
+                second,
+                format,
+            } => {
+                // Every computed value is consumed once; an empty one is an exact zero.
+                let k = self.values.remove(&key(first, second)).unwrap_or(Known {
+                    det: Det::default(),
+                    bound: if first.is_empty() && second.is_empty() {
+                        0.0
+                    } else {
+                        f64::INFINITY
+                    },
+                    parity: None,
+                    exact: first.is_empty() && second.is_empty(),
+                    lattice: if first.is_empty() && second.is_empty() {
+                        f64::INFINITY
+                    } else {
+                        0.0
+                    },
+                    content: 0,
+                });
+                let (s, err) = self.range_sum(first, second);
+                let known = if k.exact {
+                    let c = s + k.det.v;
+                    let v = format.round(c, crate::format::Overflow::NonSaturating);
+                    let slack = err + k.det.err + c.abs() * SLACK;
+                    let half = format.ulp(v).unwrap_or(0.0) / 2.0;
+                    // ŝ is the only value of the format within the slack of c.
+                    (v.is_finite() && (c - v).abs() + slack < half).then_some(v)
+                } else {
+                    None
+                };
+                Some((k, s, err, *format, known))
+            }
+            _ => None,
+        }
+    }
+
+    /// Where a computed value lies: the centre and radius of a rigorous interval for ŝ, and
+    /// the smallest spacing of its format there. When the interval holds a single value of
+    /// the format, that value is ŝ and the interval shrinks to it: the model uses a computed
+    /// value's magnitude, never its low-order bits (beyond the parity chain and the lattice).
+    pub(super) fn locate(k: &Known, s: f64, err: f64, fa: Format) -> (f64, f64, f64) {
+        let c = s + k.det.v;
+        let r = k.bound + k.det.err + err + c.abs() * SLACK;
+        if r.is_finite() {
+            let v = fa.round(c, crate::format::Overflow::NonSaturating);
+            if v.is_finite() {
+                let below = fa
+                    .ulp(v.abs() * (1.0 - 2.0 * fa.unit_roundoff()))
+                    .unwrap_or(0.0);
+                if (c - v).abs() + r < below / 2.0 {
+                    return (v, v.abs() * SLACK, fa.ulp(v).unwrap_or(0.0));
+                }
+            }
+        }
+        let (min, _) = abs_range(c, r);
+        (c, r, fa.ulp(min).unwrap_or(0.0))
+    }
+
+    /// An undetermined rounding to `f` of a value in [c − r, c + r] whose operands lie on the
+    /// grid `g`: zero-mean, variance U²/12 + g²/6 and |η| ≤ U/2 (U the largest spacing there),
+    /// exact when g ≥ U.
+    pub(super) fn random(&mut self, f: Format, c: f64, r: f64, g: f64, key: u64) -> f64 {
+        let (_, max) = abs_range(c, r);
+        let u = f.ulp(max).unwrap_or(f64::INFINITY);
+        if g >= u {
+            return 0.0;
+        }
+        let var = u * u / 12.0 + g * g / 6.0;
+        let e = self.repeats.entry((u.to_bits(), key)).or_insert((0.0, var));
+        e.0 += 1.0;
+        e.1 = e.1.max(var);
+        u / 2.0
+    }
+
+    pub(super) fn site(&mut self, s: RoundingSite) {
+        let f = s.format;
+        if s.first.is_empty() && s.second.is_empty() {
+            // Rounding a sum of no terms: an exact zero.
+            for op in &s.ops {
+                self.operand(op);
+            }
+            let zero = Known {
+                det: Det::default(),
+                bound: 0.0,
+                parity: Some((f64::INFINITY, false)),
+                exact: true,
+                lattice: f64::INFINITY,
+                content: 0,
+            };
+            self.values.insert(key(&s.first, &s.second), zero);
+            return;
+        }
+        self.underflow += f.min_subnormal() / 2.0;
+        self.sites += 1.0;
+        // Exact operands (terms, a fused block, known computed values) and unknown ones.
+        // The site's operand buffer is reused from site to site (this runs once per rounding).
+        let mut exact = std::mem::take(&mut self.exact);
+        exact.clear();
+        exact.extend(s.fused.clone().map(|i| self.terms[i]));
+        let mut det_in = Det::default();
+        let mut site_content = mix(f.index() as u64, s.fused.len() as u64);
+        let mut exact_content = 0;
+        for i in s.fused.clone() {
+            exact_content = mix(exact_content, self.terms[i].to_bits());
+        }
+        // At most two operands: the unknown ones, in order.
+        let mut unknown = [None, None];
+        let mut count = 0;
+        for op in &s.ops {
+            match op {
+                Operand::None => site_content = mix(site_content, 0),
+                Operand::Term(i) => {
+                    exact.push(self.terms[*i]);
+                    let h = mix(1, self.terms[*i].to_bits());
+                    exact_content = mix(exact_content, h);
+                    site_content = mix(site_content, h);
+                }
+                Operand::Value { .. } => {
+                    if let Some(v) = self.operand(op) {
+                        site_content = mix(site_content, v.0.content);
+                        match v.4 {
+                            Some(value) => {
+                                exact.push(value);
+                                det_in = det_in + v.0.det;
+                                exact_content = mix(exact_content, v.0.content);
+                            }
+                            None => {
+                                unknown[count] = Some(v);
+                                count += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        site_content = mix(site_content, exact_content);
+        self.site_content = site_content;
+        self.exact_content = exact_content;
+        let mut result = match unknown {
+            [Some(v), Some(w)] => self.value_plus_value(f, v, w),
+            [Some(v), None] => self.value_plus_terms(f, v, &exact, det_in),
+            _ => self.exact_site(f, &exact, det_in),
+        };
+        result.content = site_content;
+        self.values.insert(key(&s.first, &s.second), result);
+        self.exact = exact;
+    }
+
+    /// RN_f of the exact sum of `exact`: the result, its error η rounded to f64, and a bound on
+    /// that last rounding.
+    pub(super) fn round_exact(&mut self, f: Format, exact: &[f64]) -> (f64, f64, f64) {
+        self.scratch.clear();
+        for &t in exact {
+            self.scratch.add(t);
+        }
+        let r = self.scratch.round(f, self.overflow);
+        if r.is_finite() {
+            self.scratch.add(-r);
+        }
+        let eta = -self.scratch.to_f64();
+        (r, eta, eta.abs() * f64::EPSILON + f64::MIN_POSITIVE)
+    }
+
+    /// A rounding of exact operands only (terms, known computed values): its error is
+    /// computed exactly. `det_in` is the known operands' own error.
+    pub(super) fn exact_site(&mut self, f: Format, exact: &[f64], det_in: Det) -> Known {
+        // η = RN(x) − x: exact in f64 for one operand (|η| ≤ half a spacing of the narrower
+        // grid, a multiple of the operand's f64 spacing); the exact residual rounded once
+        // otherwise.
+        let (rounded, eta, eta_err) = if let [t] = exact {
+            let r = f.round(*t, self.overflow);
+            (r, r - t, 0.0)
+        } else if let [a, b] = exact {
+            let (x, e) = two_sum(*a, *b);
+            if e == 0.0 {
+                let r = f.round(x, self.overflow);
+                (r, r - x, 0.0)
+            } else {
+                self.round_exact(f, exact)
+            }
+        } else {
+            self.round_exact(f, exact)
+        };
+        if !rounded.is_finite() || rounded.abs() > f.max_finite() {
+            let magnitude = exact.iter().map(|t| t.abs()).sum::<f64>();
+            self.note_overflow(f, magnitude.max(f.max_finite() * 2.0));
+            return Known {
+                det: det_in,
+                bound: f64::INFINITY,
+                parity: None,
+                exact: false,
+                lattice: 0.0,
+                content: 0,
+            };
+        }
+        self.mean += eta;
+        self.mean_abs += eta.abs();
+        // Zero is even on every grid.
+        let grid = if rounded == 0.0 {
+            f64::INFINITY
+        } else {
+            f.ulp(rounded).unwrap_or(f64::INFINITY)
+        };
+        Known {
+            det: det_in + Det::of(eta, eta_err),
+            bound: 0.0,
+            parity: Some((grid, rounded != 0.0 && is_odd(rounded / grid))),
+            exact: eta == 0.0,
+            lattice: lowest_bit(rounded),
+            content: 0,
+        }
+    }
+
+    /// ŝ + t (t exact: a term or a fused block), or ŝ alone rounded to a new format.
+    pub(super) fn value_plus_terms(
+        &mut self,
+        f: Format,
+        v: (Known, f64, f64, Format, Option<f64>),
+        exact: &[f64],
+        det_in: Det,
+    ) -> Known {
+        let mut known = self.value_plus_exact(f, v, exact);
+        // The known operands' own errors are part of the result's.
+        known.det = known.det + det_in;
+        known
+    }
+
+    pub(super) fn value_plus_exact(
+        &mut self,
+        f: Format,
+        v: (Known, f64, f64, Format, Option<f64>),
+        exact: &[f64],
+    ) -> Known {
+        let (k, s, err, fa, _) = v;
+        let (c, r, spacing_a) = Self::locate(&k, s, err, fa);
+        // The exact sum t of the exact operands, when it is one f64.
+        let t = match exact {
+            [] => Some(0.0),
+            [t] => Some(*t),
+            _ => {
+                self.scratch.clear();
+                for &t in exact {
+                    self.scratch.add(t);
+                }
+                let t = self.scratch.to_f64();
+                self.scratch.add(-t);
+                (self.scratch.to_f64() == 0.0).then_some(t)
+            }
+        };
+        let t_exact = t.unwrap_or_else(|| exact.iter().sum());
+        let cx = c + t_exact;
+        let rx = r + cx.abs() * SLACK;
+        let (xmin, xmax) = abs_range(cx, rx);
+        self.note_overflow(f, xmax);
+        let u = f.ulp(xmax).unwrap_or(f64::INFINITY);
+        let uniform = f.ulp(xmin) == Some(u) && u.is_finite();
+        // The grid of the exact operands: each one's lowest bit (their sum may need more bits
+        // than one f64 holds).
+        let g_exact = exact
+            .iter()
+            .map(|&e| lowest_bit(e))
+            .fold(f64::INFINITY, f64::min);
+        // ŝ is a multiple of its lattice and of its format's spacing at its smallest
+        // magnitude; the exact sum ŝ + t of the coarser of the two and of t's grid.
+        let sa = spacing_a.max(k.lattice);
+        let lx = sa.min(g_exact);
+        let lattice = lattice_after(lx, f.ulp(xmin).unwrap_or(0.0), u);
+        let undetermined = |w: &mut Self| {
+            let g = fa.ulp(s).unwrap_or(0.0).max(sa).min(g_exact);
+            // Alike when the same exact operands meet the same grid (the error depends on
+            // them and on bits of ŝ), and when the whole computation repeats.
+            let group = if exact.is_empty() {
+                w.site_content
+            } else {
+                mix(2, w.exact_content)
+            };
+            let site = w.random(f, cx, rx, g, group);
+            Known {
+                det: k.det,
+                bound: k.bound + site,
+                parity: None,
+                exact: false,
+                lattice,
+                content: 0,
+            }
+        };
+        let Some(t) = t else {
+            return undetermined(self);
+        };
+        if !uniform || !t.is_finite() {
+            return undetermined(self);
+        }
+        // ŝ lies on the grid U (or on U/2 with its parity known): ŝ = m·U + ρ with ρ known.
+        let (rho, parity) = if sa >= u {
+            (0.0, parity_on(&k, u))
+        } else if sa >= u / 2.0 {
+            match parity_on(&k, u / 2.0) {
+                Some(odd) => (if odd { u / 2.0 } else { 0.0 }, None),
+                None => return undetermined(self),
+            }
+        } else {
+            return undetermined(self);
+        };
+        // RN_U(m·U + y) = m·U + RN_U(y) for y = ρ + t, away from ties (the grid is uniform).
+        let q = t / u + rho / u;
+        if q - rho / u != t / u || !q.is_finite() {
+            return undetermined(self);
+        }
+        let floor = q.floor();
+        let (eta, parity_after, tie_unknown) = if q - floor == 0.5 {
+            // A tie: ŝ + t = (m + ⌊q⌋ + ½)·U goes to the even neighbour; the result is even.
+            match parity {
+                Some(odd) => {
+                    let down = odd == is_odd(floor); // m + ⌊q⌋ even
+                    (
+                        if down { -u / 2.0 } else { u / 2.0 },
+                        Some((u, false)),
+                        false,
+                    )
+                }
+                None => (0.0, Some((u, false)), true),
+            }
+        } else {
+            let n = q.round_ties_even();
+            let eta = (n - q) * u;
+            (eta, parity.map(|odd| (u, odd ^ is_odd(n))), false)
+        };
+        if tie_unknown {
+            // Its direction is the parity bit of ŝ, a low-order bit the model does not know:
+            // ±U/2 with a random sign (variance and sub-Gaussian proxy U²/4).
+            self.variance += u * u / 4.0;
+            return Known {
+                det: k.det,
+                bound: k.bound + u / 2.0,
+                parity: parity_after,
+                exact: false,
+                lattice,
+                content: 0,
+            };
+        }
+        self.mean += eta;
+        self.mean_abs += eta.abs();
+        Known {
+            det: k.det + Det::of(eta, 0.0),
+            bound: k.bound,
+            parity: parity_after,
+            exact: false,
+            lattice,
+            content: 0,
+        }
+    }
+
+    /// ŝ₁ + ŝ₂: exact when both lie on the result's grid; a tie of unknown direction or an
+    /// exact sum when both lie on half of it with known parities; otherwise undetermined.
+    pub(super) fn value_plus_value(
+        &mut self,
+        f: Format,
+        v: (Known, f64, f64, Format, Option<f64>),
+        w: (Known, f64, f64, Format, Option<f64>),
+    ) -> Known {
+        let (kv, sv, ev, fv, _) = v;
+        let (kw, sw, ew, fw, _) = w;
+        let (cv, rv, gv) = Self::locate(&kv, sv, ev, fv);
+        let (cw, rw, gw) = Self::locate(&kw, sw, ew, fw);
+        let (gv, gw) = (gv.max(kv.lattice), gw.max(kw.lattice));
+        let cx = cv + cw;
+        let rx = rv + rw + cx.abs() * SLACK;
+        let (xmin, xmax) = abs_range(cx, rx);
+        self.note_overflow(f, xmax);
+        let u = f.ulp(xmax).unwrap_or(f64::INFINITY);
+        let uniform = f.ulp(xmin) == Some(u) && u.is_finite();
+        let det = kv.det + kw.det;
+        let bound = kv.bound + kw.bound;
+        let lattice = lattice_after(gv.min(gw), f.ulp(xmin).unwrap_or(0.0), u);
+        if uniform && gv >= u && gw >= u {
+            let parity = match (parity_on(&kv, u), parity_on(&kw, u)) {
+                (Some(a), Some(b)) => Some((u, a ^ b)),
+                _ => None,
+            };
+            return Known {
+                det,
+                bound,
+                parity,
+                exact: kv.exact && kw.exact,
+                lattice,
+                content: 0,
+            };
+        }
+        if uniform && gv >= u / 2.0 && gw >= u / 2.0 {
+            if let (Some(a), Some(b)) = (parity_on(&kv, u / 2.0), parity_on(&kw, u / 2.0)) {
+                if a == b {
+                    return Known {
+                        det,
+                        bound,
+                        parity: None,
+                        exact: false,
+                        // Both odd or both even multiples of U/2: a multiple of U.
+                        lattice: lattice.max(u),
+                        content: 0,
+                    };
+                }
+                // A tie decided by a parity bit the model does not know: ±U/2, random sign.
+                self.variance += u * u / 4.0;
+                return Known {
+                    det,
+                    bound: bound + u / 2.0,
+                    parity: Some((u, false)),
+                    exact: false,
+                    lattice: lattice.max(u),
+                    content: 0,
+                };
+            }
+        }
+        let g = (fv.ulp(sv).unwrap_or(0.0).max(gv)).min(fw.ulp(sw).unwrap_or(0.0).max(gw));
+        // The error depends on the smaller operand's bits on the result's grid: additions of
+        // identically computed operands (the repeated blocks of a constant row) err alike.
+        let smaller = if cv.abs() <= cw.abs() {
+            kv.content
+        } else {
+            kw.content
+        };
+        let site = self.random(f, cx, rx, g, mix(3, smaller));
+        Known {
+            det,
+            bound: bound + site,
+            parity: None,
+            exact: false,
+            lattice,
+            content: 0,
+        }
+    }
+}
+
+/// The weight of the lowest set bit of `x` (+inf for zero): the grid an exact term lies on.
+/// The lattice of a rounding's result: the exact value's own `lx` when it is a multiple of
+/// the result's largest possible spacing `u_max` (then the rounding is exact), otherwise the
+/// format's spacing at the result's smallest possible magnitude.
+pub(super) fn lattice_after(lx: f64, u_min: f64, u_max: f64) -> f64 {
+    if lx >= u_max {
+        lx
+    } else {
+        u_min
+    }
+}
+
+pub(super) fn lowest_bit(x: f64) -> f64 {
+    if x == 0.0 || !x.is_finite() {
+        return f64::INFINITY;
+    }
+    let bits = x.abs().to_bits();
+    let field = (bits >> 52) as i32;
+    let frac = bits & ((1u64 << 52) - 1);
+    let (m, e) = if field == 0 {
+        (frac, -1074)
+    } else {
+        (frac | (1u64 << 52), field - 1075)
+    };
+    let k = e + m.trailing_zeros() as i32;
+    if k >= -1022 {
+        f64::from_bits(((k + 1023) as u64) << 52)
+    } else {
+        f64::from_bits(1u64 << (k + 1074))
+    }
+}
