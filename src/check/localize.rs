@@ -14,6 +14,7 @@ use serde::Serialize;
 use crate::check::compare_tensor;
 use crate::engine::model::ModuleKind;
 use crate::engine::policy::Pass;
+use crate::engine::trace::TensorId;
 use crate::engine::trace::Trace;
 use crate::error::{Error, Result};
 use crate::shard::merge::merge;
@@ -156,7 +157,7 @@ pub fn localize(
             )));
         }
         let ids: Vec<String> = (0..m.inputs.len())
-            .map(|i| format!("{}|fwd.input.{i}", m.name))
+            .map(|i| TensorId::fwd_input(&m.name, i).to_string())
             .collect();
         let mut inputs = vec![];
         for id in &ids {
@@ -177,10 +178,10 @@ pub fn localize(
         }
         let mut inputs = vec![];
         for i in 0..m.inputs.len() {
-            let id = format!("{}|fwd.input.{i}", m.name);
+            let id = TensorId::fwd_input(&m.name, i).to_string();
             inputs.push((reference.require(&id)?, layout_of(step, &id)?));
         }
-        let gid = format!("{}|grad.output.0", m.name);
+        let gid = TensorId::grad_output(&m.name, 0).to_string();
         let g = (reference.require(&gid)?, layout_of(step, &gid)?);
         let entries = sharded.replay_backward(&m.name, &inputs, g)?;
         if let Some(f) = ctx.first_failure(step, &entries)? {

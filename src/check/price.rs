@@ -61,6 +61,7 @@ use serde::Serialize;
 
 use crate::engine::model::ModuleKind;
 use crate::engine::policy::{OpClass, Pass, Recipe};
+use crate::engine::trace::{TensorId, TensorRole};
 use crate::format::Format;
 use crate::io::ModuleInfo;
 use crate::shard::layout::{Layout, Mesh, Placement};
@@ -238,30 +239,12 @@ pub struct Role {
 /// Parse `{module}|fwd.input.i`, `|fwd.output.i`, `|grad.output.i`, `|grad.input.i` and
 /// `{module}.{param}|param_grad`; `None` for other ids.
 pub fn role(id: &str) -> Option<Role> {
-    let (name, what) = id.split_once('|')?;
-    if what == "param_grad" {
-        let module = name.rsplit_once('.').map(|(m, _)| m).unwrap_or(name);
-        return Some(Role {
-            module: module.to_string(),
-            pass: Pass::Backward,
-            param_grad: true,
-            produced: true,
-        });
-    }
-    let (head, index) = what.rsplit_once('.')?;
-    index.parse::<usize>().ok()?;
-    let (pass, produced) = match head {
-        "fwd.input" => (Pass::Forward, false),
-        "fwd.output" => (Pass::Forward, true),
-        "grad.output" => (Pass::Backward, false),
-        "grad.input" => (Pass::Backward, true),
-        _ => return None,
-    };
+    let t = TensorId::parse(id)?;
     Some(Role {
-        module: name.to_string(),
-        pass,
-        param_grad: false,
-        produced,
+        pass: t.pass(),
+        param_grad: matches!(t.role, TensorRole::ParamGrad { .. }),
+        produced: t.produced(),
+        module: t.module,
     })
 }
 
@@ -278,19 +261,16 @@ impl<'a> InputIndex<'a> {
     pub fn new(ids: &'a [String]) -> InputIndex<'a> {
         let mut index = InputIndex::default();
         for id in ids {
-            let Some((module, what)) = id.split_once('|') else {
+            let Some(t) = TensorId::parse(id) else {
                 continue;
             };
-            let map = if what.starts_with("fwd.input.") {
-                &mut index.fwd
-            } else if what.starts_with("grad.output.") {
-                &mut index.bwd
-            } else {
-                continue;
+            let map = match t.role {
+                TensorRole::FwdInput(_) => &mut index.fwd,
+                TensorRole::GradOutput(_) => &mut index.bwd,
+                _ => continue,
             };
-            if role(id).is_some() {
-                map.entry(module).or_default().push(id);
-            }
+            // The module's name as a slice of the id (the index borrows the ids).
+            map.entry(&id[..t.module.len()]).or_default().push(id);
         }
         index
     }
@@ -459,7 +439,11 @@ pub fn price_local<'s>(
         let abs: f64 = input_ids
             .iter()
             .zip(&inputs)
-            .filter(|(j, _)| role.pass == Pass::Forward || j.contains("|grad.output."))
+            .filter(|(j, _)| {
+                role.pass == Pass::Forward
+                    || TensorId::parse(j)
+                        .is_some_and(|t| matches!(t.role, TensorRole::GradOutput(_)))
+            })
             .map(|(_, s)| s.diff_norm)
             .sum();
         if abs == 0.0 {

@@ -34,4 +34,4 @@ pub use nn::{
     softmax_backward, NormSaved, Variance,
 };
 pub use policy::{delayed_scale, per_tensor_scale, OpClass, Pass};
-pub use trace::{Trace, TraceEntry};
+pub use trace::{TensorId, TensorRole, Trace, TraceEntry};

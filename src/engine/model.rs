@@ -27,6 +27,7 @@ use crate::engine::policy::{
     delayed_scale, per_tensor_scale, OpClass, Pass, Policy, Recipe, Scaling,
 };
 use crate::engine::tensor::Tensor;
+use crate::engine::trace::TensorId;
 use crate::engine::trace::Trace;
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
@@ -729,10 +730,10 @@ impl Gpt {
                 })
                 .collect::<Result<_>>()?;
             for (i, t) in inputs.iter().enumerate() {
-                trace.push(format!("{}|fwd.input.{i}", m.name), t.clone())?;
+                trace.push(TensorId::fwd_input(&m.name, i).to_string(), t.clone())?;
             }
             let (mut out, s) = self.run_forward(m, &inputs, true)?;
-            let id = format!("{}|fwd.output.0", m.name);
+            let id = TensorId::fwd_output(&m.name, 0).to_string();
             hook(&id, &mut out)?;
             trace.push(id, out.clone())?;
             values[m.output] = Some(out);
@@ -753,11 +754,11 @@ impl Gpt {
                 kind: "gradient of value",
                 name: m.output.to_string(),
             })?;
-            trace.push(format!("{}|grad.output.0", m.name), g.clone())?;
+            trace.push(TensorId::grad_output(&m.name, 0).to_string(), g.clone())?;
             let (inputs, s) = &saved[idx];
             let (gin, pg) = self.run_backward(m, inputs, s, &g, true)?;
             for (i, (mut gi, &v)) in gin.into_iter().zip(&m.inputs).enumerate() {
-                let id = format!("{}|grad.input.{i}", m.name);
+                let id = TensorId::grad_input(&m.name, i).to_string();
                 hook(&id, &mut gi)?;
                 trace.push(id, gi.clone())?;
                 grads[v] = Some(match grads[v].take() {

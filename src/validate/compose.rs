@@ -45,6 +45,7 @@ use crate::engine::init::SplitMix64;
 use crate::engine::model::Gpt;
 use crate::engine::tensor::Tensor;
 use crate::engine::trace::Trace;
+use crate::engine::trace::{TensorId, TensorRole};
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::validate::fresh::FreshSites;
@@ -132,19 +133,20 @@ fn upstream_moved(
     index: &HashMap<&str, usize>,
     id: &str,
 ) -> bool {
-    let (name, what) = id.split_once('|').unwrap_or((id, ""));
-    let module = if what == "param_grad" {
-        name.rsplit_once('.').map(|(m, _)| m).unwrap_or(name)
-    } else {
-        name
+    let Some(t) = TensorId::parse(id) else {
+        return false;
     };
+    let module = t.module.as_str();
     let mut inputs: Vec<String> = reference
         .ids()
-        .filter(|i| i.starts_with(&format!("{module}|fwd.input.")))
+        .filter(|i| {
+            TensorId::parse(i)
+                .is_some_and(|x| x.module == module && matches!(x.role, TensorRole::FwdInput(_)))
+        })
         .map(str::to_string)
         .collect();
-    if what != "fwd.output.0" {
-        inputs.push(format!("{module}|grad.output.0"));
+    if t.role != TensorRole::FwdOutput(0) {
+        inputs.push(TensorId::grad_output(module, 0).to_string());
     }
     inputs.iter().any(|i| {
         index

@@ -26,6 +26,7 @@ use crate::bounds::reduction::{random_rounding_error as reduction_error, Reducti
 use crate::engine::attention::widest_of;
 use crate::engine::model::{Gpt, ModuleKind, NormKind};
 use crate::engine::policy::{OpClass, Pass, Policy};
+use crate::engine::trace::TensorId;
 use crate::engine::trace::Trace;
 use crate::error::Result;
 use crate::format::Format;
@@ -258,8 +259,8 @@ pub fn fresh_sites(
         match m.kind {
             ModuleKind::Linear => {
                 let row = linear_name(name) == Some(true);
-                let x = reference.require(&format!("{name}|fwd.input.0"))?;
-                let g = reference.require(&format!("{name}|grad.output.0"))?;
+                let x = reference.require(&TensorId::fwd_input(name, 0).to_string())?;
+                let g = reference.require(&TensorId::grad_output(name, 0).to_string())?;
                 let w = model.param(&m.params[0])?;
                 let (out, inp) = (w.shape()[0], w.shape()[1]);
                 let rows = x.len() / inp;
@@ -284,7 +285,7 @@ pub fn fresh_sites(
                     // after the all-reduce — one rounding in the accumulator format on each
                     // side, at slightly different points: counted as two independent ones.
                     let v = if m.params.len() > 1 {
-                        let y = reference.require(&format!("{name}|fwd.output.0"))?;
+                        let y = reference.require(&TensorId::fwd_output(name, 0).to_string())?;
                         let a = fwd.accumulator();
                         v.iter()
                             .zip(y.values())
@@ -296,7 +297,7 @@ pub fn fresh_sites(
                     } else {
                         v
                     };
-                    sites.insert(format!("{name}|fwd.output.0"), v);
+                    sites.insert(TensorId::fwd_output(name, 0).to_string(), v);
                 }
                 if tp > 1 && !row {
                     // dx_tk = Σ_j g_tj W_jk, the out features split over TP.
@@ -312,7 +313,7 @@ pub fn fresh_sites(
                         act,
                         &ring,
                     )?;
-                    sites.insert(format!("{name}|grad.input.0"), v);
+                    sites.insert(TensorId::grad_input(name, 0).to_string(), v);
                 }
                 if n_dpcp > 1 {
                     // dW_jk = Σ_t g_tj x_tk over tokens split over DP×CP.
@@ -368,8 +369,8 @@ pub fn fresh_sites(
                 if parts == 1 {
                     continue;
                 }
-                let x = reference.require(&format!("{name}|fwd.input.0"))?;
-                let g = reference.require(&format!("{name}|grad.output.0"))?;
+                let x = reference.require(&TensorId::fwd_input(name, 0).to_string())?;
+                let g = reference.require(&TensorId::grad_output(name, 0).to_string())?;
                 let h = cfg.hidden;
                 let rows = x.len() / h;
                 // x̂ in f64.
@@ -411,7 +412,7 @@ pub fn fresh_sites(
                 if parts == 1 {
                     continue;
                 }
-                let g = reference.require(&format!("{name}|grad.output.0"))?;
+                let g = reference.require(&TensorId::grad_output(name, 0).to_string())?;
                 let h = cfg.hidden;
                 let p = recipe.policy(OpClass::Elementwise, Pass::Backward);
                 let acc = acc_of(p, p.input());
@@ -443,7 +444,7 @@ pub fn fresh_sites(
                 sites.insert(format!("{}|param_grad", m.params[1]), vpe);
             }
             ModuleKind::Loss if n_dpcp > 1 => {
-                let z = reference.require(&format!("{name}|fwd.input.0"))?;
+                let z = reference.require(&TensorId::fwd_input(name, 0).to_string())?;
                 let v = cfg.vocab;
                 let n = tokens.n();
                 let terms: Vec<f64> = (0..n)
@@ -458,7 +459,7 @@ pub fn fresh_sites(
                 let acc = acc_of(p, p.accumulator());
                 let a = p.accumulator();
                 sites.insert(
-                    format!("{name}|fwd.output.0"),
+                    TensorId::fwd_output(name, 0).to_string(),
                     vec![element(
                         &terms,
                         &acc,
@@ -528,8 +529,8 @@ fn attention_sites(
     let u2 = a.unit_roundoff().powi(2) / 3.0;
     let fin = pf.input();
     let gin = pb.input();
-    let qkv = reference.require(&format!("{name}|fwd.input.0"))?;
-    let dout = reference.require(&format!("{name}|grad.output.0"))?;
+    let qkv = reference.require(&TensorId::fwd_input(name, 0).to_string())?;
+    let dout = reference.require(&TensorId::grad_output(name, 0).to_string())?;
     let (b_n, s_n, h) = (cfg.batch, cfg.seq, cfg.hidden);
     let heads = cfg.heads;
     let d = h / heads;
@@ -677,8 +678,8 @@ fn attention_sites(
             }
         }
     }
-    sites.insert(format!("{name}|fwd.output.0"), vo);
-    sites.insert(format!("{name}|grad.input.0"), vd);
+    sites.insert(TensorId::fwd_output(name, 0).to_string(), vo);
+    sites.insert(TensorId::grad_input(name, 0).to_string(), vd);
     Ok(())
 }
 

@@ -16,7 +16,7 @@ use crate::engine::attention::AttentionImpl;
 use crate::engine::model::{Gpt, GptConfig};
 use crate::engine::policy::{Recipe, Scaling};
 use crate::engine::tensor::Tensor;
-use crate::engine::trace::Trace;
+use crate::engine::trace::{TensorId, TensorRole, Trace};
 use crate::error::Result;
 use crate::io::write_trace_dir;
 use crate::shard::collective::Algorithm;
@@ -237,25 +237,20 @@ pub struct ScaleSummary {
 }
 
 fn kind_of(model: &Gpt, id: &str) -> String {
-    let (name, what) = id.split_once('|').unwrap_or((id, ""));
-    if what == "param_grad" {
-        let module = name.rsplit_once('.').map(|(m, _)| m).unwrap_or(name);
-        let k = model
-            .module(module)
-            .map(|m| format!("{:?}", m.kind).to_lowercase())
-            .unwrap_or_else(|_| "embedding".into());
-        return format!("param {k}");
-    }
-    let k = model
-        .module(name)
-        .map(|m| format!("{:?}", m.kind).to_lowercase())
-        .unwrap_or_else(|_| "other".into());
-    let pass = if what.starts_with("fwd") {
-        "fwd"
-    } else {
-        "bwd"
+    let Some(t) = TensorId::parse(id) else {
+        return "other".into();
     };
-    format!("{k} {pass}")
+    let kind = model
+        .module(&t.module)
+        .map(|m| format!("{:?}", m.kind).to_lowercase());
+    if let TensorRole::ParamGrad { .. } = t.role {
+        return format!("param {}", kind.unwrap_or_else(|_| "embedding".into()));
+    }
+    let pass = match t.pass() {
+        crate::engine::Pass::Forward => "fwd",
+        crate::engine::Pass::Backward => "bwd",
+    };
+    format!("{} {pass}", kind.unwrap_or_else(|_| "other".into()))
 }
 
 fn rel_diff(r: &Tensor, c: &Tensor) -> f64 {
@@ -368,7 +363,7 @@ pub fn run_config_with_thresholds(
     let depth = before.config().layers as u32 + 1;
     let mut tensors = vec![];
     for e in ref_trace.entries() {
-        if e.id.contains("|fwd.input.") || e.id.contains("|grad.output.") {
+        if TensorId::parse(&e.id).is_some_and(|t| !t.produced()) {
             continue;
         }
         let c = cand.require(&e.id)?;
@@ -494,7 +489,7 @@ pub fn run_bug_dumping(
     let (merged, errors) = cand_step.merge_each(&ref_trace);
     let ids: Vec<String> = ref_trace
         .ids()
-        .filter(|id| !id.contains("|fwd.input.") && !id.contains("|grad.output."))
+        .filter(|id| TensorId::parse(id).is_none_or(|t| t.produced()))
         .map(str::to_string)
         .collect();
     let train = recipe.activation_format;
@@ -925,13 +920,8 @@ fn write_dump(
 ) -> Result<()> {
     let mut kinds = HashMap::new();
     for e in ref_trace.entries() {
-        let (name, what) = e.id.split_once('|').unwrap_or((&e.id, ""));
-        let module = if what == "param_grad" {
-            name.rsplit_once('.').map(|(m, _)| m).unwrap_or(name)
-        } else {
-            name
-        };
-        if let Ok(m) = reference.module(module) {
+        let module = TensorId::parse(&e.id).map(|t| t.module);
+        if let Some(m) = module.and_then(|m| reference.module(&m).ok()) {
             kinds.insert(e.id.clone(), m.kind);
         }
     }

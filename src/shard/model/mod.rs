@@ -43,6 +43,7 @@ use crate::engine::nn::{
 };
 use crate::engine::policy::{delayed_scale, per_tensor_scale, OpClass, Pass, Policy, Scaling};
 use crate::engine::tensor::Tensor;
+use crate::engine::trace::TensorId;
 use crate::engine::trace::Trace;
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
@@ -609,7 +610,7 @@ impl ShardedGpt {
         self.replay = false;
         let (out, _) = out?;
         Ok(ShardedEntry {
-            id: format!("{name}|fwd.output.0"),
+            id: TensorId::fwd_output(name, 0).to_string(),
             layout: out.layout,
             shards: out.shards,
         })
@@ -634,7 +635,7 @@ impl ShardedGpt {
             let mut out = vec![];
             for (i, gi) in gin.into_iter().enumerate() {
                 out.push(ShardedEntry {
-                    id: format!("{name}|grad.input.{i}"),
+                    id: TensorId::grad_input(name, i).to_string(),
                     layout: gi.layout,
                     shards: gi.shards,
                 });
@@ -679,10 +680,14 @@ impl ShardedGpt {
                 })
                 .collect::<Result<_>>()?;
             for (i, d) in inputs.iter().enumerate() {
-                push(&mut entries, format!("{}|fwd.input.{i}", m.name), d);
+                push(&mut entries, TensorId::fwd_input(&m.name, i).to_string(), d);
             }
             let (out, s) = self.forward(m, &inputs)?;
-            push(&mut entries, format!("{}|fwd.output.0", m.name), &out);
+            push(
+                &mut entries,
+                TensorId::fwd_output(&m.name, 0).to_string(),
+                &out,
+            );
             values[m.output] = Some(out);
             saved.push((inputs, s));
         }
@@ -705,11 +710,19 @@ impl ShardedGpt {
                 kind: "gradient of value",
                 name: m.output.to_string(),
             })?;
-            push(&mut entries, format!("{}|grad.output.0", m.name), &g);
+            push(
+                &mut entries,
+                TensorId::grad_output(&m.name, 0).to_string(),
+                &g,
+            );
             let (inputs, s) = &saved[idx];
             let (gin, pg) = self.backward(m, inputs, s, &g)?;
             for (i, (gi, &v)) in gin.into_iter().zip(&m.inputs).enumerate() {
-                push(&mut entries, format!("{}|grad.input.{i}", m.name), &gi);
+                push(
+                    &mut entries,
+                    TensorId::grad_input(&m.name, i).to_string(),
+                    &gi,
+                );
                 grads[v] = Some(match grads[v].take() {
                     None => gi,
                     Some(prev) => Dist {
