@@ -369,3 +369,38 @@ fn recipe_names_read_back() {
         Err(ttrace::Error::UnknownName { .. })
     ));
 }
+
+/// Every id a training step traces reads back through `TensorId` as itself, and its parsed
+/// pass and role agree with the naming convention.
+#[test]
+fn traced_ids_read_back_through_tensor_id() {
+    use ttrace::engine::{TensorId, TensorRole};
+    let step = Gpt::new(GptConfig::default(), Recipe::bf16())
+        .unwrap()
+        .step()
+        .unwrap();
+    let mut n = 0;
+    for id in step.trace.ids() {
+        let t = TensorId::parse(id).unwrap_or_else(|| panic!("{id} does not parse"));
+        assert_eq!(t.to_string(), id);
+        let (_, what) = id.split_once('|').unwrap();
+        assert_eq!(t.pass() == Pass::Forward, what.starts_with("fwd"), "{id}");
+        assert_eq!(
+            matches!(t.role, TensorRole::ParamGrad { .. }),
+            what == "param_grad",
+            "{id}"
+        );
+        n += 1;
+    }
+    assert!(n > 100);
+    for bad in [
+        "",
+        "x",
+        "x|",
+        "x|fwd.output",
+        "x|fwd.output.a",
+        "x|sideways.0",
+    ] {
+        assert!(TensorId::parse(bad).is_none(), "{bad:?}");
+    }
+}
