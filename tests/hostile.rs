@@ -314,35 +314,23 @@ fn sizes_from_arguments_are_bounded() {
     assert!(ttrace::shard::shard(&t, &layout, &mesh, "t").is_err());
 }
 
+/// Ids come from files: escape sequences in them never reach the terminal, in the verdict
+/// table, the first-failure line or the localization line of `ttrace check`.
 #[test]
 fn ids_are_escaped_when_printed() {
-    use ttrace::check::{render_check, CheckReport, TensorVerdict};
-    let v = TensorVerdict {
-        id: "evil\u{1b}[2J\u{1b}]0;title\u{7}|fwd.output.0".into(),
-        elements: 1,
-        rel_error: 1.0,
-        rel_error_eps: 1.0,
-        threshold: 0.0,
-        ratio: f64::INFINITY,
-        max_abs: 1.0,
-        max_ulp: 1,
-        nonfinite_mismatches: 0,
-        first_nonfinite: None,
-        problem: Some("note with \u{1b}[31m color".into()),
-        passed: false,
-    };
-    let report = CheckReport {
-        first_failure: Some(v.id.clone()),
-        verdicts: vec![v],
-        failures: 1,
-        eps: 1e-3,
-    };
-    let text = render_check(&report);
+    let b = base("escape");
+    let evil = "evil\u{1b}[2J\u{1b}]0;title\u{7}|fwd.output.0";
+    let (r, c) = (b.join("reference"), b.join("candidate"));
+    write_f32_trace(&r, &[(evil, vec![1.0, 2.0])], &[]);
+    write_f32_trace(&c, &[(evil, vec![1.0, 3.0])], &[]);
+    let (code, out, err) = check(&r, &c);
+    assert_eq!(code, Some(1), "{out}{err}");
     assert!(
-        !text.contains('\u{1b}') && !text.contains('\u{7}'),
-        "{text:?}"
+        !out.contains('\u{1b}') && !out.contains('\u{7}') && !err.contains('\u{1b}'),
+        "{out:?}"
     );
-    assert!(text.contains("evil"), "{text}");
+    assert!(out.contains("evil") && out.contains("FAIL"), "{out}");
+    std::fs::remove_dir_all(&b).unwrap();
 }
 
 #[test]

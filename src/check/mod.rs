@@ -326,56 +326,6 @@ fn failed(id: &str, elements: usize, problem: String) -> TensorVerdict {
     }
 }
 
-/// The report as a table: the failing tensors first (all of them), then a count of passes.
-/// Ids and notes come from files: control characters in them are escaped
-/// ([`crate::io::guard::printable`]).
-pub fn render_check(report: &CheckReport) -> String {
-    use crate::io::guard::{printable, sanitize};
-    let mut out = String::new();
-    let n = report.verdicts.len();
-    if report.passed() {
-        out.push_str(&format!(
-            "PASS: all {n} tensors within their thresholds (ε = {:e})\n",
-            report.eps
-        ));
-        return out;
-    }
-    out.push_str(&format!(
-        "FAIL: {} of {n} tensors outside their thresholds; first in execution order: {}\n",
-        report.failures,
-        printable(report.first_failure.as_deref().unwrap_or("-"))
-    ));
-    out.push_str(&format!(
-        "{:<44} {:>11} {:>11} {:>9} {:>10} {:>8}  note\n",
-        "tensor", "error (ε)", "thresh (ε)", "ratio", "max abs", "max ulp"
-    ));
-    for v in report.verdicts.iter().filter(|v| !v.passed) {
-        let note = match (&v.problem, v.first_nonfinite) {
-            (Some(p), _) => p.clone(),
-            (None, Some(i)) => format!(
-                "{} non-finite mismatches, first at {i}",
-                v.nonfinite_mismatches
-            ),
-            _ => String::new(),
-        };
-        out.push_str(&format!(
-            "{:<44} {:>11.3} {:>11.3} {:>9.3} {:>10.3e} {:>8}  {}\n",
-            printable(&v.id),
-            v.rel_error_eps,
-            v.threshold / report.eps,
-            v.ratio,
-            v.max_abs,
-            if v.max_ulp == u64::MAX {
-                "-".to_string()
-            } else {
-                v.max_ulp.to_string()
-            },
-            sanitize(&note)
-        ));
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -445,11 +395,10 @@ mod tests {
             .as_deref()
             .unwrap()
             .contains("missing"));
-        let text = render_check(&rep);
-        assert!(text.starts_with("FAIL: 3 of 4"));
+        assert_eq!(rep.verdicts.len(), 4);
         // Within a generous threshold and without the broken ones, it passes.
         th.insert("b|fwd.output.0".to_string(), 1.0);
         let rep = check(&reference, &candidate, &[], &ids[..2], &th, 1.0);
-        assert!(rep.passed() && render_check(&rep).starts_with("PASS"));
+        assert!(rep.passed() && rep.failures == 0);
     }
 }

@@ -6,18 +6,16 @@
 //!   how much;
 //! * [`composed_thresholds`], [`perturbation_estimate`]: end-to-end thresholds by difference simulation,
 //!   and TTrace's perturbation estimate;
-//! * [`run_sweep`]: configurations, per-tensor results, the per-kind table, JSON and SVG
-//!   reports.
+//! * [`run_sweep`]: configurations, per-tensor results and the per-kind summary as data
+//!   (the `ttrace` binary renders them as tables and SVG).
 
 pub(crate) mod compose;
 pub(crate) mod fresh;
-pub(crate) mod render;
 pub(crate) mod sensitivity;
 pub(crate) mod sweep;
 
 pub use compose::{composed_thresholds, perturbation_estimate, Composed, SimulationConfig};
 pub use fresh::{fresh_sites, local_thresholds, FreshSites};
-pub use render::{render_bugs, render_sensitivity, render_svg, render_table};
 pub use sensitivity::{sensitivity, Sensitivity};
 pub use sweep::{
     bug_meshes, dump_run, run_bug, run_bug_dumping, run_config, run_config_with_thresholds,

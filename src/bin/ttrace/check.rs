@@ -68,7 +68,7 @@ fn check_dirs_cli(
         reference.display(),
         world
     );
-    out!("{}", ttrace::check::render_check(&out.report));
+    out!("{}", crate::render::render_check(&out.report));
     if let Some(l) = &out.localization {
         outln!("{}", crate::out::localization_line(l));
     }

@@ -11,6 +11,7 @@ mod out;
 mod bugs;
 mod check;
 mod formats;
+mod render;
 mod round;
 mod simulate;
 mod threshold;

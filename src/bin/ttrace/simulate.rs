@@ -114,7 +114,7 @@ pub fn run(a: Args) -> Result<Outcome, String> {
             options.model.layers,
             options.model.hidden
         );
-        out!("{}", ttrace::check::render_check(&r.check));
+        out!("{}", crate::render::render_check(&r.check));
         match &r.localization {
             None => outln!("localizer: every module's own output is within its local threshold"),
             Some(l) => outln!("{}", crate::out::localization_line(l)),

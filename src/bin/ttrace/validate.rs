@@ -3,6 +3,7 @@
 use std::io::{self, Write};
 
 use crate::out::{stdout_error, write_atomic};
+use crate::render::{render_bugs, render_sensitivity, render_svg, render_table};
 use crate::Outcome;
 
 /// The options of `ttrace validate`.
@@ -47,9 +48,7 @@ pub fn run(a: Args) -> Result<Outcome, String> {
         no_bugs,
     } = a;
     let (recipes, json) = (recipes.as_slice(), json.as_deref());
-    use ttrace::validate::{
-        render_bugs, render_sensitivity, render_svg, render_table, run_sweep, SweepOptions,
-    };
+    use ttrace::validate::{run_sweep, SweepOptions};
     let seeds = seeds.unwrap_or(if full { 6 } else { 2 });
     let most = ttrace::io::limits::SWEEP_RUNS;
     if seeds == 0 || seeds > most {
