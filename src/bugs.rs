@@ -240,6 +240,9 @@ mod tests {
             serde_json::to_string(&Bug::GradAllReduceInBf16).unwrap(),
             "\"grad-allreduce-in-bf16\""
         );
-        assert!(Bug::by_name("no-such-bug").is_err());
+        assert!(matches!(
+            Bug::by_name("no-such-bug"),
+            Err(Error::UnknownName { .. })
+        ));
     }
 }

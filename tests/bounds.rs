@@ -288,13 +288,25 @@ fn sum_and_mean_thresholds_hold() {
 
 #[test]
 fn bad_requests_are_errors() {
-    assert!(Confidence::probabilistic(0.0).is_err());
-    assert!(Confidence::probabilistic(1.0).is_err());
-    assert!(Confidence::probabilistic(f64::NAN).is_err());
+    assert!(matches!(
+        Confidence::probabilistic(0.0),
+        Err(ttrace::Error::InvalidParameter { .. })
+    ));
+    assert!(matches!(
+        Confidence::probabilistic(1.0),
+        Err(ttrace::Error::InvalidParameter { .. })
+    ));
+    assert!(matches!(
+        Confidence::probabilistic(f64::NAN),
+        Err(ttrace::Error::InvalidParameter { .. })
+    ));
     let a = Tensor::zeros(&[2, 3], Format::BF16);
     let b = Tensor::zeros(&[4, 2], Format::BF16);
     let p = Policy::new(Format::BF16, Format::F32, Format::BF16);
-    assert!(matmul_threshold(&a, &b, None, &p, &p, Confidence::Guaranteed).is_err());
+    assert!(matches!(
+        matmul_threshold(&a, &b, None, &p, &p, Confidence::Guaranteed),
+        Err(ttrace::Error::ShapeMismatch { .. })
+    ));
     // Kahan's order is priced on its own, not nested inside a split-K part.
     let kahan = Accumulation::new(Format::F32, Format::F32, Order::Kahan);
     assert!(reduction_error(&[1.0, 2.0], &kahan, false).is_ok());
@@ -396,7 +408,8 @@ fn softmax_thresholds_hold() {
         AttentionImpl::Standard,
         Confidence::Guaranteed
     )
-    .is_err());
+    .err()
+    .is_some_and(|e| matches!(e, ttrace::Error::InvalidParameter { .. })));
 }
 
 /// Elementwise ops between policies that differ in accumulator and output formats.
@@ -511,7 +524,8 @@ fn quantization_error_within_a_priori_bound() {
         Format::E4M3,
         Scaling::None
     )
-    .is_err());
+    .err()
+    .is_some_and(|e| matches!(e, ttrace::Error::ShapeMismatch { .. })));
 }
 
 /// First-order gains bound how an input difference is carried: checked with small random

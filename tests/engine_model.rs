@@ -200,14 +200,23 @@ fn replay_rejects_bad_requests() {
         Recipe::bf16(),
     )
     .unwrap();
-    assert!(model.forward_module("layers.7.mlp.fc1", &[]).is_err());
+    assert!(matches!(
+        model.forward_module("layers.7.mlp.fc1", &[]),
+        Err(ttrace::Error::UnknownName { .. })
+    ));
     assert!(
-        model.forward_module("layers.0.mlp.fc1", &[]).is_err(),
+        model
+            .forward_module("layers.0.mlp.fc1", &[])
+            .err()
+            .is_some_and(|e| matches!(e, ttrace::Error::LengthMismatch { .. })),
         "wrong number of inputs"
     );
     let wrong = Tensor::zeros(&[2, 32, 17], Format::BF16);
     assert!(
-        model.forward_module("layers.0.mlp.fc1", &[wrong]).is_err(),
+        model
+            .forward_module("layers.0.mlp.fc1", &[wrong])
+            .err()
+            .is_some_and(|e| matches!(e, ttrace::Error::ShapeMismatch { .. })),
         "wrong feature size"
     );
     assert!(Gpt::new(
@@ -218,7 +227,8 @@ fn replay_rejects_bad_requests() {
         },
         Recipe::bf16()
     )
-    .is_err());
+    .err()
+    .is_some_and(|e| matches!(e, ttrace::Error::InvalidParameter { .. })));
     assert!(Gpt::new(
         GptConfig {
             layers: 0,
@@ -226,8 +236,12 @@ fn replay_rejects_bad_requests() {
         },
         Recipe::bf16()
     )
-    .is_err());
-    assert!(model.param("nope").is_err());
+    .err()
+    .is_some_and(|e| matches!(e, ttrace::Error::InvalidParameter { .. })));
+    assert!(matches!(
+        model.param("nope"),
+        Err(ttrace::Error::UnknownName { .. })
+    ));
 }
 
 /// d loss / dθ from the trace against a fourth-order central difference of the loss, in F64,

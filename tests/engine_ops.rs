@@ -578,30 +578,78 @@ fn bad_inputs_are_errors_not_panics() {
     let b = Tensor::zeros(&[4, 2], Format::BF16);
     let e = matmul(&a, &b, &p).unwrap_err();
     assert!(e.to_string().contains("inner dimensions"), "{e}");
-    assert!(matmul(&Tensor::zeros(&[2], Format::BF16), &b, &p).is_err());
-    assert!(Tensor::from_vec(&[2, 2], vec![1.0; 3], Format::F32).is_err());
-    assert!(Tensor::from_vec(&[1], vec![0.1], Format::BF16).is_err());
-    assert!(add(&a, &Tensor::zeros(&[3, 2], Format::BF16), &p).is_err());
-    assert!(softmax(&Tensor::zeros(&[2, 0], Format::BF16), &p).is_err());
-    assert!(online_softmax(&a, 0, &p).is_err());
+    assert!(matches!(
+        matmul(&Tensor::zeros(&[2], Format::BF16), &b, &p),
+        Err(ttrace::Error::ShapeMismatch { .. })
+    ));
+    assert!(matches!(
+        Tensor::from_vec(&[2, 2], vec![1.0; 3], Format::F32),
+        Err(ttrace::Error::ShapeMismatch { .. })
+    ));
+    assert!(matches!(
+        Tensor::from_vec(&[1], vec![0.1], Format::BF16),
+        Err(ttrace::Error::NotRepresentable { .. })
+    ));
+    assert!(matches!(
+        add(&a, &Tensor::zeros(&[3, 2], Format::BF16), &p),
+        Err(ttrace::Error::ShapeMismatch { .. })
+    ));
+    assert!(matches!(
+        softmax(&Tensor::zeros(&[2, 0], Format::BF16), &p),
+        Err(ttrace::Error::ShapeMismatch { .. })
+    ));
+    assert!(matches!(
+        online_softmax(&a, 0, &p),
+        Err(ttrace::Error::InvalidParameter { .. })
+    ));
     let w = Tensor::zeros(&[4], Format::BF16);
-    assert!(layer_norm(&a, &w, &w, 1e-5, Variance::TwoPass, &p).is_err());
+    assert!(matches!(
+        layer_norm(&a, &w, &w, 1e-5, Variance::TwoPass, &p),
+        Err(ttrace::Error::ShapeMismatch { .. })
+    ));
     let w3 = Tensor::zeros(&[3], Format::BF16);
-    assert!(layer_norm(&a, &w3, &w3, -1.0, Variance::TwoPass, &p).is_err());
-    assert!(layer_norm(&a, &w3, &w3, f64::NAN, Variance::TwoPass, &p).is_err());
-    assert!(cross_entropy(&a, &[0, 3], &p).is_err());
-    assert!(cross_entropy(&a, &[0], &p).is_err());
+    assert!(matches!(
+        layer_norm(&a, &w3, &w3, -1.0, Variance::TwoPass, &p),
+        Err(ttrace::Error::InvalidParameter { .. })
+    ));
+    assert!(matches!(
+        layer_norm(&a, &w3, &w3, f64::NAN, Variance::TwoPass, &p),
+        Err(ttrace::Error::InvalidParameter { .. })
+    ));
+    assert!(matches!(
+        cross_entropy(&a, &[0, 3], &p),
+        Err(ttrace::Error::InvalidParameter { .. })
+    ));
+    assert!(matches!(
+        cross_entropy(&a, &[0], &p),
+        Err(ttrace::Error::LengthMismatch { .. })
+    ));
     let qkv = Tensor::zeros(&[1, 2, 7], Format::BF16);
-    assert!(attention(&qkv, 2, true, AttentionImpl::Standard, &p).is_err());
+    assert!(matches!(
+        attention(&qkv, 2, true, AttentionImpl::Standard, &p),
+        Err(ttrace::Error::ShapeMismatch { .. })
+    ));
     let table = Tensor::zeros(&[4, 3], Format::BF16);
-    assert!(embedding(&[0, 4], 1, 2, &table, &table, &p).is_err());
-    assert!(scale(&a, f64::INFINITY, &p).is_err());
+    assert!(matches!(
+        embedding(&[0, 4], 1, 2, &table, &table, &p),
+        Err(ttrace::Error::InvalidParameter { .. })
+    ));
+    assert!(matches!(
+        scale(&a, f64::INFINITY, &p),
+        Err(ttrace::Error::NonFinite { .. })
+    ));
     let bad = Policy::new(Format::BF16, Format::F32, Format::BF16).with_order(Order::Blocked {
         block: 0,
         inner: BlockSum::Fused,
     });
-    assert!(matmul(&a, &Tensor::zeros(&[3, 2], Format::BF16), &bad).is_err());
-    assert!(Recipe::by_name("fp9").is_err());
+    assert!(matches!(
+        matmul(&a, &Tensor::zeros(&[3, 2], Format::BF16), &bad),
+        Err(ttrace::Error::InvalidParameter { .. })
+    ));
+    assert!(matches!(
+        Recipe::by_name("fp9"),
+        Err(ttrace::Error::UnknownName { .. })
+    ));
 }
 
 proptest! {

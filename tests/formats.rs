@@ -679,7 +679,8 @@ fn decimal_text_just_below_a_midpoint_rounds_down() {
     assert_eq!(r.unwrap(), 448.0);
     assert!(Format::F16
         .round_decimal("twelve", Overflow::NonSaturating)
-        .is_err());
+        .err()
+        .is_some_and(|e| matches!(e, ttrace::Error::InvalidParameter { .. })));
 }
 
 #[test]
@@ -801,10 +802,12 @@ fn round_f32_to_bits_rejects_other_formats_and_length_mismatches() {
     let mut dst = [0u16; 2];
     assert!(Format::E4M3
         .round_f32_to_bits(&[1.0, 2.0], &mut dst, Overflow::NonSaturating)
-        .is_err());
+        .err()
+        .is_some_and(|e| matches!(e, ttrace::Error::InvalidParameter { .. })));
     assert!(Format::BF16
         .round_f32_to_bits(&[1.0], &mut dst, Overflow::NonSaturating)
-        .is_err());
+        .err()
+        .is_some_and(|e| matches!(e, ttrace::Error::LengthMismatch { .. })));
 }
 
 /// The overflow threshold of the bulk 16-bit rounding, in both overflow modes: the midpoint

@@ -252,11 +252,22 @@ fn invalid_threshold_requests_are_typed_errors() {
     }
     // δ outside (0, 1).
     for d in [0.0, 1.0, -0.5, 2.0, f64::NAN] {
-        assert!(Confidence::probabilistic(d).is_err(), "{d}");
+        assert!(
+            Confidence::probabilistic(d)
+                .err()
+                .is_some_and(|e| matches!(e, ttrace::Error::InvalidParameter { .. })),
+            "{d}"
+        );
     }
     // Unknown formats.
-    assert!("bf17".parse::<Format>().is_err());
-    assert!("".parse::<Format>().is_err());
+    assert!(matches!(
+        "bf17".parse::<Format>(),
+        Err(ttrace::Error::UnknownFormat(..))
+    ));
+    assert!(matches!(
+        "".parse::<Format>(),
+        Err(ttrace::Error::UnknownFormat(..))
+    ));
 }
 
 // ---- Atomic reports, deterministic results ---------------------------------------------------
@@ -271,7 +282,10 @@ fn atomic_writes_leave_the_old_file_or_the_new_one() {
     // A failing write (the target is a directory) leaves no temporary file behind.
     let target = d.join("sub");
     std::fs::create_dir_all(target.join("x")).unwrap();
-    assert!(write_atomic(&target, b"data").is_err());
+    assert!(matches!(
+        write_atomic(&target, b"data"),
+        Err(ttrace::Error::File { .. })
+    ));
     let left: Vec<_> = std::fs::read_dir(&d)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().to_string())

@@ -307,9 +307,18 @@ mod ring {
         let p = Policy::uniform(Format::F32);
         let a = qkv(1, 8, 8, Format::F32);
         let b = qkv(1, 4, 8, Format::F32);
-        assert!(ring_attention(&[a.clone(), b], 1, 2, &p).is_err());
-        assert!(ring_attention(&[], 1, 2, &p).is_err());
-        assert!(ring_attention(&[a], 1, 0, &p).is_err());
+        assert!(matches!(
+            ring_attention(&[a.clone(), b], 1, 2, &p),
+            Err(ttrace::Error::ShapeMismatch { .. })
+        ));
+        assert!(matches!(
+            ring_attention(&[], 1, 2, &p),
+            Err(ttrace::Error::InvalidParameter { .. })
+        ));
+        assert!(matches!(
+            ring_attention(&[a], 1, 0, &p),
+            Err(ttrace::Error::InvalidParameter { .. })
+        ));
     }
 }
 

@@ -463,7 +463,10 @@ mod tests {
             samples: 1,
             ..SimulationConfig::default()
         };
-        assert!(composed_thresholds(&model, &reference, &FreshSites::new(), bad).is_err());
+        assert!(matches!(
+            composed_thresholds(&model, &reference, &FreshSites::new(), bad),
+            Err(crate::Error::InvalidParameter { .. })
+        ));
         // The perturbation estimate moves every tensor downstream of the embedding.
         let p = perturbation_estimate(&model, &reference, 2, 3).unwrap();
         assert!(p["lm_head|fwd.output.0"] > 0.0);
