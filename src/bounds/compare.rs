@@ -350,6 +350,35 @@ pub(crate) fn row_classes(values: &[f64], n: usize) -> (Vec<usize>, Vec<(usize, 
 }
 
 /// Combine per-element differences into a tensor threshold (see the module docs).
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::{reduction_error, tensor_threshold, Confidence, ElementDiff};
+/// use ttrace::{Accumulation, Combine, Format, Order};
+///
+/// # fn main() -> ttrace::Result<()> {
+/// // Two output elements, each a 64-term FP32 sum: sequential versus split-K over 4.
+/// let rows: Vec<Vec<f64>> = (0..2)
+///     .map(|r| (0..64).map(|i| ((r * 64 + i) as f64).sin()).collect::<Vec<_>>())
+///     .map(|v| v.into_iter().map(|x| Format::F32.round(x, ttrace::Overflow::Saturating)).collect())
+///     .collect();
+/// let reference = Accumulation::new(Format::F32, Format::F32, Order::Sequential);
+/// let candidate = Accumulation::new(Format::F32, Format::F32, Order::split_k(4, Format::F32, Combine::Tree));
+/// let diffs = rows
+///     .iter()
+///     .map(|t| Ok(ElementDiff::from_reductions(
+///         reduction_error(t, &reference, false)?,
+///         reduction_error(t, &candidate, false)?,
+///         0.0,
+///     )))
+///     .collect::<ttrace::Result<Vec<_>>>()?;
+/// let norm = rows.iter().map(|t| ttrace::exact_sum(t).powi(2)).sum::<f64>().sqrt();
+/// let t = tensor_threshold(&diffs, norm, Confidence::default_probabilistic());
+/// assert!(t.abs_frobenius > 0.0 && t.abs_frobenius <= t.guaranteed_relative * norm * 1.01);
+/// # Ok(())
+/// # }
+/// ```
 pub fn tensor_threshold(
     diffs: &[ElementDiff],
     reference_norm: f64,

@@ -113,6 +113,23 @@ fn check_supported(order: &Order) -> Result<()> {
 /// term (half the smallest subnormal of each rounding's format) and, for rounded products,
 /// their exact total error.
 ///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::reduction_error;
+/// use ttrace::{exact_sum, sum, Accumulation, Format, Order};
+///
+/// # fn main() -> ttrace::Result<()> {
+/// // 1,000 BF16 terms summed sequentially in BF16.
+/// let terms: Vec<f64> = (0..1000).map(|i| 1.0 + (i % 7) as f64 / 8.0).collect();
+/// let acc = Accumulation::new(Format::BF16, Format::BF16, Order::Sequential);
+/// let e = reduction_error(&terms, &acc, false)?;
+/// let error = sum(&terms, &acc)? - exact_sum(&terms);
+/// assert!(error.abs() <= e.guaranteed);
+/// # Ok(())
+/// # }
+/// ```
+///
 /// # Errors
 /// [`Error::Overflow`] when a rounding may reach its format's overflow threshold (no finite
 /// bound holds then); [`Error::NonFinite`] for a NaN or infinite term; invalid orders, and
