@@ -392,6 +392,27 @@ fn side_by_side(a: &[f64], na: usize, b: &[f64], nb: usize) -> Vec<f64> {
 /// done in the reference's order versus the candidate's (for example a single-device sum
 /// versus a ring all-reduce in BF16): element i is the sum over ranks r of `partials[r][i]`.
 ///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::{allreduce_threshold, Confidence};
+/// use ttrace::{Format, Overflow, Policy, Tensor};
+///
+/// # fn main() -> ttrace::Result<()> {
+/// // Four ranks' BF16 partial results of one 256-element tensor.
+/// let partials = (0..4)
+///     .map(|r| Tensor::rounded(&[256], (0..256).map(|i| ((r * 256 + i) as f64).cos()).collect(),
+///         Format::BF16, Overflow::Saturating))
+///     .collect::<ttrace::Result<Vec<_>>>()?;
+/// // Summed in FP32 on one device, against a ring all-reduce in BF16.
+/// let reference: Policy = "in=bf16,acc=f32,out=bf16".parse()?;
+/// let ring: Policy = "in=bf16,acc=bf16,out=bf16,order=splitk:4:bf16:ring".parse()?;
+/// let t = allreduce_threshold(&partials, &reference, &ring, Confidence::default_probabilistic())?;
+/// assert!(t.relative > 0.0);
+/// # Ok(())
+/// # }
+/// ```
+///
 /// # Errors
 ///
 /// [`Error::InvalidParameter`] for no partials; [`Error::ShapeMismatch`] for partials of
@@ -532,6 +553,23 @@ impl MatmulPlan {
 }
 
 /// Planning: the threshold for `rows` sums of `n` i.i.d. values with the given statistics.
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::{plan_sum, Confidence, TermStats};
+/// use ttrace::Policy;
+///
+/// # fn main() -> ttrace::Result<()> {
+/// // 1,024 row sums of 65,536 values ~ N(1, 1): FP32 sequential against blocks of 256.
+/// let x = TermStats::normal(1.0, 1.0);
+/// let seq: Policy = "in=f32,acc=f32,out=f32".parse()?;
+/// let blocked: Policy = "in=f32,acc=f32,out=f32,order=blocked:256".parse()?;
+/// let t = plan_sum(1024, 1 << 16, x, &seq, &blocked, Confidence::default_probabilistic())?;
+/// assert!(t.relative < 1e-4);
+/// # Ok(())
+/// # }
+/// ```
 ///
 /// # Errors
 ///
