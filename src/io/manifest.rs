@@ -33,7 +33,7 @@ use crate::io::guard::{limits, printable, TrustedDir};
 use crate::io::stored::Stored;
 use crate::io::{npy, safetensors};
 use crate::shard::layout::{Layout, Mesh};
-use crate::shard::merge::{keep, merge_fetched, same_kind, take_spare, Joinable};
+use crate::shard::merge::{keep, merge_fetched, sum_group, take_spare, Joinable};
 
 /// The schema version this library writes and reads.
 pub const VERSION: u64 = 1;
@@ -670,13 +670,9 @@ impl TraceDir {
                     // Addends in npy files: read whole, summed together.
                     let pieces = entries
                         .iter()
-                        .map(|e| read_entry(files, dir, e, spare))
+                        .map(|e| read_entry(files, dir, e, spare).map(Cow::Owned))
                         .collect::<Result<Vec<_>>>()?;
-                    for (p, &r) in pieces.iter().zip(ranks).skip(1) {
-                        same_kind(&pieces[0], p, ranks[0], r, id)?;
-                    }
-                    let refs: Vec<&Stored> = pieces.iter().collect();
-                    Stored::exact_sum(&refs, Vec::new()).map(Cow::Owned)
+                    sum_group(pieces, ranks, id, spare)
                 }
             },
             &layout,

@@ -251,27 +251,15 @@ pub(crate) fn merge_cow<T: Joinable>(
     let mut slots: Vec<Option<Cow<'_, T>>> = shards.into_iter().map(Some).collect();
     merge_fetched(
         &mut |ranks, spare| {
-            let mut pieces: Vec<Cow<'_, T>> = Vec::with_capacity(ranks.len());
-            for &r in ranks {
-                let t = slots[r]
-                    .take()
-                    .ok_or_else(|| layout_err(id, format!("rank {r} taken twice")))?;
-                if let Some(first) = pieces.first() {
-                    same_kind(&**first, &*t, ranks[0], r, id)?;
-                }
-                pieces.push(t);
-            }
-            if pieces.len() == 1 {
-                return Ok(pieces.swap_remove(0));
-            }
-            let refs: Vec<&T> = pieces.iter().map(|t| &**t).collect();
-            let sum = T::exact_sum(&refs, take_spare(spare, refs[0].units().len()))?;
-            for t in pieces {
-                if let Cow::Owned(t) = t {
-                    keep(spare, t.into_units());
-                }
-            }
-            Ok(Cow::Owned(sum))
+            let pieces = ranks
+                .iter()
+                .map(|&r| {
+                    slots[r]
+                        .take()
+                        .ok_or_else(|| layout_err(id, format!("rank {r} taken twice")))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            sum_group(pieces, ranks, id, spare)
         },
         layout,
         mesh,
@@ -279,6 +267,31 @@ pub(crate) fn merge_cow<T: Joinable>(
         expected,
         spare,
     )
+}
+
+/// The piece of a group of ranks (see [`merge_fetched`]): the one shard of a single rank, or
+/// the exact, once-rounded sum of the addends `pieces` held by `ranks` (same shape and format,
+/// checked), built in a buffer from `spare` to which the owned addends' buffers go back.
+pub(crate) fn sum_group<'a, T: Joinable>(
+    mut pieces: Vec<Cow<'a, T>>,
+    ranks: &[usize],
+    id: &str,
+    spare: &mut Vec<Vec<T::Unit>>,
+) -> Result<Cow<'a, T>> {
+    for (t, &r) in pieces.iter().zip(ranks).skip(1) {
+        same_kind(&*pieces[0], &**t, ranks[0], r, id)?;
+    }
+    if pieces.len() == 1 {
+        return Ok(pieces.swap_remove(0));
+    }
+    let refs: Vec<&T> = pieces.iter().map(|t| &**t).collect();
+    let sum = T::exact_sum(&refs, take_spare(spare, refs[0].units().len()))?;
+    for t in pieces {
+        if let Cow::Owned(t) = t {
+            keep(spare, t.into_units());
+        }
+    }
+    Ok(Cow::Owned(sum))
 }
 
 /// An error unless two shards have one shape and one format.
