@@ -7,8 +7,8 @@
 use serde::Serialize;
 
 use crate::engine::model::ModuleKind;
-use crate::engine::policy::Pass;
 use crate::error::{Error, Result};
+use crate::policy::Pass;
 
 /// An injectable bug (serialized as its catalog name).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -33,6 +33,17 @@
 //! * [`io`]: trace directories — safetensors / `.npy` tensors (BF16 and FP8 read as stored)
 //!   and a versioned manifest of ids, ranks, dtypes and layouts (`papers/trace-format.md`).
 //!
+//! ## Features
+//!
+//! | feature | default | what it adds |
+//! |---|---|---|
+//! | `cli` | yes | the `ttrace` binary (clap, indicatif); implies `parallel` |
+//! | `parallel` | yes | checking trace directories, the validation sweep and large emulated matmuls on rayon's thread pool; without it they run on the calling thread with the same results |
+//!
+//! `default-features = false` gives the thresholds, the engine, the checker and the readers
+//! with 15 crates in the dependency tree (serde, serde_json, statrs without its defaults, libc
+//! and theirs).
+//!
 //! The derivations and sources are in `papers/` (`formats-and-orders.md`,
 //! `bounds-*.md`, `sharding.md`, `checking.md`, `trace-format.md`); measured speeds against
 //! same-run baselines in `docs/performance.md`.
@@ -123,15 +134,18 @@ pub(crate) mod exact;
 pub(crate) mod format;
 pub mod io;
 pub(crate) mod order;
+mod parallel;
+pub(crate) mod policy;
 pub mod shard;
+pub(crate) mod tensor;
 pub mod validate;
 
-pub use engine::policy::{Policy, Recipe, Scaling};
-pub use engine::tensor::Tensor;
 pub use error::{Error, IoError, Result};
 pub use exact::{exact_dot, exact_sum, exact_sum_abs, ExactAccumulator};
 pub use format::{Format, FormatInfo, Overflow};
 pub use order::{dot, sum, Accumulation, BlockSum, Combine, Order, Products, TermDepth};
+pub use policy::{Policy, Recipe, Scaling};
+pub use tensor::Tensor;
 
 /// The README's Rust example, compiled and run as a doctest so the README stays true.
 #[cfg(doctest)]

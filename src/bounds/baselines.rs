@@ -81,6 +81,19 @@ impl Baseline {
 }
 
 /// PyTorch `assert_close` defaults for a tensor of `format`.
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::{torch_assert_close, BaselineRule};
+/// use ttrace::Format;
+///
+/// // BF16: rtol 1.6e-2, atol 1e-5, elementwise |c − r| ≤ atol + rtol·|r|.
+/// let b = torch_assert_close(Format::BF16);
+/// assert_eq!(b.rule, BaselineRule::Elementwise { rtol: 1.6e-2, atol: 1e-5 });
+/// assert!(b.accepts(&[100.0], &[101.0]));
+/// assert!(!b.accepts(&[100.0], &[102.0]));
+/// ```
 pub fn torch_assert_close(format: Format) -> Baseline {
     let rule = match format {
         Format::F16 => BaselineRule::Elementwise {
@@ -129,6 +142,20 @@ pub fn transformer_engine_fp8(format: Format) -> Option<Baseline> {
 /// Megatron's TTrace-style threshold k·C^depth·ε (k = 4, C = 1.03) for a tensor of `format`
 /// at `depth` = L + 1 − l (1 for the top layer or a single op). For FP8 recipes Megatron uses
 /// the BF16 ε; pass `Format::BF16` then.
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::megatron_ttrace;
+/// use ttrace::Format;
+///
+/// // A BF16 tensor in the top layer: 4 · 1.03 · 2^-7 ≈ 3.2e-2 relative in the Frobenius norm.
+/// let b = megatron_ttrace(Format::BF16, 1);
+/// assert!((b.nominal_relative() - 4.0 * 1.03 / 128.0).abs() < 1e-15);
+/// let reference = [1.0, 2.0, 3.0];
+/// assert!(b.accepts(&reference, &[1.0, 2.0, 3.05]));
+/// assert!(!b.accepts(&reference, &[1.0, 2.0, 3.5]));
+/// ```
 pub fn megatron_ttrace(format: Format, depth: u32) -> Baseline {
     let tol = 4.0 * 1.03f64.powi(depth as i32) * format.machine_epsilon();
     Baseline {

@@ -37,9 +37,9 @@ use serde::Serialize;
 
 use crate::bounds::reduction::ReductionError;
 use crate::check::TensorVerdict;
-use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::Format;
+use crate::tensor::Tensor;
 
 /// Which kind of threshold.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]

@@ -20,12 +20,12 @@
 use serde::Serialize;
 
 use crate::bounds::compare::{grouped_threshold, Confidence, ElementDiff, Threshold};
-use crate::engine::matmul::quantize;
-use crate::engine::nn::{gelu_f64, gelu_grad_f64};
-use crate::engine::policy::{Policy, Scaling};
-use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
+use crate::policy::quantize;
+use crate::policy::{gelu_f64, gelu_grad_f64};
+use crate::policy::{Policy, Scaling};
+use crate::tensor::Tensor;
 
 /// An elementwise op as the engine computes it.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -171,7 +171,7 @@ pub fn elementwise_threshold(
             // the difference is computed, not modelled — a BF16 sum of two BF16 values ties
             // half the time, which no independent-rounding model prices right.
             let result = |p: &Policy, x: f64, y: f64| {
-                let ar = crate::engine::arith::Arith::new(
+                let ar = crate::policy::arith::Arith::new(
                     p.accumulator(),
                     p.output,
                     p.accumulation.overflow,
@@ -240,9 +240,31 @@ pub struct QuantizationError {
 }
 
 /// The error of quantizing the 2-D tensor `x` (reduction along `axis` for block scaling) to
-/// `fp8` with `scaling`, as `engine::matmul::quantize` does (dequantized values compared with
-/// x). Per element the a-priori bound is |x̂ − x| ≤ max(u·|x|, η/(2s)) with u the FP8 unit
-/// roundoff, η its smallest subnormal and s the scale, unless the element saturates.
+/// `fp8` with `scaling`, as [`quantize`](crate::engine::quantize) does (dequantized values
+/// compared with x). Per element the a-priori bound is |x̂ − x| ≤ max(u·|x|, η/(2s)) with u the
+/// FP8 unit roundoff, η its smallest subnormal and s the scale, unless the element saturates.
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::quantization_error;
+/// use ttrace::{Format, Scaling, Tensor};
+///
+/// # fn main() -> ttrace::Result<()> {
+/// let x = Tensor::from_vec(&[2, 4], vec![0.1, -3.0, 250.0, 7.5, 1e-3, 0.0, -42.0, 1.0], Format::F64)?;
+/// let q = quantization_error(&x, 1, Format::E4M3, Scaling::PerTensorCurrent { margin: 0 })?;
+/// // amax 250 is scaled to E4M3's 448: every element keeps a relative error of at most
+/// // u = 2^-4, except those that fall below the normal range after scaling.
+/// assert!(q.max_abs <= 250.0 / 16.0);
+/// assert!(q.frobenius <= q.bound_frobenius);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::ShapeMismatch`] for a tensor that is not 2-D; [`Error::InvalidParameter`] for an
+/// axis other than 0 or 1.
 pub fn quantization_error(
     x: &Tensor,
     axis: usize,
@@ -303,6 +325,26 @@ pub struct Gain {
 
 /// C = A·B: ‖ΔA·B‖_F ≤ ‖ΔA‖_F·‖B‖₂ ≤ ‖ΔA‖_F·‖B‖_F (the Frobenius norm bounds the spectral
 /// norm; Higham 2002, §6.2). Returns the Frobenius form.
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::matmul_gain;
+/// use ttrace::{Format, Tensor};
+///
+/// # fn main() -> ttrace::Result<()> {
+/// let b = Tensor::from_vec(&[3, 2], vec![1.0, -2.0, 0.5, 4.0, -3.0, 1.0], Format::F64)?;
+/// // A difference ΔA of the left operand (2×3), multiplied out by hand.
+/// let da = [1e-3, -2e-3, 5e-4, 0.0, 1e-3, -1e-3];
+/// let bv = b.values();
+/// let dc: Vec<f64> = (0..2)
+///     .flat_map(|i| (0..2).map(move |j| (0..3).map(|k| da[i * 3 + k] * bv[k * 2 + j]).sum::<f64>()))
+///     .collect();
+/// let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
+/// assert!(norm(&dc) <= matmul_gain(&b).gain * norm(&da));
+/// # Ok(())
+/// # }
+/// ```
 pub fn matmul_gain(b: &Tensor) -> Gain {
     Gain {
         gain: b.values().iter().map(|v| v * v).sum::<f64>().sqrt(),
@@ -312,6 +354,24 @@ pub fn matmul_gain(b: &Tensor) -> Gain {
 /// Elementwise ops: the Lipschitz constant of the op over the given inputs (for GELU and SiLU
 /// the maximum of |f'| over the interval the inputs span, widened by `slack`, evaluated on a
 /// grid and inflated by 1% — GELU′ ≤ 1.13, SiLU′ ≤ 1.10 everywhere; for exp, max e^x·e^slack).
+/// `Add` and `Scale { c }` have gains 1 and |c|.
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::{elementwise_gain, Elementwise};
+/// use ttrace::{Format, Tensor};
+///
+/// # fn main() -> ttrace::Result<()> {
+/// let x = Tensor::from_vec(&[4], vec![-2.0, -0.5, 0.25, 1.5], Format::F64)?;
+/// let g = elementwise_gain(Elementwise::Exp, &x, 0.01).gain;
+/// // Moving each input by at most the slack moves exp by at most g times as much.
+/// for &v in x.values() {
+///     assert!((v.exp() - (v + 0.01).exp()).abs() <= g * 0.01);
+/// }
+/// # Ok(())
+/// # }
+/// ```
 pub fn elementwise_gain(op: Elementwise, x: &Tensor, slack: f64) -> Gain {
     let (lo, hi) = x
         .values()
@@ -347,6 +407,31 @@ pub fn elementwise_gain(op: Elementwise, x: &Tensor, slack: f64) -> Gain {
 /// Softmax along the last dimension: the Jacobian diag(p) − ppᵀ of each row is positive
 /// semidefinite and below diag(p), so ‖Δp‖₂ ≤ max pᵢ·‖Δz‖₂ per row (to first order). Returns
 /// the largest max pᵢ over the rows of the given probabilities.
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::softmax_gain;
+/// use ttrace::{Format, Tensor};
+///
+/// # fn main() -> ttrace::Result<()> {
+/// let softmax = |z: &[f64]| {
+///     let e: Vec<f64> = z.iter().map(|v| v.exp()).collect();
+///     let s: f64 = e.iter().sum();
+///     e.into_iter().map(|v| v / s).collect::<Vec<f64>>()
+/// };
+/// let z = [0.3, -1.2, 2.0, 0.7];
+/// let dz = [1e-6, -2e-6, 5e-7, 3e-6];
+/// let p = softmax(&z);
+/// let moved = softmax(&[z[0] + dz[0], z[1] + dz[1], z[2] + dz[2], z[3] + dz[3]]);
+/// let dp: f64 = p.iter().zip(&moved).map(|(a, b)| (a - b).powi(2)).sum::<f64>().sqrt();
+/// let g = softmax_gain(&Tensor::from_vec(&[1, 4], p, Format::F64)?).gain;
+/// // First order: a second-order term of order ‖Δz‖² is all that may exceed g·‖Δz‖.
+/// let norm_dz = dz.iter().map(|v| v * v).sum::<f64>().sqrt();
+/// assert!(dp <= g * norm_dz + norm_dz * norm_dz);
+/// # Ok(())
+/// # }
+/// ```
 pub fn softmax_gain(probabilities: &Tensor) -> Gain {
     Gain {
         gain: probabilities
@@ -358,6 +443,31 @@ pub fn softmax_gain(probabilities: &Tensor) -> Gain {
 
 /// LayerNorm / RMSNorm: ‖Δy‖ ≤ max|γ|·rstd·‖Δx‖ per row to first order (the Jacobian is
 /// γ·rstd times an orthogonal projection); returns max|γ|·max rstd.
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::norm_gain;
+/// use ttrace::{Format, Tensor};
+///
+/// # fn main() -> ttrace::Result<()> {
+/// // RMSNorm of one row, by hand: yᵢ = γᵢ·xᵢ·rstd, rstd = 1/√(mean x² + ε).
+/// let gamma = [0.5, -1.5, 1.0, 2.0];
+/// let rms = |x: &[f64]| -> (Vec<f64>, f64) {
+///     let rstd = 1.0 / (x.iter().map(|v| v * v).sum::<f64>() / 4.0 + 1e-5).sqrt();
+///     (x.iter().zip(&gamma).map(|(v, g)| g * v * rstd).collect(), rstd)
+/// };
+/// let x = [1.0, -2.0, 0.5, 3.0];
+/// let dx = [1e-6, 2e-6, -1e-6, 0.0];
+/// let (y, rstd) = rms(&x);
+/// let (moved, _) = rms(&[x[0] + dx[0], x[1] + dx[1], x[2] + dx[2], x[3] + dx[3]]);
+/// let dy: f64 = y.iter().zip(&moved).map(|(a, b)| (a - b).powi(2)).sum::<f64>().sqrt();
+/// let g = norm_gain(&Tensor::from_vec(&[4], gamma.to_vec(), Format::F64)?, &[rstd]).gain;
+/// let norm_dx = dx.iter().map(|v| v * v).sum::<f64>().sqrt();
+/// assert!(dy <= g * norm_dx * (1.0 + 1e-3));
+/// # Ok(())
+/// # }
+/// ```
 pub fn norm_gain(weight: &Tensor, rstd: &[f64]) -> Gain {
     let g = weight
         .values()

@@ -20,11 +20,11 @@
 use crate::bounds::compare::{grouped_threshold, row_classes, Confidence, ElementDiff, Threshold};
 use crate::bounds::ops::round_sides;
 use crate::bounds::reduction::{random_rounding_error, reduction_error};
-use crate::engine::nn::Variance;
-use crate::engine::policy::Policy;
-use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
+use crate::policy::Policy;
+use crate::policy::Variance;
+use crate::tensor::Tensor;
 
 /// Variance and bound of the absolute error of rounding the exact `v` to `f`.
 fn rounding(f: Format, v: f64) -> (f64, f64) {
@@ -36,7 +36,7 @@ fn rounding(f: Format, v: f64) -> (f64, f64) {
 }
 
 /// First-order error statistics of Welford's recurrence on the exact inputs x, every step
-/// rounded to `a` (see `engine::nn::Variance::Welford`):
+/// rounded to `a` (see [`Variance::Welford`]):
 /// δ = ra(x_k − μ), μ' = ra(μ + ra(δ/k)), M2' = ra(M2 + ra(δ·ra(x_k − μ'))).
 ///
 /// # Derivation (papers/bounds-norm.md, Welford)
@@ -353,6 +353,37 @@ pub struct NormSide<'a> {
 }
 
 /// Threshold for a normalization of `data` computed by `reference` versus `candidate`.
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::{norm_threshold, Confidence, NormData, NormOp, NormSide};
+/// use ttrace::engine::{layer_norm, Variance};
+/// use ttrace::{Format, Order, Overflow, Policy, Tensor};
+///
+/// # fn main() -> ttrace::Result<()> {
+/// let x = Tensor::rounded(&[4, 256], (0..1024).map(|i| 2.0 + (i as f64 * 0.37).sin()).collect(),
+///     Format::BF16, Overflow::Saturating)?;
+/// let gamma = Tensor::rounded(&[256], (0..256).map(|i| 1.0 + i as f64 / 512.0).collect(),
+///     Format::BF16, Overflow::Saturating)?;
+/// let beta = Tensor::zeros(&[256], Format::BF16);
+/// // The reference reduces sequentially with a two-pass variance; the candidate reduces
+/// // pairwise with Welford's updates.
+/// let r: Policy = "in=bf16,acc=f32,out=bf16".parse()?;
+/// let c = r.clone().with_order(Order::pairwise(1));
+/// let data = NormData { x: &x, weight: &gamma, bias: Some(&beta), eps: 1e-5 };
+/// let t = norm_threshold(
+///     &data,
+///     NormSide { op: NormOp::LayerNorm(Variance::TwoPass), policy: &r },
+///     NormSide { op: NormOp::LayerNorm(Variance::Welford), policy: &c },
+///     Confidence::default_probabilistic(),
+/// )?;
+/// let (yr, _) = layer_norm(&x, &gamma, &beta, 1e-5, Variance::TwoPass, &r)?;
+/// let (yc, _) = layer_norm(&x, &gamma, &beta, 1e-5, Variance::Welford, &c)?;
+/// assert!(t.check(&yr, &yc).passed);
+/// # Ok(())
+/// # }
+/// ```
 ///
 /// # Errors
 ///

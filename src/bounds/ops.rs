@@ -12,13 +12,13 @@ use crate::bounds::compare::{
 use crate::bounds::reduction::{
     planned_reduction_error, reduction_error, ReductionError, TermStats,
 };
-use crate::engine::matmul::{quantize, Quantized};
-use crate::engine::policy::Policy;
-use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::exact::ExactAccumulator;
 use crate::format::Format;
 use crate::order::Accumulation;
+use crate::policy::Policy;
+use crate::policy::{quantize, Quantized};
+use crate::tensor::Tensor;
 
 fn scaled(e: ReductionError, f: f64) -> ReductionError {
     ReductionError {

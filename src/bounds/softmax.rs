@@ -22,12 +22,12 @@
 use crate::bounds::compare::{grouped_threshold, row_classes, Confidence, ElementDiff, Threshold};
 use crate::bounds::ops::round_sides;
 use crate::bounds::reduction::reduction_error;
-use crate::engine::attention::AttentionImpl;
-use crate::engine::policy::Policy;
-use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::order::{Accumulation, Order};
+use crate::policy::AttentionImpl;
+use crate::policy::Policy;
+use crate::tensor::Tensor;
 
 /// Per-element and per-row error statistics of one side's softmax of one row.
 struct SideRow {

@@ -31,12 +31,12 @@ use crate::check::price::{
 };
 use crate::check::{apply_threshold, compare_stored, CheckReport, Localization, TensorVerdict};
 use crate::engine::model::ModuleKind;
-use crate::engine::policy::{Pass, Recipe};
 use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::io::guard::printable;
 use crate::io::stored::Window;
 use crate::io::TraceDir;
+use crate::policy::{Pass, Recipe};
 
 /// Which thresholds `ttrace check` uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
@@ -474,30 +474,27 @@ pub fn check_dir_traces(
     mode: PricingMode,
     progress: &(dyn Fn() + Sync),
 ) -> Result<DirCheck> {
-    use rayon::prelude::*;
     let plan = plan(r0, c0)?;
     let (producer, kinds) = side_info(r0);
     let mesh = c0.manifest().mesh;
-    let workers = rayon::current_num_threads().max(1);
+    let workers = crate::parallel::threads();
     // One run of tensors per worker: each opens its handles once and reuses their read and
     // value buffers for every tensor (smaller runs balanced load better but paid fresh pages
     // for every run's first tensors).
     let chunk = plan.ids.len().div_ceil(workers).max(1);
-    let parts: Vec<Vec<Gathered>> = plan
-        .ids
-        .par_chunks(chunk)
-        .map(|part| {
-            // Readers sharing the validated headers: memory for the metadata once.
-            let (mut r, mut c) = (r0.share(), c0.share());
-            part.iter()
-                .map(|id| {
-                    let g = gather(&mut r, &mut c, id, plan.eps);
-                    progress();
-                    g
-                })
-                .collect::<Result<Vec<_>>>()
-        })
-        .collect::<Result<_>>()?;
+    let parts: Vec<Vec<Gathered>> = crate::parallel::map_chunks(&plan.ids, chunk, |part| {
+        // Readers sharing the validated headers: memory for the metadata once.
+        let (mut r, mut c) = (r0.share(), c0.share());
+        part.iter()
+            .map(|id| {
+                let g = gather(&mut r, &mut c, id, plan.eps);
+                progress();
+                g
+            })
+            .collect::<Result<Vec<_>>>()
+    })
+    .into_iter()
+    .collect::<Result<_>>()?;
     Ok(finish(
         &plan,
         parts.into_iter().flatten().collect(),

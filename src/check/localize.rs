@@ -13,10 +13,10 @@ use serde::Serialize;
 
 use crate::check::compare_tensor;
 use crate::engine::model::ModuleKind;
-use crate::engine::policy::Pass;
 use crate::engine::trace::TensorId;
 use crate::engine::trace::Trace;
 use crate::error::{Error, Result};
+use crate::policy::Pass;
 use crate::shard::merge::merge;
 use crate::shard::model::{ShardedEntry, ShardedGpt, ShardedStep};
 

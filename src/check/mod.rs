@@ -19,11 +19,11 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use crate::engine::tensor::Tensor;
 use crate::engine::trace::Trace;
 use crate::error::Error;
 use crate::format::Format;
 use crate::io::stored::Stored;
+use crate::tensor::Tensor;
 use pass::Pass;
 
 pub use dirs::{check_dir_paths, check_dir_traces, check_dirs, DirCheck, PricingMode};

@@ -60,10 +60,10 @@
 use serde::Serialize;
 
 use crate::engine::model::ModuleKind;
-use crate::engine::policy::{OpClass, Pass, Recipe};
 use crate::engine::trace::{TensorId, TensorRole};
 use crate::format::Format;
 use crate::io::ModuleInfo;
+use crate::policy::{OpClass, Pass, Recipe};
 use crate::shard::layout::{Layout, Mesh, Placement};
 
 /// How a tensor's threshold was priced.

@@ -21,30 +21,14 @@
 //! dS_ij = mul(mul(P_ij, sub(dP_ij, c_i)), scale) with c_i = dot(P_i, dP_i), then dQ = dS·K and
 //! dK = dSᵀ·Q with dS rounded to I.
 
-use serde::{Deserialize, Serialize};
-
-use crate::engine::arith::Arith;
 use crate::engine::matmul::reduce_matrix;
 use crate::engine::nn::masked_exp;
-use crate::engine::policy::Policy;
-use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::order::{dot_unchecked, sum_unchecked};
-
-/// Which attention algorithm to run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AttentionImpl {
-    /// Materialize S and P.
-    #[default]
-    Standard,
-    /// Blockwise over keys with online softmax merging (flash / ring attention).
-    Online {
-        /// Keys per block (≥ 1).
-        block: usize,
-    },
-}
+use crate::policy::arith::Arith;
+use crate::policy::{AttentionImpl, Policy};
+use crate::tensor::Tensor;
 
 /// What the backward pass needs.
 #[derive(Debug, Clone)]

@@ -88,7 +88,7 @@ fn gemm_with(a: &[f64], b: &[f64], c: &mut [f64], s: GemmShape, micro: MicroFn) 
     let open_blocks = (KC..k).step_by(KC).any(|x| x % block != 0);
     let mut part = take(if open_blocks { tiles_len } else { 0 });
     let mut bpack = take(tn * KC * NR);
-    let parallel = m * n * k >= 1 << 22 && m > MC && rayon::current_num_threads() > 1;
+    let parallel = m * n * k >= 1 << 22 && m > MC && crate::parallel::threads() > 1;
     for k0 in (0..k).step_by(KC) {
         let kc = KC.min(k - k0);
         pack_b(b, n, k0, kc, &mut bpack);
@@ -139,8 +139,7 @@ fn gemm_with(a: &[f64], b: &[f64], c: &mut [f64], s: GemmShape, micro: MicroFn) 
             give_back(apack);
         };
         if parallel {
-            use rayon::prelude::*;
-            work.into_par_iter().for_each(run);
+            crate::parallel::for_each_owned(work, run);
         } else {
             work.into_iter().for_each(run);
         }

@@ -104,9 +104,8 @@ pub(crate) fn narrow_kernel(
             }
         };
         let out = &mut out[..m * n];
-        if m * n * k >= 1 << 20 && m > R && rayon::current_num_threads() > 1 {
-            use rayon::prelude::*;
-            out.par_chunks_mut(R * n).enumerate().for_each(band);
+        if m * n * k >= 1 << 20 && m > R && crate::parallel::threads() > 1 {
+            crate::parallel::for_each_chunk_mut(out, R * n, band);
         } else {
             out.chunks_mut(R * n).enumerate().for_each(band);
         }

@@ -7,7 +7,6 @@
 //! [`Format::round`](crate::Format::round), [`sum`](crate::sum) and [`dot`](crate::dot) — the
 //! tests do exactly that and require bit-identical results.
 
-pub(crate) mod arith;
 pub(crate) mod attention;
 pub(crate) mod gemm;
 pub(crate) mod init;
@@ -15,15 +14,12 @@ mod lanes32;
 pub(crate) mod matmul;
 pub(crate) mod model;
 pub(crate) mod nn;
-pub(crate) mod policy;
-pub(crate) mod tensor;
 pub(crate) mod trace;
 
-pub use attention::{attention, attention_backward, AttentionImpl, AttentionSaved};
+pub use attention::{attention, attention_backward, AttentionSaved};
 pub use init::{fnv1a64, normal_values, uniform_ints, SplitMix64};
 pub use matmul::{
-    column_sums, linear, linear_backward, linear_scaled, matmul, matmul_scaled, quantize,
-    transpose, Quantized,
+    column_sums, linear, linear_backward, linear_scaled, matmul, matmul_scaled, transpose,
 };
 pub use model::{
     Activation, Gpt, GptConfig, Module, ModuleGrads, ModuleKind, NormKind, StepHook, StepResult,
@@ -31,7 +27,11 @@ pub use model::{
 pub use nn::{
     add, cross_entropy, cross_entropy_backward, embedding, embedding_backward, gelu, gelu_backward,
     layer_norm, norm_backward, online_softmax, rms_norm, scale, silu, silu_backward, softmax,
-    softmax_backward, NormSaved, Variance,
+    softmax_backward, NormSaved,
 };
-pub use policy::{delayed_scale, per_tensor_scale, OpClass, Pass};
+// The arithmetic vocabulary lives beside `format` and `order` (the bounds price it without the
+// engine); its op-level parts are published here, with the ops that use them.
+pub use crate::policy::{
+    delayed_scale, per_tensor_scale, quantize, AttentionImpl, OpClass, Pass, Quantized, Variance,
+};
 pub use trace::{TensorId, TensorRole, Trace, TraceEntry};

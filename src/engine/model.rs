@@ -16,21 +16,20 @@ use std::collections::{BTreeMap, HashMap};
 
 use serde::{Deserialize, Serialize};
 
-use crate::engine::attention::{attention, attention_backward, AttentionImpl, AttentionSaved};
+use crate::engine::attention::{attention, attention_backward, AttentionSaved};
 use crate::engine::init::{normal_values, uniform_ints};
 use crate::engine::matmul::{column_sums, matmul_scaled, transpose};
 use crate::engine::nn::{
     self, cross_entropy, cross_entropy_backward, embedding, embedding_backward, gelu,
-    gelu_backward, layer_norm, norm_backward, rms_norm, silu, silu_backward, NormSaved, Variance,
+    gelu_backward, layer_norm, norm_backward, rms_norm, silu, silu_backward, NormSaved,
 };
-use crate::engine::policy::{
-    delayed_scale, per_tensor_scale, OpClass, Pass, Policy, Recipe, Scaling,
-};
-use crate::engine::tensor::Tensor;
 use crate::engine::trace::TensorId;
 use crate::engine::trace::Trace;
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
+use crate::policy::{delayed_scale, per_tensor_scale, OpClass, Pass, Policy, Recipe, Scaling};
+use crate::policy::{AttentionImpl, Variance};
+use crate::tensor::Tensor;
 
 /// Which normalization the blocks use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

@@ -7,19 +7,12 @@
 //! first rounded to the policy's input format. Ops work along the last dimension; leading
 //! dimensions are rows.
 
-use serde::{Deserialize, Serialize};
-
-use crate::engine::arith::Arith;
-use crate::engine::policy::Policy;
-use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::order::{dot_unchecked, sum_unchecked, Accumulation};
-
-/// √(2/π), the constant of the tanh form of GELU.
-const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
-/// The cubic coefficient of the tanh form of GELU.
-const GELU_CUBIC: f64 = 0.044_715;
+use crate::policy::arith::Arith;
+use crate::policy::{gelu_f64, gelu_grad_f64, Policy, Variance};
+use crate::tensor::Tensor;
 
 fn arith(policy: &Policy) -> Arith {
     Arith::new(
@@ -149,18 +142,6 @@ pub fn silu_backward(x: &Tensor, dy: &Tensor, policy: &Policy) -> Result<Tensor>
     )
 }
 
-pub(crate) fn gelu_f64(x: f64) -> f64 {
-    let inner = SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x);
-    0.5 * x * (1.0 + inner.tanh())
-}
-
-pub(crate) fn gelu_grad_f64(x: f64) -> f64 {
-    let inner = SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x);
-    let t = inner.tanh();
-    let dinner = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * x * x);
-    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner
-}
-
 /// eᵢ = ra(exp(ra(xᵢ − m))) for each element of `row` into `out`, with eᵢ = 0 where xᵢ = −∞
 /// (a masked position). Shared by softmax, online softmax and attention.
 pub(crate) fn masked_exp(ar: &Arith, row: &[f64], m: f64, out: &mut [f64]) {
@@ -272,21 +253,6 @@ pub fn softmax_backward(y: &Tensor, dy: &Tensor, policy: &Policy) -> Result<Tens
         }
     }
     Ok(Tensor::from_parts_unchecked(y.shape(), out, policy.output))
-}
-
-/// How LayerNorm computes the variance.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Variance {
-    /// μ = ra(Σx / n), dᵢ = ra(xᵢ − μ), var = ra(dot(d, d) / n): the stable two-pass form.
-    #[default]
-    TwoPass,
-    /// Welford's updating form, sequential whatever the policy order: for k = 1..n,
-    /// δ = ra(x_k − μ), μ = ra(μ + ra(δ / k)), M2 = ra(M2 + ra(δ · ra(x_k − μ))); var = ra(M2 / n).
-    Welford,
-    /// The textbook one-pass form var = ra(ra(dot(x, x) / n) − ra(μ·μ)), which cancels
-    /// catastrophically when |μ| ≫ σ (Chan, Golub & LeVeque 1983).
-    OnePass,
 }
 
 /// Saved state of a normalization for its backward pass.

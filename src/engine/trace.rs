@@ -8,9 +8,9 @@
 
 use std::collections::HashMap;
 
-use crate::engine::policy::Pass;
-use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
+use crate::policy::Pass;
+use crate::tensor::Tensor;
 
 /// What a canonical id names about its module (see the module docs).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

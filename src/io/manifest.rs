@@ -26,7 +26,6 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::engine::model::ModuleKind;
-use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::io::guard::{limits, printable, TrustedDir};
@@ -34,6 +33,7 @@ use crate::io::stored::Stored;
 use crate::io::{npy, safetensors};
 use crate::shard::layout::{Layout, Mesh};
 use crate::shard::merge::{keep, merge_fetched, sum_group, take_spare, Joinable};
+use crate::tensor::Tensor;
 
 /// The schema version this library writes and reads.
 pub const VERSION: u64 = 1;

@@ -11,11 +11,11 @@ use std::fs::File;
 use std::io::Read;
 use std::path::Path;
 
-use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::io::safetensors::{element_size, encode_values};
 use crate::io::stored::Stored;
+use crate::tensor::Tensor;
 
 fn err(path: &Path, reason: impl Into<String>) -> Error {
     Error::File {
@@ -243,7 +243,7 @@ pub(crate) fn read_stored_from(
             ));
         }
     }
-    let count = crate::engine::tensor::element_count(&shape).ok_or_else(|| {
+    let count = crate::tensor::element_count(&shape).ok_or_else(|| {
         err(
             path,
             format!("npy shape {shape:?} is too large for an array"),

@@ -18,10 +18,10 @@ use crate::io::guard::{limits, printable};
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
-use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::io::stored::Stored;
+use crate::tensor::Tensor;
 
 fn err(path: &Path, reason: impl Into<String>) -> Error {
     Error::File {
@@ -396,7 +396,7 @@ impl SafetensorsFile {
             let [b, e] = offs[..] else {
                 return Err(bad("data_offsets must have two entries"));
             };
-            let count = crate::engine::tensor::element_count(&shape)
+            let count = crate::tensor::element_count(&shape)
                 .ok_or_else(|| bad(&format!("shape {shape:?} is too large for an array")))?
                 as u64;
             let bytes = count

@@ -3,9 +3,9 @@
 //! are merged pattern by pattern and decoded to `f64` a block at a time — so an FP8 tensor
 //! takes one byte per element in memory, not the eight of its decoded values.
 
-use crate::engine::tensor::{element_count, Tensor};
 use crate::format::Format;
 use crate::io::safetensors::{decode_values_into, element_size};
+use crate::tensor::{element_count, Tensor};
 #[cfg(test)]
 use crate::{
     error::{Error, Result},

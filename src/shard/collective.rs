@@ -16,12 +16,12 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::order::Combine;
 use crate::shard::layout::{Layout, Mesh, Placement};
 use crate::shard::merge::merge;
+use crate::tensor::Tensor;
 
 /// The algorithm of an all-reduce.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

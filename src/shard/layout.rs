@@ -30,8 +30,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
+use crate::tensor::Tensor;
 
 /// A device mesh: data-, context- and tensor-parallel sizes, and whether sequence parallelism
 /// splits the non-tensor-parallel regions along the sequence across the TP group.

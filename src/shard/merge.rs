@@ -5,7 +5,6 @@
 
 use std::borrow::Cow;
 
-use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::exact::ExactAccumulator;
 use crate::format::{Format, Overflow};
@@ -14,6 +13,7 @@ use crate::io::stored::Stored;
 use crate::shard::layout::{
     check_dim, dim_of, layout_err, part_ranges, Axis, Coords, Layout, Mesh, Placement,
 };
+use crate::tensor::Tensor;
 
 /// What a merge joins: decoded values ([`Tensor`]) or stored bit patterns
 /// ([`Stored`](crate::io::stored::Stored)), so a checker can merge shards without widening them.
@@ -450,7 +450,7 @@ pub(crate) fn logical_shape(
             s[d] = s[d].checked_mul(parts).ok_or_else(too_large)?;
         }
     }
-    crate::engine::tensor::element_count(&s)
+    crate::tensor::element_count(&s)
         .and_then(|n| n.checked_mul(width))
         .filter(|&n| n <= isize::MAX as usize)
         .ok_or_else(too_large)?;

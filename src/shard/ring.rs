@@ -20,13 +20,13 @@
 //!    accumulated in A as the block travels home (owner first, then the next ranks), then
 //!    rounded to the output format.
 
-use crate::engine::arith::Arith;
 use crate::engine::attention::{forward_arith, split_heads, widest_of, OnlineArith, OnlineRow};
-use crate::engine::policy::Policy;
-use crate::engine::tensor::Tensor;
 use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::order::{dot_unchecked, Accumulation};
+use crate::policy::arith::Arith;
+use crate::policy::Policy;
+use crate::tensor::Tensor;
 
 /// Deviations from correct ring attention, for the bug catalog ([`crate::bugs::Bug`]). The
 /// default is correct ring attention.

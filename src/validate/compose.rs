@@ -43,11 +43,11 @@ use statrs::distribution::{ChiSquared, ContinuousCDF};
 
 use crate::engine::init::SplitMix64;
 use crate::engine::model::Gpt;
-use crate::engine::tensor::Tensor;
 use crate::engine::trace::Trace;
 use crate::engine::trace::{TensorId, TensorRole};
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
+use crate::tensor::Tensor;
 use crate::validate::fresh::FreshSites;
 
 /// Settings of the difference simulation.
@@ -410,7 +410,7 @@ pub fn perturbation_estimate(
 mod tests {
     use super::*;
     use crate::engine::model::GptConfig;
-    use crate::engine::policy::Recipe;
+    use crate::policy::Recipe;
 
     #[test]
     fn stochastic_rounding_onto_the_grid_is_unbiased_and_on_the_grid() {

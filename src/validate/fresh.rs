@@ -25,12 +25,12 @@ use std::collections::HashMap;
 use crate::bounds::reduction::{random_rounding_error as reduction_error, ReductionError};
 use crate::engine::attention::widest_of;
 use crate::engine::model::{Gpt, ModuleKind, NormKind};
-use crate::engine::policy::{OpClass, Pass, Policy};
 use crate::engine::trace::TensorId;
 use crate::engine::trace::Trace;
 use crate::error::Result;
 use crate::format::Format;
 use crate::order::{Accumulation, Order};
+use crate::policy::{OpClass, Pass, Policy};
 use crate::shard::collective::Algorithm;
 use crate::shard::layout::Mesh;
 

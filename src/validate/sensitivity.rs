@@ -13,8 +13,8 @@ use serde::Serialize;
 
 use crate::bounds::baselines::{megatron_ttrace, torch_assert_close};
 use crate::engine::init::SplitMix64;
-use crate::engine::tensor::Tensor;
 use crate::format::Format;
+use crate::tensor::Tensor;
 
 /// ρ* of each rule for one tensor (`None`: the rule rejects the correct run already).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]

@@ -12,16 +12,16 @@ use crate::bounds::baselines::{megatron_ttrace, torch_assert_close};
 use crate::bounds::Confidence;
 use crate::bugs::Bug;
 use crate::check::{check, localize, CheckReport, Localization};
-use crate::engine::attention::AttentionImpl;
 use crate::engine::model::{Gpt, GptConfig};
-use crate::engine::policy::{Recipe, Scaling};
-use crate::engine::tensor::Tensor;
 use crate::engine::trace::{TensorId, TensorRole, Trace};
 use crate::error::Result;
 use crate::io::write_trace_dir;
+use crate::policy::AttentionImpl;
+use crate::policy::{Recipe, Scaling};
 use crate::shard::collective::Algorithm;
 use crate::shard::layout::Mesh;
 use crate::shard::model::{ShardedGpt, ShardedStep};
+use crate::tensor::Tensor;
 use crate::validate::compose::{composed_thresholds, perturbation_estimate, SimulationConfig};
 use crate::validate::fresh::{fresh_sites, local_thresholds};
 use crate::validate::sensitivity::{sensitivity, Sensitivity};
@@ -715,11 +715,10 @@ impl SweepReport {
     }
 }
 
-/// Run every configuration of `options` on the rayon thread pool, calling `progress` after
+/// Run every configuration of `options` on the rayon thread pool (with the `parallel` feature), calling `progress` after
 /// each one. Results are in configuration order, identical for any number of threads (each
 /// configuration is deterministic and independent).
 pub fn run_sweep(options: &SweepOptions, progress: &(dyn Fn() + Sync)) -> Result<SweepReport> {
-    use rayon::prelude::*;
     let most = crate::io::guard::limits::SWEEP_RUNS;
     if options.simulation.samples as u64 > most {
         return Err(crate::error::Error::InvalidParameter {
@@ -731,24 +730,21 @@ pub fn run_sweep(options: &SweepOptions, progress: &(dyn Fn() + Sync)) -> Result
         });
     }
     let start = std::time::Instant::now();
-    let done: Vec<(RunResult, Thresholds)> = options
-        .runs
-        .par_iter()
-        .map(|r| {
-            let out = run_config_with_thresholds(options, r);
-            progress();
-            out
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let done: Vec<(RunResult, Thresholds)> = crate::parallel::map(&options.runs, |r| {
+        let out = run_config_with_thresholds(options, r);
+        progress();
+        out
+    })
+    .into_iter()
+    .collect::<Result<Vec<_>>>()?;
     let bug_runs = options.bug_runs();
-    let bugs = bug_runs
-        .par_iter()
-        .map(|(bug, idx)| {
-            let out = run_bug(options, &options.runs[*idx], Some(*bug), &done[*idx].1);
-            progress();
-            out
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let bugs = crate::parallel::map(&bug_runs, |(bug, idx)| {
+        let out = run_bug(options, &options.runs[*idx], Some(*bug), &done[*idx].1);
+        progress();
+        out
+    })
+    .into_iter()
+    .collect::<Result<Vec<_>>>()?;
     let runs = done.into_iter().map(|(r, _)| r).collect();
     Ok(SweepReport::new(
         options.clone(),

@@ -10,6 +10,14 @@ use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::order::{Accumulation, Order, Products};
 
+mod algorithm;
+pub(crate) mod arith;
+mod quantize;
+
+pub(crate) use algorithm::{gelu_f64, gelu_grad_f64};
+pub use algorithm::{AttentionImpl, Variance};
+pub use quantize::{quantize, Quantized};
+
 /// How operands are scaled before being quantized to an FP8 input format.
 ///
 /// Quantization always saturates (the mode FP8 training kernels use) and follows the
