@@ -3,6 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::{Error, Result};
+
 /// How LayerNorm computes the variance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -32,6 +34,78 @@ pub enum AttentionImpl {
     },
 }
 
+impl std::fmt::Display for Variance {
+    /// `twopass`, `welford` or `onepass`: the text [`FromStr`](std::str::FromStr) reads.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Variance::TwoPass => "twopass",
+            Variance::Welford => "welford",
+            Variance::OnePass => "onepass",
+        })
+    }
+}
+
+impl std::str::FromStr for Variance {
+    type Err = Error;
+
+    /// `twopass`, `welford` or `onepass`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownName`] for any other text.
+    fn from_str(s: &str) -> Result<Variance> {
+        match s.trim() {
+            "twopass" => Ok(Variance::TwoPass),
+            "welford" => Ok(Variance::Welford),
+            "onepass" => Ok(Variance::OnePass),
+            other => Err(Error::UnknownName {
+                kind: "variance algorithm (twopass, welford, onepass)",
+                name: other.to_string(),
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for AttentionImpl {
+    /// `standard` or `online:B`: the text [`FromStr`](std::str::FromStr) reads.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AttentionImpl::Standard => f.write_str("standard"),
+            AttentionImpl::Online { block } => write!(f, "online:{block}"),
+        }
+    }
+}
+
+impl std::str::FromStr for AttentionImpl {
+    type Err = Error;
+
+    /// `standard`, or `online:B` with B ≥ 1 keys per block.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidParameter`] for a block that is not a whole number ≥ 1;
+    /// [`Error::UnknownName`] for any other text.
+    fn from_str(s: &str) -> Result<AttentionImpl> {
+        let s = s.trim();
+        if s == "standard" {
+            return Ok(AttentionImpl::Standard);
+        }
+        if let Some(b) = s.strip_prefix("online:") {
+            return match b.trim().parse::<usize>() {
+                Ok(block) if block >= 1 => Ok(AttentionImpl::Online { block }),
+                _ => Err(Error::InvalidParameter {
+                    name: "block",
+                    reason: format!("online:B needs a whole number of keys B >= 1 (got '{b}')"),
+                }),
+            };
+        }
+        Err(Error::UnknownName {
+            kind: "softmax form (standard, online:B)",
+            name: s.to_string(),
+        })
+    }
+}
+
 /// √(2/π), the constant of the tanh form of GELU.
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 /// The cubic coefficient of the tanh form of GELU.
@@ -50,4 +124,33 @@ pub(crate) fn gelu_grad_f64(x: f64) -> f64 {
     let t = inner.tanh();
     let dinner = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * x * x);
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn texts_round_trip_and_bad_ones_name_the_problem() {
+        for v in [Variance::TwoPass, Variance::Welford, Variance::OnePass] {
+            assert_eq!(v.to_string().parse::<Variance>().unwrap(), v);
+        }
+        for a in [AttentionImpl::Standard, AttentionImpl::Online { block: 32 }] {
+            assert_eq!(a.to_string().parse::<AttentionImpl>().unwrap(), a);
+        }
+        assert!(matches!(
+            "two-pass".parse::<Variance>(),
+            Err(Error::UnknownName { .. })
+        ));
+        assert!(matches!(
+            "flash".parse::<AttentionImpl>(),
+            Err(Error::UnknownName { .. })
+        ));
+        for bad in ["online:0", "online:x", "online:-3"] {
+            assert!(matches!(
+                bad.parse::<AttentionImpl>(),
+                Err(Error::InvalidParameter { name: "block", .. })
+            ));
+        }
+    }
 }

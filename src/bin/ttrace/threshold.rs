@@ -98,27 +98,10 @@ fn parse_spec(s: &str) -> Result<(Policy, SpecExtras), String> {
     for item in s.split(',').filter(|x| !x.trim().is_empty()) {
         match item.split_once('=').map(|(k, v)| (k.trim(), v.trim())) {
             Some(("form", v)) => {
-                extras.form = match v {
-                    "standard" => AttentionImpl::Standard,
-                    v if v.starts_with("online:") => AttentionImpl::Online {
-                        block: v[7..]
-                            .parse()
-                            .map_err(|_| format!("form '{v}': online:B needs a whole number"))?,
-                    },
-                    v => return Err(format!("unknown softmax form '{v}' (standard, online:B)")),
-                }
+                extras.form = v.parse().map_err(|e: ttrace::Error| e.to_string())?
             }
             Some(("variance", v)) => {
-                extras.variance = match v {
-                    "twopass" => Variance::TwoPass,
-                    "onepass" => Variance::OnePass,
-                    "welford" => Variance::Welford,
-                    v => {
-                        return Err(format!(
-                            "unknown variance '{v}' (twopass, onepass, welford)"
-                        ))
-                    }
-                }
+                extras.variance = v.parse().map_err(|e: ttrace::Error| e.to_string())?
             }
             _ => policy.push(item),
         }
