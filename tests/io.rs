@@ -519,3 +519,63 @@ fn dumping_from_the_checked_run_writes_the_same_traces() {
     std::fs::remove_dir_all(&a).unwrap();
     std::fs::remove_dir_all(&b).unwrap();
 }
+
+/// Tensors written from their stored bytes read back pattern for pattern, by our reader and by
+/// the `safetensors` crate; a byte count that does not fit the shape, or a name given twice,
+/// is refused before anything is written.
+#[test]
+fn stored_bytes_are_written_as_given() {
+    use safetensors::{SafetensorsFile, StoredTensor};
+    let dir = tmp("write-stored");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("t.safetensors");
+    // BF16 patterns of 1.0, -2.5, a NaN with payload and the smallest subnormal; E4M3 codes.
+    let bf16: Vec<u8> = [0x3f80u16, 0xc020, 0x7fc1, 0x0001]
+        .iter()
+        .flat_map(|p| p.to_le_bytes())
+        .collect();
+    let fp8: Vec<u8> = vec![0x38, 0xb8, 0x7e, 0x01, 0x00, 0x80];
+    let tensors = [
+        StoredTensor {
+            name: "a",
+            format: Format::BF16,
+            shape: &[2, 2],
+            bytes: &bf16,
+        },
+        StoredTensor {
+            name: "b",
+            format: Format::E4M3,
+            shape: &[3, 2],
+            bytes: &fp8,
+        },
+    ];
+    safetensors::write_stored(&path, &tensors, &BTreeMap::new()).unwrap();
+    let raw = std::fs::read(&path).unwrap();
+    let oracle = ::safetensors::SafeTensors::deserialize(&raw).unwrap();
+    assert_eq!(oracle.tensor("a").unwrap().data(), &bf16[..]);
+    assert_eq!(oracle.tensor("b").unwrap().data(), &fp8[..]);
+    assert_eq!(oracle.tensor("b").unwrap().shape(), &[3, 2]);
+    let mut ours = SafetensorsFile::open(&path).unwrap();
+    let a = ours.read("a").unwrap();
+    for (v, p) in a.values().iter().zip([0x3f80u64, 0xc020, 0x7fc1, 0x0001]) {
+        let want = Format::BF16.decode(p).unwrap();
+        assert!(v.to_bits() == want.to_bits() || (v.is_nan() && want.is_nan()));
+    }
+    let short = StoredTensor {
+        name: "c",
+        format: Format::F32,
+        shape: &[2],
+        bytes: &fp8[..7.min(fp8.len())],
+    };
+    let other = dir.join("u.safetensors");
+    assert!(matches!(
+        safetensors::write_stored(&other, &[short], &BTreeMap::new()),
+        Err(Error::File { .. })
+    ));
+    let twice = [tensors[0], tensors[0]];
+    assert!(matches!(
+        safetensors::write_stored(&other, &twice, &BTreeMap::new()),
+        Err(Error::File { .. })
+    ));
+    assert!(!other.exists());
+}

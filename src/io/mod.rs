@@ -22,6 +22,11 @@ pub use manifest::{read_manifest, write_trace_dir, Manifest, ManifestEntry, Modu
 /// opened without blocking, so a FIFO nobody reads is an error, not a hang — and never
 /// replaced; a directory, a block device or a socket is refused.
 pub fn write_atomic(path: &std::path::Path, contents: &[u8]) -> crate::error::Result<()> {
+    write_atomic_parts(path, &[contents])
+}
+
+/// [`write_atomic`] of the concatenation of `parts`, without joining them in memory first.
+pub fn write_atomic_parts(path: &std::path::Path, parts: &[&[u8]]) -> crate::error::Result<()> {
     use std::io::Write;
     let fail = |reason: String| crate::error::Error::File {
         path: path.display().to_string(),
@@ -31,7 +36,7 @@ pub fn write_atomic(path: &std::path::Path, contents: &[u8]) -> crate::error::Re
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         let t = meta.file_type();
         if !t.is_file() && !t.is_symlink() {
-            return write_in_place(path, &meta, contents);
+            return write_in_place(path, &meta, parts);
         }
     }
     let name = path
@@ -56,8 +61,9 @@ pub fn write_atomic(path: &std::path::Path, contents: &[u8]) -> crate::error::Re
     let mut file = options
         .open(&tmp)
         .map_err(|e| fail(format!("creating a temporary file beside it: {e}")))?;
-    let written = file
-        .write_all(contents)
+    let written = parts
+        .iter()
+        .try_for_each(|p| file.write_all(p))
         .and_then(|_| file.sync_all())
         .and_then(|_| std::fs::rename(&tmp, path));
     written.map_err(|e| {
@@ -70,7 +76,7 @@ pub fn write_atomic(path: &std::path::Path, contents: &[u8]) -> crate::error::Re
 fn write_in_place(
     path: &std::path::Path,
     meta: &std::fs::Metadata,
-    contents: &[u8],
+    parts: &[&[u8]],
 ) -> crate::error::Result<()> {
     use std::io::Write;
     let fail = |reason: String| crate::error::Error::File {
@@ -99,8 +105,9 @@ fn write_in_place(
             if !ok {
                 return Err(fail("cannot set blocking mode".into()));
             }
-            return file
-                .write_all(contents)
+            return parts
+                .iter()
+                .try_for_each(|p| file.write_all(p))
                 .and_then(|_| file.flush())
                 .map_err(|e| fail(format!("writing: {e}")));
         }

@@ -608,22 +608,82 @@ pub fn write(
     tensors: &[(&str, &Tensor)],
     metadata: &BTreeMap<String, String>,
 ) -> Result<()> {
+    let encoded = tensors
+        .iter()
+        .map(|(name, t)| encode_values(t.values(), t.format(), name))
+        .collect::<Result<Vec<_>>>()?;
+    let stored: Vec<StoredTensor<'_>> = tensors
+        .iter()
+        .zip(&encoded)
+        .map(|((name, t), bytes)| StoredTensor {
+            name,
+            format: t.format(),
+            shape: t.shape(),
+            bytes,
+        })
+        .collect();
+    write_stored(path, &stored, metadata)
+}
+
+/// One tensor as stored: its element patterns, little-endian, in row-major order.
+#[derive(Debug, Clone, Copy)]
+pub struct StoredTensor<'a> {
+    /// The name (key) in the file.
+    pub name: &'a str,
+    /// The element format.
+    pub format: Format,
+    /// The shape.
+    pub shape: &'a [usize],
+    /// `element_size(format) · Π shape` bytes.
+    pub bytes: &'a [u8],
+}
+
+/// Write tensors given as their stored bytes (no decoding, no copy) and metadata to `path`,
+/// atomically ([`write_atomic`](crate::io::write_atomic)): readers see the old file or the
+/// whole new one.
+///
+/// # Errors
+///
+/// [`Error::File`] for a format without a safetensors dtype, a byte count that does not match
+/// the shape, a name given twice, or a failed write.
+pub fn write_stored(
+    path: &Path,
+    tensors: &[StoredTensor<'_>],
+    metadata: &BTreeMap<String, String>,
+) -> Result<()> {
     let mut header = serde_json::Map::new();
-    let mut data = Vec::new();
-    for (name, t) in tensors {
-        let dtype = dtype_name(t.format()).ok_or_else(|| {
+    let mut offset = 0usize;
+    for t in tensors {
+        let name = t.name;
+        let dtype = dtype_name(t.format).ok_or_else(|| {
             err(
                 path,
-                format!("tensor '{name}': {} has no safetensors dtype", t.format()),
+                format!("tensor '{name}': {} has no safetensors dtype", t.format),
             )
         })?;
-        let bytes = encode_values(t.values(), t.format(), name)?;
-        let b = data.len();
-        data.extend_from_slice(&bytes);
-        header.insert(
-            name.to_string(),
-            serde_json::json!({"dtype": dtype, "shape": t.shape(), "data_offsets": [b, data.len()]}),
-        );
+        let expected = crate::tensor::element_count(t.shape)
+            .and_then(|n| n.checked_mul(element_size(t.format)));
+        if expected != Some(t.bytes.len()) {
+            return Err(err(
+                path,
+                format!(
+                    "tensor '{name}': {} bytes for shape {:?} of {}",
+                    t.bytes.len(),
+                    t.shape,
+                    t.format
+                ),
+            ));
+        }
+        let end = offset + t.bytes.len();
+        let entry =
+            serde_json::json!({"dtype": dtype, "shape": t.shape, "data_offsets": [offset, end]});
+        if header.insert(name.to_string(), entry).is_some() || name == "__metadata__" {
+            return Err(err(
+                path,
+                format!("tensor name '{name}' given twice or reserved"),
+            ));
+        }
+        offset = end;
     }
     if !metadata.is_empty() {
         header.insert("__metadata__".into(), serde_json::json!(metadata));
@@ -634,11 +694,12 @@ pub fn write(
     while h.len() % 8 != 0 {
         h.push(b' ');
     }
-    let mut out = Vec::with_capacity(8 + h.len() + data.len());
-    out.extend_from_slice(&(h.len() as u64).to_le_bytes());
-    out.extend_from_slice(&h);
-    out.extend_from_slice(&data);
-    crate::io::write_atomic(path, &out)
+    let len = (h.len() as u64).to_le_bytes();
+    let mut parts: Vec<&[u8]> = Vec::with_capacity(2 + tensors.len());
+    parts.push(&len);
+    parts.push(&h);
+    parts.extend(tensors.iter().map(|t| t.bytes));
+    crate::io::write_atomic_parts(path, &parts)
 }
 
 #[cfg(test)]
