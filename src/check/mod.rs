@@ -14,6 +14,7 @@ pub(crate) mod dirs;
 pub(crate) mod localize;
 pub(crate) mod pass;
 pub(crate) mod price;
+mod text;
 
 use std::collections::HashMap;
 
@@ -29,6 +30,7 @@ use pass::Pass;
 pub use dirs::{check_dir_paths, check_dir_traces, check_dirs, DirCheck, PricingMode};
 pub use localize::{localize, Localization};
 pub use price::{price_local, InputIndex, PriceContext, Priced, Pricing, TensorStat};
+pub use text::{localization_line, render_check, render_dir_check};
 
 /// The verdict on one tensor.
 #[derive(Debug, Clone, PartialEq, Serialize)]

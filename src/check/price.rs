@@ -33,8 +33,10 @@
 //!   (each order's error has variance ≈ (u²/3)·Σ_k S_k² ≈ u²·K·‖y‖²/6 for random-sign terms
 //!   with partial sums S_k; Higham & Mary 2019). K is read off the data: the last dimension of
 //!   the first input (the tokens, elements / last dimension, for a weight gradient). Skipped
-//!   when the module's inputs are identical in both runs and nothing is split (s = 1): the
-//!   same program on the same data is deterministic.
+//!   only when the module's inputs are identical in both runs and none of its tensors is
+//!   sharded on the candidate's mesh: the same program on the same data and shapes is
+//!   deterministic (a kernel on a sharded shape may block, and so sum, differently — PyTorch's
+//!   CPU column sum of a [32, 16] slice does not add in the order of the [32, 32] one).
 //! * output rounding: ρ_pre = ρ_q + ρ_order + ρ_kernel; when the tensor's dtype is coarser than the
 //!   accumulation format, elements flip by one ulp with probability |d|/ulp: the flip energy
 //!   (relative to ‖t‖²) has mean μ ≤ 2·u_out·ρ_pre and terms ≤ W = (2u_out·max|t|)²/‖t‖².
@@ -399,6 +401,18 @@ pub struct Priced {
     pub pricing: Pricing,
 }
 
+/// Whether a tensor of `layout` is split or partial along an axis of more than one rank: its
+/// shards have other shapes than the logical tensor.
+fn sharded(layout: &Layout, mesh: &Mesh) -> bool {
+    [
+        (layout.dp, mesh.dp),
+        (layout.cp, mesh.cp),
+        (layout.tp, mesh.tp),
+    ]
+    .iter()
+    .any(|(p, n)| *n > 1 && !matches!(p, Placement::Replicate))
+}
+
 fn coarser(a: Format, b: Format) -> bool {
     a.precision() < b.precision()
 }
@@ -535,7 +549,11 @@ pub fn price_local<'s>(
             f.last_dim
         }
     });
-    let rho_kernel = if carried > 0.0 || s > 1 {
+    // The candidate runs the module's kernels on other shapes when anything it reads or writes
+    // is sharded (a column-parallel slice, a batch shard): another blocking, another order.
+    let reshaped =
+        sharded(&me.layout, &ctx.mesh) || layouts.iter().any(|(l, _)| sharded(l, &ctx.mesh));
+    let rho_kernel = if carried > 0.0 || s > 1 || reshaped {
         acc.unit_roundoff() * (k.max(1) as f64 / 3.0).sqrt()
     } else {
         0.0

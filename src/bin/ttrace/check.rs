@@ -68,14 +68,7 @@ fn check_dirs_cli(
         reference.display(),
         world
     );
-    out!("{}", crate::render::render_check(&out.report));
-    if let Some(l) = &out.localization {
-        outln!("{}", crate::out::localization_line(l));
-    }
-    outln!("thresholds:");
-    for (_, n, rule) in &out.pricing_summary {
-        outln!("  {n:>6} tensors: {rule}");
-    }
+    out!("{}", ttrace::check::render_dir_check(&out));
     if let Some(path) = json {
         let text = serde_json::to_string_pretty(&out).map_err(|e| e.to_string())?;
         write_atomic(path, text.as_bytes())?;

@@ -25,29 +25,6 @@ pub fn stdout_error(e: std::io::Error) -> String {
     format!("writing to standard output: {e}")
 }
 
-/// The one line that says where the first failure was localized (by `ttrace check` or the
-/// simulator's localizer), ids and text escaped for the terminal.
-pub fn localization_line(l: &ttrace::check::Localization) -> String {
-    let kind = l.kind.map(|k| format!(" ({k:?})")).unwrap_or_default();
-    let pass = match l.pass {
-        Some(ttrace::engine::Pass::Forward) => " forward",
-        Some(ttrace::engine::Pass::Backward) => " backward",
-        _ => "",
-    };
-    let rank = l.rank.map(|r| format!(", rank {r}")).unwrap_or_default();
-    let parameter = l
-        .parameter
-        .as_ref()
-        .map(|p| format!(", parameter {}", ttrace::io::printable(p)))
-        .unwrap_or_default();
-    format!(
-        "localized: module {}{kind}{pass}, tensor {}{rank}{parameter}: {}",
-        ttrace::io::printable(&l.module),
-        ttrace::io::printable(&l.tensor),
-        ttrace::io::sanitize(&l.detail)
-    )
-}
-
 /// A recipe name ttrace knows (`ttrace::Recipe::by_name`), for clap.
 pub fn parse_recipe(s: &str) -> Result<String, String> {
     ttrace::Recipe::by_name(s).map_err(|e| e.to_string())?;

@@ -2,7 +2,6 @@
 //! sweep's per-kind, sensitivity and bug tables and its SVG plot of thresholds against
 //! observed differences.
 
-use ttrace::check::CheckReport;
 use ttrace::validate::SweepReport;
 
 /// The sensitivity table, as text.
@@ -274,54 +273,4 @@ pub fn render_svg(report: &SweepReport) -> String {
         m + 70.0
     ));
     s
-}
-
-/// The report as a table: the failing tensors first (all of them), then a count of passes.
-/// Ids and notes come from files: control characters in them are escaped
-/// (`ttrace::io::printable`).
-pub fn render_check(report: &CheckReport) -> String {
-    use ttrace::io::{printable, sanitize};
-    let mut out = String::new();
-    let n = report.verdicts.len();
-    if report.passed() {
-        out.push_str(&format!(
-            "PASS: all {n} tensors within their thresholds (ε = {:e})\n",
-            report.eps
-        ));
-        return out;
-    }
-    out.push_str(&format!(
-        "FAIL: {} of {n} tensors outside their thresholds; first in execution order: {}\n",
-        report.failures,
-        printable(report.first_failure.as_deref().unwrap_or("-"))
-    ));
-    out.push_str(&format!(
-        "{:<44} {:>11} {:>11} {:>9} {:>10} {:>8}  note\n",
-        "tensor", "error (ε)", "thresh (ε)", "ratio", "max abs", "max ulp"
-    ));
-    for v in report.verdicts.iter().filter(|v| !v.passed) {
-        let note = match (&v.problem, v.first_nonfinite) {
-            (Some(p), _) => p.clone(),
-            (None, Some(i)) => format!(
-                "{} non-finite mismatches, first at {i}",
-                v.nonfinite_mismatches
-            ),
-            _ => String::new(),
-        };
-        out.push_str(&format!(
-            "{:<44} {:>11.3} {:>11.3} {:>9.3} {:>10.3e} {:>8}  {}\n",
-            printable(&v.id),
-            v.rel_error_eps,
-            v.threshold / report.eps,
-            v.ratio,
-            v.max_abs,
-            if v.max_ulp == u64::MAX {
-                "-".to_string()
-            } else {
-                v.max_ulp.to_string()
-            },
-            sanitize(&note)
-        ));
-    }
-    out
 }

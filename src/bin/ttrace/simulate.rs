@@ -114,10 +114,10 @@ pub fn run(a: Args) -> Result<Outcome, String> {
             options.model.layers,
             options.model.hidden
         );
-        out!("{}", crate::render::render_check(&r.check));
+        out!("{}", ttrace::check::render_check(&r.check));
         match &r.localization {
             None => outln!("localizer: every module's own output is within its local threshold"),
-            Some(l) => outln!("{}", crate::out::localization_line(l)),
+            Some(l) => outln!("{}", ttrace::check::localization_line(l)),
         }
     }
     Ok(Outcome::of(!r.detected))

@@ -1,0 +1,627 @@
+//! `ttrace._ttrace`: the Python bindings of the ttrace library.
+//!
+//! A thin layer: it converts arrays and policy texts, calls the library and converts results
+//! and errors back. The Python package (`python/ttrace/`) wraps these functions with keyword
+//! arguments, torch support and documentation; nothing here is meant to be called directly.
+//!
+//! * Arrays arrive as NumPy arrays of float64, float32, float16, or of uint16 / uint8 holding
+//!   BF16 / FP8 bit patterns, with the format name beside them; they are read in place (any
+//!   strides) and widened to the library's exact `f64` values.
+//! * Errors become the exception classes of `ttrace.errors`, chosen by the library's error
+//!   variant. A Rust panic is caught at the boundary and raised as `ttrace.errors.InternalError`
+//!   — it never unwinds into the interpreter.
+//! * Long calls (checking trace directories, writing a rank's trace) release the GIL.
+
+use std::collections::BTreeMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use ttrace::bounds::{self, Confidence, Elementwise, NormData, NormOp, NormSide};
+use ttrace::engine::{AttentionImpl, Variance};
+use ttrace::{Error, Format, Policy, Tensor};
+
+/// The exception class of `ttrace.errors` that stands for a library error.
+fn error_class(e: &Error) -> &'static str {
+    match e {
+        Error::File { .. } | Error::Layout { .. } | Error::ReplicaMismatch { .. } => "TraceError",
+        Error::Overflow { .. } | Error::NoFiniteBound { .. } => "NoFiniteBoundError",
+        _ => "InvalidInputError",
+    }
+}
+
+/// Raise `ttrace.errors.<class>(message)` with the library variant's name as `.kind`.
+fn raise(py: Python<'_>, class: &str, kind: &str, message: String) -> PyErr {
+    let made = py
+        .import("ttrace.errors")
+        .and_then(|m| m.getattr(class))
+        .and_then(|c| c.call1((message.clone(), kind)));
+    match made {
+        Ok(exc) => PyErr::from_value(exc),
+        Err(_) => PyRuntimeError::new_err(message),
+    }
+}
+
+fn kind_of(e: &Error) -> String {
+    let debug = format!("{e:?}");
+    debug
+        .split(|c: char| !c.is_alphanumeric())
+        .next()
+        .unwrap_or("Error")
+        .to_string()
+}
+
+fn to_py(py: Python<'_>, e: Error) -> PyErr {
+    raise(py, error_class(&e), &kind_of(&e), e.to_string())
+}
+
+/// Run `f`, turning a library error into its exception and a panic into `InternalError`.
+fn guard<T>(py: Python<'_>, f: impl FnOnce() -> ttrace::Result<T>) -> PyResult<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(to_py(py, e)),
+        Err(p) => {
+            let what = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown".into());
+            Err(raise(
+                py,
+                "InternalError",
+                "Panic",
+                format!("internal error in ttrace (please report it): {what}"),
+            ))
+        }
+    }
+}
+
+/// [`guard`] with the GIL released while `f` runs (it must not touch Python objects).
+fn guard_detached<T: Send>(
+    py: Python<'_>,
+    f: impl FnOnce() -> ttrace::Result<T> + Send,
+) -> PyResult<T> {
+    let out = py.detach(|| catch_unwind(AssertUnwindSafe(f)));
+    match out {
+        Ok(r) => guard(py, || r),
+        Err(p) => guard(py, || std::panic::resume_unwind(p)),
+    }
+}
+
+fn invalid(py: Python<'_>, name: &'static str, reason: String) -> PyErr {
+    to_py(py, Error::InvalidParameter { name, reason })
+}
+
+/// A NumPy array holding values of `format` (see the module docs) as an exact tensor.
+fn tensor(py: Python<'_>, array: &Bound<'_, PyAny>, format: &str, what: &str) -> PyResult<Tensor> {
+    let fmt: Format = guard(py, || format.parse())?;
+    let shape: Vec<usize>;
+    let values: Vec<f64> = match fmt {
+        Format::F64 => {
+            let a: PyReadonlyArrayDyn<'_, f64> = extract(py, array, "float64", what)?;
+            shape = a.shape().to_vec();
+            a.as_array().iter().copied().collect()
+        }
+        Format::F32 | Format::TF32 => {
+            let a: PyReadonlyArrayDyn<'_, f32> = extract(py, array, "float32", what)?;
+            shape = a.shape().to_vec();
+            a.as_array().iter().map(|&v| f64::from(v)).collect()
+        }
+        Format::F16 => {
+            let a: PyReadonlyArrayDyn<'_, half::f16> = extract(py, array, "float16", what)?;
+            shape = a.shape().to_vec();
+            a.as_array().iter().map(|&v| f64::from(v)).collect()
+        }
+        Format::BF16 => {
+            let a: PyReadonlyArrayDyn<'_, u16> =
+                extract(py, array, "uint16 (BF16 bit patterns)", what)?;
+            shape = a.shape().to_vec();
+            a.as_array()
+                .iter()
+                .map(|&p| f64::from(f32::from_bits(u32::from(p) << 16)))
+                .collect()
+        }
+        Format::E4M3 | Format::E5M2 => {
+            let a: PyReadonlyArrayDyn<'_, u8> =
+                extract(py, array, "uint8 (FP8 bit patterns)", what)?;
+            shape = a.shape().to_vec();
+            let table: Vec<f64> = (0..256u64)
+                .map(|p| fmt.decode(p).unwrap_or(f64::NAN))
+                .collect();
+            a.as_array()
+                .iter()
+                .map(|&p| table[usize::from(p)])
+                .collect()
+        }
+        other => {
+            return Err(invalid(
+                py,
+                "format",
+                format!("{what}: arrays of {other} are not supported"),
+            ))
+        }
+    };
+    guard(py, || Tensor::from_vec(&shape, values, fmt))
+}
+
+fn extract<'py, T: numpy::Element>(
+    py: Python<'py>,
+    array: &Bound<'py, PyAny>,
+    expected: &str,
+    what: &str,
+) -> PyResult<PyReadonlyArrayDyn<'py, T>> {
+    array.extract::<PyReadonlyArrayDyn<'py, T>>().map_err(|_| {
+        let found = array
+            .getattr("dtype")
+            .map(|d| d.to_string())
+            .unwrap_or_else(|_| array.get_type().to_string());
+        invalid(
+            py,
+            "array",
+            format!("{what}: expected a NumPy array of {expected}, got {found}"),
+        )
+    })
+}
+
+fn policy(py: Python<'_>, text: &str, what: &'static str) -> PyResult<Policy> {
+    match guard(py, || Ok(text.parse::<Policy>()))? {
+        Ok(p) => Ok(p),
+        Err(e) => Err(raise(
+            py,
+            error_class(&e),
+            &kind_of(&e),
+            format!("{what} policy '{text}': {e}"),
+        )),
+    }
+}
+
+fn confidence(py: Python<'_>, delta: Option<f64>) -> PyResult<Confidence> {
+    match delta {
+        None => Ok(Confidence::Guaranteed),
+        Some(d) => guard(py, || Confidence::probabilistic(d)),
+    }
+}
+
+/// A priced threshold on ‖candidate − reference‖_F, with the verdict on a pair of outputs.
+#[pyclass(module = "ttrace._ttrace", frozen)]
+struct Threshold {
+    inner: bounds::Threshold,
+}
+
+#[pymethods]
+impl Threshold {
+    /// Both sides compute bit-identical results: any difference is a bug.
+    #[getter]
+    fn identical(&self) -> bool {
+        self.inner.identical
+    }
+    /// The failure probability δ (None for a guaranteed threshold).
+    #[getter]
+    fn delta(&self) -> Option<f64> {
+        match self.inner.confidence {
+            Confidence::Guaranteed => None,
+            Confidence::Probabilistic { delta } => Some(delta),
+        }
+    }
+    /// The threshold on ‖candidate − reference‖_F.
+    #[getter]
+    fn abs_frobenius(&self) -> f64 {
+        self.inner.abs_frobenius
+    }
+    /// `abs_frobenius / ‖reference‖_F`.
+    #[getter]
+    fn relative(&self) -> f64 {
+        self.inner.relative
+    }
+    /// ‖reference‖_F of the exact result.
+    #[getter]
+    fn reference_norm(&self) -> f64 {
+        self.inner.reference_norm
+    }
+    /// A bound on any one element's difference.
+    #[getter]
+    fn per_element(&self) -> f64 {
+        self.inner.per_element
+    }
+    /// The expected relative difference (root mean square).
+    #[getter]
+    fn expected_relative(&self) -> f64 {
+        self.inner.expected_relative
+    }
+    /// The worst-case relative difference.
+    #[getter]
+    fn guaranteed_relative(&self) -> f64 {
+        self.inner.guaranteed_relative
+    }
+    /// Elements of the output.
+    #[getter]
+    fn elements(&self) -> usize {
+        self.inner.elements
+    }
+
+    /// The verdict on a pair of outputs, as a dict of the library's `TensorVerdict` fields.
+    fn check<'py>(
+        &self,
+        py: Python<'py>,
+        reference: &Bound<'py, PyAny>,
+        reference_format: &str,
+        candidate: &Bound<'py, PyAny>,
+        candidate_format: &str,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let r = tensor(py, reference, reference_format, "reference")?;
+        let c = tensor(py, candidate, candidate_format, "candidate")?;
+        if r.shape() != c.shape() {
+            return Err(to_py(
+                py,
+                Error::ShapeMismatch {
+                    what: "check: the candidate's shape differs from the reference's".into(),
+                    expected: r.shape().to_vec(),
+                    found: c.shape().to_vec(),
+                },
+            ));
+        }
+        let v = guard(py, || Ok(self.inner.check(&r, &c)))?;
+        json_to_py(py, &guard(py, || json(&v))?)
+    }
+
+    /// The threshold's fields as a dict.
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        json_to_py(py, &guard(py, || json(&self.inner))?)
+    }
+}
+
+fn json<T: serde::Serialize>(v: &T) -> ttrace::Result<String> {
+    serde_json::to_string(v).map_err(|e| Error::InvalidParameter {
+        name: "report",
+        reason: format!("cannot serialize: {e}"),
+    })
+}
+
+fn json_to_py<'py>(py: Python<'py>, text: &str) -> PyResult<Bound<'py, PyAny>> {
+    py.import("json")?.call_method1("loads", (text,))
+}
+
+/// The canonical text of a policy (parsing and validating it).
+#[pyfunction]
+fn parse_policy(py: Python<'_>, text: &str) -> PyResult<String> {
+    let p = policy(py, text, "the")?;
+    guard(py, || p.validate())?;
+    Ok(p.to_string())
+}
+
+#[pyfunction]
+#[pyo3(signature = (a, a_format, b, b_format, bias, bias_format, reference, candidate, delta))]
+#[allow(clippy::too_many_arguments)]
+fn matmul_threshold(
+    py: Python<'_>,
+    a: &Bound<'_, PyAny>,
+    a_format: &str,
+    b: &Bound<'_, PyAny>,
+    b_format: &str,
+    bias: Option<&Bound<'_, PyAny>>,
+    bias_format: &str,
+    reference: &str,
+    candidate: &str,
+    delta: Option<f64>,
+) -> PyResult<Threshold> {
+    let a = tensor(py, a, a_format, "a")?;
+    let b = tensor(py, b, b_format, "b")?;
+    let bias = bias
+        .map(|x| tensor(py, x, bias_format, "bias"))
+        .transpose()?;
+    let (rp, cp) = (
+        policy(py, reference, "reference")?,
+        policy(py, candidate, "candidate")?,
+    );
+    let conf = confidence(py, delta)?;
+    let inner = guard(py, || {
+        bounds::matmul_threshold(&a, &b, bias.as_ref(), &rp, &cp, conf)
+    })?;
+    Ok(Threshold { inner })
+}
+
+#[pyfunction]
+#[pyo3(signature = (x, x_format, reference, candidate, mean, delta))]
+fn sum_threshold(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    x_format: &str,
+    reference: &str,
+    candidate: &str,
+    mean: bool,
+    delta: Option<f64>,
+) -> PyResult<Threshold> {
+    let x = tensor(py, x, x_format, "x")?;
+    let (rp, cp) = (
+        policy(py, reference, "reference")?,
+        policy(py, candidate, "candidate")?,
+    );
+    let conf = confidence(py, delta)?;
+    let inner = guard(py, || bounds::sum_threshold(&x, &rp, &cp, mean, conf))?;
+    Ok(Threshold { inner })
+}
+
+#[pyfunction]
+#[pyo3(signature = (x, x_format, reference, reference_form, candidate, candidate_form, delta))]
+#[allow(clippy::too_many_arguments)]
+fn softmax_threshold(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    x_format: &str,
+    reference: &str,
+    reference_form: &str,
+    candidate: &str,
+    candidate_form: &str,
+    delta: Option<f64>,
+) -> PyResult<Threshold> {
+    let x = tensor(py, x, x_format, "x")?;
+    let (rp, cp) = (
+        policy(py, reference, "reference")?,
+        policy(py, candidate, "candidate")?,
+    );
+    let rf: AttentionImpl = guard(py, || reference_form.parse())?;
+    let cf: AttentionImpl = guard(py, || candidate_form.parse())?;
+    let conf = confidence(py, delta)?;
+    let inner = guard(py, || bounds::softmax_threshold(&x, &rp, rf, &cp, cf, conf))?;
+    Ok(Threshold { inner })
+}
+
+#[pyfunction]
+#[pyo3(signature = (op, x, x_format, weight, weight_format, bias, bias_format, eps,
+                    reference, reference_variance, candidate, candidate_variance, delta))]
+#[allow(clippy::too_many_arguments)]
+fn norm_threshold(
+    py: Python<'_>,
+    op: &str,
+    x: &Bound<'_, PyAny>,
+    x_format: &str,
+    weight: &Bound<'_, PyAny>,
+    weight_format: &str,
+    bias: Option<&Bound<'_, PyAny>>,
+    bias_format: &str,
+    eps: f64,
+    reference: &str,
+    reference_variance: &str,
+    candidate: &str,
+    candidate_variance: &str,
+    delta: Option<f64>,
+) -> PyResult<Threshold> {
+    let x = tensor(py, x, x_format, "x")?;
+    let weight = tensor(py, weight, weight_format, "weight")?;
+    let bias = bias
+        .map(|b| tensor(py, b, bias_format, "bias"))
+        .transpose()?;
+    let (rp, cp) = (
+        policy(py, reference, "reference")?,
+        policy(py, candidate, "candidate")?,
+    );
+    let side_op = |v: &str| -> PyResult<NormOp> {
+        match op {
+            "layernorm" => Ok(NormOp::LayerNorm(guard(py, || v.parse::<Variance>())?)),
+            "rmsnorm" => Ok(NormOp::RmsNorm),
+            other => Err(invalid(
+                py,
+                "op",
+                format!("unknown normalization '{other}' (layernorm, rmsnorm)"),
+            )),
+        }
+    };
+    let (ro, co) = (side_op(reference_variance)?, side_op(candidate_variance)?);
+    let conf = confidence(py, delta)?;
+    let data = NormData {
+        x: &x,
+        weight: &weight,
+        bias: bias.as_ref(),
+        eps,
+    };
+    let inner = guard(py, || {
+        bounds::norm_threshold(
+            &data,
+            NormSide {
+                op: ro,
+                policy: &rp,
+            },
+            NormSide {
+                op: co,
+                policy: &cp,
+            },
+            conf,
+        )
+    })?;
+    Ok(Threshold { inner })
+}
+
+#[pyfunction]
+#[pyo3(signature = (op, x, x_format, y, y_format, reference, candidate, delta))]
+#[allow(clippy::too_many_arguments)]
+fn elementwise_threshold(
+    py: Python<'_>,
+    op: &str,
+    x: &Bound<'_, PyAny>,
+    x_format: &str,
+    y: Option<&Bound<'_, PyAny>>,
+    y_format: &str,
+    reference: &str,
+    candidate: &str,
+    delta: Option<f64>,
+) -> PyResult<Threshold> {
+    let op = match op {
+        "add" => Elementwise::Add,
+        "gelu" => Elementwise::Gelu,
+        "silu" => Elementwise::Silu,
+        "exp" => Elementwise::Exp,
+        s if s.starts_with("scale:") => Elementwise::Scale {
+            c: s[6..]
+                .trim()
+                .parse::<f64>()
+                .map_err(|_| invalid(py, "op", format!("'{s}': scale:C needs a number C")))?,
+        },
+        other => {
+            return Err(invalid(
+                py,
+                "op",
+                format!("unknown elementwise op '{other}' (add, scale:C, gelu, silu, exp)"),
+            ))
+        }
+    };
+    let x = tensor(py, x, x_format, "x")?;
+    let y = y.map(|v| tensor(py, v, y_format, "y")).transpose()?;
+    let (rp, cp) = (
+        policy(py, reference, "reference")?,
+        policy(py, candidate, "candidate")?,
+    );
+    let conf = confidence(py, delta)?;
+    let inner = guard(py, || {
+        bounds::elementwise_threshold(op, &x, y.as_ref(), &rp, &cp, conf)
+    })?;
+    Ok(Threshold { inner })
+}
+
+#[pyfunction]
+#[pyo3(signature = (partials, reference, candidate, delta))]
+fn allreduce_threshold(
+    py: Python<'_>,
+    partials: Vec<(Bound<'_, PyAny>, String)>,
+    reference: &str,
+    candidate: &str,
+    delta: Option<f64>,
+) -> PyResult<Threshold> {
+    let parts = partials
+        .iter()
+        .enumerate()
+        .map(|(i, (a, f))| tensor(py, a, f, &format!("partial {i}")))
+        .collect::<PyResult<Vec<_>>>()?;
+    let (rp, cp) = (
+        policy(py, reference, "reference")?,
+        policy(py, candidate, "candidate")?,
+    );
+    let conf = confidence(py, delta)?;
+    let inner = guard(py, || bounds::allreduce_threshold(&parts, &rp, &cp, conf))?;
+    Ok(Threshold { inner })
+}
+
+/// Check a candidate trace directory against a reference one: (report as JSON, report as
+/// the CLI's text).
+#[pyfunction]
+fn check_dirs(
+    py: Python<'_>,
+    reference: std::path::PathBuf,
+    candidate: std::path::PathBuf,
+    pricing: &str,
+) -> PyResult<(String, String)> {
+    let mode = match pricing {
+        "auto" => ttrace::check::PricingMode::Auto,
+        "local" => ttrace::check::PricingMode::Local,
+        other => {
+            return Err(invalid(
+                py,
+                "pricing",
+                format!("unknown pricing '{other}' (auto, local)"),
+            ))
+        }
+    };
+    guard_detached(py, move || {
+        let out = ttrace::check::check_dir_paths(&reference, &candidate, mode, &|| {})?;
+        Ok((json(&out)?, ttrace::check::render_dir_check(&out)))
+    })
+}
+
+/// Write one rank's tensors, given as (name, format, shape, uint8 array of the stored bytes),
+/// into `path` (a safetensors file, atomically), with `metadata`. The GIL is released while
+/// writing; the arrays are read in place.
+#[pyfunction]
+fn write_safetensors(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    tensors: Vec<(String, String, Vec<usize>, PyReadonlyArrayDyn<'_, u8>)>,
+    metadata: BTreeMap<String, String>,
+) -> PyResult<u64> {
+    let mut parsed = Vec::with_capacity(tensors.len());
+    for (name, fmt, shape, bytes) in &tensors {
+        let f: Format = guard(py, || fmt.parse())?;
+        let slice = bytes.as_slice().map_err(|_| {
+            invalid(
+                py,
+                "array",
+                format!("tensor '{name}': the byte array must be contiguous"),
+            )
+        })?;
+        parsed.push((name.as_str(), f, shape.as_slice(), slice));
+    }
+    let total: u64 = parsed.iter().map(|p| p.3.len() as u64).sum();
+    // The views stay valid while the GIL is released: `tensors` holds the arrays (and their
+    // read-only borrows) until this function returns.
+    let stored: Vec<ttrace::io::safetensors::StoredTensor<'_>> = parsed
+        .iter()
+        .map(
+            |&(name, format, shape, bytes)| ttrace::io::safetensors::StoredTensor {
+                name,
+                format,
+                shape,
+                bytes,
+            },
+        )
+        .collect();
+    let send = SendStored(&stored);
+    guard_detached(py, move || {
+        let SendStored(stored) = send;
+        ttrace::io::safetensors::write_stored(&path, stored, &metadata)
+    })?;
+    Ok(total)
+}
+
+/// Stored views made `Send` for the GIL-free write: the NumPy buffers they borrow are kept
+/// alive and read-only-borrowed by the caller for the whole call.
+struct SendStored<'a>(&'a [ttrace::io::safetensors::StoredTensor<'a>]);
+// SAFETY: the slices point into NumPy arrays held (with rust-numpy's read-only borrow flag set)
+// by `write_safetensors` until `detach` returns; no Python code can free or resize them
+// meanwhile, and the writer only reads them.
+unsafe impl Send for SendStored<'_> {}
+
+/// Write `contents` to `path` atomically (readers see the old file or the whole new one).
+#[pyfunction]
+fn write_atomic(py: Python<'_>, path: std::path::PathBuf, contents: Vec<u8>) -> PyResult<()> {
+    guard_detached(py, move || ttrace::io::write_atomic(&path, &contents))
+}
+
+/// The exact values of an array of `format` as float64, in its shape.
+#[pyfunction]
+fn to_float64<'py>(
+    py: Python<'py>,
+    array: &Bound<'py, PyAny>,
+    format: &str,
+) -> PyResult<Bound<'py, numpy::PyArrayDyn<f64>>> {
+    use numpy::{IntoPyArray, PyArrayMethods};
+    let t = tensor(py, array, format, "array")?;
+    let shape = t.shape().to_vec();
+    t.into_values().into_pyarray(py).reshape(shape)
+}
+
+/// The library version and the formats it reads.
+#[pyfunction]
+fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("version", env!("CARGO_PKG_VERSION"))?;
+    Ok(d)
+}
+
+#[pymodule]
+fn _ttrace(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Threshold>()?;
+    m.add_function(wrap_pyfunction!(parse_policy, m)?)?;
+    m.add_function(wrap_pyfunction!(matmul_threshold, m)?)?;
+    m.add_function(wrap_pyfunction!(sum_threshold, m)?)?;
+    m.add_function(wrap_pyfunction!(softmax_threshold, m)?)?;
+    m.add_function(wrap_pyfunction!(norm_threshold, m)?)?;
+    m.add_function(wrap_pyfunction!(elementwise_threshold, m)?)?;
+    m.add_function(wrap_pyfunction!(allreduce_threshold, m)?)?;
+    m.add_function(wrap_pyfunction!(check_dirs, m)?)?;
+    m.add_function(wrap_pyfunction!(write_safetensors, m)?)?;
+    m.add_function(wrap_pyfunction!(write_atomic, m)?)?;
+    m.add_function(wrap_pyfunction!(build_info, m)?)?;
+    m.add_function(wrap_pyfunction!(to_float64, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

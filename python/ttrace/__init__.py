@@ -1,0 +1,78 @@
+"""ttrace: tell floating-point round-off apart from real bugs.
+
+Compare a distributed (sharded) training run with a single-device reference and learn, per
+tensor, whether the difference is round-off or a bug — and where the bug was born.
+
+* Trace a training step on every rank: :class:`Tracer` (needs torch).
+* Check two traces: :func:`check` returns a :class:`CheckReport`
+  (also ``python -m ttrace check REFERENCE CANDIDATE``).
+* Price one op's tolerance: :func:`matmul_threshold`, :func:`linear_threshold`,
+  :func:`sum_threshold`, :func:`softmax_threshold`, :func:`norm_threshold`,
+  :func:`elementwise_threshold`, :func:`allreduce_threshold`.
+* In tests: :func:`ttrace.testing.assert_close`, a drop-in for
+  ``torch.testing.assert_close`` whose tolerance is priced from the op and its arithmetic.
+
+Importing ttrace does not import torch and changes no process-wide state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import errors
+from ._ttrace import __version__
+from .errors import (
+    InternalError,
+    InvalidInputError,
+    NoFiniteBoundError,
+    TraceError,
+    TtraceError,
+    UnsupportedLayoutError,
+)
+from .report import CheckReport, TensorRow, check
+from .thresholds import (
+    Threshold,
+    Verdict,
+    allreduce_threshold,
+    elementwise_threshold,
+    linear_threshold,
+    matmul_threshold,
+    norm_threshold,
+    parse_policy,
+    softmax_threshold,
+    sum_threshold,
+)
+
+__all__ = [
+    "__version__",
+    "CheckReport",
+    "TensorRow",
+    "Threshold",
+    "Tracer",
+    "Verdict",
+    "allreduce_threshold",
+    "check",
+    "elementwise_threshold",
+    "errors",
+    "linear_threshold",
+    "matmul_threshold",
+    "norm_threshold",
+    "parse_policy",
+    "softmax_threshold",
+    "sum_threshold",
+    "TtraceError",
+    "InvalidInputError",
+    "TraceError",
+    "NoFiniteBoundError",
+    "UnsupportedLayoutError",
+    "InternalError",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The tracer needs torch: imported on first use, so `import ttrace` stays light.
+    if name == "Tracer":
+        from .tracer import Tracer
+
+        return Tracer
+    raise AttributeError(f"module 'ttrace' has no attribute {name!r}")

@@ -1,0 +1,42 @@
+"""``python -m ttrace check REFERENCE CANDIDATE [--json PATH] [--pricing auto|local]``.
+
+Mirrors the ``ttrace check`` command of the Rust CLI: prints the report, exits 0 when every
+tensor is within its threshold, 1 when one is not, 2 on an error (unreadable or unmergeable
+traces, bad arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ttrace")
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("check", help="compare a candidate trace directory with a reference")
+    c.add_argument("reference", help="the reference trace directory")
+    c.add_argument("candidate", help="the candidate trace directory")
+    c.add_argument("--json", help="also write the report as JSON to this path")
+    c.add_argument("--pricing", choices=["auto", "local"], default="auto")
+    args = parser.parse_args(argv)
+
+    from . import _ttrace
+    from .errors import TtraceError
+    from .report import check
+
+    try:
+        report = check(args.reference, args.candidate, pricing=args.pricing)
+        print(f"ttrace check: {args.candidate} against {args.reference}")
+        sys.stdout.write(str(report))
+        if args.json:
+            _ttrace.write_atomic(args.json, report.to_json(indent=1).encode())
+    except TtraceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

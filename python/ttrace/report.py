@@ -1,0 +1,136 @@
+"""Checking a candidate trace directory against a reference one."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional, Union
+
+from . import _ttrace
+
+__all__ = ["CheckReport", "TensorRow", "check"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+@dataclass(frozen=True)
+class TensorRow:
+    """One tensor's verdict."""
+
+    #: Canonical id, ``module|role.index`` (``layers.0.mlp.fc1|fwd.output.0``).
+    id: str
+    #: Elements of the logical (merged) tensor.
+    elements: int
+    #: ‖candidate − reference‖_F / ‖reference‖_F in units of ε of the training dtype.
+    error_eps: float
+    #: The threshold in units of ε.
+    threshold_eps: float
+    #: error / threshold.
+    ratio: float
+    #: The largest |candidate − reference|.
+    max_abs: float
+    #: Within the threshold.
+    passed: bool
+    #: How the threshold was priced (a rule of the core, e.g. ``local``, ``carried``).
+    pricing: str
+    #: Why the tensor could not be compared, if so.
+    problem: Optional[str]
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """The result of :func:`check`. ``str(report)`` is the table ``ttrace check`` prints."""
+
+    #: No tensor failed.
+    passed: bool
+    #: Tensors that failed.
+    failures: int
+    #: The first failing tensor in execution order.
+    first_failure: Optional[str]
+    #: The unit of the ``*_eps`` fields (machine epsilon of the training dtype).
+    eps: float
+    #: Every tensor, in execution order.
+    rows: List[TensorRow]
+    #: Where the first failure was born: module, kind, pass, tensor, detail (or None).
+    localization: Optional[Dict[str, Any]]
+    #: Tensors judged by each pricing rule, by the rule's description.
+    pricing_counts: Dict[str, int]
+    #: The text of the report (``str(report)``).
+    text: str
+    #: The core's report, as JSON-ready data.
+    raw: Dict[str, Any]
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    @property
+    def failed_rows(self) -> List[TensorRow]:
+        """The failing tensors, in execution order."""
+        return [r for r in self.rows if not r.passed]
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The report as plain data (what :meth:`to_json` writes)."""
+        d = {k: v for k, v in asdict(self).items() if k not in ("raw", "text")}
+        return d
+
+    def to_json(self, **kwargs: Any) -> str:
+        """The report as JSON (keyword arguments go to :func:`json.dumps`)."""
+        return json.dumps(self.to_dict(), **kwargs)
+
+
+def _num(x: Any, missing: float) -> float:
+    # JSON has no infinity or NaN: the core writes null for them.
+    return float(x) if x is not None else missing
+
+
+def _pricing_name(p: Any) -> str:
+    if isinstance(p, str):
+        return p
+    if isinstance(p, dict) and len(p) == 1:
+        return next(iter(p))
+    return str(p)
+
+
+def check(reference: PathLike, candidate: PathLike, *, pricing: str = "auto") -> CheckReport:
+    """Compare the candidate trace directory with the reference one.
+
+    ``pricing="auto"`` uses thresholds the reference's producer wrote into its manifest where
+    present and prices the rest from the metadata and the data; ``"local"`` prices every
+    tensor from the metadata and the data. Raises :class:`ttrace.TraceError` for directories
+    that cannot be read or merged (a reference without tensors is an error, never a pass).
+    """
+    raw_json, text = _ttrace.check_dirs(os.fspath(reference), os.fspath(candidate), pricing)
+    raw = json.loads(raw_json)
+    rep = raw["report"]
+    eps = float(rep["eps"])
+    rows = []
+    for v, p in zip(rep["verdicts"], raw["pricing"]):
+        rows.append(
+            TensorRow(
+                id=v["id"],
+                elements=int(v["elements"]),
+                error_eps=_num(v["rel_error_eps"], float("nan")),
+                threshold_eps=_num(v["threshold"], float("inf")) / eps if eps else float("nan"),
+                ratio=float(v["ratio"]) if v["ratio"] is not None else float("inf"),
+                max_abs=float(v["max_abs"]) if v["max_abs"] is not None else float("nan"),
+                passed=bool(v["passed"]),
+                pricing=_pricing_name(p),
+                problem=v.get("problem"),
+            )
+        )
+    counts = {str(rule): int(n) for (_, n, rule) in raw["pricing_summary"]}
+    return CheckReport(
+        passed=int(rep["failures"]) == 0,
+        failures=int(rep["failures"]),
+        first_failure=rep.get("first_failure"),
+        eps=eps,
+        rows=rows,
+        localization=raw.get("localization"),
+        pricing_counts=counts,
+        text=text,
+        raw=raw,
+    )

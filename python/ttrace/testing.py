@@ -1,0 +1,145 @@
+"""``assert_close`` for tests, with a tolerance priced from what is compared.
+
+``torch.testing.assert_close`` judges every comparison with fixed per-dtype tolerances
+(BF16: rtol 1.6e-2, atol 1e-5). Those are loose for a short FP32-accumulated reduction and
+too tight for a long one, and they know nothing of the order of operations. Here the
+tolerance is the threshold of the op that produced the tensors, computed from its inputs and
+from the arithmetic on each side — the same thresholds ``ttrace check`` uses::
+
+    from ttrace.testing import assert_close
+
+    y_ref = torch.nn.functional.linear(x, w)              # one device
+    y_tp = row_parallel_linear(x, w)                      # your sharded kernel, 2 ranks
+    assert_close(y_tp, y_ref, op="linear", inputs=(x, w),
+                 candidate="in=bf16,acc=f32,out=bf16,order=splitk:2:bf16:ring")
+
+When to use which:
+
+* ``assert_close``: a unit test of one op or kernel whose inputs you hold (a sharded linear,
+  a fused softmax, a custom all-reduce), compared with a reference computation of the same op.
+* Trace checking (:class:`ttrace.Tracer` + :func:`ttrace.check`): a whole training step of a
+  parallelized model, where inputs of later modules already differ and a failure must be
+  localized to the module (or the code between modules) that caused it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from . import thresholds as _th
+from ._arrays import as_core, as_float64
+
+__all__ = ["assert_close", "threshold_for"]
+
+_OPS = ("matmul", "linear", "sum", "mean", "softmax", "layernorm", "rmsnorm", "add", "gelu",
+        "silu", "exp", "allreduce")
+
+
+def _default_policy(x: Any) -> str:
+    fmt = as_core(x)[1]
+    acc = "f64" if fmt == "f64" else "f32"
+    out = "f32" if fmt in ("e4m3", "e5m2") else fmt
+    return f"in={fmt},acc={acc},out={out}"
+
+
+def threshold_for(
+    op: str,
+    inputs: Sequence[Any],
+    *,
+    reference: str,
+    candidate: Optional[str] = None,
+    delta: float = 1e-6,
+    guaranteed: bool = False,
+    **options: Any,
+) -> "_th.Threshold":
+    """The threshold of ``op`` on ``inputs`` (see :func:`assert_close` for the ops)."""
+    kw = dict(reference=reference, candidate=candidate, delta=delta, guaranteed=guaranteed)
+    if op == "matmul":
+        return _th.matmul_threshold(*inputs[:2], bias=inputs[2] if len(inputs) > 2 else None, **kw)
+    if op == "linear":
+        return _th.linear_threshold(*inputs, **kw)
+    if op in ("sum", "mean"):
+        return _th.sum_threshold(inputs[0], mean=(op == "mean"), **kw)
+    if op == "softmax":
+        return _th.softmax_threshold(inputs[0], **kw, **options)
+    if op in ("layernorm", "rmsnorm"):
+        return _th.norm_threshold(*inputs, op=op, **kw, **options)
+    if op in ("add", "gelu", "silu", "exp") or op.startswith("scale:"):
+        return _th.elementwise_threshold(op, *inputs, **kw)
+    if op == "allreduce":
+        return _th.allreduce_threshold(inputs, **kw)
+    raise ValueError(f"unknown op {op!r}; one of {', '.join(_OPS)}, scale:C")
+
+
+def assert_close(
+    actual: Any,
+    expected: Any,
+    *,
+    op: str,
+    inputs: Sequence[Any],
+    reference: Optional[str] = None,
+    candidate: Optional[str] = None,
+    delta: float = 1e-6,
+    guaranteed: bool = False,
+    name: str = "tensor",
+    **options: Any,
+) -> "_th.Verdict":
+    """Assert that ``actual`` (the candidate's result) differs from ``expected`` (the
+    reference's) by no more than round-off of ``op`` on ``inputs``.
+
+    ``op``: ``matmul`` (inputs ``(a, b[, bias])``), ``linear`` (``(x, weight[, bias])`` as
+    ``torch.nn.functional.linear``), ``sum`` / ``mean`` (last dimension), ``softmax``
+    (``reference_form`` / ``candidate_form`` = ``standard`` or ``online:B``), ``layernorm`` /
+    ``rmsnorm`` (``(x, weight[, bias])``, ``eps``, ``reference_variance`` /
+    ``candidate_variance``), ``add`` (``(x, y)``), ``scale:C``, ``gelu``, ``silu``, ``exp``,
+    ``allreduce`` (inputs = the ranks' partial tensors).
+
+    ``reference`` / ``candidate``: the arithmetic of each side as policy text (see
+    :mod:`ttrace.thresholds`). The reference defaults to the inputs' dtype with FP32
+    accumulation (``in=bf16,acc=f32,out=bf16`` for BF16 inputs); the candidate defaults to
+    the reference — then only a bit-identical result passes.
+
+    ``delta``: the false-alarm probability of the threshold under the random-rounding model;
+    ``guaranteed=True`` uses the worst-case bound instead.
+
+    Raises ``AssertionError`` naming the tensor, the error and the threshold in ε, and the
+    worst element; returns the :class:`ttrace.Verdict` otherwise.
+    """
+    ref = reference if reference is not None else _default_policy(inputs[0])
+    t = threshold_for(
+        op, inputs, reference=ref, candidate=candidate, delta=delta, guaranteed=guaranteed,
+        **options,
+    )
+    a64 = as_float64(actual, "actual")
+    e64 = as_float64(expected, "expected")
+    if a64.shape != e64.shape:
+        raise AssertionError(
+            f"{name}: shapes differ: actual {tuple(a64.shape)}, expected {tuple(e64.shape)}"
+        )
+    v = t.check(expected, actual)
+    if v.passed:
+        return v
+    diff = np.abs(a64 - e64)
+    nan_mismatch = np.isnan(a64) != np.isnan(e64)
+    if nan_mismatch.any():
+        worst = np.unravel_index(int(np.argmax(nan_mismatch)), a64.shape)
+    else:
+        worst = np.unravel_index(int(np.nanargmax(diff)) if diff.size else 0, a64.shape)
+    conf = "guaranteed" if t.delta is None else f"probabilistic, delta={t.delta:g}"
+    eps = v.rel_error / v.rel_error_eps if v.rel_error_eps else float("nan")
+    lines = [
+        f"{name}: the difference is larger than round-off of {op} can explain",
+        f"  error     {v.rel_error_eps:.4g} eps  (||actual - expected||_F / ||expected||_F = "
+        f"{v.rel_error:.4e})",
+        f"  threshold {v.threshold / eps if eps == eps and eps else float('nan'):.4g} eps  "
+        f"({conf}; ratio {v.ratio:.3g})",
+        f"  worst element at index {tuple(int(i) for i in worst)}: actual {a64[worst]!r}, "
+        f"expected {e64[worst]!r}, |diff| {diff[worst]!r}",
+        f"  reference: {t.reference}",
+        f"  candidate: {t.candidate}",
+    ]
+    if v.nonfinite_mismatches:
+        lines.insert(1, f"  {v.nonfinite_mismatches} elements are NaN or infinite on one side only")
+    raise AssertionError("\n".join(lines))

@@ -1,0 +1,299 @@
+"""Per-op thresholds: how far a candidate's result may lie from the reference's by round-off.
+
+Each function prices "the reference's arithmetic against the candidate's" for one op on the
+given inputs, and returns a :class:`Threshold` on ‖candidate − reference‖_F. The arithmetic is
+a policy text, the grammar of the ``ttrace`` CLI and of the Rust ``Policy``::
+
+    in=bf16,acc=f32,out=bf16                       # BF16 in and out, FP32 accumulation
+    in=bf16,acc=f32,out=bf16,order=splitk:2:bf16:ring   # + split over 2 ranks, BF16 partials
+                                                   #   combined in ring order
+
+A *probabilistic* threshold (the default, failure probability ``delta`` = 1e-6 under the
+random-rounding model) is far tighter than the *guaranteed* one (``guaranteed=True``), which
+holds for every input and every rounding. Derivations: ``papers/`` in the repository.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Sequence
+
+from . import _ttrace
+from ._arrays import as_core
+
+__all__ = [
+    "Threshold",
+    "Verdict",
+    "parse_policy",
+    "matmul_threshold",
+    "linear_threshold",
+    "sum_threshold",
+    "softmax_threshold",
+    "norm_threshold",
+    "elementwise_threshold",
+    "allreduce_threshold",
+]
+
+
+def parse_policy(text: str) -> str:
+    """Parse and validate a policy text; returns its canonical form.
+
+    >>> parse_policy("in=bf16, acc=f32, out=bf16")
+    'in=bf16,acc=f32,out=bf16'
+    """
+    return _ttrace.parse_policy(text)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The verdict on one pair of tensors."""
+
+    #: Within the threshold, with no non-finite mismatch.
+    passed: bool
+    #: ‖candidate − reference‖_F / ‖reference‖_F.
+    rel_error: float
+    #: ``rel_error`` in units of ε of the tensor's format.
+    rel_error_eps: float
+    #: The relative threshold.
+    threshold: float
+    #: ``rel_error / threshold``.
+    ratio: float
+    #: The largest |candidate − reference|.
+    max_abs: float
+    #: The largest distance in units in the last place of the format.
+    max_ulp: int
+    #: Elements where exactly one side is NaN or ±∞ (or they differ).
+    nonfinite_mismatches: int
+    #: Elements compared.
+    elements: int
+    #: Everything the core reported.
+    details: Dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    @classmethod
+    def _from_core(cls, d: Dict[str, Any]) -> "Verdict":
+        return cls(
+            passed=bool(d["passed"]),
+            rel_error=float(d["rel_error"]),
+            rel_error_eps=float(d["rel_error_eps"]),
+            threshold=float(d["threshold"]),
+            ratio=float(d["ratio"]) if d["ratio"] is not None else float("inf"),
+            max_abs=float(d["max_abs"]) if d["max_abs"] is not None else float("nan"),
+            max_ulp=int(d["max_ulp"]),
+            nonfinite_mismatches=int(d["nonfinite_mismatches"]),
+            elements=int(d["elements"]),
+            details=d,
+        )
+
+
+class Threshold:
+    """A threshold on ‖candidate − reference‖_F for one op (see the module docs)."""
+
+    def __init__(self, core: Any, op: str, reference: str, candidate: str) -> None:
+        self._core = core
+        #: The op priced.
+        self.op = op
+        #: The reference's and the candidate's policy texts (canonical).
+        self.reference = reference
+        self.candidate = candidate
+
+    @property
+    def abs_frobenius(self) -> float:
+        """The threshold on ‖candidate − reference‖_F."""
+        return self._core.abs_frobenius
+
+    @property
+    def relative(self) -> float:
+        """``abs_frobenius / ‖reference‖_F``."""
+        return self._core.relative
+
+    @property
+    def per_element(self) -> float:
+        """A bound on any one element's difference."""
+        return self._core.per_element
+
+    @property
+    def guaranteed_relative(self) -> float:
+        """The worst-case relative difference (holds for every rounding)."""
+        return self._core.guaranteed_relative
+
+    @property
+    def expected_relative(self) -> float:
+        """The expected (root-mean-square) relative difference."""
+        return self._core.expected_relative
+
+    @property
+    def delta(self) -> Optional[float]:
+        """The failure probability, or ``None`` for a guaranteed threshold."""
+        return self._core.delta
+
+    @property
+    def identical(self) -> bool:
+        """Both sides compute bit-identical results: any difference is a bug."""
+        return self._core.identical
+
+    def check(self, reference: Any, candidate: Any) -> Verdict:
+        """Judge a pair of results (torch tensors or NumPy arrays of the same shape)."""
+        r, rf = as_core(reference, "reference")
+        c, cf = as_core(candidate, "candidate")
+        return Verdict._from_core(self._core.check(r, rf, c, cf))
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Every field of the core's threshold."""
+        d = dict(self._core.to_dict())
+        d.update(op=self.op, reference_policy=self.reference, candidate_policy=self.candidate)
+        return d
+
+    def __repr__(self) -> str:
+        kind = "guaranteed" if self.delta is None else f"delta={self.delta:g}"
+        return (
+            f"Threshold(op={self.op!r}, relative={self.relative:.3e}, "
+            f"abs_frobenius={self.abs_frobenius:.3e}, {kind})"
+        )
+
+
+def _delta(delta: float, guaranteed: bool) -> Optional[float]:
+    return None if guaranteed else float(delta)
+
+
+def _policies(reference: str, candidate: Optional[str]) -> "tuple[str, str]":
+    ref = parse_policy(reference)
+    return ref, parse_policy(candidate) if candidate is not None else ref
+
+
+def matmul_threshold(
+    a: Any,
+    b: Any,
+    *,
+    reference: str,
+    candidate: Optional[str] = None,
+    bias: Any = None,
+    delta: float = 1e-6,
+    guaranteed: bool = False,
+) -> Threshold:
+    """C = A·B (+ bias) under ``reference`` versus ``candidate`` (default: the same policy).
+
+    ``a`` is [m, k], ``b`` is [k, n]; the threshold is on the [m, n] result.
+    """
+    ref, cand = _policies(reference, candidate)
+    (a_, af), (b_, bf) = as_core(a, "a"), as_core(b, "b")
+    bias_, biasf = as_core(bias, "bias") if bias is not None else (None, "f64")
+    core = _ttrace.matmul_threshold(a_, af, b_, bf, bias_, biasf, ref, cand, _delta(delta, guaranteed))
+    return Threshold(core, "matmul", ref, cand)
+
+
+def linear_threshold(
+    x: Any,
+    weight: Any,
+    bias: Any = None,
+    *,
+    reference: str,
+    candidate: Optional[str] = None,
+    delta: float = 1e-6,
+    guaranteed: bool = False,
+) -> Threshold:
+    """``torch.nn.functional.linear``: y = x·weightᵀ + bias, with ``x`` [m, k] and ``weight``
+    [n, k] as PyTorch stores it."""
+    w, wf = as_core(weight, "weight")
+    ref, cand = _policies(reference, candidate)
+    (x_, xf) = as_core(x, "x")
+    bias_, biasf = as_core(bias, "bias") if bias is not None else (None, "f64")
+    core = _ttrace.matmul_threshold(x_, xf, w.T, wf, bias_, biasf, ref, cand, _delta(delta, guaranteed))
+    return Threshold(core, "linear", ref, cand)
+
+
+def sum_threshold(
+    x: Any,
+    *,
+    reference: str,
+    candidate: Optional[str] = None,
+    mean: bool = False,
+    delta: float = 1e-6,
+    guaranteed: bool = False,
+) -> Threshold:
+    """Sums (or means, ``mean=True``) along the last dimension of ``x``."""
+    ref, cand = _policies(reference, candidate)
+    x_, xf = as_core(x, "x")
+    core = _ttrace.sum_threshold(x_, xf, ref, cand, bool(mean), _delta(delta, guaranteed))
+    return Threshold(core, "mean" if mean else "sum", ref, cand)
+
+
+def softmax_threshold(
+    x: Any,
+    *,
+    reference: str,
+    candidate: Optional[str] = None,
+    reference_form: str = "standard",
+    candidate_form: str = "standard",
+    delta: float = 1e-6,
+    guaranteed: bool = False,
+) -> Threshold:
+    """Softmax along the last dimension. A form is ``standard`` or ``online:B`` (blockwise
+    over B keys with online rescaling, as flash and ring attention do)."""
+    ref, cand = _policies(reference, candidate)
+    x_, xf = as_core(x, "x")
+    core = _ttrace.softmax_threshold(
+        x_, xf, ref, reference_form, cand, candidate_form, _delta(delta, guaranteed)
+    )
+    return Threshold(core, "softmax", ref, cand)
+
+
+def norm_threshold(
+    x: Any,
+    weight: Any,
+    bias: Any = None,
+    *,
+    op: str = "layernorm",
+    eps: float = 1e-5,
+    reference: str,
+    candidate: Optional[str] = None,
+    reference_variance: str = "twopass",
+    candidate_variance: str = "twopass",
+    delta: float = 1e-6,
+    guaranteed: bool = False,
+) -> Threshold:
+    """LayerNorm (``op="layernorm"``, variance ``twopass``, ``welford`` or ``onepass``) or
+    RMSNorm (``op="rmsnorm"``) over the last dimension of ``x``."""
+    ref, cand = _policies(reference, candidate)
+    x_, xf = as_core(x, "x")
+    w_, wf = as_core(weight, "weight")
+    b_, bf = as_core(bias, "bias") if bias is not None else (None, "f64")
+    core = _ttrace.norm_threshold(
+        op, x_, xf, w_, wf, b_, bf, float(eps), ref, reference_variance, cand,
+        candidate_variance, _delta(delta, guaranteed),
+    )
+    return Threshold(core, op, ref, cand)
+
+
+def elementwise_threshold(
+    op: str,
+    x: Any,
+    y: Any = None,
+    *,
+    reference: str,
+    candidate: Optional[str] = None,
+    delta: float = 1e-6,
+    guaranteed: bool = False,
+) -> Threshold:
+    """An elementwise op: ``add`` (x + y), ``scale:C`` (C·x), ``gelu`` (tanh form), ``silu``,
+    ``exp``."""
+    ref, cand = _policies(reference, candidate)
+    x_, xf = as_core(x, "x")
+    y_, yf = as_core(y, "y") if y is not None else (None, "f64")
+    core = _ttrace.elementwise_threshold(op, x_, xf, y_, yf, ref, cand, _delta(delta, guaranteed))
+    return Threshold(core, op, ref, cand)
+
+
+def allreduce_threshold(
+    partials: Sequence[Any],
+    *,
+    reference: str,
+    candidate: Optional[str] = None,
+    delta: float = 1e-6,
+    guaranteed: bool = False,
+) -> Threshold:
+    """The sum of ranks' partial tensors: the reference's order (say, sequential in FP32)
+    against the candidate's (say ``order=ring``, BF16 partials)."""
+    ref, cand = _policies(reference, candidate)
+    parts = [as_core(p, f"partial {i}") for i, p in enumerate(partials)]
+    core = _ttrace.allreduce_threshold(parts, ref, cand, _delta(delta, guaranteed))
+    return Threshold(core, "allreduce", ref, cand)

@@ -1,0 +1,931 @@
+"""Record PyTorch training steps as ttrace trace directories.
+
+Attach a :class:`Tracer` to the model on every rank, run the step inside ``tracer.step()``,
+then ``tracer.close()``; compare with :func:`ttrace.check` (or ``python -m ttrace check``)::
+
+    tracer = ttrace.Tracer(model, "traces/candidate")
+    with tracer.step():
+        model(batch).sum().backward()
+    tracer.close()                      # waits for the background writer
+    ttrace.check("traces/reference/step0", "traces/candidate/step0")
+
+Step ``n`` (counting every ``step()``) is written to ``DIRECTORY/step{n}``: on each rank
+``rank{r}.safetensors`` and ``manifest.rank{r}.json`` (``ttrace check`` merges the fragments).
+
+What is recorded, under canonical ids (``papers/trace-format.md``):
+
+* ``{module}|fwd.input.{i}``, ``{module}|fwd.output.{i}``: floating-point arguments and outputs
+  of each traced module (forward hooks);
+* ``{module}|grad.output.{i}``, ``{module}|grad.input.{i}``: gradients arriving at and leaving
+  each module (full backward hooks);
+* ``{module}.{param}|param_grad``: parameter gradients, read when the step ends.
+
+Layouts — how the ranks' shards form the logical tensor — are found without declarations:
+
+* **DTensor** (``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` /
+  ``SequenceParallel``, ``fully_shard``): a DTensor is recorded as its local shard with the
+  layout of its ``placements`` on its ``device_mesh``: ``Shard(d)`` → split along d,
+  ``Replicate()`` → replicated, ``Partial()`` → partial sum. Mesh dimensions are mapped to
+  ttrace's axes by name (``tp``/``tensor``/``model`` → tp; ``dp``/``data``/``fsdp``/``shard``/
+  ``replicate``/``ddp`` → dp; ``cp``/``context``/``seq`` → cp) or by ``axes={"tp": "my_dim"}``.
+  A placement the format cannot express (an uneven ``Shard``, ``Partial("avg")``, a strided
+  shard, two mesh dimensions on one axis) raises :class:`ttrace.UnsupportedLayoutError` naming
+  the tensor and the placement — or, with ``unsupported="skip"``, the tensor is left out and
+  listed in ``tracer.skipped``.
+* **Megatron-LM** ``ColumnParallelLinear``, ``RowParallelLinear`` and
+  ``VocabParallelEmbedding`` (recognized by class, without importing Megatron).
+* **Plain tensors** under data parallelism (DDP, or FSDP's unsharded activations): split along
+  ``dp_dim`` (the batch) across the dp ranks; parameters and their gradients replicated.
+* Anything else can be declared per module with ``layouts={name: ModuleLayout(...)}`` (the
+  tensor-parallel placements of an emulation in one process, for instance).
+
+Without ``torch.distributed`` (or with one process) the trace is a reference: one rank.
+
+Cheap and selective: ``modules=`` chooses what to trace (names, ``fnmatch`` patterns or a
+predicate; default: the leaf modules), ``every=N`` traces one step in N (hooks are attached
+only during traced steps), and a background thread writes the files so the step does not wait
+on the disk; ``tracer.bytes_written`` counts what it wrote.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fnmatch
+import json
+import os
+import queue
+import random
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from . import _ttrace
+from .errors import InvalidInputError, TtraceError, UnsupportedLayoutError
+
+__all__ = [
+    "Mesh",
+    "ModuleLayout",
+    "Tracer",
+    "column_parallel",
+    "copy_sharded",
+    "finish",
+    "partial",
+    "replicate",
+    "row_parallel",
+    "seed_everything",
+    "split",
+]
+
+VERSION = 1
+
+_DTYPES = {
+    torch.float64: "f64",
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+}
+for _name, _code in (("float8_e4m3fn", "e4m3"), ("float8_e5m2", "e5m2")):
+    if hasattr(torch, _name):
+        _DTYPES[getattr(torch, _name)] = _code
+
+_AXIS_NAMES = {
+    "tp": ("tp", "tensor", "model", "tensor_parallel", "mp"),
+    "dp": ("dp", "data", "fsdp", "shard", "replicate", "ddp", "dp_shard", "dp_replicate",
+           "data_parallel"),
+    "cp": ("cp", "context", "seq", "context_parallel"),
+}
+
+
+# --- placements ------------------------------------------------------------------------------
+
+def replicate() -> dict:
+    """Every rank of the axis holds the whole tensor."""
+    return {"kind": "replicate"}
+
+
+def split(dim: int, groups: int = 1) -> dict:
+    """Split along ``dim`` (negative counts from the end); ``groups`` interleaved groups."""
+    return {"kind": "split", "dim": dim, "groups": groups}
+
+
+def partial() -> dict:
+    """The logical tensor is the sum of the ranks' tensors (before an all-reduce)."""
+    return {"kind": "partial"}
+
+
+@dataclass
+class Mesh:
+    """ttrace's parallel mesh: global rank r = (d·cp + c)·tp + t."""
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    sp: bool = False
+
+    def world(self) -> int:
+        return self.tp * self.cp * self.dp
+
+    def rank(self, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
+        """The global rank of the given coordinates."""
+        return (dp * self.cp + cp) * self.tp + tp
+
+    def to_json(self) -> dict:
+        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "sp": self.sp}
+
+
+@dataclass
+class ModuleLayout:
+    """Tensor-parallel placements of one module's plain (non-DTensor) tensors.
+
+    ``inputs``/``outputs`` are per-position placements (the last entry repeats); gradients take
+    the placement of what they are the gradient of unless ``grad_inputs``/``grad_outputs`` say
+    otherwise; ``params`` maps a parameter's local name to its placement."""
+
+    inputs: List[dict] = field(default_factory=lambda: [replicate()])
+    outputs: List[dict] = field(default_factory=lambda: [replicate()])
+    grad_inputs: Optional[List[dict]] = None
+    grad_outputs: Optional[List[dict]] = None
+    params: Dict[str, dict] = field(default_factory=dict)
+
+    def pick(self, role: str, i: int) -> dict:
+        lists = {
+            "fwd.input": self.inputs,
+            "fwd.output": self.outputs,
+            "grad.input": self.grad_inputs if self.grad_inputs is not None else self.inputs,
+            "grad.output": self.grad_outputs if self.grad_outputs is not None else self.outputs,
+        }[role]
+        return lists[min(i, len(lists) - 1)] if lists else replicate()
+
+
+def column_parallel(gather_output: bool = False) -> ModuleLayout:
+    """Megatron's ColumnParallelLinear as seen by hooks on the local linear: input replicated,
+    output split along its last dimension, weight split along dim 0 (and bias), and the input
+    gradient a partial sum (its all-reduce happens outside the local linear)."""
+    return ModuleLayout(
+        inputs=[replicate()],
+        outputs=[replicate() if gather_output else split(-1)],
+        grad_inputs=[partial()],
+        params={"weight": split(0), "bias": split(0)},
+    )
+
+
+def row_parallel() -> ModuleLayout:
+    """Megatron's RowParallelLinear as seen by hooks on the local linear (without bias: the
+    bias is added after the all-reduce): input split along its last dimension, output a
+    partial sum, weight split along dim 1, the output gradient replicated."""
+    return ModuleLayout(
+        inputs=[split(-1)],
+        outputs=[partial()],
+        grad_outputs=[replicate()],
+        params={"weight": split(1), "bias": replicate()},
+    )
+
+
+def _megatron_layout(module: torch.nn.Module) -> Optional[ModuleLayout]:
+    """Layouts of Megatron-LM's tensor-parallel layers, recognized by class (Megatron itself is
+    never imported). Their forward returns ``(output, bias)``; with ``skip_bias_add`` the bias
+    is returned, not added."""
+    cls = type(module)
+    if not cls.__module__.startswith("megatron"):
+        return None
+    name = cls.__name__
+    if name == "ColumnParallelLinear":
+        gather = bool(getattr(module, "gather_output", False))
+        sp = bool(getattr(module, "sequence_parallel", False))
+        layout = column_parallel(gather_output=gather)
+        if sp:
+            # The input arrives split along the sequence (dim 0 in Megatron's [s, b, h]) and is
+            # all-gathered inside; its gradient leaves reduce-scattered the same way.
+            layout.inputs = [split(0)]
+            layout.grad_inputs = [split(0)]
+        layout.outputs = layout.outputs + [split(0)]  # (output, bias shard)
+        return layout
+    if name == "RowParallelLinear":
+        sp = bool(getattr(module, "sequence_parallel", False))
+        layout = row_parallel()
+        # The output is all-reduced (or reduce-scattered along the sequence with SP) inside.
+        layout.outputs = [split(0) if sp else replicate(), replicate()]
+        layout.grad_outputs = [split(0) if sp else replicate(), replicate()]
+        return layout
+    if name == "VocabParallelEmbedding":
+        return ModuleLayout(
+            inputs=[replicate()], outputs=[replicate()], params={"weight": split(0)}
+        )
+    return None
+
+
+# --- module kinds ------------------------------------------------------------------------------
+
+def _kind_of(module: torch.nn.Module) -> Optional[str]:
+    nn = torch.nn
+    norms: Tuple[type, ...] = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d)
+    if hasattr(nn, "RMSNorm"):
+        norms = norms + (nn.RMSNorm,)
+    table = [
+        ((nn.Linear, nn.Bilinear), "linear"),
+        (norms, "norm"),
+        ((nn.Embedding, nn.EmbeddingBag), "embedding"),
+        ((nn.MultiheadAttention,), "attention"),
+        ((nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Softmax, nn.Dropout), "activation"),
+        ((nn.CrossEntropyLoss, nn.MSELoss, nn.NLLLoss), "loss"),
+    ]
+    for types, kind in table:
+        if isinstance(module, types):
+            return kind
+    name = type(module).__name__
+    if type(module).__module__.startswith("megatron"):
+        if name in ("ColumnParallelLinear", "RowParallelLinear"):
+            return "linear"
+        if name == "VocabParallelEmbedding":
+            return "embedding"
+    if "RMSNorm" in name or "LayerNorm" in name:
+        return "norm"
+    return None
+
+
+# --- DTensor -------------------------------------------------------------------------------------
+
+def _dtensor_type() -> Optional[type]:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # older torch
+        try:
+            from torch.distributed._tensor import DTensor  # type: ignore
+        except ImportError:
+            return None
+    return DTensor
+
+
+def _uses_fsdp(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _axis_of(name: Optional[str], axes: Dict[str, str]) -> Optional[str]:
+    if name is None:
+        return None
+    for axis, dim in axes.items():
+        if dim == name and axis in _AXIS_NAMES:
+            return axis
+    low = name.lower()
+    for axis, names in _AXIS_NAMES.items():
+        if low in names:
+            return axis
+    return None
+
+
+class _MeshMap:
+    """How a DeviceMesh's dimensions map onto ttrace's tp / cp / dp axes."""
+
+    def __init__(self, device_mesh: Any, axes: Dict[str, str]) -> None:
+        names = device_mesh.mesh_dim_names or ()
+        shape = tuple(device_mesh.mesh.shape)
+        self.axis: List[str] = []
+        for i, size in enumerate(shape):
+            name = names[i] if i < len(names) else None
+            axis = _axis_of(name, axes)
+            if axis is None:
+                if len(shape) == 1 and not names:
+                    axis = axes.get("_default", "tp")
+                else:
+                    raise UnsupportedLayoutError(
+                        f"device mesh dimension {i} ({name!r}) is not named after a ttrace "
+                        "axis: name it tp/dp/cp or pass axes={'tp': NAME, ...} to the Tracer",
+                        "Layout",
+                    )
+            if axis in self.axis:
+                raise UnsupportedLayoutError(
+                    f"device mesh dimensions {self.axis.index(axis)} and {i} both map to the "
+                    f"{axis} axis (names {names}); ttrace's mesh has one dimension per axis",
+                    "Layout",
+                )
+            self.axis.append(axis)
+        self.sizes = {a: 1 for a in ("tp", "cp", "dp")}
+        for a, s in zip(self.axis, shape):
+            self.sizes[a] = int(s)
+        coord = device_mesh.get_coordinate()
+        self.coords = {a: 0 for a in ("tp", "cp", "dp")}
+        if coord is not None:
+            for a, c in zip(self.axis, coord):
+                self.coords[a] = int(c)
+
+
+def _alias_key(t: torch.Tensor) -> Tuple[Any, ...]:
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _is_dtensor(t: Any, dtensor: Optional[type]) -> bool:
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+def _placement_layout(tid: str, placements: Sequence[Any], device_mesh: Any,
+                      shape: Sequence[int], mm: _MeshMap) -> Dict[str, dict]:
+    """The ttrace layout of a tensor of (global) ``shape`` placed by ``placements``."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    layout = {"dp": replicate(), "cp": replicate(), "tp": replicate()}
+    ndim = len(shape)
+    for axis, p, size in zip(mm.axis, placements, device_mesh.mesh.shape):
+        if type(p) is Shard:
+            d = p.dim % max(ndim, 1)
+            if ndim == 0 or shape[d] % int(size):
+                raise UnsupportedLayoutError(
+                    f"tensor {tid!r}: placement {p} on the {axis} axis splits a dimension of "
+                    f"length {shape[d] if ndim else 0} into {int(size)} uneven parts; ttrace's "
+                    "split needs equal parts",
+                    "Layout",
+                )
+            layout[axis] = split(d)
+        elif isinstance(p, Replicate):
+            layout[axis] = replicate()
+        elif isinstance(p, Partial) and getattr(p, "reduce_op", "sum") == "sum":
+            layout[axis] = partial()
+        else:
+            raise UnsupportedLayoutError(
+                f"tensor {tid!r}: placement {p!r} on the {axis} axis cannot be expressed in a "
+                "ttrace trace (supported: Shard(d) with equal parts, Replicate(), "
+                "Partial('sum'))",
+                "Layout",
+            )
+    return layout
+
+
+def _grad_layout(layout: dict) -> dict:
+    """The layout of a gradient of a tensor of ``layout``: the gradient of a partial sum is
+    replicated (DTensor's rule for ``to_local``/``from_local`` gradients); shards stay."""
+    return {a: (replicate() if p["kind"] == "partial" else p) for a, p in layout.items()}
+
+
+# --- the tracer ----------------------------------------------------------------------------------
+
+ModuleSelector = Union[Sequence[str], Callable[[str, torch.nn.Module], bool], None]
+
+
+class Tracer:
+    """Records training steps of ``model`` on this rank (see the module docs).
+
+    ``directory``: where traced steps are written (``directory/step{n}``). ``mesh``: a
+    :class:`Mesh`, or a ``DeviceMesh`` (default: found from the model's DTensor parameters,
+    else data parallel over the ``torch.distributed`` world, else one rank). ``rank``: this
+    rank's ttrace global rank (default: from the mesh coordinates or ``torch.distributed``).
+    ``axes``: ttrace axis → DeviceMesh dimension name, for meshes whose names are not
+    recognized. ``layouts``: per-module tensor-parallel placements of plain tensors.
+    ``kinds``: module kinds (``linear``, ``norm``, ``attention``, ``activation``,
+    ``residual``, ``embedding``, ``loss``) for modules whose type does not say.
+    ``modules``: what to trace. ``every``: trace one step in N. ``dp_dim``: the batch
+    dimension of activations. ``recipe``: a ttrace recipe name for the manifest.
+    ``formats``: per-module ``{"quantize", "accumulate", "combine"}`` format names.
+    ``unsupported``: ``"raise"`` (default) or ``"skip"`` a tensor whose layout the trace
+    format cannot express. ``background``: write on a background thread (default True).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        directory: Optional[Union[str, "os.PathLike[str]"]] = None,
+        *,
+        mesh: Any = None,
+        rank: Optional[int] = None,
+        axes: Optional[Dict[str, str]] = None,
+        layouts: Optional[Dict[str, ModuleLayout]] = None,
+        kinds: Optional[Dict[str, str]] = None,
+        modules: ModuleSelector = None,
+        every: int = 1,
+        dp_dim: int = 0,
+        recipe: Optional[str] = None,
+        formats: Optional[Dict[str, dict]] = None,
+        unsupported: str = "raise",
+        background: bool = True,
+    ) -> None:
+        if every < 1:
+            raise InvalidInputError(f"every must be at least 1 (got {every})", "InvalidParameter")
+        if unsupported not in ("raise", "skip"):
+            raise InvalidInputError(
+                f"unsupported must be 'raise' or 'skip' (got {unsupported!r})", "InvalidParameter"
+            )
+        self.model = model
+        self.directory = os.fspath(directory) if directory is not None else None
+        self.axes = dict(axes or {})
+        self.kinds = dict(kinds or {})
+        self.formats = dict(formats or {})
+        self.recipe = recipe
+        self.dp_dim = dp_dim
+        self.every = every
+        self.unsupported = unsupported
+        self._dtensor = _dtensor_type()
+        named = dict(model.named_modules())
+        self._named = named
+        self.layouts: Dict[str, ModuleLayout] = {}
+        for n, m in named.items():
+            ml = _megatron_layout(m)
+            if ml is not None:
+                self.layouts[n] = ml
+        self.layouts.update(layouts or {})
+        self.names = self._select(modules)
+        unknown = [n for n in list(layouts or {}) + list(self.kinds) if n not in named]
+        if unknown:
+            raise InvalidInputError(f"no module named {unknown[0]!r} in the model", "UnknownName")
+        self.mesh, self.rank, self._mesh_map = self._find_mesh(mesh, rank)
+        #: Tensors left out because their layout cannot be expressed: (id, reason).
+        self.skipped: List[Tuple[str, str]] = []
+        #: Bytes of tensor data written so far (all steps).
+        self.bytes_written = 0
+        self.steps = 0
+        self.last_directory: Optional[str] = None
+        self._records: Dict[str, torch.Tensor] = {}
+        self._meta: Dict[str, dict] = {}
+        self._order: List[Any] = []
+        # Layouts learned from DTensors during the step: by local tensor (memory and shape),
+        # and by (module, role, index) for the gradients that belong to forward tensors.
+        self._alias: Dict[Any, dict] = {}
+        self._forward: Dict[Tuple[str, str, int], Tuple[Tuple[int, ...], dict]] = {}
+        self._final: Dict[Tuple[str, int], Tuple[Tuple[int, ...], dict]] = {}
+        self._handles: List[Any] = []
+        self._queue: "queue.Queue[Any]" = queue.Queue()
+        self._errors: List[BaseException] = []
+        self._writer: Optional[threading.Thread] = None
+        self._background = background
+        self._closed = False
+        self._atexit = False
+
+    # -- configuration ----------------------------------------------------------------------
+
+    def _select(self, modules: ModuleSelector) -> List[str]:
+        named = self._named
+        if modules is None:
+            return [n for n, m in named.items() if n and not any(True for _ in m.children())]
+        if callable(modules):
+            return [n for n, m in named.items() if n and modules(n, m)]
+        names: List[str] = []
+        for pattern in modules:
+            hits = [n for n in named if n and fnmatch.fnmatchcase(n, pattern)]
+            if not hits:
+                raise InvalidInputError(
+                    f"no module named {pattern!r} in the model", "UnknownName"
+                )
+            names.extend(h for h in hits if h not in names)
+        return names
+
+    def _find_mesh(self, mesh: Any, rank: Optional[int]) -> Tuple[Mesh, int, Optional[_MeshMap]]:
+        dist = torch.distributed
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        grank = dist.get_rank() if world > 1 else 0
+        device_mesh = None
+        if mesh is not None and not isinstance(mesh, Mesh):
+            device_mesh = mesh
+        if mesh is None and self._dtensor is not None:
+            for p in self.model.parameters():
+                if isinstance(p, self._dtensor):
+                    device_mesh = p.device_mesh
+                    break
+        if device_mesh is not None:
+            if "_default" not in self.axes:
+                # A 1-D mesh without names: data parallel under fully_shard, else tensor
+                # parallel.
+                self.axes["_default"] = "dp" if _uses_fsdp(self.model) else "tp"
+            mm = _MeshMap(device_mesh, self.axes)
+            m = Mesh(tp=mm.sizes["tp"], cp=mm.sizes["cp"], dp=mm.sizes["dp"])
+            if m.world() != world and world > 1:
+                # A mesh over part of the world (e.g. TP inside a DP replica group that is not
+                # a DTensor dimension) cannot be placed in ttrace's mesh.
+                raise UnsupportedLayoutError(
+                    f"the device mesh has {m.world()} ranks but the process group has {world}; "
+                    "give the Tracer a mesh that covers every rank",
+                    "Layout",
+                )
+            r = m.rank(dp=mm.coords["dp"], cp=mm.coords["cp"], tp=mm.coords["tp"])
+            return m, (rank if rank is not None else r), mm
+        if isinstance(mesh, Mesh):
+            m = mesh
+        else:
+            m = Mesh(dp=world)
+        r = rank if rank is not None else grank
+        if not 0 <= r < m.world():
+            raise InvalidInputError(
+                f"rank {r} is outside the mesh ({m.world()} ranks)", "InvalidParameter"
+            )
+        if m.cp > 1:
+            raise UnsupportedLayoutError(
+                "context parallelism of plain tensors is not supported: use DTensor placements",
+                "Layout",
+            )
+        return m, r, None
+
+    # -- recording ----------------------------------------------------------------------------
+
+    @contextmanager
+    def step(self) -> Iterator["Tracer"]:
+        """Trace the training step run inside the block (when this step is one in ``every``);
+        parameter gradients are read as the block ends, and the step is handed to the writer."""
+        if self._closed:
+            raise InvalidInputError("the tracer is closed", "InvalidParameter")
+        if self.directory is None:
+            raise InvalidInputError(
+                "Tracer(model, directory) is needed for step(); or call write(dir)",
+                "InvalidParameter",
+            )
+        n = self.steps
+        self.steps += 1
+        traced = n % self.every == 0
+        if traced:
+            self.attach()
+        try:
+            yield self
+        finally:
+            if traced:
+                self.detach()
+        if traced:
+            self.write(os.path.join(self.directory, f"step{n}"))
+
+    def attach(self) -> None:
+        """Register the hooks (``step()`` does this for traced steps)."""
+        if self._handles:
+            return
+        self._records, self._meta, self._order = {}, {}, []
+        self._alias, self._forward, self._final = {}, {}, {}
+        for n in self.names:
+            m = self._named[n]
+            # prepend=True: run before a DTensor output hook converts the output to a local
+            # tensor, so the placement is still known.
+            self._handles.append(
+                m.register_forward_hook(self._forward_hook(n), prepend=True)
+            )
+            # Appended: the outputs as the caller receives them, after any DTensor conversion;
+            # their gradients are what the backward hook sees.
+            self._handles.append(m.register_forward_hook(self._final_hook(n)))
+            self._handles.append(m.register_full_backward_hook(self._backward_hook(n)))
+
+    def detach(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    remove = detach
+
+    def _layout(self, name: str, role: str, i: int, t: torch.Tensor,
+                param: Optional[str] = None) -> dict:
+        ml = self.layouts.get(name)
+        if param is not None:
+            tp = ml.params.get(param, replicate()) if ml else replicate()
+        else:
+            tp = ml.pick(role, i) if ml else replicate()
+        tp = dict(tp)
+        if tp.get("kind") == "split" and tp["dim"] < 0:
+            tp["dim"] += t.dim()
+        if tp.get("kind") == "split" and not 0 <= tp["dim"] < max(t.dim(), 1):
+            raise InvalidInputError(
+                f"module {name!r}: split dim out of range for a {t.dim()}-d tensor",
+                "InvalidParameter",
+            )
+        if self.mesh.tp == 1:
+            tp = replicate()
+        dp = replicate()
+        if self.mesh.dp > 1 and param is None and t.dim() > self.dp_dim:
+            dp = split(self.dp_dim)
+        return {"dp": dp, "cp": replicate(), "tp": tp}
+
+    def _mesh_of(self, device_mesh: Any) -> _MeshMap:
+        return self._mesh_map if self._mesh_map is not None else _MeshMap(device_mesh, self.axes)
+
+    def _local_layout(self, tid: str, t: torch.Tensor) -> Optional[dict]:
+        """The layout of a plain tensor made by ``DTensor.to_local()`` (its autograd node keeps
+        the DTensor's placements), or of the local shard of a DTensor seen before."""
+        spec = getattr(t.grad_fn, "dtensor_spec", None)
+        if spec is not None:
+            return _placement_layout(tid, spec.placements, spec.mesh, tuple(spec.shape),
+                                     self._mesh_of(spec.mesh))
+        return self._alias.get(_alias_key(t))
+
+    def _derived(self, tid: str, name: str, role: str, i: int, t: torch.Tensor,
+                 inherit: Optional[dict]) -> Optional[dict]:
+        """The layout of a plain tensor of a module without declared layouts, derived from
+        DTensors of this step (see the module docs)."""
+        if name in self.layouts:
+            return None
+        hit = self._local_layout(tid, t)
+        if hit is not None:
+            return hit
+        if role == "grad.output":
+            fwd = self._final.get((name, i))
+        elif role == "grad.input":
+            fwd = self._forward.get((name, "fwd.input", i))
+        else:
+            fwd = None
+        if fwd is not None and fwd[0] == tuple(t.shape):
+            return _grad_layout(fwd[1])
+        if role == "fwd.output" and inherit is not None and inherit["shape"] == tuple(t.shape):
+            return inherit["layout"]
+        return None
+
+    def _record(self, name: str, role: str, i: int, t: Any, param: Optional[str] = None,
+                inherit: Optional[dict] = None) -> Optional[dict]:
+        """Record one tensor; returns its layout when it was derived from a DTensor."""
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            return None
+        tid = f"{name}.{param}|param_grad" if param is not None else f"{name}|{role}.{i}"
+        derived = None
+        try:
+            if self._dtensor is not None and isinstance(t, self._dtensor):
+                layout = _placement_layout(tid, t.placements, t.device_mesh, tuple(t.shape),
+                                           self._mesh_of(t.device_mesh))
+                local = t.to_local()
+                derived = layout
+                self._alias[_alias_key(local)] = layout
+            else:
+                local = t
+                derived = self._derived(tid, name, role, i, t, inherit) if param is None else None
+                layout = derived if derived is not None else self._layout(name, role, i, t, param)
+                if t.dim() == 0 and self.mesh.dp > 1:
+                    raise UnsupportedLayoutError(
+                        f"tensor {tid!r}: a scalar under data parallelism is each rank's own "
+                        "value (a local loss), not a shard of the reference's",
+                        "Layout",
+                    )
+        except UnsupportedLayoutError as e:
+            if self.unsupported == "skip":
+                self.skipped.append((tid, str(e)))
+                return None
+            raise
+        if local.dtype not in _DTYPES:
+            raise InvalidInputError(
+                f"tensor {tid!r}: dtype {local.dtype} cannot be stored", "UnknownFormat"
+            )
+        if tid not in self._records:
+            self._order.append(tid)
+        self._records[tid] = local.detach().to("cpu", copy=True).contiguous()
+        self._meta[tid] = {"layout": layout, "module": self._module_info(name)}
+        if param is None:
+            self._forward[(name, role, i)] = (tuple(local.shape), layout)
+        return derived
+
+    def _kind(self, name: str) -> Optional[str]:
+        if name in self.kinds:
+            return self.kinds[name]
+        return _kind_of(self._named[name])
+
+    def _module_info(self, name: str) -> Optional[dict]:
+        kind = self._kind(name)
+        if kind is None:
+            return None
+        info = {"kind": kind}
+        info.update(self.formats.get(name, {}))
+        return info
+
+    def _forward_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Tuple[Any, ...], output: Any) -> None:
+            inherit = None
+            for i, a in enumerate(args):
+                derived = self._record(name, "fwd.input", i, a)
+                if derived is not None and inherit is None and not _is_dtensor(a, self._dtensor):
+                    inherit = {"shape": tuple(a.shape), "layout": derived}
+            outs = output if isinstance(output, (tuple, list)) else (output,)
+            for i, o in enumerate(outs):
+                derived = self._record(name, "fwd.output", i, o, inherit=inherit)
+                if derived is not None and isinstance(o, torch.Tensor):
+                    self._alias[_alias_key(o)] = derived
+        return hook
+
+    def _final_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Tuple[Any, ...], output: Any) -> None:
+            outs = output if isinstance(output, (tuple, list)) else (output,)
+            for i, o in enumerate(outs):
+                if not isinstance(o, torch.Tensor) or not o.is_floating_point():
+                    continue
+                tid = f"{name}|fwd.output.{i}"
+                try:
+                    if _is_dtensor(o, self._dtensor):
+                        layout = _placement_layout(tid, o.placements, o.device_mesh,
+                                                   tuple(o.shape), self._mesh_of(o.device_mesh))
+                        shape = tuple(o.to_local().shape)
+                    else:
+                        layout = self._local_layout(tid, o)
+                        shape = tuple(o.shape)
+                        if layout is None:
+                            recorded = self._forward.get((name, "fwd.output", i))
+                            layout = recorded[1] if recorded is not None else None
+                except UnsupportedLayoutError:
+                    layout = None
+                if layout is not None:
+                    self._final[(name, i)] = (shape, layout)
+        return hook
+
+    def _backward_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, grad_input: Any, grad_output: Any) -> None:
+            for i, g in enumerate(grad_output):
+                if g is not None:
+                    self._record(name, "grad.output", i, g)
+            for i, g in enumerate(grad_input):
+                if g is not None:
+                    self._record(name, "grad.input", i, g)
+            # Parameter gradients are read when the step ends; remember where they belong.
+            self._order.append(("params", name))
+        return hook
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def write(self, directory: Union[str, "os.PathLike[str]"]) -> str:
+        """Hand the recorded step to the writer: ``rank{r}.safetensors`` and
+        ``manifest.rank{r}.json`` in ``directory``. Parameter gradients are read now and placed
+        right after their module's backward tensors (execution order). Returns the directory."""
+        directory = os.fspath(directory)
+        order, seen = [], set()
+        for item in self._order:
+            if isinstance(item, tuple):
+                name = item[1]
+                for pname, p in self._named[name].named_parameters(recurse=False):
+                    if p.grad is not None:
+                        self._record(name, "param", 0, p.grad, param=pname)
+                        tid = f"{name}.{pname}|param_grad"
+                        if tid not in seen and tid in self._records:
+                            seen.add(tid)
+                            order.append(tid)
+            elif item not in seen:
+                seen.add(item)
+                order.append(item)
+        fname = f"rank{self.rank}.safetensors"
+        tensors, entries = [], []
+        for tid in order:
+            t = self._records[tid]
+            tensors.append((tid, _DTYPES[t.dtype], list(t.shape), t))
+            e = {"id": tid, "rank": self.rank, "file": fname, "key": tid,
+                 "dtype": _DTYPES[t.dtype], "layout": self._meta[tid]["layout"]}
+            if self._meta[tid]["module"] is not None:
+                e["module"] = self._meta[tid]["module"]
+            entries.append(e)
+        manifest: Dict[str, Any] = {"format": "ttrace-trace", "version": VERSION,
+                                    "mesh": self.mesh.to_json(), "tensors": entries}
+        if self.recipe:
+            manifest["recipe"] = self.recipe
+        job = (directory, fname, tensors, manifest)
+        self._records, self._meta, self._order = {}, {}, []
+        self.last_directory = directory
+        if self._background:
+            self._start_writer()
+            self._queue.put(job)
+        else:
+            self._write_job(job)
+        return directory
+
+    def _write_job(self, job: Tuple[str, str, list, dict]) -> None:
+        directory, fname, tensors, manifest = job
+        os.makedirs(directory, exist_ok=True)
+        stored = [
+            (tid, fmt, shape, t.reshape(-1).view(torch.uint8).numpy())
+            for tid, fmt, shape, t in tensors
+        ]
+        self.bytes_written += _ttrace.write_safetensors(
+            os.path.join(directory, fname), stored, {"rank": str(self.rank)}
+        )
+        # The manifest last: an interrupted write leaves no manifest naming missing files.
+        text = json.dumps(manifest, indent=1).encode()
+        _ttrace.write_atomic(os.path.join(directory, f"manifest.rank{self.rank}.json"), text)
+
+    def _start_writer(self) -> None:
+        if self._writer is not None:
+            return
+
+        def run() -> None:
+            while True:
+                job = self._queue.get()
+                try:
+                    if job is None:
+                        return
+                    self._write_job(job)
+                except BaseException as e:  # reported by flush()/close()
+                    self._errors.append(e)
+                finally:
+                    self._queue.task_done()
+
+        self._writer = threading.Thread(target=run, name="ttrace-writer", daemon=True)
+        self._writer.start()
+        if not self._atexit:
+            atexit.register(self.flush)
+            self._atexit = True
+
+    def flush(self) -> int:
+        """Wait until every handed step is on disk; re-raises a write error. Returns the bytes
+        written so far."""
+        if self._writer is not None:
+            self._queue.join()
+        if self._errors:
+            e = self._errors.pop(0)
+            self._errors.clear()
+            if isinstance(e, TtraceError):
+                raise e
+            raise TtraceError(f"writing the trace failed: {e}", "File") from e
+        return self.bytes_written
+
+    def close(self) -> int:
+        """Remove the hooks, wait for the writer and stop it. Returns the bytes written."""
+        self.detach()
+        try:
+            return self.flush()
+        finally:
+            if self._writer is not None:
+                self._queue.put(None)
+                self._writer.join()
+                self._writer = None
+            if self._atexit:
+                atexit.unregister(self.flush)
+                self._atexit = False
+            self._closed = True
+
+    def __enter__(self) -> "Tracer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def finish(directory: Union[str, "os.PathLike[str]"]) -> str:
+    """Merge every ``manifest.rank*.json`` of ``directory`` into ``manifest.json`` (rank
+    order) — for several ranks emulated in one process. ``ttrace check`` reads fragments
+    without this."""
+    directory = os.fspath(directory)
+    parts = []
+    for n in os.listdir(directory):
+        if n.startswith("manifest.rank") and n.endswith(".json"):
+            r = n[len("manifest.rank"):-len(".json")]
+            if r.isdigit():
+                parts.append((int(r), n))
+    parts.sort()
+    if not parts:
+        raise FileNotFoundError(f"no manifest.rank*.json in {directory}")
+    merged: Optional[dict] = None
+    for _, n in parts:
+        with open(os.path.join(directory, n)) as f:
+            m = json.load(f)
+        if merged is None:
+            merged = m
+        else:
+            if m["mesh"] != merged["mesh"] or m.get("recipe") != merged.get("recipe"):
+                raise InvalidInputError(
+                    f"{n} disagrees with the first fragment on the mesh or recipe",
+                    "InvalidParameter",
+                )
+            merged["tensors"].extend(m["tensors"])
+    _ttrace.write_atomic(
+        os.path.join(directory, "manifest.json"), json.dumps(merged, indent=1).encode()
+    )
+    return directory
+
+
+# --- consistent generation ---------------------------------------------------------------------
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators alike in the reference and sharded runs.
+    (This sets process-wide generator state, as any seeding does; it is never called on
+    import.)"""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _shard(t: torch.Tensor, placement: dict, rank: int, parts: int) -> torch.Tensor:
+    if placement.get("kind") != "split":
+        return t
+    dim = placement["dim"] % t.dim()
+    groups = placement.get("groups", 1)
+    n = t.shape[dim]
+    if n % (groups * parts):
+        raise InvalidInputError(
+            f"dimension {dim} of length {n} does not split into {groups}x{parts}",
+            "InvalidParameter",
+        )
+    view = t.reshape(*t.shape[:dim], groups, parts, n // (groups * parts), *t.shape[dim + 1:])
+    return view.select(dim + 1, rank).reshape(*t.shape[:dim], n // parts, *t.shape[dim + 1:])
+
+
+@torch.no_grad()
+def copy_sharded(reference: torch.nn.Module, sharded: torch.nn.Module,
+                 layouts: Dict[str, ModuleLayout], tp_rank: int, tp: int,
+                 skip: Sequence[str] = ()) -> None:
+    """Copy every parameter of ``reference`` into ``sharded`` (same module names), taking
+    rank ``tp_rank``'s slice of the parameters the layouts declare split. Shapes must match;
+    parameters named in ``skip`` are left alone."""
+    ref = dict(reference.named_parameters())
+    for name, p in sharded.named_parameters():
+        if name in skip:
+            continue
+        if name not in ref:
+            raise InvalidInputError(
+                f"parameter {name!r} of the sharded model is not in the reference", "UnknownName"
+            )
+        module, _, local = name.rpartition(".")
+        ml = layouts.get(module)
+        placement = ml.params.get(local, replicate()) if ml else replicate()
+        src = _shard(ref[name], placement, tp_rank, tp) if tp > 1 else ref[name]
+        if src.shape != p.shape:
+            raise InvalidInputError(
+                f"parameter {name!r}: shard {tuple(src.shape)} vs {tuple(p.shape)}",
+                "ShapeMismatch",
+            )
+        p.copy_(src.to(p.dtype))

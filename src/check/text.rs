@@ -1,0 +1,96 @@
+//! The text of a check report, as `ttrace check` prints it and the Python package's
+//! `str(report)` shows it: the verdict line, the failing tensors, the localization and the
+//! pricing rules. Ids, notes and messages come from files: control and bidirectional
+//! characters in them are escaped ([`printable`], [`sanitize`]).
+
+use crate::check::{CheckReport, DirCheck, Localization};
+use crate::io::{printable, sanitize};
+use crate::policy::Pass;
+
+/// The report of [`check_dir_traces`](crate::check::check_dir_traces) as text: the verdict,
+/// the failing tensors (all of them) with error and threshold in ε, the localization of the
+/// first failure, and how many tensors each pricing rule judged.
+pub fn render_dir_check(check: &DirCheck) -> String {
+    let mut out = render_check(&check.report);
+    if let Some(l) = &check.localization {
+        out.push_str(&localization_line(l));
+        out.push('\n');
+    }
+    out.push_str("thresholds:\n");
+    for (_, n, rule) in &check.pricing_summary {
+        out.push_str(&format!("  {n:>6} tensors: {rule}\n"));
+    }
+    out
+}
+
+/// The report as a table: the failing tensors first (all of them), then a count of passes.
+/// Ids and notes come from files: control characters in them are escaped
+/// (`ttrace::io::printable`).
+pub fn render_check(report: &CheckReport) -> String {
+    let mut out = String::new();
+    let n = report.verdicts.len();
+    if report.passed() {
+        out.push_str(&format!(
+            "PASS: all {n} tensors within their thresholds (ε = {:e})\n",
+            report.eps
+        ));
+        return out;
+    }
+    out.push_str(&format!(
+        "FAIL: {} of {n} tensors outside their thresholds; first in execution order: {}\n",
+        report.failures,
+        printable(report.first_failure.as_deref().unwrap_or("-"))
+    ));
+    out.push_str(&format!(
+        "{:<44} {:>11} {:>11} {:>9} {:>10} {:>8}  note\n",
+        "tensor", "error (ε)", "thresh (ε)", "ratio", "max abs", "max ulp"
+    ));
+    for v in report.verdicts.iter().filter(|v| !v.passed) {
+        let note = match (&v.problem, v.first_nonfinite) {
+            (Some(p), _) => p.clone(),
+            (None, Some(i)) => format!(
+                "{} non-finite mismatches, first at {i}",
+                v.nonfinite_mismatches
+            ),
+            _ => String::new(),
+        };
+        out.push_str(&format!(
+            "{:<44} {:>11.3} {:>11.3} {:>9.3} {:>10.3e} {:>8}  {}\n",
+            printable(&v.id),
+            v.rel_error_eps,
+            v.threshold / report.eps,
+            v.ratio,
+            v.max_abs,
+            if v.max_ulp == u64::MAX {
+                "-".to_string()
+            } else {
+                v.max_ulp.to_string()
+            },
+            sanitize(&note)
+        ));
+    }
+    out
+}
+
+/// The one line that says where the first failure was localized (by `ttrace check` or the
+/// simulator's localizer), ids and text escaped for the terminal.
+pub fn localization_line(l: &Localization) -> String {
+    let kind = l.kind.map(|k| format!(" ({k:?})")).unwrap_or_default();
+    let pass = match l.pass {
+        Some(Pass::Forward) => " forward",
+        Some(Pass::Backward) => " backward",
+        _ => "",
+    };
+    let rank = l.rank.map(|r| format!(", rank {r}")).unwrap_or_default();
+    let parameter = l
+        .parameter
+        .as_ref()
+        .map(|p| format!(", parameter {}", printable(p)))
+        .unwrap_or_default();
+    format!(
+        "localized: module {}{kind}{pass}, tensor {}{rank}{parameter}: {}",
+        printable(&l.module),
+        printable(&l.tensor),
+        sanitize(&l.detail)
+    )
+}
