@@ -357,3 +357,49 @@ fn file_errors_keep_the_operating_systems_error_as_source() {
         "{e:?}"
     );
 }
+
+/// A tensor stored in another dtype by the candidate than by the reference is an error naming
+/// the tensor and both dtypes — never a verdict priced as if the arithmetic were the same.
+#[test]
+fn a_dtype_that_differs_between_the_runs_is_an_error() {
+    let d = tmp("mixed-dtypes");
+    let v: Vec<f64> = (0..16).map(|i| f64::from(i) / 4.0).collect();
+    let single = Mesh::single();
+    let none = HashMap::new();
+    let entry = |f: Format| {
+        vec![(
+            "m|fwd.output.0".to_string(),
+            Layout::replicated(),
+            vec![Tensor::from_vec(&[16], v.clone(), f).unwrap()],
+        )]
+    };
+    write_trace_dir(
+        &d.join("r"),
+        &single,
+        None,
+        &entry(Format::F32),
+        &HashMap::new(),
+        &none,
+    )
+    .unwrap();
+    write_trace_dir(
+        &d.join("c"),
+        &single,
+        None,
+        &entry(Format::F64),
+        &HashMap::new(),
+        &none,
+    )
+    .unwrap();
+    match check_dir_paths(&d.join("r"), &d.join("c"), PricingMode::Auto, &|| {}) {
+        Err(Error::File { reason, .. }) => {
+            assert!(
+                reason.contains("'m|fwd.output.0'")
+                    && reason.contains("f64")
+                    && reason.contains("f32"),
+                "{reason}"
+            )
+        }
+        other => panic!("expected a file error, got {other:?}"),
+    }
+}

@@ -165,7 +165,7 @@ fn extract<'py, T: numpy::Element>(
     })
 }
 
-fn policy(py: Python<'_>, text: &str, what: &'static str) -> PyResult<Policy> {
+fn policy(py: Python<'_>, text: &str, what: &str) -> PyResult<Policy> {
     match guard(py, || Ok(text.parse::<Policy>()))? {
         Ok(p) => Ok(p),
         Err(e) => Err(raise(
@@ -283,10 +283,11 @@ fn json_to_py<'py>(py: Python<'py>, text: &str) -> PyResult<Bound<'py, PyAny>> {
     py.import("json")?.call_method1("loads", (text,))
 }
 
-/// The canonical text of a policy (parsing and validating it).
+/// The canonical text of a policy (parsing and validating it); `side` names it in errors.
 #[pyfunction]
-fn parse_policy(py: Python<'_>, text: &str) -> PyResult<String> {
-    let p = policy(py, text, "the")?;
+#[pyo3(signature = (text, side = "the"))]
+fn parse_policy(py: Python<'_>, text: &str, side: &str) -> PyResult<String> {
+    let p = policy(py, text, side)?;
     guard(py, || p.validate())?;
     Ok(p.to_string())
 }
@@ -522,10 +523,19 @@ fn check_dirs(
             ))
         }
     };
-    guard_detached(py, move || {
-        let out = ttrace::check::check_dir_paths(&reference, &candidate, mode, &|| {})?;
-        Ok((json(&out)?, ttrace::check::render_dir_check(&out)))
-    })
+    let out = py.detach(move || {
+        catch_unwind(AssertUnwindSafe(|| {
+            let out = ttrace::check::check_dir_paths(&reference, &candidate, mode, &|| {})?;
+            Ok((json(&out)?, ttrace::check::render_dir_check(&out)))
+        }))
+    });
+    match out {
+        // Whatever stops a check (a missing tensor, an unreadable or unmergeable file) is a
+        // problem of the traces: TraceError, with the core's variant as its kind.
+        Ok(Err(e)) => Err(raise(py, "TraceError", &kind_of(&e), e.to_string())),
+        Ok(Ok(v)) => Ok(v),
+        Err(p) => guard(py, || std::panic::resume_unwind(p)),
+    }
 }
 
 /// Write one rank's tensors, given as (name, format, shape, uint8 array of the stored bytes),

@@ -39,7 +39,7 @@ def parse_policy(text: str) -> str:
     """Parse and validate a policy text; returns its canonical form.
 
     >>> parse_policy("in=bf16, acc=f32, out=bf16")
-    'in=bf16,acc=f32,out=bf16'
+    'in=bf16,acc=f32,out=bf16,order=sequential'
     """
     return _ttrace.parse_policy(text)
 
@@ -127,6 +127,16 @@ class Threshold:
         return self._core.delta
 
     @property
+    def elements(self) -> int:
+        """Elements of the op's result."""
+        return self._core.elements
+
+    @property
+    def reference_norm(self) -> float:
+        """‖reference‖_F of the exact result the threshold is relative to."""
+        return self._core.reference_norm
+
+    @property
     def identical(self) -> bool:
         """Both sides compute bit-identical results: any difference is a bug."""
         return self._core.identical
@@ -156,8 +166,8 @@ def _delta(delta: float, guaranteed: bool) -> Optional[float]:
 
 
 def _policies(reference: str, candidate: Optional[str]) -> "tuple[str, str]":
-    ref = parse_policy(reference)
-    return ref, parse_policy(candidate) if candidate is not None else ref
+    ref = _ttrace.parse_policy(reference, "reference")
+    return ref, _ttrace.parse_policy(candidate, "candidate") if candidate is not None else ref
 
 
 def matmul_threshold(

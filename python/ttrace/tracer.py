@@ -384,6 +384,10 @@ class Tracer:
     ``formats``: per-module ``{"quantize", "accumulate", "combine"}`` format names.
     ``unsupported``: ``"raise"`` (default) or ``"skip"`` a tensor whose layout the trace
     format cannot express. ``background``: write on a background thread (default True).
+    ``local_mean_loss``: under data parallelism each rank's loss averages over its own batch
+    (the usual DDP / FSDP setup), so the gradients flowing through activations are dp times
+    those of a reference averaging over the whole batch; they are recorded divided by dp
+    (exactly, for dp a power of two). Set False when the loss is normalized by the global batch.
     """
 
     def __init__(
@@ -403,6 +407,7 @@ class Tracer:
         formats: Optional[Dict[str, dict]] = None,
         unsupported: str = "raise",
         background: bool = True,
+        local_mean_loss: bool = True,
     ) -> None:
         if every < 1:
             raise InvalidInputError(f"every must be at least 1 (got {every})", "InvalidParameter")
@@ -419,6 +424,7 @@ class Tracer:
         self.dp_dim = dp_dim
         self.every = every
         self.unsupported = unsupported
+        self.local_mean_loss = local_mean_loss
         self._dtensor = _dtensor_type()
         named = dict(model.named_modules())
         self._named = named
@@ -660,7 +666,11 @@ class Tracer:
             )
         if tid not in self._records:
             self._order.append(tid)
-        self._records[tid] = local.detach().to("cpu", copy=True).contiguous()
+        copy = local.detach().to("cpu", copy=True).contiguous()
+        if (self.local_mean_loss and self.mesh.dp > 1 and role.startswith("grad.")
+                and param is None and layout["dp"]["kind"] == "split"):
+            copy.mul_(1.0 / self.mesh.dp)
+        self._records[tid] = copy
         self._meta[tid] = {"layout": layout, "module": self._module_info(name)}
         if param is None:
             self._forward[(name, role, i)] = (tuple(local.shape), layout)

@@ -190,6 +190,30 @@ fn plan(reference: &TraceDir, candidate: &TraceDir) -> Result<Plan> {
             name: missing.clone(),
         });
     }
+    // One dtype per id on both sides: the thresholds price runs of the same formats.
+    let stored: HashMap<&str, Format> = candidate
+        .manifest()
+        .tensors
+        .iter()
+        .map(|e| (e.id.as_str(), e.dtype))
+        .collect();
+    if let Some((e, c)) = reference.manifest().tensors.iter().find_map(|e| {
+        stored
+            .get(e.id.as_str())
+            .filter(|&&c| c != e.dtype)
+            .map(|&c| (e, c))
+    }) {
+        return Err(Error::File {
+            path: candidate.path().display().to_string(),
+            reason: format!(
+                "tensor '{}' is stored as {c} in the candidate but as {} in the reference: \
+                 ttrace compares runs of the same dtypes",
+                crate::io::printable(&e.id),
+                e.dtype
+            ),
+            io: None,
+        });
+    }
     let recipe = match &reference.manifest().recipe {
         Some(r) => Some(Recipe::by_name(r)?),
         None => None,

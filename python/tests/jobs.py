@@ -1,0 +1,169 @@
+"""Training steps run by the multi-process tests, one process per rank (gloo on CPU).
+
+``python jobs.py JOB DIRECTORY [BUG]``: runs JOB's reference (one process) or its parallel
+version (when WORLD_SIZE > 1, with MASTER_ADDR/MASTER_PORT/RANK set by the test), traced into
+DIRECTORY. BUG plants a bug in the parallel version.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import ttrace
+
+HIDDEN, FFN, SEQ, BATCH = 32, 64, 8, 4
+
+
+class Block(nn.Module):
+    """LayerNorm → fc1 → GELU → fc2, the MLP half of a transformer block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.fc1 = nn.Linear(HIDDEN, FFN)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(FFN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block0 = Block()
+        self.block1 = Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.block0(x)
+        return h + self.block1(h)
+
+
+def make() -> "tuple[Model, torch.Tensor]":
+    """The model and batch, in the dtype named by TTRACE_TEST_DTYPE (default float32)."""
+    dtype = getattr(torch, os.environ.get("TTRACE_TEST_DTYPE", "float32"))
+    torch.manual_seed(0)
+    model = Model().to(dtype)
+    x = torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(1)).to(dtype)
+    return model, x
+
+
+def tp(directory: str, bug: str) -> None:
+    """Tensor parallelism with sequence parallelism (DTensor): norms on sequence shards,
+    fc1 column-parallel, fc2 row-parallel with a reduce-scatter back to sequence shards.
+    Bug ``wrong-shard``: block1.fc1's weight shards in the wrong rank order."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    model, x = make()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        full = model.block1.fc1.weight.detach().clone()
+        for name in ("block0", "block1"):
+            plan = {
+                f"{name}.norm": SequenceParallel(),
+                f"{name}.fc1": ColwiseParallel(input_layouts=Shard(1)),
+                f"{name}.fc2": RowwiseParallel(output_layouts=Shard(1)),
+            }
+            parallelize_module(model, mesh, plan)
+        if bug == "wrong-shard":
+            # A checkpoint loaded with the shards in the wrong order: block1.fc1's rows on
+            # rank r are those of rank r + 1.
+            r, n = dist.get_rank(), FFN // world
+            other = (r + 1) % world
+            with torch.no_grad():
+                model.block1.fc1.weight.to_local().copy_(full[other * n:(other + 1) * n])
+        r, n = dist.get_rank(), SEQ // world
+        x = x[:, r * n:(r + 1) * n].contiguous()
+    tracer = ttrace.Tracer(model, directory)
+    with tracer.step():
+        model(x).pow(2).sum().backward()
+    tracer.close()
+
+
+def fsdp(directory: str, bug: str) -> None:
+    """FSDP2 data parallelism: each block and the root fully sharded over the dp ranks, each
+    rank a contiguous part of the batch, loss averaged over the local batch.
+    Bug ``grad-summed``: block1's gradients summed over the ranks, not averaged."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model, x = make()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        for block in (model.block0, model.block1):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        r, n = dist.get_rank(), BATCH // world
+        x = x[r * n:(r + 1) * n].contiguous()
+    tracer = ttrace.Tracer(model, directory)
+    with tracer.step():
+        model(x).pow(2).mean().backward()
+        if bug == "grad-summed":
+            # block1's gradients end up summed over the dp ranks instead of averaged (as a
+            # reduce with the wrong divide factor leaves them).
+            with torch.no_grad():
+                for p in model.block1.parameters():
+                    p.grad.mul_(world)
+    tracer.close()
+
+
+def unsupported(directory: str, bug: str) -> None:
+    """A module whose output is a DTensor with a placement the trace format cannot express
+    (``Partial("avg")``): the tracer raises, naming the tensor and the placement — or skips it
+    with ``unsupported="skip"`` (``bug`` = ``skip``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),), mesh_dim_names=("tp",))
+
+    class Averaged(nn.Module):
+        def forward(self, x: torch.Tensor) -> "DTensor":
+            return DTensor.from_local(x * 2, mesh, [Partial("avg")], run_check=False)
+
+    model = nn.Sequential(nn.Linear(4, 4), Averaged())
+    tracer = ttrace.Tracer(model, directory, mesh=mesh,
+                           unsupported="skip" if bug == "skip" else "raise")
+    x = torch.randn(2, 4)
+    try:
+        with tracer.step():
+            model(x).to_local().sum().backward()
+    except ttrace.UnsupportedLayoutError as e:
+        assert bug != "skip"
+        assert "'1|fwd.output.0'" in str(e) and "avg" in str(e), str(e)
+        print("raised:", e)
+        return
+    tracer.close()
+    assert bug == "skip", "no error for Partial('avg')"
+    assert [i for i, _ in tracer.skipped] == ["1|fwd.output.0"], tracer.skipped
+
+
+def main() -> None:
+    job, directory = sys.argv[1], sys.argv[2]
+    bug = sys.argv[3] if len(sys.argv) > 3 else ""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    distributed = world > 1 or job == "unsupported"
+    if distributed:
+        dist.init_process_group("gloo")
+    try:
+        {"tp": tp, "fsdp": fsdp, "unsupported": unsupported}[job](directory, bug)
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

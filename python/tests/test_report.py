@@ -1,0 +1,114 @@
+"""Reports of ttrace.check and ``python -m ttrace check``, on traces written by the Tracer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ttrace
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def trace(directory, scale_fc2: float = 1.0, steps: int = 1, **kw):
+    torch.manual_seed(0)
+    net = Net()
+    with torch.no_grad():
+        net.fc2.weight.mul_(scale_fc2)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    tracer = ttrace.Tracer(net, directory, **kw)
+    for _ in range(steps):
+        with tracer.step():
+            net(x).sum().backward()
+    written = tracer.close()
+    return tracer, written
+
+
+@pytest.fixture
+def pair(tmp_path):
+    trace(tmp_path / "ref")
+    trace(tmp_path / "same")
+    trace(tmp_path / "bug", scale_fc2=1.01)
+    return tmp_path
+
+
+def test_identical_runs_pass_and_report_every_tensor(pair):
+    r = ttrace.check(pair / "ref/step0", pair / "same/step0")
+    assert r.passed and bool(r) and r.failures == 0 and r.first_failure is None
+    ids = [row.id for row in r.rows]
+    assert ids[:2] == ["fc1|fwd.input.0", "fc1|fwd.output.0"]
+    assert "fc2.weight|param_grad" in ids
+    assert str(r).startswith(f"PASS: all {len(ids)} tensors within their thresholds")
+    assert sum(r.pricing_counts.values()) == len(ids)
+    d = json.loads(r.to_json())
+    assert d["passed"] is True and len(d["rows"]) == len(ids)
+
+
+def test_a_changed_weight_fails_at_its_module(pair):
+    r = ttrace.check(pair / "ref/step0", pair / "bug/step0")
+    assert not r.passed
+    assert r.first_failure == "fc2|fwd.output.0"
+    assert r.localization["module"] == "fc2"
+    assert r.failed_rows[0].error_eps > r.failed_rows[0].threshold_eps
+    assert "FAIL:" in str(r) and "localized: module fc2" in str(r)
+
+
+def test_python_m_ttrace_check_exit_codes_and_json(pair, tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "ttrace", "check", *map(str, a)],
+                                    capture_output=True, text=True, timeout=120)
+    ok = run(pair / "ref/step0", pair / "same/step0", "--json", tmp_path / "r.json")
+    assert ok.returncode == 0, ok.stderr
+    assert "PASS" in ok.stdout
+    assert json.loads((tmp_path / "r.json").read_text())["passed"] is True
+    bad = run(pair / "ref/step0", pair / "bug/step0")
+    assert bad.returncode == 1 and "localized: module fc2" in bad.stdout
+    missing = run(pair / "ref/step0", tmp_path / "nowhere")
+    assert missing.returncode == 2 and "error:" in missing.stderr
+
+
+def test_every_nth_step_and_module_selection(tmp_path):
+    tracer, written = trace(tmp_path / "t", steps=5, every=2, modules=["fc*"])
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == ["step0", "step2", "step4"]
+    manifest = json.loads((tmp_path / "t/step2/manifest.rank0.json").read_text())
+    ids = {e["id"] for e in manifest["tensors"]}
+    assert ids and all(i.startswith("fc") for i in ids)
+    # The bytes reported are the tensor data of the files (read back with the safetensors
+    # package, an independent reader).
+    from safetensors.numpy import load_file
+
+    total = 0
+    for step in ("step0", "step2", "step4"):
+        data = load_file(str(tmp_path / "t" / step / "rank0.safetensors"))
+        total += sum(a.nbytes for a in data.values())
+    assert written == total == tracer.bytes_written > 0
+
+
+def test_recorded_values_are_the_module_outputs(tmp_path):
+    from safetensors.numpy import load_file
+
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    tracer = ttrace.Tracer(net, tmp_path / "t", background=False)
+    with tracer.step():
+        net(x).sum().backward()
+    tracer.close()
+    data = load_file(str(tmp_path / "t/step0/rank0.safetensors"))
+    with torch.no_grad():
+        h = net.fc1(x)
+    assert (data["fc1|fwd.output.0"] == h.numpy()).all()
+    assert (data["fc1.weight|param_grad"] == net.fc1.weight.grad.numpy()).all()

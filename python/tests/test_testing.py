@@ -1,0 +1,75 @@
+"""ttrace.testing.assert_close: passes what round-off explains, fails with a message that
+names the tensor, the error and threshold in eps, and the worst element."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ttrace.testing import assert_close
+
+from emulate import rows, seq_sum, splitk_sum
+
+
+def _sums(seed: int = 0):
+    x = np.random.default_rng(seed).standard_normal((8, 777)).astype(np.float32)
+    return x, rows(x, seq_sum), rows(x, lambda r: splitk_sum(r, 8))
+
+
+def test_passes_round_off_that_a_fixed_tolerance_would_refuse():
+    x, ref, cand = _sums()
+    v = assert_close(cand, ref, op="sum", inputs=(x,),
+                     candidate="in=f32,acc=f32,out=f32,order=splitk:8:f32:tree")
+    assert v.passed and v.rel_error > 0
+    # The same pair under a bit-exact expectation (no candidate arithmetic given) fails.
+    with pytest.raises(AssertionError):
+        assert_close(cand, ref, op="sum", inputs=(x,))
+
+
+def test_failure_message_names_tensor_error_threshold_and_worst_element():
+    x, ref, cand = _sums(1)
+    bad = cand.copy()
+    bad[5] += np.float32(0.25)
+    with pytest.raises(AssertionError) as e:
+        assert_close(bad, ref, op="sum", inputs=(x,), name="row sums",
+                     candidate="in=f32,acc=f32,out=f32,order=splitk:8:f32:tree")
+    msg = str(e.value)
+    assert msg.startswith("row sums: the difference is larger than round-off of sum")
+    assert "worst element at index (5,)" in msg
+    assert "eps" in msg and "threshold" in msg and "splitk:8" in msg
+
+
+def test_torch_linear_in_bf16_against_a_split_k_emulation():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(16, 256, generator=g).to(torch.bfloat16)
+    w = torch.randn(8, 256, generator=g).to(torch.bfloat16)
+    # Exact products, then each order in float32, then the BF16 output rounding.
+    prods = x.float().numpy()[:, None, :] * w.float().numpy()[None, :, :]
+    ref = np.array([[seq_sum(prods[i, j]) for j in range(8)] for i in range(16)], np.float32)
+    cand = np.array([[splitk_sum(list(prods[i, j]), 2) for j in range(8)] for i in range(16)],
+                    np.float32)
+    ref_t, cand_t = torch.from_numpy(ref).to(torch.bfloat16), torch.from_numpy(cand).to(torch.bfloat16)
+    assert_close(cand_t, ref_t, op="linear", inputs=(x, w),
+                 candidate="in=bf16,acc=f32,out=bf16,order=splitk:2:f32:tree")
+    with pytest.raises(AssertionError):
+        assert_close(cand_t * 1.05, ref_t, op="linear", inputs=(x, w),
+                     candidate="in=bf16,acc=f32,out=bf16,order=splitk:2:f32:tree")
+
+
+def test_nan_on_one_side_is_reported():
+    x, ref, cand = _sums(2)
+    cand[2] = np.nan
+    with pytest.raises(AssertionError) as e:
+        assert_close(cand, ref, op="sum", inputs=(x,),
+                     candidate="in=f32,acc=f32,out=f32,order=splitk:8:f32:tree")
+    assert "NaN or infinite on one side" in str(e.value)
+    assert "index (2,)" in str(e.value)
+
+
+def test_shape_mismatch_and_unknown_op_are_clear():
+    x, ref, cand = _sums(3)
+    with pytest.raises(AssertionError, match="shapes differ"):
+        assert_close(cand[:4], ref, op="sum", inputs=(x,))
+    with pytest.raises(ValueError, match="unknown op 'conv'"):
+        assert_close(cand, ref, op="conv", inputs=(x,))

@@ -1,0 +1,127 @@
+"""Thresholds priced from Python hold on results computed independently (NumPy float32
+emulation of each order), catch a planted error, and read torch and NumPy arrays exactly."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import ttrace
+from ttrace._arrays import as_core, as_float64
+
+from emulate import rows, seq_sum, splitk_sum
+
+REF = "in=f32,acc=f32,out=f32,order=sequential"
+CAND = "in=f32,acc=f32,out=f32,order=splitk:4:f32:tree"
+
+
+def families(rng: np.random.Generator, shape):
+    yield "normal", rng.standard_normal(shape)
+    yield "nonzero mean", 10.0 + rng.standard_normal(shape)
+    yield "uniform positive", rng.uniform(0, 1, shape)
+    yield "heavy tail", rng.standard_cauchy(shape).clip(-1e4, 1e4)
+    yield "integers", rng.integers(-8, 8, shape).astype(np.float64)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sum_threshold_holds_on_emulated_orders_and_catches_a_dropped_term(seed):
+    rng = np.random.default_rng(seed)
+    for name, data in families(rng, (16, 509)):
+        x = data.astype(np.float32)
+        ref = rows(x, seq_sum)
+        cand = rows(x, lambda r: splitk_sum(r, 4))
+        t = ttrace.sum_threshold(x, reference=REF, candidate=CAND)
+        v = t.check(ref, cand)
+        assert v.passed, (name, v)
+        # A rank that drops one term of one row is caught.
+        bad = cand.copy()
+        bad[3] = splitk_sum(list(x[3, 1:]), 4)
+        if abs(float(x[3, 0])) > 1e-3 * abs(float(ref[3])):
+            assert not t.check(ref, bad).passed, name
+
+
+def test_guaranteed_threshold_is_wider_and_still_holds():
+    x = np.random.default_rng(7).standard_normal((8, 1000)).astype(np.float32)
+    ref, cand = rows(x, seq_sum), rows(x, lambda r: splitk_sum(r, 4))
+    p = ttrace.sum_threshold(x, reference=REF, candidate=CAND)
+    g = ttrace.sum_threshold(x, reference=REF, candidate=CAND, guaranteed=True)
+    assert g.delta is None and p.delta == 1e-6
+    assert g.abs_frobenius >= p.abs_frobenius > 0
+    assert g.check(ref, cand).passed
+
+
+def test_same_arithmetic_means_identical_results():
+    x = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
+    t = ttrace.sum_threshold(x, reference=REF)
+    assert t.identical and t.abs_frobenius == 0.0
+    ref = rows(x, seq_sum)
+    assert t.check(ref, ref).passed
+    off = ref.copy()
+    off[0] = np.nextafter(off[0], np.float32(np.inf))
+    assert not t.check(ref, off).passed
+
+
+def test_matmul_threshold_from_torch_bf16_inputs():
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(8, 96, generator=g).to(torch.bfloat16)
+    b = torch.randn(96, 4, generator=g).to(torch.bfloat16)
+    t = ttrace.matmul_threshold(
+        a, b, reference="in=bf16,acc=f32,out=f32",
+        candidate="in=bf16,acc=f32,out=f32,order=splitk:4:f32:tree",
+    )
+    # Emulate both orders on the exact BF16 values (products are exact in float32).
+    af, bf = a.float().numpy(), b.float().numpy()
+    prods = af[:, :, None] * bf[None, :, :]  # [m, k, n]
+    ref = np.array([[seq_sum(prods[i, :, j]) for j in range(4)] for i in range(8)])
+    cand = np.array([[splitk_sum(list(prods[i, :, j]), 4) for j in range(4)] for i in range(8)])
+    assert t.check(ref.astype(np.float32), cand.astype(np.float32)).passed
+    assert not t.check(ref.astype(np.float32), (cand * np.float32(1.01)).astype(np.float32)).passed
+
+
+def test_linear_threshold_reads_weights_as_pytorch_stores_them():
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(6, 40, generator=g), torch.randn(3, 40, generator=g)
+    lin = ttrace.linear_threshold(x, w, reference="in=f32,acc=f32,out=f32",
+                                  candidate="in=f32,acc=f32,out=f32,order=splitk:2:f32:tree")
+    mm = ttrace.matmul_threshold(x, w.T.contiguous(), reference="in=f32,acc=f32,out=f32",
+                                 candidate="in=f32,acc=f32,out=f32,order=splitk:2:f32:tree")
+    assert lin.abs_frobenius == mm.abs_frobenius and lin.elements == 18
+
+
+@pytest.mark.parametrize(
+    "dtype,fmt", [(torch.float32, "f32"), (torch.float16, "f16"), (torch.bfloat16, "bf16"),
+                  (torch.float8_e4m3fn, "e4m3"), (torch.float8_e5m2, "e5m2")])
+def test_torch_tensors_are_read_exactly_and_without_copies(dtype, fmt):
+    t = (torch.randn(5, 7, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
+    arr, got = as_core(t)
+    assert got == fmt
+    if dtype != torch.float32 and dtype != torch.float16:
+        # Bit-pattern views share the tensor's memory.
+        assert arr.ctypes.data == t.data_ptr()
+    assert np.array_equal(as_float64(t), t.double().numpy())
+
+
+def test_ml_dtypes_arrays_are_read_exactly():
+    x = np.array([1.0, -2.5, 3.140625, 1e-40], dtype=ml_dtypes.bfloat16)
+    assert np.array_equal(as_float64(x), x.astype(np.float64))
+
+
+def test_norm_softmax_elementwise_and_allreduce_thresholds_price_their_ops():
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    w = np.ones(64, dtype=np.float32)
+    p = "in=f32,acc=f32,out=f32"
+    n = ttrace.norm_threshold(x, w, np.zeros(64, np.float32), reference=p,
+                              candidate=p + ",order=pairwise:1", candidate_variance="welford")
+    s = ttrace.softmax_threshold(x, reference=p, candidate_form="online:16")
+    e = ttrace.elementwise_threshold("gelu", x, reference="in=f32,acc=f32,out=f32",
+                                     candidate="in=f32,acc=f64,out=f32")
+    a = ttrace.allreduce_threshold([x, x, x, x], reference=p, candidate=p + ",order=splitk:4:f32:ring")
+    for t in (n, s, e, a):
+        assert t.relative > 0 and t.elements == 256, t
+
+
+def test_policy_text_round_trips():
+    assert ttrace.parse_policy(" in=bf16 , acc=f32 ,out=bf16 ") == "in=bf16,acc=f32,out=bf16,order=sequential"
