@@ -383,7 +383,9 @@ class Tracer:
     dimension of activations. ``recipe``: a ttrace recipe name for the manifest.
     ``formats``: per-module ``{"quantize", "accumulate", "combine"}`` format names.
     ``unsupported``: ``"raise"`` (default) or ``"skip"`` a tensor whose layout the trace
-    format cannot express. ``background``: write on a background thread (default True).
+    format cannot express. ``background``: write on a background thread (default: with a
+    ``directory``; without one the tracer records from construction until :meth:`write`,
+    which then writes before returning).
     ``local_mean_loss``: under data parallelism each rank's loss averages over its own batch
     (the usual DDP / FSDP setup), so the gradients flowing through activations are dp times
     those of a reference averaging over the whole batch; they are recorded divided by dp
@@ -406,7 +408,7 @@ class Tracer:
         recipe: Optional[str] = None,
         formats: Optional[Dict[str, dict]] = None,
         unsupported: str = "raise",
-        background: bool = True,
+        background: Optional[bool] = None,
         local_mean_loss: bool = True,
     ) -> None:
         if every < 1:
@@ -457,9 +459,12 @@ class Tracer:
         self._queue: "queue.Queue[Any]" = queue.Queue()
         self._errors: List[BaseException] = []
         self._writer: Optional[threading.Thread] = None
-        self._background = background
+        self._background = background if background is not None else directory is not None
         self._closed = False
         self._atexit = False
+        if directory is None:
+            # No steps to delimit: record from now until write().
+            self.attach()
 
     # -- configuration ----------------------------------------------------------------------
 
@@ -741,10 +746,12 @@ class Tracer:
 
     # -- writing ------------------------------------------------------------------------------
 
-    def write(self, directory: Union[str, "os.PathLike[str]"]) -> str:
+    def write(self, directory: Union[str, "os.PathLike[str]"], combine: bool = False) -> str:
         """Hand the recorded step to the writer: ``rank{r}.safetensors`` and
         ``manifest.rank{r}.json`` in ``directory``. Parameter gradients are read now and placed
-        right after their module's backward tensors (execution order). Returns the directory."""
+        right after their module's backward tensors (execution order). With ``combine=True``
+        (the last of several ranks emulated in one process) the fragments are then merged into
+        ``manifest.json`` (see :func:`finish`). Returns the directory."""
         directory = os.fspath(directory)
         order, seen = [], set()
         for item in self._order:
@@ -782,6 +789,9 @@ class Tracer:
             self._queue.put(job)
         else:
             self._write_job(job)
+        if combine:
+            self.flush()
+            finish(directory)
         return directory
 
     def _write_job(self, job: Tuple[str, str, list, dict]) -> None:

@@ -1,8 +1,8 @@
-"""A complete worked example: a 2-way tensor-parallel MLP emulated in one process, dumped with
-ttrace_dump and checked by `ttrace check`.
+"""A complete worked example: a 2-way tensor-parallel MLP emulated in one process, traced with
+ttrace's Tracer (its hand-declared layouts: the emulation uses plain tensors) and checked.
 
-    python3 examples/python/tp_demo.py --out /tmp/tp-demo
-    cargo run --release -- check /tmp/tp-demo/reference /tmp/tp-demo/candidate
+    python python/examples/tp_demo.py --out /tmp/tp-demo
+    python -m ttrace check /tmp/tp-demo/reference /tmp/tp-demo/candidate
 
 The reference is LayerNorm -> Linear(d, 4d) -> GELU -> Linear(4d, d) -> bias -> MSE loss on one
 device. The candidate splits the first linear by columns and the second by rows over `--tp`
@@ -17,13 +17,11 @@ and 1, naming the module, on a bug.
 import argparse
 import os
 import shutil
-import sys
 
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ttrace_dump as td  # noqa: E402
+import ttrace.tracer as td
 
 
 class BiasAdd(nn.Module):
@@ -108,7 +106,7 @@ def main():
     target = torch.randn(2, args.tokens // 2, d, generator=gen).to(dtype)
 
     # Reference run.
-    kinds = {"bias2": "residual"}  # an elementwise add: not a type ttrace_dump recognises
+    kinds = {"bias2": "residual"}  # an elementwise add: not a type the tracer recognises
     tracer = td.Tracer(ref, kinds=kinds)
     h = ref.ln(x)
     y = ref.bias2(ref.fc2(ref.act(ref.fc1(h))))
@@ -145,7 +143,7 @@ def main():
         t.write(cand)
     td.finish(cand)
     print(f"wrote {args.out}/reference and {args.out}/candidate ({tp} ranks, {args.dtype}, bug: {args.bug})")
-    print(f"check with: cargo run --release -- check {args.out}/reference {args.out}/candidate")
+    print(f"check with: python -m ttrace check {args.out}/reference {args.out}/candidate")
 
 
 if __name__ == "__main__":

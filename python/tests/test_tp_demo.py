@@ -1,0 +1,42 @@
+"""The worked example (python/examples/tp_demo.py: a 2-way tensor-parallel MLP emulated in one
+process with hand-declared layouts) passes clean in BF16 and FP32 and fails, localized, with
+each of its two bugs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ttrace
+
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "tp_demo.py"
+
+
+@pytest.mark.parametrize(
+    "bug,dtype,module,pass_",
+    [
+        ("none", "bf16", None, None),
+        ("none", "fp32", None, None),
+        ("double-bias", "bf16", "fc2", "forward"),
+        ("no-grad-allreduce", "bf16", "ln", "backward"),
+    ],
+)
+def test_tp_demo(tmp_path, bug, dtype, module, pass_):
+    out = tmp_path / f"{bug}-{dtype}"
+    run = subprocess.run(
+        [sys.executable, str(DEMO), "--out", str(out), "--bug", bug, "--dtype", dtype],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    report = ttrace.check(out / "reference", out / "candidate")
+    # Every module has a kind: nothing priced by the generic fallback.
+    assert not any("generic" in rule for rule in report.pricing_counts), report.pricing_counts
+    if module is None:
+        assert report.passed, str(report)
+    else:
+        assert not report.passed
+        assert report.localization["module"] == module, str(report)
+        assert report.localization["pass"] == pass_

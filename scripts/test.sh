@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Every check and test of the repository: formatting, lints (with and without default
+# features), the Rust tests, then the Python package — built and installed with pip (maturin)
+# into a private virtual environment, target/pyenv, made on first use — and its pytest suite,
+# which runs real multi-process torch.distributed jobs (gloo, CPU).
+#
+# Needs a Rust toolchain and python3 (with venv); everything else comes from crates.io and PyPI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=target/pyenv
+py="$venv/bin/python"
+packages=(numpy pytest safetensors ml_dtypes "maturin>=1.7,<2" "torch==2.15.0")
+if ! "$py" -c "import numpy, pytest, safetensors, ml_dtypes, maturin, torch" 2>/dev/null; then
+  echo "test.sh: making the Python environment $venv (torch is large: the first run downloads it)"
+  python3 -m venv "$venv"
+  "$py" -m pip install --quiet --disable-pip-version-check "${packages[@]}"
+fi
+export PATH="$PWD/$venv/bin:$PATH"
+
+cargo fmt --all --check
+cargo clippy --workspace --all-targets -- -D warnings
+cargo clippy --lib --no-default-features -- -D warnings
+cargo test
+
+# The package as a user installs it (pip builds the wheel with maturin).
+"$py" -m pip install --quiet --disable-pip-version-check --no-build-isolation --force-reinstall --no-deps .
+"$py" -m pytest -q -p no:cacheprovider python/tests
