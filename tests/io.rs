@@ -549,7 +549,7 @@ fn stored_bytes_are_written_as_given() {
             bytes: &fp8,
         },
     ];
-    safetensors::write_stored(&path, &tensors, &BTreeMap::new()).unwrap();
+    safetensors::write_stored(&path, &tensors, &BTreeMap::new(), true).unwrap();
     let raw = std::fs::read(&path).unwrap();
     let oracle = ::safetensors::SafeTensors::deserialize(&raw).unwrap();
     assert_eq!(oracle.tensor("a").unwrap().data(), &bf16[..]);
@@ -569,12 +569,12 @@ fn stored_bytes_are_written_as_given() {
     };
     let other = dir.join("u.safetensors");
     assert!(matches!(
-        safetensors::write_stored(&other, &[short], &BTreeMap::new()),
+        safetensors::write_stored(&other, &[short], &BTreeMap::new(), false),
         Err(Error::File { .. })
     ));
     let twice = [tensors[0], tensors[0]];
     assert!(matches!(
-        safetensors::write_stored(&other, &twice, &BTreeMap::new()),
+        safetensors::write_stored(&other, &twice, &BTreeMap::new(), false),
         Err(Error::File { .. })
     ));
     assert!(!other.exists());

@@ -539,14 +539,17 @@ fn check_dirs(
 }
 
 /// Write one rank's tensors, given as (name, format, shape, uint8 array of the stored bytes),
-/// into `path` (a safetensors file, atomically), with `metadata`. The GIL is released while
-/// writing; the arrays are read in place.
+/// into `path` (a safetensors file, atomically), with `metadata`; `fsync` forces the data to
+/// the device before the rename. The GIL is released while writing; the arrays are read in
+/// place.
 #[pyfunction]
+#[pyo3(signature = (path, tensors, metadata, fsync = true))]
 fn write_safetensors(
     py: Python<'_>,
     path: std::path::PathBuf,
     tensors: Vec<(String, String, Vec<usize>, PyReadonlyArrayDyn<'_, u8>)>,
     metadata: BTreeMap<String, String>,
+    fsync: bool,
 ) -> PyResult<u64> {
     let mut parsed = Vec::with_capacity(tensors.len());
     for (name, fmt, shape, bytes) in &tensors {
@@ -577,7 +580,7 @@ fn write_safetensors(
     let send = SendStored(&stored);
     guard_detached(py, move || {
         let SendStored(stored) = send;
-        ttrace::io::safetensors::write_stored(&path, stored, &metadata)
+        ttrace::io::safetensors::write_stored(&path, stored, &metadata, fsync)
     })?;
     Ok(total)
 }

@@ -112,3 +112,41 @@ def test_recorded_values_are_the_module_outputs(tmp_path):
         h = net.fc1(x)
     assert (data["fc1|fwd.output.0"] == h.numpy()).all()
     assert (data["fc1.weight|param_grad"] == net.fc1.weight.grad.numpy()).all()
+
+
+def test_every_recorded_tensor_is_the_tensor_the_hooks_saw(tmp_path):
+    """Tensors handed from one module to the next are stored once (two ids, one key); every
+    id's stored values equal an independent copy taken by the test's own hooks — also where
+    freed memory is reused by later tensors of the same shape."""
+    from safetensors.numpy import load_file
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(6)])
+    seen = {}
+    for name, m in net.named_modules():
+        if name and not list(m.children()):
+            def fwd(mod, args, out, name=name):
+                seen[f"{name}|fwd.input.0"] = args[0].detach().clone()
+                seen[f"{name}|fwd.output.0"] = out.detach().clone()
+
+            def bwd(mod, gin, gout, name=name):
+                seen[f"{name}|grad.output.0"] = gout[0].detach().clone()
+                if gin[0] is not None:
+                    seen[f"{name}|grad.input.0"] = gin[0].detach().clone()
+
+            m.register_forward_hook(fwd)
+            m.register_full_backward_hook(bwd)
+    x = torch.randn(4, 16, requires_grad=True)
+    tracer = ttrace.Tracer(net, tmp_path / "t", background=False)
+    with tracer.step():
+        net(x).sum().backward()
+    tracer.close()
+    step = tmp_path / "t/step0"
+    data = load_file(str(step / "rank0.safetensors"))
+    entries = json.loads((step / "manifest.rank0.json").read_text())["tensors"]
+    shared = [e for e in entries if e["key"] != e["id"]]
+    assert shared, "consecutive modules' tensors should share storage in the file"
+    for e in entries:
+        if e["id"] in seen:
+            assert (data[e["key"]] == seen[e["id"]].numpy()).all(), e["id"]
+    assert len(data) < len(entries)

@@ -56,6 +56,7 @@ import os
 import queue
 import random
 import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -410,6 +411,7 @@ class Tracer:
         unsupported: str = "raise",
         background: Optional[bool] = None,
         local_mean_loss: bool = True,
+        fsync: bool = False,
     ) -> None:
         if every < 1:
             raise InvalidInputError(f"every must be at least 1 (got {every})", "InvalidParameter")
@@ -427,6 +429,7 @@ class Tracer:
         self.every = every
         self.unsupported = unsupported
         self.local_mean_loss = local_mean_loss
+        self.fsync = fsync
         self._dtensor = _dtensor_type()
         named = dict(model.named_modules())
         self._named = named
@@ -455,6 +458,7 @@ class Tracer:
         self._alias: Dict[Any, dict] = {}
         self._forward: Dict[Tuple[str, str, int], Tuple[Tuple[int, ...], dict]] = {}
         self._final: Dict[Tuple[str, int], Tuple[Tuple[int, ...], dict]] = {}
+        self._copies: Dict[Any, Tuple[Any, torch.Tensor]] = {}
         self._handles: List[Any] = []
         self._queue: "queue.Queue[Any]" = queue.Queue()
         self._errors: List[BaseException] = []
@@ -560,7 +564,7 @@ class Tracer:
         if self._handles:
             return
         self._records, self._meta, self._order = {}, {}, []
-        self._alias, self._forward, self._final = {}, {}, {}
+        self._alias, self._forward, self._final, self._copies = {}, {}, {}, {}
         for n in self.names:
             m = self._named[n]
             # prepend=True: run before a DTensor output hook converts the output to a local
@@ -671,10 +675,22 @@ class Tracer:
             )
         if tid not in self._records:
             self._order.append(tid)
-        copy = local.detach().to("cpu", copy=True).contiguous()
-        if (self.local_mean_loss and self.mesh.dp > 1 and role.startswith("grad.")
-                and param is None and layout["dp"]["kind"] == "split"):
-            copy.mul_(1.0 / self.mesh.dp)
+        scaled = (self.local_mean_loss and self.mesh.dp > 1 and role.startswith("grad.")
+                  and param is None and layout["dp"]["kind"] == "split")
+        # The same tensor handed from one module to the next (an output that is the next
+        # module's input, unchanged since: same memory, shape, strides and version) is copied
+        # and stored once; both ids name it. The first tensor is held by a weak reference:
+        # while it lives its memory cannot be reused by another tensor, and once it is gone
+        # nothing is shared.
+        owner = t._local_tensor if local is not t and hasattr(t, "_local_tensor") else local
+        same = (_alias_key(local), local._version, scaled)
+        hit = self._copies.get(same)
+        copy = hit[1] if hit is not None and hit[0]() is not None else None
+        if copy is None:
+            copy = local.detach().to("cpu", copy=True).contiguous()
+            if scaled:
+                copy.mul_(1.0 / self.mesh.dp)
+            self._copies[same] = (weakref.ref(owner), copy)
         self._records[tid] = copy
         self._meta[tid] = {"layout": layout, "module": self._module_info(name)}
         if param is None:
@@ -769,10 +785,14 @@ class Tracer:
                 order.append(item)
         fname = f"rank{self.rank}.safetensors"
         tensors, entries = [], []
+        keys: Dict[int, str] = {}
         for tid in order:
             t = self._records[tid]
-            tensors.append((tid, _DTYPES[t.dtype], list(t.shape), t))
-            e = {"id": tid, "rank": self.rank, "file": fname, "key": tid,
+            key = keys.get(id(t))
+            if key is None:
+                key = keys[id(t)] = tid
+                tensors.append((tid, _DTYPES[t.dtype], list(t.shape), t))
+            e = {"id": tid, "rank": self.rank, "file": fname, "key": key,
                  "dtype": _DTYPES[t.dtype], "layout": self._meta[tid]["layout"]}
             if self._meta[tid]["module"] is not None:
                 e["module"] = self._meta[tid]["module"]
@@ -782,7 +802,7 @@ class Tracer:
         if self.recipe:
             manifest["recipe"] = self.recipe
         job = (directory, fname, tensors, manifest)
-        self._records, self._meta, self._order = {}, {}, []
+        self._records, self._meta, self._order, self._copies = {}, {}, [], {}
         self.last_directory = directory
         if self._background:
             self._start_writer()
@@ -802,7 +822,7 @@ class Tracer:
             for tid, fmt, shape, t in tensors
         ]
         self.bytes_written += _ttrace.write_safetensors(
-            os.path.join(directory, fname), stored, {"rank": str(self.rank)}
+            os.path.join(directory, fname), stored, {"rank": str(self.rank)}, self.fsync
         )
         # The manifest last: an interrupted write leaves no manifest naming missing files.
         text = json.dumps(manifest, indent=1).encode()

@@ -22,11 +22,19 @@ pub use manifest::{read_manifest, write_trace_dir, Manifest, ManifestEntry, Modu
 /// opened without blocking, so a FIFO nobody reads is an error, not a hang — and never
 /// replaced; a directory, a block device or a socket is refused.
 pub fn write_atomic(path: &std::path::Path, contents: &[u8]) -> crate::error::Result<()> {
-    write_atomic_parts(path, &[contents])
+    write_atomic_parts(path, &[contents], true)
 }
 
 /// [`write_atomic`] of the concatenation of `parts`, without joining them in memory first.
-pub fn write_atomic_parts(path: &std::path::Path, parts: &[&[u8]]) -> crate::error::Result<()> {
+/// With `fsync` false the data is not forced to the device before the rename: readers still
+/// see the old file or the whole new one while the system runs, but after a power loss the
+/// new file may be empty or cut short (which the readers refuse as a truncated file). Trace
+/// writers that must keep pace with training use that; reports keep `fsync`.
+pub fn write_atomic_parts(
+    path: &std::path::Path,
+    parts: &[&[u8]],
+    fsync: bool,
+) -> crate::error::Result<()> {
     use std::io::Write;
     let fail = |reason: String| crate::error::Error::File {
         path: path.display().to_string(),
@@ -64,7 +72,7 @@ pub fn write_atomic_parts(path: &std::path::Path, parts: &[&[u8]]) -> crate::err
     let written = parts
         .iter()
         .try_for_each(|p| file.write_all(p))
-        .and_then(|_| file.sync_all())
+        .and_then(|_| if fsync { file.sync_all() } else { Ok(()) })
         .and_then(|_| std::fs::rename(&tmp, path));
     written.map_err(|e| {
         let _ = std::fs::remove_file(&tmp);

@@ -622,7 +622,7 @@ pub fn write(
             bytes,
         })
         .collect();
-    write_stored(path, &stored, metadata)
+    write_stored(path, &stored, metadata, true)
 }
 
 /// One tensor as stored: its element patterns, little-endian, in row-major order.
@@ -639,8 +639,8 @@ pub struct StoredTensor<'a> {
 }
 
 /// Write tensors given as their stored bytes (no decoding, no copy) and metadata to `path`,
-/// atomically ([`write_atomic`](crate::io::write_atomic)): readers see the old file or the
-/// whole new one.
+/// atomically ([`write_atomic_parts`](crate::io::write_atomic_parts)): readers see the old file
+/// or the whole new one; `fsync` forces the data to the device before the rename.
 ///
 /// # Errors
 ///
@@ -650,6 +650,7 @@ pub fn write_stored(
     path: &Path,
     tensors: &[StoredTensor<'_>],
     metadata: &BTreeMap<String, String>,
+    fsync: bool,
 ) -> Result<()> {
     let mut header = serde_json::Map::new();
     let mut offset = 0usize;
@@ -699,7 +700,7 @@ pub fn write_stored(
     parts.push(&len);
     parts.push(&h);
     parts.extend(tensors.iter().map(|t| t.bytes));
-    crate::io::write_atomic_parts(path, &parts)
+    crate::io::write_atomic_parts(path, &parts, fsync)
 }
 
 #[cfg(test)]
