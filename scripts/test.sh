@@ -10,8 +10,8 @@ cd "$(dirname "$0")/.."
 
 venv=target/pyenv
 py="$venv/bin/python"
-packages=(numpy pytest safetensors ml_dtypes "maturin>=1.7,<2" "torch==2.15.0")
-if ! "$py" -c "import numpy, pytest, safetensors, ml_dtypes, maturin, torch" 2>/dev/null; then
+packages=(numpy pytest safetensors ml_dtypes "maturin>=1.7,<2" "torch==2.15.0" "megatron-core==0.16.1")
+if ! "$py" -c "import numpy, pytest, safetensors, ml_dtypes, maturin, torch, megatron.core" 2>/dev/null; then
   echo "test.sh: making the Python environment $venv (torch is large: the first run downloads it)"
   python3 -m venv "$venv"
   "$py" -m pip install --quiet --disable-pip-version-check "${packages[@]}"

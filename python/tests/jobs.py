@@ -121,6 +121,55 @@ def fsdp(directory: str, bug: str) -> None:
     tracer.close()
 
 
+def megatron(directory: str, bug: str) -> None:
+    """Megatron-LM's tensor-parallel layers (megatron-core, CPU and gloo): LayerNorm →
+    ColumnParallelLinear → GELU → RowParallelLinear on [s, b, h] activations, traced with no
+    declarations. Bug ``no-grad-allreduce``: the column-parallel layer built with
+    ``disable_grad_reduce`` (its input gradient is never all-reduced)."""
+    from megatron.core import parallel_state
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    dtype = getattr(torch, os.environ.get("TTRACE_TEST_DTYPE", "float32"))
+    config = ModelParallelConfig(
+        tensor_model_parallel_size=world, use_cpu_initialization=True, params_dtype=dtype
+    )
+
+    def init(w: torch.Tensor) -> torch.Tensor:
+        return nn.init.normal_(w, 0.0, 0.05)
+
+    class Mlp(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(HIDDEN, dtype=dtype)
+            self.fc1 = ColumnParallelLinear(
+                HIDDEN, FFN, config=config, init_method=init, bias=True, gather_output=False,
+                disable_grad_reduce=(bug == "no-grad-allreduce"),
+            )
+            self.act = nn.GELU()
+            self.fc2 = RowParallelLinear(
+                FFN, HIDDEN, config=config, init_method=init, bias=True, input_is_parallel=True,
+                skip_bias_add=False,
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h, _ = self.fc1(self.norm(x))
+            y, _ = self.fc2(self.act(h))
+            return y
+
+    torch.manual_seed(0)  # the full ("master") weights are drawn alike, then split
+    model = Mlp()
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x.requires_grad_(True)
+    tracer = ttrace.Tracer(model, directory)
+    with tracer.step():
+        model(x).pow(2).sum().backward()
+    tracer.close()
+    parallel_state.destroy_model_parallel()
+
+
 def unsupported(directory: str, bug: str) -> None:
     """A module whose output is a DTensor with a placement the trace format cannot express
     (``Partial("avg")``): the tracer raises, naming the tensor and the placement — or skips it
@@ -155,11 +204,12 @@ def main() -> None:
     job, directory = sys.argv[1], sys.argv[2]
     bug = sys.argv[3] if len(sys.argv) > 3 else ""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    distributed = world > 1 or job == "unsupported"
+    distributed = world > 1 or job in ("unsupported", "megatron")
     if distributed:
         dist.init_process_group("gloo")
     try:
-        {"tp": tp, "fsdp": fsdp, "unsupported": unsupported}[job](directory, bug)
+        jobs = {"tp": tp, "fsdp": fsdp, "megatron": megatron, "unsupported": unsupported}
+        jobs[job](directory, bug)
     finally:
         if distributed:
             dist.destroy_process_group()

@@ -69,3 +69,29 @@ def test_fsdp2_summed_gradients_fail_at_the_first_parameter_gradient(traces, dty
     assert failing and all(i.startswith("block1.") and i.endswith("|param_grad") for i in failing)
     assert report.localization["module"] == "block1.fc2"
     assert report.localization["pass"] == "backward"
+
+
+def test_megatron_tensor_parallel_layers_need_no_declarations(traces):
+    ref, cand = traces("megatron"), traces("megatron", 2)
+    report = ttrace.check(ref, cand)
+    assert report.passed, str(report)
+    layouts = _manifest_layouts(cand)
+    # Megatron's [s, b, h] activations: the column-parallel output split along h, the
+    # row-parallel weight along its input dimension, the GELU between them inherits the split.
+    assert layouts["fc1|fwd.output.0"]["tp"] == {"kind": "split", "dim": 2, "groups": 1}
+    assert layouts["fc2.weight|param_grad"]["tp"] == {"kind": "split", "dim": 1, "groups": 1}
+    assert layouts["act|fwd.output.0"]["tp"]["kind"] == "split"
+    assert layouts["fc1|grad.input.0"]["tp"] == {"kind": "replicate"}
+
+
+def test_megatron_missing_gradient_all_reduce_fails_where_the_partial_sum_is_consumed(traces):
+    # ColumnParallelLinear(disable_grad_reduce=True) hands its input gradient on as a partial
+    # sum (recorded as such); the LayerNorm before it back-propagates it as if it were whole,
+    # and its ranks' input gradients disagree.
+    report = ttrace.check(traces("megatron"), traces("megatron", 2, "no-grad-allreduce"))
+    assert not report.passed
+    assert report.localization["module"] == "norm"
+    assert report.localization["pass"] == "backward"
+    assert "synchronization is missing" in report.localization["detail"]
+    layouts = _manifest_layouts(traces("megatron", 2, "no-grad-allreduce"))
+    assert layouts["fc1|grad.input.0"]["tp"] == {"kind": "partial"}

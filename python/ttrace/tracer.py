@@ -195,15 +195,19 @@ def _megatron_layout(module: torch.nn.Module) -> Optional[ModuleLayout]:
         return None
     name = cls.__name__
     if name == "ColumnParallelLinear":
-        gather = bool(getattr(module, "gather_output", False))
+        # Input replicated (with sequence parallelism: split along the sequence, dim 0 of
+        # Megatron's [s, b, h], and all-gathered inside); its gradient is all-reduced (or
+        # reduce-scattered) inside, so it leaves replicated (split) — unless the layer was built
+        # with disable_grad_reduce, which leaves each rank's partial sum to the caller.
         sp = bool(getattr(module, "sequence_parallel", False))
+        gather = bool(getattr(module, "gather_output", False))
         layout = column_parallel(gather_output=gather)
-        if sp:
-            # The input arrives split along the sequence (dim 0 in Megatron's [s, b, h]) and is
-            # all-gathered inside; its gradient leaves reduce-scattered the same way.
-            layout.inputs = [split(0)]
-            layout.grad_inputs = [split(0)]
-        layout.outputs = layout.outputs + [split(0)]  # (output, bias shard)
+        layout.inputs = [split(0) if sp else replicate()]
+        if getattr(module, "disable_grad_reduce", False):
+            layout.grad_inputs = [partial()]
+        else:
+            layout.grad_inputs = [split(0) if sp else replicate()]
+        layout.outputs = layout.outputs + [split(0)]  # (output, bias shard when skipped)
         return layout
     if name == "RowParallelLinear":
         sp = bool(getattr(module, "sequence_parallel", False))
@@ -381,7 +385,8 @@ class Tracer:
     ``kinds``: module kinds (``linear``, ``norm``, ``attention``, ``activation``,
     ``residual``, ``embedding``, ``loss``) for modules whose type does not say.
     ``modules``: what to trace. ``every``: trace one step in N. ``dp_dim``: the batch
-    dimension of activations. ``recipe``: a ttrace recipe name for the manifest.
+    dimension of activations (default 0; 1 for models with Megatron layers, whose activations
+    are [sequence, batch, hidden], and whose mesh is read from Megatron's parallel state). ``recipe``: a ttrace recipe name for the manifest.
     ``formats``: per-module ``{"quantize", "accumulate", "combine"}`` format names.
     ``unsupported``: ``"raise"`` (default) or ``"skip"`` a tensor whose layout the trace
     format cannot express. ``background``: write on a background thread (default: with a
@@ -405,7 +410,7 @@ class Tracer:
         kinds: Optional[Dict[str, str]] = None,
         modules: ModuleSelector = None,
         every: int = 1,
-        dp_dim: int = 0,
+        dp_dim: Optional[int] = None,
         recipe: Optional[str] = None,
         formats: Optional[Dict[str, dict]] = None,
         unsupported: str = "raise",
@@ -438,6 +443,10 @@ class Tracer:
             ml = _megatron_layout(m)
             if ml is not None:
                 self.layouts[n] = ml
+        self._megatron = bool(self.layouts)
+        if dp_dim is None:
+            # Megatron's activations are [sequence, batch, hidden]; elsewhere the batch leads.
+            self.dp_dim = 1 if self._megatron else 0
         self.layouts.update(layouts or {})
         self.names = self._select(modules)
         unknown = [n for n in list(layouts or {}) + list(self.kinds) if n not in named]
@@ -455,7 +464,7 @@ class Tracer:
         self._order: List[Any] = []
         # Layouts learned from DTensors during the step: by local tensor (memory and shape),
         # and by (module, role, index) for the gradients that belong to forward tensors.
-        self._alias: Dict[Any, dict] = {}
+        self._alias: Dict[Any, Tuple[Any, dict]] = {}
         self._forward: Dict[Tuple[str, str, int], Tuple[Tuple[int, ...], dict]] = {}
         self._final: Dict[Tuple[str, int], Tuple[Tuple[int, ...], dict]] = {}
         self._copies: Dict[Any, Tuple[Any, torch.Tensor]] = {}
@@ -517,8 +526,12 @@ class Tracer:
                 )
             r = m.rank(dp=mm.coords["dp"], cp=mm.coords["cp"], tp=mm.coords["tp"])
             return m, (rank if rank is not None else r), mm
+        megatron = self._megatron_mesh() if mesh is None and self._megatron else None
         if isinstance(mesh, Mesh):
             m = mesh
+        elif megatron is not None:
+            m, r = megatron
+            return m, (rank if rank is not None else r), None
         else:
             m = Mesh(dp=world)
         r = rank if rank is not None else grank
@@ -532,6 +545,29 @@ class Tracer:
                 "Layout",
             )
         return m, r, None
+
+    def _megatron_mesh(self) -> Optional[Tuple[Mesh, int]]:
+        """The mesh of a model with Megatron-LM layers, from Megatron's parallel state (only
+        when the program imported and initialized it: ttrace never imports Megatron)."""
+        import sys
+
+        ps = sys.modules.get("megatron.core.parallel_state")
+        if ps is None or not ps.model_parallel_is_initialized():
+            return None
+        sp = any(getattr(m, "sequence_parallel", False) for m in self._named.values())
+        m = Mesh(
+            tp=ps.get_tensor_model_parallel_world_size(),
+            cp=ps.get_context_parallel_world_size(),
+            dp=ps.get_data_parallel_world_size(),
+            sp=sp,
+        )
+        if m.cp > 1:
+            raise UnsupportedLayoutError(
+                "Megatron context parallelism is not supported by the tracer yet", "Layout"
+            )
+        r = m.rank(dp=ps.get_data_parallel_rank(), cp=ps.get_context_parallel_rank(),
+                   tp=ps.get_tensor_model_parallel_rank())
+        return m, r
 
     # -- recording ----------------------------------------------------------------------------
 
@@ -617,7 +653,13 @@ class Tracer:
         if spec is not None:
             return _placement_layout(tid, spec.placements, spec.mesh, tuple(spec.shape),
                                      self._mesh_of(spec.mesh))
-        return self._alias.get(_alias_key(t))
+        hit = self._alias.get(_alias_key(t))
+        # Only while the tensor first seen there lives: then no other tensor can occupy its
+        # memory, and a tensor with the same memory, shape and strides is a view of it.
+        return hit[1] if hit is not None and hit[0]() is not None else None
+
+    def _remember(self, owner: torch.Tensor, t: torch.Tensor, layout: dict) -> None:
+        self._alias[_alias_key(t)] = (weakref.ref(owner), layout)
 
     def _derived(self, tid: str, name: str, role: str, i: int, t: torch.Tensor,
                  inherit: Optional[dict]) -> Optional[dict]:
@@ -653,11 +695,17 @@ class Tracer:
                                            self._mesh_of(t.device_mesh))
                 local = t.to_local()
                 derived = layout
-                self._alias[_alias_key(local)] = layout
+                self._remember(t._local_tensor if hasattr(t, "_local_tensor") else local,
+                               local, layout)
             else:
                 local = t
                 derived = self._derived(tid, name, role, i, t, inherit) if param is None else None
                 layout = derived if derived is not None else self._layout(name, role, i, t, param)
+                if param is None and derived is None and name in self.layouts:
+                    # A declared layout (Megatron's layers): the modules this tensor is handed
+                    # to next find it by its memory.
+                    derived = layout
+                    self._remember(t, t, layout)
                 if t.dim() == 0 and self.mesh.dp > 1:
                     raise UnsupportedLayoutError(
                         f"tensor {tid!r}: a scalar under data parallelism is each rank's own "
@@ -721,7 +769,7 @@ class Tracer:
             for i, o in enumerate(outs):
                 derived = self._record(name, "fwd.output", i, o, inherit=inherit)
                 if derived is not None and isinstance(o, torch.Tensor):
-                    self._alias[_alias_key(o)] = derived
+                    self._remember(o, o, derived)
         return hook
 
     def _final_hook(self, name: str) -> Callable[..., None]:
