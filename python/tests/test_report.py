@@ -78,6 +78,12 @@ def test_python_m_ttrace_check_exit_codes_and_json(pair, tmp_path):
     assert bad.returncode == 1 and "localized: module fc2" in bad.stdout
     missing = run(pair / "ref/step0", tmp_path / "nowhere")
     assert missing.returncode == 2 and "error:" in missing.stderr
+    # A report path inside a trace directory could replace its files: refused, nothing written.
+    inside = pair / "same/step0/rank0.safetensors"
+    before = inside.read_bytes()
+    refused = run(pair / "ref/step0", pair / "same/step0", "--json", inside)
+    assert refused.returncode == 2 and "refusing to write the report inside" in refused.stderr
+    assert inside.read_bytes() == before
 
 
 def test_every_nth_step_and_module_selection(tmp_path):

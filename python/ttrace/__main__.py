@@ -8,8 +8,24 @@ traces, bad arguments).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
+
+
+def _inside(report: str, dirs: List[str]) -> Optional[str]:
+    """Why the report must not be written at ``report``: inside a trace directory it could
+    replace one of the trace's files (as the CLI refuses too)."""
+    parent = os.path.dirname(report) or "."
+    if not os.path.isdir(parent):
+        return None  # fails when written, with its own message
+    target = os.path.join(os.path.realpath(parent), os.path.basename(report))
+    for d in dirs:
+        real = os.path.realpath(d)
+        if os.path.isdir(real) and os.path.commonpath([target, real]) == real:
+            return (f"{report}: refusing to write the report inside the trace directory {d} "
+                    "(it could replace one of its files); write it elsewhere")
+    return None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -26,6 +42,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .errors import TtraceError
     from .report import check
 
+    if args.json:
+        problem = _inside(args.json, [args.reference, args.candidate])
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
     try:
         report = check(args.reference, args.candidate, pricing=args.pricing)
         print(f"ttrace check: {args.candidate} against {args.reference}")
