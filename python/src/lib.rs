@@ -612,6 +612,18 @@ fn to_float64<'py>(
     t.into_values().into_pyarray(py).reshape(shape)
 }
 
+/// Panics inside the boundary guard: the tests check that the panic arrives as
+/// `ttrace.errors.InternalError` and the interpreter goes on.
+#[pyfunction]
+fn _panic_for_tests(py: Python<'_>, detached: bool) -> PyResult<()> {
+    let boom = || -> ttrace::Result<()> { panic!("a deliberate panic (test of the boundary)") };
+    if detached {
+        guard_detached(py, boom)
+    } else {
+        guard(py, boom)
+    }
+}
+
 /// The library version and the formats it reads.
 #[pyfunction]
 fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
@@ -635,6 +647,7 @@ fn _ttrace(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(write_atomic, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(to_float64, m)?)?;
+    m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

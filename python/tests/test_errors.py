@@ -139,3 +139,14 @@ def test_import_has_no_process_wide_side_effects():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("detached", [False, True])
+def test_a_rust_panic_arrives_as_internal_error_and_the_interpreter_goes_on(detached):
+    from ttrace import _ttrace
+
+    with pytest.raises(ttrace.InternalError) as e:
+        _ttrace._panic_for_tests(detached)
+    assert "deliberate panic" in str(e.value) and e.value.kind == "Panic"
+    # Still usable afterwards.
+    assert ttrace.parse_policy("in=f32,acc=f32,out=f32").startswith("in=f32")
