@@ -177,6 +177,20 @@ fn policy(py: Python<'_>, text: &str, what: &str) -> PyResult<Policy> {
     }
 }
 
+/// Both sides' policies and the confidence of a threshold.
+fn sides(
+    py: Python<'_>,
+    reference: &str,
+    candidate: &str,
+    delta: Option<f64>,
+) -> PyResult<(Policy, Policy, Confidence)> {
+    Ok((
+        policy(py, reference, "reference")?,
+        policy(py, candidate, "candidate")?,
+        confidence(py, delta)?,
+    ))
+}
+
 fn confidence(py: Python<'_>, delta: Option<f64>) -> PyResult<Confidence> {
     match delta {
         None => Ok(Confidence::Guaranteed),
@@ -312,11 +326,7 @@ fn matmul_threshold(
     let bias = bias
         .map(|x| tensor(py, x, bias_format, "bias"))
         .transpose()?;
-    let (rp, cp) = (
-        policy(py, reference, "reference")?,
-        policy(py, candidate, "candidate")?,
-    );
-    let conf = confidence(py, delta)?;
+    let (rp, cp, conf) = sides(py, reference, candidate, delta)?;
     let inner = guard(py, || {
         bounds::matmul_threshold(&a, &b, bias.as_ref(), &rp, &cp, conf)
     })?;
@@ -335,11 +345,7 @@ fn sum_threshold(
     delta: Option<f64>,
 ) -> PyResult<Threshold> {
     let x = tensor(py, x, x_format, "x")?;
-    let (rp, cp) = (
-        policy(py, reference, "reference")?,
-        policy(py, candidate, "candidate")?,
-    );
-    let conf = confidence(py, delta)?;
+    let (rp, cp, conf) = sides(py, reference, candidate, delta)?;
     let inner = guard(py, || bounds::sum_threshold(&x, &rp, &cp, mean, conf))?;
     Ok(Threshold { inner })
 }
@@ -358,13 +364,9 @@ fn softmax_threshold(
     delta: Option<f64>,
 ) -> PyResult<Threshold> {
     let x = tensor(py, x, x_format, "x")?;
-    let (rp, cp) = (
-        policy(py, reference, "reference")?,
-        policy(py, candidate, "candidate")?,
-    );
+    let (rp, cp, conf) = sides(py, reference, candidate, delta)?;
     let rf: AttentionImpl = guard(py, || reference_form.parse())?;
     let cf: AttentionImpl = guard(py, || candidate_form.parse())?;
-    let conf = confidence(py, delta)?;
     let inner = guard(py, || bounds::softmax_threshold(&x, &rp, rf, &cp, cf, conf))?;
     Ok(Threshold { inner })
 }
@@ -394,10 +396,7 @@ fn norm_threshold(
     let bias = bias
         .map(|b| tensor(py, b, bias_format, "bias"))
         .transpose()?;
-    let (rp, cp) = (
-        policy(py, reference, "reference")?,
-        policy(py, candidate, "candidate")?,
-    );
+    let (rp, cp, conf) = sides(py, reference, candidate, delta)?;
     let side_op = |v: &str| -> PyResult<NormOp> {
         match op {
             "layernorm" => Ok(NormOp::LayerNorm(guard(py, || v.parse::<Variance>())?)),
@@ -410,7 +409,6 @@ fn norm_threshold(
         }
     };
     let (ro, co) = (side_op(reference_variance)?, side_op(candidate_variance)?);
-    let conf = confidence(py, delta)?;
     let data = NormData {
         x: &x,
         weight: &weight,
@@ -469,11 +467,7 @@ fn elementwise_threshold(
     };
     let x = tensor(py, x, x_format, "x")?;
     let y = y.map(|v| tensor(py, v, y_format, "y")).transpose()?;
-    let (rp, cp) = (
-        policy(py, reference, "reference")?,
-        policy(py, candidate, "candidate")?,
-    );
-    let conf = confidence(py, delta)?;
+    let (rp, cp, conf) = sides(py, reference, candidate, delta)?;
     let inner = guard(py, || {
         bounds::elementwise_threshold(op, &x, y.as_ref(), &rp, &cp, conf)
     })?;
@@ -494,11 +488,7 @@ fn allreduce_threshold(
         .enumerate()
         .map(|(i, (a, f))| tensor(py, a, f, &format!("partial {i}")))
         .collect::<PyResult<Vec<_>>>()?;
-    let (rp, cp) = (
-        policy(py, reference, "reference")?,
-        policy(py, candidate, "candidate")?,
-    );
-    let conf = confidence(py, delta)?;
+    let (rp, cp, conf) = sides(py, reference, candidate, delta)?;
     let inner = guard(py, || bounds::allreduce_threshold(&parts, &rp, &cp, conf))?;
     Ok(Threshold { inner })
 }
