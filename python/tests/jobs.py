@@ -121,6 +121,27 @@ def fsdp(directory: str, bug: str) -> None:
     tracer.close()
 
 
+def ddp(directory: str, bug: str) -> None:
+    """DistributedDataParallel: each rank a contiguous part of the batch, gradients averaged
+    by DDP's all-reduce. Bug ``unsynced-weight``: rank 1 starts with a block1.fc2 weight that
+    was never broadcast (DDP broadcasts at construction, so the change comes after it)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, x = make()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        model = DistributedDataParallel(model)
+        r, n = dist.get_rank(), BATCH // world
+        x = x[r * n:(r + 1) * n].contiguous()
+        if bug == "unsynced-weight" and r == 1:
+            with torch.no_grad():
+                model.module.block1.fc2.weight.mul_(1.01)
+    tracer = ttrace.Tracer(model, directory)
+    with tracer.step():
+        model(x).pow(2).mean().backward()
+    tracer.close()
+
+
 def megatron(directory: str, bug: str) -> None:
     """Megatron-LM's tensor-parallel layers (megatron-core, CPU and gloo): LayerNorm →
     ColumnParallelLinear → GELU → RowParallelLinear on [s, b, h] activations, traced with no
@@ -208,7 +229,8 @@ def main() -> None:
     if distributed:
         dist.init_process_group("gloo")
     try:
-        jobs = {"tp": tp, "fsdp": fsdp, "megatron": megatron, "unsupported": unsupported}
+        jobs = {"tp": tp, "fsdp": fsdp, "ddp": ddp, "megatron": megatron,
+                "unsupported": unsupported}
         jobs[job](directory, bug)
     finally:
         if distributed:

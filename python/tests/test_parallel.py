@@ -95,3 +95,17 @@ def test_megatron_missing_gradient_all_reduce_fails_where_the_partial_sum_is_con
     assert "synchronization is missing" in report.localization["detail"]
     layouts = _manifest_layouts(traces("megatron", 2, "no-grad-allreduce"))
     assert layouts["fc1|grad.input.0"]["tp"] == {"kind": "partial"}
+
+
+def test_ddp_clean_run_passes_under_the_reference_module_names(traces):
+    ref, cand = traces("ddp"), traces("ddp", 2)
+    report = ttrace.check(ref, cand)
+    assert report.passed, str(report)
+    assert "block0.fc1|fwd.output.0" in _manifest_layouts(cand)
+
+
+def test_ddp_weight_never_broadcast_fails_at_its_module(traces):
+    report = ttrace.check(traces("ddp"), traces("ddp", 2, "unsynced-weight"))
+    assert not report.passed
+    assert report.localization["module"] == "block1.fc2"
+    assert report.localization["pass"] == "forward"

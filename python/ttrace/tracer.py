@@ -35,7 +35,8 @@ Layouts — how the ranks' shards form the logical tensor — are found without 
 * **Megatron-LM** ``ColumnParallelLinear``, ``RowParallelLinear`` and
   ``VocabParallelEmbedding`` (recognized by class, without importing Megatron).
 * **Plain tensors** under data parallelism (DDP, or FSDP's unsharded activations): split along
-  ``dp_dim`` (the batch) across the dp ranks; parameters and their gradients replicated.
+  ``dp_dim`` (the batch) across the dp ranks; parameters and their gradients replicated. A
+  ``DistributedDataParallel`` wrapper is looked through: module names are the wrapped model's.
 * Anything else can be declared per module with ``layouts={name: ModuleLayout(...)}`` (the
   tensor-parallel placements of an emulation in one process, for instance).
 
@@ -424,6 +425,10 @@ class Tracer:
             raise InvalidInputError(
                 f"unsupported must be 'raise' or 'skip' (got {unsupported!r})", "InvalidParameter"
             )
+        # DistributedDataParallel wraps the model as `.module`: trace the model itself, so its
+        # module names are the reference's.
+        while type(model).__name__ == "DistributedDataParallel" and hasattr(model, "module"):
+            model = model.module
         self.model = model
         self.directory = os.fspath(directory) if directory is not None else None
         self.axes = dict(axes or {})
