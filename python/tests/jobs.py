@@ -121,6 +121,29 @@ def fsdp(directory: str, bug: str) -> None:
     tracer.close()
 
 
+def llama(directory: str, bug: str) -> None:
+    """The Llama-style model of llama.py under torchtitan's TP + SP plan, cross-entropy loss
+    in FP32 outside the model."""
+    import llama as L
+
+    dtype = getattr(torch, os.environ.get("TTRACE_TEST_DTYPE", "float32"))
+    torch.manual_seed(0)
+    model = L.Llama().to(dtype)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, L.VOCAB, (L.BATCH, L.SEQ), generator=g)
+    labels = torch.randint(0, L.VOCAB, (L.BATCH, L.SEQ), generator=g)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        L.parallelize(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
+    tracer = ttrace.Tracer(model, directory)
+    with tracer.step():
+        logits = model(tokens)
+        torch.nn.functional.cross_entropy(logits.float().view(-1, L.VOCAB), labels.view(-1)).backward()
+    tracer.close()
+
+
 def ddp(directory: str, bug: str) -> None:
     """DistributedDataParallel: each rank a contiguous part of the batch, gradients averaged
     by DDP's all-reduce. Bug ``unsynced-weight``: rank 1 starts with a block1.fc2 weight that
@@ -229,7 +252,7 @@ def main() -> None:
     if distributed:
         dist.init_process_group("gloo")
     try:
-        jobs = {"tp": tp, "fsdp": fsdp, "ddp": ddp, "megatron": megatron,
+        jobs = {"tp": tp, "fsdp": fsdp, "ddp": ddp, "megatron": megatron, "llama": llama,
                 "unsupported": unsupported}
         jobs[job](directory, bug)
     finally:

@@ -109,3 +109,15 @@ def test_ddp_weight_never_broadcast_fails_at_its_module(traces):
     assert not report.passed
     assert report.localization["module"] == "block1.fc2"
     assert report.localization["pass"] == "forward"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_llama_with_torchtitans_tensor_parallel_plan_passes_clean(traces, dtype):
+    # Vocabulary-parallel embedding (a masked partial before its reduce-scatter: recorded as
+    # the caller receives it), PrepareModuleInput, sequence-parallel RMSNorms, functional
+    # attention between traced projections.
+    report = ttrace.check(traces("llama", dtype=dtype), traces("llama", 2, dtype=dtype))
+    assert report.passed, str(report)
+    assert len(report.rows) > 100
+    layouts = _manifest_layouts(traces("llama", 2, dtype=dtype))
+    assert layouts["tok_embeddings|fwd.output.0"]["tp"] == {"kind": "split", "dim": 1, "groups": 1}

@@ -327,6 +327,39 @@ def _alias_key(t: torch.Tensor) -> Tuple[Any, ...]:
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns as integers (bitwise comparison: -0.0 differs from 0.0, a NaN
+    equals itself)."""
+    return t.contiguous().view(_INT_OF_SIZE[t.element_size()])
+
+
+def _expressible(dt: Any) -> bool:
+    """Whether every placement of a DTensor has a ttrace layout (exact Shard, Replicate,
+    Partial('sum'))."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    return all(
+        type(p) is Shard or isinstance(p, Replicate)
+        or (type(p) is Partial and getattr(p, "reduce_op", "sum") == "sum")
+        for p in dt.placements
+    )
+
+
+def _owns(owner: Optional[torch.Tensor], t: torch.Tensor) -> bool:
+    """Whether ``owner`` is alive and still holds the memory ``t`` points into."""
+    if owner is None:
+        return False
+    try:
+        storage = owner.untyped_storage()
+        start = storage.data_ptr()
+        return storage.nbytes() > 0 and start <= t.data_ptr() < start + storage.nbytes()
+    except RuntimeError:  # "Attempted to access the data pointer on an invalid python storage"
+        return False
+
+
 def _is_dtensor(t: Any, dtensor: Optional[type]) -> bool:
     return dtensor is not None and isinstance(t, dtensor)
 
@@ -351,7 +384,9 @@ def _placement_layout(tid: str, placements: Sequence[Any], device_mesh: Any,
             layout[axis] = split(d)
         elif isinstance(p, Replicate):
             layout[axis] = replicate()
-        elif isinstance(p, Partial) and getattr(p, "reduce_op", "sum") == "sum":
+        elif type(p) is Partial and getattr(p, "reduce_op", "sum") == "sum":
+            # Exactly Partial: its subclasses (the masked partial of a vocabulary-parallel
+            # embedding) hold local values that are not addends of the logical tensor.
             layout[axis] = partial()
         else:
             raise UnsupportedLayoutError(
@@ -473,6 +508,8 @@ class Tracer:
         self._forward: Dict[Tuple[str, str, int], Tuple[Tuple[int, ...], dict]] = {}
         self._final: Dict[Tuple[str, int], Tuple[Tuple[int, ...], dict]] = {}
         self._copies: Dict[Any, Tuple[Any, torch.Tensor]] = {}
+        # Outputs whose placement cannot be expressed before the module's output hooks run.
+        self._deferred: "set[Tuple[str, int]]" = set()
         self._handles: List[Any] = []
         self._queue: "queue.Queue[Any]" = queue.Queue()
         self._errors: List[BaseException] = []
@@ -606,6 +643,7 @@ class Tracer:
             return
         self._records, self._meta, self._order = {}, {}, []
         self._alias, self._forward, self._final, self._copies = {}, {}, {}, {}
+        self._deferred = set()
         for n in self.names:
             m = self._named[n]
             # prepend=True: run before a DTensor output hook converts the output to a local
@@ -659,9 +697,9 @@ class Tracer:
             return _placement_layout(tid, spec.placements, spec.mesh, tuple(spec.shape),
                                      self._mesh_of(spec.mesh))
         hit = self._alias.get(_alias_key(t))
-        # Only while the tensor first seen there lives: then no other tensor can occupy its
-        # memory, and a tensor with the same memory, shape and strides is a view of it.
-        return hit[1] if hit is not None and hit[0]() is not None else None
+        # Only while the tensor first seen there lives and still owns that memory (torch can
+        # free a live tensor's storage: then the address may hold another tensor).
+        return hit[1] if hit is not None and _owns(hit[0](), t) else None
 
     def _remember(self, owner: torch.Tensor, t: torch.Tensor, layout: dict) -> None:
         self._alias[_alias_key(t)] = (weakref.ref(owner), layout)
@@ -731,14 +769,18 @@ class Tracer:
         scaled = (self.local_mean_loss and self.mesh.dp > 1 and role.startswith("grad.")
                   and param is None and layout["dp"]["kind"] == "split")
         # The same tensor handed from one module to the next (an output that is the next
-        # module's input, unchanged since: same memory, shape, strides and version) is copied
-        # and stored once; both ids name it. The first tensor is held by a weak reference:
-        # while it lives its memory cannot be reused by another tensor, and once it is gone
-        # nothing is shared.
+        # module's input: same memory, shape, strides and version while the first holder
+        # lives) is copied and stored once, both ids naming it — and only when the contents
+        # are bitwise equal, checked: torch can free a live tensor's storage and reuse the
+        # memory (DTensor's collectives do), which no address or version test sees.
         owner = t._local_tensor if local is not t and hasattr(t, "_local_tensor") else local
         same = (_alias_key(local), local._version, scaled)
         hit = self._copies.get(same)
-        copy = hit[1] if hit is not None and hit[0]() is not None else None
+        copy = None
+        if hit is not None and hit[0]() is not None and not scaled:
+            candidate = hit[1]
+            if torch.equal(_bits(candidate), _bits(local.detach().to("cpu"))):
+                copy = candidate
         if copy is None:
             copy = local.detach().to("cpu", copy=True).contiguous()
             if scaled:
@@ -772,6 +814,11 @@ class Tracer:
                     inherit = {"shape": tuple(a.shape), "layout": derived}
             outs = output if isinstance(output, (tuple, list)) else (output,)
             for i, o in enumerate(outs):
+                if _is_dtensor(o, self._dtensor) and not _expressible(o):
+                    # Recorded as the caller receives it (after the module's parallel style
+                    # redistributes it), by the appended hook.
+                    self._deferred.add((name, i))
+                    continue
                 derived = self._record(name, "fwd.output", i, o, inherit=inherit)
                 if derived is not None and isinstance(o, torch.Tensor):
                     self._remember(o, o, derived)
@@ -784,6 +831,9 @@ class Tracer:
                 if not isinstance(o, torch.Tensor) or not o.is_floating_point():
                     continue
                 tid = f"{name}|fwd.output.{i}"
+                if (name, i) in self._deferred:
+                    self._deferred.discard((name, i))
+                    self._record(name, "fwd.output", i, o)
                 try:
                     if _is_dtensor(o, self._dtensor):
                         layout = _placement_layout(tid, o.placements, o.device_mesh,
