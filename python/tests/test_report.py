@@ -156,3 +156,36 @@ def test_every_recorded_tensor_is_the_tensor_the_hooks_saw(tmp_path):
         if e["id"] in seen:
             assert (data[e["key"]] == seen[e["id"]].numpy()).all(), e["id"]
     assert len(data) < len(entries)
+
+
+def test_keyword_inputs_are_recorded_after_positional_ones(tmp_path):
+    from safetensors.numpy import load_file
+
+    class Scale(nn.Module):
+        def forward(self, x, *, gate):
+            return x * gate
+
+    class Net2(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.scale = Scale()
+
+        def forward(self, x):
+            h = self.fc(x)
+            return self.scale(h, gate=torch.sigmoid(h))
+
+    torch.manual_seed(0)
+    net = Net2()
+    x = torch.randn(3, 4)
+    tracer = ttrace.Tracer(net, tmp_path / "t", background=False)
+    with tracer.step():
+        net(x).sum().backward()
+    tracer.close()
+    data = load_file(str(tmp_path / "t/step0/rank0.safetensors"))
+    entries = {e["id"]: e["key"] for e in json.loads(
+        (tmp_path / "t/step0/manifest.rank0.json").read_text())["tensors"]}
+    with torch.no_grad():
+        h = net.fc(x)
+    assert (data[entries["scale|fwd.input.1"]] == torch.sigmoid(h).numpy()).all()
+    assert (data[entries["scale|fwd.input.0"]] == h.numpy()).all()

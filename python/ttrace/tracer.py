@@ -274,6 +274,17 @@ def _uses_fsdp(model: torch.nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
+def _root_mesh(device_mesh: Any) -> Any:
+    """The mesh a sub-mesh was sliced from (itself when it is not a slice)."""
+    try:
+        from torch.distributed.device_mesh import _mesh_resources
+
+        return _mesh_resources.get_root_mesh(device_mesh)
+    except (ImportError, AttributeError):
+        get = getattr(device_mesh, "_get_root_mesh", None)
+        return get() if get is not None else device_mesh
+
+
 def _axis_of(name: Optional[str], axes: Dict[str, str]) -> Optional[str]:
     if name is None:
         return None
@@ -492,6 +503,7 @@ class Tracer:
         unknown = [n for n in list(layouts or {}) + list(self.kinds) if n not in named]
         if unknown:
             raise InvalidInputError(f"no module named {unknown[0]!r} in the model", "UnknownName")
+        self._mesh_maps: Dict[int, _MeshMap] = {}
         self.mesh, self.rank, self._mesh_map = self._find_mesh(mesh, rank)
         #: Tensors left out because their layout cannot be expressed: (id, reason).
         self.skipped: List[Tuple[str, str]] = []
@@ -556,7 +568,10 @@ class Tracer:
                 # A 1-D mesh without names: data parallel under fully_shard, else tensor
                 # parallel.
                 self.axes["_default"] = "dp" if _uses_fsdp(self.model) else "tp"
-            mm = _MeshMap(device_mesh, self.axes)
+            # A sub-mesh (TP on mesh["tp"] of a 2-D mesh whose other dimension is data
+            # parallel): the whole mesh places this rank.
+            root = _root_mesh(device_mesh)
+            mm = _MeshMap(root, self.axes)
             m = Mesh(tp=mm.sizes["tp"], cp=mm.sizes["cp"], dp=mm.sizes["dp"])
             if m.world() != world and world > 1:
                 # A mesh over part of the world (e.g. TP inside a DP replica group that is not
@@ -567,7 +582,7 @@ class Tracer:
                     "Layout",
                 )
             r = m.rank(dp=mm.coords["dp"], cp=mm.coords["cp"], tp=mm.coords["tp"])
-            return m, (rank if rank is not None else r), mm
+            return m, (rank if rank is not None else r), None
         megatron = self._megatron_mesh() if mesh is None and self._megatron else None
         if isinstance(mesh, Mesh):
             m = mesh
@@ -649,7 +664,7 @@ class Tracer:
             # prepend=True: run before a DTensor output hook converts the output to a local
             # tensor, so the placement is still known.
             self._handles.append(
-                m.register_forward_hook(self._forward_hook(n), prepend=True)
+                m.register_forward_hook(self._forward_hook(n), prepend=True, with_kwargs=True)
             )
             # Appended: the outputs as the caller receives them, after any DTensor conversion;
             # their gradients are what the backward hook sees.
@@ -687,7 +702,12 @@ class Tracer:
         return {"dp": dp, "cp": replicate(), "tp": tp}
 
     def _mesh_of(self, device_mesh: Any) -> _MeshMap:
-        return self._mesh_map if self._mesh_map is not None else _MeshMap(device_mesh, self.axes)
+        """How the dimensions of a tensor's own device mesh map onto ttrace's axes."""
+        key = id(device_mesh)
+        mm = self._mesh_maps.get(key)
+        if mm is None:
+            mm = self._mesh_maps[key] = _MeshMap(device_mesh, self.axes)
+        return mm
 
     def _local_layout(self, tid: str, t: torch.Tensor) -> Optional[dict]:
         """The layout of a plain tensor made by ``DTensor.to_local()`` (its autograd node keeps
@@ -806,9 +826,13 @@ class Tracer:
         return info
 
     def _forward_hook(self, name: str) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Tuple[Any, ...], output: Any) -> None:
+        def hook(module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                 output: Any) -> None:
             inherit = None
-            for i, a in enumerate(args):
+            # Keyword tensors (hidden_states=x, as Hugging Face models pass them) follow the
+            # positional ones, in the order given.
+            inputs = list(args) + [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+            for i, a in enumerate(inputs):
                 derived = self._record(name, "fwd.input", i, a)
                 if derived is not None and inherit is None and not _is_dtensor(a, self._dtensor):
                     inherit = {"shape": tuple(a.shape), "layout": derived}
