@@ -403,3 +403,63 @@ fn a_dtype_that_differs_between_the_runs_is_an_error() {
         other => panic!("expected a file error, got {other:?}"),
     }
 }
+
+/// A module's input that differs from the traced output it equals in the reference was
+/// changed in untraced code: the localization names the gap (after which module, before which).
+#[test]
+fn a_difference_born_between_traced_modules_is_localized_to_the_gap() {
+    let d = tmp("born-between");
+    let v: Vec<f64> = (0..64).map(|i| f64::from(i) / 8.0 - 3.0).collect();
+    let changed: Vec<f64> = v
+        .iter()
+        .map(|x| Format::F32.round(x * 1.01, Overflow::Saturating))
+        .collect();
+    let single = Mesh::single();
+    let none = HashMap::new();
+    let t = |values: &[f64]| vec![Tensor::from_vec(&[8, 8], values.to_vec(), Format::F32).unwrap()];
+    let trace = |input_of_b: &[f64]| {
+        vec![
+            ("a|fwd.input.0".to_string(), Layout::replicated(), t(&v)),
+            ("a|fwd.output.0".to_string(), Layout::replicated(), t(&v)),
+            (
+                "b|fwd.input.0".to_string(),
+                Layout::replicated(),
+                t(input_of_b),
+            ),
+            (
+                "b|fwd.output.0".to_string(),
+                Layout::replicated(),
+                t(input_of_b),
+            ),
+        ]
+    };
+    write_trace_dir(
+        &d.join("r"),
+        &single,
+        None,
+        &trace(&v),
+        &HashMap::new(),
+        &none,
+    )
+    .unwrap();
+    write_trace_dir(
+        &d.join("c"),
+        &single,
+        None,
+        &trace(&changed),
+        &HashMap::new(),
+        &none,
+    )
+    .unwrap();
+    let out = check_dir_paths(&d.join("r"), &d.join("c"), PricingMode::Auto, &|| {}).unwrap();
+    assert_eq!(out.report.first_failure.as_deref(), Some("b|fwd.input.0"));
+    let l = out.localization.expect("a failure is localized");
+    assert_eq!(l.module, "b");
+    assert_eq!(l.born_after.as_deref(), Some("a"));
+    assert!(
+        l.detail
+            .starts_with("born in untraced code between module a and module b"),
+        "{}",
+        l.detail
+    );
+}

@@ -189,3 +189,25 @@ def test_keyword_inputs_are_recorded_after_positional_ones(tmp_path):
         h = net.fc(x)
     assert (data[entries["scale|fwd.input.1"]] == torch.sigmoid(h).numpy()).all()
     assert (data[entries["scale|fwd.input.0"]] == h.numpy()).all()
+
+
+def test_a_change_made_between_traced_modules_is_localized_to_the_gap(tmp_path):
+    class Glue(nn.Module):
+        def __init__(self, scale: float) -> None:
+            super().__init__()
+            self.fc1, self.fc2, self.scale = nn.Linear(8, 8), nn.Linear(8, 4), scale
+
+        def forward(self, x):
+            return self.fc2(self.fc1(x) * self.scale)  # functional code between the modules
+
+    for name, scale in (("ref", 1.0), ("cand", 1.001)):
+        torch.manual_seed(0)
+        net = Glue(scale)
+        tracer = ttrace.Tracer(net, tmp_path / name)
+        with tracer.step():
+            net(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).sum().backward()
+        tracer.close()
+    r = ttrace.check(tmp_path / "ref/step0", tmp_path / "cand/step0")
+    assert r.first_failure == "fc2|fwd.input.0"
+    assert r.localization["module"] == "fc2" and r.localization["born_after"] == "fc1"
+    assert "born in untraced code between module fc1 and module fc2" in str(r)

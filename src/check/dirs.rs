@@ -361,7 +361,25 @@ fn finish(
                 pricing[i].describe()
             ),
         };
+        // A consumed tensor that fails was changed where nothing is traced: name the gap.
+        let born_after = r
+            .as_ref()
+            .filter(|r| !r.produced)
+            .and_then(|me| {
+                verdicts[..i].iter().rev().find_map(|u| {
+                    role(&u.id).filter(|o| o.produced && o.pass == me.pass && o.module != me.module)
+                })
+            })
+            .map(|o| o.module);
+        let detail = match &born_after {
+            Some(a) => format!(
+                "born in untraced code between module {} and module {module}: {detail}",
+                printable(a)
+            ),
+            None => detail,
+        };
         Localization {
+            born_after,
             kind: kinds
                 .get(&module)
                 .copied()

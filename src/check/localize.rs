@@ -40,6 +40,13 @@ pub struct Localization {
     pub ratio: f64,
     /// What failed.
     pub detail: String,
+    /// When the failing tensor is one the module consumes (an input or an arriving gradient)
+    /// and no traced tensor explains it: the module whose traced output last precedes it in
+    /// the same pass. The difference was born in the untraced code between that module and
+    /// [`module`](Self::module); `None` when no traced output precedes it (the model's input)
+    /// or the failure is in a tensor the module produced.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub born_after: Option<String>,
 }
 
 fn layout_of(step: &ShardedStep, id: &str) -> Result<crate::shard::layout::Layout> {
@@ -137,6 +144,7 @@ pub fn localize(
          (tensor, rank, ratio, detail): (String, Option<usize>, f64, String)| {
             let parameter = tensor.strip_suffix("|param_grad").map(str::to_string);
             Localization {
+                born_after: None,
                 module: m.name.clone(),
                 kind: Some(m.kind),
                 pass: Some(pass),
