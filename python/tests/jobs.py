@@ -126,6 +126,7 @@ def llama(directory: str, bug: str) -> None:
     in FP32 outside the model."""
     import llama as L
 
+    L.BUG = bug if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     dtype = getattr(torch, os.environ.get("TTRACE_TEST_DTYPE", "float32"))
     torch.manual_seed(0)
     model = L.Llama().to(dtype)

@@ -6,9 +6,13 @@ product, softmax) runs in functional code inside the attention module."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+BUG = ""  # set by the job: a planted bug (see the comments where it acts)
 
 DIM, HEADS, KV, LAYERS, VOCAB, SEQ, BATCH = 64, 4, 2, 2, 128, 16, 2
 HD = DIM // HEADS
@@ -34,7 +38,14 @@ class Attention(nn.Module):
         q, k = rope(q), rope(k)
         rep = q.shape[2] // k.shape[2]
         k = k.repeat_interleave(rep, dim=2); v = v.repeat_interleave(rep, dim=2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        # BUG = "softmax-scale-local": the scale from the rank's local width (local heads x head
+        # dim spread over all heads), as a port from a single-device code base might compute.
+        scale = None
+        if BUG == "softmax-scale-local":
+            scale = 1.0 / math.sqrt(q.shape[2] * HD / HEADS)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
+        )
         return s.wo(o.transpose(1, 2).reshape(b, t, -1))
 
 class FFN(nn.Module):

@@ -121,3 +121,16 @@ def test_llama_with_torchtitans_tensor_parallel_plan_passes_clean(traces, dtype)
     assert len(report.rows) > 100
     layouts = _manifest_layouts(traces("llama", 2, dtype=dtype))
     assert layouts["tok_embeddings|fwd.output.0"]["tp"] == {"kind": "split", "dim": 1, "groups": 1}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_llama_softmax_scale_from_the_local_width_is_born_in_the_attention_core(traces, dtype):
+    # The scaled product and softmax run in functional code inside the attention module,
+    # between the traced q/k/v projections and the output projection: the report names that
+    # gap instead of blaming a traced module.
+    report = ttrace.check(traces("llama", dtype=dtype),
+                          traces("llama", 2, "softmax-scale-local", dtype))
+    assert not report.passed
+    assert report.first_failure == "layers.0.attention.wo|fwd.input.0"
+    assert report.localization["born_after"] == "layers.0.attention.wv"
+    assert report.localization["module"] == "layers.0.attention.wo"
