@@ -463,3 +463,63 @@ fn a_difference_born_between_traced_modules_is_localized_to_the_gap() {
         l.detail
     );
 }
+
+/// Consumed tensors that untraced code made are listed as the trace's gaps, with the modules
+/// on each side, and named in the report's text.
+#[test]
+fn untraced_gaps_are_listed_with_the_modules_around_them() {
+    let d = tmp("untraced-gaps");
+    let v: Vec<f64> = (0..64).map(|i| f64::from(i) / 8.0 - 3.0).collect();
+    let doubled: Vec<f64> = v.iter().map(|x| x * 2.0).collect();
+    let single = Mesh::single();
+    let none = HashMap::new();
+    let t = |values: &[f64]| vec![Tensor::from_vec(&[8, 8], values.to_vec(), Format::F32).unwrap()];
+    // b's input is a's output doubled by code nobody traced.
+    let entries = vec![
+        ("a|fwd.input.0".to_string(), Layout::replicated(), t(&v)),
+        ("a|fwd.output.0".to_string(), Layout::replicated(), t(&v)),
+        (
+            "b|fwd.input.0".to_string(),
+            Layout::replicated(),
+            t(&doubled),
+        ),
+        (
+            "b|fwd.output.0".to_string(),
+            Layout::replicated(),
+            t(&doubled),
+        ),
+    ];
+    write_trace_dir(
+        &d.join("r"),
+        &single,
+        None,
+        &entries,
+        &HashMap::new(),
+        &none,
+    )
+    .unwrap();
+    write_trace_dir(
+        &d.join("c"),
+        &single,
+        None,
+        &entries,
+        &HashMap::new(),
+        &none,
+    )
+    .unwrap();
+    let out = check_dir_paths(&d.join("r"), &d.join("c"), PricingMode::Auto, &|| {}).unwrap();
+    assert!(out.report.passed());
+    assert_eq!(
+        out.untraced,
+        vec![ttrace::check::UntracedGap {
+            after: Some("a".into()),
+            before: "b".into(),
+            tensor: "b|fwd.input.0".into()
+        }]
+    );
+    let text = ttrace::check::render_dir_check(&out);
+    assert!(
+        text.contains("untraced code made 1 of the consumed tensors (the first between module a and module b)"),
+        "{text}"
+    );
+}

@@ -134,3 +134,7 @@ def test_llama_softmax_scale_from_the_local_width_is_born_in_the_attention_core(
     assert report.first_failure == "layers.0.attention.wo|fwd.input.0"
     assert report.localization["born_after"] == "layers.0.attention.wv"
     assert report.localization["module"] == "layers.0.attention.wo"
+    # The attention core is one of the gaps the report lists (in the clean run too).
+    gap = {"after": "layers.0.attention.wv", "before": "layers.0.attention.wo",
+           "tensor": "layers.0.attention.wo|fwd.input.0"}
+    assert gap in ttrace.check(traces("llama", dtype=dtype), traces("llama", 2, dtype=dtype)).untraced_gaps

@@ -56,6 +56,9 @@ class CheckReport:
     localization: Optional[Dict[str, Any]]
     #: Tensors judged by each pricing rule, by the rule's description.
     pricing_counts: Dict[str, int]
+    #: Where untraced code made a tensor a traced module consumes: ``{"after", "before",
+    #: "tensor"}`` (the modules on either side), in execution order.
+    untraced_gaps: List[Dict[str, Any]]
     #: The text of the report (``str(report)``).
     text: str
     #: The core's report, as JSON-ready data.
@@ -131,6 +134,7 @@ def check(reference: PathLike, candidate: PathLike, *, pricing: str = "auto") ->
         rows=rows,
         localization=raw.get("localization"),
         pricing_counts=counts,
+        untraced_gaps=list(raw.get("untraced", [])),
         text=text,
         raw=raw,
     )

@@ -62,8 +62,34 @@ pub struct DirCheck {
     pub fallback: Vec<String>,
     /// The first failure, localized.
     pub localization: Option<Localization>,
+    /// Where code that no traced module covers made a tensor a traced module consumes, in
+    /// execution order: the gaps in what the trace sees.
+    pub untraced: Vec<UntracedGap>,
     /// The mode used.
     pub mode: PricingMode,
+}
+
+/// A tensor a traced module consumes that untraced code made (its reference content equals no
+/// earlier traced output): functional code, a module left out, autograd's gradient sums.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct UntracedGap {
+    /// The module whose traced output last precedes the tensor in its pass, if any.
+    pub after: Option<String>,
+    /// The module that consumes it.
+    pub before: String,
+    /// The consumed tensor's id.
+    pub tensor: String,
+}
+
+/// The module whose produced tensor last precedes verdict `i` in the same pass (another
+/// module than the consumer of `i`).
+fn preceding_producer(verdicts: &[TensorVerdict], i: usize) -> Option<String> {
+    let me = role(&verdicts[i].id)?;
+    verdicts[..i].iter().rev().find_map(|u| {
+        role(&u.id)
+            .filter(|o| o.produced && o.pass == me.pass && o.module != me.module)
+            .map(|o| o.module)
+    })
 }
 
 fn layers(ids: &[String]) -> u32 {
@@ -365,12 +391,7 @@ fn finish(
         let born_after = r
             .as_ref()
             .filter(|r| !r.produced)
-            .and_then(|me| {
-                verdicts[..i].iter().rev().find_map(|u| {
-                    role(&u.id).filter(|o| o.produced && o.pass == me.pass && o.module != me.module)
-                })
-            })
-            .map(|o| o.module);
+            .and_then(|_| preceding_producer(&verdicts, i));
         let detail = match &born_after {
             Some(a) => format!(
                 "born in untraced code between module {} and module {module}: {detail}",
@@ -407,6 +428,19 @@ fn finish(
         .filter(|(_, p)| matches!(p, Pricing::LocalGeneric | Pricing::Megatron))
         .map(|(v, _)| v.id.clone())
         .collect();
+    let untraced = pricing
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| matches!(p, Pricing::Untraced))
+        .filter_map(|(i, _)| {
+            let before = role(&verdicts[i].id)?.module;
+            Some(UntracedGap {
+                after: preceding_producer(&verdicts, i),
+                before,
+                tensor: verdicts[i].id.clone(),
+            })
+        })
+        .collect();
     DirCheck {
         report: CheckReport {
             first_failure: first.map(|i| verdicts[i].id.clone()),
@@ -421,6 +455,7 @@ fn finish(
             .collect(),
         fallback,
         localization,
+        untraced,
         mode,
     }
 }

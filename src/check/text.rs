@@ -20,6 +20,21 @@ pub fn render_dir_check(check: &DirCheck) -> String {
     for (_, n, rule) in &check.pricing_summary {
         out.push_str(&format!("  {n:>6} tensors: {rule}\n"));
     }
+    if let Some(first) = check.untraced.first() {
+        let between = match &first.after {
+            Some(a) => format!(
+                "between module {} and module {}",
+                printable(a),
+                printable(&first.before)
+            ),
+            None => format!("before module {}", printable(&first.before)),
+        };
+        out.push_str(&format!(
+            "untraced code made {} of the consumed tensors (the first {between}); a bug there \
+             is caught where its output is consumed\n",
+            check.untraced.len()
+        ));
+    }
     out
 }
 
