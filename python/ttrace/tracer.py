@@ -31,7 +31,8 @@ Layouts — how the ranks' shards form the logical tensor — are found without 
   A placement the format cannot express (an uneven ``Shard``, ``Partial("avg")``, a strided
   shard, two mesh dimensions on one axis) raises :class:`ttrace.UnsupportedLayoutError` naming
   the tensor and the placement — or, with ``unsupported="skip"``, the tensor is left out and
-  listed in ``tracer.skipped``.
+  listed in ``tracer.skipped`` (as is a tensor whose storage torch released before the hook
+  could read it, otherwise a :class:`ttrace.TtraceError`).
 * **Megatron-LM** ``ColumnParallelLinear``, ``RowParallelLinear`` and
   ``VocabParallelEmbedding`` (recognized by class, without importing Megatron).
 * **Plain tensors** under data parallelism (DDP, or FSDP's unsharded activations): split along
@@ -334,8 +335,13 @@ class _MeshMap:
                 self.coords[a] = int(c)
 
 
-def _alias_key(t: torch.Tensor) -> Tuple[Any, ...]:
-    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+def _alias_key(t: torch.Tensor) -> Optional[Tuple[Any, ...]]:
+    """The memory a tensor views (address, shape, strides, dtype); None for a tensor whose
+    storage torch has already released."""
+    try:
+        return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    except RuntimeError:
+        return None
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -716,13 +722,16 @@ class Tracer:
         if spec is not None:
             return _placement_layout(tid, spec.placements, spec.mesh, tuple(spec.shape),
                                      self._mesh_of(spec.mesh))
-        hit = self._alias.get(_alias_key(t))
+        key = _alias_key(t)
+        hit = self._alias.get(key) if key is not None else None
         # Only while the tensor first seen there lives and still owns that memory (torch can
         # free a live tensor's storage: then the address may hold another tensor).
         return hit[1] if hit is not None and _owns(hit[0](), t) else None
 
     def _remember(self, owner: torch.Tensor, t: torch.Tensor, layout: dict) -> None:
-        self._alias[_alias_key(t)] = (weakref.ref(owner), layout)
+        key = _alias_key(t)
+        if key is not None:
+            self._alias[key] = (weakref.ref(owner), layout)
 
     def _derived(self, tid: str, name: str, role: str, i: int, t: torch.Tensor,
                  inherit: Optional[dict]) -> Optional[dict]:
@@ -784,8 +793,6 @@ class Tracer:
             raise InvalidInputError(
                 f"tensor {tid!r}: dtype {local.dtype} cannot be stored", "UnknownFormat"
             )
-        if tid not in self._records:
-            self._order.append(tid)
         scaled = (self.local_mean_loss and self.mesh.dp > 1 and role.startswith("grad.")
                   and param is None and layout["dp"]["kind"] == "split")
         # The same tensor handed from one module to the next (an output that is the next
@@ -794,18 +801,30 @@ class Tracer:
         # are bitwise equal, checked: torch can free a live tensor's storage and reuse the
         # memory (DTensor's collectives do), which no address or version test sees.
         owner = t._local_tensor if local is not t and hasattr(t, "_local_tensor") else local
-        same = (_alias_key(local), local._version, scaled)
-        hit = self._copies.get(same)
+        key = _alias_key(local)
+        same = (key, local._version, scaled)
+        hit = self._copies.get(same) if key is not None else None
         copy = None
         if hit is not None and hit[0]() is not None and not scaled:
             candidate = hit[1]
             if torch.equal(_bits(candidate), _bits(local.detach().to("cpu"))):
                 copy = candidate
         if copy is None:
-            copy = local.detach().to("cpu", copy=True).contiguous()
+            try:
+                copy = local.detach().to("cpu", copy=True).contiguous()
+            except RuntimeError as e:
+                # A tensor whose storage torch already released cannot be read.
+                why = f"tensor {tid!r} cannot be read ({e})"
+                if self.unsupported == "skip":
+                    self.skipped.append((tid, why))
+                    return None
+                raise TtraceError(why, "Storage") from None
             if scaled:
                 copy.mul_(1.0 / self.mesh.dp)
-            self._copies[same] = (weakref.ref(owner), copy)
+            if key is not None:
+                self._copies[same] = (weakref.ref(owner), copy)
+        if tid not in self._records:
+            self._order.append(tid)
         self._records[tid] = copy
         self._meta[tid] = {"layout": layout, "module": self._module_info(name)}
         if param is None:
