@@ -358,14 +358,25 @@ fn file_errors_keep_the_operating_systems_error_as_source() {
     );
 }
 
+/// Write a one-rank trace directory of `entries` (no module kinds, no producer thresholds).
+fn write_single(dir: &std::path::Path, entries: &[(String, Layout, Vec<Tensor>)]) {
+    write_trace_dir(
+        dir,
+        &Mesh::single(),
+        None,
+        entries,
+        &HashMap::new(),
+        &HashMap::new(),
+    )
+    .unwrap();
+}
+
 /// A tensor stored in another dtype by the candidate than by the reference is an error naming
 /// the tensor and both dtypes — never a verdict priced as if the arithmetic were the same.
 #[test]
 fn a_dtype_that_differs_between_the_runs_is_an_error() {
     let d = tmp("mixed-dtypes");
     let v: Vec<f64> = (0..16).map(|i| f64::from(i) / 4.0).collect();
-    let single = Mesh::single();
-    let none = HashMap::new();
     let entry = |f: Format| {
         vec![(
             "m|fwd.output.0".to_string(),
@@ -373,24 +384,8 @@ fn a_dtype_that_differs_between_the_runs_is_an_error() {
             vec![Tensor::from_vec(&[16], v.clone(), f).unwrap()],
         )]
     };
-    write_trace_dir(
-        &d.join("r"),
-        &single,
-        None,
-        &entry(Format::F32),
-        &HashMap::new(),
-        &none,
-    )
-    .unwrap();
-    write_trace_dir(
-        &d.join("c"),
-        &single,
-        None,
-        &entry(Format::F64),
-        &HashMap::new(),
-        &none,
-    )
-    .unwrap();
+    write_single(&d.join("r"), &entry(Format::F32));
+    write_single(&d.join("c"), &entry(Format::F64));
     match check_dir_paths(&d.join("r"), &d.join("c"), PricingMode::Auto, &|| {}) {
         Err(Error::File { reason, .. }) => {
             assert!(
@@ -414,8 +409,6 @@ fn a_difference_born_between_traced_modules_is_localized_to_the_gap() {
         .iter()
         .map(|x| Format::F32.round(x * 1.01, Overflow::Saturating))
         .collect();
-    let single = Mesh::single();
-    let none = HashMap::new();
     let t = |values: &[f64]| vec![Tensor::from_vec(&[8, 8], values.to_vec(), Format::F32).unwrap()];
     let trace = |input_of_b: &[f64]| {
         vec![
@@ -433,24 +426,8 @@ fn a_difference_born_between_traced_modules_is_localized_to_the_gap() {
             ),
         ]
     };
-    write_trace_dir(
-        &d.join("r"),
-        &single,
-        None,
-        &trace(&v),
-        &HashMap::new(),
-        &none,
-    )
-    .unwrap();
-    write_trace_dir(
-        &d.join("c"),
-        &single,
-        None,
-        &trace(&changed),
-        &HashMap::new(),
-        &none,
-    )
-    .unwrap();
+    write_single(&d.join("r"), &trace(&v));
+    write_single(&d.join("c"), &trace(&changed));
     let out = check_dir_paths(&d.join("r"), &d.join("c"), PricingMode::Auto, &|| {}).unwrap();
     assert_eq!(out.report.first_failure.as_deref(), Some("b|fwd.input.0"));
     let l = out.localization.expect("a failure is localized");
@@ -471,8 +448,6 @@ fn untraced_gaps_are_listed_with_the_modules_around_them() {
     let d = tmp("untraced-gaps");
     let v: Vec<f64> = (0..64).map(|i| f64::from(i) / 8.0 - 3.0).collect();
     let doubled: Vec<f64> = v.iter().map(|x| x * 2.0).collect();
-    let single = Mesh::single();
-    let none = HashMap::new();
     let t = |values: &[f64]| vec![Tensor::from_vec(&[8, 8], values.to_vec(), Format::F32).unwrap()];
     // b's input is a's output doubled by code nobody traced.
     let entries = vec![
@@ -489,24 +464,8 @@ fn untraced_gaps_are_listed_with_the_modules_around_them() {
             t(&doubled),
         ),
     ];
-    write_trace_dir(
-        &d.join("r"),
-        &single,
-        None,
-        &entries,
-        &HashMap::new(),
-        &none,
-    )
-    .unwrap();
-    write_trace_dir(
-        &d.join("c"),
-        &single,
-        None,
-        &entries,
-        &HashMap::new(),
-        &none,
-    )
-    .unwrap();
+    write_single(&d.join("r"), &entries);
+    write_single(&d.join("c"), &entries);
     let out = check_dir_paths(&d.join("r"), &d.join("c"), PricingMode::Auto, &|| {}).unwrap();
     assert!(out.report.passed());
     assert_eq!(
