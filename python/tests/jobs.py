@@ -137,7 +137,7 @@ def llama(directory: str, bug: str) -> None:
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        L.parallelize(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
+        L.parallelize(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), bug)
     tracer = ttrace.Tracer(model, directory)
     with tracer.step():
         logits = model(tokens)

@@ -69,7 +69,11 @@ class Llama(nn.Module):
 
 
 
-def parallelize(model: Llama, mesh) -> None:
+def parallelize(model: Llama, mesh, bug: str = "") -> None:
+    """torchtitan's plan. Bug ``norm-grad-not-reduced`` (the class of Megatron-LM issue #1446:
+    sequence-parallel norm weights whose gradients are not all-reduced over the TP ranks):
+    layer 1's ``ffn_norm`` is left as a plain module on the sequence shard, so each rank's
+    weight gradient covers only its own tokens."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -84,10 +88,10 @@ def parallelize(model: Llama, mesh) -> None:
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     })
-    for blk in model.layers.values():
+    for index, blk in model.layers.items():
         seq_to_full = PrepareModuleInput(input_layouts=(Shard(1),),
                                          desired_input_layouts=(Replicate(),))
-        parallelize_module(blk, mesh, {
+        plan = {
             "attention_norm": SequenceParallel(),
             "attention": seq_to_full,
             "attention.wq": ColwiseParallel(),
@@ -100,4 +104,7 @@ def parallelize(model: Llama, mesh) -> None:
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
             "feed_forward.w3": ColwiseParallel(),
-        })
+        }
+        if bug == "norm-grad-not-reduced" and index == "1":
+            del plan["ffn_norm"]
+        parallelize_module(blk, mesh, plan)
