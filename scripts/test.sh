@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every check and test of the repository: formatting, lints (with and without default
-# features), the Rust tests, then the Python package — built and installed with pip (maturin)
-# into a private virtual environment, target/pyenv, made on first use — and its pytest suite,
-# which runs real multi-process torch.distributed jobs (gloo, CPU).
+# features), the Rust tests, the Python package's type hints (mypy), then the Python package —
+# built and installed with pip (maturin) into a private virtual environment, target/pyenv, made
+# on first use — and its pytest suite, which runs real multi-process torch.distributed jobs
+# (gloo, CPU).
 #
 # Needs a Rust toolchain and python3 (with venv); everything else comes from crates.io and PyPI.
 set -euo pipefail
@@ -10,8 +11,8 @@ cd "$(dirname "$0")/.."
 
 venv=target/pyenv
 py="$venv/bin/python"
-packages=(numpy pytest safetensors ml_dtypes "maturin>=1.7,<2" "torch==2.15.0" "megatron-core==0.16.1")
-if ! "$py" -c "import numpy, pytest, safetensors, ml_dtypes, maturin, torch, megatron.core" 2>/dev/null; then
+packages=(numpy pytest mypy safetensors ml_dtypes "maturin>=1.7,<2" "torch==2.15.0" "megatron-core==0.16.1")
+if ! "$py" -c "import numpy, pytest, mypy, safetensors, ml_dtypes, maturin, torch, megatron.core" 2>/dev/null; then
   echo "test.sh: making the Python environment $venv (torch is large: the first run downloads it)"
   python3 -m venv "$venv"
   "$py" -m pip install --quiet --disable-pip-version-check "${packages[@]}"
@@ -22,6 +23,9 @@ cargo fmt --all --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo clippy --lib --no-default-features -- -D warnings
 cargo test
+
+# The package's type hints hold (the extension module through its stubs).
+"$py" -m mypy --ignore-missing-imports python/ttrace
 
 # The package as a user installs it (pip builds the wheel with maturin).
 "$py" -m pip install --quiet --disable-pip-version-check --no-build-isolation --force-reinstall --no-deps .

@@ -55,21 +55,29 @@ def threshold_for(
     **options: Any,
 ) -> "_th.Threshold":
     """The threshold of ``op`` on ``inputs`` (see :func:`assert_close` for the ops)."""
-    kw = dict(reference=reference, candidate=candidate, delta=delta, guaranteed=guaranteed)
+    ref, cand, d, g = reference, candidate, delta, guaranteed
     if op == "matmul":
-        return _th.matmul_threshold(*inputs[:2], bias=inputs[2] if len(inputs) > 2 else None, **kw)
+        return _th.matmul_threshold(inputs[0], inputs[1], bias=inputs[2] if len(inputs) > 2 else None,
+                                    reference=ref, candidate=cand, delta=d, guaranteed=g)
     if op == "linear":
-        return _th.linear_threshold(*inputs, **kw)
+        return _th.linear_threshold(inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None,
+                                    reference=ref, candidate=cand, delta=d, guaranteed=g)
     if op in ("sum", "mean"):
-        return _th.sum_threshold(inputs[0], mean=(op == "mean"), **kw)
+        return _th.sum_threshold(inputs[0], mean=(op == "mean"), reference=ref, candidate=cand,
+                                 delta=d, guaranteed=g)
     if op == "softmax":
-        return _th.softmax_threshold(inputs[0], **kw, **options)
+        return _th.softmax_threshold(inputs[0], reference=ref, candidate=cand, delta=d,
+                                     guaranteed=g, **options)
     if op in ("layernorm", "rmsnorm"):
-        return _th.norm_threshold(*inputs, op=op, **kw, **options)
+        return _th.norm_threshold(inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None,
+                                  op=op, reference=ref, candidate=cand, delta=d, guaranteed=g,
+                                  **options)
     if op in ("add", "gelu", "silu", "exp") or op.startswith("scale:"):
-        return _th.elementwise_threshold(op, *inputs, **kw)
+        return _th.elementwise_threshold(op, inputs[0], inputs[1] if len(inputs) > 1 else None,
+                                         reference=ref, candidate=cand, delta=d, guaranteed=g)
     if op == "allreduce":
-        return _th.allreduce_threshold(inputs, **kw)
+        return _th.allreduce_threshold(inputs, reference=ref, candidate=cand, delta=d,
+                                       guaranteed=g)
     raise ValueError(f"unknown op {op!r}; one of {', '.join(_OPS)}, scale:C")
 
 

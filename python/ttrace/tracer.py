@@ -61,7 +61,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 import torch
@@ -480,14 +480,14 @@ class Tracer:
         # DistributedDataParallel wraps the model as `.module`: trace the model itself, so its
         # module names are the reference's.
         while type(model).__name__ == "DistributedDataParallel" and hasattr(model, "module"):
-            model = model.module
+            model = cast(torch.nn.Module, model.module)
         self.model = model
         self.directory = os.fspath(directory) if directory is not None else None
         self.axes = dict(axes or {})
         self.kinds = dict(kinds or {})
         self.formats = dict(formats or {})
         self.recipe = recipe
-        self.dp_dim = dp_dim
+        self.dp_dim = 0 if dp_dim is None else dp_dim
         self.every = every
         self.unsupported = unsupported
         self.local_mean_loss = local_mean_loss
@@ -501,9 +501,9 @@ class Tracer:
             if ml is not None:
                 self.layouts[n] = ml
         self._megatron = bool(self.layouts)
-        if dp_dim is None:
+        if dp_dim is None and self._megatron:
             # Megatron's activations are [sequence, batch, hidden]; elsewhere the batch leads.
-            self.dp_dim = 1 if self._megatron else 0
+            self.dp_dim = 1
         self.layouts.update(layouts or {})
         self.names = self._select(modules)
         unknown = [n for n in list(layouts or {}) + list(self.kinds) if n not in named]
@@ -567,7 +567,7 @@ class Tracer:
         if mesh is None and self._dtensor is not None:
             for p in self.model.parameters():
                 if isinstance(p, self._dtensor):
-                    device_mesh = p.device_mesh
+                    device_mesh = cast(Any, p).device_mesh
                     break
         if device_mesh is not None:
             if "_default" not in self.axes:
@@ -763,12 +763,12 @@ class Tracer:
         derived = None
         try:
             if self._dtensor is not None and isinstance(t, self._dtensor):
-                layout = _placement_layout(tid, t.placements, t.device_mesh, tuple(t.shape),
-                                           self._mesh_of(t.device_mesh))
-                local = t.to_local()
+                dt = cast(Any, t)
+                layout = _placement_layout(tid, dt.placements, dt.device_mesh, tuple(dt.shape),
+                                           self._mesh_of(dt.device_mesh))
+                local = dt.to_local()
                 derived = layout
-                self._remember(t._local_tensor if hasattr(t, "_local_tensor") else local,
-                               local, layout)
+                self._remember(getattr(dt, "_local_tensor", local), local, layout)
             else:
                 local = t
                 derived = self._derived(tid, name, role, i, t, inherit) if param is None else None
@@ -877,11 +877,13 @@ class Tracer:
                 if (name, i) in self._deferred:
                     self._deferred.discard((name, i))
                     self._record(name, "fwd.output", i, o)
+                layout: Optional[dict]
                 try:
                     if _is_dtensor(o, self._dtensor):
-                        layout = _placement_layout(tid, o.placements, o.device_mesh,
-                                                   tuple(o.shape), self._mesh_of(o.device_mesh))
-                        shape = tuple(o.to_local().shape)
+                        dt = cast(Any, o)
+                        layout = _placement_layout(tid, dt.placements, dt.device_mesh,
+                                                   tuple(dt.shape), self._mesh_of(dt.device_mesh))
+                        shape = tuple(dt.to_local().shape)
                     else:
                         layout = self._local_layout(tid, o)
                         shape = tuple(o.shape)
