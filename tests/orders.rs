@@ -557,15 +557,7 @@ fn ring_for_chunk_starts_after_the_owner() {
 // ------------------------------------------------------------------ text forms
 
 fn any_format() -> impl Strategy<Value = Format> {
-    prop::sample::select(vec![
-        Format::F64,
-        Format::F32,
-        Format::TF32,
-        Format::F16,
-        Format::BF16,
-        Format::E4M3,
-        Format::E5M2,
-    ])
+    prop::sample::select(Format::ALL.to_vec())
 }
 
 fn any_order() -> impl Strategy<Value = Order> {

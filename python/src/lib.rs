@@ -127,13 +127,17 @@ fn tensor(py: Python<'_>, array: &Bound<'_, PyAny>, format: &str, what: &str) ->
             let a: PyReadonlyArrayDyn<'_, u8> =
                 extract(py, array, "uint8 (FP8 bit patterns)", what)?;
             shape = a.shape().to_vec();
-            let table: Vec<f64> = (0..256u64)
-                .map(|p| fmt.decode(p).unwrap_or(f64::NAN))
-                .collect();
-            a.as_array()
-                .iter()
-                .map(|&p| table[usize::from(p)])
-                .collect()
+            let decode = |bytes: &[u8]| ttrace::io::safetensors::decode_values(bytes, fmt);
+            // In row-major order: `as_slice` of the ndarray view is `None` for any other
+            // layout (a transposed, Fortran-ordered array is read element by element).
+            let view = a.as_array();
+            match view.as_slice() {
+                Some(bytes) => guard(py, || decode(bytes))?,
+                None => {
+                    let bytes: Vec<u8> = view.iter().copied().collect();
+                    guard(py, || decode(&bytes))?
+                }
+            }
         }
         other => {
             return Err(invalid(
@@ -544,18 +548,20 @@ fn write_safetensors(
     let mut parsed = Vec::with_capacity(tensors.len());
     for (name, fmt, shape, bytes) in &tensors {
         let f: Format = guard(py, || fmt.parse())?;
-        let slice = bytes.as_slice().map_err(|_| {
-            invalid(
-                py,
-                "array",
-                format!("tensor '{name}': the byte array must be contiguous"),
-            )
-        })?;
+        let slice = bytes
+            .as_slice()
+            .ok()
+            .filter(|_| bytes.is_c_contiguous())
+            .ok_or_else(|| {
+                invalid(
+                    py,
+                    "array",
+                    format!("tensor '{name}': the byte array must be C-contiguous"),
+                )
+            })?;
         parsed.push((name.as_str(), f, shape.as_slice(), slice));
     }
     let total: u64 = parsed.iter().map(|p| p.3.len() as u64).sum();
-    // The views stay valid while the GIL is released: `tensors` holds the arrays (and their
-    // read-only borrows) until this function returns.
     let stored: Vec<ttrace::io::safetensors::StoredTensor<'_>> = parsed
         .iter()
         .map(
@@ -567,21 +573,13 @@ fn write_safetensors(
             },
         )
         .collect();
-    let send = SendStored(&stored);
-    guard_detached(py, move || {
-        let SendStored(stored) = send;
-        ttrace::io::safetensors::write_stored(&path, stored, &metadata, fsync)
+    // The borrowed slices stay valid while the GIL is released: `tensors` holds the arrays
+    // (with rust-numpy's read-only borrow flag set) until this function returns.
+    guard_detached(py, || {
+        ttrace::io::safetensors::write_stored(&path, &stored, &metadata, fsync)
     })?;
     Ok(total)
 }
-
-/// Stored views made `Send` for the GIL-free write: the NumPy buffers they borrow are kept
-/// alive and read-only-borrowed by the caller for the whole call.
-struct SendStored<'a>(&'a [ttrace::io::safetensors::StoredTensor<'a>]);
-// SAFETY: the slices point into NumPy arrays held (with rust-numpy's read-only borrow flag set)
-// by `write_safetensors` until `detach` returns; no Python code can free or resize them
-// meanwhile, and the writer only reads them.
-unsafe impl Send for SendStored<'_> {}
 
 /// Write `contents` to `path` atomically (readers see the old file or the whole new one).
 #[pyfunction]

@@ -125,3 +125,21 @@ def test_norm_softmax_elementwise_and_allreduce_thresholds_price_their_ops():
 
 def test_policy_text_round_trips():
     assert ttrace.parse_policy(" in=bf16 , acc=f32 ,out=bf16 ") == "in=bf16,acc=f32,out=bf16,order=sequential"
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
+                                   ml_dtypes.bfloat16, np.float16, np.float32])
+def test_transposed_arrays_are_read_in_their_logical_order(dtype):
+    x = (np.arange(12, dtype=np.float64).reshape(3, 4) / 3 - 1.5).astype(dtype)
+    t = x.T  # Fortran-ordered: memory order differs from the logical order
+    assert not t.flags["C_CONTIGUOUS"]
+    assert np.array_equal(as_float64(t), t.astype(np.float64))
+
+
+def test_the_core_reads_fortran_ordered_bit_patterns_in_logical_order():
+    from ttrace import _ttrace
+
+    x = (np.arange(12, dtype=np.float64).reshape(3, 4) / 3 - 1.5).astype(ml_dtypes.float8_e4m3fn)
+    bits_t = np.ascontiguousarray(x).view(np.uint8).T
+    assert bits_t.flags["F_CONTIGUOUS"] and not bits_t.flags["C_CONTIGUOUS"]
+    assert np.array_equal(_ttrace.to_float64(bits_t, "e4m3"), x.T.astype(np.float64))

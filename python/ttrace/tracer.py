@@ -683,8 +683,6 @@ class Tracer:
             h.remove()
         self._handles = []
 
-    remove = detach
-
     def _layout(self, name: str, role: str, i: int, t: torch.Tensor,
                 param: Optional[str] = None) -> dict:
         ml = self.layouts.get(name)

@@ -81,15 +81,35 @@ pub struct UntracedGap {
     pub tensor: String,
 }
 
-/// The module whose produced tensor last precedes verdict `i` in the same pass (another
-/// module than the consumer of `i`).
-fn preceding_producer(verdicts: &[TensorVerdict], i: usize) -> Option<String> {
-    let me = role(&verdicts[i].id)?;
-    verdicts[..i].iter().rev().find_map(|u| {
-        role(&u.id)
-            .filter(|o| o.produced && o.pass == me.pass && o.module != me.module)
-            .map(|o| o.module)
-    })
+/// For each id, the module whose produced tensor last precedes it in the same pass (another
+/// module than the id's own), in one pass over the ids: per pass the last producing module and
+/// the last one before it that differs.
+fn preceding_producers(ids: &[String]) -> Vec<Option<String>> {
+    let mut last: HashMap<Pass, (String, Option<String>)> = HashMap::new();
+    ids.iter()
+        .map(|id| {
+            let me = role(id)?;
+            let before = last.get(&me.pass).and_then(|(l, prev)| {
+                if *l != me.module {
+                    Some(l.clone())
+                } else {
+                    prev.clone()
+                }
+            });
+            if me.produced {
+                match last.get_mut(&me.pass) {
+                    Some((l, prev)) if *l != me.module => {
+                        *prev = Some(std::mem::replace(l, me.module.clone()));
+                    }
+                    Some(_) => {}
+                    None => {
+                        last.insert(me.pass, (me.module.clone(), None));
+                    }
+                }
+            }
+            before
+        })
+        .collect()
 }
 
 fn layers(ids: &[String]) -> u32 {
@@ -217,25 +237,16 @@ fn plan(reference: &TraceDir, candidate: &TraceDir) -> Result<Plan> {
         });
     }
     // One dtype per id on both sides: the thresholds price runs of the same formats.
-    let stored: HashMap<&str, Format> = candidate
-        .manifest()
-        .tensors
-        .iter()
-        .map(|e| (e.id.as_str(), e.dtype))
-        .collect();
-    if let Some((e, c)) = reference.manifest().tensors.iter().find_map(|e| {
-        stored
-            .get(e.id.as_str())
-            .filter(|&&c| c != e.dtype)
-            .map(|&c| (e, c))
+    if let Some((id, r, c)) = ids.iter().find_map(|id| {
+        let (r, c) = (reference.dtype(id)?, candidate.dtype(id)?);
+        (r != c).then_some((id, r, c))
     }) {
         return Err(Error::File {
             path: candidate.path().display().to_string(),
             reason: format!(
-                "tensor '{}' is stored as {c} in the candidate but as {} in the reference: \
+                "tensor '{}' is stored as {c} in the candidate but as {r} in the reference: \
                  ttrace compares runs of the same dtypes",
-                crate::io::printable(&e.id),
-                e.dtype
+                printable(id)
             ),
             io: None,
         });
@@ -367,6 +378,7 @@ fn finish(
     }
     let failures = verdicts.iter().filter(|v| !v.passed).count();
     let first = verdicts.iter().position(|v| !v.passed);
+    let preceding = preceding_producers(&plan.ids);
     let localization = first.map(|i| {
         let v = &verdicts[i];
         let r = role(&v.id);
@@ -391,7 +403,7 @@ fn finish(
         let born_after = r
             .as_ref()
             .filter(|r| !r.produced)
-            .and_then(|_| preceding_producer(&verdicts, i));
+            .and_then(|_| preceding[i].clone());
         let detail = match &born_after {
             Some(a) => format!(
                 "born in untraced code between module {} and module {module}: {detail}",
@@ -435,7 +447,7 @@ fn finish(
         .filter_map(|(i, _)| {
             let before = role(&verdicts[i].id)?.module;
             Some(UntracedGap {
-                after: preceding_producer(&verdicts, i),
+                after: preceding[i].clone(),
                 before,
                 tensor: verdicts[i].id.clone(),
             })

@@ -634,6 +634,13 @@ impl TraceDir {
             .and_then(|ks| self.manifest.tensors[ks[0]].module.as_ref())
     }
 
+    /// The stored dtype of an id (its first rank's shard).
+    pub fn dtype(&self, id: &str) -> Option<Format> {
+        self.by_id
+            .get(id)
+            .map(|ks| self.manifest.tensors[ks[0]].dtype)
+    }
+
     /// The layout of an id (all ranks agree, checked on opening).
     pub fn layout(&self, id: &str) -> Option<Layout> {
         self.by_id
