@@ -421,6 +421,28 @@ def _grad_layout(layout: dict) -> dict:
     return {a: (replicate() if p["kind"] == "partial" else p) for a, p in layout.items()}
 
 
+@dataclass
+class _StepRecord:
+    """What one traced step has recorded, and what it has learned about layouts."""
+
+    #: Copies of the recorded tensors, by id.
+    records: Dict[str, torch.Tensor] = field(default_factory=dict)
+    #: Layout and module information, by id.
+    meta: Dict[str, dict] = field(default_factory=dict)
+    #: Ids in execution order, and ("params", module) where parameter gradients belong.
+    order: List[Any] = field(default_factory=list)
+    #: Layouts learned by memory (a weak reference to the first holder, the layout).
+    alias: Dict[Any, Tuple[Any, dict]] = field(default_factory=dict)
+    #: (module, role, index) → (local shape, layout), for the gradients of forward tensors.
+    forward: Dict[Tuple[str, str, int], Tuple[Tuple[int, ...], dict]] = field(default_factory=dict)
+    #: (module, output index) → (local shape, layout) of the output the caller receives.
+    final: Dict[Tuple[str, int], Tuple[Tuple[int, ...], dict]] = field(default_factory=dict)
+    #: Stored copies shared between ids (a weak reference to the first holder, the copy).
+    copies: Dict[Any, Tuple[Any, torch.Tensor]] = field(default_factory=dict)
+    #: Outputs whose placement cannot be expressed before the module's output hooks run.
+    deferred: "set[Tuple[str, int]]" = field(default_factory=set)
+
+
 # --- the tracer ----------------------------------------------------------------------------------
 
 ModuleSelector = Union[Sequence[str], Callable[[str, torch.nn.Module], bool], None]
@@ -510,24 +532,14 @@ class Tracer:
         if unknown:
             raise InvalidInputError(f"no module named {unknown[0]!r} in the model", "UnknownName")
         self._mesh_maps: Dict[int, _MeshMap] = {}
-        self.mesh, self.rank, self._mesh_map = self._find_mesh(mesh, rank)
+        self.mesh, self.rank = self._find_mesh(mesh, rank)
         #: Tensors left out because their layout cannot be expressed: (id, reason).
         self.skipped: List[Tuple[str, str]] = []
         #: Bytes of tensor data written so far (all steps).
         self.bytes_written = 0
         self.steps = 0
         self.last_directory: Optional[str] = None
-        self._records: Dict[str, torch.Tensor] = {}
-        self._meta: Dict[str, dict] = {}
-        self._order: List[Any] = []
-        # Layouts learned from DTensors during the step: by local tensor (memory and shape),
-        # and by (module, role, index) for the gradients that belong to forward tensors.
-        self._alias: Dict[Any, Tuple[Any, dict]] = {}
-        self._forward: Dict[Tuple[str, str, int], Tuple[Tuple[int, ...], dict]] = {}
-        self._final: Dict[Tuple[str, int], Tuple[Tuple[int, ...], dict]] = {}
-        self._copies: Dict[Any, Tuple[Any, torch.Tensor]] = {}
-        # Outputs whose placement cannot be expressed before the module's output hooks run.
-        self._deferred: "set[Tuple[str, int]]" = set()
+        self._s = _StepRecord()
         self._handles: List[Any] = []
         self._queue: "queue.Queue[Any]" = queue.Queue()
         self._errors: List[BaseException] = []
@@ -557,7 +569,7 @@ class Tracer:
             names.extend(h for h in hits if h not in names)
         return names
 
-    def _find_mesh(self, mesh: Any, rank: Optional[int]) -> Tuple[Mesh, int, Optional[_MeshMap]]:
+    def _find_mesh(self, mesh: Any, rank: Optional[int]) -> Tuple[Mesh, int]:
         dist = torch.distributed
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         grank = dist.get_rank() if world > 1 else 0
@@ -588,13 +600,13 @@ class Tracer:
                     "Layout",
                 )
             r = m.rank(dp=mm.coords["dp"], cp=mm.coords["cp"], tp=mm.coords["tp"])
-            return m, (rank if rank is not None else r), None
+            return m, (rank if rank is not None else r)
         megatron = self._megatron_mesh() if mesh is None and self._megatron else None
         if isinstance(mesh, Mesh):
             m = mesh
         elif megatron is not None:
             m, r = megatron
-            return m, (rank if rank is not None else r), None
+            return m, (rank if rank is not None else r)
         else:
             m = Mesh(dp=world)
         r = rank if rank is not None else grank
@@ -607,7 +619,7 @@ class Tracer:
                 "context parallelism of plain tensors is not supported: use DTensor placements",
                 "Layout",
             )
-        return m, r, None
+        return m, r
 
     def _megatron_mesh(self) -> Optional[Tuple[Mesh, int]]:
         """The mesh of a model with Megatron-LM layers, from Megatron's parallel state (only
@@ -662,9 +674,7 @@ class Tracer:
         """Register the hooks (``step()`` does this for traced steps)."""
         if self._handles:
             return
-        self._records, self._meta, self._order = {}, {}, []
-        self._alias, self._forward, self._final, self._copies = {}, {}, {}, {}
-        self._deferred = set()
+        self._s = _StepRecord()
         for n in self.names:
             m = self._named[n]
             # prepend=True: run before a DTensor output hook converts the output to a local
@@ -721,7 +731,7 @@ class Tracer:
             return _placement_layout(tid, spec.placements, spec.mesh, tuple(spec.shape),
                                      self._mesh_of(spec.mesh))
         key = _alias_key(t)
-        hit = self._alias.get(key) if key is not None else None
+        hit = self._s.alias.get(key) if key is not None else None
         # Only while the tensor first seen there lives and still owns that memory (torch can
         # free a live tensor's storage: then the address may hold another tensor).
         return hit[1] if hit is not None and _owns(hit[0](), t) else None
@@ -729,7 +739,7 @@ class Tracer:
     def _remember(self, owner: torch.Tensor, t: torch.Tensor, layout: dict) -> None:
         key = _alias_key(t)
         if key is not None:
-            self._alias[key] = (weakref.ref(owner), layout)
+            self._s.alias[key] = (weakref.ref(owner), layout)
 
     def _derived(self, tid: str, name: str, role: str, i: int, t: torch.Tensor,
                  inherit: Optional[dict]) -> Optional[dict]:
@@ -741,9 +751,9 @@ class Tracer:
         if hit is not None:
             return hit
         if role == "grad.output":
-            fwd = self._final.get((name, i))
+            fwd = self._s.final.get((name, i))
         elif role == "grad.input":
-            fwd = self._forward.get((name, "fwd.input", i))
+            fwd = self._s.forward.get((name, "fwd.input", i))
         else:
             fwd = None
         if fwd is not None and fwd[0] == tuple(t.shape):
@@ -801,7 +811,7 @@ class Tracer:
         owner = t._local_tensor if local is not t and hasattr(t, "_local_tensor") else local
         key = _alias_key(local)
         same = (key, local._version, scaled)
-        hit = self._copies.get(same) if key is not None else None
+        hit = self._s.copies.get(same) if key is not None else None
         copy = None
         if hit is not None and hit[0]() is not None and not scaled:
             candidate = hit[1]
@@ -820,13 +830,13 @@ class Tracer:
             if scaled:
                 copy.mul_(1.0 / self.mesh.dp)
             if key is not None:
-                self._copies[same] = (weakref.ref(owner), copy)
-        if tid not in self._records:
-            self._order.append(tid)
-        self._records[tid] = copy
-        self._meta[tid] = {"layout": layout, "module": self._module_info(name)}
+                self._s.copies[same] = (weakref.ref(owner), copy)
+        if tid not in self._s.records:
+            self._s.order.append(tid)
+        self._s.records[tid] = copy
+        self._s.meta[tid] = {"layout": layout, "module": self._module_info(name)}
         if param is None:
-            self._forward[(name, role, i)] = (tuple(local.shape), layout)
+            self._s.forward[(name, role, i)] = (tuple(local.shape), layout)
         return derived
 
     def _kind(self, name: str) -> Optional[str]:
@@ -858,7 +868,7 @@ class Tracer:
                 if _is_dtensor(o, self._dtensor) and not _expressible(o):
                     # Recorded as the caller receives it (after the module's parallel style
                     # redistributes it), by the appended hook.
-                    self._deferred.add((name, i))
+                    self._s.deferred.add((name, i))
                     continue
                 derived = self._record(name, "fwd.output", i, o, inherit=inherit)
                 if derived is not None and isinstance(o, torch.Tensor):
@@ -872,8 +882,8 @@ class Tracer:
                 if not isinstance(o, torch.Tensor) or not o.is_floating_point():
                     continue
                 tid = f"{name}|fwd.output.{i}"
-                if (name, i) in self._deferred:
-                    self._deferred.discard((name, i))
+                if (name, i) in self._s.deferred:
+                    self._s.deferred.discard((name, i))
                     self._record(name, "fwd.output", i, o)
                 layout: Optional[dict]
                 try:
@@ -886,12 +896,12 @@ class Tracer:
                         layout = self._local_layout(tid, o)
                         shape = tuple(o.shape)
                         if layout is None:
-                            recorded = self._forward.get((name, "fwd.output", i))
+                            recorded = self._s.forward.get((name, "fwd.output", i))
                             layout = recorded[1] if recorded is not None else None
                 except UnsupportedLayoutError:
                     layout = None
                 if layout is not None:
-                    self._final[(name, i)] = (shape, layout)
+                    self._s.final[(name, i)] = (shape, layout)
         return hook
 
     def _backward_hook(self, name: str) -> Callable[..., None]:
@@ -903,7 +913,7 @@ class Tracer:
                 if g is not None:
                     self._record(name, "grad.input", i, g)
             # Parameter gradients are read when the step ends; remember where they belong.
-            self._order.append(("params", name))
+            self._s.order.append(("params", name))
         return hook
 
     # -- writing ------------------------------------------------------------------------------
@@ -916,14 +926,14 @@ class Tracer:
         ``manifest.json`` (see :func:`finish`). Returns the directory."""
         directory = os.fspath(directory)
         order, seen = [], set()
-        for item in self._order:
+        for item in self._s.order:
             if isinstance(item, tuple):
                 name = item[1]
                 for pname, p in self._named[name].named_parameters(recurse=False):
                     if p.grad is not None:
                         self._record(name, "param", 0, p.grad, param=pname)
                         tid = f"{name}.{pname}|param_grad"
-                        if tid not in seen and tid in self._records:
+                        if tid not in seen and tid in self._s.records:
                             seen.add(tid)
                             order.append(tid)
             elif item not in seen:
@@ -933,22 +943,22 @@ class Tracer:
         tensors, entries = [], []
         keys: Dict[int, str] = {}
         for tid in order:
-            t = self._records[tid]
+            t = self._s.records[tid]
             key = keys.get(id(t))
             if key is None:
                 key = keys[id(t)] = tid
                 tensors.append((tid, _DTYPES[t.dtype], list(t.shape), t))
             e = {"id": tid, "rank": self.rank, "file": fname, "key": key,
-                 "dtype": _DTYPES[t.dtype], "layout": self._meta[tid]["layout"]}
-            if self._meta[tid]["module"] is not None:
-                e["module"] = self._meta[tid]["module"]
+                 "dtype": _DTYPES[t.dtype], "layout": self._s.meta[tid]["layout"]}
+            if self._s.meta[tid]["module"] is not None:
+                e["module"] = self._s.meta[tid]["module"]
             entries.append(e)
         manifest: Dict[str, Any] = {"format": "ttrace-trace", "version": VERSION,
                                     "mesh": self.mesh.to_json(), "tensors": entries}
         if self.recipe:
             manifest["recipe"] = self.recipe
         job = (directory, fname, tensors, manifest)
-        self._records, self._meta, self._order, self._copies = {}, {}, [], {}
+        self._s = _StepRecord()
         self.last_directory = directory
         if self._background:
             self._start_writer()
