@@ -482,3 +482,202 @@ fn untraced_gaps_are_listed_with_the_modules_around_them() {
         "{text}"
     );
 }
+
+// ---- Layouts a tracer could only guess --------------------------------------------------------
+
+/// Mark the entries of `id` (of the ranks in `ranks`) in `dir`'s manifest as guessed along
+/// `axes`, optionally replacing their layout.
+fn mark_guessed(
+    dir: &std::path::Path,
+    id: &str,
+    ranks: &[usize],
+    axes: &[&str],
+    layout: Option<Layout>,
+) {
+    let path = dir.join("manifest.json");
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    for e in m["tensors"].as_array_mut().unwrap() {
+        let rank = e["rank"].as_u64().unwrap() as usize;
+        if e["id"] == id && ranks.contains(&rank) {
+            e["guessed"] = serde_json::json!(axes);
+            if let Some(l) = layout {
+                e["layout"] = serde_json::to_value(l).unwrap();
+            }
+        }
+    }
+    std::fs::write(&path, serde_json::to_string(&m).unwrap()).unwrap();
+}
+
+/// Cut a row-major [rows, cols] matrix into the block of rows `r` of `nr` and columns `c` of `nc`.
+fn block(
+    v: &[f64],
+    rows: usize,
+    cols: usize,
+    (r, nr): (usize, usize),
+    (c, nc): (usize, usize),
+) -> Tensor {
+    let (h, w) = (rows / nr, cols / nc);
+    let mut out = vec![];
+    for i in r * h..(r + 1) * h {
+        out.extend_from_slice(&v[i * cols + c * w..i * cols + (c + 1) * w]);
+    }
+    Tensor::from_vec(&[h, w], out, Format::F32).unwrap()
+}
+
+/// A tensor split along its columns across two TP ranks, written as "replicated, guessed":
+/// the checker finds the split from the shapes and compares the merged tensor — equal to the
+/// reference, so it passes; unmarked, the same shards are a shape mismatch.
+#[test]
+fn a_guessed_layout_is_inferred_from_the_shapes() {
+    let d = tmp("guessed-split");
+    let v: Vec<f64> = (0..32).map(|i| f64::from(i) - 10.0).collect();
+    let id = "m|fwd.output.0".to_string();
+    write_single(
+        &d.join("r"),
+        &[(
+            id.clone(),
+            Layout::replicated(),
+            vec![block(&v, 4, 8, (0, 1), (0, 1))],
+        )],
+    );
+    let mesh = Mesh::new(2, 1, 1, false).unwrap();
+    let shards = vec![
+        block(&v, 4, 8, (0, 1), (0, 2)),
+        block(&v, 4, 8, (0, 1), (1, 2)),
+    ];
+    let entries = [(id.clone(), Layout::replicated(), shards)];
+    write_trace_dir(
+        &d.join("c"),
+        &mesh,
+        None,
+        &entries,
+        &HashMap::new(),
+        &HashMap::new(),
+    )
+    .unwrap();
+    let unmarked = check_dir_paths(&d.join("r"), &d.join("c"), PricingMode::Auto, &|| {});
+    assert!(unmarked.is_err() || !unmarked.unwrap().report.passed());
+    mark_guessed(&d.join("c"), &id, &[0, 1], &["tp"], None);
+    let out = check_dir_paths(&d.join("r"), &d.join("c"), PricingMode::Auto, &|| {}).unwrap();
+    assert!(
+        out.report.passed(),
+        "{}",
+        ttrace::check::render_dir_check(&out)
+    );
+    assert_eq!(out.inferred.len(), 1);
+    assert_eq!(
+        out.inferred[0].layout.tp,
+        ttrace::shard::Placement::split(1)
+    );
+    assert_eq!(out.inferred[0].fitting, 1);
+    assert!(ttrace::check::render_dir_check(&out).contains("layouts inferred from shapes: 1"));
+}
+
+/// dp = tp = 2 and both dimensions halved: the shapes fit two layouts (dp on rows and tp on
+/// columns, or the reverse); the values settle it — the merged tensor equal to the
+/// reference's wins, whichever order the candidates are listed in.
+#[test]
+fn an_ambiguous_guess_is_settled_by_the_values() {
+    let d = tmp("guessed-ambiguous");
+    let v: Vec<f64> = (0..64).map(|i| f64::from(i) * 0.5 - 7.0).collect();
+    let id = "m|fwd.output.0".to_string();
+    write_single(
+        &d.join("r"),
+        &[(
+            id.clone(),
+            Layout::replicated(),
+            vec![block(&v, 8, 8, (0, 1), (0, 1))],
+        )],
+    );
+    let mesh = Mesh::new(2, 1, 2, false).unwrap();
+    for (name, rows_by_dp) in [("c-dp-rows", true), ("c-dp-cols", false)] {
+        // Rank = dp * tp_size + tp (ttrace's rank order).
+        let shards: Vec<Tensor> = (0..4)
+            .map(|rank| {
+                let (dp, tp) = (rank / 2, rank % 2);
+                let (r, c) = if rows_by_dp { (dp, tp) } else { (tp, dp) };
+                block(&v, 8, 8, (r, 2), (c, 2))
+            })
+            .collect();
+        let entries = [(id.clone(), Layout::replicated(), shards)];
+        write_trace_dir(
+            &d.join(name),
+            &mesh,
+            None,
+            &entries,
+            &HashMap::new(),
+            &HashMap::new(),
+        )
+        .unwrap();
+        mark_guessed(&d.join(name), &id, &[0, 1, 2, 3], &["dp", "tp"], None);
+        let out = check_dir_paths(&d.join("r"), &d.join(name), PricingMode::Auto, &|| {}).unwrap();
+        assert!(
+            out.report.passed(),
+            "{name}: {}",
+            ttrace::check::render_dir_check(&out)
+        );
+        let l = out.inferred[0].layout;
+        let want = if rows_by_dp { (0, 1) } else { (1, 0) };
+        assert_eq!(
+            (l.dp, l.tp),
+            (
+                ttrace::shard::Placement::split(want.0),
+                ttrace::shard::Placement::split(want.1)
+            ),
+            "{name}"
+        );
+        assert_eq!(out.inferred[0].fitting, 2);
+    }
+}
+
+/// One rank knew the layout, another only guessed it (a tracer that recognized the tensor on
+/// one rank only): the rank that knew settles it, instead of "ranks declare different layouts".
+#[test]
+fn a_rank_that_knew_the_layout_settles_the_others_guess() {
+    let d = tmp("guessed-settled");
+    let v: Vec<f64> = (0..32).map(|i| f64::from(i) / 4.0).collect();
+    let id = "m|fwd.output.0".to_string();
+    write_single(
+        &d.join("r"),
+        &[(
+            id.clone(),
+            Layout::replicated(),
+            vec![block(&v, 4, 8, (0, 1), (0, 1))],
+        )],
+    );
+    let mesh = Mesh::new(2, 1, 1, false).unwrap();
+    let split = Layout {
+        tp: ttrace::shard::Placement::split(1),
+        ..Layout::replicated()
+    };
+    let shards = vec![
+        block(&v, 4, 8, (0, 1), (0, 2)),
+        block(&v, 4, 8, (0, 1), (1, 2)),
+    ];
+    write_trace_dir(
+        &d.join("c"),
+        &mesh,
+        None,
+        &[(id.clone(), split, shards)],
+        &HashMap::new(),
+        &HashMap::new(),
+    )
+    .unwrap();
+    mark_guessed(&d.join("c"), &id, &[1], &["tp"], Some(Layout::replicated()));
+    let out = check_dir_paths(&d.join("r"), &d.join("c"), PricingMode::Auto, &|| {}).unwrap();
+    assert!(
+        out.report.passed(),
+        "{}",
+        ttrace::check::render_dir_check(&out)
+    );
+    assert!(out.inferred.is_empty());
+    // Two ranks that knew different layouts still disagree: an error.
+    mark_guessed(&d.join("c"), &id, &[1], &[], Some(Layout::replicated()));
+    match check_dir_paths(&d.join("r"), &d.join("c"), PricingMode::Auto, &|| {}) {
+        Err(Error::File { reason, .. }) => {
+            assert!(reason.contains("different layouts"), "{reason}")
+        }
+        other => panic!("expected a file error, got {other:?}"),
+    }
+}

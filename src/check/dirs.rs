@@ -31,11 +31,12 @@ use crate::check::price::{
 };
 use crate::check::{apply_threshold, compare_stored, CheckReport, Localization, TensorVerdict};
 use crate::engine::model::ModuleKind;
+use crate::engine::trace::{TensorId, TensorRole};
 use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::io::guard::printable;
 use crate::io::stored::Window;
-use crate::io::TraceDir;
+use crate::io::{InferredLayout, TraceDir};
 use crate::policy::{Pass, Recipe};
 
 /// Which thresholds `ttrace check` uses.
@@ -65,6 +66,9 @@ pub struct DirCheck {
     /// Where code that no traced module covers made a tensor a traced module consumes, in
     /// execution order: the gaps in what the trace sees.
     pub untraced: Vec<UntracedGap>,
+    /// Layouts the candidate's writer could only guess (plain tensors of code it cannot see
+    /// into), as inferred from the shards' and the reference's shapes.
+    pub inferred: Vec<InferredLayout>,
     /// The mode used.
     pub mode: PricingMode,
 }
@@ -285,6 +289,7 @@ fn finish(
     mesh: crate::shard::Mesh,
     kinds: &HashMap<String, ModuleKind>,
     mode: PricingMode,
+    inferred: Vec<InferredLayout>,
 ) -> DirCheck {
     let by_id: HashMap<&str, &Gathered> = plan
         .ids
@@ -299,6 +304,56 @@ fn finish(
     };
     let stat = |j: &str| by_id.get(j).map(|g| &g.stat);
     let index = InputIndex::new(&plan.ids);
+    let preceding = preceding_producers(&plan.ids);
+    let mut produced_by: HashMap<(&str, Pass), Vec<&str>> = HashMap::new();
+    for id in &plan.ids {
+        if let Some(r) = TensorId::parse(id).filter(|t| t.produced()) {
+            if !matches!(r.role, TensorRole::ParamGrad { .. }) {
+                let module = &id[..r.module.len()];
+                produced_by.entry((module, r.pass())).or_default().push(id);
+            }
+        }
+    }
+    let rel_of = |j: &str| stat(j).map(TensorStat::rel).filter(|x| x.is_finite());
+    // What the untraced code that made consumed id `k` was given, as the largest relative
+    // difference: the inputs of traced modules enclosing its consumer (an attention core
+    // around its softmax); the tensors the module before the gap produced in this pass; in
+    // the backward pass also the forward tensors the gap's backward reads (the consumer's
+    // forward outputs, the preceding module's forward inputs).
+    let gap_operands = |k: usize| -> f64 {
+        let id = plan.ids[k].as_str();
+        let Some(r) = role(id) else { return 0.0 };
+        let mut ids: Vec<&str> = vec![];
+        let mut name = r.module.as_str();
+        while let Some(cut) = name.rfind('.') {
+            name = &name[..cut];
+            ids.extend(
+                index
+                    .of_module(name, r.pass)
+                    .into_iter()
+                    .map(String::as_str),
+            );
+        }
+        if let Some(after) = preceding[k].as_deref() {
+            ids.extend(produced_by.get(&(after, r.pass)).into_iter().flatten());
+            if r.pass == Pass::Backward {
+                let consumer = r.module.as_str();
+                ids.extend(
+                    produced_by
+                        .get(&(consumer, Pass::Forward))
+                        .into_iter()
+                        .flatten(),
+                );
+                ids.extend(
+                    index
+                        .of_module(after, Pass::Forward)
+                        .into_iter()
+                        .map(String::as_str),
+                );
+            }
+        }
+        ids.into_iter().filter_map(rel_of).fold(0.0, f64::max)
+    };
     // Consumed ids (module inputs, arriving gradients) carry their differences into their
     // modules' thresholds, so none goes unjudged: a model input (a forward input listed before
     // any produced tensor) must be identical; one equal in the reference to an earlier
@@ -344,7 +399,7 @@ fn finish(
                     Pricing::Carried,
                 ),
                 None => (
-                    untraced_threshold(id, &upstream, plan, &g.stat),
+                    untraced_threshold(id, &upstream, gap_operands(k), plan, &g.stat),
                     Pricing::Untraced,
                 ),
             },
@@ -378,7 +433,6 @@ fn finish(
     }
     let failures = verdicts.iter().filter(|v| !v.passed).count();
     let first = verdicts.iter().position(|v| !v.passed);
-    let preceding = preceding_producers(&plan.ids);
     let localization = first.map(|i| {
         let v = &verdicts[i];
         let r = role(&v.id);
@@ -468,6 +522,7 @@ fn finish(
         fallback,
         localization,
         untraced,
+        inferred,
         mode,
     }
 }
@@ -478,20 +533,24 @@ fn megatron(plan: &Plan, stat: &TensorStat) -> f64 {
 }
 
 /// The threshold of a consumed tensor made by untraced code: the larger of Megatron's rule and
-/// the generic gain allowance (κ = 3) times the largest relative difference of an earlier
-/// produced tensor of its shape in the same pass (the addends of an autograd sum, the operand
-/// of functional code; `upstream`, by pass, elements and last dimension), times ‖ref‖ — from
-/// the reference and judged tensors only, so the candidate cannot widen it.
+/// the generic gain allowance (κ = 3) times the largest relative difference upstream of it —
+/// of an earlier produced tensor of its shape in the same pass (the addends of an autograd
+/// sum, the operand of functional code; `upstream`, by pass, elements and last dimension), or
+/// of an input of a traced module enclosing its consumer (`enclosing`: the operands of the
+/// code inside an attention core) — times ‖ref‖. This is an allowance, not a bound: the
+/// untraced code's conditioning is unknown.
 fn untraced_threshold(
     id: &str,
     upstream: &HashMap<(Pass, usize, usize), f64>,
+    enclosing: f64,
     plan: &Plan,
     me: &TensorStat,
 ) -> f64 {
     let up = role(id)
         .and_then(|r| upstream.get(&(r.pass, me.elements, me.last_dim)))
         .copied()
-        .unwrap_or(0.0);
+        .unwrap_or(0.0)
+        .max(enclosing);
     megatron(plan, me).max(gain_allowance(None) * up * me.ref_norm)
 }
 
@@ -520,6 +579,8 @@ pub fn check_dirs(
     mode: PricingMode,
     progress: &dyn Fn(),
 ) -> Result<DirCheck> {
+    let (mut resolved, inferred) = candidate.infer_guessed(reference)?;
+    let candidate = &mut resolved;
     let plan = plan(reference, candidate)?;
     let mut out = Vec::with_capacity(plan.ids.len());
     for id in &plan.ids {
@@ -534,6 +595,7 @@ pub fn check_dirs(
         candidate.manifest().mesh,
         &kinds,
         mode,
+        inferred,
     ))
 }
 
@@ -563,6 +625,8 @@ pub fn check_dir_traces(
     mode: PricingMode,
     progress: &(dyn Fn() + Sync),
 ) -> Result<DirCheck> {
+    let (resolved, inferred) = c0.infer_guessed(r0)?;
+    let c0 = &resolved;
     let plan = plan(r0, c0)?;
     let (producer, kinds) = side_info(r0);
     let mesh = c0.manifest().mesh;
@@ -591,5 +655,6 @@ pub fn check_dir_traces(
         mesh,
         &kinds,
         mode,
+        inferred,
     ))
 }

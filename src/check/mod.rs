@@ -27,6 +27,7 @@ use crate::io::stored::Stored;
 use crate::tensor::Tensor;
 use pass::Pass;
 
+pub use crate::io::InferredLayout;
 pub use dirs::{check_dir_paths, check_dir_traces, check_dirs, DirCheck, PricingMode, UntracedGap};
 pub use localize::{localize, Localization};
 pub use price::{price_local, InputIndex, PriceContext, Priced, Pricing, TensorStat};

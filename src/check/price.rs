@@ -121,7 +121,8 @@ impl Pricing {
             }
             Pricing::Untraced => {
                 "consumed tensor made by untraced code: max(Megatron's rule, 3 x the largest \
-                 relative difference upstream of its shape)"
+                 relative difference upstream: of its shape, or into a traced module enclosing \
+                 its consumer)"
             }
         }
     }
@@ -275,6 +276,16 @@ impl<'a> InputIndex<'a> {
             map.entry(&id[..t.module.len()]).or_default().push(id);
         }
         index
+    }
+
+    /// The traced inputs of module `module` in `pass`: its forward inputs, and in the backward
+    /// pass also its arriving output gradients.
+    pub fn of_module(&self, module: &str, pass: Pass) -> Vec<&'a String> {
+        let mut out = self.fwd.get(module).cloned().unwrap_or_default();
+        if pass == Pass::Backward {
+            out.extend(self.bwd.get(module).cloned().unwrap_or_default());
+        }
+        out
     }
 
     /// The traced inputs of a produced id: the module's forward inputs, and for backward

@@ -35,6 +35,14 @@ pub fn render_dir_check(check: &DirCheck) -> String {
             check.untraced.len()
         ));
     }
+    if let Some(first) = check.inferred.first() {
+        out.push_str(&format!(
+            "layouts inferred from shapes: {} tensors the tracer could not see the layout of \
+             (the first {})\n",
+            check.inferred.len(),
+            printable(&first.tensor)
+        ));
+    }
     out
 }
 

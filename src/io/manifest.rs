@@ -31,7 +31,7 @@ use crate::format::Format;
 use crate::io::guard::{limits, printable, TrustedDir};
 use crate::io::stored::Stored;
 use crate::io::{npy, safetensors};
-use crate::shard::layout::{Layout, Mesh};
+use crate::shard::layout::{Axis, Layout, Mesh};
 use crate::shard::merge::{keep, merge_fetched, sum_group, take_spare, Joinable};
 use crate::tensor::Tensor;
 
@@ -92,6 +92,12 @@ pub struct ManifestEntry {
     /// composed threshold when `ttrace simulate --dump` writes a reference), if any.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub threshold: Option<f64>,
+    /// The axes along which the writer did not know the placement and `layout` holds its
+    /// guess (a plain tensor of code it cannot see into; the batch dimension under data
+    /// parallelism): the checker infers them from the shards' and the reference's shapes (see
+    /// [`TraceDir::infer_guessed`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub guessed: Vec<Axis>,
 }
 
 /// A manifest.
@@ -132,6 +138,8 @@ struct RawEntry {
     module: Option<ModuleInfo>,
     #[serde(default)]
     threshold: Option<f64>,
+    #[serde(default)]
+    guessed: Vec<Axis>,
 }
 
 /// The manifest as the typed fast path reads it.
@@ -156,6 +164,7 @@ fn entry(
     layout: Layout,
     module: Option<ModuleInfo>,
     threshold: Option<f64>,
+    guessed: Vec<Axis>,
     mesh: &Mesh,
     path: &Path,
 ) -> Result<ManifestEntry> {
@@ -199,6 +208,7 @@ fn entry(
         layout,
         module,
         threshold,
+        guessed,
     })
 }
 
@@ -250,6 +260,7 @@ impl Manifest {
                     t.layout,
                     t.module,
                     t.threshold,
+                    t.guessed,
                     &mesh,
                     path,
                 )
@@ -336,8 +347,13 @@ impl Manifest {
                     )
                 })?),
             };
+            let guessed = match t.get("guessed") {
+                None | Some(serde_json::Value::Null) => vec![],
+                Some(x) => serde_json::from_value(x.clone())
+                    .map_err(|e| ferr(path, format!("{who}: 'guessed' (a list of axes): {e}")))?,
+            };
             tensors.push(entry(
-                i, id, rank, file, key, dtype, layout, module, threshold, &mesh, path,
+                i, id, rank, file, key, dtype, layout, module, threshold, guessed, &mesh, path,
             )?);
         }
         let recipe = match v.get("recipe") {
@@ -416,6 +432,37 @@ fn read_manifest_in(td: &TrustedDir) -> Result<(Manifest, PathBuf)> {
     Ok((merged, dir.join("manifest.rank*.json")))
 }
 
+/// A layout inferred from shapes (see [`TraceDir::infer_guessed`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct InferredLayout {
+    /// The tensor's id.
+    pub tensor: String,
+    /// The layout its shapes imply (the closest to the reference's values among them).
+    pub layout: Layout,
+    /// How many layouts fitted the shapes (more than 1: the values chose).
+    pub fitting: usize,
+}
+
+/// Where some ranks knew an id's layout and others only guessed it (a tracer recognizes a
+/// tensor by its memory on one rank, not on another), the ranks that knew settle it: when they
+/// agree, every entry takes their layout and nothing stays guessed. Otherwise nothing changes
+/// (ranks that disagree are reported by the caller).
+fn settle_guesses(tensors: &mut [ManifestEntry], ks: &[usize]) {
+    let known: Vec<Layout> = ks
+        .iter()
+        .filter(|&&k| tensors[k].guessed.is_empty())
+        .map(|&k| tensors[k].layout)
+        .collect();
+    let Some(&l) = known.first() else { return };
+    if known.len() == ks.len() || known.iter().any(|k| *k != l) {
+        return;
+    }
+    for &k in ks {
+        tensors[k].layout = l;
+        tensors[k].guessed.clear();
+    }
+}
+
 /// An open trace directory: the manifest, validated against the files' headers.
 #[derive(Debug)]
 pub struct TraceDir {
@@ -437,7 +484,7 @@ impl TraceDir {
     /// that all ranks agree on its layout.
     pub fn open(dir: &Path) -> Result<TraceDir> {
         let td = TrustedDir::new(dir)?;
-        let (manifest, mpath) = read_manifest_in(&td)?;
+        let (mut manifest, mpath) = read_manifest_in(&td)?;
         let mut files = HashMap::new();
         // Per id, (rank, entry) pairs: memory linear in the entries, whatever the mesh says.
         let mut by_id: HashMap<String, Vec<(usize, usize)>> = HashMap::new();
@@ -530,6 +577,7 @@ impl TraceDir {
                 ));
             }
             let ks: Vec<usize> = slots.into_iter().map(|(_, k)| k).collect();
+            settle_guesses(&mut manifest.tensors, &ks);
             let l0 = manifest.tensors[ks[0]].layout;
             if ks.iter().any(|&k| manifest.tensors[k].layout != l0) {
                 return Err(ferr(
@@ -648,6 +696,98 @@ impl TraceDir {
             .map(|ks| self.manifest.tensors[ks[0]].layout)
     }
 
+    /// The local shape of one manifest entry, from its file's header (`None` for npy files,
+    /// whose headers are read only with their data).
+    fn entry_shape(&self, k: usize) -> Option<&[usize]> {
+        let e = &self.manifest.tensors[k];
+        let f = self.files.get(&e.file)?;
+        f.entries().get(&e.key).map(|x| x.shape.as_slice())
+    }
+
+    /// The logical shape of an id: its first rank's shape, grown by its layout's splits.
+    pub fn logical_shape(&self, id: &str) -> Option<Vec<usize>> {
+        let ks = self.by_id.get(id)?;
+        let e = &self.manifest.tensors[ks[0]];
+        crate::shard::infer::logical_shape(&e.layout, self.entry_shape(ks[0])?, &self.manifest.mesh)
+    }
+
+    /// This trace with the layouts its writer guessed (the axes an entry lists as `guessed`)
+    /// settled against `reference`'s logical shapes: among the layouts that give every rank
+    /// its shape (see `fitting_layouts` in `shard/infer.rs`), the only one, or — when several
+    /// fit — the one whose merged tensor is closest to the reference's (Frobenius norm; ties to
+    /// the fewest changed axes). Returns it and the ids whose layout changed. A guess nothing fits (or shards of unequal shapes) is kept,
+    /// so the merge that follows reports it.
+    ///
+    /// # Errors
+    /// Reading a tensor to settle an ambiguous layout can fail as [`TraceDir::logical`] does.
+    pub fn infer_guessed(&self, reference: &TraceDir) -> Result<(TraceDir, Vec<InferredLayout>)> {
+        let mut changed = vec![];
+        let mut manifest = (*self.manifest).clone();
+        let (mut mine, mut theirs) = (self.share(), reference.share());
+        for id in self.order.iter() {
+            let Some(ks) = self.by_id.get(id) else {
+                continue;
+            };
+            let first = &self.manifest.tensors[ks[0]];
+            if first.guessed.is_empty() {
+                continue;
+            }
+            let Some(logical) = reference.logical_shape(id) else {
+                continue;
+            };
+            let shapes: Option<Vec<&[usize]>> = ks.iter().map(|&k| self.entry_shape(k)).collect();
+            let Some(shapes) = shapes else { continue };
+            if shapes.windows(2).any(|w| w[0] != w[1]) {
+                continue;
+            }
+            let fits = crate::shard::infer::fitting_layouts(
+                first.layout,
+                &first.guessed,
+                &logical,
+                shapes[0],
+                &self.manifest.mesh,
+            );
+            let chosen = match fits.len() {
+                0 => continue,
+                1 => fits[0],
+                _ => {
+                    let want = theirs.logical(id)?;
+                    let mut best: Option<(f64, Layout)> = None;
+                    for &l in &fits {
+                        let got = mine.logical_as(id, l)?;
+                        let d: f64 = got
+                            .values()
+                            .iter()
+                            .zip(want.values())
+                            .map(|(a, b)| (a - b) * (a - b))
+                            .sum();
+                        // NaN differences rank last; ties keep the earlier (fewer changes).
+                        let d = if d.is_nan() { f64::INFINITY } else { d };
+                        if best.is_none_or(|(bd, _)| d < bd) {
+                            best = Some((d, l));
+                        }
+                    }
+                    best.map_or(fits[0], |b| b.1)
+                }
+            };
+            if chosen != first.layout {
+                for &k in ks {
+                    manifest.tensors[k].layout = chosen;
+                }
+                changed.push(InferredLayout {
+                    tensor: id.clone(),
+                    layout: chosen,
+                    fitting: fits.len(),
+                });
+            }
+        }
+        let mut out = self.share();
+        if !changed.is_empty() {
+            out.manifest = std::sync::Arc::new(manifest);
+        }
+        Ok((out, changed))
+    }
+
     /// The merged logical tensor of an id (see [`crate::shard::merge`]).
     pub fn logical(&mut self, id: &str) -> Result<Tensor> {
         let stored = self.logical_stored(id)?;
@@ -662,6 +802,19 @@ impl TraceDir {
     pub(crate) fn logical_stored(&mut self, id: &str) -> Result<Stored> {
         let ks = self.entries_of(id)?;
         let layout = self.manifest.tensors[ks[0]].layout;
+        self.logical_stored_as(id, layout)
+    }
+
+    /// [`TraceDir::logical`] merged as if the layout were `layout`.
+    fn logical_as(&mut self, id: &str, layout: Layout) -> Result<Tensor> {
+        let stored = self.logical_stored_as(id, layout)?;
+        let t = stored.decode();
+        self.recycle(stored);
+        Ok(t)
+    }
+
+    fn logical_stored_as(&mut self, id: &str, layout: Layout) -> Result<Stored> {
+        let ks = self.entries_of(id)?;
         let manifest = self.manifest.clone();
         let (files, dir) = (&mut self.files, &self.dir);
         merge_fetched(
@@ -819,6 +972,7 @@ pub fn write_trace_dir(
                 layout: *layout,
                 module: modules.get(id).map(|&kind| ModuleInfo::of(kind)),
                 threshold: thresholds.get(id).copied(),
+                guessed: vec![],
             });
         }
         let mut meta = BTreeMap::new();
@@ -876,6 +1030,7 @@ mod tests {
             layout: Layout::replicated(),
             module: Some(ModuleInfo::of(ModuleKind::Linear)),
             threshold: Some(0.25),
+            guessed: vec![],
         };
         for (recipe, tensors) in [(None, vec![]), (Some("bf16".to_string()), vec![e(0), e(1)])] {
             let m = Manifest {

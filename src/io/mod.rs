@@ -8,7 +8,9 @@ pub mod safetensors;
 pub(crate) mod stored;
 
 pub use guard::{limits, printable, sanitize};
-pub use manifest::{read_manifest, write_trace_dir, Manifest, ManifestEntry, ModuleInfo, TraceDir};
+pub use manifest::{
+    read_manifest, write_trace_dir, InferredLayout, Manifest, ManifestEntry, ModuleInfo, TraceDir,
+};
 
 /// Write `contents` to `path` atomically: into a temporary file beside it (same directory, so
 /// the same file system), flushed to disk, then renamed over `path`. A reader — or a run that

@@ -3,6 +3,7 @@
 //! GPT executed the Megatron-LM way (see `papers/sharding.md`).
 
 pub(crate) mod collective;
+pub(crate) mod infer;
 pub(crate) mod layout;
 pub(crate) mod merge;
 pub(crate) mod model;
