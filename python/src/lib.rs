@@ -532,6 +532,37 @@ fn check_dirs(
     }
 }
 
+/// The logical (merged) tensor `id` of a trace directory, as float64 values with its shape;
+/// with `reference`, layouts the writer could only guess are first inferred against that
+/// trace's shapes (as the checker does).
+#[pyfunction]
+#[pyo3(signature = (directory, id, reference = None))]
+fn load_logical<'py>(
+    py: Python<'py>,
+    directory: std::path::PathBuf,
+    id: String,
+    reference: Option<std::path::PathBuf>,
+) -> PyResult<Bound<'py, numpy::PyArrayDyn<f64>>> {
+    use numpy::{IntoPyArray, PyArrayMethods};
+    let out = py.detach(move || {
+        catch_unwind(AssertUnwindSafe(|| -> ttrace::Result<ttrace::Tensor> {
+            let dir = ttrace::io::TraceDir::open(&directory)?;
+            let mut dir = match reference {
+                Some(r) => dir.infer_guessed(&ttrace::io::TraceDir::open(&r)?)?.0,
+                None => dir,
+            };
+            dir.logical(&id)
+        }))
+    });
+    let t = match out {
+        Ok(Err(e)) => return Err(raise(py, "TraceError", &kind_of(&e), e.to_string())),
+        Ok(Ok(t)) => t,
+        Err(p) => return guard(py, || std::panic::resume_unwind(p)),
+    };
+    let shape = t.shape().to_vec();
+    t.into_values().into_pyarray(py).reshape(shape)
+}
+
 /// Write one rank's tensors, given as (name, format, shape, uint8 array of the stored bytes),
 /// into `path` (a safetensors file, atomically), with `metadata`; `fsync` forces the data to
 /// the device before the rename. The GIL is released while writing; the arrays are read in
@@ -631,6 +662,7 @@ fn _ttrace(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(elementwise_threshold, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_threshold, m)?)?;
     m.add_function(wrap_pyfunction!(check_dirs, m)?)?;
+    m.add_function(wrap_pyfunction!(load_logical, m)?)?;
     m.add_function(wrap_pyfunction!(write_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(write_atomic, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;

@@ -215,6 +215,25 @@ def megatron(directory: str, bug: str) -> None:
     parallel_state.destroy_model_parallel()
 
 
+def mgpt(directory: str, bug: str) -> None:
+    """The Llama-style GPT of megatron_gpt.py (megatron-core's GPTModel), one training step.
+    TTRACE_TEST_TP: tensor-parallel size (the rest of the world is data parallel);
+    TTRACE_TEST_SP=1: sequence parallelism; TTRACE_TEST_SEED: weights and batch."""
+    import megatron_gpt as G
+    from megatron.core import parallel_state
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp = int(os.environ.get("TTRACE_TEST_TP", "1")) if world > 1 else 1
+    sp = os.environ.get("TTRACE_TEST_SP", "0") == "1"
+    seed = int(os.environ.get("TTRACE_TEST_SEED", "0"))
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    try:
+        dtype = getattr(torch, os.environ.get("TTRACE_TEST_DTYPE", "float32"))
+        G.step(directory, tp, sp, dtype, bug if world > 1 else "", seed)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
 def unsupported(directory: str, bug: str) -> None:
     """A module whose output is a DTensor with a placement the trace format cannot express
     (``Partial("avg")``): the tracer raises, naming the tensor and the placement — or skips it
@@ -249,12 +268,12 @@ def main() -> None:
     job, directory = sys.argv[1], sys.argv[2]
     bug = sys.argv[3] if len(sys.argv) > 3 else ""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    distributed = world > 1 or job in ("unsupported", "megatron")
+    distributed = world > 1 or job in ("unsupported", "megatron", "mgpt")
     if distributed:
         dist.init_process_group("gloo")
     try:
         jobs = {"tp": tp, "fsdp": fsdp, "ddp": ddp, "megatron": megatron, "llama": llama,
-                "unsupported": unsupported}
+                "mgpt": mgpt, "unsupported": unsupported}
         jobs[job](directory, bug)
     finally:
         if distributed:

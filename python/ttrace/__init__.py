@@ -29,7 +29,7 @@ from .errors import (
     TtraceError,
     UnsupportedLayoutError,
 )
-from .report import CheckReport, TensorRow, check
+from .report import CheckReport, TensorRow, check, load
 from .thresholds import (
     Threshold,
     Verdict,
@@ -55,6 +55,7 @@ __all__ = [
     "elementwise_threshold",
     "errors",
     "linear_threshold",
+    "load",
     "matmul_threshold",
     "norm_threshold",
     "parse_policy",

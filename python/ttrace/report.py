@@ -7,9 +7,11 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Union
 
+import numpy as np
+
 from . import _ttrace
 
-__all__ = ["CheckReport", "TensorRow", "check"]
+__all__ = ["CheckReport", "TensorRow", "check", "load"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -59,6 +61,9 @@ class CheckReport:
     #: Where untraced code made a tensor a traced module consumes: ``{"after", "before",
     #: "tensor"}`` (the modules on either side), in execution order.
     untraced_gaps: List[Dict[str, Any]]
+    #: Layouts the tracer could only guess, as the checker inferred them from the shapes:
+    #: tensor id → layout (``{"dp": …, "cp": …, "tp": …}``).
+    inferred_layouts: Dict[str, Dict[str, Any]]
     #: The text of the report (``str(report)``).
     text: str
     #: The core's report, as JSON-ready data.
@@ -135,6 +140,16 @@ def check(reference: PathLike, candidate: PathLike, *, pricing: str = "auto") ->
         localization=raw.get("localization"),
         pricing_counts=counts,
         untraced_gaps=list(raw.get("untraced", [])),
+        inferred_layouts={e["tensor"]: e["layout"] for e in raw.get("inferred", [])},
         text=text,
         raw=raw,
     )
+
+
+def load(trace: PathLike, tensor_id: str, *, reference: Optional[PathLike] = None) -> "np.ndarray":
+    """The logical tensor ``tensor_id`` of a trace directory (its ranks' shards merged by
+    their layouts), as float64. With ``reference``, layouts the tracer could only guess are
+    inferred against that trace's shapes first, as :func:`check` does. Raises
+    :class:`ttrace.TraceError` for a missing id or unreadable files."""
+    return _ttrace.load_logical(os.fspath(trace), tensor_id,
+                                None if reference is None else os.fspath(reference))

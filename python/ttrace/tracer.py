@@ -17,7 +17,12 @@ What is recorded, under canonical ids (``papers/trace-format.md``):
 * ``{module}|fwd.input.{i}``, ``{module}|fwd.output.{i}``: floating-point arguments and outputs
   of each traced module (forward hooks);
 * ``{module}|grad.output.{i}``, ``{module}|grad.input.{i}``: gradients arriving at and leaving
-  each module (full backward hooks);
+  each module. They are tapped, not caught with PyTorch's full backward hooks (which hand the
+  module views of its inputs and forbid the in-place ops real modules do — Megatron's masked
+  softmax, ``ReLU(inplace=True)``): each input that requires a gradient reaches the module as
+  a copy made by an autograd function that records the gradient flowing back through it, and
+  each output carries a tensor hook. The copies cost one extra input per traced module during
+  traced steps;
 * ``{module}.{param}|param_grad``: parameter gradients, read when the step ends.
 
 Layouts — how the ranks' shards form the logical tensor — are found without declarations:
@@ -44,7 +49,8 @@ Layouts — how the ranks' shards form the logical tensor — are found without 
 Without ``torch.distributed`` (or with one process) the trace is a reference: one rank.
 
 Cheap and selective: ``modules=`` chooses what to trace (names, ``fnmatch`` patterns or a
-predicate; default: the leaf modules), ``every=N`` traces one step in N (hooks are attached
+predicate; default: the leaf modules and the attention cores, parameter-free modules named
+attention), ``every=N`` traces one step in N (hooks are attached
 only during traced steps), and a background thread writes the files so the step does not wait
 on the disk; ``tracer.bytes_written`` counts what it wrote.
 """
@@ -153,6 +159,10 @@ class ModuleLayout:
     grad_inputs: Optional[List[dict]] = None
     grad_outputs: Optional[List[dict]] = None
     params: Dict[str, dict] = field(default_factory=dict)
+    #: Two dimensions the module's outputs (and their gradients) have swapped relative to
+    #: the reference's (Megatron's embedding hands out [s, b, h] under sequence parallelism,
+    #: [b, s, h] otherwise): recorded swapped back.
+    swap_outputs: Optional[Tuple[int, int]] = None
 
     def pick(self, role: str, i: int) -> dict:
         lists = {
@@ -210,6 +220,15 @@ def _megatron_layout(module: torch.nn.Module) -> Optional[ModuleLayout]:
         else:
             layout.grad_inputs = [split(0) if sp else replicate()]
         layout.outputs = layout.outputs + [split(0)]  # (output, bias shard when skipped)
+        config = getattr(module, "config", None)
+        ffn = getattr(config, "ffn_hidden_size", None)
+        if (getattr(config, "gated_linear_unit", False) and ffn
+                and getattr(module, "output_size", None) == 2 * ffn and not gather):
+            # The fused gate/up projection of a gated MLP (SwiGLU): each rank holds its slice
+            # of the gate and its slice of the up projection, [gate_r; up_r] — two interleaved
+            # groups of the reference's [gate; up].
+            layout.outputs = [split(-1, groups=2), split(0, groups=2)]
+            layout.params = {"weight": split(0, groups=2), "bias": split(0, groups=2)}
         return layout
     if name == "RowParallelLinear":
         sp = bool(getattr(module, "sequence_parallel", False))
@@ -219,8 +238,12 @@ def _megatron_layout(module: torch.nn.Module) -> Optional[ModuleLayout]:
         layout.grad_outputs = [split(0) if sp else replicate(), replicate()]
         return layout
     if name == "VocabParallelEmbedding":
+        # With sequence parallelism the output is reduce-scattered along the sequence (and
+        # turned to [s, b, h]) inside; otherwise all-reduced.
+        rs = bool(getattr(module, "reduce_scatter_embeddings", False))
         return ModuleLayout(
-            inputs=[replicate()], outputs=[replicate()], params={"weight": split(0)}
+            inputs=[replicate()], outputs=[split(1) if rs else replicate()],
+            params={"weight": split(0)}, swap_outputs=(0, 1) if rs else None,
         )
     return None
 
@@ -251,7 +274,38 @@ def _kind_of(module: torch.nn.Module) -> Optional[str]:
             return "embedding"
     if "RMSNorm" in name or "LayerNorm" in name:
         return "norm"
+    if _is_attention_core(module):
+        return "attention"
     return None
+
+
+def _param_grad(module: torch.nn.Module, p: torch.Tensor) -> Tuple[Optional[torch.Tensor], dict]:
+    """A parameter's gradient as the optimizer will see it, and what its pricing needs.
+
+    Megatron-style mixed precision keeps an FP32 ``main_grad`` beside a low-precision
+    parameter and reduces it over the data-parallel ranks in FP32: that is the gradient to
+    check, at FP32 precision. Each rank's share of it was rounded to the parameter's dtype
+    first (the backward's own output, added into ``main_grad``), unless the module fuses the
+    accumulation into its weight-gradient product (``gradient_accumulation_fusion``): the
+    ranks' partials then combine at the parameter's precision, else at FP32."""
+    main = getattr(p, "main_grad", None)
+    if not isinstance(main, torch.Tensor):
+        return p.grad, {}
+    info: dict = {}
+    code, low = _DTYPES.get(main.dtype), _DTYPES.get(p.dtype)
+    if (code is not None and low is not None and main.dtype.itemsize > p.dtype.itemsize
+            and not getattr(module, "gradient_accumulation_fusion", False)):
+        info["combine"] = low
+    return main, info
+
+
+def _is_attention_core(module: torch.nn.Module) -> bool:
+    """A module that computes attention from given queries, keys and values: its class
+    name says attention and it holds no parameters (Megatron's and Transformer Engine's
+    ``DotProductAttention``, a ``CoreAttention``) — unlike an attention block with its
+    projections. Traced by default although it is not a leaf: a difference born in the scaled
+    product is then judged where it is born, against the attention's own rounding."""
+    return "Attention" in type(module).__name__ and next(module.parameters(), None) is None
 
 
 # --- DTensor -------------------------------------------------------------------------------------
@@ -441,6 +495,27 @@ class _StepRecord:
     copies: Dict[Any, Tuple[Any, torch.Tensor]] = field(default_factory=dict)
     #: Outputs whose placement cannot be expressed before the module's output hooks run.
     deferred: "set[Tuple[str, int]]" = field(default_factory=set)
+    #: Per module: the layout its outputs inherit from a plain input (found as the inputs are
+    #: recorded, before the module runs), and whether any input was tapped for its gradient.
+    inherit: Dict[str, Optional[dict]] = field(default_factory=dict)
+    tapped: Dict[str, bool] = field(default_factory=dict)
+    #: (module, role, index) → the axes along which the tensor's layout is a guess.
+    guesses: Dict[Tuple[str, str, int], List[str]] = field(default_factory=dict)
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on the way forward — as a copy, so the module may modify its input in place —
+    that hands the gradient flowing back through it to a callback."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, callback: Callable[[torch.Tensor], None]) -> Any:
+        ctx.callback = callback
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        ctx.callback(grad)
+        return grad, None
 
 
 # --- the tracer ----------------------------------------------------------------------------------
@@ -556,7 +631,8 @@ class Tracer:
     def _select(self, modules: ModuleSelector) -> List[str]:
         named = self._named
         if modules is None:
-            return [n for n, m in named.items() if n and not any(True for _ in m.children())]
+            return [n for n, m in named.items()
+                    if n and (not any(True for _ in m.children()) or _is_attention_core(m))]
         if callable(modules):
             return [n for n, m in named.items() if n and modules(n, m)]
         names: List[str] = []
@@ -677,15 +753,19 @@ class Tracer:
         self._s = _StepRecord()
         for n in self.names:
             m = self._named[n]
+            # Appended: after the pre-hooks of the module's parallel style, so the inputs are
+            # recorded (and tapped) as the module receives them.
+            self._handles.append(
+                m.register_forward_pre_hook(self._input_hook(n), with_kwargs=True)
+            )
             # prepend=True: run before a DTensor output hook converts the output to a local
             # tensor, so the placement is still known.
             self._handles.append(
                 m.register_forward_hook(self._forward_hook(n), prepend=True, with_kwargs=True)
             )
             # Appended: the outputs as the caller receives them, after any DTensor conversion;
-            # their gradients are what the backward hook sees.
+            # their gradients are tapped there.
             self._handles.append(m.register_forward_hook(self._final_hook(n)))
-            self._handles.append(m.register_full_backward_hook(self._backward_hook(n)))
 
     def detach(self) -> None:
         """Remove the hooks."""
@@ -742,33 +822,41 @@ class Tracer:
             self._s.alias[key] = (weakref.ref(owner), layout)
 
     def _derived(self, tid: str, name: str, role: str, i: int, t: torch.Tensor,
-                 inherit: Optional[dict]) -> Optional[dict]:
+                 inherit: Optional[dict]) -> Tuple[Optional[dict], List[str]]:
         """The layout of a plain tensor of a module without declared layouts, derived from
-        DTensors of this step (see the module docs)."""
+        DTensors of this step (see the module docs), and the axes along which it is only a
+        guess (the gradient of a forward tensor whose layout was guessed)."""
         if name in self.layouts:
-            return None
+            return None, []
         hit = self._local_layout(tid, t)
         if hit is not None:
-            return hit
+            return hit, []
         if role == "grad.output":
+            key = (name, "fwd.output", i)
             fwd = self._s.final.get((name, i))
         elif role == "grad.input":
-            fwd = self._s.forward.get((name, "fwd.input", i))
+            key = (name, "fwd.input", i)
+            fwd = self._s.forward.get(key)
         else:
             fwd = None
         if fwd is not None and fwd[0] == tuple(t.shape):
-            return _grad_layout(fwd[1])
+            return _grad_layout(fwd[1]), self._s.guesses.get(key, [])
         if role == "fwd.output" and inherit is not None and inherit["shape"] == tuple(t.shape):
-            return inherit["layout"]
-        return None
+            return inherit["layout"], []
+        return None, []
 
     def _record(self, name: str, role: str, i: int, t: Any, param: Optional[str] = None,
-                inherit: Optional[dict] = None) -> Optional[dict]:
+                inherit: Optional[dict] = None, info: Optional[dict] = None) -> Optional[dict]:
         """Record one tensor; returns its layout when it was derived from a DTensor."""
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             return None
         tid = f"{name}.{param}|param_grad" if param is not None else f"{name}|{role}.{i}"
+        declared = self.layouts.get(name)
+        if declared is not None and declared.swap_outputs and role in ("fwd.output",
+                                                                      "grad.output"):
+            t = t.transpose(*declared.swap_outputs)
         derived = None
+        guessed: List[str] = []
         try:
             if self._dtensor is not None and isinstance(t, self._dtensor):
                 dt = cast(Any, t)
@@ -779,8 +867,20 @@ class Tracer:
                 self._remember(getattr(dt, "_local_tensor", local), local, layout)
             else:
                 local = t
-                derived = self._derived(tid, name, role, i, t, inherit) if param is None else None
+                derived, guessed = (self._derived(tid, name, role, i, t, inherit)
+                                    if param is None else (None, []))
                 layout = derived if derived is not None else self._layout(name, role, i, t, param)
+                if derived is None and self.mesh.world() > 1:
+                    # Neither a DTensor, nor declared, nor derived from one: a guess the
+                    # checker settles from the shapes. Under data parallelism the batch
+                    # dimension of a plain tensor is a guess too (dp_dim), even where its
+                    # tensor-parallel placement is declared.
+                    guessed = [a for a, unknown in (("dp", self.mesh.dp > 1 and param is None),
+                                                    ("tp", self.mesh.tp > 1
+                                                     and name not in self.layouts)) if unknown]
+                if guessed:
+                    # Not handed on as known (the gradient of this tensor is a guess too).
+                    derived = None
                 if param is None and derived is None and name in self.layouts:
                     # A declared layout (Megatron's layers): the modules this tensor is handed
                     # to next find it by its memory.
@@ -834,9 +934,15 @@ class Tracer:
         if tid not in self._s.records:
             self._s.order.append(tid)
         self._s.records[tid] = copy
-        self._s.meta[tid] = {"layout": layout, "module": self._module_info(name)}
+        module_info = self._module_info(name)
+        if module_info is not None and info:
+            module_info = {**info, **module_info}  # declared formats win
+        self._s.meta[tid] = {"layout": layout, "module": module_info,
+                             "guessed": guessed}
         if param is None:
             self._s.forward[(name, role, i)] = (tuple(local.shape), layout)
+            if guessed:
+                self._s.guesses[(name, role, i)] = guessed
         return derived
 
     def _kind(self, name: str) -> Optional[str]:
@@ -852,17 +958,50 @@ class Tracer:
         info.update(self.formats.get(name, {}))
         return info
 
-    def _forward_hook(self, name: str) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
-                 output: Any) -> None:
+    def _input_hook(self, name: str) -> Callable[..., Any]:
+        def hook(module: torch.nn.Module, args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+            # Recorded (copied) before the module runs: it may modify them in place.
             inherit = None
             # Keyword tensors (hidden_states=x, as Hugging Face models pass them) follow the
             # positional ones, in the order given.
-            inputs = list(args) + [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+            keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+            inputs = list(args) + [kwargs[k] for k in keys]
             for i, a in enumerate(inputs):
                 derived = self._record(name, "fwd.input", i, a)
                 if derived is not None and inherit is None and not _is_dtensor(a, self._dtensor):
                     inherit = {"shape": tuple(a.shape), "layout": derived}
+            self._s.inherit[name] = inherit
+            self._s.tapped[name] = False
+            if not torch.is_grad_enabled():
+                return args, kwargs
+            tapped = [self._tap(name, i, a) for i, a in enumerate(inputs)]
+            kwargs = dict(kwargs)
+            for k, t in zip(keys, tapped[len(args):]):
+                kwargs[k] = t
+            return tuple(tapped[:len(args)]), kwargs
+        return hook
+
+    def _tap(self, name: str, i: int, a: Any) -> Any:
+        """``a`` as the module should receive it: through a :class:`_Tap` recording the
+        gradient that flows back to it through the module (when it needs one)."""
+        if not isinstance(a, torch.Tensor) or not a.is_floating_point() or not a.requires_grad:
+            return a
+        record = self._s
+        self._s.tapped[name] = True
+
+        def got(g: torch.Tensor) -> None:
+            if self._s is record:  # the step is still being recorded
+                self._record(name, "grad.input", i, g)
+                # Parameter gradients are read when the step ends; remember where they belong.
+                record.order.append(("params", name))
+
+        return _Tap.apply(a, got)
+
+    def _forward_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                 output: Any) -> None:
+            inherit = self._s.inherit.get(name)
             outs = output if isinstance(output, (tuple, list)) else (output,)
             for i, o in enumerate(outs):
                 if _is_dtensor(o, self._dtensor) and not _expressible(o):
@@ -902,19 +1041,21 @@ class Tracer:
                     layout = None
                 if layout is not None:
                     self._s.final[(name, i)] = (shape, layout)
+                if o.requires_grad and torch.is_grad_enabled():
+                    o.register_hook(self._output_grad(name, i))
         return hook
 
-    def _backward_hook(self, name: str) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, grad_input: Any, grad_output: Any) -> None:
-            for i, g in enumerate(grad_output):
-                if g is not None:
-                    self._record(name, "grad.output", i, g)
-            for i, g in enumerate(grad_input):
-                if g is not None:
-                    self._record(name, "grad.input", i, g)
-            # Parameter gradients are read when the step ends; remember where they belong.
-            self._s.order.append(("params", name))
-        return hook
+    def _output_grad(self, name: str, i: int) -> Callable[[torch.Tensor], None]:
+        record = self._s
+
+        def got(g: torch.Tensor) -> None:
+            if self._s is record:
+                self._record(name, "grad.output", i, g)
+                if not record.tapped.get(name, False):
+                    # No input takes a gradient: the parameters' come with this one.
+                    record.order.append(("params", name))
+
+        return got
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -929,9 +1070,11 @@ class Tracer:
         for item in self._s.order:
             if isinstance(item, tuple):
                 name = item[1]
-                for pname, p in self._named[name].named_parameters(recurse=False):
-                    if p.grad is not None:
-                        self._record(name, "param", 0, p.grad, param=pname)
+                module = self._named[name]
+                for pname, p in module.named_parameters(recurse=False):
+                    grad, info = _param_grad(module, p)
+                    if grad is not None:
+                        self._record(name, "param", 0, grad, param=pname, info=info)
                         tid = f"{name}.{pname}|param_grad"
                         if tid not in seen and tid in self._s.records:
                             seen.add(tid)
@@ -952,6 +1095,8 @@ class Tracer:
                  "dtype": _DTYPES[t.dtype], "layout": self._s.meta[tid]["layout"]}
             if self._s.meta[tid]["module"] is not None:
                 e["module"] = self._s.meta[tid]["module"]
+            if self._s.meta[tid]["guessed"]:
+                e["guessed"] = self._s.meta[tid]["guessed"]
             entries.append(e)
         manifest: Dict[str, Any] = {"format": "ttrace-trace", "version": VERSION,
                                     "mesh": self.mesh.to_json(), "tensors": entries}

@@ -1,0 +1,63 @@
+"""Running the jobs of ``jobs.py`` as real multi-process ``torch.distributed`` runs (gloo on
+CPU, one process per rank), bounded in time. Used by the pytest suite (``conftest.py``) and
+by the bug matrix (``matrix.py``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+JOBS = Path(__file__).with_name("jobs.py")
+TIMEOUT = 240  # seconds for one job, all ranks
+
+
+class JobFailed(RuntimeError):
+    """A rank exited with an error, or the job outlived its time bound."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_job(job: str, directory: Path, world: int = 1, bug: str = "",
+            dtype: str = "float32", env: Optional[Dict[str, str]] = None,
+            timeout: float = TIMEOUT) -> None:
+    """Run ``jobs.py JOB DIRECTORY BUG`` on ``world`` processes; raise :class:`JobFailed` with
+    the failing rank's output if one fails or the job outlives ``timeout`` seconds."""
+    base = dict(os.environ)
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
+                TTRACE_TEST_DTYPE=dtype)
+    base.update(env or {})
+    base.setdefault("OMP_NUM_THREADS", "1")
+    procs: List[subprocess.Popen] = []
+    for r in range(world):
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(JOBS), job, str(directory), bug],
+                env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outputs.append(out)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.communicate()
+        raise JobFailed(f"job {job} on {world} ranks did not finish in {timeout} s") from None
+    failed = [(r, o) for r, (p, o) in enumerate(zip(procs, outputs)) if p.returncode != 0]
+    if failed:
+        r, out = failed[0]
+        raise JobFailed(f"job {job} rank {r} failed:\n{out[-4000:]}")

@@ -1,0 +1,268 @@
+"""The real-engine bug matrix: clean runs and planted bugs of real multi-process PyTorch
+engines (gloo on CPU), each checked by ttrace against its world-size-1 reference, with the
+baselines' verdicts beside ttrace's.
+
+    python python/tests/matrix.py                # the whole matrix (about 20 minutes on 2 cores)
+    python python/tests/matrix.py --quick        # one clean run and one bug per engine
+    python python/tests/matrix.py --json out.json --markdown out.md
+
+Engines (``jobs.py``): ``megatron-gpt`` — megatron-core's own ``GPTModel`` (Llama-style:
+RMSNorm, rotary, GQA, SwiGLU, vocabulary-parallel embedding, output and cross-entropy) with
+Megatron-style FP32 main gradients (``megatron_gpt.py``); ``dtensor-llama`` — a Llama-style
+model under torchtitan's DTensor TP + SP plan (``llama.py``).
+
+Baselines, judged on the same merged tensors: ``assert_close`` — ``torch.testing.assert_close``
+with its default tolerances for the tensor's dtype, on every traced tensor; ``megatron`` — the
+folklore ``‖cand − ref‖ ≤ 4·1.03^(L+1)·ε·‖ref‖`` with L the model's depth."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+sys.path.insert(0, str(Path(__file__).parent))
+import harness  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import ttrace  # noqa: E402
+
+DTYPES = ("float32", "bfloat16")
+SEEDS = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    world: int
+    env: Dict[str, str]
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str
+    job: str
+    depth: int  # transformer layers, for the folklore rule
+    configs: Tuple[Config, ...]
+    #: bug → (config name, public report it is modelled on / description)
+    bugs: Dict[str, Tuple[str, str]]
+    seeds: Tuple[int, ...] = SEEDS
+
+
+def _mgpt() -> Engine:
+    def c(name: str, world: int, tp: int, sp: bool) -> Config:
+        return Config(name, world, {"TTRACE_TEST_TP": str(tp), "TTRACE_TEST_SP": "1" if sp else "0"})
+
+    sys.path.insert(0, str(Path(__file__).parent))
+
+    return Engine(
+        "megatron-gpt", "mgpt", 2,
+        (c("tp2", 2, 2, False), c("tp2-sp", 2, 2, True), c("tp4-sp", 4, 4, True),
+         c("dp2", 2, 1, False), c("tp2-sp-dp2", 4, 2, True)),
+        {
+            "row-not-reduced": ("tp2-sp", "row-parallel partial sums never all-reduced"),
+            "row-reduced-twice": ("tp2", "row-parallel output all-reduced twice"),
+            "sp-norm-grad-not-reduced": ("tp2-sp", "Megatron-LM #1446"),
+            "dp-grad-bf16": ("dp2", "DP gradients all-reduced in BF16"),
+            "softmax-scale-local": ("tp2", "softmax scale from the per-rank width"),
+            "loss-local-tokens": ("dp2", "Megatron-LM #7452"),
+            "grad-corrupt-one-rank": ("tp2-sp-dp2", "NCCL #1950 class"),
+            "linear-scale-1e-3": ("tp2-sp", "1e-3 relative scale of one linear"),
+        },
+    )
+
+
+def _llama() -> Engine:
+    return Engine(
+        "dtensor-llama", "llama", 2,
+        (Config("tp2", 2, {}),),
+        {
+            "softmax-scale-local": ("tp2", "softmax scale from the local width"),
+            "norm-grad-not-reduced": ("tp2", "Megatron-LM #1446 (a norm left out of the SP plan)"),
+        },
+        seeds=(0,),
+    )
+
+
+ENGINES = [_mgpt(), _llama()]
+
+
+@dataclass
+class Result:
+    engine: str
+    config: str
+    dtype: str
+    seed: int
+    bug: str
+    passed: bool = False
+    failures: int = 0
+    tensors: int = 0
+    first_failure: Optional[str] = None
+    ratio: float = 0.0  # error / threshold at the first failure (clean: the largest)
+    error_eps: float = 0.0
+    threshold_eps: float = 0.0
+    localized: str = ""
+    assert_close_flags: int = 0
+    megatron_flags: int = 0
+    seconds: float = 0.0
+    problem: str = ""
+
+
+def _atol_rtol(dtype: str) -> Tuple[float, float]:
+    # torch.testing.assert_close's defaults.
+    return {"float32": (1e-5, 1.3e-6), "bfloat16": (1e-5, 1.6e-2),
+            "float16": (1e-5, 1e-3)}[dtype]
+
+
+def _baselines(ref: Path, cand: Path, report: ttrace.CheckReport, dtype: str,
+               depth: int) -> Tuple[int, int]:
+    """Tensors each baseline flags (on the merged tensors ttrace compared)."""
+    atol, rtol = _atol_rtol(dtype)
+    eps = report.eps
+    close = folk = 0
+    for row in report.rows:
+        if row.problem:
+            close += 1
+            folk += 1
+            continue
+        a = ttrace.load(ref, row.id)
+        b = ttrace.load(cand, row.id, reference=ref)
+        if a.shape != b.shape:
+            close += 1
+            folk += 1
+            continue
+        d = np.abs(b - a)
+        if not np.all(d <= atol + rtol * np.abs(a)) or not np.all(np.isfinite(b)):
+            close += 1
+        if np.linalg.norm(b - a) > 4 * 1.03 ** (depth + 1) * eps * np.linalg.norm(a):
+            folk += 1
+    return close, folk
+
+
+def run_one(root: Path, engine: Engine, config: Config, dtype: str, seed: int, bug: str,
+            refs: Dict[Tuple[str, str, int], Path]) -> Result:
+    res = Result(engine.name, config.name, dtype, seed, bug)
+    t0 = time.time()
+    env = dict(config.env, TTRACE_TEST_SEED=str(seed))
+    try:
+        key = (engine.job, dtype, seed)
+        if key not in refs:
+            d = root / f"{engine.name}-ref-{dtype}-{seed}"
+            harness.run_job(engine.job, d, 1, "", dtype, {"TTRACE_TEST_SEED": str(seed)})
+            refs[key] = d / "step0"
+        d = root / f"{engine.name}-{config.name}-{bug or 'clean'}-{dtype}-{seed}"
+        harness.run_job(engine.job, d, config.world, bug, dtype, env)
+        ref, cand = refs[key], d / "step0"
+        report = ttrace.check(ref, cand)
+    except (harness.JobFailed, ttrace.TtraceError) as e:
+        res.problem = str(e)[-600:]
+        res.seconds = time.time() - t0
+        return res
+    res.passed, res.failures, res.tensors = report.passed, report.failures, len(report.rows)
+    rows = [r for r in report.rows if not r.problem]
+    if report.passed:
+        worst = max(rows, key=lambda r: r.ratio)
+        res.ratio, res.first_failure = worst.ratio, worst.id
+        res.error_eps, res.threshold_eps = worst.error_eps, worst.threshold_eps
+    else:
+        first = next(r for r in report.rows if r.id == report.first_failure)
+        res.first_failure = first.id
+        res.ratio = first.ratio if not first.problem else math.inf
+        res.error_eps, res.threshold_eps = first.error_eps, first.threshold_eps
+        loc = report.localization or {}
+        where = loc.get("module", "?")
+        if loc.get("born_after"):
+            where = f"between {loc['born_after']} and {where}"
+        res.localized = f"{where} ({loc.get('pass', '?')})"
+        if first.problem:
+            res.problem = first.problem[:200]
+    res.assert_close_flags, res.megatron_flags = _baselines(ref, cand, report, dtype, engine.depth)
+    res.seconds = time.time() - t0
+    return res
+
+
+def plan(quick: bool) -> List[Tuple[Engine, Config, str, int, str]]:
+    out = []
+    for e in ENGINES:
+        configs = {c.name: c for c in e.configs}
+        if quick:
+            out.append((e, e.configs[0], "float32", 0, ""))
+            bug, (cname, _) = next(iter(e.bugs.items()))
+            out.append((e, configs[cname], "bfloat16", 0, bug))
+            continue
+        for c in e.configs:
+            for dtype in DTYPES:
+                for seed in e.seeds:
+                    out.append((e, c, dtype, seed, ""))
+        for bug, (cname, _) in e.bugs.items():
+            for dtype in DTYPES:
+                out.append((e, configs[cname], dtype, 0, bug))
+    return out
+
+
+def markdown(results: List[Result]) -> str:
+    lines = ["| engine | config | dtype | seed | bug | verdict | first failure (clean: closest) | "
+             "error / threshold (ε) | ratio | localized | assert_close | megatron rule |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        verdict = "error: " + r.problem[:60] if r.problem and not r.first_failure else (
+            "PASS" if r.passed else f"FAIL ({r.failures})")
+        lines.append(
+            f"| {r.engine} | {r.config} | {r.dtype} | {r.seed} | {r.bug or 'clean'} | {verdict} | "
+            f"`{r.first_failure or '-'}` | {r.error_eps:.3g} / {r.threshold_eps:.3g} | "
+            f"{r.ratio:.3g} | {r.localized or '-'} | {r.assert_close_flags} | "
+            f"{r.megatron_flags} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--markdown")
+    ap.add_argument("--engine", action="append", help="only these engines")
+    ap.add_argument("--bugs-only", action="store_true")
+    ap.add_argument("--keep", help="keep the traces in this directory")
+    args = ap.parse_args()
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="ttrace-matrix-"))
+    root.mkdir(parents=True, exist_ok=True)
+    refs: Dict[Tuple[str, str, int], Path] = {}
+    results = []
+    try:
+        for e, c, dtype, seed, bug in plan(args.quick):
+            if args.engine and e.name not in args.engine:
+                continue
+            if args.bugs_only and not bug:
+                continue
+            r = run_one(root, e, c, dtype, seed, bug, refs)
+            results.append(r)
+            print(f"{r.engine:14} {r.config:11} {r.dtype:9} s{r.seed} {r.bug or 'clean':26} "
+                  f"{'PASS' if r.passed else 'FAIL':4} ratio {r.ratio:9.3g} "
+                  f"{r.localized or r.first_failure or ''} {r.problem[:200]} "
+                  f"[ac {r.assert_close_flags}, meg {r.megatron_flags}] {r.seconds:.0f}s",
+                  flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(results))
+    clean = [r for r in results if not r.bug]
+    bugs = [r for r in results if r.bug]
+    fa = sum(1 for r in clean if not r.passed)
+    missed = [r for r in bugs if r.passed or r.problem and not r.first_failure]
+    print(f"clean runs: {len(clean)}, false alarms: {fa}; bugs: {len(bugs)}, missed: {len(missed)}")
+    return 0 if fa == 0 and not missed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The quick slice of the real-engine bug matrix (``matrix.py`` runs all of it): megatron-core's
+own GPTModel (Llama-style) under tensor, sequence and data parallelism, traced with no
+declarations, clean runs passing and planted bugs — each modelled on a public report —
+failing where they are born."""
+
+from __future__ import annotations
+
+import pytest
+
+import ttrace
+
+SP2 = dict(TP="2", SP="1")
+
+
+def mgpt(traces, world=1, bug="", dtype="float32", **env):
+    return traces("mgpt", world, bug, dtype, **env)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_megatron_gpt_tensor_and_sequence_parallel_clean_run_passes(traces, dtype):
+    report = ttrace.check(mgpt(traces, dtype=dtype), mgpt(traces, 2, dtype=dtype, **SP2))
+    assert report.passed, str(report)
+    assert len(report.rows) > 130
+    # Megatron's attention internals ([s, b, heads/tp, d], [b, heads/tp, s, s]) and the
+    # sequence shards of its norms are plain tensors: their layouts were inferred.
+    inferred = report.inferred_layouts
+    assert inferred["decoder.layers.0.input_layernorm|fwd.input.0"]["tp"] == {
+        "kind": "split", "dim": 0, "groups": 1}
+    assert inferred["decoder.layers.0.self_attention.core_attention.scale_mask_softmax|"
+                    "fwd.input.0"]["tp"] == {"kind": "split", "dim": 1, "groups": 1}
+
+
+def test_megatron_gpt_data_and_tensor_parallel_clean_run_passes(traces):
+    report = ttrace.check(mgpt(traces, dtype="bfloat16"),
+                          mgpt(traces, 4, dtype="bfloat16", **SP2))
+    assert report.passed, str(report)
+
+
+def test_softmax_scale_from_the_local_width_is_born_in_the_attention_core(traces):
+    report = ttrace.check(mgpt(traces, dtype="bfloat16"),
+                          mgpt(traces, 2, "softmax-scale-local", "bfloat16", TP="2"))
+    assert not report.passed
+    loc = report.localization
+    assert loc["module"] == "decoder.layers.0.self_attention.core_attention.scale_mask_softmax"
+    assert loc["born_after"] == "decoder.layers.0.self_attention.k_layernorm"
+    assert loc["pass"] == "forward"
+
+
+def test_row_parallel_partial_sums_not_reduced_fail_at_their_layer(traces):
+    report = ttrace.check(mgpt(traces, dtype="bfloat16"),
+                          mgpt(traces, 2, "row-not-reduced", "bfloat16", **SP2))
+    assert report.first_failure == "decoder.layers.1.self_attention.linear_proj|fwd.output.0"
+    assert report.localization["pass"] == "forward"
+
+
+def test_sequence_parallel_norm_gradients_not_reduced_fail_at_the_norm(traces):
+    # Megatron-LM #1446: each rank's norm-weight gradient covers its own tokens only.
+    report = ttrace.check(mgpt(traces, dtype="bfloat16"),
+                          mgpt(traces, 2, "sp-norm-grad-not-reduced", "bfloat16", **SP2))
+    assert report.first_failure == "decoder.layers.1.pre_mlp_layernorm.weight|param_grad"
+    assert report.localization["module"] == "decoder.layers.1.pre_mlp_layernorm"
+    assert report.localization["pass"] == "backward"
+
+
+def test_loss_normalized_by_the_local_token_count_fails_in_bf16(traces):
+    # Megatron-LM #7452: the ranks hold unequal numbers of loss tokens.
+    report = ttrace.check(mgpt(traces, dtype="bfloat16"),
+                          mgpt(traces, 2, "loss-local-tokens", "bfloat16", TP="1"))
+    assert not report.passed
+    assert report.localization["module"] == "output_layer"
+    assert report.localization["pass"] == "backward"
+
+
+def test_a_corrupted_gradient_shard_on_one_rank_is_found(traces):
+    report = ttrace.check(mgpt(traces),
+                          mgpt(traces, 4, "grad-corrupt-one-rank", **SP2))
+    assert report.first_failure == "decoder.layers.0.mlp.linear_fc2.weight|param_grad"
+    assert "rank 3" in str(report)

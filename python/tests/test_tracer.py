@@ -1,0 +1,159 @@
+"""The Tracer on modules real engines are made of: modules that modify their inputs in
+place, attention cores that are not leaves, FP32 main gradients beside low-precision
+parameters, and layouts it can only guess."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn as nn
+
+import ttrace
+from ttrace.tracer import Mesh
+
+
+class MaskedSoftmax(nn.Module):
+    """Megatron's masked softmax: fills the masked scores of its input in place (or, for the
+    oracle, out of place)."""
+
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.inplace = inplace
+
+    def forward(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.inplace:
+            scores.masked_fill_(mask, -10000.0)
+        else:
+            scores = scores.masked_fill(mask, -10000.0)
+        return torch.softmax(scores, dim=-1)
+
+
+class Net(nn.Module):
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.act = nn.ReLU(inplace=inplace)
+        self.soft = MaskedSoftmax(inplace)
+        self.fc2 = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc1(x))
+        return self.fc2(self.soft(h @ h.transpose(0, 1), mask) @ h)
+
+
+def _grads_by_full_hooks(net: nn.Module, x, mask) -> dict:
+    """The gradients leaving each module, taken with PyTorch's full backward hooks on a copy
+    without in-place ops (the independent oracle)."""
+    seen = {}
+    for name in ("act", "soft", "fc2"):
+        def bwd(mod, gin, gout, name=name):
+            seen[name] = gin[0].detach().clone()
+        getattr(net, name).register_full_backward_hook(bwd)
+    net(x, mask).pow(2).sum().backward()
+    return seen
+
+
+def test_modules_that_modify_their_inputs_in_place_are_traced(tmp_path):
+    from safetensors.numpy import load_file
+
+    torch.manual_seed(0)
+    net = Net(inplace=True)
+    oracle = Net(inplace=False)
+    oracle.load_state_dict(net.state_dict())
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    # PyTorch's full backward hooks refuse in-place ops on a module's input.
+    probe = Net(inplace=True)
+    probe.soft.register_full_backward_hook(lambda *a: None)
+    try:
+        probe(x, mask).sum().backward()
+        raise AssertionError("full backward hooks accepted an in-place op on an input")
+    except RuntimeError as e:
+        assert "inplace" in str(e) or "in-place" in str(e)
+    tracer = ttrace.Tracer(net, tmp_path / "t", background=False)
+    with tracer.step():
+        net(x, mask).pow(2).sum().backward()
+    tracer.close()
+    data = load_file(str(tmp_path / "t/step0/rank0.safetensors"))
+    entries = {e["id"]: e["key"] for e in json.loads(
+        (tmp_path / "t/step0/manifest.rank0.json").read_text())["tensors"]}
+    want = _grads_by_full_hooks(oracle, x, mask)
+    for name in ("act", "soft", "fc2"):
+        got = data[entries[f"{name}|grad.input.0"]]
+        assert torch.equal(torch.from_numpy(got), want[name]), name
+    # The input is recorded as the module received it, before it was modified.
+    with torch.no_grad():
+        h = torch.relu(net.fc1(x))
+    assert torch.equal(torch.from_numpy(data[entries["soft|fwd.input.0"]]), h @ h.T)
+
+
+def test_attention_cores_are_traced_by_default(tmp_path):
+    class DotProductAttention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.softmax = nn.Softmax(dim=-1)
+
+        def forward(self, q, k, v):
+            return self.softmax(q @ k.transpose(-1, -2) * 0.5) @ v
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(4, 12)
+            self.core = DotProductAttention()
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            return self.core(q, k, v)
+
+    block = Block()
+    tracer = ttrace.Tracer(block, tmp_path / "t", background=False)
+    assert tracer.names == ["qkv", "core", "core.softmax"]
+    with tracer.step():
+        block(torch.randn(3, 4)).sum().backward()
+    tracer.close()
+    entries = json.loads((tmp_path / "t/step0/manifest.rank0.json").read_text())["tensors"]
+    kinds = {e["id"]: e.get("module", {}).get("kind") for e in entries}
+    assert kinds["core|fwd.output.0"] == "attention"
+    assert "core|grad.input.1" in kinds  # the key's gradient, judged where the core makes it
+
+
+def test_fp32_main_gradients_are_recorded_and_priced_at_their_precision(tmp_path):
+    lin = nn.Linear(8, 8).to(torch.bfloat16)
+    fused = nn.Linear(8, 8).to(torch.bfloat16)
+    fused.gradient_accumulation_fusion = True  # Megatron's attribute
+    net = nn.Sequential(lin, fused)
+    tracer = ttrace.Tracer(net, tmp_path / "t", background=False)
+    with tracer.step():
+        net(torch.randn(4, 8, dtype=torch.bfloat16)).float().sum().backward()
+        for p in net.parameters():
+            p.main_grad = p.grad.float() * 2  # what the optimizer will use
+    tracer.close()
+    entries = {e["id"]: e for e in json.loads(
+        (tmp_path / "t/step0/manifest.rank0.json").read_text())["tensors"]}
+    e = entries["0.weight|param_grad"]
+    assert e["dtype"] == "f32"
+    # Each rank's share was a BF16 gradient added into main_grad: combined at BF16 precision.
+    assert e["module"]["combine"] == "bf16"
+    # Fused accumulation into main_grad: combined in FP32 (the format's default).
+    assert "combine" not in entries["1.weight|param_grad"]["module"]
+    got = ttrace.load(tmp_path / "t/step0", "0.weight|param_grad")
+    assert (got == (lin.weight.grad.double() * 2).numpy()).all()
+
+
+def test_layouts_of_plain_tensors_are_marked_as_guesses(tmp_path):
+    # Rank 0 of a 2-way tensor-parallel mesh, nothing declared: every tensor's tp placement
+    # is a guess; under data parallelism the batch dimension is one too — not the parameters'.
+    net = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+    for mesh, want, params in ((Mesh(tp=2), ["tp"], ["tp"]), (Mesh(dp=2), ["dp"], None)):
+        d = tmp_path / f"tp{mesh.tp}-dp{mesh.dp}"
+        tracer = ttrace.Tracer(net, d, mesh=mesh, rank=0, background=False)
+        with tracer.step():
+            net(torch.randn(2, 4)).sum().backward()
+        tracer.close()
+        entries = {e["id"]: e for e in json.loads(
+            (d / "step0/manifest.rank0.json").read_text())["tensors"]}
+        assert entries["1|fwd.output.0"]["guessed"] == want
+        assert entries["1|grad.input.0"]["guessed"] == want
+        assert entries["0.weight|param_grad"].get("guessed") == params
