@@ -681,3 +681,69 @@ fn a_rank_that_knew_the_layout_settles_the_others_guess() {
         other => panic!("expected a file error, got {other:?}"),
     }
 }
+
+/// Replicas that differ along a guessed axis are read as partial sums (what a collective not
+/// yet done leaves: the gradient of all-gathered keys under context parallelism) — except for
+/// a parameter gradient, which nothing later checks: there a missing reduction must fail.
+#[test]
+fn differing_replicas_along_a_guessed_axis_are_partial_sums_but_not_for_parameters() {
+    let d = tmp("guessed-partial");
+    let v: Vec<f64> = (0..16).map(|i| f64::from(i) - 4.0).collect();
+    let half: Vec<f64> = v.iter().map(|x| (x * 0.25).floor()).collect();
+    let rest: Vec<f64> = v.iter().zip(&half).map(|(x, h)| x - h).collect();
+    let t = |values: &[f64]| Tensor::from_vec(&[4, 4], values.to_vec(), Format::F32).unwrap();
+    let mesh = Mesh::new(1, 2, 1, false).unwrap();
+    for (id, passes) in [("m|grad.input.0", true), ("m.weight|param_grad", false)] {
+        let name = if passes { "activation" } else { "param" };
+        write_single(
+            &d.join(format!("r-{name}")),
+            &[(id.to_string(), Layout::replicated(), vec![t(&v)])],
+        );
+        let c = d.join(format!("c-{name}"));
+        let entries = [(
+            id.to_string(),
+            Layout::replicated(),
+            vec![t(&half), t(&rest)],
+        )];
+        write_trace_dir(&c, &mesh, None, &entries, &HashMap::new(), &HashMap::new()).unwrap();
+        mark_guessed(&c, id, &[0, 1], &["cp"], None);
+        let out =
+            check_dir_paths(&d.join(format!("r-{name}")), &c, PricingMode::Auto, &|| {}).unwrap();
+        assert_eq!(
+            out.report.passed(),
+            passes,
+            "{}",
+            ttrace::check::render_dir_check(&out)
+        );
+        if passes {
+            assert_eq!(out.inferred[0].layout.cp, ttrace::shard::Placement::Partial);
+        } else {
+            let problem = out.report.verdicts[0].problem.as_deref().unwrap_or("");
+            assert!(
+                problem.contains("declared replicated along cp"),
+                "{problem}"
+            );
+        }
+    }
+}
+
+/// A manifest's module information may leave the kind out (generic pricing) and still carry
+/// the formats the pricing needs.
+#[test]
+fn module_information_without_a_kind_is_read() {
+    let text = r#"{"format": "ttrace-trace", "version": 1, "mesh": {"tp": 1, "cp": 1, "dp": 1, "sp": false},
+        "tensors": [{"id": "m.w|param_grad", "rank": 0, "file": "rank0.safetensors", "dtype": "f32",
+                     "layout": {"dp": {"kind": "replicate"}, "cp": {"kind": "replicate"}, "tp": {"kind": "replicate"}},
+                     "module": {"combine": "bf16"}, "guessed": ["tp"]}]}"#;
+    let m = ttrace::io::Manifest::parse(text, std::path::Path::new("manifest.json")).unwrap();
+    let e = &m.tensors[0];
+    let module = e.module.as_ref().unwrap();
+    assert_eq!(module.kind, None);
+    assert_eq!(module.combine, Some(Format::BF16));
+    assert_eq!(e.guessed, vec![ttrace::shard::Axis::Tp]);
+    let bad = text.replace(r#""guessed": ["tp"]"#, r#""guessed": ["xp"]"#);
+    assert!(matches!(
+        ttrace::io::Manifest::parse(&bad, std::path::Path::new("manifest.json")),
+        Err(Error::File { .. })
+    ));
+}

@@ -532,35 +532,48 @@ fn check_dirs(
     }
 }
 
-/// The logical (merged) tensor `id` of a trace directory, as float64 values with its shape;
-/// with `reference`, layouts the writer could only guess are first inferred against that
-/// trace's shapes (as the checker does).
+/// Logical (merged) tensors of a trace directory as float64 arrays, in trace order: `ids`, or
+/// every id when `ids` is None. With `reference`, layouts the writer could only guess are first
+/// inferred against that trace's shapes (as the checker does).
 #[pyfunction]
-#[pyo3(signature = (directory, id, reference = None))]
+#[pyo3(signature = (directory, ids = None, reference = None))]
 fn load_logical<'py>(
     py: Python<'py>,
     directory: std::path::PathBuf,
-    id: String,
+    ids: Option<Vec<String>>,
     reference: Option<std::path::PathBuf>,
-) -> PyResult<Bound<'py, numpy::PyArrayDyn<f64>>> {
+) -> PyResult<Vec<(String, Bound<'py, numpy::PyArrayDyn<f64>>)>> {
     use numpy::{IntoPyArray, PyArrayMethods};
     let out = py.detach(move || {
-        catch_unwind(AssertUnwindSafe(|| -> ttrace::Result<ttrace::Tensor> {
-            let dir = ttrace::io::TraceDir::open(&directory)?;
-            let mut dir = match reference {
-                Some(r) => dir.infer_guessed(&ttrace::io::TraceDir::open(&r)?)?.0,
-                None => dir,
-            };
-            dir.logical(&id)
-        }))
+        catch_unwind(AssertUnwindSafe(
+            || -> ttrace::Result<Vec<(String, ttrace::Tensor)>> {
+                let dir = ttrace::io::TraceDir::open(&directory)?;
+                let mut dir = match reference {
+                    Some(r) => dir.infer_guessed(&ttrace::io::TraceDir::open(&r)?)?.0,
+                    None => dir,
+                };
+                let ids = ids.unwrap_or_else(|| dir.ids().to_vec());
+                ids.into_iter()
+                    .map(|id| {
+                        let t = dir.logical(&id)?;
+                        Ok((id, t))
+                    })
+                    .collect()
+            },
+        ))
     });
-    let t = match out {
+    let tensors = match out {
         Ok(Err(e)) => return Err(raise(py, "TraceError", &kind_of(&e), e.to_string())),
         Ok(Ok(t)) => t,
         Err(p) => return guard(py, || std::panic::resume_unwind(p)),
     };
-    let shape = t.shape().to_vec();
-    t.into_values().into_pyarray(py).reshape(shape)
+    tensors
+        .into_iter()
+        .map(|(id, t)| {
+            let shape = t.shape().to_vec();
+            Ok((id, t.into_values().into_pyarray(py).reshape(shape)?))
+        })
+        .collect()
 }
 
 /// Write one rank's tensors, given as (name, format, shape, uint8 array of the stored bytes),

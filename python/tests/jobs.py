@@ -122,22 +122,37 @@ def fsdp(directory: str, bug: str) -> None:
 
 
 def llama(directory: str, bug: str) -> None:
-    """The Llama-style model of llama.py under torchtitan's TP + SP plan, cross-entropy loss
-    in FP32 outside the model."""
+    """The Llama-style model of llama.py, cross-entropy loss in FP32 outside the model.
+    TTRACE_TEST_TP: tensor-parallel size under torchtitan's TP + SP plan (default: the whole
+    world); the rest of the world is data parallel with FSDP2 (``fully_shard`` on each layer
+    and the root, over the dp dimension of a 2-D mesh); TTRACE_TEST_SEED: weights and batch."""
     import llama as L
 
-    L.BUG = bug if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp = int(os.environ.get("TTRACE_TEST_TP", str(world))) if world > 1 else 1
+    dp = world // tp
+    seed = int(os.environ.get("TTRACE_TEST_SEED", "0"))
+    L.BUG = bug if world > 1 else ""
     dtype = getattr(torch, os.environ.get("TTRACE_TEST_DTYPE", "float32"))
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = L.Llama().to(dtype)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1 + seed)
     tokens = torch.randint(0, L.VOCAB, (L.BATCH, L.SEQ), generator=g)
     labels = torch.randint(0, L.VOCAB, (L.BATCH, L.SEQ), generator=g)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        L.parallelize(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), bug)
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        if tp > 1:
+            L.parallelize(model, mesh["tp"], bug)
+        if dp > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.layers.values():
+                fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+            r, n = mesh.get_local_rank("dp"), L.BATCH // dp
+            tokens, labels = tokens[r * n:(r + 1) * n], labels[r * n:(r + 1) * n]
     tracer = ttrace.Tracer(model, directory)
     with tracer.step():
         logits = model(tokens)
@@ -234,6 +249,24 @@ def mgpt(directory: str, bug: str) -> None:
         parallel_state.destroy_model_parallel()
 
 
+def hand(directory: str, bug: str) -> None:
+    """The hand-written Megatron-style engine of handtp.py, one training step.
+    TTRACE_TEST_TP / TTRACE_TEST_CP: tensor- / context-parallel sizes (the rest of the world
+    is data parallel); TTRACE_TEST_SP=1: sequence parallelism; TTRACE_TEST_ROPE=functional:
+    rotary embeddings in the attention's functional code instead of a module."""
+    import handtp
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp = int(os.environ.get("TTRACE_TEST_TP", "1")) if world > 1 else 1
+    cp = int(os.environ.get("TTRACE_TEST_CP", "1")) if world > 1 else 1
+    handtp.step(
+        directory, tp, cp, os.environ.get("TTRACE_TEST_SP", "0") == "1",
+        getattr(torch, os.environ.get("TTRACE_TEST_DTYPE", "float32")),
+        bug if world > 1 else "", int(os.environ.get("TTRACE_TEST_SEED", "0")),
+        rope_in_module=os.environ.get("TTRACE_TEST_ROPE", "module") == "module",
+    )
+
+
 def unsupported(directory: str, bug: str) -> None:
     """A module whose output is a DTensor with a placement the trace format cannot express
     (``Partial("avg")``): the tracer raises, naming the tensor and the placement — or skips it
@@ -273,7 +306,7 @@ def main() -> None:
         dist.init_process_group("gloo")
     try:
         jobs = {"tp": tp, "fsdp": fsdp, "ddp": ddp, "megatron": megatron, "llama": llama,
-                "mgpt": mgpt, "unsupported": unsupported}
+                "mgpt": mgpt, "hand": hand, "unsupported": unsupported}
         jobs[job](directory, bug)
     finally:
         if distributed:

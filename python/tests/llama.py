@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 BUG = ""  # set by the job: a planted bug (see the comments where it acts)
 
-DIM, HEADS, KV, LAYERS, VOCAB, SEQ, BATCH = 64, 4, 2, 2, 128, 16, 2
+DIM, HEADS, KV, LAYERS, VOCAB, SEQ, BATCH = 64, 8, 4, 2, 128, 16, 2
 HD = DIM // HEADS
 
 def rope(x, start=0):

@@ -94,6 +94,8 @@ def _shard_rule(model: torch.nn.Module, pname: str) -> Optional[tuple]:
 
 
 def load_full_weights(model: torch.nn.Module, tp: int, seed: int) -> None:
+    """Each parameter's full value from a generator seeded by its name; this rank keeps its
+    shard (the SwiGLU projection's gate and up halves each split)."""
     from megatron.core import parallel_state
 
     rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
@@ -104,7 +106,7 @@ def load_full_weights(model: torch.nn.Module, tp: int, seed: int) -> None:
             if rule is not None:
                 shape[rule[0]] *= tp
             g = torch.Generator().manual_seed(seed * 1000003 + zlib.crc32(name.encode()))
-            if name.endswith("layernorm.weight") or "layernorm" in name or "norm" in name.split(".")[-2]:
+            if "layernorm" in name:
                 full = 1.0 + 0.1 * torch.randn(shape, generator=g)
             else:
                 full = torch.randn(shape, generator=g) * (0.5 / shape[-1] ** 0.5)
@@ -114,7 +116,6 @@ def load_full_weights(model: torch.nn.Module, tp: int, seed: int) -> None:
                 pieces = full.split(n, dim=dim)
                 full = torch.cat([pieces[gi * tp + rank] for gi in range(groups)], dim=dim)
             p.copy_(full.to(p.dtype))
-
 
 
 

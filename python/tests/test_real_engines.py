@@ -76,3 +76,64 @@ def test_a_corrupted_gradient_shard_on_one_rank_is_found(traces):
                           mgpt(traces, 4, "grad-corrupt-one-rank", **SP2))
     assert report.first_failure == "decoder.layers.0.mlp.linear_fc2.weight|param_grad"
     assert "rank 3" in str(report)
+
+
+# --- a hand-written Megatron-style engine (explicit collectives, no framework layers) ---------
+
+def hand(traces, world=1, bug="", dtype="float32", **env):
+    return traces("hand", world, bug, dtype, **env)
+
+
+@pytest.mark.parametrize("dtype,env", [("bfloat16", SP2), ("float32", dict(CP="2"))])
+def test_hand_written_engine_clean_runs_pass_with_every_layout_inferred(traces, dtype, env):
+    report = ttrace.check(hand(traces, dtype=dtype), hand(traces, 2, dtype=dtype, **env))
+    assert report.passed, str(report)
+    # Every activation is a plain tensor: the logits' vocabulary split was found from shapes.
+    assert report.inferred_layouts["output|fwd.output.0"]["tp" if "TP" in env else "cp"] == {
+        "kind": "split", "dim": 2 if "TP" in env else 1, "groups": 1}
+
+
+def test_rotary_positions_not_offset_in_functional_code_are_born_before_the_attention_core(
+        traces):
+    report = ttrace.check(hand(traces, dtype="bfloat16", ROPE="functional"),
+                          hand(traces, 2, "rope-offset-functional", "bfloat16", CP="2",
+                               ROPE="functional"))
+    assert report.first_failure == "layers.0.attention.core|fwd.input.0"
+    assert report.localization["born_after"] == "layers.0.attention.wv"
+
+
+def test_rotary_positions_not_offset_in_the_module_fail_at_the_module(traces):
+    report = ttrace.check(hand(traces), hand(traces, 2, "rope-offset-module", CP="2"))
+    assert report.first_failure == "layers.0.attention.rotary|fwd.output.0"
+
+
+def test_vocab_padding_mask_off_by_the_shard_start_is_caught_at_the_logits_gradient(traces):
+    # Megatron-LM #1754's class: the padded vocabulary entries take part in the softmax.
+    report = ttrace.check(hand(traces, dtype="bfloat16"),
+                          hand(traces, 2, "vocab-pad-mask-offset", "bfloat16", **SP2))
+    assert report.first_failure == "output|grad.output.0"
+    assert report.localization["pass"] == "backward"
+
+
+def test_bf16_all_reduce_of_fp32_main_gradients_is_caught_in_bf16(traces):
+    # Fused accumulation: the main gradients are FP32 sums, priced at FP32 — a BF16 reduction
+    # is far outside, though within a BF16-level threshold.
+    report = ttrace.check(hand(traces, dtype="bfloat16"),
+                          hand(traces, 2, "dp-grad-bf16", "bfloat16"))
+    assert not report.passed
+    assert report.first_failure.endswith("|param_grad")
+    assert all(r.id.endswith("|param_grad") for r in report.failed_rows)
+
+
+def test_bias_added_on_every_rank_fails_at_its_linear(traces):
+    report = ttrace.check(hand(traces, dtype="bfloat16"),
+                          hand(traces, 2, "row-bias-every-rank", "bfloat16", **SP2))
+    assert report.first_failure == "layers.1.mlp.w2|fwd.output.0"
+
+
+def test_llama_tensor_parallel_with_fsdp2_on_a_2d_mesh_passes(traces):
+    # FSDP2 over TP-sharded parameters (strided shards, gathered when read) and activations
+    # that are DTensors on the tp sub-mesh with the batch split over dp.
+    report = ttrace.check(traces("llama", dtype="bfloat16"),
+                          traces("llama", 4, dtype="bfloat16", TP="2"))
+    assert report.passed, str(report)

@@ -29,7 +29,7 @@ from .errors import (
     TtraceError,
     UnsupportedLayoutError,
 )
-from .report import CheckReport, TensorRow, check, load
+from .report import CheckReport, TensorRow, check, load, load_all
 from .thresholds import (
     Threshold,
     Verdict,
@@ -56,6 +56,7 @@ __all__ = [
     "errors",
     "linear_threshold",
     "load",
+    "load_all",
     "matmul_threshold",
     "norm_threshold",
     "parse_policy",

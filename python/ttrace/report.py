@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _ttrace
 
-__all__ = ["CheckReport", "TensorRow", "check", "load"]
+__all__ = ["CheckReport", "TensorRow", "check", "load", "load_all"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -151,5 +151,13 @@ def load(trace: PathLike, tensor_id: str, *, reference: Optional[PathLike] = Non
     their layouts), as float64. With ``reference``, layouts the tracer could only guess are
     inferred against that trace's shapes first, as :func:`check` does. Raises
     :class:`ttrace.TraceError` for a missing id or unreadable files."""
-    return _ttrace.load_logical(os.fspath(trace), tensor_id,
-                                None if reference is None else os.fspath(reference))
+    return load_all(trace, [tensor_id], reference=reference)[tensor_id]
+
+
+def load_all(trace: PathLike, ids: Optional[List[str]] = None, *,
+             reference: Optional[PathLike] = None) -> Dict[str, "np.ndarray"]:
+    """The logical tensors ``ids`` (default: all) of a trace directory, as :func:`load` reads
+    one, in trace order — the directory opened (and its guessed layouts settled) once."""
+    pairs = _ttrace.load_logical(os.fspath(trace), ids,
+                                 None if reference is None else os.fspath(reference))
+    return dict(pairs)

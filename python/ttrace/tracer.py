@@ -33,8 +33,9 @@ Layouts — how the ranks' shards form the logical tensor — are found without 
   ``Replicate()`` → replicated, ``Partial()`` → partial sum. Mesh dimensions are mapped to
   ttrace's axes by name (``tp``/``tensor``/``model`` → tp; ``dp``/``data``/``fsdp``/``shard``/
   ``replicate``/``ddp`` → dp; ``cp``/``context``/``seq`` → cp) or by ``axes={"tp": "my_dim"}``.
-  A placement the format cannot express (an uneven ``Shard``, ``Partial("avg")``, a strided
-  shard, two mesh dimensions on one axis) raises :class:`ttrace.UnsupportedLayoutError` naming
+  A parameter gradient FSDP2 shards again over a TP shard (``_StridedShard``) is gathered
+  when read. Another placement the format cannot express (an uneven ``Shard``,
+  ``Partial("avg")``, a strided shard, two mesh dimensions on one axis) raises :class:`ttrace.UnsupportedLayoutError` naming
   the tensor and the placement — or, with ``unsupported="skip"``, the tensor is left out and
   listed in ``tracer.skipped`` (as is a tensor whose storage torch released before the hook
   could read it, otherwise a :class:`ttrace.TtraceError`).
@@ -44,7 +45,11 @@ Layouts — how the ranks' shards form the logical tensor — are found without 
   ``dp_dim`` (the batch) across the dp ranks; parameters and their gradients replicated. A
   ``DistributedDataParallel`` wrapper is looked through: module names are the wrapped model's.
 * Anything else can be declared per module with ``layouts={name: ModuleLayout(...)}`` (the
-  tensor-parallel placements of an emulation in one process, for instance).
+  tensor-parallel placements of an emulation in one process, for instance) — or left to the
+  checker: a layout the tracer could not know (plain tensors of a hand-written engine or of
+  functional code, the batch dimension under data parallelism) is written as a guess, with the
+  guessed axes, and the checker settles it from the shards' and the reference's shapes
+  (``papers/trace-format.md``).
 
 Without ``torch.distributed`` (or with one process) the trace is a reference: one rank.
 
@@ -276,25 +281,36 @@ def _kind_of(module: torch.nn.Module) -> Optional[str]:
         return "norm"
     if _is_attention_core(module):
         return "attention"
+    # Hand-written engines' layers, by the name of their class and what they hold: a
+    # ``ColumnParallelLinear``-like module with a 2-D weight, an embedding table.
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        if "Linear" in name:
+            return "linear"
+        if "Embedding" in name:
+            return "embedding"
     return None
 
 
-def _param_grad(module: torch.nn.Module, p: torch.Tensor) -> Tuple[Optional[torch.Tensor], dict]:
+def _param_grad(module: torch.nn.Module, name: str,
+                p: torch.Tensor) -> Tuple[Optional[torch.Tensor], dict]:
     """A parameter's gradient as the optimizer will see it, and what its pricing needs.
 
     Megatron-style mixed precision keeps an FP32 ``main_grad`` beside a low-precision
     parameter and reduces it over the data-parallel ranks in FP32: that is the gradient to
     check, at FP32 precision. Each rank's share of it was rounded to the parameter's dtype
-    first (the backward's own output, added into ``main_grad``), unless the module fuses the
-    accumulation into its weight-gradient product (``gradient_accumulation_fusion``): the
-    ranks' partials then combine at the parameter's precision, else at FP32."""
+    first (the backward's own output, added into ``main_grad``) — unless the module fuses the
+    accumulation into its weight-gradient product (``gradient_accumulation_fusion``, which
+    concerns its ``weight`` only): the ranks' partials then combine at the parameter's
+    precision, else at FP32."""
     main = getattr(p, "main_grad", None)
     if not isinstance(main, torch.Tensor):
         return p.grad, {}
     info: dict = {}
     code, low = _DTYPES.get(main.dtype), _DTYPES.get(p.dtype)
     if (code is not None and low is not None and main.dtype.itemsize > p.dtype.itemsize
-            and not getattr(module, "gradient_accumulation_fusion", False)):
+            and not (name == "weight"
+                     and getattr(module, "gradient_accumulation_fusion", False))):
         info["combine"] = low
     return main, info
 
@@ -419,6 +435,20 @@ def _expressible(dt: Any) -> bool:
     )
 
 
+def _gather_strided(dt: Any) -> Any:
+    """A parameter gradient whose placements ttrace cannot express — FSDP2 over a
+    tensor-parallel parameter shards the TP shard again along the same dimension
+    (``_StridedShard``) — gathered along those mesh dimensions (a collective every rank makes,
+    in the same order, when the step's gradients are read): exact, and expressible."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = [p if type(p) is Shard or isinstance(p, Replicate) else Replicate()
+                  for p in dt.placements]
+    if any(type(p) is Shard for p, q in zip(placements, dt.placements) if p is not q):
+        return dt
+    return dt.redistribute(dt.device_mesh, placements)
+
+
 def _owns(owner: Optional[torch.Tensor], t: torch.Tensor) -> bool:
     """Whether ``owner`` is alive and still holds the memory ``t`` points into."""
     if owner is None:
@@ -472,7 +502,8 @@ def _placement_layout(tid: str, placements: Sequence[Any], device_mesh: Any,
 def _grad_layout(layout: dict) -> dict:
     """The layout of a gradient of a tensor of ``layout``: the gradient of a partial sum is
     replicated (DTensor's rule for ``to_local``/``from_local`` gradients); shards stay."""
-    return {a: (replicate() if p["kind"] == "partial" else p) for a, p in layout.items()}
+    return {a: (replicate() if isinstance(p, dict) and p["kind"] == "partial" else p)
+            for a, p in layout.items()}
 
 
 @dataclass
@@ -690,11 +721,6 @@ class Tracer:
             raise InvalidInputError(
                 f"rank {r} is outside the mesh ({m.world()} ranks)", "InvalidParameter"
             )
-        if m.cp > 1:
-            raise UnsupportedLayoutError(
-                "context parallelism of plain tensors is not supported: use DTensor placements",
-                "Layout",
-            )
         return m, r
 
     def _megatron_mesh(self) -> Optional[Tuple[Mesh, int]]:
@@ -808,13 +834,29 @@ class Tracer:
         the DTensor's placements), or of the local shard of a DTensor seen before."""
         spec = getattr(t.grad_fn, "dtensor_spec", None)
         if spec is not None:
-            return _placement_layout(tid, spec.placements, spec.mesh, tuple(spec.shape),
-                                     self._mesh_of(spec.mesh))
+            mm = self._mesh_of(spec.mesh)
+            layout = _placement_layout(tid, spec.placements, spec.mesh, tuple(spec.shape), mm)
+            return self._uncovered(layout, mm, t.dim())
         key = _alias_key(t)
         hit = self._s.alias.get(key) if key is not None else None
         # Only while the tensor first seen there lives and still owns that memory (torch can
         # free a live tensor's storage: then the address may hold another tensor).
         return hit[1] if hit is not None and _owns(hit[0](), t) else None
+
+    def _uncovered(self, layout: dict, mm: _MeshMap, ndim: int) -> dict:
+        """A non-parameter DTensor's layout completed along the axes its device mesh does not
+        cover (TP on ``mesh["tp"]`` of a 2-D mesh whose dp dimension splits the batch as plain
+        data): a split of the batch dimension (``dp_dim``) for dp, replication otherwise —
+        guesses, listed under ``"_guessed"`` for the checker to settle."""
+        missing = [a for a in ("dp", "cp", "tp")
+                   if a not in mm.axis and getattr(self.mesh, a) > 1]
+        if not missing:
+            return layout
+        layout = dict(layout)
+        if "dp" in missing and ndim > self.dp_dim:
+            layout["dp"] = split(self.dp_dim)
+        layout["_guessed"] = missing
+        return layout
 
     def _remember(self, owner: torch.Tensor, t: torch.Tensor, layout: dict) -> None:
         key = _alias_key(t)
@@ -860,8 +902,13 @@ class Tracer:
         try:
             if self._dtensor is not None and isinstance(t, self._dtensor):
                 dt = cast(Any, t)
+                if param is not None and not _expressible(dt):
+                    dt = _gather_strided(dt)
+                mm = self._mesh_of(dt.device_mesh)
                 layout = _placement_layout(tid, dt.placements, dt.device_mesh, tuple(dt.shape),
-                                           self._mesh_of(dt.device_mesh))
+                                           mm)
+                if param is None:
+                    layout = self._uncovered(layout, mm, dt.dim())
                 local = dt.to_local()
                 derived = layout
                 self._remember(getattr(dt, "_local_tensor", local), local, layout)
@@ -876,8 +923,11 @@ class Tracer:
                     # dimension of a plain tensor is a guess too (dp_dim), even where its
                     # tensor-parallel placement is declared.
                     guessed = [a for a, unknown in (("dp", self.mesh.dp > 1 and param is None),
+                                                    ("cp", self.mesh.cp > 1 and param is None),
                                                     ("tp", self.mesh.tp > 1
                                                      and name not in self.layouts)) if unknown]
+                if derived is not None and "_guessed" in derived:
+                    guessed = sorted(set(guessed) | set(derived["_guessed"]))
                 if guessed:
                     # Not handed on as known (the gradient of this tensor is a guess too).
                     derived = None
@@ -934,9 +984,12 @@ class Tracer:
         if tid not in self._s.records:
             self._s.order.append(tid)
         self._s.records[tid] = copy
+        if "_guessed" in layout:
+            guessed = sorted(set(guessed) | set(layout["_guessed"]))
+            layout = {k: v for k, v in layout.items() if k != "_guessed"}
         module_info = self._module_info(name)
-        if module_info is not None and info:
-            module_info = {**info, **module_info}  # declared formats win
+        if info:
+            module_info = {**info, **(module_info or {})}  # declared formats win
         self._s.meta[tid] = {"layout": layout, "module": module_info,
                              "guessed": guessed}
         if param is None:
@@ -952,11 +1005,9 @@ class Tracer:
 
     def _module_info(self, name: str) -> Optional[dict]:
         kind = self._kind(name)
-        if kind is None:
-            return None
-        info = {"kind": kind}
+        info = {"kind": kind} if kind is not None else {}
         info.update(self.formats.get(name, {}))
-        return info
+        return info or None
 
     def _input_hook(self, name: str) -> Callable[..., Any]:
         def hook(module: torch.nn.Module, args: Tuple[Any, ...],
@@ -1072,7 +1123,7 @@ class Tracer:
                 name = item[1]
                 module = self._named[name]
                 for pname, p in module.named_parameters(recurse=False):
-                    grad, info = _param_grad(module, p)
+                    grad, info = _param_grad(module, pname, p)
                     if grad is not None:
                         self._record(name, "param", 0, grad, param=pname, info=info)
                         tid = f"{name}.{pname}|param_grad"

@@ -147,6 +147,57 @@ struct Gathered {
     content: u64,
     /// The reference's shape.
     shape: Vec<usize>,
+    /// A layout read as partial sums along a guessed axis (see `partial_instead`).
+    inferred: Option<crate::shard::Layout>,
+}
+
+/// A tensor whose replicas differ along an axis the writer only guessed as replicated (and
+/// that is no parameter gradient, which no later tensor would check) read as partial sums
+/// along it: what a collective not yet done leaves (the gradient of all-gathered keys under
+/// context parallelism). `None` when the axis was known, or partial sums do not merge either.
+/// A missing reduction is then caught where the unreduced value is used.
+fn partial_instead(
+    candidate: &mut TraceDir,
+    id: &str,
+    first: &Error,
+) -> Result<Option<(crate::io::stored::Stored, crate::shard::Layout)>> {
+    use crate::shard::{Axis, Placement};
+    if role(id).is_none_or(|r| r.param_grad) {
+        return Ok(None);
+    }
+    let Some(mut layout) = candidate.layout(id) else {
+        return Ok(None);
+    };
+    let guessed = candidate.guessed(id).to_vec();
+    let mut err = first;
+    let mut owned;
+    for _ in 0..3 {
+        let Error::ReplicaMismatch { axis, .. } = err else {
+            return Ok(None);
+        };
+        let axis = match *axis {
+            "dp" => Axis::Dp,
+            "cp" => Axis::Cp,
+            _ => Axis::Tp,
+        };
+        if !guessed.contains(&axis) || layout.along(axis) != Placement::Replicate {
+            return Ok(None);
+        }
+        match axis {
+            Axis::Dp => layout.dp = Placement::Partial,
+            Axis::Cp => layout.cp = Placement::Partial,
+            Axis::Tp => layout.tp = Placement::Partial,
+        }
+        match candidate.logical_stored_as(id, layout) {
+            Ok(c) => return Ok(Some((c, layout))),
+            Err(e @ Error::ReplicaMismatch { .. }) => {
+                owned = e;
+                err = &owned;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(None)
 }
 
 fn gather(
@@ -162,12 +213,21 @@ fn gather(
     let layout = candidate
         .layout(id)
         .unwrap_or_else(crate::shard::Layout::replicated);
+    let mut layout = layout;
+    let mut inferred = None;
     let (c, problem, rank) = match candidate.logical_stored(id) {
         Ok(c) => (Some(c), None, None),
         // Replicas that disagree are a finding (a missing synchronization); shards whose shapes
         // do not fit their layout are unusable input and end the check. The verdict's columns
         // (and the reference's sums, which pricing needs) then come from the reference alone.
-        Err(e @ Error::ReplicaMismatch { rank, .. }) => (None, Some(e.to_string()), Some(rank)),
+        Err(e @ Error::ReplicaMismatch { rank, .. }) => match partial_instead(candidate, id, &e)? {
+            Some((c, l)) => {
+                layout = l;
+                inferred = Some(l);
+                (Some(c), None, None)
+            }
+            None => (None, Some(e.to_string()), Some(rank)),
+        },
         Err(e) => return Err(e),
     };
     let cand = c.as_ref().unwrap_or(&r);
@@ -184,7 +244,9 @@ fn gather(
         diff_norm = f64::INFINITY;
     }
     let last_dim = r.shape().last().copied().unwrap_or(1);
-    let is_norm_input = module.as_ref().is_some_and(|m| m.kind == ModuleKind::Norm)
+    let is_norm_input = module
+        .as_ref()
+        .is_some_and(|m| m.kind == Some(ModuleKind::Norm))
         && role(id).is_some_and(|x| !x.produced && x.pass == Pass::Forward);
     let stat = TensorStat {
         ref_norm: rn,
@@ -214,6 +276,7 @@ fn gather(
         rank,
         content,
         shape,
+        inferred,
     })
 }
 
@@ -289,8 +352,18 @@ fn finish(
     mesh: crate::shard::Mesh,
     kinds: &HashMap<String, ModuleKind>,
     mode: PricingMode,
-    inferred: Vec<InferredLayout>,
+    mut inferred: Vec<InferredLayout>,
 ) -> DirCheck {
+    for (id, g) in plan.ids.iter().zip(&gathered) {
+        if let Some(layout) = g.inferred {
+            inferred.retain(|x| x.tensor != *id);
+            inferred.push(InferredLayout {
+                tensor: id.clone(),
+                layout,
+                fitting: 1,
+            });
+        }
+    }
     let by_id: HashMap<&str, &Gathered> = plan
         .ids
         .iter()
@@ -467,10 +540,13 @@ fn finish(
         };
         Localization {
             born_after,
-            kind: kinds
-                .get(&module)
-                .copied()
-                .or_else(|| by_id[v.id.as_str()].stat.module.as_ref().map(|m| m.kind)),
+            kind: kinds.get(&module).copied().or_else(|| {
+                by_id[v.id.as_str()]
+                    .stat
+                    .module
+                    .as_ref()
+                    .and_then(|m| m.kind)
+            }),
             module,
             pass: r.as_ref().map(|r| r.pass),
             parameter: r

@@ -442,7 +442,7 @@ pub fn price_local<'s>(
     let role = role(id)?;
     let me = stat(id)?;
     let info = me.module.clone();
-    let kind = info.as_ref().map(|m| m.kind);
+    let kind = info.as_ref().and_then(|m| m.kind);
     let input_ids = inputs.of(id);
     let input_ids: Vec<&String> = input_ids
         .into_iter()

@@ -39,13 +39,16 @@ use crate::tensor::Tensor;
 pub const VERSION: u64 = 1;
 
 /// What produced a tensor, for pricing its threshold (see `papers/trace-format.md` and
-/// [`price_local`](crate::check::price_local)). Only `kind` is required; the formats default to the recipe's
-/// policy when the manifest names a ttrace recipe, else to "no quantization, FP32 accumulation
-/// (FP64 for FP64 tensors), cross-rank combination in the tensor's own dtype".
+/// [`price_local`](crate::check::price_local)). Every field is optional: without `kind` the
+/// tensor is priced by the generic local model (with its gain allowance); the formats default
+/// to the recipe's policy when the manifest names a ttrace recipe, else to "no quantization,
+/// FP32 accumulation (FP64 for FP64 tensors), cross-rank combination in the tensor's own
+/// dtype".
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModuleInfo {
-    /// Module kind.
-    pub kind: ModuleKind,
+    /// Module kind, if known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<ModuleKind>,
     /// Format the module's inputs are quantized to before its reductions (e.g. `e4m3`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quantize: Option<Format>,
@@ -62,7 +65,7 @@ impl ModuleInfo {
     /// Only the kind; formats from the recipe or the defaults.
     pub fn of(kind: ModuleKind) -> ModuleInfo {
         ModuleInfo {
-            kind,
+            kind: Some(kind),
             quantize: None,
             accumulate: None,
             combine: None,
@@ -672,7 +675,7 @@ impl TraceDir {
 
     /// The producing module kind of an id, if the manifest gives it.
     pub fn module_kind(&self, id: &str) -> Option<ModuleKind> {
-        self.module(id).map(|m| m.kind)
+        self.module(id).and_then(|m| m.kind)
     }
 
     /// What produced an id, if the manifest says.
@@ -687,6 +690,14 @@ impl TraceDir {
         self.by_id
             .get(id)
             .map(|ks| self.manifest.tensors[ks[0]].dtype)
+    }
+
+    /// The axes along which the writer only guessed an id's layout (see
+    /// [`TraceDir::infer_guessed`]).
+    pub fn guessed(&self, id: &str) -> &[Axis] {
+        self.by_id
+            .get(id)
+            .map_or(&[], |ks| self.manifest.tensors[ks[0]].guessed.as_slice())
     }
 
     /// The layout of an id (all ranks agree, checked on opening).
@@ -754,15 +765,28 @@ impl TraceDir {
                     let want = theirs.logical(id)?;
                     let mut best: Option<(f64, Layout)> = None;
                     for &l in &fits {
-                        let got = mine.logical_as(id, l)?;
+                        // A layout whose replicas disagree is no explanation.
+                        let got = match mine.logical_as(id, l) {
+                            Ok(t) => t,
+                            Err(Error::ReplicaMismatch { .. } | Error::Layout { .. }) => continue,
+                            Err(e) => return Err(e),
+                        };
                         let d: f64 = got
                             .values()
                             .iter()
                             .zip(want.values())
-                            .map(|(a, b)| (a - b) * (a - b))
+                            .map(|(a, b)| {
+                                // Equal values (masked -inf scores too) differ by nothing;
+                                // any other non-finite difference ranks the layout last.
+                                let d = if a == b { 0.0 } else { (a - b) * (a - b) };
+                                if d.is_nan() {
+                                    f64::INFINITY
+                                } else {
+                                    d
+                                }
+                            })
                             .sum();
-                        // NaN differences rank last; ties keep the earlier (fewer changes).
-                        let d = if d.is_nan() { f64::INFINITY } else { d };
+                        // Ties keep the earlier (fewer changes).
                         if best.is_none_or(|(bd, _)| d < bd) {
                             best = Some((d, l));
                         }
@@ -813,7 +837,8 @@ impl TraceDir {
         Ok(t)
     }
 
-    fn logical_stored_as(&mut self, id: &str, layout: Layout) -> Result<Stored> {
+    /// [`TraceDir::logical_stored`] merged as if the layout were `layout`.
+    pub(crate) fn logical_stored_as(&mut self, id: &str, layout: Layout) -> Result<Stored> {
         let ks = self.entries_of(id)?;
         let manifest = self.manifest.clone();
         let (files, dir) = (&mut self.files, &self.dir);
