@@ -509,6 +509,17 @@ fn mark_guessed(
     std::fs::write(&path, serde_json::to_string(&m).unwrap()).unwrap();
 }
 
+/// Write a trace directory on `mesh` (no module kinds, no producer thresholds).
+fn write_mesh(dir: &std::path::Path, mesh: &Mesh, entries: &[(String, Layout, Vec<Tensor>)]) {
+    write_trace_dir(dir, mesh, None, entries, &HashMap::new(), &HashMap::new()).unwrap();
+}
+
+/// A one-rank reference holding the whole [rows, cols] matrix `v` as `id`.
+fn write_whole(dir: &std::path::Path, id: &str, v: &[f64], rows: usize, cols: usize) {
+    let whole = block(v, rows, cols, (0, 1), (0, 1));
+    write_single(dir, &[(id.to_string(), Layout::replicated(), vec![whole])]);
+}
+
 /// Cut a row-major [rows, cols] matrix into the block of rows `r` of `nr` and columns `c` of `nc`.
 fn block(
     v: &[f64],
@@ -533,29 +544,14 @@ fn a_guessed_layout_is_inferred_from_the_shapes() {
     let d = tmp("guessed-split");
     let v: Vec<f64> = (0..32).map(|i| f64::from(i) - 10.0).collect();
     let id = "m|fwd.output.0".to_string();
-    write_single(
-        &d.join("r"),
-        &[(
-            id.clone(),
-            Layout::replicated(),
-            vec![block(&v, 4, 8, (0, 1), (0, 1))],
-        )],
-    );
+    write_whole(&d.join("r"), &id, &v, 4, 8);
     let mesh = Mesh::new(2, 1, 1, false).unwrap();
     let shards = vec![
         block(&v, 4, 8, (0, 1), (0, 2)),
         block(&v, 4, 8, (0, 1), (1, 2)),
     ];
     let entries = [(id.clone(), Layout::replicated(), shards)];
-    write_trace_dir(
-        &d.join("c"),
-        &mesh,
-        None,
-        &entries,
-        &HashMap::new(),
-        &HashMap::new(),
-    )
-    .unwrap();
+    write_mesh(&d.join("c"), &mesh, &entries);
     let unmarked = check_dir_paths(&d.join("r"), &d.join("c"), PricingMode::Auto, &|| {});
     assert!(unmarked.is_err() || !unmarked.unwrap().report.passed());
     mark_guessed(&d.join("c"), &id, &[0, 1], &["tp"], None);
@@ -582,14 +578,7 @@ fn an_ambiguous_guess_is_settled_by_the_values() {
     let d = tmp("guessed-ambiguous");
     let v: Vec<f64> = (0..64).map(|i| f64::from(i) * 0.5 - 7.0).collect();
     let id = "m|fwd.output.0".to_string();
-    write_single(
-        &d.join("r"),
-        &[(
-            id.clone(),
-            Layout::replicated(),
-            vec![block(&v, 8, 8, (0, 1), (0, 1))],
-        )],
-    );
+    write_whole(&d.join("r"), &id, &v, 8, 8);
     let mesh = Mesh::new(2, 1, 2, false).unwrap();
     for (name, rows_by_dp) in [("c-dp-rows", true), ("c-dp-cols", false)] {
         // Rank = dp * tp_size + tp (ttrace's rank order).
@@ -601,15 +590,7 @@ fn an_ambiguous_guess_is_settled_by_the_values() {
             })
             .collect();
         let entries = [(id.clone(), Layout::replicated(), shards)];
-        write_trace_dir(
-            &d.join(name),
-            &mesh,
-            None,
-            &entries,
-            &HashMap::new(),
-            &HashMap::new(),
-        )
-        .unwrap();
+        write_mesh(&d.join(name), &mesh, &entries);
         mark_guessed(&d.join(name), &id, &[0, 1, 2, 3], &["dp", "tp"], None);
         let out = check_dir_paths(&d.join("r"), &d.join(name), PricingMode::Auto, &|| {}).unwrap();
         assert!(
@@ -638,14 +619,7 @@ fn a_rank_that_knew_the_layout_settles_the_others_guess() {
     let d = tmp("guessed-settled");
     let v: Vec<f64> = (0..32).map(|i| f64::from(i) / 4.0).collect();
     let id = "m|fwd.output.0".to_string();
-    write_single(
-        &d.join("r"),
-        &[(
-            id.clone(),
-            Layout::replicated(),
-            vec![block(&v, 4, 8, (0, 1), (0, 1))],
-        )],
-    );
+    write_whole(&d.join("r"), &id, &v, 4, 8);
     let mesh = Mesh::new(2, 1, 1, false).unwrap();
     let split = Layout {
         tp: ttrace::shard::Placement::split(1),
@@ -705,7 +679,7 @@ fn differing_replicas_along_a_guessed_axis_are_partial_sums_but_not_for_paramete
             Layout::replicated(),
             vec![t(&half), t(&rest)],
         )];
-        write_trace_dir(&c, &mesh, None, &entries, &HashMap::new(), &HashMap::new()).unwrap();
+        write_mesh(&c, &mesh, &entries);
         mark_guessed(&c, id, &[0, 1], &["cp"], None);
         let out =
             check_dir_paths(&d.join(format!("r-{name}")), &c, PricingMode::Auto, &|| {}).unwrap();

@@ -41,24 +41,25 @@ SMOOTHING = 0.1
 
 BUGS = {
     "row-bias-every-rank": "a row-parallel bias added on every rank before the all-reduce "
-                           "(layer 1's MLP output projection; the class of Megatron-LM's "
-                           "skip_bias_add handling)",
+                           "(layer 1's MLP output projection; text-generation-inference #1036, "
+                           "MinivLLM #80, slapo #10)",
     "rope-offset-module": "rotary positions not offset for a context-parallel sequence chunk, "
-                          "in the rotary module",
+                          "in the rotary module (Megatron-LM #560 asks exactly this of its "
+                          "context-parallel RoPE)",
     "rope-offset-functional": "rotary positions not offset for a sequence chunk, in the "
-                              "attention's functional code",
+                              "attention's functional code (the same, where no module is)",
     "ce-label-smoothing-local": "label smoothing in the vocabulary-parallel cross-entropy "
-                                "spread over the rank's vocabulary shard, not the whole "
-                                "vocabulary",
+                                "averaged over the rank's vocabulary shard, not the whole "
+                                "vocabulary (Megatron-LM #737, #7464)",
     "vocab-pad-mask-offset": "the padded-vocabulary mask of the vocabulary-parallel "
                              "cross-entropy compares local indices with the global size "
                              "(off by the shard start; Megatron-LM #1754's class)",
     "dp-grad-bf16": "data-parallel gradients all-reduced in BF16, not in the FP32 main "
                     "gradients (fused accumulation: the main gradients are FP32 sums)",
-    "sp-grad-not-scattered": "a sequence-parallel all-gather whose backward all-reduces "
-                             "instead of reduce-scattering: each rank keeps the whole "
-                             "sequence's gradient summed, then takes its own shard of twice "
-                             "the gradient (layer 0's attention input)",
+    "sp-grad-not-scattered": "a sequence-parallel all-gather whose backward returns a wrong "
+                             "input gradient — twice this rank's shard (layer 0's attention "
+                             "input; nanotron #46 / #172: a sequence-parallel linear's input "
+                             "gradient wrong on every TP shard but one)",
 }
 
 

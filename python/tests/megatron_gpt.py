@@ -177,12 +177,15 @@ def plant(model: torch.nn.Module, bug: str, tp: int) -> None:
         # 1/sqrt of the head width this rank would see if the width were split, not the heads.
         core.softmax_scale = 1.0 / math.sqrt(core.hidden_size_per_attention_head / tp)
     elif bug == "linear-scale-1e-3":
+        # The scale acts on the product before its rounding to the training dtype (as a wrong
+        # factor inside a fused kernel would): scaling the already rounded BF16 output by
+        # 1 + 1e-3 rounds every element back to itself (1e-3 is below half an ulp of BF16).
         fc1 = model.decoder.layers[1].mlp.linear_fc1
         forward = fc1.forward
 
-        def scaled(*a, **k):
-            out, bias = forward(*a, **k)
-            return out * (1.0 + 1e-3), bias
+        def scaled(input_, *a, **k):
+            out, bias = forward(input_.float(), *a, weight=fc1.weight.float(), **k)
+            return (out * (1.0 + 1e-3)).to(input_.dtype), bias
 
         fc1.forward = scaled
 
@@ -256,17 +259,21 @@ def step(directory: str, tp: int, sp: bool, dtype: torch.dtype, bug: str = "",
 #: Bugs :func:`plant` and :func:`step` can plant, with the public report each is modelled on.
 BUGS = {
     "row-not-reduced": "a row-parallel output's partial sums never all-reduced (layer 1's "
-                       "attention projection; Megatron-LM #1053's class)",
+                       "attention projection; sglang #14811: reduce_results=False on a "
+                       "row-parallel output projection)",
     "row-reduced-twice": "a row-parallel output all-reduced twice (layer 1's attention "
-                         "projection)",
+                         "projection; the same flag the other way: a layer that reduces and a "
+                         "caller that reduces again)",
     "sp-norm-grad-not-reduced": "sequence-parallel norm-weight gradients not all-reduced over "
                                 "TP (layer 1's pre-MLP norm; Megatron-LM #1446)",
     "dp-grad-bf16": "data-parallel gradients all-reduced in BF16, not in the FP32 main "
                     "gradients",
-    "softmax-scale-local": "a softmax scale from the per-rank width (layer 0)",
+    "softmax-scale-local": "a softmax scale from the per-rank width (layer 0; the issue-20 "
+                           "real-engine probe's first miss)",
     "loss-local-tokens": "the loss normalized by each rank's token count instead of the "
                          "global one (Megatron-LM #7452)",
     "grad-corrupt-one-rank": "4 elements of one rank's reduced gradient corrupted (layer 0's "
                              "fc2 weight; the NCCL #1950 class)",
-    "linear-scale-1e-3": "layer 1's fc1 output scaled by 1 + 1e-3",
+    "linear-scale-1e-3": "layer 1's fc1 product scaled by 1 + 1e-3 before its rounding (a "
+                         "wrong constant in a fused kernel; the issue-20 real-engine probe)",
 }
