@@ -157,3 +157,37 @@ def test_layouts_of_plain_tensors_are_marked_as_guesses(tmp_path):
         assert entries["1|fwd.output.0"]["guessed"] == want
         assert entries["1|grad.input.0"]["guessed"] == want
         assert entries["0.weight|param_grad"].get("guessed") == params
+
+
+def test_a_module_called_twice_in_a_step_records_each_call(tmp_path):
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = nn.Linear(4, 4)
+            self.act = nn.GELU()  # one instance, two call sites
+            self.fc2 = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.act(self.fc2(self.act(self.fc1(x))))
+
+    torch.manual_seed(0)
+    net = Twice()
+    x = torch.randn(3, 4)
+    tracer = ttrace.Tracer(net, tmp_path / "t", background=False)
+    with tracer.step():
+        net(x).pow(2).sum().backward()
+    tracer.close()
+    step = tmp_path / "t/step0"
+    ids = [e["id"] for e in json.loads((step / "manifest.rank0.json").read_text())["tensors"]]
+    assert "act|fwd.output.0" in ids and "act#1|fwd.output.0" in ids
+    assert "act#1|grad.input.0" in ids and "fc2.weight|param_grad" in ids
+    with torch.no_grad():
+        first = torch.nn.functional.gelu(net.fc1(x))
+        second = torch.nn.functional.gelu(net.fc2(first))
+    assert (ttrace.load(step, "act|fwd.output.0") == first.double().numpy()).all()
+    assert (ttrace.load(step, "act#1|fwd.output.0") == second.double().numpy()).all()
+    # Each call's gradient is its own: the second's output gradient is d(sum y²)/dy = 2y.
+    assert (ttrace.load(step, "act#1|grad.output.0") == (2 * second).double().numpy()).all()
+    # A run against itself passes, every tensor compared.
+    report = ttrace.check(step, step)
+    assert report.passed and len(report.rows) == len(ids)

@@ -15,7 +15,8 @@ Step ``n`` (counting every ``step()``) is written to ``DIRECTORY/step{n}``: on e
 What is recorded, under canonical ids (``papers/trace-format.md``):
 
 * ``{module}|fwd.input.{i}``, ``{module}|fwd.output.{i}``: floating-point arguments and outputs
-  of each traced module (forward hooks);
+  of each traced module (forward hooks); a module called again in the same step records its
+  k-th further call as ``{module}#k``;
 * ``{module}|grad.output.{i}``, ``{module}|grad.input.{i}``: gradients arriving at and leaving
   each module. They are tapped, not caught with PyTorch's full backward hooks (which hand the
   module views of its inputs and forbid the in-place ops real modules do — Megatron's masked
@@ -435,6 +436,11 @@ def _expressible(dt: Any) -> bool:
     )
 
 
+def _base(name: str) -> str:
+    """The module name of a recorded name (``act#1``: the second call of ``act``)."""
+    return name.split("#", 1)[0]
+
+
 def _gather_strided(dt: Any) -> Any:
     """A parameter gradient whose placements ttrace cannot express — FSDP2 over a
     tensor-parallel parameter shards the TP shard again along the same dimension
@@ -530,6 +536,10 @@ class _StepRecord:
     #: recorded, before the module runs), and whether any input was tapped for its gradient.
     inherit: Dict[str, Optional[dict]] = field(default_factory=dict)
     tapped: Dict[str, bool] = field(default_factory=dict)
+    #: Per module: how often it was called in this step, and the name its current call's
+    #: tensors are recorded under (``name``, then ``name#1``, ``name#2``, …).
+    calls: Dict[str, int] = field(default_factory=dict)
+    current: Dict[str, str] = field(default_factory=dict)
     #: (module, role, index) → the axes along which the tensor's layout is a guess.
     guesses: Dict[Tuple[str, str, int], List[str]] = field(default_factory=dict)
 
@@ -801,7 +811,7 @@ class Tracer:
 
     def _layout(self, name: str, role: str, i: int, t: torch.Tensor,
                 param: Optional[str] = None) -> dict:
-        ml = self.layouts.get(name)
+        ml = self.layouts.get(_base(name))
         if param is not None:
             tp = ml.params.get(param, replicate()) if ml else replicate()
         else:
@@ -868,7 +878,7 @@ class Tracer:
         """The layout of a plain tensor of a module without declared layouts, derived from
         DTensors of this step (see the module docs), and the axes along which it is only a
         guess (the gradient of a forward tensor whose layout was guessed)."""
-        if name in self.layouts:
+        if _base(name) in self.layouts:
             return None, []
         hit = self._local_layout(tid, t)
         if hit is not None:
@@ -893,7 +903,7 @@ class Tracer:
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             return None
         tid = f"{name}.{param}|param_grad" if param is not None else f"{name}|{role}.{i}"
-        declared = self.layouts.get(name)
+        declared = self.layouts.get(_base(name))
         if declared is not None and declared.swap_outputs and role in ("fwd.output",
                                                                       "grad.output"):
             t = t.transpose(*declared.swap_outputs)
@@ -925,13 +935,14 @@ class Tracer:
                     guessed = [a for a, unknown in (("dp", self.mesh.dp > 1 and param is None),
                                                     ("cp", self.mesh.cp > 1 and param is None),
                                                     ("tp", self.mesh.tp > 1
-                                                     and name not in self.layouts)) if unknown]
+                                                     and _base(name) not in self.layouts))
+                               if unknown]
                 if derived is not None and "_guessed" in derived:
                     guessed = sorted(set(guessed) | set(derived["_guessed"]))
                 if guessed:
                     # Not handed on as known (the gradient of this tensor is a guess too).
                     derived = None
-                if param is None and derived is None and name in self.layouts:
+                if param is None and derived is None and _base(name) in self.layouts:
                     # A declared layout (Megatron's layers): the modules this tensor is handed
                     # to next find it by its memory.
                     derived = layout
@@ -1004,14 +1015,22 @@ class Tracer:
         return _kind_of(self._named[name])
 
     def _module_info(self, name: str) -> Optional[dict]:
+        name = _base(name)
         kind = self._kind(name)
         info = {"kind": kind} if kind is not None else {}
         info.update(self.formats.get(name, {}))
         return info or None
 
-    def _input_hook(self, name: str) -> Callable[..., Any]:
+    def _input_hook(self, base: str) -> Callable[..., Any]:
         def hook(module: torch.nn.Module, args: Tuple[Any, ...],
                  kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+            # A module called again in the same step (one activation instance used twice, a
+            # rotary module applied to queries and keys) is recorded under `name#k` for its
+            # k-th further call, so no call's tensors overwrite another's.
+            calls = self._s.calls.get(base, 0)
+            self._s.calls[base] = calls + 1
+            name = base if calls == 0 else f"{base}#{calls}"
+            self._s.current[base] = name
             # Recorded (copied) before the module runs: it may modify them in place.
             inherit = None
             # Keyword tensors (hidden_states=x, as Hugging Face models pass them) follow the
@@ -1045,13 +1064,14 @@ class Tracer:
             if self._s is record:  # the step is still being recorded
                 self._record(name, "grad.input", i, g)
                 # Parameter gradients are read when the step ends; remember where they belong.
-                record.order.append(("params", name))
+                record.order.append(("params", _base(name)))
 
         return _Tap.apply(a, got)
 
-    def _forward_hook(self, name: str) -> Callable[..., None]:
+    def _forward_hook(self, base: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                  output: Any) -> None:
+            name = self._s.current.get(base, base)
             inherit = self._s.inherit.get(name)
             outs = output if isinstance(output, (tuple, list)) else (output,)
             for i, o in enumerate(outs):
@@ -1065,8 +1085,9 @@ class Tracer:
                     self._remember(o, o, derived)
         return hook
 
-    def _final_hook(self, name: str) -> Callable[..., None]:
+    def _final_hook(self, base: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Tuple[Any, ...], output: Any) -> None:
+            name = self._s.current.get(base, base)
             outs = output if isinstance(output, (tuple, list)) else (output,)
             for i, o in enumerate(outs):
                 if not isinstance(o, torch.Tensor) or not o.is_floating_point():
@@ -1104,7 +1125,7 @@ class Tracer:
                 self._record(name, "grad.output", i, g)
                 if not record.tapped.get(name, False):
                     # No input takes a gradient: the parameters' come with this one.
-                    record.order.append(("params", name))
+                    record.order.append(("params", _base(name)))
 
         return got
 
