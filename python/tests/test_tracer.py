@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -191,3 +192,44 @@ def test_a_module_called_twice_in_a_step_records_each_call(tmp_path):
     # A run against itself passes, every tensor compared.
     report = ttrace.check(step, step)
     assert report.passed and len(report.rows) == len(ids)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_records_the_same_tensors(tmp_path, reentrant):
+    # The recomputation inside the backward pass is not a further call of the modules: the
+    # trace has the same ids as without checkpointing (with the reentrant variant the
+    # gradients come only from the recomputed graph), and the same values.
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.act, self.fc2 = nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc2(self.act(self.fc1(x)))
+
+    class Net(nn.Module):
+        def __init__(self, ck: bool) -> None:
+            super().__init__()
+            self.block, self.ck = Block(), ck
+
+        def forward(self, x):
+            return checkpoint(self.block, x, use_reentrant=reentrant) if self.ck else self.block(x)
+
+    steps = {}
+    for ck in (False, True):
+        torch.manual_seed(0)
+        net = Net(ck)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        tracer = ttrace.Tracer(net, tmp_path / f"ck{ck}", background=False)
+        with tracer.step():
+            net(x).pow(2).sum().backward()
+        tracer.close()
+        steps[ck] = tmp_path / f"ck{ck}/step0"
+    ids = {ck: [e["id"] for e in json.loads((d / "manifest.rank0.json").read_text())["tensors"]]
+           for ck, d in steps.items()}
+    assert sorted(ids[True]) == sorted(ids[False])
+    assert "block.fc1|grad.output.0" in ids[True]
+    for i in ids[False]:
+        assert (ttrace.load(steps[True], i) == ttrace.load(steps[False], i)).all(), i

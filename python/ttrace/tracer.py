@@ -16,7 +16,8 @@ What is recorded, under canonical ids (``papers/trace-format.md``):
 
 * ``{module}|fwd.input.{i}``, ``{module}|fwd.output.{i}``: floating-point arguments and outputs
   of each traced module (forward hooks); a module called again in the same step records its
-  k-th further call as ``{module}#k``;
+  k-th further call as ``{module}#k`` (a recomputation by activation checkpointing, inside the
+  backward pass, is not a further call: it records onto the ids of the calls it repeats);
 * ``{module}|grad.output.{i}``, ``{module}|grad.input.{i}``: gradients arriving at and leaving
   each module. They are tapped, not caught with PyTorch's full backward hooks (which hand the
   module views of its inputs and forbid the in-place ops real modules do — Megatron's masked
@@ -436,6 +437,13 @@ def _expressible(dt: Any) -> bool:
     )
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (a module's forward then is
+    a recomputation: activation checkpointing)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 def _base(name: str) -> str:
     """The module name of a recorded name (``act#1``: the second call of ``act``)."""
     return name.split("#", 1)[0]
@@ -540,6 +548,8 @@ class _StepRecord:
     #: tensors are recorded under (``name``, then ``name#1``, ``name#2``, …).
     calls: Dict[str, int] = field(default_factory=dict)
     current: Dict[str, str] = field(default_factory=dict)
+    #: Per module: calls recomputed inside the backward pass (activation checkpointing).
+    recomputed: Dict[str, int] = field(default_factory=dict)
     #: (module, role, index) → the axes along which the tensor's layout is a guess.
     guesses: Dict[Tuple[str, str, int], List[str]] = field(default_factory=dict)
 
@@ -1027,8 +1037,12 @@ class Tracer:
             # A module called again in the same step (one activation instance used twice, a
             # rotary module applied to queries and keys) is recorded under `name#k` for its
             # k-th further call, so no call's tensors overwrite another's.
-            calls = self._s.calls.get(base, 0)
-            self._s.calls[base] = calls + 1
+            # A forward run again inside the backward pass is activation checkpointing's
+            # recomputation of calls already seen: it reuses their names (counted apart), so
+            # its tensors and the gradients it produces land on the forward's ids.
+            counter = self._s.recomputed if _in_backward() else self._s.calls
+            calls = counter.get(base, 0)
+            counter[base] = calls + 1
             name = base if calls == 0 else f"{base}#{calls}"
             self._s.current[base] = name
             # Recorded (copied) before the module runs: it may modify them in place.
