@@ -175,19 +175,13 @@ fn partial_instead(
         let Error::ReplicaMismatch { axis, .. } = err else {
             return Ok(None);
         };
-        let axis = match *axis {
-            "dp" => Axis::Dp,
-            "cp" => Axis::Cp,
-            _ => Axis::Tp,
+        let Some(axis) = Axis::named(axis) else {
+            return Ok(None);
         };
         if !guessed.contains(&axis) || layout.along(axis) != Placement::Replicate {
             return Ok(None);
         }
-        match axis {
-            Axis::Dp => layout.dp = Placement::Partial,
-            Axis::Cp => layout.cp = Placement::Partial,
-            Axis::Tp => layout.tp = Placement::Partial,
-        }
+        layout = layout.with(axis, Placement::Partial);
         match candidate.logical_stored_as(id, layout) {
             Ok(c) => return Ok(Some((c, layout))),
             Err(e @ Error::ReplicaMismatch { .. }) => {
@@ -210,10 +204,9 @@ fn gather(
     // time by the comparison.
     let r = reference.logical_stored(id)?;
     let module = reference.module(id).cloned();
-    let layout = candidate
+    let mut layout = candidate
         .layout(id)
         .unwrap_or_else(crate::shard::Layout::replicated);
-    let mut layout = layout;
     let mut inferred = None;
     let (c, problem, rank) = match candidate.logical_stored(id) {
         Ok(c) => (Some(c), None, None),

@@ -446,6 +446,23 @@ pub struct InferredLayout {
     pub fitting: usize,
 }
 
+/// Σ (a − b)² over two tensors' values, equal values (masked −∞ scores too) counting 0 and
+/// any other non-finite difference making it ∞: how far a candidate merge is from the
+/// reference when the shapes allow several layouts.
+fn squared_distance(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(a, b)| {
+            let d = if a == b { 0.0 } else { (a - b) * (a - b) };
+            if d.is_nan() {
+                f64::INFINITY
+            } else {
+                d
+            }
+        })
+        .sum()
+}
+
 /// Where some ranks knew an id's layout and others only guessed it (a tracer recognizes a
 /// tensor by its memory on one rank, not on another), the ranks that knew settle it: when they
 /// agree, every entry takes their layout and nothing stays guessed. Otherwise nothing changes
@@ -733,7 +750,8 @@ impl TraceDir {
     /// Reading a tensor to settle an ambiguous layout can fail as [`TraceDir::logical`] does.
     pub fn infer_guessed(&self, reference: &TraceDir) -> Result<(TraceDir, Vec<InferredLayout>)> {
         let mut changed = vec![];
-        let mut manifest = (*self.manifest).clone();
+        // Copied only when a layout changes: most traces guess nothing.
+        let mut manifest: Option<Manifest> = None;
         let (mut mine, mut theirs) = (self.share(), reference.share());
         for id in self.order.iter() {
             let Some(ks) = self.by_id.get(id) else {
@@ -771,21 +789,7 @@ impl TraceDir {
                             Err(Error::ReplicaMismatch { .. } | Error::Layout { .. }) => continue,
                             Err(e) => return Err(e),
                         };
-                        let d: f64 = got
-                            .values()
-                            .iter()
-                            .zip(want.values())
-                            .map(|(a, b)| {
-                                // Equal values (masked -inf scores too) differ by nothing;
-                                // any other non-finite difference ranks the layout last.
-                                let d = if a == b { 0.0 } else { (a - b) * (a - b) };
-                                if d.is_nan() {
-                                    f64::INFINITY
-                                } else {
-                                    d
-                                }
-                            })
-                            .sum();
+                        let d = squared_distance(got.values(), want.values());
                         // Ties keep the earlier (fewer changes).
                         if best.is_none_or(|(bd, _)| d < bd) {
                             best = Some((d, l));
@@ -795,8 +799,9 @@ impl TraceDir {
                 }
             };
             if chosen != first.layout {
+                let m = manifest.get_or_insert_with(|| (*self.manifest).clone());
                 for &k in ks {
-                    manifest.tensors[k].layout = chosen;
+                    m.tensors[k].layout = chosen;
                 }
                 changed.push(InferredLayout {
                     tensor: id.clone(),
@@ -806,8 +811,8 @@ impl TraceDir {
             }
         }
         let mut out = self.share();
-        if !changed.is_empty() {
-            out.manifest = std::sync::Arc::new(manifest);
+        if let Some(m) = manifest {
+            out.manifest = std::sync::Arc::new(m);
         }
         Ok((out, changed))
     }

@@ -15,23 +15,11 @@
 
 use super::layout::{dim_of, Axis, Layout, Mesh, Placement};
 
-const AXES: [Axis; 3] = [Axis::Dp, Axis::Cp, Axis::Tp];
-
-fn with(layout: Layout, axis: Axis, p: Placement) -> Layout {
-    let mut l = layout;
-    match axis {
-        Axis::Dp => l.dp = p,
-        Axis::Cp => l.cp = p,
-        Axis::Tp => l.tp = p,
-    }
-    l
-}
-
 /// The local shape a rank holds of a logical tensor of shape `logical` under `layout`, or
 /// `None` if the layout cannot cut it (a dimension that does not divide, or out of range).
 pub(crate) fn local_shape(layout: &Layout, logical: &[usize], mesh: &Mesh) -> Option<Vec<usize>> {
     let mut s = logical.to_vec();
-    for axis in AXES {
+    for axis in Axis::ALL {
         let p = layout.along(axis);
         let parts = mesh.size(axis);
         let Some(d) = dim_of(p) else { continue };
@@ -52,7 +40,7 @@ pub(crate) fn local_shape(layout: &Layout, logical: &[usize], mesh: &Mesh) -> Op
 /// The logical shape of a tensor whose rank holds `local` under `layout`.
 pub(crate) fn logical_shape(layout: &Layout, local: &[usize], mesh: &Mesh) -> Option<Vec<usize>> {
     let mut s = local.to_vec();
-    for axis in AXES {
+    for axis in Axis::ALL {
         if let Some(d) = dim_of(layout.along(axis)) {
             let n = s.get_mut(d)?;
             *n = n.checked_mul(mesh.size(axis))?;
@@ -90,8 +78,11 @@ pub(crate) fn fitting_layouts(
     for dp in options(Axis::Dp) {
         for cp in options(Axis::Cp) {
             for tp in options(Axis::Tp) {
-                let l = with(with(with(guess, Axis::Dp, dp), Axis::Cp, cp), Axis::Tp, tp);
-                let dims: Vec<usize> = AXES
+                let l = guess
+                    .with(Axis::Dp, dp)
+                    .with(Axis::Cp, cp)
+                    .with(Axis::Tp, tp);
+                let dims: Vec<usize> = Axis::ALL
                     .iter()
                     .filter(|&&a| mesh.size(a) > 1)
                     .filter_map(|&a| dim_of(l.along(a)))
@@ -102,7 +93,7 @@ pub(crate) fn fitting_layouts(
                 if local_shape(&l, logical, mesh).as_deref() != Some(local) {
                     continue;
                 }
-                let changed = AXES
+                let changed = Axis::ALL
                     .iter()
                     .filter(|&&a| l.along(a) != guess.along(a))
                     .count();
@@ -118,7 +109,7 @@ pub(crate) fn fitting_layouts(
 mod tests {
     use super::*;
 
-    const ALL: [Axis; 3] = [Axis::Dp, Axis::Cp, Axis::Tp];
+    const ALL: [Axis; 3] = Axis::ALL;
 
     fn mesh(tp: usize, dp: usize) -> Mesh {
         Mesh::new(tp, 1, dp, false).unwrap()

@@ -71,6 +71,14 @@ pub enum Axis {
 }
 
 impl Axis {
+    /// Every axis, in manifest order.
+    pub const ALL: [Axis; 3] = [Axis::Dp, Axis::Cp, Axis::Tp];
+
+    /// The axis named "dp", "cp" or "tp".
+    pub fn named(name: &str) -> Option<Axis> {
+        Axis::ALL.into_iter().find(|a| a.name() == name)
+    }
+
     /// "dp", "cp" or "tp".
     pub fn name(self) -> &'static str {
         match self {
@@ -220,6 +228,16 @@ impl Layout {
             Axis::Cp => self.cp,
             Axis::Tp => self.tp,
         }
+    }
+
+    /// This layout with the placement along `axis` replaced by `p`.
+    pub fn with(mut self, axis: Axis, p: Placement) -> Layout {
+        match axis {
+            Axis::Dp => self.dp = p,
+            Axis::Cp => self.cp = p,
+            Axis::Tp => self.tp = p,
+        }
+        self
     }
 }
 
