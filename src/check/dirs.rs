@@ -29,7 +29,10 @@ use serde::Serialize;
 use crate::check::price::{
     gain_allowance, norm_gain_by, price_local, role, InputIndex, PriceContext, Pricing, TensorStat,
 };
-use crate::check::{apply_threshold, compare_stored, CheckReport, Localization, TensorVerdict};
+use crate::check::{
+    apply_threshold, compare_stored, detect::DEFAULT_DELTA, CheckReport, Detection, Localization,
+    TensorVerdict, NORM_SHARE,
+};
 use crate::engine::model::ModuleKind;
 use crate::engine::trace::{TensorId, TensorRole};
 use crate::error::{Error, Result};
@@ -224,7 +227,7 @@ fn gather(
         Err(e) => return Err(e),
     };
     let cand = c.as_ref().unwrap_or(&r);
-    let (mut verdict, sums) = compare_stored(id, &r, cand, 0.0, eps);
+    let (mut verdict, sums) = compare_stored(id, &r, cand, 0.0, eps, Detection::default());
     let (dn, rn, rmax) = (sums.dn, sums.rn, sums.rmax);
     let mut diff_norm = dn;
     if let Some(p) = problem {
@@ -366,7 +369,7 @@ fn finish(
     let ctx = PriceContext {
         mesh,
         recipe: plan.recipe.clone(),
-        log_inv_delta: (1e6f64).ln(),
+        log_inv_delta: (1.0 / (DEFAULT_DELTA * NORM_SHARE)).ln(),
     };
     let stat = |j: &str| by_id.get(j).map(|g| &g.stat);
     let index = InputIndex::new(&plan.ids);
@@ -512,12 +515,7 @@ fn finish(
                 "{} non-finite mismatches, first at flat index {k}",
                 v.nonfinite_mismatches
             ),
-            _ => format!(
-                "error {:.3} ε exceeds its threshold {:.3} ε ({})",
-                v.rel_error_eps,
-                v.threshold / plan.eps,
-                pricing[i].describe()
-            ),
+            _ => v.failure_detail(plan.eps, Some(pricing[i].describe())),
         };
         // A consumed tensor that fails was changed where nothing is traced: name the gap.
         let born_after = r

@@ -90,12 +90,16 @@ impl Ctx<'_> {
                     let th = self.local.get(&e.id).copied().unwrap_or(0.0);
                     let v = compare_tensor(&e.id, r, &c, th, self.eps);
                     if !v.passed {
-                        let detail = format!(
-                            "local error {:.3} ε against a local threshold of {:.3} ε",
-                            v.rel_error_eps,
-                            v.threshold / self.eps
-                        );
-                        return Ok(Some((e.id.clone(), None, v.ratio, detail)));
+                        let detail = if v.ratio > 1.0 {
+                            format!(
+                                "local error {:.3} ε against a local threshold of {:.3} ε",
+                                v.rel_error_eps,
+                                v.threshold / self.eps
+                            )
+                        } else {
+                            v.failure_detail(self.eps, None)
+                        };
+                        return Ok(Some((e.id.clone(), None, v.worst_ratio(), detail)));
                     }
                 }
             }

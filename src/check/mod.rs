@@ -10,6 +10,7 @@
 //! left out of the norms. A shard set that cannot be merged (replicas that differ, a layout
 //! that does not fit) is a failure with the merge error as its reason.
 
+pub(crate) mod detect;
 pub(crate) mod dirs;
 pub(crate) mod localize;
 pub(crate) mod pass;
@@ -28,6 +29,7 @@ use crate::tensor::Tensor;
 use pass::Pass;
 
 pub use crate::io::InferredLayout;
+pub use detect::{Detection, Detector, Finding, NORM_SHARE};
 pub use dirs::{check_dir_paths, check_dir_traces, check_dirs, DirCheck, PricingMode, UntracedGap};
 pub use localize::{localize, Localization};
 pub use price::{price_local, InputIndex, PriceContext, Priced, Pricing, TensorStat};
@@ -58,8 +60,50 @@ pub struct TensorVerdict {
     pub first_nonfinite: Option<usize>,
     /// Why the tensor could not be compared (a merge error), if so.
     pub problem: Option<String>,
-    /// Within the threshold, with no non-finite mismatch and no problem.
+    /// The tests beyond the norm that apply to this tensor (scale, bias, channel bias,
+    /// sparse: [`detect`](crate::check::Detector)), fired or not.
+    pub findings: Vec<Finding>,
+    /// Within the threshold, no other test fired, no non-finite mismatch and no problem.
     pub passed: bool,
+}
+
+impl TensorVerdict {
+    /// The tests that fired: the norm (beyond the threshold) first, then the others.
+    pub fn fired(&self) -> Vec<Detector> {
+        let norm = self.problem.is_none() && self.nonfinite_mismatches == 0 && self.ratio > 1.0;
+        norm.then_some(Detector::Norm)
+            .into_iter()
+            .chain(self.findings.iter().filter(|f| f.fired).map(|f| f.detector))
+            .collect()
+    }
+
+    /// Why a compared tensor failed, in ε: the norm's error against its threshold (with
+    /// `rule`, how the threshold was priced, when given) and what each other test that fired
+    /// measured.
+    pub fn failure_detail(&self, eps: f64, rule: Option<&str>) -> String {
+        let mut parts = Vec::new();
+        if self.ratio > 1.0 {
+            let rule = rule.map(|r| format!(" ({r})")).unwrap_or_default();
+            parts.push(format!(
+                "error {:.3} ε exceeds its threshold {:.3} ε{rule}",
+                self.rel_error_eps,
+                self.threshold / eps
+            ));
+        }
+        let others = text::findings_note(self);
+        if !others.is_empty() {
+            parts.push(others);
+        }
+        parts.join("; ")
+    }
+
+    /// The largest ratio statistic/threshold over every test (the norm's and the others').
+    pub fn worst_ratio(&self) -> f64 {
+        self.findings
+            .iter()
+            .map(|f| f.ratio)
+            .fold(self.ratio, f64::max)
+    }
 }
 
 /// The report of one comparison of traces.
@@ -91,7 +135,15 @@ pub fn compare_tensor(
     threshold_abs: f64,
     eps: f64,
 ) -> TensorVerdict {
-    compare_with_sums(id, reference, candidate, threshold_abs, eps).0
+    compare_with_sums(
+        id,
+        reference,
+        candidate,
+        threshold_abs,
+        eps,
+        Detection::default(),
+    )
+    .0
 }
 
 /// Sums gathered by one comparison pass over the finite pairs.
@@ -112,7 +164,12 @@ struct Pair<'a> {
     elements: usize,
     /// Hands its argument the pairs in order, in pieces of a multiple of 8 pairs (but the last).
     pieces: &'a Pieces<'a>,
+    /// Hands its argument the pairs `start..end` again.
+    range: &'a Range<'a>,
 }
+
+/// A reader of a pair's values `start..end` (see [`Pair`]).
+type Range<'a> = dyn Fn(usize, usize, &mut dyn FnMut(&[f64], &[f64])) + 'a;
 
 /// A visitor of a pair's values, piece by piece (see [`Pair`]).
 type Pieces<'a> = dyn Fn(&mut dyn FnMut(&[f64], &[f64])) + 'a;
@@ -128,14 +185,17 @@ pub(crate) fn compare_with_sums(
     candidate: &Tensor,
     threshold_abs: f64,
     eps: f64,
+    detection: Detection,
 ) -> (TensorVerdict, Sums) {
+    let (r, c) = (reference.values(), candidate.values());
     let pair = Pair {
         shapes: (reference.shape(), candidate.shape()),
         formats: (reference.format(), candidate.format()),
         elements: reference.len(),
-        pieces: &|f| f(reference.values(), candidate.values()),
+        pieces: &|f| f(r, c),
+        range: &|s, e, f| f(&r[s..e], &c[s..e]),
     };
-    compare_pair(id, &pair, threshold_abs, eps)
+    compare_pair(id, &pair, threshold_abs, eps, detection)
 }
 
 /// [`compare_with_sums`] on tensors as stored, decoded a piece at a time: the same numbers
@@ -146,7 +206,17 @@ pub(crate) fn compare_stored(
     candidate: &Stored,
     threshold_abs: f64,
     eps: f64,
+    detection: Detection,
 ) -> (TensorVerdict, Sums) {
+    let range = |s: usize, e: usize, f: &mut dyn FnMut(&[f64], &[f64])| {
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        for start in (s..e).step_by(PIECE) {
+            let end = (start + PIECE).min(e);
+            reference.decode_range(start, end, &mut a);
+            candidate.decode_range(start, end, &mut b);
+            f(&a, &b);
+        }
+    };
     let pieces = |f: &mut dyn FnMut(&[f64], &[f64])| {
         let n = reference.len().min(candidate.len());
         let cap = PIECE.min(n);
@@ -163,11 +233,18 @@ pub(crate) fn compare_stored(
         formats: (reference.format(), candidate.format()),
         elements: reference.len(),
         pieces: &pieces,
+        range: &range,
     };
-    compare_pair(id, &pair, threshold_abs, eps)
+    compare_pair(id, &pair, threshold_abs, eps, detection)
 }
 
-fn compare_pair(id: &str, pair: &Pair, threshold_abs: f64, eps: f64) -> (TensorVerdict, Sums) {
+fn compare_pair(
+    id: &str,
+    pair: &Pair,
+    threshold_abs: f64,
+    eps: f64,
+    detection: Detection,
+) -> (TensorVerdict, Sums) {
     let mut verdict = TensorVerdict {
         id: id.to_string(),
         elements: pair.elements,
@@ -180,6 +257,7 @@ fn compare_pair(id: &str, pair: &Pair, threshold_abs: f64, eps: f64) -> (TensorV
         nonfinite_mismatches: 0,
         first_nonfinite: None,
         problem: None,
+        findings: Vec::new(),
         passed: false,
     };
     let (rs, cs) = pair.shapes;
@@ -189,8 +267,18 @@ fn compare_pair(id: &str, pair: &Pair, threshold_abs: f64, eps: f64) -> (TensorV
     }
     let (rf, cf) = pair.formats;
     let mut pass = Pass::new(rf, cf);
-    (pair.pieces)(&mut |r, c| pass.feed(r, c));
+    let stored = if rf.precision() <= cf.precision() {
+        cf
+    } else {
+        rf
+    };
+    let mut det = detect::Detect::new(rs, stored, detection);
+    (pair.pieces)(&mut |r, c| {
+        pass.feed(r, c);
+        det.feed(r, c);
+    });
     let st = pass.finish();
+    verdict.findings = det.finish(eps, &mut |s, e, f| (pair.range)(s, e, f));
     verdict.max_abs = st.max_abs;
     verdict.max_ulp = st.max_ulp;
     verdict.nonfinite_mismatches = st.nonfinite_mismatches;
@@ -266,7 +354,8 @@ pub fn apply_threshold(verdict: &mut TensorVerdict, dn: f64, rn: f64, threshold_
     // A differing tensor never passes on an infinite (or NaN) threshold, and a difference
     // whose norm overflows never passes: both would be vacuous.
     verdict.passed = verdict.nonfinite_mismatches == 0
-        && (dn == 0.0 || (dn.is_finite() && threshold_abs.is_finite() && dn <= threshold_abs));
+        && (dn == 0.0 || (dn.is_finite() && threshold_abs.is_finite() && dn <= threshold_abs))
+        && !verdict.findings.iter().any(|f| f.fired);
     if !verdict.passed && verdict.problem.is_none() && verdict.nonfinite_mismatches == 0 {
         if !dn.is_finite() {
             verdict.problem = Some("the difference's norm overflows f64".into());
@@ -325,6 +414,7 @@ fn failed(id: &str, elements: usize, problem: String) -> TensorVerdict {
         nonfinite_mismatches: 0,
         first_nonfinite: None,
         problem: Some(problem),
+        findings: Vec::new(),
         passed: false,
     }
 }

@@ -361,7 +361,7 @@ fn lanes_plain(acc: &mut Lanes, r: &[f64], c: &[f64], rf: Format, cf: Format) ->
 #[cfg(test)]
 mod pass_tests {
     use super::*;
-    use crate::check::{compare_stored, compare_with_sums, PIECE};
+    use crate::check::{compare_stored, compare_with_sums, Detection, PIECE};
     use crate::io::stored::Stored;
     use proptest::prelude::*;
 
@@ -449,8 +449,8 @@ mod pass_tests {
                 Stored::new(&[n], f, rb).unwrap(),
                 Stored::new(&[n], f, cb).unwrap(),
             );
-            let (v1, s1) = compare_stored("x", &rs, &cs, 1.0, 0.5);
-            let (v2, s2) = compare_with_sums("x", &rs.decode(), &cs.decode(), 1.0, 0.5);
+            let (v1, s1) = compare_stored("x", &rs, &cs, 1.0, 0.5, Detection::default());
+            let (v2, s2) = compare_with_sums("x", &rs.decode(), &cs.decode(), 1.0, 0.5, Detection::default());
             prop_assert_eq!(format!("{v1:?}"), format!("{v2:?}"));
             prop_assert_eq!(
                 (s1.dn.to_bits(), s1.rn.to_bits(), s1.rmax.to_bits()),

@@ -621,7 +621,8 @@ mod tests {
         let ctx = PriceContext {
             mesh: Mesh::single(),
             recipe: None,
-            log_inv_delta: 1e6f64.ln(),
+            log_inv_delta: (1.0 / (crate::check::detect::DEFAULT_DELTA * crate::check::NORM_SHARE))
+                .ln(),
         };
         let out = stat(1.0, 0.01);
         for (input, expect) in [

@@ -3,7 +3,7 @@
 //! pricing rules. Ids, notes and messages come from files: control and bidirectional
 //! characters in them are escaped ([`printable`], [`sanitize`]).
 
-use crate::check::{CheckReport, DirCheck, Localization};
+use crate::check::{CheckReport, Detector, DirCheck, Localization, TensorVerdict};
 use crate::io::{printable, sanitize};
 use crate::policy::Pass;
 
@@ -54,7 +54,8 @@ pub fn render_check(report: &CheckReport) -> String {
     let n = report.verdicts.len();
     if report.passed() {
         out.push_str(&format!(
-            "PASS: all {n} tensors within their thresholds (ε = {:e})\n",
+            "PASS: all {n} tensors within their thresholds, no scale, bias or sparse test fired \
+             (ε = {:e})\n",
             report.eps
         ));
         return out;
@@ -65,8 +66,8 @@ pub fn render_check(report: &CheckReport) -> String {
         printable(report.first_failure.as_deref().unwrap_or("-"))
     ));
     out.push_str(&format!(
-        "{:<44} {:>11} {:>11} {:>9} {:>10} {:>8}  note\n",
-        "tensor", "error (ε)", "thresh (ε)", "ratio", "max abs", "max ulp"
+        "{:<44} {:>11} {:>11} {:>9} {:>10} {:>8}  {:<12} note\n",
+        "tensor", "error (ε)", "thresh (ε)", "ratio", "max abs", "max ulp", "fired"
     ));
     for v in report.verdicts.iter().filter(|v| !v.passed) {
         let note = match (&v.problem, v.first_nonfinite) {
@@ -75,10 +76,11 @@ pub fn render_check(report: &CheckReport) -> String {
                 "{} non-finite mismatches, first at {i}",
                 v.nonfinite_mismatches
             ),
-            _ => String::new(),
+            _ => findings_note(v),
         };
+        let fired: Vec<&str> = v.fired().iter().map(|d| d.name()).collect();
         out.push_str(&format!(
-            "{:<44} {:>11.3} {:>11.3} {:>9.3} {:>10.3e} {:>8}  {}\n",
+            "{:<44} {:>11.3} {:>11.3} {:>9.3} {:>10.3e} {:>8}  {:<12} {}\n",
             printable(&v.id),
             v.rel_error_eps,
             v.threshold / report.eps,
@@ -89,10 +91,36 @@ pub fn render_check(report: &CheckReport) -> String {
             } else {
                 v.max_ulp.to_string()
             },
+            if fired.is_empty() {
+                "-".to_string()
+            } else {
+                fired.join("+")
+            },
             sanitize(&note)
         ));
     }
     out
+}
+
+/// What the tests beyond the norm that fired measured, in ε: "scale 0.31 > 0.05; sparse: 4
+/// elements, worst at 1234: 7.1 > 2.3".
+pub(crate) fn findings_note(v: &TensorVerdict) -> String {
+    v.findings
+        .iter()
+        .filter(|f| f.fired)
+        .map(|f| match f.detector {
+            Detector::Sparse => format!(
+                "sparse: {} element{}, worst at {}: {:.3} > {:.3}",
+                f.count,
+                if f.count == 1 { "" } else { "s" },
+                f.at.map_or("-".to_string(), |i| i.to_string()),
+                f.estimate,
+                f.threshold
+            ),
+            d => format!("{} {:.3} > {:.3}", d.name(), f.estimate, f.threshold),
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// The one line that says where the first failure was localized (by `ttrace check` or the

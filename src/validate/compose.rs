@@ -41,6 +41,7 @@ use std::collections::HashMap;
 use serde::Serialize;
 use statrs::distribution::{ChiSquared, ContinuousCDF};
 
+use crate::check::NORM_SHARE;
 use crate::engine::init::SplitMix64;
 use crate::engine::model::Gpt;
 use crate::engine::trace::Trace;
@@ -210,7 +211,8 @@ pub fn composed_thresholds(
     }
     let m = config.samples as f64;
     let index: HashMap<&str, usize> = reference.ids().enumerate().map(|(k, id)| (id, k)).collect();
-    let t = (1.0 / config.delta).ln();
+    // The norm test spends NORM_SHARE of the per-tensor false-alarm budget (papers/checking.md §7).
+    let t = (1.0 / (config.delta * NORM_SHARE)).ln();
     let mut out = HashMap::new();
     for (k, id) in reference.ids().enumerate() {
         let r = reference.require(id)?;
@@ -224,7 +226,7 @@ pub fn composed_thresholds(
         // The site's own analytic bound (a fresh site's difference before anything
         // propagates): |Dᵢ| ≤ |εᵢ| + ulpᵢ with |εᵢ| ≤ σᵢ·√(2 ln(2n/δ)) for all i at once.
         let local = sites.get(id).map(|var| {
-            let z = (2.0 * (2.0 * n / config.delta).ln()).sqrt();
+            let z = (2.0 * (2.0 * n / (config.delta * NORM_SHARE)).ln()).sqrt();
             let fmt = r.format();
             var.iter()
                 .zip(r.values())

@@ -11,7 +11,10 @@ use std::path::Path;
 use crate::bounds::baselines::{megatron_ttrace, torch_assert_close};
 use crate::bounds::Confidence;
 use crate::bugs::Bug;
-use crate::check::{check, localize, CheckReport, Localization};
+use crate::check::detect::detect;
+use crate::check::{
+    check, localize, CheckReport, Detection, Detector, Finding, Localization, NORM_SHARE,
+};
 use crate::engine::model::{Gpt, GptConfig};
 use crate::engine::trace::{TensorId, TensorRole, Trace};
 use crate::error::Result;
@@ -202,12 +205,14 @@ pub struct TensorResult {
     pub baseline_alarms: Vec<String>,
     /// Smallest detectable injected perturbation per rule (only on the sensitivity mesh).
     pub sensitivity: Option<Sensitivity>,
+    /// The tests beyond the norm (scale, bias, channel bias, sparse) on this tensor.
+    pub findings: Vec<Finding>,
 }
 
 impl TensorResult {
-    /// Our threshold raised a false alarm.
+    /// Our tests raised a false alarm: the norm beyond its threshold, or another test fired.
     pub fn false_alarm(&self) -> bool {
-        self.observed > self.threshold
+        self.observed > self.threshold || self.findings.iter().any(|f| f.fired)
     }
 }
 
@@ -356,7 +361,9 @@ pub fn run_config_with_thresholds(
     let local = local_thresholds(
         &sites,
         &ref_trace,
-        Confidence::Probabilistic { delta: sim.delta },
+        Confidence::Probabilistic {
+            delta: sim.delta * NORM_SHARE,
+        },
     )?;
     let eps = recipe.activation_format.machine_epsilon();
     let localizer = localize(&mut sharded, &cand_step, &ref_trace, &local, eps)?;
@@ -387,7 +394,19 @@ pub fn run_config_with_thresholds(
         if !megatron_ttrace(train, depth).accepts(e.tensor.values(), c.values()) {
             baseline_alarms.push("megatron".to_string());
         }
+        let findings = detect(
+            e.tensor.shape(),
+            e.tensor.values(),
+            c.values(),
+            e.tensor.format(),
+            train.machine_epsilon(),
+            Detection {
+                delta: sim.delta,
+                enabled: true,
+            },
+        );
         tensors.push(TensorResult {
+            findings,
             id: e.id.clone(),
             kind: kind_of(&before, &e.id),
             elements: e.tensor.len(),
@@ -596,6 +615,21 @@ pub struct KindRow {
     pub perturbation_tightness_median: f64,
     /// False alarms of each baseline (`torch`, `megatron`).
     pub baseline_false_alarms: BTreeMap<String, usize>,
+    /// The tests beyond the norm (scale, bias, sparse): on how many tensors each applied, how
+    /// many it fired on (false alarms: these runs are correct) and its largest ratio
+    /// statistic / threshold (the closest call).
+    pub tests: BTreeMap<Detector, TestColumn>,
+}
+
+/// One test beyond the norm over a set of correct tensors.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct TestColumn {
+    /// Tensors it applied to.
+    pub applied: usize,
+    /// Tensors it fired on.
+    pub fired: usize,
+    /// Largest statistic / threshold.
+    pub closest: f64,
 }
 
 /// The sweep's report.
@@ -671,7 +705,22 @@ fn row(kind: &str, ts: &[&TensorResult]) -> KindRow {
                 .collect(),
         ),
         baseline_false_alarms,
+        tests: test_columns(ts.iter().flat_map(|t| t.findings.iter())),
     }
+}
+
+/// Tally the findings of the tests beyond the norm on correct tensors.
+pub(crate) fn test_columns<'a>(
+    findings: impl Iterator<Item = &'a Finding>,
+) -> BTreeMap<Detector, TestColumn> {
+    let mut out: BTreeMap<Detector, TestColumn> = BTreeMap::new();
+    for f in findings {
+        let c = out.entry(f.detector).or_default();
+        c.applied += 1;
+        c.fired += usize::from(f.fired);
+        c.closest = c.closest.max(f.ratio);
+    }
+    out
 }
 
 impl SweepReport {

@@ -2,6 +2,7 @@
 //! sweep's per-kind, sensitivity and bug tables and its SVG plot of thresholds against
 //! observed differences.
 
+use ttrace::check::Detector;
 use ttrace::validate::SweepReport;
 
 /// The sensitivity table, as text.
@@ -133,6 +134,8 @@ pub fn render_table(report: &SweepReport) -> String {
         "pert tight med".into(),
     ];
     header.extend(baselines.iter().map(|b| format!("{b} FA")));
+    let tests = [Detector::Scale, Detector::Bias, Detector::Sparse];
+    header.extend(tests.iter().map(|d| format!("{} FA/closest", d.name())));
     let mut rows: Vec<Vec<String>> = vec![header];
     for r in report.rows.iter().chain(std::iter::once(&report.total)) {
         let mut row = vec![
@@ -154,6 +157,10 @@ pub fn render_table(report: &SweepReport) -> String {
                 .copied()
                 .unwrap_or(0)
                 .to_string()
+        }));
+        row.extend(tests.iter().map(|d| match r.tests.get(d) {
+            Some(c) if c.applied > 0 => format!("{}/{}", c.fired, fmt_num(c.closest)),
+            _ => "-".to_string(),
         }));
         rows.push(row);
     }

@@ -1,0 +1,851 @@
+//! Tests beyond the norm: systematic (scale, bias) and sparse differences, each with a
+//! false-alarm probability fixed in advance.
+//!
+//! The norm test compares ‖D‖_F, D = cand − ref, with a threshold. Round-off spreads thinly and
+//! without direction over many elements; bugs often do not. Two shapes of bug hide under a
+//! norm threshold:
+//! * a **systematic** error (a scale 1 + ρ, a bias, a normalizer off by a constant) moves every
+//!   element the same way: its projection on the reference (or on the all-ones direction)
+//!   grows like √N times the noise of that projection;
+//! * a **sparse** error (a few corrupted elements in a large tensor) is diluted by the norm.
+//!
+//! # Systematic tests: clusters and self-normalization
+//!
+//! A tensor is read as a matrix: rows along its last dimension (tokens for activations, output
+//! features for weights), columns its last dimension's indices (channels). Under round-off
+//! alone D is modelled as a sum of independent parts, each made of **clusters with independent
+//! signs**: single elements (a rounding of its own), rows (a norm's or a softmax's
+//! denominator, computed in another order, moves a whole row), and columns (through attention
+//! every later token reads the same value vector, so that vector's round-off reaches every
+//! row's channel j alike — strongly so under attention sinks). Symmetric signs are the
+//! random-rounding model of `bounds::compare`; clustered dependence is what the difference
+//! simulation shows. For a linear statistic L = Σ wᵢDᵢ (scale: wᵢ = rᵢ; bias: wᵢ = 1) the
+//! clusters' sums are independent and symmetric, so conditionally on their magnitudes L is a
+//! Rademacher sum and Hoeffding's inequality gives P(|L| ≥ t·√V) ≤ 2e^(−t²/2) with V the sum of
+//! the clusters' squared sums (Efron, *Student's t-test under symmetry conditions*, JASA 64,
+//! 1969). V is estimated by the two-way cluster-robust variance of Cameron, Gelbach & Miller
+//! (*Robust inference with multiway clustering*, J. Bus. Econ. Stat. 29(2), 2011):
+//!
+//!   V̂ = Σ_rows (Σ_row wD)² + Σ_cols (Σ_col wD)² − Σ_elements (wD)²,
+//!
+//! unbiased for V when the parts are as above, floored at the larger of its first two terms.
+//! The test fires when |L| > t·√V̂ with t = √(2 ln(2/δ_s)). Because V̂ contains the signal
+//! itself, a test can fire only when the pure signal's statistic (D = r for the scale, D = 1
+//! for the bias) exceeds t: with too few rows and columns (a vector, a handful of tokens) it is
+//! reported as not applicable.
+//!
+//! * **Scale**: the relative scale ŝ = ⟨D, r⟩/⟨r, r⟩ fires when |ŝ| > t·√V̂/⟨r, r⟩.
+//! * **Bias**: the mean of D over the reference's root mean square.
+//!
+//! Per-channel (or per-row) biases are not tested on their own: a column cluster *is* a
+//! per-channel offset, so round-off alone produces them (an attention sink's value vector), and
+//! one channel's data cannot tell that from a bug.
+//!
+//! # The sparse test
+//!
+//! Every element against its own bound. The element's scale is sᵢ = max(|rᵢ|, rms of its row)
+//! (the round-off of a reduction scales with its terms, which the row's magnitude stands for
+//! where |rᵢ| is small by cancellation; a softmax's or an elementwise function's error scales
+//! with |rᵢ|). One unit in the last place of the coarsest standard grid both tensors lie on is
+//! always allowed (two roundings of nearly equal values: |fl(x) − fl(y)| ≤ |x − y| + ulp); beyond
+//! it, eᵢ = (|Dᵢ| − ulpᵢ)⁺/sᵢ is compared with the noise scale σ̂ᵢ, the largest of the root mean
+//! squares of Dⱼ/sⱼ over the rest of its row, the rest of its column and the rest of the tensor
+//! (leave-one-out: a corrupted element does not raise its own bound), and u/√3 of the grid (one
+//! rounding's standard deviation: fewer differing elements than that are no evidence of a
+//! smaller noise). The tail is taken **exponential**, not Gaussian: the round-off of a sum that
+//! a few products dominate (a weight gradient over few tokens, an attention backward) is
+//! sub-exponential, and on the simulator's correct runs Gaussian tails came within 7% of a
+//! false alarm. With Laplace tails of variance σ̂ᵢ², P(eᵢ > x·σ̂ᵢ) ≤ exp(−√2·x), so an element
+//! fires beyond x = ln(2N/δ_s)/√2 (Bonferroni over the N elements); the report gives the worst
+//! element and how many exceed.
+//!
+//! # The false-alarm budget
+//!
+//! Per tensor at most δ (10⁻⁶ by default) in all, by the union bound: [`NORM_SHARE`]·δ = 0.9·δ
+//! for the norm test and the rest shared by the tests here.
+//!
+//! # What the model does not cover
+//!
+//! Rounding that is biased rather than symmetric breaks the scale and bias tests: long
+//! same-sign sums accumulated in a low-precision format stagnate, in one direction, by
+//! amounts that depend on the order. ttrace's recipes and the real engines it was measured on
+//! accumulate in FP32, where this is far below the tests' resolution. Differences correlated
+//! along structures other than rows and columns (a scalar computed once and applied to the whole
+//! tensor in another order) break the independence of clusters; a tensor that is one row (a
+//! bias, a norm's weight) has no systematic test for that reason.
+
+use serde::Serialize;
+
+use crate::format::Format;
+
+/// The share of the per-tensor false-alarm budget δ spent on the norm test; the tests here
+/// share the rest.
+pub const NORM_SHARE: f64 = 0.9;
+
+/// The per-tensor false-alarm probability of all tests together, by default.
+pub const DEFAULT_DELTA: f64 = 1e-6;
+
+/// Tests sharing (1 − [`NORM_SHARE`])·δ.
+const SHARED_BY: f64 = 3.0;
+
+/// Longest row: rows longer than this are cut into pieces of it (and have no columns).
+const MAX_ROW: usize = 1 << 20;
+
+/// A test on a pair of tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Detector {
+    /// ‖cand − ref‖_F against the tensor's threshold.
+    Norm,
+    /// The relative scale ⟨D, ref⟩/⟨ref, ref⟩.
+    Scale,
+    /// The mean difference relative to the reference's root mean square.
+    Bias,
+    /// Single elements beyond their own bound.
+    Sparse,
+}
+
+impl Detector {
+    /// Its name in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Detector::Norm => "norm",
+            Detector::Scale => "scale",
+            Detector::Bias => "bias",
+            Detector::Sparse => "sparse",
+        }
+    }
+}
+
+/// What one test found on one tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Finding {
+    /// The test.
+    pub detector: Detector,
+    /// Its estimate in units of ε: the relative scale (scale), the mean difference over the
+    /// reference's root mean square (bias), the worst element's difference beyond one ulp
+    /// over its scale sᵢ (sparse).
+    pub estimate: f64,
+    /// The threshold on |estimate|, in the same unit.
+    pub threshold: f64,
+    /// |estimate| / threshold: the test fires above 1.
+    pub ratio: f64,
+    /// It fired.
+    pub fired: bool,
+    /// The flat index of the worst element (sparse).
+    pub at: Option<usize>,
+    /// Elements beyond their bound (sparse).
+    pub count: usize,
+}
+
+/// The settings of the tests beyond the norm.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Detection {
+    /// The per-tensor false-alarm probability δ of all tests together (the norm's included).
+    pub delta: f64,
+    /// Run the scale, bias and sparse tests (else only the norm).
+    pub enabled: bool,
+}
+
+impl Default for Detection {
+    fn default() -> Self {
+        Detection {
+            delta: DEFAULT_DELTA,
+            enabled: true,
+        }
+    }
+}
+
+impl Detection {
+    /// The false-alarm probability of each test here.
+    pub fn each(&self) -> f64 {
+        self.delta * (1.0 - NORM_SHARE) / SHARED_BY
+    }
+}
+
+/// The two-sided sub-Gaussian critical value √(2 ln(2/δ)) (P(|S| ≥ t) ≤ 2e^(−t²/2) ≤ δ).
+pub fn sub_gaussian_critical(delta: f64) -> f64 {
+    (2.0 * (2.0 / delta).ln()).sqrt()
+}
+
+/// The critical value of the sparse test for `n` elements at false-alarm probability `delta`:
+/// a Laplace variable of unit variance exceeds x in absolute value with probability
+/// exp(−√2·x), so x = ln(n/δ)/√2 keeps the union over n elements at δ.
+pub fn sparse_critical(n: f64, delta: f64) -> f64 {
+    (n / delta).ln().max(0.0) / std::f64::consts::SQRT_2
+}
+
+/// Sums of one linear statistic L = Σ wᵢDᵢ by clusters.
+#[derive(Debug, Clone, Copy, Default)]
+struct Clustered {
+    /// L.
+    sum: f64,
+    /// Σ over rows of the row's sum, squared.
+    rows: f64,
+    /// Σ over elements of (wᵢDᵢ)².
+    elements: f64,
+}
+
+impl Clustered {
+    /// The two-way cluster-robust variance, given Σ over columns of the column's sum squared.
+    fn variance(&self, cols: Option<f64>) -> f64 {
+        match cols {
+            Some(c) => (self.rows + c - self.elements).max(self.rows.max(c)),
+            None => self.rows,
+        }
+    }
+}
+
+/// A reader of a pair's values `start..end` again, in pieces: `again(start, end, f)`.
+pub(crate) type ReadAgain<'a> = dyn FnMut(usize, usize, &mut dyn FnMut(&[f64], &[f64])) + 'a;
+
+/// Per-row record of the first pass, for the sparse test's second.
+#[derive(Debug, Clone, Copy, Default)]
+struct RowRecord {
+    /// Σ (Dⱼ/sⱼ)² over the row (raw Σ Dⱼ² for a row whose reference is all zero).
+    q: f64,
+    /// Largest single term of `q`.
+    qmax: f64,
+    /// Largest eⱼ with the finest allowance (an upper bound of the exact one).
+    emax: f64,
+    /// Finite pairs.
+    n: usize,
+    /// The reference is zero on the whole row (sⱼ is then the tensor's root mean square).
+    zero: bool,
+}
+
+/// The standard grids, coarsest first, that a tensor's values may all lie on.
+const GRIDS: [Format; 5] = [
+    Format::E4M3,
+    Format::E5M2,
+    Format::BF16,
+    Format::F16,
+    Format::F32,
+];
+
+/// The tests' first pass over a pair of tensors fed in pieces (any lengths), in order.
+pub(crate) struct Detect {
+    cfg: Detection,
+    stored: Format,
+    /// Row length (the last dimension, at most [`MAX_ROW`]).
+    row: usize,
+    /// Columns (the last dimension; 0 for a vector or rows cut into pieces).
+    cols: usize,
+    buf_r: Vec<f64>,
+    buf_c: Vec<f64>,
+    /// Elements fed so far into finished rows.
+    done: usize,
+    /// Finite pairs.
+    n: usize,
+    /// Σ r².
+    rr: f64,
+    scale: Clustered,
+    bias: Clustered,
+    /// The pure signal's sums for the scale (D = r) and per column: Σ_rows (Σ_row r²)², Σ r⁴.
+    pure_rows: f64,
+    pure_elements: f64,
+    col_dr: Vec<f64>,
+    col_d: Vec<f64>,
+    col_r2: Vec<f64>,
+    /// Σ (Dⱼ/sⱼ)² and finite pairs per column (the sparse test's column pools).
+    col_q: Vec<f64>,
+    col_n: Vec<usize>,
+    rows: Vec<RowRecord>,
+    /// Which of [`GRIDS`] still hold every value.
+    on_grid: [bool; 5],
+}
+
+impl Detect {
+    /// A first pass over a tensor of `shape` stored in `stored` (the coarser of the two sides'
+    /// formats).
+    pub(crate) fn new(shape: &[usize], stored: Format, cfg: Detection) -> Detect {
+        let last = shape.last().copied().unwrap_or(1).max(1);
+        let row = last.min(MAX_ROW);
+        let cols = if last <= MAX_ROW && shape.len() >= 2 {
+            last
+        } else {
+            0
+        };
+        Detect {
+            cfg,
+            stored,
+            row,
+            cols,
+            buf_r: Vec::new(),
+            buf_c: Vec::new(),
+            done: 0,
+            n: 0,
+            rr: 0.0,
+            scale: Clustered::default(),
+            bias: Clustered::default(),
+            pure_rows: 0.0,
+            pure_elements: 0.0,
+            col_dr: vec![0.0; cols],
+            col_d: vec![0.0; cols],
+            col_r2: vec![0.0; cols],
+            col_q: vec![0.0; cols],
+            col_n: vec![0; cols],
+            rows: Vec::new(),
+            on_grid: GRIDS.map(|g| g.precision() < stored.precision()),
+        }
+    }
+
+    /// The next pairs.
+    pub(crate) fn feed(&mut self, r: &[f64], c: &[f64]) {
+        if !self.cfg.enabled {
+            return;
+        }
+        let n = r.len().min(c.len());
+        let mut k = 0;
+        while k < n {
+            let take = (self.row - self.buf_r.len()).min(n - k);
+            self.buf_r.extend_from_slice(&r[k..k + take]);
+            self.buf_c.extend_from_slice(&c[k..k + take]);
+            k += take;
+            if self.buf_r.len() == self.row {
+                self.flush();
+            }
+        }
+    }
+
+    fn flush(&mut self) {
+        if self.buf_r.is_empty() {
+            return;
+        }
+        let (r, c) = (
+            std::mem::take(&mut self.buf_r),
+            std::mem::take(&mut self.buf_c),
+        );
+        self.row_pass(&r, &c);
+        self.done += r.len();
+        self.buf_r = r;
+        self.buf_c = c;
+        self.buf_r.clear();
+        self.buf_c.clear();
+    }
+
+    fn row_pass(&mut self, r: &[f64], c: &[f64]) {
+        let finite = |a: f64, b: f64| a.is_finite() && b.is_finite();
+        let (mut rr, mut n) = (0.0f64, 0usize);
+        for (&a, &b) in r.iter().zip(c) {
+            if finite(a, b) {
+                rr += a * a;
+                n += 1;
+            }
+        }
+        let rms = if n > 0 { (rr / n as f64).sqrt() } else { 0.0 };
+        let mut rec = RowRecord {
+            n,
+            zero: rms == 0.0,
+            ..RowRecord::default()
+        };
+        let full = self.cols > 0 && r.len() == self.cols;
+        let (mut x, mut y) = (0.0f64, 0.0f64);
+        for (j, (&a, &b)) in r.iter().zip(c).enumerate() {
+            if !finite(a, b) {
+                continue;
+            }
+            let d = b - a;
+            x += d * a;
+            y += d;
+            self.scale.elements += (d * a) * (d * a);
+            self.bias.elements += d * d;
+            self.pure_elements += a.powi(4);
+            if full {
+                self.col_dr[j] += d * a;
+                self.col_d[j] += d;
+                self.col_r2[j] += a * a;
+                self.col_n[j] += 1;
+            }
+            for (g, on) in GRIDS.iter().zip(self.on_grid.iter_mut()) {
+                if *on && !(g.is_representable(a) && g.is_representable(b)) {
+                    *on = false;
+                }
+            }
+            if d == 0.0 {
+                continue;
+            }
+            let allowance = self.stored.ulp(a.abs().max(b.abs())).unwrap_or(0.0);
+            let s = if rec.zero { 1.0 } else { a.abs().max(rms) };
+            let q = (d / s) * (d / s);
+            if full && !rec.zero {
+                self.col_q[j] += q;
+            }
+            rec.q += q;
+            rec.qmax = rec.qmax.max(q);
+            rec.emax = rec.emax.max((d.abs() - allowance).max(0.0) / s);
+        }
+        self.scale.sum += x;
+        self.scale.rows += x * x;
+        self.bias.sum += y;
+        self.bias.rows += y * y;
+        self.pure_rows += rr * rr;
+        self.rr += rr;
+        self.n += n;
+        self.rows.push(rec);
+    }
+
+    /// The coarsest standard grid holding every finite value of both sides.
+    fn grid(&self) -> Format {
+        GRIDS
+            .iter()
+            .zip(self.on_grid)
+            .find(|(_, on)| *on)
+            .map_or(self.stored, |(g, _)| *g)
+    }
+
+    /// Σ over columns of the squared column sums of `v` (None without columns).
+    fn cols_sq(&self, v: &[f64]) -> Option<f64> {
+        (self.cols > 0).then(|| v.iter().map(|x| x * x).sum())
+    }
+
+    /// The findings: `again(start, end, f)` hands `f` the pairs `start..end` again — the
+    /// sparse test reads back only the rows whose bound its first pass could not settle.
+    /// `eps` is the unit of the estimates.
+    pub(crate) fn finish(
+        mut self,
+        eps: f64,
+        again: &mut ReadAgain<'_>,
+    ) -> Vec<Finding> {
+        if !self.cfg.enabled {
+            return Vec::new();
+        }
+        self.flush();
+        let mut out = Vec::new();
+        if self.n == 0 || self.rr <= 0.0 {
+            return out;
+        }
+        let t = sub_gaussian_critical(self.cfg.each());
+        let n = self.n as f64;
+        // Scale: L = ⟨D, r⟩; the pure signal D = r has L = Σr², rows Σ(Σ_row r²)², columns
+        // Σ(Σ_col r²)², elements Σr⁴.
+        let pure = Clustered {
+            sum: self.rr,
+            rows: self.pure_rows,
+            elements: self.pure_elements,
+        };
+        let pure_cols = self.cols_sq(&self.col_r2);
+        if self.rr / pure.variance(pure_cols).sqrt() > t {
+            let v = self.scale.variance(self.cols_sq(&self.col_dr));
+            let est = self.scale.sum / self.rr;
+            let th = t * v.sqrt() / self.rr;
+            out.push(finding(Detector::Scale, est / eps, th / eps));
+        }
+        // Bias: L = Σ D; the pure signal D = 1 has rows Σ(row length)², columns Σ(column
+        // length)², elements n.
+        let ones_rows: f64 = self.rows.iter().map(|u| (u.n as f64).powi(2)).sum();
+        let ones = Clustered {
+            sum: n,
+            rows: ones_rows,
+            elements: n,
+        };
+        let col_n: Vec<f64> = self.col_n.iter().map(|&k| k as f64).collect();
+        if n / ones.variance(self.cols_sq(&col_n)).sqrt() > t {
+            let v = self.bias.variance(self.cols_sq(&self.col_d));
+            let unit = n * (self.rr / n).sqrt();
+            let est = self.bias.sum / unit;
+            let th = t * v.sqrt() / unit;
+            out.push(finding(Detector::Bias, est / eps, th / eps));
+        }
+        if let Some(f) = self.sparse(eps, again) {
+            out.push(f);
+        }
+        out
+    }
+
+    fn sparse(
+        &self,
+        eps: f64,
+        again: &mut ReadAgain<'_>,
+    ) -> Option<Finding> {
+        if self.n < 3 {
+            return None;
+        }
+        let n = self.n as f64;
+        let rms_all = (self.rr / n).sqrt();
+        // Rows whose reference is zero measure against the tensor's root mean square.
+        let scaled = |u: &RowRecord| {
+            if u.zero {
+                let s2 = rms_all * rms_all;
+                (u.q / s2, u.qmax / s2, u.emax / rms_all)
+            } else {
+                (u.q, u.qmax, u.emax)
+            }
+        };
+        let total: f64 = self.rows.iter().map(|u| scaled(u).0).sum();
+        let grid = self.grid();
+        let floor = grid.unit_roundoff() / 3f64.sqrt();
+        let crit = sparse_critical(n, self.cfg.each());
+        let pool = |sum: f64, own: f64, m: usize| {
+            if m > 1 {
+                ((sum - own).max(0.0) / (m as f64 - 1.0)).sqrt()
+            } else {
+                0.0
+            }
+        };
+        // The scale of element i (its own term qᵢ left out of every pool; columns only in the
+        // second pass, where they can only raise it).
+        let sigma = |row_q: f64, qi: f64, m: usize| {
+            pool(total, qi, self.n).max(pool(row_q, qi, m)).max(floor)
+        };
+        // Upper bounds of each row's largest z: its largest e over the smallest leave-one-out
+        // scale (every term left out is at most the row's largest).
+        let mut order: Vec<(f64, usize)> = self
+            .rows
+            .iter()
+            .enumerate()
+            .filter_map(|(k, u)| {
+                let (q, qmax, emax) = scaled(u);
+                (emax > 0.0).then(|| (emax / sigma(q, qmax, u.n), k))
+            })
+            .collect();
+        order.sort_by(|a, b| b.0.total_cmp(&a.0));
+        // (z, e, σ̂, flat index)
+        let mut worst: Option<(f64, f64, f64, usize)> = None;
+        let mut count = 0;
+        for (ub, k) in order {
+            if ub <= crit && worst.is_some_and(|w| ub <= w.0) {
+                break;
+            }
+            let u = self.rows[k];
+            let (row_q, _, _) = scaled(&u);
+            let start = k * self.row;
+            let len = self.row.min(self.done - start);
+            let (mut r, mut c) = (Vec::with_capacity(len), Vec::with_capacity(len));
+            again(start, start + len, &mut |a, b| {
+                r.extend_from_slice(a);
+                c.extend_from_slice(b);
+            });
+            let finite = |a: f64, b: f64| a.is_finite() && b.is_finite();
+            let (mut rr, mut m) = (0.0f64, 0usize);
+            for (&a, &b) in r.iter().zip(&c) {
+                if finite(a, b) {
+                    rr += a * a;
+                    m += 1;
+                }
+            }
+            let rms = if u.zero {
+                rms_all
+            } else {
+                (rr / m.max(1) as f64).sqrt()
+            };
+            let full = self.cols > 0 && r.len() == self.cols;
+            for (j, (&a, &b)) in r.iter().zip(&c).enumerate() {
+                if !finite(a, b) || a == b {
+                    continue;
+                }
+                let d = b - a;
+                let s = a.abs().max(rms);
+                let allowance = grid.ulp(a.abs().max(b.abs())).unwrap_or(0.0);
+                let e = (d.abs() - allowance).max(0.0) / s;
+                if e == 0.0 {
+                    continue;
+                }
+                let qi = (d / s) * (d / s);
+                let mut sg = sigma(row_q, qi, u.n);
+                if full && !u.zero {
+                    sg = sg.max(pool(self.col_q[j], qi, self.col_n[j]));
+                }
+                let z = e / sg;
+                if z > crit {
+                    count += 1;
+                }
+                if worst.is_none_or(|w| z > w.0) {
+                    worst = Some((z, e, sg, start + j));
+                }
+            }
+        }
+        Some(match worst {
+            Some((z, e, sg, at)) => Finding {
+                detector: Detector::Sparse,
+                estimate: e / eps,
+                threshold: crit * sg / eps,
+                ratio: z / crit,
+                fired: z > crit,
+                at: Some(at),
+                count,
+            },
+            None => Finding {
+                detector: Detector::Sparse,
+                estimate: 0.0,
+                threshold: crit * floor / eps,
+                ratio: 0.0,
+                fired: false,
+                at: None,
+                count: 0,
+            },
+        })
+    }
+}
+
+fn finding(detector: Detector, est: f64, th: f64) -> Finding {
+    let ratio = if est == 0.0 {
+        0.0
+    } else if th > 0.0 {
+        est.abs() / th
+    } else {
+        f64::INFINITY
+    };
+    Finding {
+        detector,
+        estimate: est,
+        threshold: th,
+        ratio,
+        fired: ratio > 1.0,
+        at: None,
+        count: 0,
+    }
+}
+
+/// The tests on tensors in memory (`shape` gives the rows: its last dimension).
+pub(crate) fn detect(
+    shape: &[usize],
+    r: &[f64],
+    c: &[f64],
+    stored: Format,
+    eps: f64,
+    cfg: Detection,
+) -> Vec<Finding> {
+    let mut d = Detect::new(shape, stored, cfg);
+    d.feed(r, c);
+    d.finish(eps, &mut |s, e, f| f(&r[s..e], &c[s..e]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::init::SplitMix64;
+    use crate::format::Overflow;
+
+    const EPS: f64 = 1.0 / 128.0;
+
+    fn gaussian(n: usize, seed: u64) -> Vec<f64> {
+        let mut g = SplitMix64::for_name("detect", seed);
+        (0..n).map(|_| g.normal()).collect()
+    }
+
+    fn get(f: &[Finding], d: Detector) -> Option<Finding> {
+        f.iter().copied().find(|x| x.detector == d)
+    }
+
+    /// Null draws: element noise plus row clusters (a per-row scale, as a norm's denominator
+    /// makes) plus column clusters (a per-column offset, as an attention sink makes), all with
+    /// random signs. At a per-test δ of 5% the rate of firing must stay below it.
+    #[test]
+    fn clustered_round_off_keeps_the_false_alarm_rate() {
+        let (rows, cols) = (48, 40);
+        let cfg = Detection {
+            delta: 0.05 / (1.0 - NORM_SHARE) * SHARED_BY,
+            enabled: true,
+        };
+        assert!((cfg.each() - 0.05).abs() < 1e-12);
+        let r = gaussian(rows * cols, 1);
+        let t = sub_gaussian_critical(cfg.each());
+        let (mut fired_scale, mut fired_bias, mut naive) = (0, 0, 0);
+        for k in 0..400 {
+            let z = gaussian(rows * cols + rows + cols, 100 + k);
+            let c: Vec<f64> = (0..rows * cols)
+                .map(|i| {
+                    let (t, j) = (i / cols, i % cols);
+                    let row = 3.0 * z[rows * cols + t] * r[i];
+                    let col = 2.0 * z[rows * cols + rows + j];
+                    r[i] + 1e-4 * (z[i] + row + col)
+                })
+                .collect();
+            let f = detect(&[rows, cols], &r, &c, Format::F64, EPS, cfg);
+            fired_scale += get(&f, Detector::Scale).unwrap().fired as usize;
+            fired_bias += get(&f, Detector::Bias).unwrap().fired as usize;
+            // Every element its own cluster: Σ D / √(Σ D²).
+            let (l, v) = r.iter().zip(&c).fold((0.0, 0.0), |(l, v), (a, b)| {
+                (l + (b - a), v + (b - a) * (b - a))
+            });
+            naive += (l.abs() > t * f64::sqrt(v)) as usize;
+        }
+        // Binomial(400, 0.05): mean 20, 4 standard deviations above is 37.
+        assert!(
+            fired_scale <= 37 && fired_bias <= 37,
+            "{fired_scale} {fired_bias}"
+        );
+        // Treating every element as its own cluster does not hold the rate on these data.
+        assert!(naive > 100, "{naive}");
+    }
+
+    #[test]
+    fn a_scale_error_well_below_the_norm_is_found_and_measured() {
+        let (rows, cols) = (512, 256);
+        let r = gaussian(rows * cols, 2);
+        let noise = gaussian(rows * cols, 3);
+        // Round-off of about 1 ε per element; a scale of 0.1 ε.
+        let rho = 0.1 * EPS;
+        let c: Vec<f64> = r
+            .iter()
+            .zip(&noise)
+            .map(|(a, z)| a * (1.0 + rho) + EPS * z)
+            .collect();
+        let f = detect(
+            &[rows, cols],
+            &r,
+            &c,
+            Format::F64,
+            EPS,
+            Detection::default(),
+        );
+        let s = get(&f, Detector::Scale).unwrap();
+        assert!(s.fired, "{s:?}");
+        assert!((s.estimate - 0.1).abs() < 0.02, "{s:?}");
+        // Without the scale it stays quiet.
+        let c0: Vec<f64> = r.iter().zip(&noise).map(|(a, z)| a + EPS * z).collect();
+        let f = detect(
+            &[rows, cols],
+            &r,
+            &c0,
+            Format::F64,
+            EPS,
+            Detection::default(),
+        );
+        assert!(f.iter().all(|x| !x.fired), "{f:?}");
+    }
+
+    #[test]
+    fn a_bias_is_found_and_a_vector_has_no_systematic_test() {
+        let (rows, cols) = (256, 128);
+        let r = gaussian(rows * cols, 4);
+        let noise = gaussian(rows * cols, 5);
+        let c: Vec<f64> = r
+            .iter()
+            .zip(&noise)
+            .map(|(a, z)| a + EPS * (z + 0.05))
+            .collect();
+        let f = detect(
+            &[rows, cols],
+            &r,
+            &c,
+            Format::F64,
+            EPS,
+            Detection::default(),
+        );
+        let b = get(&f, Detector::Bias).unwrap();
+        assert!(b.fired && (b.estimate - 0.05).abs() < 0.01, "{b:?}");
+        // One row: every element may share one cluster, so neither test applies.
+        let f = detect(
+            &[rows * cols],
+            &r,
+            &c,
+            Format::F64,
+            EPS,
+            Detection::default(),
+        );
+        assert!(get(&f, Detector::Scale).is_none() && get(&f, Detector::Bias).is_none());
+    }
+
+    #[test]
+    fn single_corrupted_elements_are_found_where_they_are() {
+        let (rows, cols) = (1024, 1024);
+        let r = gaussian(rows * cols, 6);
+        let noise = gaussian(rows * cols, 7);
+        let mut c: Vec<f64> = r
+            .iter()
+            .zip(&noise)
+            .map(|(a, z)| a + 0.01 * EPS * z * a.abs().max(1.0))
+            .collect();
+        let f = detect(
+            &[rows, cols],
+            &r,
+            &c,
+            Format::F64,
+            EPS,
+            Detection::default(),
+        );
+        assert!(!get(&f, Detector::Sparse).unwrap().fired);
+        // Four elements off by 8 ε of their own magnitude (magnitude ≥ 1 here).
+        let hit = [5usize, 77_777, 500_000, 1_048_575];
+        for &i in &hit {
+            c[i] = r[i] + 8.0 * EPS * r[i].abs().max(1.0);
+        }
+        let f = detect(
+            &[rows, cols],
+            &r,
+            &c,
+            Format::F64,
+            EPS,
+            Detection::default(),
+        );
+        let s = get(&f, Detector::Sparse).unwrap();
+        assert!(s.fired && s.count == 4, "{s:?}");
+        assert!(hit.contains(&s.at.unwrap()));
+        // The norm would not see it: 4 elements of a million.
+        let dn: f64 = r
+            .iter()
+            .zip(&c)
+            .map(|(a, b)| (b - a) * (b - a))
+            .sum::<f64>()
+            .sqrt();
+        let rn: f64 = r.iter().map(|a| a * a).sum::<f64>().sqrt();
+        assert!(dn / rn < 0.1 * EPS);
+    }
+
+    #[test]
+    fn one_rounding_flip_per_element_is_always_allowed() {
+        // BF16 tensors differing by one ulp in a third of their elements, nothing else.
+        let n = 64 * 64;
+        let r: Vec<f64> = gaussian(n, 8)
+            .iter()
+            .map(|&x| Format::BF16.round(x, Overflow::NonSaturating))
+            .collect();
+        let c: Vec<f64> = r
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| {
+                let ulp = Format::BF16.ulp(x).unwrap();
+                if i % 3 == 0 {
+                    Format::BF16.round(x + ulp, Overflow::NonSaturating)
+                } else {
+                    x
+                }
+            })
+            .collect();
+        let f = detect(&[64, 64], &r, &c, Format::BF16, EPS, Detection::default());
+        let s = get(&f, Detector::Sparse).unwrap();
+        assert!(!s.fired && s.estimate == 0.0, "{s:?}");
+        // The same values stored in FP32 are judged on the BF16 grid they lie on.
+        let f = detect(&[64, 64], &r, &c, Format::F32, EPS, Detection::default());
+        assert!(!get(&f, Detector::Sparse).unwrap().fired);
+    }
+
+    #[test]
+    fn pieces_and_a_second_read_give_the_same_findings() {
+        let (rows, cols) = (37, 53);
+        let r = gaussian(rows * cols, 9);
+        let mut c: Vec<f64> = r.iter().map(|a| a * (1.0 + 1e-3)).collect();
+        c[100] += 1.0;
+        let whole = detect(
+            &[rows, cols],
+            &r,
+            &c,
+            Format::F64,
+            EPS,
+            Detection::default(),
+        );
+        let mut d = Detect::new(&[rows, cols], Format::F64, Detection::default());
+        for (a, b) in r.chunks(17).zip(c.chunks(17)) {
+            d.feed(a, b);
+        }
+        let mut reads = 0;
+        let pieces = d.finish(EPS, &mut |s, e, f| {
+            reads += 1;
+            f(&r[s..e], &c[s..e])
+        });
+        assert_eq!(whole, pieces);
+        // Only the rows the first pass could not settle were read again.
+        assert!(reads >= 1 && reads < rows, "{reads}");
+    }
+
+    #[test]
+    fn critical_values() {
+        // √(2 ln(2/δ)) at δ = 2·e^(−8): exactly 4.
+        assert!((sub_gaussian_critical(2.0 * (-8.0f64).exp()) - 4.0).abs() < 1e-12);
+        // Laplace of unit variance: P(|X| > x) = exp(−√2 x).
+        let x = sparse_critical(10.0, 1e-3);
+        assert!(((-std::f64::consts::SQRT_2 * x).exp() * 10.0 - 1e-3).abs() < 1e-15);
+    }
+}
