@@ -32,8 +32,14 @@ class TensorRow:
     ratio: float
     #: The largest |candidate − reference|.
     max_abs: float
-    #: Within the threshold.
+    #: Within the threshold, and no test beyond the norm fired.
     passed: bool
+    #: The tests that fired: ``"norm"`` (the error beyond the threshold), ``"scale"``,
+    #: ``"bias"``, ``"sparse"`` (papers/checking.md §7).
+    fired: List[str]
+    #: Every test beyond the norm that applied: ``{"detector", "estimate", "threshold",
+    #: "ratio", "fired", "at", "count"}`` with estimate and threshold in units of ε.
+    findings: List[Dict[str, Any]]
     #: How the threshold was priced (a rule of the core, e.g. ``local``, ``carried``).
     pricing: str
     #: Why the tensor could not be compared, if so.
@@ -103,6 +109,14 @@ def _pricing_name(p: Any) -> str:
     return str(p)
 
 
+def _fired(v: Dict[str, Any]) -> List[str]:
+    ratio = v["ratio"]
+    norm = v.get("problem") is None and int(v["nonfinite_mismatches"]) == 0 and (
+        ratio is None or float(ratio) > 1.0)
+    others = [str(f["detector"]) for f in v.get("findings", []) if f["fired"]]
+    return (["norm"] if norm else []) + others
+
+
 def check(reference: PathLike, candidate: PathLike, *, pricing: str = "auto") -> CheckReport:
     """Compare the candidate trace directory with the reference one.
 
@@ -126,6 +140,8 @@ def check(reference: PathLike, candidate: PathLike, *, pricing: str = "auto") ->
                 ratio=float(v["ratio"]) if v["ratio"] is not None else float("inf"),
                 max_abs=float(v["max_abs"]) if v["max_abs"] is not None else float("nan"),
                 passed=bool(v["passed"]),
+                fired=_fired(v),
+                findings=list(v.get("findings", [])),
                 pricing=_pricing_name(p),
                 problem=v.get("problem"),
             )

@@ -16,7 +16,7 @@ holds for every input and every rounding. Derivations: ``papers/`` in the reposi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from . import _ttrace
 from ._arrays import as_core
@@ -48,7 +48,8 @@ def parse_policy(text: str) -> str:
 class Verdict:
     """The verdict on one pair of tensors."""
 
-    #: Within the threshold, with no non-finite mismatch.
+    #: Within the threshold, with no non-finite mismatch, and no test beyond the norm (scale,
+    #: bias, sparse) fired.
     passed: bool
     #: ‖candidate − reference‖_F / ‖reference‖_F.
     rel_error: float
@@ -68,6 +69,14 @@ class Verdict:
     elements: int
     #: Everything the core reported.
     details: Dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    @property
+    def fired(self) -> List[str]:
+        """The tests that fired: ``"norm"`` (beyond the threshold), ``"scale"``, ``"bias"``,
+        ``"sparse"``."""
+        norm = self.nonfinite_mismatches == 0 and self.ratio > 1.0
+        others = [str(f["detector"]) for f in self.details.get("findings", []) if f["fired"]]
+        return (["norm"] if norm else []) + others
 
     @classmethod
     def _from_core(cls, d: Dict[str, Any]) -> "Verdict":

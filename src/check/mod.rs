@@ -21,7 +21,7 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use crate::engine::trace::Trace;
+use crate::engine::trace::{TensorId, Trace};
 use crate::error::Error;
 use crate::format::Format;
 use crate::io::stored::Stored;
@@ -271,6 +271,12 @@ fn compare_pair(
         cf
     } else {
         rf
+    };
+    let param_grad = TensorId::parse(id)
+        .is_some_and(|t| matches!(t.role, crate::engine::trace::TensorRole::ParamGrad { .. }));
+    let detection = Detection {
+        sparse: detection.sparse && !param_grad,
+        ..detection
     };
     let mut det = detect::Detect::new(rs, stored, detection);
     (pair.pieces)(&mut |r, c| {

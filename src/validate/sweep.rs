@@ -11,9 +11,9 @@ use std::path::Path;
 use crate::bounds::baselines::{megatron_ttrace, torch_assert_close};
 use crate::bounds::Confidence;
 use crate::bugs::Bug;
-use crate::check::detect::detect;
 use crate::check::{
-    check, localize, CheckReport, Detection, Detector, Finding, Localization, NORM_SHARE,
+    check, compare_with_sums, localize, CheckReport, Detection, Detector, Finding, Localization,
+    NORM_SHARE,
 };
 use crate::engine::model::{Gpt, GptConfig};
 use crate::engine::trace::{TensorId, TensorRole, Trace};
@@ -27,7 +27,7 @@ use crate::shard::model::{ShardedGpt, ShardedStep};
 use crate::tensor::Tensor;
 use crate::validate::compose::{composed_thresholds, perturbation_estimate, SimulationConfig};
 use crate::validate::fresh::{fresh_sites, local_thresholds};
-use crate::validate::sensitivity::{sensitivity, Sensitivity};
+use crate::validate::sensitivity::{sensitivity, Perturbation, Sensitivity};
 
 /// One configuration of the sweep.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -394,17 +394,19 @@ pub fn run_config_with_thresholds(
         if !megatron_ttrace(train, depth).accepts(e.tensor.values(), c.values()) {
             baseline_alarms.push("megatron".to_string());
         }
-        let findings = detect(
-            e.tensor.shape(),
-            e.tensor.values(),
-            c.values(),
-            e.tensor.format(),
+        let findings = compare_with_sums(
+            &e.id,
+            &e.tensor,
+            c,
+            th.abs,
             train.machine_epsilon(),
             Detection {
                 delta: sim.delta,
-                enabled: true,
+                ..Detection::default()
             },
-        );
+        )
+        .0
+        .findings;
         tensors.push(TensorResult {
             findings,
             id: e.id.clone(),
@@ -429,6 +431,10 @@ pub fn run_config_with_thresholds(
                         pert.get(&e.id).copied().unwrap_or(0.0),
                         train,
                         depth,
+                        Detection {
+                            delta: sim.delta,
+                            ..Detection::default()
+                        },
                     )
                 }),
         });
@@ -812,20 +818,21 @@ pub struct SensitivityRow {
     pub recipe: String,
     /// Tensor kind.
     pub kind: String,
+    /// The perturbation's shape.
+    pub perturbation: Perturbation,
     /// Tensors.
     pub tensors: usize,
-    /// (median ρ* / ε, false alarms) for ours, megatron, torch, perturbation.
+    /// (rule, median ρ* / ε, false alarms) for ours, the norm alone, megatron, torch and the
+    /// perturbation estimate.
     pub rules: Vec<(String, f64, usize)>,
 }
 
-/// Reads one rule's ρ* out of a [`Sensitivity`].
-type RuleOf = fn(&Sensitivity) -> Option<f64>;
-
 fn sensitivity_rows(runs: &[RunResult]) -> Vec<SensitivityRow> {
-    let mut groups: BTreeMap<(String, String), Vec<(&TensorResult, Sensitivity)>> = BTreeMap::new();
+    let mut groups: BTreeMap<(String, String), Vec<(&TensorResult, &Sensitivity)>> =
+        BTreeMap::new();
     for r in runs {
         for t in &r.tensors {
-            if let Some(sv) = t.sensitivity {
+            if let Some(sv) = &t.sensitivity {
                 let kind = if t.kind.starts_with("param") {
                     "param grads"
                 } else if t.kind.ends_with("fwd") {
@@ -840,34 +847,34 @@ fn sensitivity_rows(runs: &[RunResult]) -> Vec<SensitivityRow> {
             }
         }
     }
-    groups
-        .into_iter()
-        .map(|((recipe, kind), ts)| {
-            let pick: [(&str, RuleOf); 4] = [
-                ("ours", |s| s.ours),
-                ("megatron", |s| s.megatron),
-                ("torch", |s| s.torch),
-                ("perturbation", |s| s.perturbation),
-            ];
-            let rules = pick
+    let mut out = vec![];
+    for p in Perturbation::ALL {
+        for ((recipe, kind), ts) in &groups {
+            let figures: Vec<(&TensorResult, _)> = ts
                 .iter()
-                .map(|(name, f)| {
-                    let vals: Vec<f64> = ts
+                .filter_map(|(t, sv)| sv.of(p).map(|f| (*t, f.named())))
+                .collect();
+            let rules = (0..5)
+                .map(|k| {
+                    let name = figures.first().map_or("", |(_, f)| f[k].0);
+                    let vals: Vec<f64> = figures
                         .iter()
-                        .filter_map(|(t, sv)| f(sv).map(|x| x / t.eps))
+                        .filter_map(|(t, f)| f[k].1.map(|x| x / t.eps))
                         .collect();
-                    let fa = ts.iter().filter(|(_, sv)| f(sv).is_none()).count();
+                    let fa = figures.iter().filter(|(_, f)| f[k].1.is_none()).count();
                     (name.to_string(), median(vals), fa)
                 })
                 .collect();
-            SensitivityRow {
-                recipe,
-                kind,
-                tensors: ts.len(),
+            out.push(SensitivityRow {
+                recipe: recipe.clone(),
+                kind: kind.clone(),
+                perturbation: p,
+                tensors: figures.len(),
                 rules,
-            }
-        })
-        .collect()
+            });
+        }
+    }
+    out
 }
 
 /// One row of the detection table.

@@ -5,18 +5,25 @@
 use ttrace::check::Detector;
 use ttrace::validate::SweepReport;
 
-/// The sensitivity table, as text.
+/// The sensitivity tables (one per perturbation shape), as text.
 pub fn render_sensitivity(report: &SweepReport) -> String {
     let mut out = String::new();
-    out.push_str(&format!(
-        "{:<12} {:<17} {:>7}  {:>16} {:>16} {:>16} {:>16}\n",
-        "recipe", "kind", "tensors", "ours", "megatron", "torch", "perturbation"
-    ));
+    let mut shape = None;
     for r in &report.sensitivity_rows {
-        out.push_str(&format!(
-            "{:<12} {:<17} {:>7} ",
-            r.recipe, r.kind, r.tensors
-        ));
+        if shape != Some(r.perturbation) {
+            shape = Some(r.perturbation);
+            out.push_str(&format!(
+                "\n{:<12} {:<17} {:>7}",
+                "recipe",
+                format!("{}:", r.perturbation.name()),
+                "tensors"
+            ));
+            for (name, _, _) in &r.rules {
+                out.push_str(&format!(" {name:>16}"));
+            }
+            out.push('\n');
+        }
+        out.push_str(&format!("{:<12} {:<17} {:>7}", r.recipe, r.kind, r.tensors));
         for (_, med, fa) in &r.rules {
             let cell = if fa > &0 {
                 format!("{} (FA {fa})", fmt_num(*med))

@@ -147,10 +147,14 @@ pub fn run(a: Args) -> Result<Outcome, String> {
     if !report.sensitivity_rows.is_empty() {
         outln!();
         outln!(
-            "Sensitivity on {}: the smallest relative perturbation ρ of one tensor (Gaussian, \
-             ‖N‖ ≈ ρ‖ref‖) each rule detects with 99% power, median over tensors, in units of ε \
-             (smaller is more sensitive; FA n: the rule rejects n of these correct tensors \
-             unperturbed, so it has no figure for them).",
+            "Sensitivity on {}: the smallest relative perturbation ρ of one tensor each rule \
+             detects with 99% power, median over tensors, in units of ε (smaller is more \
+             sensitive; FA n: the rule rejects n of these correct tensors unperturbed, so it has \
+             no figure for them). Shapes: gaussian (‖N‖ ≈ ρ‖ref‖), scale (1 ± ρ), channel bias \
+             (ρ·rms·g per channel), k elements (each ±ρ of its magnitude). Rules: ours = the \
+             norm and the scale, bias and sparse tests; norm only; megatron = \
+             4·1.03^(L+1)·ε; torch = assert_close; perturbation estimate. inf: not detected \
+             at ρ = 100.",
             options
                 .sensitivity_mesh
                 .map(|m| m.label())
