@@ -143,6 +143,13 @@ class Result:
     megatron_flags: int = 0
     seconds: float = 0.0
     problem: str = ""
+    #: The tests that fired at the first failure ("norm", "scale", "bias", "sparse").
+    fired: List[str] = field(default_factory=list)
+    #: Clean runs: the closest call of each test beyond the norm (largest statistic /
+    #: threshold over the run's tensors).
+    closest: Dict[str, float] = field(default_factory=dict)
+    #: The largest ratio of each test at the bug's birth tensor.
+    birth_tests: Dict[str, float] = field(default_factory=dict)
 
 
 def _atol_rtol(dtype: str) -> Tuple[float, float]:
@@ -217,6 +224,11 @@ def run_one(root: Path, engine: Engine, config: Config, dtype: str, seed: int, b
         return res
     res.passed, res.failures, res.tensors = report.passed, report.failures, len(report.rows)
     rows = [r for r in report.rows if not r.problem]
+    for r in rows:
+        for f in r.findings:
+            name = str(f["detector"])
+            ratio = float(f["ratio"]) if f["ratio"] is not None else math.inf
+            res.closest[name] = max(res.closest.get(name, 0.0), ratio)
     if report.passed:
         worst = max(rows, key=lambda r: r.ratio)
         res.ratio, res.first_failure = worst.ratio, worst.id
@@ -224,6 +236,7 @@ def run_one(root: Path, engine: Engine, config: Config, dtype: str, seed: int, b
     else:
         first = next(r for r in report.rows if r.id == report.first_failure)
         res.first_failure = first.id
+        res.fired = list(first.fired)
         res.ratio = first.ratio if not first.problem else math.inf
         res.error_eps, res.threshold_eps = first.error_eps, first.threshold_eps
         loc = report.localization or {}
@@ -237,6 +250,8 @@ def run_one(root: Path, engine: Engine, config: Config, dtype: str, seed: int, b
     row = next((r for r in report.rows if r.id == birth), None)
     if row is not None:
         res.birth, res.birth_ratio = row.id, row.ratio
+        res.birth_tests = {str(f["detector"]): (float(f["ratio"]) if f["ratio"] is not None
+                                                else math.inf) for f in row.findings}
     res.assert_close_flags, res.megatron_flags = _baselines(ref, cand, report, dtype, engine.depth)
     res.seconds = time.time() - t0
     return res

@@ -211,3 +211,66 @@ def test_a_change_made_between_traced_modules_is_localized_to_the_gap(tmp_path):
     assert r.first_failure == "fc2|fwd.input.0"
     assert r.localization["module"] == "fc2" and r.localization["born_after"] == "fc1"
     assert "born in untraced code between module fc1 and module fc2" in str(r)
+
+
+class Tweaked(nn.Linear):
+    """A linear layer whose output is changed inside its own forward (a bug in the layer)."""
+
+    def __init__(self, n_in: int, n_out: int, tweak=None) -> None:
+        super().__init__(n_in, n_out)
+        self.tweak = tweak
+
+    def forward(self, x):
+        y = super().forward(x)
+        return self.tweak(y) if self.tweak is not None else y
+
+
+class Wide(nn.Module):
+    def __init__(self, tweak=None) -> None:
+        super().__init__()
+        self.fc = Tweaked(64, 128, tweak)
+        self.out = nn.Linear(128, 8)
+
+    def forward(self, x):
+        return self.out(self.fc(x))
+
+
+def _wide_trace(directory, tweak=None):
+    torch.manual_seed(0)
+    net = Wide(tweak)
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+    tracer = ttrace.Tracer(net, directory)
+    with tracer.step():
+        net(x).sum().backward()
+    tracer.close()
+    return directory / "step0"
+
+
+def test_the_report_names_the_tests_that_fired_with_their_estimates(tmp_path):
+    ref = _wide_trace(tmp_path / "ref")
+    # A planted scale of 1e-6 (8 ε of FP32 once rounded) on the fc output, and one element of it
+    # moved by 1e-3 of the tensor's root mean square in another run.
+    scaled = _wide_trace(tmp_path / "scaled", lambda y: y * (1.0 + 1e-6))
+
+    def corrupt(y):
+        y = y.clone()
+        y.view(-1)[4321] += 1e-3 * y.detach().pow(2).mean().sqrt()
+        return y
+
+    sparse = _wide_trace(tmp_path / "sparse", corrupt)
+    eps = 2.0 ** -23
+    r = ttrace.check(ref, scaled)
+    row = next(x for x in r.rows if x.id == "fc|fwd.output.0")
+    assert r.first_failure == "fc|fwd.output.0" and "scale" in row.fired
+    scale = next(f for f in row.findings if f["detector"] == "scale")
+    # The scale the FP32 multiply applies: fl(1 + 1e-6) - 1 = 8 ε.
+    applied = float(torch.tensor(1.0 + 1e-6, dtype=torch.float32)) - 1.0
+    assert scale["fired"] and abs(scale["estimate"] * eps / applied - 1.0) < 0.01
+    assert "scale" in str(r)
+    r = ttrace.check(ref, sparse)
+    row = next(x for x in r.rows if x.id == "fc|fwd.output.0")
+    assert r.first_failure == "fc|fwd.output.0" and "sparse" in row.fired
+    found = next(f for f in row.findings if f["detector"] == "sparse")
+    assert found["at"] == 4321 and found["count"] == 1
+    # The scale and bias tests are quiet on a single element.
+    assert not any(f["fired"] for f in row.findings if f["detector"] in ("scale", "bias"))

@@ -43,12 +43,15 @@
 //!
 //! # The sparse test
 //!
-//! Every element against its own bound. The element's scale is sᵢ = max(|rᵢ|, rms of its row)
-//! (the round-off of a reduction scales with its terms, which the row's magnitude stands for
-//! where |rᵢ| is small by cancellation; a softmax's or an elementwise function's error scales
-//! with |rᵢ|). One unit in the last place of the coarsest standard grid both tensors lie on is
-//! always allowed (two roundings of nearly equal values: |fl(x) − fl(y)| ≤ |x − y| + ulp); beyond
-//! it, eᵢ = (|Dᵢ| − ulpᵢ)⁺/sᵢ is compared with the noise scale σ̂ᵢ, the largest of the root mean
+//! Every element against its own bound. The element's scale is sᵢ = max(|rᵢ|, rms of its row,
+//! rms of its column) (the round-off of a reduction scales with its terms, for which the row's
+//! and column's magnitudes stand where |rᵢ| is small by cancellation — a linear's output has
+//! terms the size of its token's input and its weight column, an attention score those of its
+//! query and its key, and a masked score row holds one finite element; a softmax's or an
+//! elementwise function's error scales with |rᵢ|). The pools below use the first pass's
+//! max(|rᵢ|, rms of its row), which is smaller: conservative both ways. One unit in the last
+//! place of the coarsest standard grid both tensors lie on is always allowed (two roundings of
+//! nearly equal values: |fl(x) − fl(y)| ≤ |x − y| + ulp); beyond it, eᵢ = (|Dᵢ| − ulpᵢ)⁺/sᵢ is compared with the noise scale σ̂ᵢ, the largest of the root mean
 //! squares of Dⱼ/sⱼ over the rest of its row, the rest of its column and the rest of the tensor
 //! (leave-one-out: a corrupted element does not raise its own bound), and u/√3 of the grid (one
 //! rounding's standard deviation: fewer differing elements than that are no evidence of a
@@ -56,7 +59,7 @@
 //! a few products dominate (a weight gradient over few tokens, an attention backward) is
 //! sub-exponential, and on the simulator's correct runs Gaussian tails came within 7% of a
 //! false alarm. With Laplace tails of variance σ̂ᵢ², P(eᵢ > x·σ̂ᵢ) ≤ exp(−√2·x), so an element
-//! fires beyond x = ln(2N/δ_s)/√2 (Bonferroni over the N elements); the report gives the worst
+//! fires beyond x = ln(N/δ_s)/√2 (Bonferroni over the N elements); the report gives the worst
 //! element and how many exceed.
 //!
 //! **Parameter gradients are not tested element by element.** Each element sums one product
@@ -84,6 +87,8 @@
 
 use serde::Serialize;
 
+use statrs::function::factorial::ln_binomial;
+
 use crate::format::Format;
 
 /// The share of the per-tensor false-alarm budget δ spent on the norm test; the tests here
@@ -96,8 +101,9 @@ pub const DEFAULT_DELTA: f64 = 1e-6;
 /// Tests sharing (1 − [`NORM_SHARE`])·δ.
 const SHARED_BY: f64 = 3.0;
 
-/// Longest row: rows longer than this are cut into pieces of it (and have no columns).
-const MAX_ROW: usize = 1 << 20;
+/// Longest row: rows longer than this are cut into pieces of it (and have no columns). 2¹⁸
+/// holds a 256k vocabulary's logits; the row buffers then stay within 4 MiB per comparison.
+const MAX_ROW: usize = 1 << 18;
 
 /// A test on a pair of tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -187,25 +193,84 @@ pub fn sparse_critical(n: f64, delta: f64) -> f64 {
     (n / delta).ln().max(0.0) / std::f64::consts::SQRT_2
 }
 
-/// Sums of one linear statistic L = Σ wᵢDᵢ by clusters.
+/// The units (rows, or columns) of one linear statistic L = Σ wᵢDᵢ: each unit's sum xᵤ.
 #[derive(Debug, Clone, Copy, Default)]
-struct Clustered {
-    /// L.
+struct Units {
+    /// Σ xᵤ = L.
     sum: f64,
-    /// Σ over rows of the row's sum, squared.
-    rows: f64,
-    /// Σ over elements of (wᵢDᵢ)².
-    elements: f64,
+    /// Σ xᵤ².
+    sq: f64,
+    /// Units with xᵤ > 0 and xᵤ < 0.
+    pos: usize,
+    neg: usize,
+    /// Units with a finite pair.
+    n: usize,
 }
 
-impl Clustered {
-    /// The two-way cluster-robust variance, given Σ over columns of the column's sum squared.
-    fn variance(&self, cols: Option<f64>) -> f64 {
-        match cols {
-            Some(c) => (self.rows + c - self.elements).max(self.rows.max(c)),
-            None => self.rows,
-        }
+impl Units {
+    fn push(&mut self, x: f64) {
+        self.sum += x;
+        self.sq += x * x;
+        self.pos += usize::from(x > 0.0);
+        self.neg += usize::from(x < 0.0);
+        self.n += 1;
     }
+
+    fn of(xs: &[f64]) -> Units {
+        let mut u = Units::default();
+        for &x in xs {
+            u.push(x);
+        }
+        u
+    }
+
+    /// How strongly the units reject symmetric independent signs at `delta`: ≥ 1 rejects.
+    /// The larger of two tests at δ/2 each: Hoeffding's on the self-normalized sum,
+    /// |L|/√(Σ xᵤ²) against √(2 ln(4/δ)), and the sign test (the signs of independent symmetric
+    /// units are fair coins whatever their sizes; units exactly 0 are left out), its
+    /// binomial tail p against δ/2 as ln p / ln(δ/2).
+    fn strength(&self, delta: f64) -> f64 {
+        let t = sub_gaussian_critical(delta / 2.0);
+        let hoeffding = if self.sq > 0.0 {
+            self.sum.abs() / self.sq.sqrt() / t
+        } else {
+            0.0
+        };
+        let m = self.pos + self.neg;
+        let k = if self.sum >= 0.0 { self.pos } else { self.neg };
+        let sign = if m > 0 && m <= SIGN_TEST_MAX {
+            sign_tail_ln(m, k) / (delta / 2.0).ln()
+        } else {
+            0.0
+        };
+        hoeffding.max(sign)
+    }
+
+    /// [`strength`](Self::strength) of the pure signal: every unit of the same sign and size.
+    fn pure_strength(n: usize, delta: f64) -> f64 {
+        let t = sub_gaussian_critical(delta / 2.0);
+        let sign = if n > 0 && n <= SIGN_TEST_MAX {
+            sign_tail_ln(n, n) / (delta / 2.0).ln()
+        } else {
+            0.0
+        };
+        ((n as f64).sqrt() / t).max(sign)
+    }
+}
+
+/// Units beyond which the sign test is not computed (its power is then Hoeffding's or less).
+const SIGN_TEST_MAX: usize = 4096;
+
+/// ln P(Binomial(m, 1/2) ≥ k).
+fn sign_tail_ln(m: usize, k: usize) -> f64 {
+    let terms: Vec<f64> = (k..=m)
+        .map(|i| ln_binomial(m as u64, i as u64) - m as f64 * std::f64::consts::LN_2)
+        .collect();
+    let top = terms.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if top == f64::NEG_INFINITY {
+        return f64::NEG_INFINITY;
+    }
+    (top + terms.iter().map(|x| (x - top).exp()).sum::<f64>().ln()).min(0.0)
 }
 
 /// A reader of a pair's values `start..end` again, in pieces: `again(start, end, f)`.
@@ -243,6 +308,8 @@ pub(crate) struct Detect {
     row: usize,
     /// Columns (the last dimension; 0 for a vector or rows cut into pieces).
     cols: usize,
+    /// A matrix (two or more dimensions): a vector has no systematic test.
+    matrix: bool,
     buf_r: Vec<f64>,
     buf_c: Vec<f64>,
     /// Elements fed so far into finished rows.
@@ -251,11 +318,9 @@ pub(crate) struct Detect {
     n: usize,
     /// Σ r².
     rr: f64,
-    scale: Clustered,
-    bias: Clustered,
-    /// The pure signal's sums for the scale (D = r) and per column: Σ_rows (Σ_row r²)², Σ r⁴.
-    pure_rows: f64,
-    pure_elements: f64,
+    /// Row units of the scale (wᵢ = rᵢ) and bias (wᵢ = 1) statistics.
+    scale: Units,
+    bias: Units,
     col_dr: Vec<f64>,
     col_d: Vec<f64>,
     col_r2: Vec<f64>,
@@ -265,6 +330,8 @@ pub(crate) struct Detect {
     rows: Vec<RowRecord>,
     /// Which of [`GRIDS`] still hold every value.
     on_grid: [bool; 5],
+    /// Some of them do.
+    grid_live: bool,
 }
 
 impl Detect {
@@ -283,15 +350,14 @@ impl Detect {
             stored,
             row,
             cols,
+            matrix: shape.len() >= 2,
             buf_r: Vec::new(),
             buf_c: Vec::new(),
             done: 0,
             n: 0,
             rr: 0.0,
-            scale: Clustered::default(),
-            bias: Clustered::default(),
-            pure_rows: 0.0,
-            pure_elements: 0.0,
+            scale: Units::default(),
+            bias: Units::default(),
             col_dr: vec![0.0; cols],
             col_d: vec![0.0; cols],
             col_r2: vec![0.0; cols],
@@ -299,6 +365,7 @@ impl Detect {
             col_n: vec![0; cols],
             rows: Vec::new(),
             on_grid: GRIDS.map(|g| g.precision() < stored.precision()),
+            grid_live: GRIDS.iter().any(|g| g.precision() < stored.precision()),
         }
     }
 
@@ -360,19 +427,19 @@ impl Detect {
             let d = b - a;
             x += d * a;
             y += d;
-            self.scale.elements += (d * a) * (d * a);
-            self.bias.elements += d * d;
-            self.pure_elements += a.powi(4);
             if full {
                 self.col_dr[j] += d * a;
                 self.col_d[j] += d;
                 self.col_r2[j] += a * a;
                 self.col_n[j] += 1;
             }
-            for (g, on) in GRIDS.iter().zip(self.on_grid.iter_mut()) {
-                if *on && !(g.is_representable(a) && g.is_representable(b)) {
-                    *on = false;
+            if self.grid_live {
+                for (g, on) in GRIDS.iter().zip(self.on_grid.iter_mut()) {
+                    if *on && !(g.is_representable(a) && g.is_representable(b)) {
+                        *on = false;
+                    }
                 }
+                self.grid_live = self.on_grid.iter().any(|&on| on);
             }
             if d == 0.0 {
                 continue;
@@ -387,11 +454,10 @@ impl Detect {
             rec.qmax = rec.qmax.max(q);
             rec.emax = rec.emax.max((d.abs() - allowance).max(0.0) / s);
         }
-        self.scale.sum += x;
-        self.scale.rows += x * x;
-        self.bias.sum += y;
-        self.bias.rows += y * y;
-        self.pure_rows += rr * rr;
+        if n > 0 {
+            self.scale.push(x);
+            self.bias.push(y);
+        }
         self.rr += rr;
         self.n += n;
         self.rows.push(rec);
@@ -406,11 +472,6 @@ impl Detect {
             .map_or(self.stored, |(g, _)| *g)
     }
 
-    /// Σ over columns of the squared column sums of `v` (None without columns).
-    fn cols_sq(&self, v: &[f64]) -> Option<f64> {
-        (self.cols > 0).then(|| v.iter().map(|x| x * x).sum())
-    }
-
     /// The findings: `again(start, end, f)` hands `f` the pairs `start..end` again — the
     /// sparse test reads back only the rows whose bound its first pass could not settle.
     /// `eps` is the unit of the estimates.
@@ -423,37 +484,47 @@ impl Detect {
         if self.n == 0 || self.rr <= 0.0 {
             return out;
         }
-        let t = sub_gaussian_critical(self.cfg.each());
+        let each = self.cfg.each();
         let n = self.n as f64;
-        // Scale: L = ⟨D, r⟩; the pure signal D = r has L = Σr², rows Σ(Σ_row r²)², columns
-        // Σ(Σ_col r²)², elements Σr⁴.
-        let pure = Clustered {
-            sum: self.rr,
-            rows: self.pure_rows,
-            elements: self.pure_elements,
-        };
-        let pure_cols = self.cols_sq(&self.col_r2);
-        if self.rr / pure.variance(pure_cols).sqrt() > t {
-            let v = self.scale.variance(self.cols_sq(&self.col_dr));
-            let est = self.scale.sum / self.rr;
-            let th = t * v.sqrt() / self.rr;
-            out.push(finding(Detector::Scale, est / eps, th / eps));
-        }
-        // Bias: L = Σ D; the pure signal D = 1 has rows Σ(row length)², columns Σ(column
-        // length)², elements n.
-        let ones_rows: f64 = self.rows.iter().map(|u| (u.n as f64).powi(2)).sum();
-        let ones = Clustered {
-            sum: n,
-            rows: ones_rows,
-            elements: n,
-        };
-        let col_n: Vec<f64> = self.col_n.iter().map(|&k| k as f64).collect();
-        if n / ones.variance(self.cols_sq(&col_n)).sqrt() > t {
-            let v = self.bias.variance(self.cols_sq(&self.col_d));
-            let unit = n * (self.rr / n).sqrt();
-            let est = self.bias.sum / unit;
-            let th = t * v.sqrt() / unit;
-            out.push(finding(Detector::Bias, est / eps, th / eps));
+        // Both directions must have units enough for a pure signal to be found.
+        let col_units = self.col_n.iter().filter(|&&k| k > 0).count();
+        let applicable = self.matrix
+            && self.cols > 0
+            && Units::pure_strength(self.scale.n, each) > 1.0
+            && Units::pure_strength(col_units, each) > 1.0;
+        if applicable {
+            let cols = |v: &[f64]| {
+                let xs: Vec<f64> = v
+                    .iter()
+                    .zip(&self.col_n)
+                    .filter(|(_, &k)| k > 0)
+                    .map(|(x, _)| *x)
+                    .collect();
+                Units::of(&xs)
+            };
+            for (det, rows, cols, unit) in [
+                (Detector::Scale, self.scale, cols(&self.col_dr), self.rr),
+                (Detector::Bias, self.bias, cols(&self.col_d), n * (self.rr / n).sqrt()),
+            ] {
+                let est = rows.sum / unit / eps;
+                let ratio = rows.strength(each).min(cols.strength(each));
+                // The estimate at which the test would fire: |est| / ratio; for a zero
+                // estimate, the Hoeffding-equivalent spread.
+                let th = if est != 0.0 && ratio > 0.0 {
+                    est.abs() / ratio
+                } else {
+                    sub_gaussian_critical(each / 2.0) * rows.sq.max(cols.sq).sqrt() / unit / eps
+                };
+                out.push(Finding {
+                    detector: det,
+                    estimate: est,
+                    threshold: th,
+                    ratio,
+                    fired: ratio > 1.0,
+                    at: None,
+                    count: 0,
+                });
+            }
         }
         if let Some(f) = self.sparse(eps, again) {
             out.push(f);
@@ -540,8 +611,17 @@ impl Detect {
                 }
                 let d = b - a;
                 let s = a.abs().max(rms);
+                // The column's magnitude too, where the row says little (a masked attention
+                // row with one finite score, whose terms are the size of its column's):
+                // measured against the larger scale the element is quieter, and its pool
+                // (below, from the first pass's smaller scale) is not: conservative both ways.
+                let wide = if full && self.col_n[j] > 0 {
+                    s.max((self.col_r2[j] / self.col_n[j] as f64).sqrt())
+                } else {
+                    s
+                };
                 let allowance = grid.ulp(a.abs().max(b.abs())).unwrap_or(0.0);
-                let e = (d.abs() - allowance).max(0.0) / s;
+                let e = (d.abs() - allowance).max(0.0) / wide;
                 if e == 0.0 {
                     continue;
                 }
@@ -579,25 +659,6 @@ impl Detect {
                 count: 0,
             },
         })
-    }
-}
-
-fn finding(detector: Detector, est: f64, th: f64) -> Finding {
-    let ratio = if est == 0.0 {
-        0.0
-    } else if th > 0.0 {
-        est.abs() / th
-    } else {
-        f64::INFINITY
-    };
-    Finding {
-        detector,
-        estimate: est,
-        threshold: th,
-        ratio,
-        fired: ratio > 1.0,
-        at: None,
-        count: 0,
     }
 }
 
