@@ -9,33 +9,34 @@
 //!   grows like √N times the noise of that projection;
 //! * a **sparse** error (a few corrupted elements in a large tensor) is diluted by the norm.
 //!
-//! # Systematic tests: clusters and self-normalization
+//! # Systematic tests: clusters, signs, both directions
 //!
 //! A tensor is read as a matrix: rows along its last dimension (tokens for activations, output
 //! features for weights), columns its last dimension's indices (channels). Under round-off
 //! alone D is modelled as a sum of independent parts, each made of **clusters with independent
-//! signs**: single elements (a rounding of its own), rows (a norm's or a softmax's
+//! symmetric signs**: single elements (a rounding of its own), rows (a norm's or a softmax's
 //! denominator, computed in another order, moves a whole row), and columns (through attention
 //! every later token reads the same value vector, so that vector's round-off reaches every
 //! row's channel j alike — strongly so under attention sinks). Symmetric signs are the
 //! random-rounding model of `bounds::compare`; clustered dependence is what the difference
-//! simulation shows. For a linear statistic L = Σ wᵢDᵢ (scale: wᵢ = rᵢ; bias: wᵢ = 1) the
-//! clusters' sums are independent and symmetric, so conditionally on their magnitudes L is a
-//! Rademacher sum and Hoeffding's inequality gives P(|L| ≥ t·√V) ≤ 2e^(−t²/2) with V the sum of
-//! the clusters' squared sums (Efron, *Student's t-test under symmetry conditions*, JASA 64,
-//! 1969). V is estimated by the two-way cluster-robust variance of Cameron, Gelbach & Miller
-//! (*Robust inference with multiway clustering*, J. Bus. Econ. Stat. 29(2), 2011):
+//! simulation shows.
 //!
-//!   V̂ = Σ_rows (Σ_row wD)² + Σ_cols (Σ_col wD)² − Σ_elements (wD)²,
-//!
-//! unbiased for V when the parts are as above, floored at the larger of its first two terms.
-//! The test fires when |L| > t·√V̂ with t = √(2 ln(2/δ_s)). Because V̂ contains the signal
-//! itself, a test can fire only when the pure signal's statistic (D = r for the scale, D = 1
-//! for the bias) exceeds t: with too few rows and columns (a vector, a handful of tokens) it is
-//! reported as not applicable.
-//!
-//! * **Scale**: the relative scale ŝ = ⟨D, r⟩/⟨r, r⟩ fires when |ŝ| > t·√V̂/⟨r, r⟩.
-//! * **Bias**: the mean of D over the reference's root mean square.
+//! A linear statistic L = Σ wᵢDᵢ (scale: wᵢ = rᵢ, estimate ŝ = L/⟨r, r⟩; bias: wᵢ = 1, estimate
+//! L/(N·rms(r))) is cut into the sums xᵤ of units u — the rows, and separately the columns.
+//! For independent symmetric units two tests are exact whatever the units' sizes, each run at
+//! half the test's budget δ_s: **Hoeffding's** inequality conditionally on the magnitudes (L is
+//! a Rademacher sum: P(|L| ≥ t·√(Σxᵤ²)) ≤ 2e^(−t²/2); Efron, *Student's t-test under symmetry
+//! conditions*, JASA 64, 1969), which can reject only with more than t² ≈ 37 units, and the
+//! **sign test** (the number of units with L's sign is Binomial(B, 1/2); units exactly 0 left
+//! out), which rejects 31 or 32 of 32 rows leaning one way. A direction's strength is the
+//! larger of the two (≥ 1 rejects). The test fires only when **rows and columns both reject**:
+//! if the null's clusters are rows alone, the row test is exact and the column test only makes
+//! firing rarer, and conversely; with both a row part R and a column part C, the row test sees
+//! C as a common shift and the column test sees R as one, so both would need C's total to
+//! dominate the row sums' spread (which holds R's) and R's the column sums' (which holds C's).
+//! A direction with too few units for even a pure signal (every unit of one sign and size) to
+//! reject makes the test not applicable, as does a vector (its elements may share one
+//! cluster).
 //!
 //! Per-channel (or per-row) biases are not tested on their own: a column cluster *is* a
 //! per-channel offset, so round-off alone produces them (an attention sink's value vector), and
@@ -51,14 +52,14 @@
 //! elementwise function's error scales with |rᵢ|). The pools below use the first pass's
 //! max(|rᵢ|, rms of its row), which is smaller: conservative both ways. One unit in the last
 //! place of the coarsest standard grid both tensors lie on is always allowed (two roundings of
-//! nearly equal values: |fl(x) − fl(y)| ≤ |x − y| + ulp); beyond it, eᵢ = (|Dᵢ| − ulpᵢ)⁺/sᵢ is compared with the noise scale σ̂ᵢ, the largest of the root mean
-//! squares of Dⱼ/sⱼ over the rest of its row, the rest of its column and the rest of the tensor
-//! (leave-one-out: a corrupted element does not raise its own bound), and u/√3 of the grid (one
+//! nearly equal values: |fl(x) − fl(y)| ≤ |x − y| + ulp); beyond it, eᵢ = (|Dᵢ| − ulpᵢ)⁺/sᵢ is
+//! compared with the noise scale σ̂ᵢ, the largest of the root mean squares of Dⱼ/sⱼ over the
+//! rest of its row, the rest of its column and the rest of the tensor (leave-one-out: a corrupted element does not raise its own bound), and u/√3 of the grid (one
 //! rounding's standard deviation: fewer differing elements than that are no evidence of a
 //! smaller noise). The tail is taken **exponential**, not Gaussian: the round-off of a sum that
 //! a few products dominate (a weight gradient over few tokens, an attention backward) is
 //! sub-exponential, and on the simulator's correct runs Gaussian tails came within 7% of a
-//! false alarm. With Laplace tails of variance σ̂ᵢ², P(eᵢ > x·σ̂ᵢ) ≤ exp(−√2·x), so an element
+//! false alarm (an attention backward). With Laplace tails of variance σ̂ᵢ², P(eᵢ > x·σ̂ᵢ) ≤ exp(−√2·x), so an element
 //! fires beyond x = ln(N/δ_s)/√2 (Bonferroni over the N elements); the report gives the worst
 //! element and how many exceed.
 //!
@@ -504,7 +505,12 @@ impl Detect {
             };
             for (det, rows, cols, unit) in [
                 (Detector::Scale, self.scale, cols(&self.col_dr), self.rr),
-                (Detector::Bias, self.bias, cols(&self.col_d), n * (self.rr / n).sqrt()),
+                (
+                    Detector::Bias,
+                    self.bias,
+                    cols(&self.col_d),
+                    n * (self.rr / n).sqrt(),
+                ),
             ] {
                 let est = rows.sum / unit / eps;
                 let ratio = rows.strength(each).min(cols.strength(each));
@@ -663,7 +669,6 @@ impl Detect {
 }
 
 /// The tests on tensors in memory (`shape` gives the rows: its last dimension).
-#[cfg(test)]
 pub(crate) fn detect(
     shape: &[usize],
     r: &[f64],
@@ -688,6 +693,11 @@ mod tests {
     fn gaussian(n: usize, seed: u64) -> Vec<f64> {
         let mut g = SplitMix64::for_name("detect", seed);
         (0..n).map(|_| g.normal()).collect()
+    }
+
+    /// The tests on F64 tensors with the default settings.
+    fn run(shape: &[usize], r: &[f64], c: &[f64]) -> Vec<Finding> {
+        detect(shape, r, c, Format::F64, EPS, Detection::default())
     }
 
     fn get(f: &[Finding], d: Detector) -> Option<Finding> {
@@ -748,27 +758,13 @@ mod tests {
             .zip(&noise)
             .map(|(a, z)| a * (1.0 + rho) + EPS * z)
             .collect();
-        let f = detect(
-            &[rows, cols],
-            &r,
-            &c,
-            Format::F64,
-            EPS,
-            Detection::default(),
-        );
+        let f = run(&[rows, cols], &r, &c);
         let s = get(&f, Detector::Scale).unwrap();
         assert!(s.fired, "{s:?}");
         assert!((s.estimate - 0.1).abs() < 0.02, "{s:?}");
         // Without the scale it stays quiet.
         let c0: Vec<f64> = r.iter().zip(&noise).map(|(a, z)| a + EPS * z).collect();
-        let f = detect(
-            &[rows, cols],
-            &r,
-            &c0,
-            Format::F64,
-            EPS,
-            Detection::default(),
-        );
+        let f = run(&[rows, cols], &r, &c0);
         assert!(f.iter().all(|x| !x.fired), "{f:?}");
     }
 
@@ -782,25 +778,11 @@ mod tests {
             .zip(&noise)
             .map(|(a, z)| a + EPS * (z + 0.05))
             .collect();
-        let f = detect(
-            &[rows, cols],
-            &r,
-            &c,
-            Format::F64,
-            EPS,
-            Detection::default(),
-        );
+        let f = run(&[rows, cols], &r, &c);
         let b = get(&f, Detector::Bias).unwrap();
         assert!(b.fired && (b.estimate - 0.05).abs() < 0.01, "{b:?}");
         // One row: every element may share one cluster, so neither test applies.
-        let f = detect(
-            &[rows * cols],
-            &r,
-            &c,
-            Format::F64,
-            EPS,
-            Detection::default(),
-        );
+        let f = run(&[rows * cols], &r, &c);
         assert!(get(&f, Detector::Scale).is_none() && get(&f, Detector::Bias).is_none());
     }
 
@@ -814,28 +796,14 @@ mod tests {
             .zip(&noise)
             .map(|(a, z)| a + 0.01 * EPS * z * a.abs().max(1.0))
             .collect();
-        let f = detect(
-            &[rows, cols],
-            &r,
-            &c,
-            Format::F64,
-            EPS,
-            Detection::default(),
-        );
+        let f = run(&[rows, cols], &r, &c);
         assert!(!get(&f, Detector::Sparse).unwrap().fired);
         // Four elements off by 8 ε of their own magnitude (magnitude ≥ 1 here).
         let hit = [5usize, 77_777, 500_000, 1_048_575];
         for &i in &hit {
             c[i] = r[i] + 8.0 * EPS * r[i].abs().max(1.0);
         }
-        let f = detect(
-            &[rows, cols],
-            &r,
-            &c,
-            Format::F64,
-            EPS,
-            Detection::default(),
-        );
+        let f = run(&[rows, cols], &r, &c);
         let s = get(&f, Detector::Sparse).unwrap();
         assert!(s.fired && s.count == 4, "{s:?}");
         assert!(hit.contains(&s.at.unwrap()));
@@ -884,14 +852,7 @@ mod tests {
         let r = gaussian(rows * cols, 9);
         let mut c: Vec<f64> = r.iter().map(|a| a * (1.0 + 1e-3)).collect();
         c[100] += 1.0;
-        let whole = detect(
-            &[rows, cols],
-            &r,
-            &c,
-            Format::F64,
-            EPS,
-            Detection::default(),
-        );
+        let whole = run(&[rows, cols], &r, &c);
         let mut d = Detect::new(&[rows, cols], Format::F64, Detection::default());
         for (a, b) in r.chunks(17).zip(c.chunks(17)) {
             d.feed(a, b);
@@ -904,6 +865,42 @@ mod tests {
         assert_eq!(whole, pieces);
         // Only the rows the first pass could not settle were read again.
         assert!(reads >= 1 && reads < rows, "{reads}");
+    }
+
+    #[test]
+    fn the_sign_tail_is_the_binomial_one() {
+        // Oracle: the binomial sums written out.
+        assert!((sign_tail_ln(32, 32) - (-32.0 * std::f64::consts::LN_2)).abs() < 1e-12);
+        let p = (45.0 + 10.0 + 1.0) / 1024.0;
+        assert!((sign_tail_ln(10, 8) - f64::ln(p)).abs() < 1e-12);
+        assert_eq!(sign_tail_ln(7, 0), 0.0);
+    }
+
+    /// The real-engine matrix's case: 32 tokens of a 256-wide BF16 output, scaled by 1 + 10⁻³
+    /// (0.13 ε) before its rounding. Too few rows for Hoeffding's bound; the sign test on the
+    /// rows and the 256 columns finds it, and nothing fires without it.
+    #[test]
+    fn a_scale_below_one_rounding_is_found_in_thirty_two_tokens() {
+        let (rows, cols) = (32, 256);
+        let y = gaussian(rows * cols, 11);
+        let wiggle = gaussian(rows * cols, 12);
+        let bf = |x: f64| Format::BF16.round(x, Overflow::NonSaturating);
+        // Round-off of the accumulations: 10⁻³ ulp-sized differences before the rounding.
+        let r: Vec<f64> = y.iter().map(|&x| bf(x)).collect();
+        let pre: Vec<f64> = y
+            .iter()
+            .zip(&wiggle)
+            .map(|(x, w)| x + 1e-3 * EPS * w * x.abs())
+            .collect();
+        let clean: Vec<f64> = pre.iter().map(|&x| bf(x)).collect();
+        let scaled: Vec<f64> = pre.iter().map(|&x| bf(x * (1.0 + 1e-3))).collect();
+        let d = Detection::default();
+        let f = detect(&[rows, cols], &r, &scaled, Format::BF16, EPS, d);
+        let s = get(&f, Detector::Scale).unwrap();
+        assert!(s.fired, "{s:?}");
+        assert!((s.estimate - 0.128).abs() < 0.05, "{s:?}");
+        let f = detect(&[rows, cols], &r, &clean, Format::BF16, EPS, d);
+        assert!(f.iter().all(|x| !x.fired), "{f:?}");
     }
 
     #[test]

@@ -146,6 +146,27 @@ pub fn compare_tensor(
     .0
 }
 
+/// The tests to run on the tensor `id`: parameter gradients have no sparse test
+/// ([`detect`](crate::check::Detector)).
+pub(crate) fn detection_for(id: &str, detection: Detection) -> Detection {
+    let param_grad = TensorId::parse(id)
+        .is_some_and(|t| matches!(t.role, crate::engine::trace::TensorRole::ParamGrad { .. }));
+    Detection {
+        sparse: detection.sparse && !param_grad,
+        ..detection
+    }
+}
+
+/// The coarser of two formats: two roundings of nearly equal values, one to each side's format,
+/// differ by at most the difference plus one ulp of the coarser.
+pub(crate) fn coarser(a: Format, b: Format) -> Format {
+    if a.precision() <= b.precision() {
+        a
+    } else {
+        b
+    }
+}
+
 /// Sums gathered by one comparison pass over the finite pairs.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Sums {
@@ -267,18 +288,8 @@ fn compare_pair(
     }
     let (rf, cf) = pair.formats;
     let mut pass = Pass::new(rf, cf);
-    let stored = if rf.precision() <= cf.precision() {
-        cf
-    } else {
-        rf
-    };
-    let param_grad = TensorId::parse(id)
-        .is_some_and(|t| matches!(t.role, crate::engine::trace::TensorRole::ParamGrad { .. }));
-    let detection = Detection {
-        sparse: detection.sparse && !param_grad,
-        ..detection
-    };
-    let mut det = detect::Detect::new(rs, stored, detection);
+    let stored = coarser(rf, cf);
+    let mut det = detect::Detect::new(rs, stored, detection_for(id, detection));
     (pair.pieces)(&mut |r, c| {
         pass.feed(r, c);
         det.feed(r, c);

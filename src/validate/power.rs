@@ -23,7 +23,7 @@ use crate::check::Detection;
 use crate::engine::init::SplitMix64;
 use crate::format::{Format, Overflow};
 use crate::tensor::Tensor;
-use crate::validate::sensitivity::{sensitivity_of, Perturbation, RuleFigures};
+use crate::validate::sensitivity::{sensitivity, Perturbation, RuleFigures};
 
 /// The reduction length of the synthetic activations (a linear's input width).
 const ACT_K: usize = 512;
@@ -181,7 +181,7 @@ pub fn power_study(
                     SyntheticClass::Activations => "synthetic|fwd.output.0",
                     SyntheticClass::ParamGrads => "synthetic.weight|param_grad",
                 };
-                let s = sensitivity_of(shapes, id, &r, &c, th, f64::INFINITY, format, 3, detection);
+                let s = sensitivity(shapes, id, &r, &c, th, f64::INFINITY, format, 3, detection);
                 out.push(PowerRow {
                     format,
                     class,

@@ -27,7 +27,8 @@
 use serde::Serialize;
 
 use crate::bounds::baselines::{megatron_ttrace, torch_assert_close};
-use crate::check::{compare_with_sums, Detection};
+use crate::check::detect::detect;
+use crate::check::{detection_for, Detection};
 use crate::engine::init::SplitMix64;
 use crate::format::Format;
 use crate::tensor::Tensor;
@@ -132,36 +133,12 @@ struct Case<'a> {
     detection: Detection,
 }
 
-/// ρ* for every rule and every perturbation shape. `threshold_abs`: ours on ‖c − r‖;
-/// `perturbation`: the perturbation estimate (relative); `train`: the training dtype
-/// (Megatron's ε and the unit of the tests' estimates), `depth` = L + 1.
+/// ρ* for every rule and each of the perturbation `shapes` ([`Perturbation::ALL`] for the
+/// whole study). `threshold_abs`: ours on ‖c − r‖; `perturbation`: the perturbation estimate
+/// (relative); `train`: the training dtype (Megatron's ε and the unit of the tests'
+/// estimates), `depth` = L + 1.
 #[allow(clippy::too_many_arguments)]
 pub fn sensitivity(
-    id: &str,
-    reference: &Tensor,
-    candidate: &Tensor,
-    threshold_abs: f64,
-    perturbation: f64,
-    train: Format,
-    depth: u32,
-    detection: Detection,
-) -> Sensitivity {
-    sensitivity_of(
-        &Perturbation::ALL,
-        id,
-        reference,
-        candidate,
-        threshold_abs,
-        perturbation,
-        train,
-        depth,
-        detection,
-    )
-}
-
-/// [`sensitivity`] for the given perturbation shapes only.
-#[allow(clippy::too_many_arguments)]
-pub fn sensitivity_of(
     shapes: &[Perturbation],
     id: &str,
     reference: &Tensor,
@@ -251,21 +228,21 @@ fn figures_for(
             .sum::<f64>()
             .sqrt()
     };
+    // The norm first (cheap); the other tests only where it stays quiet. The perturbed values
+    // are off the format's grid: the tests allow one ulp of the reference's format.
+    let detection = detection_for(case.id, case.detection);
     let ours = |rho: f64, k: usize| -> bool {
-        // Off the format's grid: held as F64 values (the comparison allows one ulp of the
-        // coarser side's format, the reference's).
-        let cand =
-            Tensor::from_parts_unchecked(case.candidate.shape(), perturbed(rho, k), Format::F64);
-        !compare_with_sums(
-            case.id,
-            case.reference,
-            &cand,
-            case.threshold_abs,
-            case.eps,
-            case.detection,
-        )
-        .0
-        .passed
+        frob(rho, k) > case.threshold_abs
+            || detect(
+                case.reference.shape(),
+                r,
+                &perturbed(rho, k),
+                case.reference.format(),
+                case.eps,
+                detection,
+            )
+            .iter()
+            .any(|f| f.fired)
     };
     let rules: [&dyn Fn(f64, usize) -> bool; 5] = [
         &ours,
@@ -337,6 +314,7 @@ mod tests {
         let t = Tensor::from_vec(&[n], r.clone(), Format::F64).unwrap();
         let norm = r.iter().map(|x| x * x).sum::<f64>().sqrt();
         let s = sensitivity(
+            &Perturbation::ALL,
             "t",
             &t,
             &t,
@@ -360,6 +338,7 @@ mod tests {
         // A rule that rejects the unperturbed pair has no figure.
         let c = Tensor::from_vec(&[n], r.iter().map(|x| x * 1.1).collect(), Format::F64).unwrap();
         let s = sensitivity(
+            &Perturbation::ALL,
             "t",
             &t,
             &c,
@@ -384,6 +363,7 @@ mod tests {
         let rt = Tensor::from_vec(&[rows, cols], r, Format::F64).unwrap();
         let ct = Tensor::from_vec(&[rows, cols], c, Format::F64).unwrap();
         let s = sensitivity(
+            &Perturbation::ALL,
             "x|fwd.output.0",
             &rt,
             &ct,

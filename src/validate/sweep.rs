@@ -424,6 +424,7 @@ pub fn run_config_with_thresholds(
                 && run.algorithm == Algorithm::Ring)
                 .then(|| {
                     sensitivity(
+                        &Perturbation::ALL,
                         &e.id,
                         &e.tensor,
                         c,
