@@ -146,13 +146,14 @@ pub fn compare_tensor(
     .0
 }
 
-/// The tests to run on the tensor `id`: parameter gradients have no sparse test
-/// ([`detect`](crate::check::Detector)).
+/// The tests to run on the tensor `id`: parameter gradients have neither the sparse nor the
+/// systematic tests ([`detect`](crate::check::Detector)).
 pub(crate) fn detection_for(id: &str, detection: Detection) -> Detection {
     let param_grad = TensorId::parse(id)
         .is_some_and(|t| matches!(t.role, crate::engine::trace::TensorRole::ParamGrad { .. }));
     Detection {
         sparse: detection.sparse && !param_grad,
+        systematic: detection.systematic && !param_grad,
         ..detection
     }
 }

@@ -201,9 +201,9 @@ mod tests {
     use super::*;
 
     /// The quick slice of the study (`cargo run --release --example power`): on 10⁵ elements of
-    /// real split-order round-off, a scale of an eighth of an ε is found with 99% power in
-    /// FP32 (whose round-off is 2–3 ε per element here) and far less in BF16, where the norm
-    /// alone needs the scale at its threshold.
+    /// real split-order round-off in a linear's output, a scale of an eighth of an ε is found
+    /// with 99% power in FP32 (whose round-off is 3.3 ε per element here) and far less in BF16,
+    /// where the norm alone needs the scale at its threshold.
     #[test]
     fn an_eighth_of_an_epsilon_of_scale_is_found_in_a_hundred_thousand_elements() {
         let rows = power_study(
@@ -213,7 +213,11 @@ mod tests {
             1,
         );
         assert_eq!(rows.len(), 4);
-        for row in &rows {
+        // Parameter gradients have no systematic test: there the norm alone judges.
+        for row in rows
+            .iter()
+            .filter(|r| r.class == SyntheticClass::Activations)
+        {
             let f = row.figures[0].1;
             let eps = row.format.machine_epsilon();
             // Nothing fires on the round-off itself.
