@@ -105,6 +105,9 @@ pub const DEFAULT_DELTA: f64 = 1e-6;
 /// Tests sharing (1 − [`NORM_SHARE`])·δ.
 const SHARED_BY: f64 = 3.0;
 
+/// Rows the sparse test keeps a record of (40 bytes each: 160 MiB at most).
+const MAX_ROW_RECORDS: usize = 1 << 22;
+
 /// Longest row: rows longer than this are cut into pieces of it (and have no columns). 2¹⁸
 /// holds a 256k vocabulary's logits; the row buffers then stay within 4 MiB per comparison.
 const MAX_ROW: usize = 1 << 18;
@@ -277,6 +280,10 @@ pub(crate) struct Detect {
     col_q: Vec<f64>,
     col_n: Vec<usize>,
     rows: Vec<RowRecord>,
+    /// Rows seen (the records stop at [`MAX_ROW_RECORDS`]).
+    row_count: usize,
+    /// Σ over rows of (finite pairs in the row)².
+    ones_rows: f64,
     /// Which of [`GRIDS`] still hold every value.
     on_grid: [bool; 5],
     /// Some of them do.
@@ -315,6 +322,8 @@ impl Detect {
             col_q: vec![0.0; cols],
             col_n: vec![0; cols],
             rows: Vec::new(),
+            row_count: 0,
+            ones_rows: 0.0,
             on_grid: GRIDS.map(|g| g.precision() < stored.precision()),
             grid_live: GRIDS.iter().any(|g| g.precision() < stored.precision()),
         }
@@ -415,7 +424,13 @@ impl Detect {
         self.pure_rows += rr * rr;
         self.rr += rr;
         self.n += n;
-        self.rows.push(rec);
+        self.ones_rows += (n as f64) * (n as f64);
+        self.row_count += 1;
+        // The sparse test's per-row records are bounded: a tensor of more rows than that (a
+        // column vector of hundreds of millions of elements) has no sparse test.
+        if self.rows.len() < MAX_ROW_RECORDS {
+            self.rows.push(rec);
+        }
     }
 
     /// The coarsest standard grid holding every finite value of both sides.
@@ -453,7 +468,7 @@ impl Detect {
             };
             let ones = Clustered {
                 sum: n,
-                rows: self.rows.iter().map(|u| (u.n as f64).powi(2)).sum(),
+                rows: self.ones_rows,
                 elements: n,
             };
             let col_n: Vec<f64> = self.col_n.iter().map(|&k| k as f64).collect();
@@ -506,7 +521,7 @@ impl Detect {
     }
 
     fn sparse(&self, eps: f64, again: &mut ReadAgain<'_>) -> Option<Finding> {
-        if self.n < 3 || !self.cfg.sparse {
+        if self.n < 3 || !self.cfg.sparse || self.row_count > self.rows.len() {
             return None;
         }
         let n = self.n as f64;
@@ -869,6 +884,19 @@ mod tests {
         assert!((s.estimate - 0.128).abs() < 0.05, "{s:?}");
         let f = detect(&[rows, cols], &r, &clean, Format::BF16, EPS, d);
         assert!(f.iter().all(|x| !x.fired), "{f:?}");
+    }
+
+    #[test]
+    fn a_column_vector_of_too_many_rows_has_no_sparse_test_and_bounded_records() {
+        let n = MAX_ROW_RECORDS + 1;
+        let r = vec![1.0; n];
+        let mut c = r.clone();
+        c[7] = 2.0;
+        let mut d = Detect::new(&[n, 1], Format::F64, Detection::default());
+        d.feed(&r, &c);
+        assert_eq!(d.rows.len(), MAX_ROW_RECORDS);
+        let f = d.finish(EPS, &mut |s, e, f| f(&r[s..e], &c[s..e]));
+        assert!(get(&f, Detector::Sparse).is_none(), "{f:?}");
     }
 
     #[test]
