@@ -1,9 +1,10 @@
 //! Checking and pricing speed, each beside a baseline measured in the same run. Run with
 //! `cargo bench --bench check`.
 //!
-//! * `compare_4M`: one comparison pass over two 4M-element tensors (relative Frobenius error,
-//!   max abs, ulp distance, NaN/Inf scan) beside a plain 8-lane sum over the same bytes (the
-//!   machine's memory bandwidth as our code sees it).
+//! * `compare_4M`: one comparison of two 4M-element tensors (relative Frobenius error, max abs,
+//!   ulp distance, NaN/Inf scan, and the scale, bias and sparse tests: as a vector, as a
+//!   1024 × 4096 matrix, and with the norm alone) beside a plain 8-lane sum over the same bytes
+//!   (the machine's memory bandwidth as our code sees it).
 //! * `price`: a matmul threshold from summary statistics (per op), and the local pricing of
 //!   every tensor of a 32-layer GPT trace from per-tensor statistics (no data).
 //! * `check_dir_256MB`: `ttrace check` on a 128 MB BF16 reference against a 2-rank candidate on
@@ -18,7 +19,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use ttrace::bounds::{plan_matmul, Confidence, MatmulPlan, TermStats};
-use ttrace::check::{check_dir_paths, compare_tensor, PricingMode};
+use ttrace::check::{check_dir_paths, compare_tensor, compare_tensor_with, Detection, PricingMode};
 use ttrace::check::{price_local, InputIndex, PriceContext, TensorStat};
 use ttrace::engine::ModuleKind;
 use ttrace::io::{write_trace_dir, ModuleInfo};
@@ -61,6 +62,19 @@ fn compare(c: &mut Criterion) {
     });
     g.bench_function("ttrace_compare_tensor", |b| {
         b.iter(|| compare_tensor("x", black_box(&rt), black_box(&ct), 1.0, 1.0))
+    });
+    let off = Detection {
+        enabled: false,
+        ..Detection::default()
+    };
+    g.bench_function("ttrace_compare_tensor_norm_only", |b| {
+        b.iter(|| compare_tensor_with("x", black_box(&rt), black_box(&ct), 1.0, 1.0, off))
+    });
+    // The same values as a 1024 × 4096 matrix: the systematic tests' column sums too.
+    let rm = Tensor::from_vec(&[1024, 4096], r.clone(), Format::BF16).unwrap();
+    let cm = Tensor::from_vec(&[1024, 4096], cv.clone(), Format::BF16).unwrap();
+    g.bench_function("ttrace_compare_tensor_matrix", |b| {
+        b.iter(|| compare_tensor("x", black_box(&rm), black_box(&cm), 1.0, 1.0))
     });
     g.finish();
 }

@@ -126,8 +126,8 @@ impl CheckReport {
     }
 }
 
-/// Compare one tensor against a threshold on ‖cand − ref‖_F (absolute); `eps` is the unit of
-/// the ε column.
+/// Compare one tensor against a threshold on ‖cand − ref‖_F (absolute), with the tests beyond
+/// the norm at their defaults ([`Detection::default`]); `eps` is the unit of the ε column.
 pub fn compare_tensor(
     id: &str,
     reference: &Tensor,
@@ -135,7 +135,7 @@ pub fn compare_tensor(
     threshold_abs: f64,
     eps: f64,
 ) -> TensorVerdict {
-    compare_with_sums(
+    compare_tensor_with(
         id,
         reference,
         candidate,
@@ -143,7 +143,39 @@ pub fn compare_tensor(
         eps,
         Detection::default(),
     )
-    .0
+}
+
+/// [`compare_tensor`] with the tests beyond the norm chosen by `detection` (off:
+/// `Detection { enabled: false, ..Default::default() }` judges the norm alone). Parameter
+/// gradients (ids ending `|param_grad`) never have the sparse and systematic tests.
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::check::{compare_tensor_with, Detection, Detector};
+/// use ttrace::{Format, Tensor};
+/// let r: Vec<f64> = (0..4096).map(|i| ((i * 37 % 101) as f64 - 50.0) / 64.0).collect();
+/// let mut c = r.clone();
+/// c[1234] += 0.5; // one corrupted element, far below the norm's threshold of 1.0
+/// let (rt, ct) = (
+///     Tensor::from_vec(&[64, 64], r, Format::F32)?,
+///     Tensor::from_vec(&[64, 64], c, Format::F32)?,
+/// );
+/// let v = compare_tensor_with("x", &rt, &ct, 1.0, f64::from(f32::EPSILON), Detection::default());
+/// assert!(!v.passed && v.fired() == vec![Detector::Sparse]);
+/// let off = Detection { enabled: false, ..Detection::default() };
+/// assert!(compare_tensor_with("x", &rt, &ct, 1.0, f64::from(f32::EPSILON), off).passed);
+/// # Ok::<(), ttrace::Error>(())
+/// ```
+pub fn compare_tensor_with(
+    id: &str,
+    reference: &Tensor,
+    candidate: &Tensor,
+    threshold_abs: f64,
+    eps: f64,
+    detection: Detection,
+) -> TensorVerdict {
+    compare_with_sums(id, reference, candidate, threshold_abs, eps, detection).0
 }
 
 /// The tests to run on the tensor `id`: parameter gradients have neither the sparse nor the
