@@ -721,3 +721,56 @@ fn module_information_without_a_kind_is_read() {
         Err(Error::File { .. })
     ));
 }
+
+/// The Megatron fallback is dtype-aware: a tensor stored in BF16 in an FP32 run was rounded to
+/// BF16 at least once, so one BF16 ulp of difference passes (priced at BF16's ε, where the
+/// training dtype's would fail it at ~2,000 times the threshold); one stored in FP32 in a BF16
+/// run keeps BF16's ε (storage does not say it was computed in FP32).
+#[test]
+fn the_fallback_is_priced_at_the_coarser_of_training_and_stored_dtypes() {
+    let d = tmp("fallback-dtype");
+    let ones = vec![1.0; 64];
+    let mut one_ulp = ones.clone();
+    one_ulp[5] = 1.0 + 2f64.powi(-7);
+    let write = |dir: &std::path::Path, recipe: &str, v: &[f64], f: Format| {
+        write_trace_dir(
+            dir,
+            &Mesh::single(),
+            Some(recipe),
+            &[(
+                "weird_tensor".to_string(),
+                Layout::replicated(),
+                vec![t(v, f)],
+            )],
+            &HashMap::new(),
+            &HashMap::new(),
+        )
+        .unwrap()
+    };
+    let run = |recipe: &str, f: Format, cand: &[f64]| {
+        write(&d.join("r"), recipe, &ones, f);
+        write(&d.join("c"), recipe, cand, f);
+        let out = check_dir_paths(&d.join("r"), &d.join("c"), PricingMode::Local, &|| {}).unwrap();
+        assert_eq!(out.pricing, vec![ttrace::check::Pricing::Megatron]);
+        out.report.verdicts[0].clone()
+    };
+    // FP32 run, BF16 tensor: threshold 4·1.03·2⁻⁷ relative (‖ref‖ = 8) against a difference
+    // of 2⁻⁷/8.
+    let v = run("fp32", Format::BF16, &one_ulp);
+    let bf16 = 4.0 * 1.03 * 2f64.powi(-7);
+    assert!(v.passed, "{v:?}");
+    assert!((v.threshold - bf16).abs() <= 1e-12 * bf16, "{v:?}");
+    // BF16 run, FP32 tensor: BF16's ε all the same; an element off by 0.5 fails.
+    let v = run("bf16", Format::F32, &one_ulp);
+    assert!((v.threshold - bf16).abs() <= 1e-12 * bf16, "{v:?}");
+    let mut far = ones.clone();
+    far[5] = 1.0 + 0.5;
+    assert!(!run("bf16", Format::F32, &far).passed);
+    // FP32 run, FP32 tensor: FP32's ε, and one BF16 ulp fails.
+    let v = run("fp32", Format::F32, &one_ulp);
+    assert!(
+        !v.passed && (v.threshold - bf16 * 2f64.powi(-16)).abs() <= 1e-12 * bf16,
+        "{v:?}"
+    );
+    std::fs::remove_dir_all(&d).unwrap();
+}

@@ -594,9 +594,15 @@ fn finish(
     }
 }
 
-/// Megatron's 4·1.03^(L+1)·ε·‖ref‖.
+/// Megatron's 4·1.03^(L+1)·ε·‖ref‖, with ε the larger of the training dtype's and the
+/// tensor's stored dtype's: a tensor stored in BF16 was rounded to BF16 at least once whatever
+/// the recipe says. A tensor stored in a finer dtype than the training one keeps the training
+/// dtype's ε: storage does not say in which precision it was computed (FP32 main gradients
+/// summed from BF16 products, FP32 outputs of FP8 GEMMs), and this rule knows nothing else
+/// about it. (The local model prices known modules by the formats they compute in.)
 fn megatron(plan: &Plan, stat: &TensorStat) -> f64 {
-    4.0 * 1.03f64.powi(plan.depth as i32) * plan.eps * stat.ref_norm
+    let eps = plan.eps.max(stat.format.machine_epsilon());
+    4.0 * 1.03f64.powi(plan.depth as i32) * eps * stat.ref_norm
 }
 
 /// The threshold of a consumed tensor made by untraced code: the larger of Megatron's rule and

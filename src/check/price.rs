@@ -84,8 +84,9 @@ pub enum Pricing {
     /// generation makes identical, or a consumed tensor that cannot be merged or disagrees on
     /// non-finite values: threshold 0.
     ModelInput,
-    /// Megatron's 4·1.03^(L+1)·ε·‖ref‖: no inputs of the tensor are traced (its id does not
-    /// follow the `{module}|…` convention).
+    /// Megatron's 4·1.03^(L+1)·ε·‖ref‖, ε of the coarser of the training and the stored
+    /// dtypes: no inputs of the tensor are traced (its id does not follow the `{module}|…`
+    /// convention).
     Megatron,
     /// A consumed tensor equal in the reference to an earlier produced one (the tensor passed
     /// between modules): it may differ no more than that tensor does, plus one unit roundoff
@@ -113,7 +114,8 @@ impl Pricing {
                 "consumed tensor: must merge, and the model's inputs must be identical"
             }
             Pricing::Megatron => {
-                "fallback Megatron 4*1.03^(L+1)*eps*||ref|| (no traced inputs for this id)"
+                "fallback Megatron 4*1.03^(L+1)*eps*||ref||, eps of the coarser of the training \
+                 and stored dtypes (no traced inputs for this id)"
             }
             Pricing::Carried => {
                 "consumed tensor: may differ no more than the produced tensor it equals in the \
