@@ -21,7 +21,9 @@
 //! `bounds::compare`; clustered dependence is what the difference simulation shows. For a
 //! linear statistic L = Σ wᵢDᵢ (scale: wᵢ = rᵢ; bias: wᵢ = 1) the clusters' sums are
 //! independent and symmetric, so conditionally on their magnitudes L is a Rademacher sum and
-//! Hoeffding's inequality gives P(|L| ≥ t·√V) ≤ 2e^(−t²/2) with V the sum of the clusters'
+//! P(|L| ≥ t·√V) ≤ 2c*·P(η ≥ t), η standard normal, c* ≈ 3.178 (Bentkus & Dzindzalieta, *A
+//! tight Gaussian bound for weighted sums of Rademacher random variables*, Bernoulli 21(2),
+//! 2015; tighter than Hoeffding's 2e^(−t²/2) for every δ ≤ 1), with V the sum of the clusters'
 //! squared sums (Efron, *Student's t-test under symmetry conditions*, JASA 64, 1969). V is
 //! estimated by the two-way cluster-robust variance of Cameron, Gelbach & Miller (*Robust
 //! inference with multiway clustering*, J. Bus. Econ. Stat. 29(2), 2011):
@@ -29,7 +31,8 @@
 //!   V̂ = Σ_rows (Σ_row wD)² + Σ_cols (Σ_col wD)² − Σ_elements (wD)²,
 //!
 //! unbiased for V when the parts are as above, floored at the larger of its first two terms.
-//! The test fires when |L| > t·√V̂ with t = √(2 ln(2/δ_s)). Because V̂ contains the signal
+//! The test fires when |L| > t·√V̂ with 2c*·P(η ≥ t) = δ_s ([`symmetric_critical`]: 5.72 at
+//! δ_s = δ/30, δ = 10⁻⁶, where Hoeffding's bound gave 5.98). Because V̂ contains the signal
 //! itself, a test can fire only when the pure signal's statistic (D = r for the scale, D = 1
 //! for the bias) exceeds t — about √(N/(rows + columns)): with too few rows or columns (a
 //! vector, a few dozen tokens) it is reported as not applicable.
@@ -191,9 +194,41 @@ impl Detection {
     }
 }
 
-/// The two-sided sub-Gaussian critical value √(2 ln(2/δ)) (P(|S| ≥ t) ≤ 2e^(−t²/2) ≤ δ).
-pub fn sub_gaussian_critical(delta: f64) -> f64 {
-    (2.0 * (2.0 / delta).ln()).sqrt()
+/// Bentkus and Dzindzalieta's optimal constant c* = 1/(4·P(η ≥ √2)) ≈ 3.178, η standard
+/// normal: P(Σ aᵢεᵢ ≥ x) ≤ c*·P(η ≥ x) for independent Rademacher εᵢ and Σ aᵢ² ≤ 1, every x
+/// (*A tight Gaussian bound for weighted sums of Rademacher random variables*, Bernoulli
+/// 21(2), 2015).
+fn rademacher_constant() -> f64 {
+    1.0 / (4.0 * normal_upper_tail(std::f64::consts::SQRT_2))
+}
+
+/// P(η ≥ x) for η standard normal.
+fn normal_upper_tail(x: f64) -> f64 {
+    0.5 * statrs::function::erf::erfc(x / std::f64::consts::SQRT_2)
+}
+
+/// The two-sided critical value t of a Rademacher sum of unit variance (a self-normalized sum
+/// of independent symmetric clusters, conditionally on their magnitudes) at false-alarm
+/// probability δ: the smaller of Hoeffding's √(2 ln(2/δ)) (P(|S| ≥ t) ≤ 2e^(−t²/2)) and
+/// Bentkus–Dzindzalieta's Gaussian comparison, 2c*·P(η ≥ t) = δ — the latter for every δ ≤ 1
+/// (5.72 against Hoeffding's 5.98 at the tests' δ/30 = 3.3·10⁻⁸).
+pub fn symmetric_critical(delta: f64) -> f64 {
+    let hoeffding = (2.0 * (2.0 / delta).ln()).sqrt();
+    let p = delta / (2.0 * rademacher_constant());
+    if p >= 0.5 {
+        return hoeffding;
+    }
+    // P(η ≥ t) = p, by bisection on the upper tail (monotone): t in [0, 40].
+    let (mut lo, mut hi) = (0.0f64, 40.0f64);
+    for _ in 0..200 {
+        let mid = 0.5 * (lo + hi);
+        if normal_upper_tail(mid) > p {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    hoeffding.min(hi)
 }
 
 /// The critical value of the sparse test for `n` elements at false-alarm probability `delta`:
@@ -818,7 +853,7 @@ impl Detect {
         if self.n == 0 || self.rr <= 0.0 {
             return out;
         }
-        let t = sub_gaussian_critical(self.cfg.each());
+        let t = symmetric_critical(self.cfg.each());
         let n = self.n as f64;
         let sq = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>();
         if self.matrix && self.cols > 0 && self.cfg.systematic {
@@ -1064,7 +1099,7 @@ mod tests {
         };
         assert!((cfg.each() - 0.05).abs() < 1e-12);
         let r = gaussian(rows * cols, 1);
-        let t = sub_gaussian_critical(cfg.each());
+        let t = symmetric_critical(cfg.each());
         let (mut fired_scale, mut fired_bias, mut naive) = (0, 0, 0);
         for k in 0..400 {
             let z = gaussian(rows * cols + rows + cols, 100 + k);
@@ -1385,8 +1420,16 @@ mod tests {
 
     #[test]
     fn critical_values() {
-        // √(2 ln(2/δ)) at δ = 2·e^(−8): exactly 4.
-        assert!((sub_gaussian_critical(2.0 * (-8.0f64).exp()) - 4.0).abs() < 1e-12);
+        // The Gaussian comparison at δ = 2c*·P(η ≥ 6), P(η ≥ 6) = 9.865876450377e-10
+        // (tabulated), is 6; at δ = 0.5, 2c*·P(η ≥ √2) = 1/2 gives √2 (Hoeffding's would be
+        // √(2 ln 4) = 1.67).
+        let c = 1.0 / (4.0 * 0.078_649_603_525_142_2);
+        let at6 = symmetric_critical(2.0 * c * 9.865_876_450_377e-10);
+        assert!((at6 - 6.0).abs() < 1e-9, "{at6}");
+        assert!((symmetric_critical(0.5) - std::f64::consts::SQRT_2).abs() < 1e-9);
+        // At the tests' δ/30: 5.72, below Hoeffding's 5.98.
+        let t = symmetric_critical(1e-6 * 0.1 / 3.0);
+        assert!(t > 5.70 && t < 5.74, "{t}");
         // Laplace of unit variance: P(|X| > x) = exp(−√2 x).
         let x = sparse_critical(10.0, 1e-3);
         assert!(((-std::f64::consts::SQRT_2 * x).exp() * 10.0 - 1e-3).abs() < 1e-15);
