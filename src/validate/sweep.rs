@@ -374,7 +374,6 @@ pub fn run_config_with_thresholds(
             continue;
         }
         let c = cand.require(&e.id)?;
-        let observed = rel_diff(&e.tensor, c);
         let th = composed
             .get(&e.id)
             .copied()
@@ -394,7 +393,9 @@ pub fn run_config_with_thresholds(
         if !megatron_ttrace(train, depth).accepts(e.tensor.values(), c.values()) {
             baseline_alarms.push("megatron".to_string());
         }
-        let findings = compare_with_sums(
+        // One pass gives the norm (‖Δ‖/‖ref‖ over the finite pairs; non-finite values that
+        // disagree count as an infinite difference) and the tests beyond it.
+        let verdict = compare_with_sums(
             &e.id,
             &e.tensor,
             c,
@@ -405,8 +406,13 @@ pub fn run_config_with_thresholds(
                 ..Detection::default()
             },
         )
-        .0
-        .findings;
+        .0;
+        let observed = if verdict.nonfinite_mismatches > 0 {
+            f64::INFINITY
+        } else {
+            verdict.rel_error
+        };
+        let findings = verdict.findings;
         tensors.push(TensorResult {
             findings,
             id: e.id.clone(),
