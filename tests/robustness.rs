@@ -774,3 +774,50 @@ fn the_fallback_is_priced_at_the_coarser_of_training_and_stored_dtypes() {
     );
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// Differences whose squares underflow are not lost: a candidate differing from the reference
+/// only by subnormal amounts, or in a tensor of magnitude 1e-170 (every square below the
+/// smallest `f64`), fails a zero threshold and reports its relative error — checked against
+/// the same norms computed on the values scaled by 2^600 (exact for these magnitudes).
+#[test]
+fn differences_whose_squares_underflow_are_measured() {
+    let exact = |r: &[f64], c: &[f64]| {
+        let k = 2f64.powi(600);
+        let dn = r
+            .iter()
+            .zip(c)
+            .map(|(a, b)| ((b - a) * k).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let rn = r.iter().map(|a| (a * k).powi(2)).sum::<f64>().sqrt();
+        dn / rn
+    };
+    let sub: Vec<f64> = (0..512).map(|i| i as f64 * 1e-310).collect();
+    let mut sub_c = sub.clone();
+    sub_c[7] = 3e-310;
+    sub_c[300] = sub[300] + 5e-324;
+    let tiny: Vec<f64> = (0..512).map(|i| (1.0 + i as f64) * 1e-170).collect();
+    let tiny_c: Vec<f64> = tiny.iter().map(|x| x * (1.0 + 1e-3)).collect();
+    for (r, c) in [(&sub, &sub_c), (&tiny, &tiny_c)] {
+        let v = compare_tensor(
+            "x",
+            &Tensor::from_vec(&[64, 8], r.clone(), Format::F64).unwrap(),
+            &Tensor::from_vec(&[64, 8], c.clone(), Format::F64).unwrap(),
+            0.0,
+            1.0,
+        );
+        assert!(!v.passed, "{v:?}");
+        let want = exact(r, c);
+        assert!(
+            (v.rel_error - want).abs() <= 1e-12 * want,
+            "{} against {want}",
+            v.rel_error
+        );
+    }
+    // The overflow side: a difference beyond the largest f64 is an infinite norm, never a pass.
+    let (mut r, mut c) = (vec![1.0; 16], vec![1.0; 16]);
+    r[3] = 1e308;
+    c[3] = -1e308;
+    let v = compare_tensor("x", &t(&r, Format::F64), &t(&c, Format::F64), f64::MAX, 1.0);
+    assert!(!v.passed && v.rel_error.is_infinite(), "{v:?}");
+}

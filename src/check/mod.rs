@@ -333,10 +333,17 @@ fn compare_pair(
     verdict.max_ulp = st.max_ulp;
     verdict.nonfinite_mismatches = st.nonfinite_mismatches;
     verdict.first_nonfinite = st.first_nonfinite;
-    let (dn, rn) = if st.d2.is_finite() && st.r2.is_finite() {
+    // A sum of squares below the normal range lost precision to underflow (differences below
+    // about 1e-154; all of it when every square underflows, which would make differing
+    // tensors "identical"), one beyond it overflowed: the norms again, scaled.
+    let underflow = |sum: f64, max: f64| max > 0.0 && sum < f64::MIN_POSITIVE;
+    let (dn, rn) = if st.d2.is_finite()
+        && st.r2.is_finite()
+        && !underflow(st.d2, st.max_abs)
+        && !underflow(st.r2, st.rmax)
+    {
         (st.d2.sqrt(), st.r2.sqrt())
     } else {
-        // A square overflowed (values beyond about 1e154): the norms again, scaled.
         scaled_norms(pair)
     };
     apply_threshold(&mut verdict, dn, rn, threshold_abs);
@@ -351,33 +358,48 @@ fn compare_pair(
     )
 }
 
-/// ‖c − r‖_F and ‖r‖_F over the finite pairs, scaled by the largest magnitudes so that no
-/// square overflows; +∞ only for a norm beyond the largest `f64`. A difference of two finite
-/// values may itself overflow (1e308 against −1e308): it is computed halved. Two visits: the
-/// maxima, then the scaled sums.
+/// ‖c − r‖_F and ‖r‖_F over the finite pairs, each sum of squares scaled by its largest term
+/// so that no square overflows or underflows (differences of subnormal size are not lost);
+/// +∞ only for a norm beyond the largest `f64` — which a difference of two finite values that
+/// itself overflows (1e308 against −1e308) implies. Two visits: the maxima, then the scaled
+/// sums.
 fn scaled_norms(pair: &Pair) -> (f64, f64) {
     let finite = |a: f64, b: f64| a.is_finite() && b.is_finite();
     let (mut dmax, mut rmax) = (0.0f64, 0.0f64);
     (pair.pieces)(&mut |r, c| {
         for (&a, &b) in r.iter().zip(c).filter(|(&a, &b)| finite(a, b)) {
-            dmax = dmax.max((b / 2.0 - a / 2.0).abs());
+            dmax = dmax.max((b - a).abs());
             rmax = rmax.max(a.abs());
         }
     });
-    let (mut ds, mut rs) = (0.0f64, 0.0f64);
+    if dmax == f64::INFINITY {
+        return (f64::INFINITY, rmax_norm(pair, rmax));
+    }
+    let mut ds = 0.0f64;
     (pair.pieces)(&mut |r, c| {
         for (&a, &b) in r.iter().zip(c).filter(|(&a, &b)| finite(a, b)) {
             if dmax > 0.0 {
-                let d = (b / 2.0 - a / 2.0) / dmax;
+                let d = (b - a) / dmax;
                 ds += d * d;
-            }
-            if rmax > 0.0 {
-                let x = a / rmax;
-                rs += x * x;
             }
         }
     });
-    (2.0 * dmax * ds.sqrt(), rmax * rs.sqrt())
+    (dmax * ds.sqrt(), rmax_norm(pair, rmax))
+}
+
+/// ‖r‖_F over the finite pairs given its largest magnitude `rmax`, scaled by it.
+fn rmax_norm(pair: &Pair, rmax: f64) -> f64 {
+    let finite = |a: f64, b: f64| a.is_finite() && b.is_finite();
+    let mut rs = 0.0f64;
+    if rmax > 0.0 {
+        (pair.pieces)(&mut |r, c| {
+            for (&a, _) in r.iter().zip(c).filter(|(&a, &b)| finite(a, b)) {
+                let x = a / rmax;
+                rs += x * x;
+            }
+        });
+    }
+    rmax * rs.sqrt()
 }
 
 /// Fill a verdict's error, threshold, ratio and pass columns from ‖cand − ref‖_F = `dn`,
