@@ -111,6 +111,10 @@ const SHARED_BY: f64 = 3.0;
 /// Rows the sparse test keeps a record of (40 bytes each: 160 MiB at most).
 const MAX_ROW_RECORDS: usize = 1 << 22;
 
+/// The smallest two-way variance a systematic test is judged on: every term lost to underflow
+/// is below 2⁻¹⁰⁷⁵, so for fewer than 2⁴⁰ elements the lost part is below 2⁻³⁵ of it.
+const MIN_SOUND_VARIANCE: f64 = 1.0e-271; // ≈ 2⁻⁹⁰⁰
+
 /// Longest row: rows longer than this are cut into pieces of it (and have no columns). 2¹⁸
 /// holds a 256k vocabulary's logits; the row buffers then stay within 4 MiB per comparison.
 const MAX_ROW: usize = 1 << 18;
@@ -890,6 +894,20 @@ impl Detect {
                     unit,
                 ),
             ] {
+                // Sums of squares of squares leave the f64 range for extreme magnitudes (an F64
+                // tensor beyond about 1e±75, or differences far below its values): then a sum
+                // is infinite or has lost its smallest terms to underflow, and the test is not
+                // applicable rather than judged on a broken variance.
+                let sound = |c: &Clustered, cols: f64| {
+                    let v = c.variance(cols);
+                    [c.sum, c.rows, c.elements, cols, v]
+                        .iter()
+                        .all(|x| x.is_finite())
+                        && v >= MIN_SOUND_VARIANCE
+                };
+                if !sound(&signal, signal_cols) || !sound(&stat, cols) || !per.is_finite() {
+                    continue;
+                }
                 if signal.sum / signal.variance(signal_cols).sqrt() <= t {
                     continue;
                 }
@@ -925,6 +943,11 @@ impl Detect {
         }
         let n = self.n as f64;
         let rms_all = (self.rr / n).sqrt();
+        if !rms_all.is_finite() {
+            // Σr² beyond the f64 range (an F64 tensor of values beyond about 1e154): the
+            // rows' scales are infinite, and the test would see nothing. Not applicable.
+            return None;
+        }
         // Rows whose reference is zero measure against the tensor's root mean square.
         let scaled = |u: &RowRecord| {
             if u.zero {
@@ -1350,6 +1373,40 @@ mod tests {
                 );
             }
             assert_eq!(fast.on_grid, plain.on_grid);
+        }
+    }
+
+    /// The tests are homogeneous: scaling a pair by 2^k (exact) leaves every finding the same,
+    /// bit for bit, while the sums stay in range; beyond it (an F64 tensor of values near
+    /// 1e±160 or 1e±300) a test is reported not applicable, never fired on a broken sum.
+    #[test]
+    fn findings_do_not_depend_on_magnitude_and_extremes_never_fire() {
+        let (rows, cols) = (128, 96);
+        let r = gaussian(rows * cols, 21);
+        let z = gaussian(rows * cols, 22);
+        // Round-off-like noise, and a real scale on top of it.
+        let noise: Vec<f64> = r.iter().zip(&z).map(|(a, w)| a + 1e-12 * w).collect();
+        let scaled: Vec<f64> = noise.iter().map(|b| b * (1.0 + 1e-9)).collect();
+        for (c, fires) in [(&noise, false), (&scaled, true)] {
+            let base = run(&[rows, cols], &r, c);
+            assert_eq!(base.iter().any(|f| f.fired), fires, "{base:?}");
+            for k in [-300, -150, -60, 60, 150, 300] {
+                let m = 2f64.powi(k);
+                let rk: Vec<f64> = r.iter().map(|a| a * m).collect();
+                let ck: Vec<f64> = c.iter().map(|b| b * m).collect();
+                let got = run(&[rows, cols], &rk, &ck);
+                if k.abs() <= 60 {
+                    assert_eq!(got, base, "2^{k}");
+                } else {
+                    for f in &got {
+                        let same = base.iter().find(|g| g.detector == f.detector);
+                        assert!(
+                            !f.fired || same.is_some_and(|g| g.fired),
+                            "2^{k}: {f:?} fired where the unscaled pair gives {same:?}"
+                        );
+                    }
+                }
+            }
         }
     }
 
