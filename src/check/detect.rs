@@ -217,22 +217,12 @@ fn normal_upper_tail(x: f64) -> f64 {
 /// Bentkus–Dzindzalieta's Gaussian comparison, 2c*·P(η ≥ t) = δ — the latter for every δ ≤ 1
 /// (5.72 against Hoeffding's 5.98 at the tests' δ/30 = 3.3·10⁻⁸).
 pub fn symmetric_critical(delta: f64) -> f64 {
+    use statrs::distribution::{ContinuousCDF, Normal};
     let hoeffding = (2.0 * (2.0 / delta).ln()).sqrt();
     let p = delta / (2.0 * rademacher_constant());
-    if p >= 0.5 {
-        return hoeffding;
-    }
-    // P(η ≥ t) = p, by bisection on the upper tail (monotone): t in [0, 40].
-    let (mut lo, mut hi) = (0.0f64, 40.0f64);
-    for _ in 0..200 {
-        let mid = 0.5 * (lo + hi);
-        if normal_upper_tail(mid) > p {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    hoeffding.min(hi)
+    // P(η ≥ t) = p: t = −Φ⁻¹(p) (the lower tail, without the cancellation of 1 − p).
+    let gaussian = Normal::standard().inverse_cdf(p.min(0.5));
+    hoeffding.min(-gaussian)
 }
 
 /// The critical value of the sparse test for `n` elements at false-alarm probability `delta`:
@@ -286,6 +276,20 @@ struct Columns<'a> {
     r2: &'a mut [f64],
     n: &'a mut [usize],
     q: &'a mut [f64],
+}
+
+impl Columns<'_> {
+    /// Adds element `j` (reference `a`, terms `e`) to its column; its squared term only where
+    /// `with_q` (a row whose reference is not zero).
+    fn add(&mut self, j: usize, a: f64, e: &Element, with_q: bool) {
+        self.dr[j] += e.da;
+        self.d[j] += e.d;
+        self.r2[j] += a * a;
+        self.n[j] += 1;
+        if with_q {
+            self.q[j] += e.q;
+        }
+    }
 }
 
 /// One row's sums of the first pass (see [`Detect::row_pass_plain`]).
@@ -385,7 +389,8 @@ impl Kernel {
             let aa = _mm256_and_pd(a, abs);
             let m = _mm256_max_pd(aa, _mm256_and_pd(b, abs));
             let allowance = _mm256_mul_pd(_mm256_max_pd(_mm256_and_pd(m, exp), min_ulp), frac);
-            let inv = _mm256_div_pd(one, _mm256_max_pd(_mm256_mul_pd(own_v, aa), floor_v));
+            let scale = _mm256_max_pd(_mm256_mul_pd(own_v, aa), floor_v);
+            let inv = _mm256_div_pd(one, scale);
             let e = _mm256_mul_pd(d, inv);
             let q = _mm256_mul_pd(e, e);
             let a2 = _mm256_mul_pd(a, a);
@@ -397,7 +402,7 @@ impl Kernel {
             qs = _mm256_add_pd(qs, q);
             qmax = _mm256_max_pd(qmax, q);
             let over = _mm256_max_pd(_mm256_sub_pd(_mm256_and_pd(d, abs), allowance), zero);
-            emax = _mm256_max_pd(emax, _mm256_mul_pd(over, inv));
+            emax = _mm256_max_pd(emax, _mm256_div_pd(over, scale));
             if let Some(k) = cols.as_mut() {
                 // SAFETY: the column slices are as long as the row (a full row of a matrix).
                 unsafe {
@@ -426,13 +431,7 @@ impl Kernel {
         for j in tail..n {
             let e = self.element(&mut acc, 0, r[j], c[j], floor, own);
             if let Some(k) = cols.as_mut() {
-                k.dr[j] += e.da;
-                k.d[j] += e.d;
-                k.r2[j] += r[j] * r[j];
-                k.n[j] += 1;
-                if !zero_row {
-                    k.q[j] += e.q;
-                }
+                k.add(j, r[j], &e, !zero_row);
             }
         }
         Some(acc.sums(rr, zero_row))
@@ -466,7 +465,7 @@ impl Kernel {
         let (floor, own) = if zero { (1.0, 0.0) } else { (rms, 1.0) };
         let mut acc = Acc::default();
         match cols {
-            Some(cols) => {
+            Some(mut cols) => {
                 let with_q = !zero;
                 let chunks = r
                     .chunks_exact(LANES)
@@ -488,13 +487,7 @@ impl Kernel {
                 }
                 for j in tail..n {
                     let e = self.element(&mut acc, 0, r[j], c[j], floor, own);
-                    cols.dr[j] += e.da;
-                    cols.d[j] += e.d;
-                    cols.r2[j] += r[j] * r[j];
-                    cols.n[j] += 1;
-                    if with_q {
-                        cols.q[j] += e.q;
-                    }
+                    cols.add(j, r[j], &e, with_q);
                 }
             }
             None => {
@@ -519,7 +512,8 @@ impl Kernel {
         let max = |m: f64, x: f64| if m > x { m } else { x };
         let m = max(a.abs(), b.abs());
         let allowance = max(f64::from_bits(m.to_bits() & EXP), self.min_ulp) * self.frac;
-        let inv = 1.0 / max(own * a.abs(), floor);
+        let scale = max(own * a.abs(), floor);
+        let inv = 1.0 / scale;
         let e = d * inv;
         let q = e * e;
         acc.x[l] += da;
@@ -530,7 +524,7 @@ impl Kernel {
         acc.q[l] += q;
         let max = |m: f64, x: f64| if m > x { m } else { x };
         acc.qmax[l] = max(acc.qmax[l], q);
-        acc.emax[l] = max(acc.emax[l], max(d.abs() - allowance, 0.0) * inv);
+        acc.emax[l] = max(acc.emax[l], max(d.abs() - allowance, 0.0) / scale);
         Element { d, da, q }
     }
 }
@@ -562,9 +556,7 @@ impl Acc {
             a4: sum(&self.a4),
             q: sum(&self.q),
             qmax: max(&self.qmax),
-            // Raised by four units in the last place: an upper bound of the divisions
-            // `row_pass_plain` makes, whatever the reciprocal's rounding.
-            emax: max(&self.emax) * (1.0 + 4.0 * f64::EPSILON),
+            emax: max(&self.emax),
         }
     }
 }
@@ -715,8 +707,8 @@ impl Detect {
     /// [`Detect::row_pass`] on a row whose pairs are all finite: the same sums in lanes,
     /// without branches (an element that does not differ adds zeros), so that they vectorize;
     /// equal to [`Detect::row_pass_plain`] but for the order of the additions and a
-    /// reciprocal in place of two divisions. False, with nothing added, on a row with a
-    /// non-finite pair.
+    /// reciprocal for the squared terms (the row's largest excess is divided exactly, so it
+    /// is the same bound). False, with nothing added, on a row with a non-finite pair.
     fn row_pass_finite(&mut self, r: &[f64], c: &[f64]) -> bool {
         let n = r.len();
         let full = self.cols > 0 && n == self.cols;
@@ -857,10 +849,10 @@ impl Detect {
         if self.n == 0 || self.rr <= 0.0 {
             return out;
         }
-        let t = symmetric_critical(self.cfg.each());
         let n = self.n as f64;
         let sq = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>();
         if self.matrix && self.cols > 0 && self.cfg.systematic {
+            let t = symmetric_critical(self.cfg.each());
             // Scale: the pure signal D = r has L = Σr², rows Σ(Σ_row r²)², columns
             // Σ(Σ_col r²)², elements Σr⁴; bias: D = 1 has rows Σ(row length)², columns
             // Σ(column length)², elements n.
@@ -989,9 +981,7 @@ impl Detect {
         let mut worst: Option<(f64, f64, f64, usize)> = None;
         let mut count = 0;
         for (ub, k) in order {
-            // (A bound within a few units in the last place of the worst so far is a tie: the
-            // first pass's bounds are raised by that much.)
-            if ub <= crit && worst.is_some_and(|w| ub <= w.0 * (1.0 + 16.0 * f64::EPSILON)) {
+            if ub <= crit && worst.is_some_and(|w| ub <= w.0) {
                 break;
             }
             let u = self.rows[k];

@@ -372,34 +372,25 @@ fn scaled_norms(pair: &Pair) -> (f64, f64) {
             rmax = rmax.max(a.abs());
         }
     });
-    if dmax == f64::INFINITY {
-        return (f64::INFINITY, rmax_norm(pair, rmax));
-    }
-    let mut ds = 0.0f64;
+    // Sums of squares over the largest term, 0 where that is 0 or infinite (a norm of 0 or
+    // +∞ already).
+    let unit = |m: f64| if m > 0.0 && m.is_finite() { m } else { 0.0 };
+    let (du, ru) = (unit(dmax), unit(rmax));
+    let (mut ds, mut rs) = (0.0f64, 0.0f64);
     (pair.pieces)(&mut |r, c| {
         for (&a, &b) in r.iter().zip(c).filter(|(&a, &b)| finite(a, b)) {
-            if dmax > 0.0 {
-                let d = (b - a) / dmax;
+            if du > 0.0 {
+                let d = (b - a) / du;
                 ds += d * d;
+            }
+            if ru > 0.0 {
+                let x = a / ru;
+                rs += x * x;
             }
         }
     });
-    (dmax * ds.sqrt(), rmax_norm(pair, rmax))
-}
-
-/// ‖r‖_F over the finite pairs given its largest magnitude `rmax`, scaled by it.
-fn rmax_norm(pair: &Pair, rmax: f64) -> f64 {
-    let finite = |a: f64, b: f64| a.is_finite() && b.is_finite();
-    let mut rs = 0.0f64;
-    if rmax > 0.0 {
-        (pair.pieces)(&mut |r, c| {
-            for (&a, _) in r.iter().zip(c).filter(|(&a, &b)| finite(a, b)) {
-                let x = a / rmax;
-                rs += x * x;
-            }
-        });
-    }
-    rmax * rs.sqrt()
+    let norm = |m: f64, u: f64, s: f64| if u > 0.0 { u * s.sqrt() } else { m };
+    (norm(dmax, du, ds), norm(rmax, ru, rs))
 }
 
 /// Fill a verdict's error, threshold, ratio and pass columns from ‖cand − ref‖_F = `dn`,
