@@ -156,8 +156,58 @@ fn upstream_moved(
     })
 }
 
+/// A lower bound q of the `p`-quantile of χ²_ν (P(χ²_ν ≤ q) ≤ p), as close as the
+/// distribution function allows: statrs' inverse where it is one (it returns NaN beyond
+/// ν ≈ 2.5·10⁵, where a vacuous threshold followed), else bisection on the distribution
+/// function from Laurent and Massart's bound P(χ²_ν ≤ ν − 2√(νx)) ≤ e^(−x) (Ann. Statist.
+/// 28(5), 2000, Lemma 1; a Gamma variable of any real shape has the same lower tail), which is
+/// the answer where even the distribution function fails. 0 when no positive bound exists.
+pub(crate) fn chi_squared_lower_quantile(nu: f64, p: f64) -> f64 {
+    let Ok(c) = ChiSquared::new(nu) else {
+        return 0.0;
+    };
+    let below = |q: f64| {
+        let f = c.cdf(q);
+        f.is_finite() && f <= p
+    };
+    let q = c.inverse_cdf(p);
+    // The inverse is accepted when it is within a part in 10⁹ of the true quantile's lower
+    // side (its own tolerance), so that the bound stays a bound.
+    if q.is_finite() && q > 0.0 {
+        let q = q * (1.0 - 1e-9);
+        if below(q) {
+            return q;
+        }
+    }
+    let lm = (nu - 2.0 * (nu * (1.0 / p).ln()).sqrt()).max(0.0);
+    // The distribution function must bracket p between the bound and ν; where it does not
+    // (it failed, or p is not small), the bound is the answer.
+    if !below(lm) || below(nu) {
+        return lm;
+    }
+    // cdf(lo) ≤ p < cdf(hi).
+    let (mut lo, mut hi) = (lm, nu);
+    for _ in 0..200 {
+        let mid = 0.5 * (lo + hi);
+        if mid <= lo || mid >= hi {
+            break;
+        }
+        if below(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
 /// Composed thresholds for every traced tensor of `reference`, the last step of a model whose
 /// state before that step is `before`.
+///
+/// # Errors
+/// [`Error::InvalidParameter`] for fewer than 2 samples or a probability outside (0, 1);
+/// [`Error::NoFiniteBound`] when a tensor's threshold would be infinite (never a vacuous
+/// threshold); errors of the simulated steps.
 pub fn composed_thresholds(
     before: &Gpt,
     reference: &Trace,
@@ -273,17 +323,6 @@ pub fn composed_thresholds(
         }
         // Mean (common to every sample: roundings of fixed reference values near a rounding
         // boundary) and centred second moment.
-        if std::env::var("TTRACE_DEBUG_ID")
-            .map(|v| v == id)
-            .unwrap_or(false)
-        {
-            eprintln!(
-                "{id}: sample sq norms {:?}",
-                sq.iter()
-                    .map(|x| format!("{:.3e}", x.sqrt() / norm(r.values())))
-                    .collect::<Vec<_>>()
-            );
-        }
         let len = samples[0][k].len();
         let mut mean = vec![0.0; len];
         for smp in &samples {
@@ -328,9 +367,7 @@ pub fn composed_thresholds(
             1.0
         };
         let nu = (m - 1.0) * rank;
-        let q = ChiSquared::new(nu)
-            .map(|c| c.inverse_cdf(config.delta_estimate))
-            .unwrap_or(0.0);
+        let q = chi_squared_lower_quantile(nu, config.delta_estimate);
         let est = if q > 0.0 { nu / q } else { f64::INFINITY };
         let hkz = 1.0 + 2.0 * (t / rank).sqrt() + 2.0 * t / rank.sqrt();
         let spread = (trc * est * hkz).sqrt();
@@ -342,6 +379,16 @@ pub fn composed_thresholds(
             // No spread in the samples (a rare discrete event did not occur in any of them):
             // fall back to the site's analytic bound.
             abs = mean_norm + local.unwrap_or(0.0);
+        }
+        if !abs.is_finite() {
+            // A threshold of ∞ would pass anything: say so instead.
+            return Err(Error::NoFiniteBound {
+                what: format!("the composed threshold of {id}"),
+                reason: format!(
+                    "the difference simulation gave mean ‖D‖ = {mean_norm:e}, spread² = \
+                     {trc:e}, effective rank {rank}"
+                ),
+            });
         }
         out.insert(
             id.to_string(),
@@ -413,6 +460,30 @@ mod tests {
     use super::*;
     use crate::engine::model::GptConfig;
     use crate::policy::Recipe;
+
+    #[test]
+    fn the_chi_squared_quantile_holds_for_every_degree_of_freedom() {
+        // Tabulated lower 0.001-quantiles (Abramowitz & Stegun, Table 26.8).
+        for (nu, table) in [(11.0, 1.834), (100.0, 61.918)] {
+            let q = chi_squared_lower_quantile(nu, 1e-3);
+            assert!((q / table - 1.0).abs() < 1e-3, "ν = {nu}: {q}");
+        }
+        // Beyond ν ≈ 2.5·10⁵ statrs' inverse is NaN (the threshold was infinite): against
+        // Wilson–Hilferty, whose relative error is about 10⁻⁷ there, and above Laurent and
+        // Massart's bound.
+        for nu in [25_708.78f64, 282_796.6, 323_729.77, 1e6, 1e7] {
+            let z = 3.090_232_306_167_813_f64; // Φ⁻¹(0.999)
+            let a = 2.0 / (9.0 * nu);
+            let wh = nu * (1.0 - a - z * a.sqrt()).powi(3);
+            let q = chi_squared_lower_quantile(nu, 1e-3);
+            assert!(
+                q.is_finite() && (q / wh - 1.0).abs() < 1e-6,
+                "ν = {nu}: {q} vs {wh}"
+            );
+            assert!(q > nu - 2.0 * (nu * 1e3f64.ln()).sqrt(), "ν = {nu}");
+        }
+        assert_eq!(chi_squared_lower_quantile(0.0, 1e-3), 0.0);
+    }
 
     #[test]
     fn stochastic_rounding_onto_the_grid_is_unbiased_and_on_the_grid() {
