@@ -19,8 +19,8 @@
 //! token reads the same value vector, so that vector's round-off reaches every row's channel j
 //! alike — strongly so under attention sinks). Symmetric signs are the random-rounding model of
 //! `bounds::compare`; clustered dependence is what the difference simulation shows. For a
-//! linear statistic L = Σ wᵢDᵢ (scale: wᵢ = rᵢ; bias: wᵢ = 1) the clusters' sums are
-//! independent and symmetric, so conditionally on their magnitudes L is a Rademacher sum and
+//! linear statistic L = Σ wᵢDᵢ (scale: wᵢ = mᵢ = (rᵢ + cᵢ)/2; bias: wᵢ = 1) the clusters' sums
+//! are independent and symmetric, so conditionally on their magnitudes L is a Rademacher sum and
 //! P(|L| ≥ t·√V) ≤ 2c*·P(η ≥ t), η standard normal, c* ≈ 3.178 (Bentkus & Dzindzalieta, *A
 //! tight Gaussian bound for weighted sums of Rademacher random variables*, Bernoulli 21(2),
 //! 2015; tighter than Hoeffding's 2e^(−t²/2) for every δ ≤ 1), with V the sum of the clusters'
@@ -33,12 +33,22 @@
 //! unbiased for V when the parts are as above, floored at the larger of its first two terms.
 //! The test fires when |L| > t·√V̂ with 2c*·P(η ≥ t) = δ_s ([`symmetric_critical`]: 5.72 at
 //! δ_s = δ/30, δ = 10⁻⁶, where Hoeffding's bound gave 5.98). Because V̂ contains the signal
-//! itself, a test can fire only when the pure signal's statistic (D = r for the scale, D = 1
+//! itself, a test can fire only when the pure signal's statistic (D = m for the scale, D = 1
 //! for the bias) exceeds t — about √(N/(rows + columns)): with too few rows or columns (a
 //! vector, a few dozen tokens) it is reported as not applicable.
 //!
-//! * **Scale**: the relative scale ŝ = ⟨D, r⟩/⟨r, r⟩ fires when |ŝ| > t·√V̂/⟨r, r⟩.
+//! * **Scale**: the relative scale ŝ = ⟨D, m⟩/⟨m, m⟩ fires when |ŝ| > t·√V̂/⟨m, m⟩.
 //! * **Bias**: the mean of D over the reference's root mean square.
+//!
+//! **Why the midpoint weights.** The reference has round-off of its own, which the candidate
+//! does not share: in the random-rounding model both are executions of one computation,
+//! r = t + n_r and c = t + n_c with (r, c) exchangeable, and then ⟨D, r⟩ = ⟨c, r⟩ − ‖r‖² has
+//! mean −E‖n_r‖² — a scale of minus half the squared relative difference (regression
+//! dilution). Its noise shrinks like 1/√N, so on large noisy tensors the reference-weighted
+//! test fires on correct runs: an FP8 activation gradient of 3·10⁴ elements 12 ε of BF16 off
+//! did (`ttrace validate --large`), and a BF16 tensor 1 ε off would from about 2·10⁶
+//! elements. ⟨D, m⟩ = (‖c‖² − ‖r‖²)/2 changes sign under the exchange, so it is symmetric
+//! under the same model; a scale bug c = (1 + ρ)·t moves it by ρ‖m‖² as before.
 //!
 //! **Parameter gradients have no systematic test**: a weight gradient sums one rank-1 term per
 //! token, so a token's round-off (a per-token scale from its norm or softmax denominator)
@@ -125,7 +135,7 @@ const MAX_ROW: usize = 1 << 18;
 pub enum Detector {
     /// ‖cand − ref‖_F against the tensor's threshold.
     Norm,
-    /// The relative scale ⟨D, ref⟩/⟨ref, ref⟩.
+    /// The relative scale ⟨D, m⟩/⟨m, m⟩, m = (ref + cand)/2.
     Scale,
     /// The mean difference relative to the reference's root mean square.
     Bias,
@@ -274,6 +284,7 @@ struct Columns<'a> {
     dr: &'a mut [f64],
     d: &'a mut [f64],
     r2: &'a mut [f64],
+    m2: &'a mut [f64],
     n: &'a mut [usize],
     q: &'a mut [f64],
 }
@@ -285,6 +296,7 @@ impl Columns<'_> {
         self.dr[j] += e.da;
         self.d[j] += e.d;
         self.r2[j] += a * a;
+        self.m2[j] += e.mm;
         self.n[j] += 1;
         if with_q {
             self.q[j] += e.q;
@@ -295,6 +307,7 @@ impl Columns<'_> {
 /// One row's sums of the first pass (see [`Detect::row_pass_plain`]).
 struct RowSums {
     rr: f64,
+    mm: f64,
     zero: bool,
     x: f64,
     y: f64,
@@ -377,6 +390,8 @@ impl Kernel {
             _mm256_set1_pd(1.0),
         );
         let [mut x, mut y, mut dada, mut dd, mut a4, mut qs, mut qmax, mut emax] = [zero; 8];
+        let mut mms = zero;
+        let half = _mm256_set1_pd(0.5);
         // Columns: Σ dr, Σ d, Σ r², pairs, Σ q (q masked to zero on a row of zero reference).
         let q_mask = _mm256_castsi256_pd(_mm256_set1_epi64x(if zero_row { 0 } else { -1 }));
         let mut cols = cols;
@@ -385,7 +400,9 @@ impl Kernel {
             // SAFETY: i + LANES ≤ tail ≤ the length of both slices.
             let (a, b) = unsafe { (_mm256_loadu_pd(rp.add(i)), _mm256_loadu_pd(cp.add(i))) };
             let d = _mm256_sub_pd(b, a);
-            let da = _mm256_mul_pd(d, a);
+            let mid = _mm256_mul_pd(_mm256_add_pd(a, b), half);
+            let da = _mm256_mul_pd(d, mid);
+            let mm = _mm256_mul_pd(mid, mid);
             let aa = _mm256_and_pd(a, abs);
             let m = _mm256_max_pd(aa, _mm256_and_pd(b, abs));
             let allowance = _mm256_mul_pd(_mm256_max_pd(_mm256_and_pd(m, exp), min_ulp), frac);
@@ -395,10 +412,11 @@ impl Kernel {
             let q = _mm256_mul_pd(e, e);
             let a2 = _mm256_mul_pd(a, a);
             x = _mm256_add_pd(x, da);
+            mms = _mm256_add_pd(mms, mm);
             y = _mm256_add_pd(y, d);
             dada = _mm256_add_pd(dada, _mm256_mul_pd(da, da));
             dd = _mm256_add_pd(dd, _mm256_mul_pd(d, d));
-            a4 = _mm256_add_pd(a4, _mm256_mul_pd(a2, a2));
+            a4 = _mm256_add_pd(a4, _mm256_mul_pd(mm, mm));
             qs = _mm256_add_pd(qs, q);
             qmax = _mm256_max_pd(qmax, q);
             let over = _mm256_max_pd(_mm256_sub_pd(_mm256_and_pd(d, abs), allowance), zero);
@@ -412,6 +430,7 @@ impl Kernel {
                     add(k.dr.as_mut_ptr().add(i), da);
                     add(k.d.as_mut_ptr().add(i), d);
                     add(k.r2.as_mut_ptr().add(i), a2);
+                    add(k.m2.as_mut_ptr().add(i), mm);
                     add(k.q.as_mut_ptr().add(i), _mm256_and_pd(q, q_mask));
                     let np = k.n.as_mut_ptr().add(i).cast::<__m256i>();
                     _mm256_storeu_si256(np, _mm256_add_epi64(_mm256_loadu_si256(np), ones));
@@ -420,6 +439,7 @@ impl Kernel {
         }
         let mut acc = Acc {
             x: lanes(x),
+            mm: lanes(mms),
             y: lanes(y),
             dada: lanes(dada),
             dd: lanes(dd),
@@ -473,14 +493,16 @@ impl Kernel {
                     .zip(cols.dr.chunks_exact_mut(LANES))
                     .zip(cols.d.chunks_exact_mut(LANES))
                     .zip(cols.r2.chunks_exact_mut(LANES))
+                    .zip(cols.m2.chunks_exact_mut(LANES))
                     .zip(cols.n.chunks_exact_mut(LANES))
                     .zip(cols.q.chunks_exact_mut(LANES));
-                for ((((((a, b), dr), d), r2), cn), q) in chunks {
+                for (((((((a, b), dr), d), r2), m2), cn), q) in chunks {
                     for l in 0..LANES {
                         let e = self.element(&mut acc, l, a[l], b[l], floor, own);
                         dr[l] += e.da;
                         d[l] += e.d;
                         r2[l] += a[l] * a[l];
+                        m2[l] += e.mm;
                         cn[l] += 1;
                         q[l] += if with_q { e.q } else { 0.0 };
                     }
@@ -508,7 +530,9 @@ impl Kernel {
     fn element(self, acc: &mut Acc, l: usize, a: f64, b: f64, floor: f64, own: f64) -> Element {
         const EXP: u64 = 0x7ff0_0000_0000_0000;
         let d = b - a;
-        let da = d * a;
+        let mid = (a + b) * 0.5;
+        let da = d * mid;
+        let mm = mid * mid;
         let max = |m: f64, x: f64| if m > x { m } else { x };
         let m = max(a.abs(), b.abs());
         let allowance = max(f64::from_bits(m.to_bits() & EXP), self.min_ulp) * self.frac;
@@ -517,15 +541,16 @@ impl Kernel {
         let e = d * inv;
         let q = e * e;
         acc.x[l] += da;
+        acc.mm[l] += mm;
         acc.y[l] += d;
         acc.dada[l] += da * da;
         acc.dd[l] += d * d;
-        acc.a4[l] += (a * a) * (a * a);
+        acc.a4[l] += mm * mm;
         acc.q[l] += q;
         let max = |m: f64, x: f64| if m > x { m } else { x };
         acc.qmax[l] = max(acc.qmax[l], q);
         acc.emax[l] = max(acc.emax[l], max(d.abs() - allowance, 0.0) / scale);
-        Element { d, da, q }
+        Element { d, da, mm, q }
     }
 }
 
@@ -533,6 +558,7 @@ impl Kernel {
 #[derive(Default)]
 struct Acc {
     x: [f64; LANES],
+    mm: [f64; LANES],
     y: [f64; LANES],
     dada: [f64; LANES],
     dd: [f64; LANES],
@@ -548,6 +574,7 @@ impl Acc {
         let max = |v: &[f64; LANES]| v.iter().fold(0.0f64, |m, &x| m.max(x));
         RowSums {
             rr,
+            mm: sum(&self.mm),
             zero,
             x: sum(&self.x),
             y: sum(&self.y),
@@ -564,7 +591,10 @@ impl Acc {
 /// One element's terms that its column adds.
 struct Element {
     d: f64,
+    /// D·m, m = (r + c)/2.
     da: f64,
+    /// m².
+    mm: f64,
     q: f64,
 }
 
@@ -595,7 +625,9 @@ pub(crate) struct Detect {
     n: usize,
     /// Σ r².
     rr: f64,
-    /// The scale (wᵢ = rᵢ) and bias (wᵢ = 1) statistics by rows and elements.
+    /// Σ m², m = (r + c)/2.
+    mm: f64,
+    /// The scale (wᵢ = mᵢ = (rᵢ + cᵢ)/2) and bias (wᵢ = 1) statistics by rows and elements.
     scale: Clustered,
     bias: Clustered,
     /// The pure scale signal's (D = r) rows and elements: Σ_rows (Σ_row r²)², Σ r⁴.
@@ -604,6 +636,8 @@ pub(crate) struct Detect {
     col_dr: Vec<f64>,
     col_d: Vec<f64>,
     col_r2: Vec<f64>,
+    /// Σ m² per column, m = (r + c)/2 (the scale test's weights).
+    col_m2: Vec<f64>,
     /// Σ (Dⱼ/sⱼ)² and finite pairs per column (the sparse test's column pools).
     col_q: Vec<f64>,
     col_n: Vec<usize>,
@@ -640,6 +674,7 @@ impl Detect {
             done: 0,
             n: 0,
             rr: 0.0,
+            mm: 0.0,
             scale: Clustered::default(),
             bias: Clustered::default(),
             pure_rows: 0.0,
@@ -647,6 +682,7 @@ impl Detect {
             col_dr: vec![0.0; cols],
             col_d: vec![0.0; cols],
             col_r2: vec![0.0; cols],
+            col_m2: vec![0.0; cols],
             col_q: vec![0.0; cols],
             col_n: vec![0; cols],
             rows: Vec::new(),
@@ -720,6 +756,7 @@ impl Detect {
             dr: &mut self.col_dr,
             d: &mut self.col_d,
             r2: &mut self.col_r2,
+            m2: &mut self.col_m2,
             n: &mut self.col_n,
             q: &mut self.col_q,
         };
@@ -747,7 +784,7 @@ impl Detect {
             n,
             zero: s.zero,
         };
-        self.end_row(rec, s.x, s.y, s.rr);
+        self.end_row(rec, s.x, s.y, s.rr, s.mm);
         true
     }
 
@@ -768,21 +805,24 @@ impl Detect {
             ..RowRecord::default()
         };
         let full = self.cols > 0 && r.len() == self.cols;
-        let (mut x, mut y) = (0.0f64, 0.0f64);
+        let (mut x, mut y, mut mm) = (0.0f64, 0.0f64, 0.0f64);
         for (j, (&a, &b)) in r.iter().zip(c).enumerate() {
             if !finite(a, b) {
                 continue;
             }
             let d = b - a;
-            x += d * a;
+            let mid = (a + b) * 0.5;
+            x += d * mid;
             y += d;
-            self.scale.elements += (d * a) * (d * a);
+            mm += mid * mid;
+            self.scale.elements += (d * mid) * (d * mid);
             self.bias.elements += d * d;
-            self.pure_elements += a.powi(4);
+            self.pure_elements += (mid * mid) * (mid * mid);
             if full {
-                self.col_dr[j] += d * a;
+                self.col_dr[j] += d * mid;
                 self.col_d[j] += d;
                 self.col_r2[j] += a * a;
+                self.col_m2[j] += mid * mid;
                 self.col_n[j] += 1;
             }
             if self.grid_live {
@@ -806,18 +846,20 @@ impl Detect {
             rec.qmax = rec.qmax.max(q);
             rec.emax = rec.emax.max((d.abs() - allowance).max(0.0) / s);
         }
-        self.end_row(rec, x, y, rr);
+        self.end_row(rec, x, y, rr, mm);
     }
 
-    /// Adds a finished row's sums: its scale and bias statistics `x`, `y`, Σr² `rr`.
-    fn end_row(&mut self, rec: RowRecord, x: f64, y: f64, rr: f64) {
+    /// Adds a finished row's sums: its scale and bias statistics `x`, `y`, Σr² `rr` and Σm²
+    /// `mm` (m = (r + c)/2).
+    fn end_row(&mut self, rec: RowRecord, x: f64, y: f64, rr: f64, mm: f64) {
         let n = rec.n;
         self.scale.sum += x;
         self.scale.rows += x * x;
         self.bias.sum += y;
         self.bias.rows += y * y;
-        self.pure_rows += rr * rr;
+        self.pure_rows += mm * mm;
         self.rr += rr;
+        self.mm += mm;
         self.n += n;
         self.ones_rows += (n as f64) * (n as f64);
         self.row_count += 1;
@@ -853,11 +895,11 @@ impl Detect {
         let sq = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>();
         if self.matrix && self.cols > 0 && self.cfg.systematic {
             let t = symmetric_critical(self.cfg.each());
-            // Scale: the pure signal D = r has L = Σr², rows Σ(Σ_row r²)², columns
-            // Σ(Σ_col r²)², elements Σr⁴; bias: D = 1 has rows Σ(row length)², columns
-            // Σ(column length)², elements n.
+            // Scale (weights m = (r + c)/2): the pure signal D = m has L = Σm², rows
+            // Σ(Σ_row m²)², columns Σ(Σ_col m²)², elements Σm⁴; bias: D = 1 has rows
+            // Σ(row length)², columns Σ(column length)², elements n.
             let pure = Clustered {
-                sum: self.rr,
+                sum: self.mm,
                 rows: self.pure_rows,
                 elements: self.pure_elements,
             };
@@ -874,8 +916,8 @@ impl Detect {
                     self.scale,
                     sq(&self.col_dr),
                     pure,
-                    sq(&self.col_r2),
-                    self.rr,
+                    sq(&self.col_m2),
+                    self.mm,
                 ),
                 (
                     Detector::Bias,
@@ -1164,6 +1206,65 @@ mod tests {
         assert!(f.iter().all(|x| !x.fired), "{f:?}");
     }
 
+    /// Two runs of the same computation, each with round-off of its own (c = t + n_c,
+    /// r = t + n_r, exchangeable): ⟨D, r⟩ = ⟨c, r⟩ − ‖r‖² has mean −E‖n_r‖², a scale of
+    /// −(relative noise)² that √N times its noise makes visible on large noisy tensors (FP8
+    /// gradients of 10⁴ elements, BF16 tensors of millions). Weighted by the midpoint
+    /// m = (r + c)/2, ⟨D, m⟩ = (‖c‖² − ‖r‖²)/2 changes sign under the exchange.
+    #[test]
+    fn a_reference_with_round_off_of_its_own_does_not_look_like_a_scale() {
+        let (rows, cols) = (256, 512);
+        let t = gaussian(rows * cols, 20);
+        let sigma = 12.0 * EPS; // FP8 gradients a few layers down: ~12 ε of BF16
+        let mut fired = 0;
+        let mut old_ratio = f64::INFINITY;
+        for seed in 0..8 {
+            let (nr, nc) = (
+                gaussian(rows * cols, 100 + seed),
+                gaussian(rows * cols, 200 + seed),
+            );
+            let r: Vec<f64> = t
+                .iter()
+                .zip(&nr)
+                .map(|(a, z)| a * (1.0 + sigma * z))
+                .collect();
+            let c: Vec<f64> = t
+                .iter()
+                .zip(&nc)
+                .map(|(a, z)| a * (1.0 + sigma * z))
+                .collect();
+            let s = get(&run(&[rows, cols], &r, &c), Detector::Scale).unwrap();
+            fired += usize::from(s.fired);
+            // The reference-weighted estimate, its bias and its noise (the oracle):
+            // −σ² against √(2·E r⁴/(E r²)²/N)·σ ≈ √(6/N)·σ.
+            let (dr, rr): (f64, f64) = r
+                .iter()
+                .zip(&c)
+                .fold((0.0, 0.0), |(x, y), (a, b)| (x + (b - a) * a, y + a * a));
+            let noise = (6.0 / (rows * cols) as f64).sqrt() * sigma;
+            old_ratio = old_ratio.min((dr / rr).abs() / (5.72 * noise));
+            assert!(s.estimate.abs() < 4.0 * noise / EPS, "{s:?}");
+        }
+        // The reference weights would have fired on every draw.
+        assert!(old_ratio > 1.5, "{old_ratio}");
+        assert_eq!(fired, 0);
+        // A scale of 1 ε on top (twice the threshold, 0.48 ε here) is still found.
+        let rho = EPS;
+        let (nr, nc) = (gaussian(rows * cols, 300), gaussian(rows * cols, 301));
+        let r: Vec<f64> = t
+            .iter()
+            .zip(&nr)
+            .map(|(a, z)| a * (1.0 + sigma * z))
+            .collect();
+        let c: Vec<f64> = t
+            .iter()
+            .zip(&nc)
+            .map(|(a, z)| a * (1.0 + rho) * (1.0 + sigma * z))
+            .collect();
+        let s = get(&run(&[rows, cols], &r, &c), Detector::Scale).unwrap();
+        assert!(s.fired && (s.estimate - 1.0).abs() < 0.15, "{s:?}");
+    }
+
     #[test]
     fn a_bias_is_found_and_a_vector_has_no_systematic_test() {
         let (rows, cols) = (256, 128);
@@ -1316,7 +1417,10 @@ mod tests {
                     frac: crate::format::pow2(1 - f.precision() as i32),
                 };
                 let bits = |s: RowSums| {
-                    [s.rr, s.x, s.y, s.dada, s.dd, s.a4, s.q, s.qmax, s.emax].map(f64::to_bits)
+                    [
+                        s.rr, s.mm, s.x, s.y, s.dada, s.dd, s.a4, s.q, s.qmax, s.emax,
+                    ]
+                    .map(f64::to_bits)
                 };
                 let (x, y) = (k.dispatch(a, b, None).unwrap(), k.row(a, b, None).unwrap());
                 assert_eq!(bits(x), bits(y));
@@ -1335,6 +1439,7 @@ mod tests {
                 (fast.pure_rows, plain.pure_rows, plain.pure_rows),
                 (fast.pure_elements, plain.pure_elements, plain.pure_elements),
                 (fast.rr, plain.rr, plain.rr),
+                (fast.mm, plain.mm, plain.mm),
             ];
             for (i, (x, y, scale)) in pairs.into_iter().enumerate() {
                 assert!(close(x, y, scale), "{f:?} sum {i}: {x} against {y}");
@@ -1346,6 +1451,7 @@ mod tests {
                     (fast.col_dr[j], plain.col_dr[j]),
                     (fast.col_d[j], plain.col_d[j]),
                     (fast.col_r2[j], plain.col_r2[j]),
+                    (fast.col_m2[j], plain.col_m2[j]),
                     (fast.col_q[j], plain.col_q[j]),
                 ] {
                     assert!(
