@@ -362,13 +362,21 @@ fn validate_rejects_bad_arguments_with_exit_code_2() {
             "validate", "--delta", "2", "--recipe", "fp32", "--seeds", "1",
         ][..],
         &["validate", "--threads", "0"][..],
+        // The size study is one run per recipe: no seeds, no full sweep, no bug runs.
+        &["validate", "--large", "--full"][..],
+        &["validate", "--large", "--seeds", "2"][..],
+        &["validate", "--large", "--no-bugs"][..],
+        &["validate", "--large", "--recipe", "fp7"][..],
     ] {
         let o = ttrace(args, "");
         assert_eq!(o.status.code(), Some(2), "{args:?}");
         let err = String::from_utf8(o.stderr).unwrap();
-        // Our errors, or clap's for a value it refuses (an unknown recipe, bug or algorithm).
+        // Our errors, or clap's for a value or a combination it refuses (an unknown recipe,
+        // bug or algorithm; --large with --full).
         assert!(
-            err.starts_with("ttrace: error:") || err.starts_with("error: invalid value"),
+            err.starts_with("ttrace: error:")
+                || err.starts_with("error: invalid value")
+                || err.starts_with("error: the argument '--large' cannot be used with"),
             "{args:?}: {err}"
         );
     }

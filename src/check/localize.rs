@@ -12,13 +12,14 @@ use std::collections::HashMap;
 use serde::Serialize;
 
 use crate::check::compare_tensor;
-use crate::engine::model::ModuleKind;
+use crate::engine::model::{Module, ModuleKind};
 use crate::engine::trace::TensorId;
 use crate::engine::trace::Trace;
 use crate::error::{Error, Result};
 use crate::policy::Pass;
 use crate::shard::merge::merge;
 use crate::shard::model::{ShardedEntry, ShardedGpt, ShardedStep};
+use crate::tensor::Tensor;
 
 /// Where the first wrong result was found — by the replaying localizer ([`localize`]) or by
 /// the checker of trace directories ([`check_dirs`](crate::check::check_dirs)).
@@ -143,7 +144,7 @@ pub fn localize(
     };
     let modules = sharded.model().modules().to_vec();
     let found =
-        |m: &crate::engine::model::Module,
+        |m: &Module,
          pass: Pass,
          (tensor, rank, ratio, detail): (String, Option<usize>, f64, String)| {
             let parameter = tensor.strip_suffix("|param_grad").map(str::to_string);
@@ -168,14 +169,7 @@ pub fn localize(
                 (k, None, f64::INFINITY, detail),
             )));
         }
-        let ids: Vec<String> = (0..m.inputs.len())
-            .map(|i| TensorId::fwd_input(&m.name, i).to_string())
-            .collect();
-        let mut inputs = vec![];
-        for id in &ids {
-            inputs.push((reference.require(id)?, layout_of(step, id)?));
-        }
-        let out = sharded.replay_forward(&m.name, &inputs)?;
+        let out = replay_forward(sharded, step, reference, m)?;
         if let Some(f) = ctx.first_failure(step, std::slice::from_ref(&out))? {
             return Ok(Some(found(m, Pass::Forward, f)));
         }
@@ -188,17 +182,76 @@ pub fn localize(
                 (k, None, f64::INFINITY, detail),
             )));
         }
-        let mut inputs = vec![];
-        for i in 0..m.inputs.len() {
-            let id = TensorId::fwd_input(&m.name, i).to_string();
-            inputs.push((reference.require(&id)?, layout_of(step, &id)?));
-        }
-        let gid = TensorId::grad_output(&m.name, 0).to_string();
-        let g = (reference.require(&gid)?, layout_of(step, &gid)?);
-        let entries = sharded.replay_backward(&m.name, &inputs, g)?;
+        let entries = replay_backward(sharded, step, reference, m)?;
         if let Some(f) = ctx.first_failure(step, &entries)? {
             return Ok(Some(found(m, Pass::Backward, f)));
         }
     }
     Ok(None)
+}
+
+/// Module `m`'s inputs as the reference traced them, with the sharded step's layouts.
+fn reference_inputs<'a>(
+    step: &ShardedStep,
+    reference: &'a Trace,
+    m: &Module,
+) -> Result<Vec<(&'a Tensor, crate::shard::layout::Layout)>> {
+    (0..m.inputs.len())
+        .map(|i| {
+            let id = TensorId::fwd_input(&m.name, i).to_string();
+            Ok((reference.require(&id)?, layout_of(step, &id)?))
+        })
+        .collect()
+}
+
+/// The sharded forward of `m` on the reference's inputs.
+fn replay_forward(
+    sharded: &mut ShardedGpt,
+    step: &ShardedStep,
+    reference: &Trace,
+    m: &Module,
+) -> Result<ShardedEntry> {
+    let inputs = reference_inputs(step, reference, m)?;
+    sharded.replay_forward(&m.name, &inputs)
+}
+
+/// The sharded backward of `m` on the reference's inputs and output gradient.
+fn replay_backward(
+    sharded: &mut ShardedGpt,
+    step: &ShardedStep,
+    reference: &Trace,
+    m: &Module,
+) -> Result<Vec<ShardedEntry>> {
+    let inputs = reference_inputs(step, reference, m)?;
+    let gid = TensorId::grad_output(&m.name, 0).to_string();
+    let g = (reference.require(&gid)?, layout_of(step, &gid)?);
+    sharded.replay_backward(&m.name, &inputs, g)
+}
+
+/// Every module's own outputs replayed as the localizer replays them (forward on the
+/// reference's inputs, backward on those and the reference's output gradient), merged, by
+/// canonical id: what the module's own arithmetic produces when nothing is carried in. The
+/// sensitivity study perturbs these to measure the localizer's power
+/// ([`crate::validate::sensitivity`]).
+///
+/// # Errors
+/// A tensor the replay needs is missing from `reference` or `step`, or a replay's shards do
+/// not merge (replicas that disagree).
+pub fn replayed_outputs(
+    sharded: &mut ShardedGpt,
+    step: &ShardedStep,
+    reference: &Trace,
+) -> Result<HashMap<String, Tensor>> {
+    let modules = sharded.model().modules().to_vec();
+    let mut out = HashMap::new();
+    for m in &modules {
+        let mut entries = vec![replay_forward(sharded, step, reference, m)?];
+        entries.extend(replay_backward(sharded, step, reference, m)?);
+        for e in entries {
+            let r = reference.require(&e.id)?;
+            let merged = merge(&e.shards, &e.layout, &step.mesh, &e.id, Some(r.shape()))?;
+            out.insert(e.id, merged);
+        }
+    }
+    Ok(out)
 }

@@ -18,7 +18,7 @@ pub(crate) mod sweep;
 pub use compose::{composed_thresholds, perturbation_estimate, Composed, SimulationConfig};
 pub use fresh::{fresh_sites, local_thresholds, FreshSites};
 pub use power::{power_study, synthetic_pair, PowerRow, SyntheticClass};
-pub use sensitivity::{sensitivity, Perturbation, RuleFigures, Sensitivity};
+pub use sensitivity::{sensitivity, Perturbation, Replayed, RuleFigures, Sensitivity};
 pub use sweep::{
     bug_meshes, dump_run, run_bug, run_bug_dumping, run_config, run_config_with_thresholds,
     run_sweep, BugResult, BugRow, KindRow, RunConfig, RunResult, ScaleSummary, SensitivityRow,

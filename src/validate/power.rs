@@ -181,7 +181,18 @@ pub fn power_study(
                     SyntheticClass::Activations => "synthetic|fwd.output.0",
                     SyntheticClass::ParamGrads => "synthetic.weight|param_grad",
                 };
-                let s = sensitivity(shapes, id, &r, &c, th, f64::INFINITY, format, 3, detection);
+                let s = sensitivity(
+                    shapes,
+                    id,
+                    &r,
+                    &c,
+                    th,
+                    f64::INFINITY,
+                    format,
+                    3,
+                    detection,
+                    None,
+                );
                 out.push(PowerRow {
                     format,
                     class,

@@ -22,7 +22,14 @@
 //!
 //! Rules: ours (the norm against the composed threshold and the scale, bias and sparse tests of
 //! [`crate::check::Detector`]), the norm alone, Megatron's 4·1.03^(L+1)·ε, PyTorch's
-//! `assert_close` defaults, and the perturbation estimate.
+//! `assert_close` defaults, and the perturbation estimate — all end to end, on the candidate
+//! as the sharded step produced it, carrying every earlier module's round-off — and the
+//! **replaying localizer** ([`crate::check::localize`]): the same perturbation added to the
+//! module's own output replayed on the reference's inputs, judged against its local threshold
+//! (the difference the module's own arithmetic may add; zero where the sharded arithmetic is
+//! the reference's) and the same tests. That is a bug born in that module as the localizer
+//! sees it; it needs the model to replay, so trace files from elsewhere have only the first
+//! five rules.
 
 use serde::Serialize;
 
@@ -92,17 +99,33 @@ pub struct RuleFigures {
     pub torch: Option<f64>,
     /// The perturbation estimate.
     pub perturbation: Option<f64>,
+    /// The replaying localizer: the module's own output, replayed on the reference's inputs
+    /// and perturbed, against its local threshold and the tests beyond the norm (`None` also
+    /// where the tensor has no replay: [`Sensitivity::replayed`]).
+    pub localizer: Option<f64>,
 }
 
 impl RuleFigures {
+    /// The rules' names in table order.
+    pub const NAMES: [&'static str; 6] = [
+        "ours",
+        "norm only",
+        "megatron",
+        "torch",
+        "perturbation",
+        "localizer",
+    ];
+
     /// The rules by name, in table order.
-    pub fn named(&self) -> [(&'static str, Option<f64>); 5] {
+    pub fn named(&self) -> [(&'static str, Option<f64>); 6] {
+        let n = Self::NAMES;
         [
-            ("ours", self.ours),
-            ("norm only", self.norm),
-            ("megatron", self.megatron),
-            ("torch", self.torch),
-            ("perturbation", self.perturbation),
+            (n[0], self.ours),
+            (n[1], self.norm),
+            (n[2], self.megatron),
+            (n[3], self.torch),
+            (n[4], self.perturbation),
+            (n[5], self.localizer),
         ]
     }
 }
@@ -112,6 +135,9 @@ impl RuleFigures {
 pub struct Sensitivity {
     /// Per shape, in [`Perturbation::ALL`] order.
     pub figures: Vec<(Perturbation, RuleFigures)>,
+    /// The tensor has a replayed output, so [`RuleFigures::localizer`] is a figure (or a
+    /// false alarm when `None`).
+    pub replayed: bool,
 }
 
 impl Sensitivity {
@@ -123,7 +149,8 @@ impl Sensitivity {
 
 const DRAWS: usize = 100;
 
-/// What a rule is given: the reference, a perturbed candidate, and which draw it is.
+/// What a rule is given: the reference, the candidate to perturb and the norm's threshold.
+#[derive(Clone, Copy)]
 struct Case<'a> {
     id: &'a str,
     reference: &'a Tensor,
@@ -133,10 +160,20 @@ struct Case<'a> {
     detection: Detection,
 }
 
+/// What the replaying localizer sees of a tensor: the module's own output on the reference's
+/// inputs ([`crate::check::replayed_outputs`]) and its local threshold on ‖output − r‖.
+#[derive(Debug, Clone, Copy)]
+pub struct Replayed<'a> {
+    /// The replayed output, merged.
+    pub output: &'a Tensor,
+    /// The local threshold (absolute; 0 where the sharded arithmetic is the reference's).
+    pub threshold_abs: f64,
+}
+
 /// ρ* for every rule and each of the perturbation `shapes` ([`Perturbation::ALL`] for the
 /// whole study). `threshold_abs`: ours on ‖c − r‖; `perturbation`: the perturbation estimate
 /// (relative); `train`: the training dtype (Megatron's ε and the unit of the tests'
-/// estimates), `depth` = L + 1.
+/// estimates), `depth` = L + 1; `replayed`: the localizer's view, if the tensor has one.
 #[allow(clippy::too_many_arguments)]
 pub fn sensitivity(
     shapes: &[Perturbation],
@@ -148,6 +185,7 @@ pub fn sensitivity(
     train: Format,
     depth: u32,
     detection: Detection,
+    replayed: Option<Replayed<'_>>,
 ) -> Sensitivity {
     let case = Case {
         id,
@@ -157,30 +195,34 @@ pub fn sensitivity(
         eps: train.machine_epsilon(),
         detection,
     };
+    let local = replayed.map(|l| Case {
+        candidate: l.output,
+        threshold_abs: l.threshold_abs,
+        ..case
+    });
     let figures = shapes
         .iter()
-        .map(|&p| (p, figures_for(&case, p, perturbation, train, depth)))
+        .map(|&p| {
+            let f = figures_for(&case, local.as_ref(), p, perturbation, train, depth);
+            (p, f)
+        })
         .collect();
-    Sensitivity { figures }
+    Sensitivity {
+        figures,
+        replayed: replayed.is_some(),
+    }
 }
 
-fn figures_for(
-    case: &Case,
-    shape: Perturbation,
-    pert_estimate: f64,
-    train: Format,
-    depth: u32,
-) -> RuleFigures {
+/// The unit perturbations (ρ = 1) of `shape`, one per draw, scaled by ρ when applied.
+fn units(case: &Case, shape: Perturbation) -> Vec<Vec<f64>> {
     let r = case.reference.values();
     let c = case.candidate.values();
     let n = r.len().max(1);
     let rnorm = r.iter().map(|x| x * x).sum::<f64>().sqrt();
     let row = case.reference.shape().last().copied().unwrap_or(1).max(1);
-    let draws = shape.draws();
     let mut rng = SplitMix64::for_name(case.id, 0x5e75 ^ (shape_seed(shape)));
-    // Unit perturbations (ρ = 1) per draw, scaled by ρ when applied.
     let rms = rnorm / (n as f64).sqrt();
-    let units: Vec<Vec<f64>> = (0..draws)
+    (0..shape.draws())
         .map(|k| match shape {
             Perturbation::Gaussian => (0..n).map(|_| rms * rng.normal()).collect(),
             Perturbation::Scale => {
@@ -211,86 +253,146 @@ fn figures_for(
                 u
             }
         })
-        .collect();
-    let torch = torch_assert_close(case.reference.format());
-    let meg = megatron_ttrace(train, depth);
-    let perturbed = |rho: f64, k: usize| -> Vec<f64> {
-        c.iter().zip(&units[k]).map(|(b, w)| b + rho * w).collect()
-    };
-    let frob = |rho: f64, k: usize| -> f64 {
+        .collect()
+}
+
+/// A case's candidate with draw `k` of `units` at size ρ, and its norm test and tests beyond
+/// the norm.
+struct Perturbed<'a> {
+    case: &'a Case<'a>,
+    units: Vec<Vec<f64>>,
+    detection: Detection,
+}
+
+impl Perturbed<'_> {
+    fn new<'a>(case: &'a Case<'a>, shape: Perturbation) -> Perturbed<'a> {
+        Perturbed {
+            units: units(case, shape),
+            detection: detection_for(case.id, case.detection),
+            case,
+        }
+    }
+
+    fn values(&self, rho: f64, k: usize) -> Vec<f64> {
+        let c = self.case.candidate.values();
+        c.iter()
+            .zip(&self.units[k])
+            .map(|(b, w)| b + rho * w)
+            .collect()
+    }
+
+    fn frob(&self, rho: f64, k: usize) -> f64 {
+        let (r, c) = (self.case.reference.values(), self.case.candidate.values());
         r.iter()
             .zip(c)
-            .zip(&units[k])
+            .zip(&self.units[k])
             .map(|((a, b), w)| {
                 let d = b + rho * w - a;
                 d * d
             })
             .sum::<f64>()
             .sqrt()
-    };
-    // The norm first (cheap); the other tests only where it stays quiet. The perturbed values
-    // are off the format's grid: the tests allow one ulp of the reference's format.
-    let detection = detection_for(case.id, case.detection);
-    let ours = |rho: f64, k: usize| -> bool {
-        frob(rho, k) > case.threshold_abs
+    }
+
+    /// The norm against the case's threshold, else the tests beyond it. The perturbed values
+    /// are off the format's grid: the tests allow one ulp of the reference's format.
+    fn rejects(&self, rho: f64, k: usize) -> bool {
+        let reference = self.case.reference;
+        self.frob(rho, k) > self.case.threshold_abs
             || detect(
-                case.reference.shape(),
-                r,
-                &perturbed(rho, k),
-                case.reference.format(),
-                case.eps,
-                detection,
+                reference.shape(),
+                reference.values(),
+                &self.values(rho, k),
+                reference.format(),
+                self.case.eps,
+                self.detection,
             )
             .iter()
             .any(|f| f.fired)
-    };
-    let rules: [&dyn Fn(f64, usize) -> bool; 5] = [
-        &ours,
-        &|rho, k| frob(rho, k) > case.threshold_abs,
-        &|rho, k| !meg.accepts(r, &perturbed(rho, k)),
-        &|rho, k| !torch.accepts(r, &perturbed(rho, k)),
-        &|rho, k| frob(rho, k) > pert_estimate * rnorm,
-    ];
+    }
+}
+
+/// ρ* of `rule` over `draws` draws: `None` when it rejects the unperturbed pair, +∞ when 99%
+/// power is not reached at ρ = 100, 0 when it is reached at ρ = 10⁻¹² already (a zero
+/// threshold: any change is detected).
+fn rho_star(draws: usize, rule: &dyn Fn(f64, usize) -> bool) -> Option<f64> {
+    if rule(0.0, 0) {
+        return None;
+    }
     let misses_allowed = draws / 100;
-    let mut out = [None; 5];
-    for (slot, rule) in out.iter_mut().zip(rules) {
-        if rnorm == 0.0 || rule(0.0, 0) {
-            continue;
-        }
-        // At least 99% of the draws detected (every draw when there are fewer than 100).
-        let powerful = |rho: f64| {
-            let mut misses = 0;
-            for k in 0..draws {
-                if !rule(rho, k) {
-                    misses += 1;
-                    if misses > misses_allowed {
-                        return false;
-                    }
+    // At least 99% of the draws detected (every draw when there are fewer than 100).
+    let powerful = |rho: f64| {
+        let mut misses = 0;
+        for k in 0..draws {
+            if !rule(rho, k) {
+                misses += 1;
+                if misses > misses_allowed {
+                    return false;
                 }
             }
-            true
-        };
-        let (mut lo, mut hi) = (-12.0f64, 2.0f64);
-        if !powerful(10f64.powf(hi)) {
-            *slot = Some(f64::INFINITY);
-            continue;
         }
-        for _ in 0..14 {
-            let mid = 0.5 * (lo + hi);
-            if powerful(10f64.powf(mid)) {
-                hi = mid;
-            } else {
-                lo = mid;
-            }
-        }
-        *slot = Some(10f64.powf(hi));
+        true
+    };
+    let (mut lo, mut hi) = (-12.0f64, 2.0f64);
+    if !powerful(10f64.powf(hi)) {
+        return Some(f64::INFINITY);
     }
+    if powerful(10f64.powf(lo)) {
+        return Some(0.0);
+    }
+    for _ in 0..14 {
+        let mid = 0.5 * (lo + hi);
+        if powerful(10f64.powf(mid)) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    Some(10f64.powf(hi))
+}
+
+fn figures_for(
+    case: &Case,
+    replayed: Option<&Case>,
+    shape: Perturbation,
+    pert_estimate: f64,
+    train: Format,
+    depth: u32,
+) -> RuleFigures {
+    let r = case.reference.values();
+    let rnorm = r.iter().map(|x| x * x).sum::<f64>().sqrt();
+    let draws = shape.draws();
+    let p = Perturbed::new(case, shape);
+    let torch = torch_assert_close(case.reference.format());
+    let meg = megatron_ttrace(train, depth);
+    let rules: [&dyn Fn(f64, usize) -> bool; 5] = [
+        &|rho, k| p.rejects(rho, k),
+        &|rho, k| p.frob(rho, k) > case.threshold_abs,
+        &|rho, k| !meg.accepts(r, &p.values(rho, k)),
+        &|rho, k| !torch.accepts(r, &p.values(rho, k)),
+        &|rho, k| p.frob(rho, k) > pert_estimate * rnorm,
+    ];
+    let mut out = [None; 5];
+    if rnorm > 0.0 {
+        for (slot, rule) in out.iter_mut().zip(rules) {
+            *slot = rho_star(draws, rule);
+        }
+    }
+    let localizer = replayed.and_then(|local| {
+        let p = Perturbed::new(local, shape);
+        if rnorm > 0.0 {
+            rho_star(draws, &|rho, k| p.rejects(rho, k))
+        } else {
+            None
+        }
+    });
     RuleFigures {
         ours: out[0],
         norm: out[1],
         megatron: out[2],
         torch: out[3],
         perturbation: out[4],
+        localizer,
     }
 }
 
@@ -323,6 +425,7 @@ mod tests {
             Format::BF16,
             3,
             Detection::default(),
+            None,
         );
         let g = s.of(Perturbation::Gaussian).unwrap();
         let ours = g.norm.unwrap();
@@ -347,8 +450,65 @@ mod tests {
             Format::BF16,
             3,
             Detection::default(),
+            None,
         );
         assert_eq!(s.of(Perturbation::Gaussian).unwrap().norm, None);
+    }
+
+    #[test]
+    fn the_localizer_judges_the_replayed_output_against_its_local_threshold() {
+        let (rows, cols) = (64, 64);
+        let eps = Format::F32.machine_epsilon();
+        let mut g = SplitMix64::for_name("replay", 2);
+        let r: Vec<f64> = (0..rows * cols).map(|_| g.normal()).collect();
+        let rn = r.iter().map(|x| x * x).sum::<f64>().sqrt();
+        // End to end: 20 ε of carried round-off and a threshold at 30 ε.
+        let c: Vec<f64> = r.iter().map(|x| x + 20.0 * eps * x * g.normal()).collect();
+        let rt = Tensor::from_vec(&[rows, cols], r.clone(), Format::F64).unwrap();
+        let ct = Tensor::from_vec(&[rows, cols], c, Format::F64).unwrap();
+        let study = |replayed: Option<Replayed<'_>>| {
+            sensitivity(
+                &[Perturbation::Gaussian],
+                "x|fwd.output.0",
+                &rt,
+                &ct,
+                30.0 * eps * rn,
+                1.0,
+                Format::F32,
+                3,
+                Detection::default(),
+                replayed,
+            )
+        };
+        let s = study(None);
+        assert!(!s.replayed);
+        let g0 = *s.of(Perturbation::Gaussian).unwrap();
+        assert_eq!(g0.localizer, None);
+        // √(30² − 20²) ≈ 22 ε end to end.
+        let ours = g0.ours.unwrap() / eps;
+        assert!(ours > 20.0 && ours < 26.0, "{ours}");
+        // A bit-identical replay with a zero local threshold: any change is detected.
+        let s = study(Some(Replayed {
+            output: &rt,
+            threshold_abs: 0.0,
+        }));
+        assert!(s.replayed);
+        assert_eq!(s.of(Perturbation::Gaussian).unwrap().localizer, Some(0.0));
+        // A replay 1 ε off with a local threshold of 2 ε: ρ* ≈ √(4 − 1) ε.
+        let l: Vec<f64> = r.iter().map(|x| x + eps * x * g.normal()).collect();
+        let lt = Tensor::from_vec(&[rows, cols], l, Format::F64).unwrap();
+        let s = study(Some(Replayed {
+            output: &lt,
+            threshold_abs: 2.0 * eps * rn,
+        }));
+        let local = s.of(Perturbation::Gaussian).unwrap().localizer.unwrap() / eps;
+        assert!(local > 1.5 && local < 2.1, "{local}");
+        // A replay already beyond its local threshold has no figure (a false alarm).
+        let s = study(Some(Replayed {
+            output: &lt,
+            threshold_abs: 0.5 * eps * rn,
+        }));
+        assert_eq!(s.of(Perturbation::Gaussian).unwrap().localizer, None);
     }
 
     #[test]
@@ -372,6 +532,7 @@ mod tests {
             Format::BF16,
             3,
             Detection::default(),
+            None,
         );
         let of = |p| *s.of(p).unwrap();
         let (scale, one) = (of(Perturbation::Scale), of(Perturbation::Elements(1)));

@@ -12,8 +12,8 @@ use crate::bounds::baselines::{megatron_ttrace, torch_assert_close};
 use crate::bounds::Confidence;
 use crate::bugs::Bug;
 use crate::check::{
-    check, compare_with_sums, localize, CheckReport, Detection, Detector, Finding, Localization,
-    NORM_SHARE,
+    check, compare_with_sums, localize, replayed_outputs, CheckReport, Detection, Detector,
+    Finding, Localization, NORM_SHARE,
 };
 use crate::engine::model::{Gpt, GptConfig};
 use crate::engine::trace::{TensorId, TensorRole, Trace};
@@ -27,7 +27,7 @@ use crate::shard::model::{ShardedGpt, ShardedStep};
 use crate::tensor::Tensor;
 use crate::validate::compose::{composed_thresholds, perturbation_estimate, SimulationConfig};
 use crate::validate::fresh::{fresh_sites, local_thresholds};
-use crate::validate::sensitivity::{sensitivity, Perturbation, Sensitivity};
+use crate::validate::sensitivity::{sensitivity, Perturbation, Replayed, RuleFigures, Sensitivity};
 
 /// One configuration of the sweep.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -58,6 +58,8 @@ pub struct SweepOptions {
     pub bug_meshes: usize,
     /// The mesh on which every tensor's sensitivity is measured (first seed, ring).
     pub sensitivity_mesh: Option<Mesh>,
+    /// The sensitivity study skips tensors of fewer elements.
+    pub sensitivity_min_elements: usize,
 }
 
 impl SweepOptions {
@@ -168,12 +170,54 @@ impl SweepOptions {
             simulation: SimulationConfig::default(),
             perturbation_samples: 4,
             bug_meshes: 3,
-            sensitivity_mesh: Some(Mesh {
-                tp: 2,
-                cp: 2,
-                dp: 2,
-                sp: true,
-            }),
+            sensitivity_mesh: Some(Self::SENSITIVITY_MESH),
+            sensitivity_min_elements: 0,
+        }
+    }
+
+    /// The mesh of the sensitivity study: tp2-sp-cp2-dp2.
+    pub const SENSITIVITY_MESH: Mesh = Mesh {
+        tp: 2,
+        cp: 2,
+        dp: 2,
+        sp: true,
+    };
+
+    /// The larger GPT of the size study: 2 layers, hidden 128, 4 heads, sequence 64, batch 4
+    /// (256 tokens), vocabulary 256, online attention with key blocks of 16 (the CP = 2
+    /// chunk): activations of 3·10⁴–1.3·10⁵ elements, weight gradients of 3·10⁴–6.6·10⁴.
+    pub fn large_model() -> GptConfig {
+        GptConfig {
+            layers: 2,
+            hidden: 128,
+            heads: 4,
+            seq: 64,
+            batch: 4,
+            vocab: 256,
+            attention: AttentionImpl::Online { block: 16 },
+            ..GptConfig::default()
+        }
+    }
+
+    /// The size study: the sensitivity study on [`SweepOptions::large_model`] and tensors of
+    /// at least 10⁴ elements, one correct run per recipe of `recipes` on the sensitivity mesh
+    /// (its false alarms counted as in any sweep), no bug runs.
+    pub fn large(recipes: &[&str]) -> SweepOptions {
+        let runs = recipes
+            .iter()
+            .map(|recipe| RunConfig {
+                mesh: Self::SENSITIVITY_MESH,
+                recipe: recipe.to_string(),
+                seed: 1000,
+                algorithm: Algorithm::Ring,
+            })
+            .collect();
+        SweepOptions {
+            model: Self::large_model(),
+            runs,
+            bug_meshes: 0,
+            sensitivity_min_elements: 10_000,
+            ..Self::sweep(&[], &[], 0)
         }
     }
 }
@@ -368,6 +412,15 @@ pub fn run_config_with_thresholds(
     let eps = recipe.activation_format.machine_epsilon();
     let localizer = localize(&mut sharded, &cand_step, &ref_trace, &local, eps)?;
     let depth = before.config().layers as u32 + 1;
+    let studied = Some(run.mesh) == options.sensitivity_mesh
+        && Some(run.seed) == options.runs.first().map(|r| r.seed)
+        && run.algorithm == Algorithm::Ring;
+    // The localizer's view of every module's own output, for its column of the study.
+    let replayed = if studied {
+        replayed_outputs(&mut sharded, &cand_step, &ref_trace)?
+    } else {
+        HashMap::new()
+    };
     let mut tensors = vec![];
     for e in ref_trace.entries() {
         if TensorId::parse(&e.id).is_some_and(|t| !t.produced()) {
@@ -425,10 +478,8 @@ pub fn run_config_with_thresholds(
             eps: train.machine_epsilon(),
             effective_rank: th.effective_rank,
             baseline_alarms,
-            sensitivity: (Some(run.mesh) == options.sensitivity_mesh
-                && Some(run.seed) == options.runs.first().map(|r| r.seed)
-                && run.algorithm == Algorithm::Ring)
-                .then(|| {
+            sensitivity: (studied && e.tensor.len() >= options.sensitivity_min_elements).then(
+                || {
                     sensitivity(
                         &Perturbation::ALL,
                         &e.id,
@@ -442,8 +493,13 @@ pub fn run_config_with_thresholds(
                             delta: sim.delta,
                             ..Detection::default()
                         },
+                        replayed.get(&e.id).map(|output| Replayed {
+                            output,
+                            threshold_abs: local.get(&e.id).copied().unwrap_or(0.0),
+                        }),
                     )
-                }),
+                },
+            ),
         });
     }
     let thresholds = Thresholds {
@@ -829,10 +885,13 @@ pub struct SensitivityRow {
     pub perturbation: Perturbation,
     /// Tensors.
     pub tensors: usize,
-    /// (rule, median ρ* / ε, false alarms) for ours, the norm alone, megatron, torch and the
-    /// perturbation estimate.
+    /// (rule, median ρ* / ε, false alarms) for ours, the norm alone, megatron, torch, the
+    /// perturbation estimate and the localizer (over the tensors it replays).
     pub rules: Vec<(String, f64, usize)>,
 }
+
+/// The localizer's index in [`RuleFigures::named`].
+const LOCALIZER: usize = 5;
 
 fn sensitivity_rows(runs: &[RunResult]) -> Vec<SensitivityRow> {
     let mut groups: BTreeMap<(String, String), Vec<(&TensorResult, &Sensitivity)>> =
@@ -857,18 +916,24 @@ fn sensitivity_rows(runs: &[RunResult]) -> Vec<SensitivityRow> {
     let mut out = vec![];
     for p in Perturbation::ALL {
         for ((recipe, kind), ts) in &groups {
-            let figures: Vec<(&TensorResult, _)> = ts
+            let figures: Vec<(&TensorResult, bool, _)> = ts
                 .iter()
-                .filter_map(|(t, sv)| sv.of(p).map(|f| (*t, f.named())))
+                .filter_map(|(t, sv)| sv.of(p).map(|f| (*t, sv.replayed, f.named())))
                 .collect();
-            let rules = (0..5)
+            let rules = (0..LOCALIZER + 1)
                 .map(|k| {
-                    let name = figures.first().map_or("", |(_, f)| f[k].0);
+                    // The localizer's column: the tensors it replays.
+                    let of = |replayed: bool| k != LOCALIZER || replayed;
+                    let name = RuleFigures::NAMES[k];
                     let vals: Vec<f64> = figures
                         .iter()
-                        .filter_map(|(t, f)| f[k].1.map(|x| x / t.eps))
+                        .filter(|(_, rep, _)| of(*rep))
+                        .filter_map(|(t, _, f)| f[k].1.map(|x| x / t.eps))
                         .collect();
-                    let fa = figures.iter().filter(|(_, f)| f[k].1.is_none()).count();
+                    let fa = figures
+                        .iter()
+                        .filter(|(_, rep, f)| of(*rep) && f[k].1.is_none())
+                        .count();
                     (name.to_string(), median(vals), fa)
                 })
                 .collect();

@@ -33,6 +33,11 @@ pub struct Args {
     /// Skip the bug-detection runs.
     #[arg(long)]
     pub no_bugs: bool,
+    /// The size study instead: the sensitivity study on a larger GPT (hidden 128, 256
+    /// tokens), over its tensors of at least 10⁴ elements, one correct run per recipe
+    /// (fp32, bf16, fp8-delayed unless --recipe says).
+    #[arg(long, conflicts_with_all = ["full", "seeds", "no_bugs"])]
+    pub large: bool,
 }
 
 /// Run the sweep, print the tables and write the reports.
@@ -46,6 +51,7 @@ pub fn run(a: Args) -> Result<Outcome, String> {
         recipes,
         json,
         no_bugs,
+        large,
     } = a;
     let (recipes, json) = (recipes.as_slice(), json.as_deref());
     use ttrace::validate::{run_sweep, SweepOptions};
@@ -59,17 +65,28 @@ pub fn run(a: Args) -> Result<Outcome, String> {
     if samples as u64 > most {
         return Err(format!("--samples must be at most {most} (got {samples})"));
     }
-    let mut options = if full {
+    let mut options = if large {
+        SweepOptions::large(&["fp32", "bf16", "fp8-delayed", "fp8-current"])
+    } else if full {
         SweepOptions::full_sweep(seeds)
     } else {
         SweepOptions::default_sweep(seeds)
     };
+    if large && recipes.is_empty() {
+        options.runs.retain(|run| run.recipe != "fp8-current");
+    }
     if !recipes.is_empty() {
         options.runs.retain(|run| recipes.contains(&run.recipe));
         if options.runs.is_empty() {
             return Err(format!(
                 "no run of the {} sweep uses the recipe(s) {}",
-                if full { "full" } else { "default" },
+                if large {
+                    "size"
+                } else if full {
+                    "full"
+                } else {
+                    "default"
+                },
                 recipes.join(", ")
             ));
         }
@@ -101,12 +118,14 @@ pub fn run(a: Args) -> Result<Outcome, String> {
         .map_err(|e| e.to_string())?;
     bar.finish_and_clear();
     let compared: usize = report.runs.iter().map(|r| r.tensors.len()).sum();
+    let meshes: std::collections::BTreeSet<String> =
+        options.runs.iter().map(|r| r.mesh.label()).collect();
     outln!(
         "ttrace validate: {} runs ({} meshes x recipes x seeds), model {} layers, hidden {}, \
          seq {}, batch {}; {} produced tensors compared; delta = {:e}, {} simulation samples; \
          {:.1} s on {} threads",
         report.runs.len(),
-        ttrace::validate::SweepOptions::meshes().len(),
+        meshes.len(),
         options.model.layers,
         options.model.hidden,
         options.model.seq,
@@ -153,8 +172,10 @@ pub fn run(a: Args) -> Result<Outcome, String> {
              no figure for them). Shapes: gaussian (‖N‖ ≈ ρ‖ref‖), scale (1 ± ρ), channel bias \
              (ρ·rms·g per channel), k elements (each ±ρ of its magnitude). Rules: ours = the \
              norm and the scale, bias and sparse tests; norm only; megatron = \
-             4·1.03^(L+1)·ε; torch = assert_close; perturbation estimate. inf: not detected \
-             at ρ = 100.",
+             4·1.03^(L+1)·ε; torch = assert_close; perturbation estimate — all end to end; \
+             localizer = the module's own output replayed on the reference's inputs, \
+             perturbed, against its local threshold and the same tests (0: any change is \
+             detected, the replay being bit-identical). inf: not detected at ρ = 100.",
             options
                 .sensitivity_mesh
                 .map(|m| m.label())
