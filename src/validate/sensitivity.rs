@@ -86,7 +86,8 @@ impl Perturbation {
 }
 
 /// ρ* of each rule for one tensor and one perturbation (`None`: the rule rejects the correct
-/// run already; +∞: not detected at ρ = 100).
+/// run already; +∞: not detected at ρ = 100; 0: detected at every ρ ≥ 10⁻¹², a rule whose
+/// threshold is zero).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct RuleFigures {
     /// Our rules: the composed threshold on the norm, and the scale, bias and sparse tests.
