@@ -157,12 +157,12 @@ pub fn run(a: Args) -> Result<Outcome, String> {
             options.runs.first().map(|r| r.seed).unwrap_or(0)
         );
         out!("{}", render_bugs(&report));
-        outln!(
-            "Localizer on the {} correct runs: {} false alarms.",
-            report.runs.len(),
-            report.localizer_false_alarms
-        );
     }
+    outln!(
+        "Localizer on the {} correct runs: {} false alarms.",
+        report.runs.len(),
+        report.localizer_false_alarms
+    );
     if !report.sensitivity_rows.is_empty() {
         outln!();
         outln!(
