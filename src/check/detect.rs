@@ -1216,23 +1216,18 @@ mod tests {
         let (rows, cols) = (256, 512);
         let t = gaussian(rows * cols, 20);
         let sigma = 12.0 * EPS; // FP8 gradients a few layers down: ~12 ε of BF16
+                                // t·(1 + ρ)·(1 + σz), z standard normal per element.
+        let noisy = |seed: u64, rho: f64| -> Vec<f64> {
+            let z = gaussian(rows * cols, seed);
+            t.iter()
+                .zip(&z)
+                .map(|(a, z)| a * (1.0 + rho) * (1.0 + sigma * z))
+                .collect()
+        };
         let mut fired = 0;
         let mut old_ratio = f64::INFINITY;
         for seed in 0..8 {
-            let (nr, nc) = (
-                gaussian(rows * cols, 100 + seed),
-                gaussian(rows * cols, 200 + seed),
-            );
-            let r: Vec<f64> = t
-                .iter()
-                .zip(&nr)
-                .map(|(a, z)| a * (1.0 + sigma * z))
-                .collect();
-            let c: Vec<f64> = t
-                .iter()
-                .zip(&nc)
-                .map(|(a, z)| a * (1.0 + sigma * z))
-                .collect();
+            let (r, c) = (noisy(100 + seed, 0.0), noisy(200 + seed, 0.0));
             let s = get(&run(&[rows, cols], &r, &c), Detector::Scale).unwrap();
             fired += usize::from(s.fired);
             // The reference-weighted estimate, its bias and its noise (the oracle):
@@ -1249,18 +1244,7 @@ mod tests {
         assert!(old_ratio > 1.5, "{old_ratio}");
         assert_eq!(fired, 0);
         // A scale of 1 ε on top (twice the threshold, 0.48 ε here) is still found.
-        let rho = EPS;
-        let (nr, nc) = (gaussian(rows * cols, 300), gaussian(rows * cols, 301));
-        let r: Vec<f64> = t
-            .iter()
-            .zip(&nr)
-            .map(|(a, z)| a * (1.0 + sigma * z))
-            .collect();
-        let c: Vec<f64> = t
-            .iter()
-            .zip(&nc)
-            .map(|(a, z)| a * (1.0 + rho) * (1.0 + sigma * z))
-            .collect();
+        let (r, c) = (noisy(300, 0.0), noisy(301, EPS));
         let s = get(&run(&[rows, cols], &r, &c), Detector::Scale).unwrap();
         assert!(s.fired && (s.estimate - 1.0).abs() < 0.15, "{s:?}");
     }
