@@ -5,6 +5,7 @@ baselines' verdicts beside ttrace's.
     python python/tests/matrix.py                # the whole matrix (about 25 minutes on 2 cores)
     python python/tests/matrix.py --quick        # one clean run and one bug per engine
     python python/tests/matrix.py --json out.json --markdown out.md
+    python python/tests/matrix.py --large        # the size study: 256 tokens (about 5 minutes)
 
 Engines (``jobs.py``): ``megatron-gpt`` — megatron-core's own ``GPTModel`` (Llama-style:
 RMSNorm, rotary, GQA, SwiGLU, vocabulary-parallel embedding, output and cross-entropy) with
@@ -39,7 +40,7 @@ import ttrace  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
 #: Job settings that define the model rather than its parallelism: the reference runs with them.
-MODEL_SETTINGS = ("TTRACE_TEST_SEED", "TTRACE_TEST_ROPE")
+MODEL_SETTINGS = ("TTRACE_TEST_SEED", "TTRACE_TEST_ROPE", "TTRACE_TEST_SIZE")
 SEEDS = (0, 1, 2)
 
 
@@ -257,6 +258,31 @@ def run_one(root: Path, engine: Engine, config: Config, dtype: str, seed: int, b
     return res
 
 
+#: The size study (``--large``): these engines' configurations on the larger model, clean, and
+#: these bugs, each on its configuration.
+LARGE_ENGINES = ("megatron-gpt", "dtensor-llama")
+LARGE_BUGS = ("linear-scale-1e-3",)
+
+
+def plan_large() -> List[Tuple[Engine, Config, str, int, str]]:
+    """Seed 0 of every configuration of LARGE_ENGINES on the larger model in both dtypes, and
+    LARGE_BUGS where they are planted."""
+    out = []
+    for e in ENGINES:
+        if e.name not in LARGE_ENGINES:
+            continue
+        big = {c.name: Config(c.name, c.world, dict(c.env, TTRACE_TEST_SIZE="large"))
+               for c in e.configs}
+        for c in big.values():
+            for dtype in DTYPES:
+                out.append((e, c, dtype, 0, ""))
+        for bug, (cname, _) in e.bugs.items():
+            if bug in LARGE_BUGS:
+                for dtype in DTYPES:
+                    out.append((e, big[cname], dtype, 0, bug))
+    return out
+
+
 def plan(quick: bool) -> List[Tuple[Engine, Config, str, int, str]]:
     out = []
     for e in ENGINES:
@@ -299,13 +325,16 @@ def main() -> int:
     ap.add_argument("--engine", action="append", help="only these engines")
     ap.add_argument("--bugs-only", action="store_true")
     ap.add_argument("--keep", help="keep the traces in this directory")
+    ap.add_argument("--large", action="store_true",
+                    help="the size study: the larger model (256 tokens), clean runs and the "
+                         "1e-3 scale bug")
     args = ap.parse_args()
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="ttrace-matrix-"))
     root.mkdir(parents=True, exist_ok=True)
     refs: Dict[Tuple, Path] = {}
     results = []
     try:
-        for e, c, dtype, seed, bug in plan(args.quick):
+        for e, c, dtype, seed, bug in (plan_large() if args.large else plan(args.quick)):
             if args.engine and e.name not in args.engine:
                 continue
             if args.bugs_only and not bug:

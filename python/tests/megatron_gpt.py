@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import zlib
 from typing import Optional
 
 import torch
 
-DIM, HEADS, GROUPS, FFN, LAYERS, VOCAB, SEQ, BATCH = 64, 8, 4, 128, 2, 128, 16, 2
+#: TTRACE_TEST_SIZE=large: the size study's model (hidden 128, 256 tokens), on which the scale
+#: and bias tests apply (the default's 32 tokens are too few row clusters for them).
+LARGE = os.environ.get("TTRACE_TEST_SIZE", "") == "large"
+DIM, HEADS, GROUPS, FFN, LAYERS, VOCAB, SEQ, BATCH = (
+    (128, 8, 4, 256, 2, 256, 64, 4) if LARGE else (64, 8, 4, 128, 2, 128, 16, 2))
 
 
 def cpu_only() -> None:

@@ -78,6 +78,32 @@ def test_a_corrupted_gradient_shard_on_one_rank_is_found(traces):
     assert "rank 3" in str(report)
 
 
+# --- 256 tokens (TTRACE_TEST_SIZE=large): enough row clusters for the scale and bias tests ----
+
+BIG = dict(SIZE="large")
+
+
+def test_on_256_tokens_a_clean_run_passes_with_the_systematic_tests_applied(traces):
+    report = ttrace.check(mgpt(traces, dtype="bfloat16", **BIG),
+                          mgpt(traces, 2, dtype="bfloat16", **SP2, **BIG))
+    assert report.passed, str(report)
+    judged = {str(f["detector"]) for r in report.rows for f in r.findings}
+    assert {"scale", "bias", "sparse"} <= judged, judged
+
+
+def test_a_scale_below_one_bf16_rounding_is_found_where_it_is_born_on_256_tokens(traces):
+    # The matrix's 32-token run misses this 1 + 1e-3 scale of one linear's product in BF16
+    # (u = 3.9e-3): 32 row clusters cap the scale test's statistic below its critical value.
+    report = ttrace.check(mgpt(traces, dtype="bfloat16", **BIG),
+                          mgpt(traces, 2, "linear-scale-1e-3", "bfloat16", **SP2, **BIG))
+    assert not report.passed
+    first = next(r for r in report.rows if r.id == report.first_failure)
+    assert first.id == "decoder.layers.1.mlp.linear_fc1|fwd.output.0"
+    assert list(first.fired) == ["scale"], first.fired
+    assert report.localization["module"] == "decoder.layers.1.mlp.linear_fc1"
+    assert report.localization["pass"] == "forward"
+
+
 # --- a hand-written Megatron-style engine (explicit collectives, no framework layers) ---------
 
 def hand(traces, world=1, bug="", dtype="float32", **env):
