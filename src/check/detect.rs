@@ -56,9 +56,10 @@
 //! and on the full validation sweep the test fired on one. (A test whose units are rows and
 //! columns separately, each judged by the sign test, fired there too.)
 //!
-//! Per-channel (or per-row) biases are not tested on their own: a column cluster *is* a
-//! per-channel offset, so round-off alone produces them (an attention sink's value vector), and
-//! one channel's data cannot tell that from a bug.
+//! Per-channel (or per-row) biases are not tested here: a column cluster *is* a per-channel
+//! offset, so round-off alone produces them (an attention sink's value vector), and one
+//! channel's data cannot tell that from a bug. Where the difference simulation runs (`ttrace
+//! validate`), it prices the column means ([`Detector::Channel`]).
 //!
 //! # The sparse test
 //!
@@ -139,6 +140,10 @@ pub enum Detector {
     Scale,
     /// The mean difference relative to the reference's root mean square.
     Bias,
+    /// The per-channel offset: the column means of D (each index of the last dimension,
+    /// averaged over rows) against a bound from the difference simulation — `ttrace
+    /// validate` only, where that simulation runs (`validate::Composed::channel`).
+    Channel,
     /// Single elements beyond their own bound.
     Sparse,
 }
@@ -150,6 +155,7 @@ impl Detector {
             Detector::Norm => "norm",
             Detector::Scale => "scale",
             Detector::Bias => "bias",
+            Detector::Channel => "channel",
             Detector::Sparse => "sparse",
         }
     }
@@ -161,8 +167,9 @@ pub struct Finding {
     /// The test.
     pub detector: Detector,
     /// Its estimate in units of ε: the relative scale (scale), the mean difference over the
-    /// reference's root mean square (bias), the worst element's difference beyond one ulp
-    /// over its scale sᵢ (sparse).
+    /// reference's root mean square (bias), the root mean square of the column means over
+    /// the reference's (channel), the worst element's difference beyond one ulp over its
+    /// scale sᵢ (sparse).
     pub estimate: f64,
     /// The threshold on |estimate|, in the same unit.
     pub threshold: f64,

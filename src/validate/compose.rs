@@ -87,6 +87,151 @@ pub struct Composed {
     pub expected_relative: f64,
     /// Effective rank r of the difference's covariance (1 … elements).
     pub effective_rank: f64,
+    /// Bound on ‖column means of cand − ref‖ (the per-channel offset: the mean over rows of
+    /// each index of the last dimension), for tensors of two or more dimensions and rows;
+    /// judged at [`CHANNEL_SHARE`]·δ, taken from the norm's share.
+    pub channel: Option<f64>,
+}
+
+/// The share of the per-tensor false-alarm budget δ the per-channel offset test takes from the
+/// norm's ([`NORM_SHARE`]) on tensors of two or more dimensions (papers/checking.md §7).
+pub const CHANNEL_SHARE: f64 = 1.0 / 30.0;
+
+/// (rows, columns) of a tensor read as a matrix along its last dimension, when it has two or
+/// more dimensions and rows.
+pub(crate) fn channel_shape(shape: &[usize]) -> Option<(usize, usize)> {
+    let cols = *shape.last()?;
+    let n: usize = shape.iter().product();
+    (shape.len() >= 2 && cols > 0 && n / cols >= 2).then(|| (n / cols, cols))
+}
+
+/// The mean over rows of each column of `v` read as rows of `cols`.
+pub(crate) fn column_means(v: &[f64], cols: usize) -> Vec<f64> {
+    let mut out = vec![0.0; cols];
+    let rows = v.len() / cols.max(1);
+    for row in v.chunks_exact(cols) {
+        for (o, x) in out.iter_mut().zip(row) {
+            *o += x;
+        }
+    }
+    out.iter_mut().for_each(|o| *o /= rows.max(1) as f64);
+    out
+}
+
+/// The per-channel offset test on a pair: ‖column means of c − r‖ against `bound`
+/// ([`Composed::channel`]), its estimate and threshold as root mean squares over the columns
+/// relative to the reference's, in units of `eps`. `None` for a tensor that is not a matrix, an
+/// all-zero reference, or non-finite values (judged by the norm).
+pub(crate) fn channel_finding(
+    shape: &[usize],
+    r: &[f64],
+    c: &[f64],
+    bound: f64,
+    eps: f64,
+) -> Option<crate::check::Finding> {
+    let (_, cols) = channel_shape(shape)?;
+    if r.iter().chain(c).any(|x| !x.is_finite()) {
+        return None;
+    }
+    let d: Vec<f64> = c.iter().zip(r).map(|(b, a)| b - a).collect();
+    let offset = norm(&column_means(&d, cols));
+    let rms = norm(r) / (r.len().max(1) as f64).sqrt();
+    if rms == 0.0 {
+        return None;
+    }
+    let unit = (cols as f64).sqrt() * rms * eps;
+    let ratio = if offset == 0.0 {
+        0.0
+    } else if bound > 0.0 {
+        offset / bound
+    } else {
+        f64::INFINITY
+    };
+    Some(crate::check::Finding {
+        detector: crate::check::Detector::Channel,
+        estimate: offset / unit,
+        threshold: bound / unit,
+        ratio,
+        fired: ratio > 1.0,
+        at: None,
+        count: 0,
+    })
+}
+
+/// A composed bound from simulated difference vectors (see [`composed_thresholds`]).
+struct Spread {
+    /// The bound: ‖mean‖ + the spread's tail, never below the largest sample's norm.
+    abs: f64,
+    mean_norm: f64,
+    /// tr of the samples' covariance (0: no spread).
+    trc: f64,
+    /// Its effective rank.
+    rank: f64,
+}
+
+/// The mean of the sample vectors (common to every sample: roundings of fixed reference values
+/// near a rounding boundary) plus a Hsu–Kakade–Zhang tail of their spread at exp(−`t`), the
+/// spread's trace inflated by its χ² confidence bound at `delta_estimate` and its effective
+/// rank estimated from independent pair differences.
+fn spread_bound(vectors: &[&[f64]], t: f64, delta_estimate: f64) -> Spread {
+    let m = vectors.len() as f64;
+    let len = vectors.first().map_or(0, |v| v.len());
+    let n = len.max(1) as f64;
+    let mut mean = vec![0.0; len];
+    for v in vectors {
+        for (a, b) in mean.iter_mut().zip(v.iter()) {
+            *a += b / m;
+        }
+    }
+    let mean_norm = norm(&mean);
+    let trc = vectors
+        .iter()
+        .map(|v| {
+            v.iter()
+                .zip(&mean)
+                .map(|(x, mu)| (x - mu) * (x - mu))
+                .sum::<f64>()
+        })
+        .sum::<f64>()
+        / (m - 1.0);
+    // tr Σ² from independent zero-mean vectors E_j = (D_2j − D_2j+1)/√2.
+    let diffs: Vec<Vec<f64>> = (0..vectors.len() / 2)
+        .map(|j| {
+            vectors[2 * j]
+                .iter()
+                .zip(vectors[2 * j + 1].iter())
+                .map(|(a, b)| (a - b) / std::f64::consts::SQRT_2)
+                .collect()
+        })
+        .collect();
+    let mut pairs = 0.0;
+    let mut tr2 = 0.0;
+    for a in 0..diffs.len() {
+        for b in a + 1..diffs.len() {
+            let dot: f64 = diffs[a].iter().zip(&diffs[b]).map(|(x, y)| x * y).sum();
+            tr2 += dot * dot;
+            pairs += 1.0;
+        }
+    }
+    let rank = if pairs > 0.0 && tr2 > 0.0 && trc > 0.0 {
+        (trc * trc / (tr2 / pairs)).clamp(1.0, n)
+    } else {
+        1.0
+    };
+    let nu = (m - 1.0) * rank;
+    let q = chi_squared_lower_quantile(nu, delta_estimate);
+    let est = if q > 0.0 { nu / q } else { f64::INFINITY };
+    let hkz = 1.0 + 2.0 * (t / rank).sqrt() + 2.0 * t / rank.sqrt();
+    let spread = (trc * est * hkz).sqrt();
+    // Never below the largest simulated difference: every sample is a possible outcome
+    // (this matters for mixtures, e.g. a rare rounding flip seen in one sample).
+    let largest = vectors.iter().map(|v| norm(v)).fold(0.0, f64::max);
+    Spread {
+        abs: (mean_norm + spread * (1.0 + 1.0 / m).sqrt()).max(largest),
+        mean_norm,
+        trc,
+        rank,
+    }
 }
 
 /// Stochastic rounding of a difference `e` onto the grid of `fmt` at value `v`: the law of
@@ -261,8 +406,11 @@ pub fn composed_thresholds(
     }
     let m = config.samples as f64;
     let index: HashMap<&str, usize> = reference.ids().enumerate().map(|(k, id)| (id, k)).collect();
-    // The norm test spends NORM_SHARE of the per-tensor false-alarm budget (papers/checking.md §7).
-    let t = (1.0 / (config.delta * NORM_SHARE)).ln();
+    // The norm test spends NORM_SHARE of the per-tensor false-alarm budget (papers/checking.md
+    // §7); on a matrix it leaves CHANNEL_SHARE of it to the per-channel offset.
+    let t_norm = (1.0 / (config.delta * NORM_SHARE)).ln();
+    let t_split = (1.0 / (config.delta * (NORM_SHARE - CHANNEL_SHARE))).ln();
+    let t_channel = (1.0 / (config.delta * CHANNEL_SHARE)).ln();
     let mut out = HashMap::new();
     for (k, id) in reference.ids().enumerate() {
         let r = reference.require(id)?;
@@ -275,8 +423,14 @@ pub fn composed_thresholds(
         let tr = sq.iter().sum::<f64>() / m;
         // The site's own analytic bound (a fresh site's difference before anything
         // propagates): |Dᵢ| ≤ |εᵢ| + ulpᵢ with |εᵢ| ≤ σᵢ·√(2 ln(2n/δ)) for all i at once.
+        let channels = channel_shape(r.shape());
+        let share = if channels.is_some() {
+            NORM_SHARE - CHANNEL_SHARE
+        } else {
+            NORM_SHARE
+        };
         let local = sites.get(id).map(|var| {
-            let z = (2.0 * (2.0 * n / (config.delta * NORM_SHARE)).ln()).sqrt();
+            let z = (2.0 * (2.0 * n / (config.delta * share)).ln()).sqrt();
             let fmt = r.format();
             var.iter()
                 .zip(r.values())
@@ -317,69 +471,35 @@ pub fn composed_thresholds(
                     },
                     expected_relative: 0.0,
                     effective_rank: n,
+                    channel: channels.map(|(rows, _)| abs / (rows as f64).sqrt()),
                 },
             );
             continue;
         }
-        // Mean (common to every sample: roundings of fixed reference values near a rounding
-        // boundary) and centred second moment.
-        let len = samples[0][k].len();
-        let mut mean = vec![0.0; len];
-        for smp in &samples {
-            for (a, b) in mean.iter_mut().zip(&smp[k]) {
-                *a += b / m;
-            }
-        }
-        let mean_norm = norm(&mean);
-        let trc = samples
-            .iter()
-            .map(|smp| {
-                smp[k]
-                    .iter()
-                    .zip(&mean)
-                    .map(|(x, mu)| (x - mu) * (x - mu))
-                    .sum::<f64>()
-            })
-            .sum::<f64>()
-            / (m - 1.0);
-        // tr Σ² from independent zero-mean vectors E_j = (D_2j − D_2j+1)/√2.
-        let diffs: Vec<Vec<f64>> = (0..samples.len() / 2)
-            .map(|j| {
-                samples[2 * j][k]
-                    .iter()
-                    .zip(&samples[2 * j + 1][k])
-                    .map(|(a, b)| (a - b) / std::f64::consts::SQRT_2)
-                    .collect()
-            })
-            .collect();
-        let mut pairs = 0.0;
-        let mut tr2 = 0.0;
-        for a in 0..diffs.len() {
-            for b in a + 1..diffs.len() {
-                let dot: f64 = diffs[a].iter().zip(&diffs[b]).map(|(x, y)| x * y).sum();
-                tr2 += dot * dot;
-                pairs += 1.0;
-            }
-        }
-        let rank = if pairs > 0.0 && tr2 > 0.0 && trc > 0.0 {
-            (trc * trc / (tr2 / pairs)).clamp(1.0, n)
-        } else {
-            1.0
-        };
-        let nu = (m - 1.0) * rank;
-        let q = chi_squared_lower_quantile(nu, config.delta_estimate);
-        let est = if q > 0.0 { nu / q } else { f64::INFINITY };
-        let hkz = 1.0 + 2.0 * (t / rank).sqrt() + 2.0 * t / rank.sqrt();
-        let spread = (trc * est * hkz).sqrt();
-        let mut abs = mean_norm + spread * (1.0 + 1.0 / m).sqrt();
-        // Never below the largest simulated difference: every sample is a possible outcome
-        // (this matters for mixtures, e.g. a rare rounding flip seen in one sample).
-        abs = abs.max(sq.iter().copied().fold(0.0, f64::max).sqrt());
+        let vectors: Vec<&[f64]> = samples.iter().map(|smp| smp[k].as_slice()).collect();
+        let t = if channels.is_some() { t_split } else { t_norm };
+        let b = spread_bound(&vectors, t, config.delta_estimate);
+        let (mean_norm, trc, rank) = (b.mean_norm, b.trc, b.rank);
+        let mut abs = b.abs;
         if trc == 0.0 {
             // No spread in the samples (a rare discrete event did not occur in any of them):
             // fall back to the site's analytic bound.
             abs = mean_norm + local.unwrap_or(0.0);
         }
+        // The per-channel offset: the samples' column means, bounded the same way at
+        // CHANNEL_SHARE·δ; never looser than what the norm's bound implies
+        // (‖column means‖ ≤ ‖D‖/√rows), which is also the answer without spread.
+        let channel = channels.map(|(rows, cols)| {
+            let means: Vec<Vec<f64>> = vectors.iter().map(|v| column_means(v, cols)).collect();
+            let views: Vec<&[f64]> = means.iter().map(Vec::as_slice).collect();
+            let c = spread_bound(&views, t_channel, config.delta_estimate);
+            let implied = abs / (rows as f64).sqrt();
+            if c.trc > 0.0 {
+                c.abs.min(implied)
+            } else {
+                implied
+            }
+        });
         if !abs.is_finite() {
             // A threshold of ∞ would pass anything: say so instead.
             return Err(Error::NoFiniteBound {
@@ -405,6 +525,7 @@ pub fn composed_thresholds(
                     f64::INFINITY
                 },
                 effective_rank: rank,
+                channel,
             },
         );
     }
@@ -460,6 +581,30 @@ mod tests {
     use super::*;
     use crate::engine::model::GptConfig;
     use crate::policy::Recipe;
+
+    #[test]
+    fn column_means_and_the_bound_the_norm_implies() {
+        assert_eq!(channel_shape(&[4, 3]), Some((4, 3)));
+        assert_eq!(channel_shape(&[2, 5, 3]), Some((10, 3)));
+        assert_eq!(channel_shape(&[12]), None); // a vector
+        assert_eq!(channel_shape(&[1, 12]), None); // one row
+        assert_eq!(column_means(&[1.0, 2.0, 3.0, 5.0], 2), vec![2.0, 3.5]);
+        // ‖column means‖ ≤ ‖D‖/√rows (Cauchy–Schwarz), the bound used without spread.
+        let mut g = SplitMix64::for_name("columns", 3);
+        for (rows, cols) in [(2, 1), (7, 5), (64, 32)] {
+            let d: Vec<f64> = (0..rows * cols).map(|_| g.normal() + 0.3).collect();
+            let lhs = norm(&column_means(&d, cols));
+            assert!(lhs <= norm(&d) / (rows as f64).sqrt() * (1.0 + 1e-12));
+        }
+        // The finding: an offset of 2 per column on rows of rms 1 is 2 in rms over the rms.
+        let r: Vec<f64> = (0..64)
+            .map(|i| if i % 2 == 0 { 1.0 } else { -1.0 })
+            .collect();
+        let c: Vec<f64> = r.iter().map(|x| x + 2.0).collect();
+        let f = channel_finding(&[16, 4], &r, &c, 1.0, 1.0).unwrap();
+        assert!((f.estimate - 2.0).abs() < 1e-12 && f.fired && (f.ratio - 4.0).abs() < 1e-12);
+        assert!(channel_finding(&[64], &r, &c, 1.0, 1.0).is_none());
+    }
 
     #[test]
     fn the_chi_squared_quantile_holds_for_every_degree_of_freedom() {

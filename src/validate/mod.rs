@@ -15,7 +15,9 @@ pub(crate) mod power;
 pub(crate) mod sensitivity;
 pub(crate) mod sweep;
 
-pub use compose::{composed_thresholds, perturbation_estimate, Composed, SimulationConfig};
+pub use compose::{
+    composed_thresholds, perturbation_estimate, Composed, SimulationConfig, CHANNEL_SHARE,
+};
 pub use fresh::{fresh_sites, local_thresholds, FreshSites};
 pub use power::{power_study, synthetic_pair, PowerRow, SyntheticClass};
 pub use sensitivity::{sensitivity, Perturbation, Replayed, RuleFigures, Sensitivity};

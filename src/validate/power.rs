@@ -187,6 +187,7 @@ pub fn power_study(
                     &r,
                     &c,
                     th,
+                    None,
                     f64::INFINITY,
                     format,
                     3,

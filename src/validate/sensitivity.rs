@@ -39,6 +39,7 @@ use crate::check::{detection_for, Detection};
 use crate::engine::init::SplitMix64;
 use crate::format::Format;
 use crate::tensor::Tensor;
+use crate::validate::compose::channel_finding;
 
 /// The shape of an injected perturbation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -157,6 +158,8 @@ struct Case<'a> {
     reference: &'a Tensor,
     candidate: &'a Tensor,
     threshold_abs: f64,
+    /// The per-channel offset's bound, where there is one.
+    channel_abs: Option<f64>,
     eps: f64,
     detection: Detection,
 }
@@ -172,7 +175,8 @@ pub struct Replayed<'a> {
 }
 
 /// ρ* for every rule and each of the perturbation `shapes` ([`Perturbation::ALL`] for the
-/// whole study). `threshold_abs`: ours on ‖c − r‖; `perturbation`: the perturbation estimate
+/// whole study). `threshold_abs`: ours on ‖c − r‖; `channel_abs`: ours on the per-channel
+/// offset (`validate::Composed::channel`); `perturbation`: the perturbation estimate
 /// (relative); `train`: the training dtype (Megatron's ε and the unit of the tests'
 /// estimates), `depth` = L + 1; `replayed`: the localizer's view, if the tensor has one.
 #[allow(clippy::too_many_arguments)]
@@ -182,6 +186,7 @@ pub fn sensitivity(
     reference: &Tensor,
     candidate: &Tensor,
     threshold_abs: f64,
+    channel_abs: Option<f64>,
     perturbation: f64,
     train: Format,
     depth: u32,
@@ -193,12 +198,14 @@ pub fn sensitivity(
         reference,
         candidate,
         threshold_abs,
+        channel_abs,
         eps: train.machine_epsilon(),
         detection,
     };
     let local = replayed.map(|l| Case {
         candidate: l.output,
         threshold_abs: l.threshold_abs,
+        channel_abs: None,
         ..case
     });
     let figures = shapes
@@ -299,7 +306,18 @@ impl Perturbed<'_> {
     /// are off the format's grid: the tests allow one ulp of the reference's format.
     fn rejects(&self, rho: f64, k: usize) -> bool {
         let reference = self.case.reference;
+        let channel = |bound: f64| {
+            channel_finding(
+                reference.shape(),
+                reference.values(),
+                &self.values(rho, k),
+                bound,
+                self.case.eps,
+            )
+            .is_some_and(|f| f.fired)
+        };
         self.frob(rho, k) > self.case.threshold_abs
+            || self.case.channel_abs.is_some_and(channel)
             || detect(
                 reference.shape(),
                 reference.values(),
@@ -422,6 +440,7 @@ mod tests {
             &t,
             &t,
             1e-3 * norm,
+            None,
             1e-2,
             Format::BF16,
             3,
@@ -447,6 +466,7 @@ mod tests {
             &t,
             &c,
             1e-3 * norm,
+            None,
             1e-2,
             Format::BF16,
             3,
@@ -454,6 +474,43 @@ mod tests {
             None,
         );
         assert_eq!(s.of(Perturbation::Gaussian).unwrap().norm, None);
+    }
+
+    #[test]
+    fn a_per_channel_offset_is_found_by_its_column_means_far_below_the_norm() {
+        // 256 rows × 64 channels, round-off of 1 ε per element, the norm at 3 ε, and a
+        // channel bound 3 times the column means' round-off (each column's mean ε/16: ‖D‖/256).
+        let (rows, cols) = (256, 64);
+        let eps = Format::BF16.machine_epsilon();
+        let mut g = SplitMix64::for_name("channel", 4);
+        let r: Vec<f64> = (0..rows * cols).map(|_| g.normal()).collect();
+        let c: Vec<f64> = r.iter().map(|x| x + eps * g.normal()).collect();
+        let rn = r.iter().map(|x| x * x).sum::<f64>().sqrt();
+        let rt = Tensor::from_vec(&[rows, cols], r, Format::F64).unwrap();
+        let ct = Tensor::from_vec(&[rows, cols], c, Format::F64).unwrap();
+        let bound = 3.0 * eps * rn / rows as f64;
+        let study = |channel: Option<f64>| {
+            *sensitivity(
+                &[Perturbation::ChannelBias],
+                "x|fwd.output.0",
+                &rt,
+                &ct,
+                3.0 * eps * rn,
+                channel,
+                1.0,
+                Format::BF16,
+                3,
+                Detection::default(),
+                None,
+            )
+            .of(Perturbation::ChannelBias)
+            .unwrap()
+        };
+        let without = study(None).ours.unwrap() / eps;
+        let with = study(Some(bound)).ours.unwrap() / eps;
+        // The norm: ρ·rms·‖g‖ against √8 ε; the column means: the same against 3 ε/16.
+        assert!(without > 2.0, "{without}");
+        assert!(with < 0.4 && with * 8.0 < without, "{with} {without}");
     }
 
     #[test]
@@ -474,6 +531,7 @@ mod tests {
                 &rt,
                 &ct,
                 30.0 * eps * rn,
+                None,
                 1.0,
                 Format::F32,
                 3,
@@ -529,6 +587,7 @@ mod tests {
             &rt,
             &ct,
             3.0 * eps * rn,
+            None,
             1.0,
             Format::BF16,
             3,

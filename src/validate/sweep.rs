@@ -25,7 +25,9 @@ use crate::shard::collective::Algorithm;
 use crate::shard::layout::Mesh;
 use crate::shard::model::{ShardedGpt, ShardedStep};
 use crate::tensor::Tensor;
-use crate::validate::compose::{composed_thresholds, perturbation_estimate, SimulationConfig};
+use crate::validate::compose::{
+    channel_finding, composed_thresholds, perturbation_estimate, SimulationConfig,
+};
 use crate::validate::fresh::{fresh_sites, local_thresholds};
 use crate::validate::sensitivity::{sensitivity, Perturbation, Replayed, RuleFigures, Sensitivity};
 
@@ -337,6 +339,8 @@ pub struct Thresholds {
     pub local: HashMap<String, f64>,
     /// The perturbation estimate (relative).
     pub perturbation: HashMap<String, f64>,
+    /// Composed bounds on the per-channel offset (‖column means of cand − ref‖), by id.
+    pub channel: HashMap<String, f64>,
 }
 
 /// The reference and the sharded model (with `bug`) of a run, after the warm-up step that
@@ -435,6 +439,7 @@ pub fn run_config_with_thresholds(
                 relative: 0.0,
                 expected_relative: 0.0,
                 effective_rank: 1.0,
+                channel: None,
             });
         // Units of ε: the training dtype (the recipe's activation format), as TTrace and
         // Megatron report; assert_close judges each tensor by its own dtype.
@@ -465,7 +470,16 @@ pub fn run_config_with_thresholds(
         } else {
             verdict.rel_error
         };
-        let findings = verdict.findings;
+        let mut findings = verdict.findings;
+        findings.extend(th.channel.and_then(|bound| {
+            channel_finding(
+                e.tensor.shape(),
+                e.tensor.values(),
+                c.values(),
+                bound,
+                train.machine_epsilon(),
+            )
+        }));
         tensors.push(TensorResult {
             findings,
             id: e.id.clone(),
@@ -486,6 +500,7 @@ pub fn run_config_with_thresholds(
                         &e.tensor,
                         c,
                         th.abs,
+                        th.channel,
                         pert.get(&e.id).copied().unwrap_or(0.0),
                         train,
                         depth,
@@ -504,6 +519,10 @@ pub fn run_config_with_thresholds(
     }
     let thresholds = Thresholds {
         composed: composed.iter().map(|(k, c)| (k.clone(), c.abs)).collect(),
+        channel: composed
+            .iter()
+            .filter_map(|(k, c)| c.channel.map(|b| (k.clone(), b)))
+            .collect(),
         local,
         perturbation: pert,
     };
@@ -618,11 +637,23 @@ pub fn run_bug_dumping(
     baselines.insert("torch".to_string(), torch);
     baselines.insert("megatron".to_string(), meg);
     baselines.insert("perturbation".to_string(), pert);
+    // The per-channel offset test of the composed path (not part of `check`'s report).
+    let channel = ids.iter().any(|id| {
+        let (Some(r), Some(c), Some(&bound)) = (
+            ref_trace.get(id),
+            merged.get(id),
+            thresholds.channel.get(id),
+        ) else {
+            return false;
+        };
+        channel_finding(r.shape(), r.values(), c.values(), bound, eps).is_some_and(|f| f.fired)
+    });
+    let end_to_end = !report.passed() || channel;
     Ok(BugResult {
         bug,
         config: run.clone(),
-        end_to_end: !report.passed(),
-        detected: !report.passed() || localization.is_some(),
+        end_to_end,
+        detected: end_to_end || localization.is_some(),
         first_failure: report.first_failure.clone(),
         failures: report.failures,
         max_ratio: report.verdicts.iter().map(|v| v.ratio).fold(0.0, f64::max),

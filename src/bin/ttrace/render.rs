@@ -141,7 +141,12 @@ pub fn render_table(report: &SweepReport) -> String {
         "pert tight med".into(),
     ];
     header.extend(baselines.iter().map(|b| format!("{b} FA")));
-    let tests = [Detector::Scale, Detector::Bias, Detector::Sparse];
+    let tests = [
+        Detector::Scale,
+        Detector::Bias,
+        Detector::Channel,
+        Detector::Sparse,
+    ];
     header.extend(tests.iter().map(|d| format!("{} FA/closest", d.name())));
     let mut rows: Vec<Vec<String>> = vec![header];
     for r in report.rows.iter().chain(std::iter::once(&report.total)) {
