@@ -59,7 +59,7 @@
 //! Per-channel (or per-row) biases are not tested here: a column cluster *is* a per-channel
 //! offset, so round-off alone produces them (an attention sink's value vector), and one
 //! channel's data cannot tell that from a bug. Where the difference simulation runs (`ttrace
-//! validate`), it prices the column means ([`Detector::Channel`]).
+//! validate`), it prices the column and row means ([`Detector::Channel`], [`Detector::Row`]).
 //!
 //! # The sparse test
 //!
@@ -144,6 +144,10 @@ pub enum Detector {
     /// averaged over rows) against a bound from the difference simulation — `ttrace
     /// validate` only, where that simulation runs (`validate::Composed::channel`).
     Channel,
+    /// The per-row offset: the row means of D (a token's mean over the last dimension)
+    /// against a bound from the difference simulation — `ttrace validate` only
+    /// (`validate::Composed::row`).
+    Row,
     /// Single elements beyond their own bound.
     Sparse,
 }
@@ -156,6 +160,7 @@ impl Detector {
             Detector::Scale => "scale",
             Detector::Bias => "bias",
             Detector::Channel => "channel",
+            Detector::Row => "row",
             Detector::Sparse => "sparse",
         }
     }

@@ -89,13 +89,98 @@ pub struct Composed {
     pub effective_rank: f64,
     /// Bound on ‖column means of cand − ref‖ (the per-channel offset: the mean over rows of
     /// each index of the last dimension), for tensors of two or more dimensions and rows;
-    /// judged at [`CHANNEL_SHARE`]·δ, taken from the norm's share.
+    /// judged at [`OFFSET_SHARE`]·δ, taken from the norm's share.
     pub channel: Option<f64>,
+    /// Bound on ‖row means of cand − ref‖ (the per-row offset: a token's mean over the last
+    /// dimension), likewise.
+    pub row: Option<f64>,
 }
 
-/// The share of the per-tensor false-alarm budget δ the per-channel offset test takes from the
-/// norm's ([`NORM_SHARE`]) on tensors of two or more dimensions (papers/checking.md §7).
-pub const CHANNEL_SHARE: f64 = 1.0 / 30.0;
+/// The per-channel and per-row offset bounds of a tensor ([`Composed::channel`],
+/// [`Composed::row`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct OffsetBounds {
+    /// Bound on ‖column means of cand − ref‖.
+    pub channel: Option<f64>,
+    /// Bound on ‖row means of cand − ref‖.
+    pub row: Option<f64>,
+}
+
+impl OffsetBounds {
+    /// The offset tests' findings on a pair (see [`Detector::Channel`](crate::check::Detector)).
+    pub(crate) fn findings(
+        &self,
+        shape: &[usize],
+        r: &[f64],
+        c: &[f64],
+        eps: f64,
+    ) -> Vec<crate::check::Finding> {
+        [(Axis::Columns, self.channel), (Axis::Rows, self.row)]
+            .into_iter()
+            .filter_map(|(axis, bound)| offset_finding(axis, shape, r, c, bound?, eps))
+            .collect()
+    }
+}
+
+impl Composed {
+    /// Its offset bounds.
+    pub fn offsets(&self) -> OffsetBounds {
+        OffsetBounds {
+            channel: self.channel,
+            row: self.row,
+        }
+    }
+}
+
+/// The share of the per-tensor false-alarm budget δ each of the per-channel and per-row
+/// offset tests takes from the norm's ([`NORM_SHARE`]) on tensors of two or more dimensions
+/// (papers/checking.md §7).
+pub const OFFSET_SHARE: f64 = 1.0 / 30.0;
+
+/// The mean over each row (`Rows`) or over each column (`Columns`) of a matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Axis {
+    /// The column means: per-channel offsets.
+    Columns,
+    /// The row means: per-row (per-token) offsets.
+    Rows,
+}
+
+impl Axis {
+    /// The means of `v` read as rows of `cols`.
+    pub(crate) fn means(self, v: &[f64], cols: usize) -> Vec<f64> {
+        match self {
+            Axis::Columns => column_means(v, cols),
+            Axis::Rows => v
+                .chunks_exact(cols.max(1))
+                .map(|row| row.iter().sum::<f64>() / cols.max(1) as f64)
+                .collect(),
+        }
+    }
+
+    /// How many values each mean averages.
+    fn averaged(self, rows: usize, cols: usize) -> usize {
+        match self {
+            Axis::Columns => rows,
+            Axis::Rows => cols,
+        }
+    }
+
+    /// How many means.
+    fn count(self, rows: usize, cols: usize) -> usize {
+        match self {
+            Axis::Columns => cols,
+            Axis::Rows => rows,
+        }
+    }
+
+    fn detector(self) -> crate::check::Detector {
+        match self {
+            Axis::Columns => crate::check::Detector::Channel,
+            Axis::Rows => crate::check::Detector::Row,
+        }
+    }
+}
 
 /// (rows, columns) of a tensor read as a matrix along its last dimension, when it has two or
 /// more dimensions and rows.
@@ -118,28 +203,30 @@ pub(crate) fn column_means(v: &[f64], cols: usize) -> Vec<f64> {
     out
 }
 
-/// The per-channel offset test on a pair: ‖column means of c − r‖ against `bound`
-/// ([`Composed::channel`]), its estimate and threshold as root mean squares over the columns
-/// relative to the reference's, in units of `eps`. `None` for a tensor that is not a matrix, an
-/// all-zero reference, or non-finite values (judged by the norm).
-pub(crate) fn channel_finding(
+/// The per-channel (`Columns`) or per-row (`Rows`) offset test on a pair: ‖means of c − r‖
+/// against `bound` ([`Composed::channel`], [`Composed::row`]), its estimate and threshold as
+/// root mean squares over the means relative to the reference's, in units of `eps`. `None` for
+/// a tensor that is not a matrix, an all-zero reference, or non-finite values (judged by the
+/// norm).
+pub(crate) fn offset_finding(
+    axis: Axis,
     shape: &[usize],
     r: &[f64],
     c: &[f64],
     bound: f64,
     eps: f64,
 ) -> Option<crate::check::Finding> {
-    let (_, cols) = channel_shape(shape)?;
+    let (rows, cols) = channel_shape(shape)?;
     if r.iter().chain(c).any(|x| !x.is_finite()) {
         return None;
     }
     let d: Vec<f64> = c.iter().zip(r).map(|(b, a)| b - a).collect();
-    let offset = norm(&column_means(&d, cols));
+    let offset = norm(&axis.means(&d, cols));
     let rms = norm(r) / (r.len().max(1) as f64).sqrt();
     if rms == 0.0 {
         return None;
     }
-    let unit = (cols as f64).sqrt() * rms * eps;
+    let unit = (axis.count(rows, cols) as f64).sqrt() * rms * eps;
     let ratio = if offset == 0.0 {
         0.0
     } else if bound > 0.0 {
@@ -148,7 +235,7 @@ pub(crate) fn channel_finding(
         f64::INFINITY
     };
     Some(crate::check::Finding {
-        detector: crate::check::Detector::Channel,
+        detector: axis.detector(),
         estimate: offset / unit,
         threshold: bound / unit,
         ratio,
@@ -407,10 +494,11 @@ pub fn composed_thresholds(
     let m = config.samples as f64;
     let index: HashMap<&str, usize> = reference.ids().enumerate().map(|(k, id)| (id, k)).collect();
     // The norm test spends NORM_SHARE of the per-tensor false-alarm budget (papers/checking.md
-    // §7); on a matrix it leaves CHANNEL_SHARE of it to the per-channel offset.
+    // §7); on a matrix it leaves OFFSET_SHARE of it to each of the per-channel and per-row
+    // offsets.
     let t_norm = (1.0 / (config.delta * NORM_SHARE)).ln();
-    let t_split = (1.0 / (config.delta * (NORM_SHARE - CHANNEL_SHARE))).ln();
-    let t_channel = (1.0 / (config.delta * CHANNEL_SHARE)).ln();
+    let t_split = (1.0 / (config.delta * (NORM_SHARE - 2.0 * OFFSET_SHARE))).ln();
+    let t_offset = (1.0 / (config.delta * OFFSET_SHARE)).ln();
     let mut out = HashMap::new();
     for (k, id) in reference.ids().enumerate() {
         let r = reference.require(id)?;
@@ -425,7 +513,7 @@ pub fn composed_thresholds(
         // propagates): |Dᵢ| ≤ |εᵢ| + ulpᵢ with |εᵢ| ≤ σᵢ·√(2 ln(2n/δ)) for all i at once.
         let channels = channel_shape(r.shape());
         let share = if channels.is_some() {
-            NORM_SHARE - CHANNEL_SHARE
+            NORM_SHARE - 2.0 * OFFSET_SHARE
         } else {
             NORM_SHARE
         };
@@ -472,6 +560,7 @@ pub fn composed_thresholds(
                     expected_relative: 0.0,
                     effective_rank: n,
                     channel: channels.map(|(rows, _)| abs / (rows as f64).sqrt()),
+                    row: channels.map(|(_, cols)| abs / (cols as f64).sqrt()),
                 },
             );
             continue;
@@ -486,20 +575,24 @@ pub fn composed_thresholds(
             // fall back to the site's analytic bound.
             abs = mean_norm + local.unwrap_or(0.0);
         }
-        // The per-channel offset: the samples' column means, bounded the same way at
-        // CHANNEL_SHARE·δ; never looser than what the norm's bound implies
-        // (‖column means‖ ≤ ‖D‖/√rows), which is also the answer without spread.
-        let channel = channels.map(|(rows, cols)| {
-            let means: Vec<Vec<f64>> = vectors.iter().map(|v| column_means(v, cols)).collect();
-            let views: Vec<&[f64]> = means.iter().map(Vec::as_slice).collect();
-            let c = spread_bound(&views, t_channel, config.delta_estimate);
-            let implied = abs / (rows as f64).sqrt();
-            if c.trc > 0.0 {
-                c.abs.min(implied)
-            } else {
-                implied
-            }
-        });
+        // The per-channel and per-row offsets: the samples' column (row) means, bounded the
+        // same way at OFFSET_SHARE·δ each; never looser than what the norm's bound implies
+        // (‖column means‖ ≤ ‖D‖/√rows, ‖row means‖ ≤ ‖D‖/√columns), which is also the answer
+        // without spread.
+        let offset = |axis: Axis| {
+            channels.map(|(rows, cols)| {
+                let means: Vec<Vec<f64>> = vectors.iter().map(|v| axis.means(v, cols)).collect();
+                let views: Vec<&[f64]> = means.iter().map(Vec::as_slice).collect();
+                let c = spread_bound(&views, t_offset, config.delta_estimate);
+                let implied = abs / (axis.averaged(rows, cols) as f64).sqrt();
+                if c.trc > 0.0 {
+                    c.abs.min(implied)
+                } else {
+                    implied
+                }
+            })
+        };
+        let (channel, row) = (offset(Axis::Columns), offset(Axis::Rows));
         if !abs.is_finite() {
             // A threshold of ∞ would pass anything: say so instead.
             return Err(Error::NoFiniteBound {
@@ -526,6 +619,7 @@ pub fn composed_thresholds(
                 },
                 effective_rank: rank,
                 channel,
+                row,
             },
         );
     }
@@ -601,9 +695,19 @@ mod tests {
             .map(|i| if i % 2 == 0 { 1.0 } else { -1.0 })
             .collect();
         let c: Vec<f64> = r.iter().map(|x| x + 2.0).collect();
-        let f = channel_finding(&[16, 4], &r, &c, 1.0, 1.0).unwrap();
+        let f = offset_finding(Axis::Columns, &[16, 4], &r, &c, 1.0, 1.0).unwrap();
         assert!((f.estimate - 2.0).abs() < 1e-12 && f.fired && (f.ratio - 4.0).abs() < 1e-12);
-        assert!(channel_finding(&[64], &r, &c, 1.0, 1.0).is_none());
+        assert!(offset_finding(Axis::Columns, &[64], &r, &c, 1.0, 1.0).is_none());
+        // Rows: the same offset is 2 per row; 16 rows: ‖row means‖ = 8.
+        let f = offset_finding(Axis::Rows, &[16, 4], &r, &c, 4.0, 1.0).unwrap();
+        assert!((f.estimate - 2.0).abs() < 1e-12 && f.fired && (f.ratio - 2.0).abs() < 1e-12);
+        assert_eq!(Axis::Rows.means(&[1.0, 3.0, 5.0, 7.0], 2), vec![2.0, 6.0]);
+        // ‖row means‖ ≤ ‖D‖/√columns likewise.
+        for (rows, cols) in [(2, 1), (7, 5), (64, 32)] {
+            let d: Vec<f64> = (0..rows * cols).map(|_| g.normal() + 0.3).collect();
+            let lhs = norm(&Axis::Rows.means(&d, cols));
+            assert!(lhs <= norm(&d) / (cols as f64).sqrt() * (1.0 + 1e-12));
+        }
     }
 
     #[test]

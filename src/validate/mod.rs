@@ -16,7 +16,8 @@ pub(crate) mod sensitivity;
 pub(crate) mod sweep;
 
 pub use compose::{
-    composed_thresholds, perturbation_estimate, Composed, SimulationConfig, CHANNEL_SHARE,
+    composed_thresholds, perturbation_estimate, Composed, OffsetBounds, SimulationConfig,
+    OFFSET_SHARE,
 };
 pub use fresh::{fresh_sites, local_thresholds, FreshSites};
 pub use power::{power_study, synthetic_pair, PowerRow, SyntheticClass};

@@ -187,7 +187,7 @@ pub fn power_study(
                     &r,
                     &c,
                     th,
-                    None,
+                    crate::validate::compose::OffsetBounds::default(),
                     f64::INFINITY,
                     format,
                     3,

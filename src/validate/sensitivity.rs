@@ -8,6 +8,8 @@
 //! * **scale**: c·(1 ± ρ) (the two signs are the two draws);
 //! * **channel bias**: c + ρ·rms(r)·g_j on every element of channel j (the last dimension's
 //!   index), g standard normal per channel;
+//! * **row bias**: c + ρ·rms(r)·g_i on every element of row i (a token's offset; not on a
+//!   tensor of one row, where it is one random constant);
 //! * **k elements** (k = 1, 4, 16): k positions drawn uniformly, each moved by
 //!   ±ρ·max(|rᵢ|, rms of its row) — relative to the element's own magnitude, or its row's
 //!   where the element is smaller.
@@ -39,7 +41,7 @@ use crate::check::{detection_for, Detection};
 use crate::engine::init::SplitMix64;
 use crate::format::Format;
 use crate::tensor::Tensor;
-use crate::validate::compose::channel_finding;
+use crate::validate::compose::OffsetBounds;
 
 /// The shape of an injected perturbation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -51,16 +53,19 @@ pub enum Perturbation {
     Scale,
     /// A Gaussian offset per channel (index of the last dimension), the same on every row.
     ChannelBias,
+    /// A Gaussian offset per row (a token), the same on every channel.
+    RowBias,
     /// This many elements at random positions, each off by ρ of its magnitude.
     Elements(usize),
 }
 
 impl Perturbation {
     /// Every shape the sensitivity study measures.
-    pub const ALL: [Perturbation; 6] = [
+    pub const ALL: [Perturbation; 7] = [
         Perturbation::Gaussian,
         Perturbation::Scale,
         Perturbation::ChannelBias,
+        Perturbation::RowBias,
         Perturbation::Elements(1),
         Perturbation::Elements(4),
         Perturbation::Elements(16),
@@ -72,6 +77,7 @@ impl Perturbation {
             Perturbation::Gaussian => "gaussian".into(),
             Perturbation::Scale => "scale".into(),
             Perturbation::ChannelBias => "channel bias".into(),
+            Perturbation::RowBias => "row bias".into(),
             Perturbation::Elements(1) => "1 element".into(),
             Perturbation::Elements(k) => format!("{k} elements"),
         }
@@ -158,8 +164,8 @@ struct Case<'a> {
     reference: &'a Tensor,
     candidate: &'a Tensor,
     threshold_abs: f64,
-    /// The per-channel offset's bound, where there is one.
-    channel_abs: Option<f64>,
+    /// The per-channel and per-row offsets' bounds, where there are.
+    offsets: OffsetBounds,
     eps: f64,
     detection: Detection,
 }
@@ -175,8 +181,8 @@ pub struct Replayed<'a> {
 }
 
 /// ρ* for every rule and each of the perturbation `shapes` ([`Perturbation::ALL`] for the
-/// whole study). `threshold_abs`: ours on ‖c − r‖; `channel_abs`: ours on the per-channel
-/// offset (`validate::Composed::channel`); `perturbation`: the perturbation estimate
+/// whole study). `threshold_abs`: ours on ‖c − r‖; `offsets`: ours on the per-channel and
+/// per-row offsets (`validate::Composed::offsets`); `perturbation`: the perturbation estimate
 /// (relative); `train`: the training dtype (Megatron's ε and the unit of the tests'
 /// estimates), `depth` = L + 1; `replayed`: the localizer's view, if the tensor has one.
 #[allow(clippy::too_many_arguments)]
@@ -186,7 +192,7 @@ pub fn sensitivity(
     reference: &Tensor,
     candidate: &Tensor,
     threshold_abs: f64,
-    channel_abs: Option<f64>,
+    offsets: OffsetBounds,
     perturbation: f64,
     train: Format,
     depth: u32,
@@ -198,18 +204,21 @@ pub fn sensitivity(
         reference,
         candidate,
         threshold_abs,
-        channel_abs,
+        offsets,
         eps: train.machine_epsilon(),
         detection,
     };
     let local = replayed.map(|l| Case {
         candidate: l.output,
         threshold_abs: l.threshold_abs,
-        channel_abs: None,
+        offsets: OffsetBounds::default(),
         ..case
     });
+    // A per-row offset of a tensor of one row is one random constant: no shape of its own.
+    let rows = reference.len() / reference.shape().last().copied().unwrap_or(1).max(1);
     let figures = shapes
         .iter()
+        .filter(|&&p| p != Perturbation::RowBias || rows >= 2)
         .map(|&p| {
             let f = figures_for(&case, local.as_ref(), p, perturbation, train, depth);
             (p, f)
@@ -240,6 +249,10 @@ fn units(case: &Case, shape: Perturbation) -> Vec<Vec<f64>> {
             Perturbation::ChannelBias => {
                 let g: Vec<f64> = (0..row).map(|_| rng.normal()).collect();
                 (0..n).map(|i| rms * g[i % row]).collect()
+            }
+            Perturbation::RowBias => {
+                let g: Vec<f64> = (0..n.div_ceil(row)).map(|_| rng.normal()).collect();
+                (0..n).map(|i| rms * g[i / row]).collect()
             }
             Perturbation::Elements(m) => {
                 let mut u = vec![0.0; n];
@@ -306,18 +319,20 @@ impl Perturbed<'_> {
     /// are off the format's grid: the tests allow one ulp of the reference's format.
     fn rejects(&self, rho: f64, k: usize) -> bool {
         let reference = self.case.reference;
-        let channel = |bound: f64| {
-            channel_finding(
-                reference.shape(),
-                reference.values(),
-                &self.values(rho, k),
-                bound,
-                self.case.eps,
-            )
-            .is_some_and(|f| f.fired)
+        let offsets = || {
+            self.case
+                .offsets
+                .findings(
+                    reference.shape(),
+                    reference.values(),
+                    &self.values(rho, k),
+                    self.case.eps,
+                )
+                .iter()
+                .any(|f| f.fired)
         };
         self.frob(rho, k) > self.case.threshold_abs
-            || self.case.channel_abs.is_some_and(channel)
+            || offsets()
             || detect(
                 reference.shape(),
                 reference.values(),
@@ -420,6 +435,7 @@ fn shape_seed(p: Perturbation) -> u64 {
         Perturbation::Gaussian => 0,
         Perturbation::Scale => 1,
         Perturbation::ChannelBias => 2,
+        Perturbation::RowBias => 100,
         Perturbation::Elements(k) => 3 + k as u64,
     }
 }
@@ -440,7 +456,7 @@ mod tests {
             &t,
             &t,
             1e-3 * norm,
-            None,
+            OffsetBounds::default(),
             1e-2,
             Format::BF16,
             3,
@@ -466,7 +482,7 @@ mod tests {
             &t,
             &c,
             1e-3 * norm,
-            None,
+            OffsetBounds::default(),
             1e-2,
             Format::BF16,
             3,
@@ -477,7 +493,7 @@ mod tests {
     }
 
     #[test]
-    fn a_per_channel_offset_is_found_by_its_column_means_far_below_the_norm() {
+    fn per_channel_and_per_row_offsets_are_found_by_their_means_far_below_the_norm() {
         // 256 rows × 64 channels, round-off of 1 ε per element, the norm at 3 ε, and a
         // channel bound 3 times the column means' round-off (each column's mean ε/16: ‖D‖/256).
         let (rows, cols) = (256, 64);
@@ -496,7 +512,7 @@ mod tests {
                 &rt,
                 &ct,
                 3.0 * eps * rn,
-                channel,
+                OffsetBounds { channel, row: None },
                 1.0,
                 Format::BF16,
                 3,
@@ -511,6 +527,28 @@ mod tests {
         // The norm: ρ·rms·‖g‖ against √8 ε; the column means: the same against 3 ε/16.
         assert!(without > 2.0, "{without}");
         assert!(with < 0.4 && with * 8.0 < without, "{with} {without}");
+        // A per-row offset, against the row means' bound (each row's mean ε/8: ‖D‖/64).
+        let rows_study = |row: Option<f64>| {
+            *sensitivity(
+                &[Perturbation::RowBias],
+                "x|fwd.output.0",
+                &rt,
+                &ct,
+                3.0 * eps * rn,
+                OffsetBounds { channel: None, row },
+                1.0,
+                Format::BF16,
+                3,
+                Detection::default(),
+                None,
+            )
+            .of(Perturbation::RowBias)
+            .unwrap()
+        };
+        let without = rows_study(None).ours.unwrap() / eps;
+        let with = rows_study(Some(3.0 * eps * rn / cols as f64)).ours.unwrap() / eps;
+        assert!(without > 2.0, "{without}");
+        assert!(with < 0.6 && with * 4.0 < without, "{with} {without}");
     }
 
     #[test]
@@ -531,7 +569,7 @@ mod tests {
                 &rt,
                 &ct,
                 30.0 * eps * rn,
-                None,
+                OffsetBounds::default(),
                 1.0,
                 Format::F32,
                 3,
@@ -587,7 +625,7 @@ mod tests {
             &rt,
             &ct,
             3.0 * eps * rn,
-            None,
+            OffsetBounds::default(),
             1.0,
             Format::BF16,
             3,

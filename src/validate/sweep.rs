@@ -26,7 +26,7 @@ use crate::shard::layout::Mesh;
 use crate::shard::model::{ShardedGpt, ShardedStep};
 use crate::tensor::Tensor;
 use crate::validate::compose::{
-    channel_finding, composed_thresholds, perturbation_estimate, SimulationConfig,
+    composed_thresholds, perturbation_estimate, OffsetBounds, SimulationConfig,
 };
 use crate::validate::fresh::{fresh_sites, local_thresholds};
 use crate::validate::sensitivity::{sensitivity, Perturbation, Replayed, RuleFigures, Sensitivity};
@@ -251,7 +251,7 @@ pub struct TensorResult {
     pub baseline_alarms: Vec<String>,
     /// Smallest detectable injected perturbation per rule (only on the sensitivity mesh).
     pub sensitivity: Option<Sensitivity>,
-    /// The tests beyond the norm (scale, bias, channel bias, sparse) on this tensor.
+    /// The tests beyond the norm (scale, bias, channel, row, sparse) on this tensor.
     pub findings: Vec<Finding>,
 }
 
@@ -339,8 +339,9 @@ pub struct Thresholds {
     pub local: HashMap<String, f64>,
     /// The perturbation estimate (relative).
     pub perturbation: HashMap<String, f64>,
-    /// Composed bounds on the per-channel offset (‖column means of cand − ref‖), by id.
-    pub channel: HashMap<String, f64>,
+    /// Composed bounds on the per-channel and per-row offsets (‖column / row means of
+    /// cand − ref‖), by id.
+    pub offsets: HashMap<String, OffsetBounds>,
 }
 
 /// The reference and the sharded model (with `bug`) of a run, after the warm-up step that
@@ -440,6 +441,7 @@ pub fn run_config_with_thresholds(
                 expected_relative: 0.0,
                 effective_rank: 1.0,
                 channel: None,
+                row: None,
             });
         // Units of ε: the training dtype (the recipe's activation format), as TTrace and
         // Megatron report; assert_close judges each tensor by its own dtype.
@@ -471,15 +473,12 @@ pub fn run_config_with_thresholds(
             verdict.rel_error
         };
         let mut findings = verdict.findings;
-        findings.extend(th.channel.and_then(|bound| {
-            channel_finding(
-                e.tensor.shape(),
-                e.tensor.values(),
-                c.values(),
-                bound,
-                train.machine_epsilon(),
-            )
-        }));
+        findings.extend(th.offsets().findings(
+            e.tensor.shape(),
+            e.tensor.values(),
+            c.values(),
+            train.machine_epsilon(),
+        ));
         tensors.push(TensorResult {
             findings,
             id: e.id.clone(),
@@ -500,7 +499,7 @@ pub fn run_config_with_thresholds(
                         &e.tensor,
                         c,
                         th.abs,
-                        th.channel,
+                        th.offsets(),
                         pert.get(&e.id).copied().unwrap_or(0.0),
                         train,
                         depth,
@@ -519,9 +518,9 @@ pub fn run_config_with_thresholds(
     }
     let thresholds = Thresholds {
         composed: composed.iter().map(|(k, c)| (k.clone(), c.abs)).collect(),
-        channel: composed
+        offsets: composed
             .iter()
-            .filter_map(|(k, c)| c.channel.map(|b| (k.clone(), b)))
+            .map(|(k, c)| (k.clone(), c.offsets()))
             .collect(),
         local,
         perturbation: pert,
@@ -637,18 +636,20 @@ pub fn run_bug_dumping(
     baselines.insert("torch".to_string(), torch);
     baselines.insert("megatron".to_string(), meg);
     baselines.insert("perturbation".to_string(), pert);
-    // The per-channel offset test of the composed path (not part of `check`'s report).
-    let channel = ids.iter().any(|id| {
-        let (Some(r), Some(c), Some(&bound)) = (
+    // The offset tests of the composed path (not part of `check`'s report).
+    let offsets = ids.iter().any(|id| {
+        let (Some(r), Some(c), Some(b)) = (
             ref_trace.get(id),
             merged.get(id),
-            thresholds.channel.get(id),
+            thresholds.offsets.get(id),
         ) else {
             return false;
         };
-        channel_finding(r.shape(), r.values(), c.values(), bound, eps).is_some_and(|f| f.fired)
+        b.findings(r.shape(), r.values(), c.values(), eps)
+            .iter()
+            .any(|f| f.fired)
     });
-    let end_to_end = !report.passed() || channel;
+    let end_to_end = !report.passed() || offsets;
     Ok(BugResult {
         bug,
         config: run.clone(),

@@ -145,6 +145,7 @@ pub fn render_table(report: &SweepReport) -> String {
         Detector::Scale,
         Detector::Bias,
         Detector::Channel,
+        Detector::Row,
         Detector::Sparse,
     ];
     header.extend(tests.iter().map(|d| format!("{} FA/closest", d.name())));
