@@ -87,27 +87,29 @@ pub struct Composed {
     pub expected_relative: f64,
     /// Effective rank r of the difference's covariance (1 … elements).
     pub effective_rank: f64,
-    /// Bound on ‖column means of cand − ref‖ (the per-channel offset: the mean over rows of
-    /// each index of the last dimension), for tensors of two or more dimensions and rows;
-    /// judged at [`OFFSET_SHARE`]·δ, taken from the norm's share.
-    pub channel: Option<f64>,
-    /// Bound on ‖row means of cand − ref‖ (the per-row offset: a token's mean over the last
-    /// dimension), likewise.
-    pub row: Option<f64>,
+    /// Bounds on the per-channel and per-row offsets, for tensors of two or more dimensions
+    /// and rows.
+    pub offsets: OffsetBounds,
 }
 
-/// The per-channel and per-row offset bounds of a tensor ([`Composed::channel`],
-/// [`Composed::row`]).
+/// The per-channel and per-row offset bounds of a tensor, each judged at
+/// [`OFFSET_SHARE`]·δ taken from the norm's share.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct OffsetBounds {
-    /// Bound on ‖column means of cand − ref‖.
+    /// Bound on ‖column means of cand − ref‖ (the per-channel offset: the mean over rows of
+    /// each index of the last dimension).
     pub channel: Option<f64>,
-    /// Bound on ‖row means of cand − ref‖.
+    /// Bound on ‖row means of cand − ref‖ (the per-row offset: a token's mean over the last
+    /// dimension).
     pub row: Option<f64>,
 }
 
 impl OffsetBounds {
-    /// The offset tests' findings on a pair (see [`Detector::Channel`](crate::check::Detector)).
+    /// The per-channel and per-row offset tests on a pair: ‖means of c − r‖ against each
+    /// bound, the estimate and threshold as root mean squares over the means relative to the
+    /// reference's, in units of `eps` ([`Detector::Channel`](crate::check::Detector),
+    /// `Row`). None for a tensor that is not a matrix, an all-zero reference, or non-finite
+    /// values (judged by the norm).
     pub(crate) fn findings(
         &self,
         shape: &[usize],
@@ -115,20 +117,42 @@ impl OffsetBounds {
         c: &[f64],
         eps: f64,
     ) -> Vec<crate::check::Finding> {
-        [(Axis::Columns, self.channel), (Axis::Rows, self.row)]
-            .into_iter()
-            .filter_map(|(axis, bound)| offset_finding(axis, shape, r, c, bound?, eps))
-            .collect()
-    }
-}
-
-impl Composed {
-    /// Its offset bounds.
-    pub fn offsets(&self) -> OffsetBounds {
-        OffsetBounds {
-            channel: self.channel,
-            row: self.row,
+        let tests = [(Axis::Columns, self.channel), (Axis::Rows, self.row)];
+        let Some((rows, cols)) = matrix_shape(shape) else {
+            return Vec::new();
+        };
+        if tests.iter().all(|(_, b)| b.is_none()) || r.iter().chain(c).any(|x| !x.is_finite()) {
+            return Vec::new();
         }
+        let rms = norm(r) / (r.len().max(1) as f64).sqrt();
+        if rms == 0.0 {
+            return Vec::new();
+        }
+        let d: Vec<f64> = c.iter().zip(r).map(|(b, a)| b - a).collect();
+        tests
+            .into_iter()
+            .filter_map(|(axis, bound)| {
+                let bound = bound?;
+                let offset = norm(&axis.means(&d, cols));
+                let unit = (axis.count(rows, cols) as f64).sqrt() * rms * eps;
+                let ratio = if offset == 0.0 {
+                    0.0
+                } else if bound > 0.0 {
+                    offset / bound
+                } else {
+                    f64::INFINITY
+                };
+                Some(crate::check::Finding {
+                    detector: axis.detector(),
+                    estimate: offset / unit,
+                    threshold: bound / unit,
+                    ratio,
+                    fired: ratio > 1.0,
+                    at: None,
+                    count: 0,
+                })
+            })
+            .collect()
     }
 }
 
@@ -150,7 +174,17 @@ impl Axis {
     /// The means of `v` read as rows of `cols`.
     pub(crate) fn means(self, v: &[f64], cols: usize) -> Vec<f64> {
         match self {
-            Axis::Columns => column_means(v, cols),
+            Axis::Columns => {
+                let mut out = vec![0.0; cols];
+                for row in v.chunks_exact(cols.max(1)) {
+                    for (o, x) in out.iter_mut().zip(row) {
+                        *o += x;
+                    }
+                }
+                let rows = (v.len() / cols.max(1)).max(1) as f64;
+                out.iter_mut().for_each(|o| *o /= rows);
+                out
+            }
             Axis::Rows => v
                 .chunks_exact(cols.max(1))
                 .map(|row| row.iter().sum::<f64>() / cols.max(1) as f64)
@@ -184,65 +218,10 @@ impl Axis {
 
 /// (rows, columns) of a tensor read as a matrix along its last dimension, when it has two or
 /// more dimensions and rows.
-pub(crate) fn channel_shape(shape: &[usize]) -> Option<(usize, usize)> {
+pub(crate) fn matrix_shape(shape: &[usize]) -> Option<(usize, usize)> {
     let cols = *shape.last()?;
     let n: usize = shape.iter().product();
     (shape.len() >= 2 && cols > 0 && n / cols >= 2).then(|| (n / cols, cols))
-}
-
-/// The mean over rows of each column of `v` read as rows of `cols`.
-pub(crate) fn column_means(v: &[f64], cols: usize) -> Vec<f64> {
-    let mut out = vec![0.0; cols];
-    let rows = v.len() / cols.max(1);
-    for row in v.chunks_exact(cols) {
-        for (o, x) in out.iter_mut().zip(row) {
-            *o += x;
-        }
-    }
-    out.iter_mut().for_each(|o| *o /= rows.max(1) as f64);
-    out
-}
-
-/// The per-channel (`Columns`) or per-row (`Rows`) offset test on a pair: ‖means of c − r‖
-/// against `bound` ([`Composed::channel`], [`Composed::row`]), its estimate and threshold as
-/// root mean squares over the means relative to the reference's, in units of `eps`. `None` for
-/// a tensor that is not a matrix, an all-zero reference, or non-finite values (judged by the
-/// norm).
-pub(crate) fn offset_finding(
-    axis: Axis,
-    shape: &[usize],
-    r: &[f64],
-    c: &[f64],
-    bound: f64,
-    eps: f64,
-) -> Option<crate::check::Finding> {
-    let (rows, cols) = channel_shape(shape)?;
-    if r.iter().chain(c).any(|x| !x.is_finite()) {
-        return None;
-    }
-    let d: Vec<f64> = c.iter().zip(r).map(|(b, a)| b - a).collect();
-    let offset = norm(&axis.means(&d, cols));
-    let rms = norm(r) / (r.len().max(1) as f64).sqrt();
-    if rms == 0.0 {
-        return None;
-    }
-    let unit = (axis.count(rows, cols) as f64).sqrt() * rms * eps;
-    let ratio = if offset == 0.0 {
-        0.0
-    } else if bound > 0.0 {
-        offset / bound
-    } else {
-        f64::INFINITY
-    };
-    Some(crate::check::Finding {
-        detector: axis.detector(),
-        estimate: offset / unit,
-        threshold: bound / unit,
-        ratio,
-        fired: ratio > 1.0,
-        at: None,
-        count: 0,
-    })
 }
 
 /// A composed bound from simulated difference vectors (see [`composed_thresholds`]).
@@ -511,7 +490,7 @@ pub fn composed_thresholds(
         let tr = sq.iter().sum::<f64>() / m;
         // The site's own analytic bound (a fresh site's difference before anything
         // propagates): |Dᵢ| ≤ |εᵢ| + ulpᵢ with |εᵢ| ≤ σᵢ·√(2 ln(2n/δ)) for all i at once.
-        let channels = channel_shape(r.shape());
+        let channels = matrix_shape(r.shape());
         let share = if channels.is_some() {
             NORM_SHARE - 2.0 * OFFSET_SHARE
         } else {
@@ -559,8 +538,10 @@ pub fn composed_thresholds(
                     },
                     expected_relative: 0.0,
                     effective_rank: n,
-                    channel: channels.map(|(rows, _)| abs / (rows as f64).sqrt()),
-                    row: channels.map(|(_, cols)| abs / (cols as f64).sqrt()),
+                    offsets: OffsetBounds {
+                        channel: channels.map(|(rows, _)| abs / (rows as f64).sqrt()),
+                        row: channels.map(|(_, cols)| abs / (cols as f64).sqrt()),
+                    },
                 },
             );
             continue;
@@ -592,7 +573,10 @@ pub fn composed_thresholds(
                 }
             })
         };
-        let (channel, row) = (offset(Axis::Columns), offset(Axis::Rows));
+        let offsets = OffsetBounds {
+            channel: offset(Axis::Columns),
+            row: offset(Axis::Rows),
+        };
         if !abs.is_finite() {
             // A threshold of ∞ would pass anything: say so instead.
             return Err(Error::NoFiniteBound {
@@ -618,8 +602,7 @@ pub fn composed_thresholds(
                     f64::INFINITY
                 },
                 effective_rank: rank,
-                channel,
-                row,
+                offsets,
             },
         );
     }
@@ -678,16 +661,19 @@ mod tests {
 
     #[test]
     fn column_means_and_the_bound_the_norm_implies() {
-        assert_eq!(channel_shape(&[4, 3]), Some((4, 3)));
-        assert_eq!(channel_shape(&[2, 5, 3]), Some((10, 3)));
-        assert_eq!(channel_shape(&[12]), None); // a vector
-        assert_eq!(channel_shape(&[1, 12]), None); // one row
-        assert_eq!(column_means(&[1.0, 2.0, 3.0, 5.0], 2), vec![2.0, 3.5]);
+        assert_eq!(matrix_shape(&[4, 3]), Some((4, 3)));
+        assert_eq!(matrix_shape(&[2, 5, 3]), Some((10, 3)));
+        assert_eq!(matrix_shape(&[12]), None); // a vector
+        assert_eq!(matrix_shape(&[1, 12]), None); // one row
+        assert_eq!(
+            Axis::Columns.means(&[1.0, 2.0, 3.0, 5.0], 2),
+            vec![2.0, 3.5]
+        );
         // ‖column means‖ ≤ ‖D‖/√rows (Cauchy–Schwarz), the bound used without spread.
         let mut g = SplitMix64::for_name("columns", 3);
         for (rows, cols) in [(2, 1), (7, 5), (64, 32)] {
             let d: Vec<f64> = (0..rows * cols).map(|_| g.normal() + 0.3).collect();
-            let lhs = norm(&column_means(&d, cols));
+            let lhs = norm(&Axis::Columns.means(&d, cols));
             assert!(lhs <= norm(&d) / (rows as f64).sqrt() * (1.0 + 1e-12));
         }
         // The finding: an offset of 2 per column on rows of rms 1 is 2 in rms over the rms.
@@ -695,12 +681,20 @@ mod tests {
             .map(|i| if i % 2 == 0 { 1.0 } else { -1.0 })
             .collect();
         let c: Vec<f64> = r.iter().map(|x| x + 2.0).collect();
-        let f = offset_finding(Axis::Columns, &[16, 4], &r, &c, 1.0, 1.0).unwrap();
-        assert!((f.estimate - 2.0).abs() < 1e-12 && f.fired && (f.ratio - 4.0).abs() < 1e-12);
-        assert!(offset_finding(Axis::Columns, &[64], &r, &c, 1.0, 1.0).is_none());
+        let both = OffsetBounds {
+            channel: Some(1.0),
+            row: Some(4.0),
+        };
+        let f = both.findings(&[16, 4], &r, &c, 1.0);
+        assert_eq!(f.len(), 2);
+        assert!(f[0].detector == crate::check::Detector::Channel);
+        assert!((f[0].estimate - 2.0).abs() < 1e-12 && f[0].fired);
+        assert!((f[0].ratio - 4.0).abs() < 1e-12);
+        assert!(both.findings(&[64], &r, &c, 1.0).is_empty());
         // Rows: the same offset is 2 per row; 16 rows: ‖row means‖ = 8.
-        let f = offset_finding(Axis::Rows, &[16, 4], &r, &c, 4.0, 1.0).unwrap();
-        assert!((f.estimate - 2.0).abs() < 1e-12 && f.fired && (f.ratio - 2.0).abs() < 1e-12);
+        assert!(f[1].detector == crate::check::Detector::Row);
+        assert!((f[1].estimate - 2.0).abs() < 1e-12 && f[1].fired);
+        assert!((f[1].ratio - 2.0).abs() < 1e-12);
         assert_eq!(Axis::Rows.means(&[1.0, 3.0, 5.0, 7.0], 2), vec![2.0, 6.0]);
         // ‖row means‖ ≤ ‖D‖/√columns likewise.
         for (rows, cols) in [(2, 1), (7, 5), (64, 32)] {

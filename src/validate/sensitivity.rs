@@ -318,27 +318,20 @@ impl Perturbed<'_> {
     /// The norm against the case's threshold, else the tests beyond it. The perturbed values
     /// are off the format's grid: the tests allow one ulp of the reference's format.
     fn rejects(&self, rho: f64, k: usize) -> bool {
+        if self.frob(rho, k) > self.case.threshold_abs {
+            return true;
+        }
         let reference = self.case.reference;
-        let offsets = || {
-            self.case
-                .offsets
-                .findings(
-                    reference.shape(),
-                    reference.values(),
-                    &self.values(rho, k),
-                    self.case.eps,
-                )
-                .iter()
-                .any(|f| f.fired)
-        };
-        self.frob(rho, k) > self.case.threshold_abs
-            || offsets()
+        let (r, c) = (reference.values(), self.values(rho, k));
+        let eps = self.case.eps;
+        let offsets = self.case.offsets.findings(reference.shape(), r, &c, eps);
+        offsets.iter().any(|f| f.fired)
             || detect(
                 reference.shape(),
-                reference.values(),
-                &self.values(rho, k),
+                r,
+                &c,
                 reference.format(),
-                self.case.eps,
+                eps,
                 self.detection,
             )
             .iter()

@@ -440,8 +440,7 @@ pub fn run_config_with_thresholds(
                 relative: 0.0,
                 expected_relative: 0.0,
                 effective_rank: 1.0,
-                channel: None,
-                row: None,
+                offsets: OffsetBounds::default(),
             });
         // Units of ε: the training dtype (the recipe's activation format), as TTrace and
         // Megatron report; assert_close judges each tensor by its own dtype.
@@ -473,7 +472,7 @@ pub fn run_config_with_thresholds(
             verdict.rel_error
         };
         let mut findings = verdict.findings;
-        findings.extend(th.offsets().findings(
+        findings.extend(th.offsets.findings(
             e.tensor.shape(),
             e.tensor.values(),
             c.values(),
@@ -499,7 +498,7 @@ pub fn run_config_with_thresholds(
                         &e.tensor,
                         c,
                         th.abs,
-                        th.offsets(),
+                        th.offsets,
                         pert.get(&e.id).copied().unwrap_or(0.0),
                         train,
                         depth,
@@ -520,7 +519,7 @@ pub fn run_config_with_thresholds(
         composed: composed.iter().map(|(k, c)| (k.clone(), c.abs)).collect(),
         offsets: composed
             .iter()
-            .map(|(k, c)| (k.clone(), c.offsets()))
+            .map(|(k, c)| (k.clone(), c.offsets))
             .collect(),
         local,
         perturbation: pert,

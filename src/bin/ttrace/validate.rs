@@ -66,27 +66,24 @@ pub fn run(a: Args) -> Result<Outcome, String> {
         return Err(format!("--samples must be at most {most} (got {samples})"));
     }
     let mut options = if large {
-        SweepOptions::large(&["fp32", "bf16", "fp8-delayed", "fp8-current"])
+        // The default sweep's recipes, or those asked for.
+        let asked: Vec<&str> = recipes.iter().map(String::as_str).collect();
+        SweepOptions::large(if asked.is_empty() {
+            &["fp32", "bf16", "fp8-delayed"]
+        } else {
+            &asked
+        })
     } else if full {
         SweepOptions::full_sweep(seeds)
     } else {
         SweepOptions::default_sweep(seeds)
     };
-    if large && recipes.is_empty() {
-        options.runs.retain(|run| run.recipe != "fp8-current");
-    }
     if !recipes.is_empty() {
         options.runs.retain(|run| recipes.contains(&run.recipe));
         if options.runs.is_empty() {
             return Err(format!(
                 "no run of the {} sweep uses the recipe(s) {}",
-                if large {
-                    "size"
-                } else if full {
-                    "full"
-                } else {
-                    "default"
-                },
+                if full { "full" } else { "default" },
                 recipes.join(", ")
             ));
         }
