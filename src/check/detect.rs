@@ -142,11 +142,11 @@ pub enum Detector {
     Bias,
     /// The per-channel offset: the column means of D (each index of the last dimension,
     /// averaged over rows) against a bound from the difference simulation — `ttrace
-    /// validate` only, where that simulation runs (`validate::Composed::channel`).
+    /// validate` only, where that simulation runs (`validate::OffsetBounds::channel`).
     Channel,
     /// The per-row offset: the row means of D (a token's mean over the last dimension)
     /// against a bound from the difference simulation — `ttrace validate` only
-    /// (`validate::Composed::row`).
+    /// (`validate::OffsetBounds::row`).
     Row,
     /// Single elements beyond their own bound.
     Sparse,
