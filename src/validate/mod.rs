@@ -21,7 +21,7 @@ pub use compose::{
 };
 pub use fresh::{fresh_sites, local_thresholds, FreshSites};
 pub use power::{power_study, synthetic_pair, PowerRow, SyntheticClass};
-pub use sensitivity::{sensitivity, Perturbation, Replayed, RuleFigures, Sensitivity};
+pub use sensitivity::{sensitivity, Perturbation, Replayed, RuleFigures, Sensitivity, Subject};
 pub use sweep::{
     bug_meshes, dump_run, run_bug, run_bug_dumping, run_config, run_config_with_thresholds,
     run_sweep, BugResult, BugRow, KindRow, RunConfig, RunResult, ScaleSummary, SensitivityRow,

@@ -23,7 +23,7 @@ use crate::check::Detection;
 use crate::engine::init::SplitMix64;
 use crate::format::{Format, Overflow};
 use crate::tensor::Tensor;
-use crate::validate::sensitivity::{sensitivity, Perturbation, RuleFigures};
+use crate::validate::sensitivity::{sensitivity, Perturbation, RuleFigures, Subject};
 
 /// The reduction length of the synthetic activations (a linear's input width).
 const ACT_K: usize = 512;
@@ -183,16 +183,10 @@ pub fn power_study(
                 };
                 let s = sensitivity(
                     shapes,
-                    id,
-                    &r,
-                    &c,
-                    th,
-                    crate::validate::compose::OffsetBounds::default(),
-                    f64::INFINITY,
-                    format,
-                    3,
-                    detection,
-                    None,
+                    &Subject {
+                        detection,
+                        ..Subject::new(id, &r, &c, th, format)
+                    },
                 );
                 out.push(PowerRow {
                     format,

@@ -180,53 +180,114 @@ pub struct Replayed<'a> {
     pub threshold_abs: f64,
 }
 
+/// One tensor of a correct run as the sensitivity study is given it.
+///
+/// [`Subject::new`] sets what every study needs; the rest defaults to what trace files from
+/// elsewhere have (no offset bounds, no perturbation estimate, no replay) and is set with
+/// struct-update syntax.
+#[derive(Debug, Clone, Copy)]
+pub struct Subject<'a> {
+    /// The tensor's id (seeds its draws, and says its class: parameter gradients have no
+    /// sparse or systematic test).
+    pub id: &'a str,
+    /// The reference tensor r.
+    pub reference: &'a Tensor,
+    /// The candidate c, as the sharded step produced it.
+    pub candidate: &'a Tensor,
+    /// Ours on ‖c − r‖ (absolute).
+    pub threshold_abs: f64,
+    /// Ours on the per-channel and per-row offsets (`validate::Composed::offsets`); none by
+    /// default.
+    pub offsets: OffsetBounds,
+    /// The perturbation estimate (relative); +∞ by default (that rule never rejects).
+    pub perturbation: f64,
+    /// The training dtype: Megatron's ε and the unit of the tests' estimates.
+    pub train: Format,
+    /// L + 1 in Megatron's 4·1.03^(L+1)·ε; 3 by default.
+    pub depth: u32,
+    /// The tests' settings (their δ).
+    pub detection: Detection,
+    /// The localizer's view, if the tensor has one; none by default.
+    pub replayed: Option<Replayed<'a>>,
+}
+
+impl<'a> Subject<'a> {
+    /// A tensor judged by `threshold_abs` on its norm, in a run trained in `train`, with the
+    /// other fields at their defaults.
+    pub fn new(
+        id: &'a str,
+        reference: &'a Tensor,
+        candidate: &'a Tensor,
+        threshold_abs: f64,
+        train: Format,
+    ) -> Subject<'a> {
+        Subject {
+            id,
+            reference,
+            candidate,
+            threshold_abs,
+            offsets: OffsetBounds::default(),
+            perturbation: f64::INFINITY,
+            train,
+            depth: 3,
+            detection: Detection::default(),
+            replayed: None,
+        }
+    }
+}
+
 /// ρ* for every rule and each of the perturbation `shapes` ([`Perturbation::ALL`] for the
-/// whole study). `threshold_abs`: ours on ‖c − r‖; `offsets`: ours on the per-channel and
-/// per-row offsets (`validate::Composed::offsets`); `perturbation`: the perturbation estimate
-/// (relative); `train`: the training dtype (Megatron's ε and the unit of the tests'
-/// estimates), `depth` = L + 1; `replayed`: the localizer's view, if the tensor has one.
-#[allow(clippy::too_many_arguments)]
-pub fn sensitivity(
-    shapes: &[Perturbation],
-    id: &str,
-    reference: &Tensor,
-    candidate: &Tensor,
-    threshold_abs: f64,
-    offsets: OffsetBounds,
-    perturbation: f64,
-    train: Format,
-    depth: u32,
-    detection: Detection,
-    replayed: Option<Replayed<'_>>,
-) -> Sensitivity {
+/// whole study) on `subject`.
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::{Format, Tensor};
+/// use ttrace::validate::{sensitivity, Perturbation, Subject};
+///
+/// // 64 × 64 values whose candidate is 1 ε of BF16 off, judged at 3 ε on the norm.
+/// let eps = Format::BF16.machine_epsilon();
+/// let r: Vec<f64> = (0..4096).map(|i| ((i * 37 % 101) as f64 - 50.0) / 25.0).collect();
+/// let c: Vec<f64> = r.iter().enumerate()
+///     .map(|(i, x)| x + if i % 2 == 0 { eps } else { -eps } * x.abs().max(0.5))
+///     .collect();
+/// let norm = r.iter().map(|x| x * x).sum::<f64>().sqrt();
+/// let rt = Tensor::from_vec(&[64, 64], r, Format::F64)?;
+/// let ct = Tensor::from_vec(&[64, 64], c, Format::F64)?;
+/// let subject = Subject::new("x|fwd.output.0", &rt, &ct, 3.0 * eps * norm, Format::BF16);
+/// let s = sensitivity(&[Perturbation::Gaussian], &subject);
+/// let rho = s.of(Perturbation::Gaussian).unwrap().norm.unwrap();
+/// // Noise must add √(3² − 1²) ≈ 2.8 ε to the norm (in quadrature) to cross 3 ε.
+/// assert!(rho > 2.0 * eps && rho < 3.5 * eps, "{rho}");
+/// # Ok::<(), ttrace::Error>(())
+/// ```
+pub fn sensitivity(shapes: &[Perturbation], subject: &Subject<'_>) -> Sensitivity {
     let case = Case {
-        id,
-        reference,
-        candidate,
-        threshold_abs,
-        offsets,
-        eps: train.machine_epsilon(),
-        detection,
+        id: subject.id,
+        reference: subject.reference,
+        candidate: subject.candidate,
+        threshold_abs: subject.threshold_abs,
+        offsets: subject.offsets,
+        eps: subject.train.machine_epsilon(),
+        detection: subject.detection,
     };
-    let local = replayed.map(|l| Case {
+    let local = subject.replayed.map(|l| Case {
         candidate: l.output,
         threshold_abs: l.threshold_abs,
         offsets: OffsetBounds::default(),
         ..case
     });
     // A per-row offset of a tensor of one row is one random constant: no shape of its own.
+    let reference = subject.reference;
     let rows = reference.len() / reference.shape().last().copied().unwrap_or(1).max(1);
     let figures = shapes
         .iter()
         .filter(|&&p| p != Perturbation::RowBias || rows >= 2)
-        .map(|&p| {
-            let f = figures_for(&case, local.as_ref(), p, perturbation, train, depth);
-            (p, f)
-        })
+        .map(|&p| (p, figures_for(&case, local.as_ref(), p, subject)))
         .collect();
     Sensitivity {
         figures,
-        replayed: replayed.is_some(),
+        replayed: subject.replayed.is_some(),
     }
 }
 
@@ -382,16 +443,15 @@ fn figures_for(
     case: &Case,
     replayed: Option<&Case>,
     shape: Perturbation,
-    pert_estimate: f64,
-    train: Format,
-    depth: u32,
+    subject: &Subject<'_>,
 ) -> RuleFigures {
+    let pert_estimate = subject.perturbation;
     let r = case.reference.values();
     let rnorm = r.iter().map(|x| x * x).sum::<f64>().sqrt();
     let draws = shape.draws();
     let p = Perturbed::new(case, shape);
     let torch = torch_assert_close(case.reference.format());
-    let meg = megatron_ttrace(train, depth);
+    let meg = megatron_ttrace(subject.train, subject.depth);
     let rules: [&dyn Fn(f64, usize) -> bool; 5] = [
         &|rho, k| p.rejects(rho, k),
         &|rho, k| p.frob(rho, k) > case.threshold_abs,
@@ -445,16 +505,10 @@ mod tests {
         let norm = r.iter().map(|x| x * x).sum::<f64>().sqrt();
         let s = sensitivity(
             &Perturbation::ALL,
-            "t",
-            &t,
-            &t,
-            1e-3 * norm,
-            OffsetBounds::default(),
-            1e-2,
-            Format::BF16,
-            3,
-            Detection::default(),
-            None,
+            &Subject {
+                perturbation: 1e-2,
+                ..Subject::new("t", &t, &t, 1e-3 * norm, Format::BF16)
+            },
         );
         let g = s.of(Perturbation::Gaussian).unwrap();
         let ours = g.norm.unwrap();
@@ -471,16 +525,10 @@ mod tests {
         let c = Tensor::from_vec(&[n], r.iter().map(|x| x * 1.1).collect(), Format::F64).unwrap();
         let s = sensitivity(
             &Perturbation::ALL,
-            "t",
-            &t,
-            &c,
-            1e-3 * norm,
-            OffsetBounds::default(),
-            1e-2,
-            Format::BF16,
-            3,
-            Detection::default(),
-            None,
+            &Subject {
+                perturbation: 1e-2,
+                ..Subject::new("t", &t, &c, 1e-3 * norm, Format::BF16)
+            },
         );
         assert_eq!(s.of(Perturbation::Gaussian).unwrap().norm, None);
     }
@@ -501,16 +549,11 @@ mod tests {
         let study = |channel: Option<f64>| {
             *sensitivity(
                 &[Perturbation::ChannelBias],
-                "x|fwd.output.0",
-                &rt,
-                &ct,
-                3.0 * eps * rn,
-                OffsetBounds { channel, row: None },
-                1.0,
-                Format::BF16,
-                3,
-                Detection::default(),
-                None,
+                &Subject {
+                    offsets: OffsetBounds { channel, row: None },
+                    perturbation: 1.0,
+                    ..Subject::new("x|fwd.output.0", &rt, &ct, 3.0 * eps * rn, Format::BF16)
+                },
             )
             .of(Perturbation::ChannelBias)
             .unwrap()
@@ -524,16 +567,11 @@ mod tests {
         let rows_study = |row: Option<f64>| {
             *sensitivity(
                 &[Perturbation::RowBias],
-                "x|fwd.output.0",
-                &rt,
-                &ct,
-                3.0 * eps * rn,
-                OffsetBounds { channel: None, row },
-                1.0,
-                Format::BF16,
-                3,
-                Detection::default(),
-                None,
+                &Subject {
+                    offsets: OffsetBounds { channel: None, row },
+                    perturbation: 1.0,
+                    ..Subject::new("x|fwd.output.0", &rt, &ct, 3.0 * eps * rn, Format::BF16)
+                },
             )
             .of(Perturbation::RowBias)
             .unwrap()
@@ -558,16 +596,11 @@ mod tests {
         let study = |replayed: Option<Replayed<'_>>| {
             sensitivity(
                 &[Perturbation::Gaussian],
-                "x|fwd.output.0",
-                &rt,
-                &ct,
-                30.0 * eps * rn,
-                OffsetBounds::default(),
-                1.0,
-                Format::F32,
-                3,
-                Detection::default(),
-                replayed,
+                &Subject {
+                    perturbation: 1.0,
+                    replayed,
+                    ..Subject::new("x|fwd.output.0", &rt, &ct, 30.0 * eps * rn, Format::F32)
+                },
             )
         };
         let s = study(None);
@@ -614,16 +647,10 @@ mod tests {
         let ct = Tensor::from_vec(&[rows, cols], c, Format::F64).unwrap();
         let s = sensitivity(
             &Perturbation::ALL,
-            "x|fwd.output.0",
-            &rt,
-            &ct,
-            3.0 * eps * rn,
-            OffsetBounds::default(),
-            1.0,
-            Format::BF16,
-            3,
-            Detection::default(),
-            None,
+            &Subject {
+                perturbation: 1.0,
+                ..Subject::new("x|fwd.output.0", &rt, &ct, 3.0 * eps * rn, Format::BF16)
+            },
         );
         let of = |p| *s.of(p).unwrap();
         let (scale, one) = (of(Perturbation::Scale), of(Perturbation::Elements(1)));

@@ -29,7 +29,9 @@ use crate::validate::compose::{
     composed_thresholds, perturbation_estimate, OffsetBounds, SimulationConfig,
 };
 use crate::validate::fresh::{fresh_sites, local_thresholds};
-use crate::validate::sensitivity::{sensitivity, Perturbation, Replayed, RuleFigures, Sensitivity};
+use crate::validate::sensitivity::{
+    sensitivity, Perturbation, Replayed, RuleFigures, Sensitivity, Subject,
+};
 
 /// One configuration of the sweep.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -494,22 +496,20 @@ pub fn run_config_with_thresholds(
                 || {
                     sensitivity(
                         &Perturbation::ALL,
-                        &e.id,
-                        &e.tensor,
-                        c,
-                        th.abs,
-                        th.offsets,
-                        pert.get(&e.id).copied().unwrap_or(0.0),
-                        train,
-                        depth,
-                        Detection {
-                            delta: sim.delta,
-                            ..Detection::default()
+                        &Subject {
+                            offsets: th.offsets,
+                            perturbation: pert.get(&e.id).copied().unwrap_or(0.0),
+                            depth,
+                            detection: Detection {
+                                delta: sim.delta,
+                                ..Detection::default()
+                            },
+                            replayed: replayed.get(&e.id).map(|output| Replayed {
+                                output,
+                                threshold_abs: local.get(&e.id).copied().unwrap_or(0.0),
+                            }),
+                            ..Subject::new(&e.id, &e.tensor, c, th.abs, train)
                         },
-                        replayed.get(&e.id).map(|output| Replayed {
-                            output,
-                            threshold_abs: local.get(&e.id).copied().unwrap_or(0.0),
-                        }),
                     )
                 },
             ),
