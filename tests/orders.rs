@@ -323,7 +323,9 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(2000))]
 
     /// Knuth's bound for compensated summation, 2u + O(n u^2), checked with a second-order
-    /// allowance of 8 n u^2 while n u <= 1/20.
+    /// allowance of 8 n u^2 while n u <= 1/20 — for terms in the accumulator's format. Terms
+    /// of a wider format are rounded once more, in y = fl(x − c), which no compensation sees:
+    /// u more (F32 terms summed in F16 erred by 2.29·u·Σ|x|).
     #[test]
     fn kahan_error_is_within_2u(
         (acc, input, xs) in prop::sample::select(vec![Format::F64, Format::F32, Format::TF32, Format::F16, Format::BF16])
@@ -340,7 +342,8 @@ proptest! {
         let computed = sum(&xs, &policy).unwrap();
         let err = Dy::from_f64(computed).add(&exact(&xs).neg()).abs().round(spec("f64"), false);
         let scale: f64 = xs.iter().map(|x| x.abs()).sum();
-        let bound = (2.0 * u + 8.0 * n as f64 * u * u) * scale * (1.0 + 1e-10)
+        let wider = if input.precision() > acc.precision() { 1.0 } else { 0.0 };
+        let bound = ((2.0 + wider) * u + 8.0 * n as f64 * u * u) * scale * (1.0 + 1e-10)
             + (3 * n) as f64 * acc.min_subnormal();
         prop_assert!(err <= bound, "n={} {}: {:e} > {:e}", n, acc, err, bound);
     }

@@ -257,8 +257,11 @@ pub fn reduction_error(terms: &[f64], acc: &Accumulation, is_dot: bool) -> Resul
 /// λ/2 for the value v it rounds (λ the smallest subnormal: Higham 2002, §2.1), and the
 /// magnitudes are bounded step by step from the exact partial sums; when |s| ≥ |y| is certain,
 /// η₃ = η₄ = 0 (Dekker's Fast2Sum), so
-/// * guaranteed: the propagated Σ(|η₁| + |η₃| + |η₄|) + |c_n| — between u·Σ|xᵢ| and 2u·Σ|xᵢ|
-///   to first order (Knuth's and Goldberg's 2u + O(nu²), with the second-order terms carried);
+/// * guaranteed: the propagated Σ(|η₁| + |η₃| + |η₄|) + |c_n| — between u·Σ|xᵢ| and 3u·Σ|xᵢ|
+///   to first order (η₃ only at steps where |s| ≥ |y| is not certain; Knuth's and Goldberg's
+///   2u + O(nu²) for terms already in the format, with the second-order terms carried; terms
+///   of a wider format are rounded once more in y: F32 terms 0.627, −4.666, −0.041 summed in
+///   F16 err by 2.29·u·Σ|xᵢ|, within this bound's 2.65·u·Σ|xᵢ|);
 /// * probabilistic: the η independent and zero-mean, each uniform within its bound
 ///   (variance bound²/3), and c_n a deterministic part of unknown sign (`tie_bound`).
 pub(crate) fn kahan_error(terms: &[f64], f: Format, load: bool) -> Result<ReductionError> {
