@@ -588,7 +588,9 @@ class Tracer:
     ``modules``: what to trace. ``every``: trace one step in N. ``dp_dim``: the batch
     dimension of activations (default 0; 1 for models with Megatron layers, whose activations
     are [sequence, batch, hidden], and whose mesh is read from Megatron's parallel state). ``recipe``: a ttrace recipe name for the manifest.
-    ``formats``: per-module ``{"quantize", "accumulate", "combine"}`` format names.
+    ``formats``: per-module ``{"quantize", "accumulate", "combine"}`` format names. Declare
+    ``"accumulate"`` for a module whose kernel accumulates below FP32 (``"bf16"``, ``"f16"``):
+    such sums round one way, so the check then runs no scale or bias test on the trace.
     ``unsupported``: ``"raise"`` (default) or ``"skip"`` a tensor whose layout the trace
     format cannot express. ``background``: write on a background thread (default: with a
     ``directory``; without one the tracer records from construction until :meth:`write`,

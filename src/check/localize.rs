@@ -11,7 +11,7 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use crate::check::compare_tensor;
+use crate::check::{compare_tensor_with, Detection};
 use crate::engine::model::{Module, ModuleKind};
 use crate::engine::trace::TensorId;
 use crate::engine::trace::Trace;
@@ -66,6 +66,8 @@ struct Ctx<'a> {
     reference: &'a Trace,
     local: &'a HashMap<String, f64>,
     eps: f64,
+    /// The tests beyond the norm, for the model's recipe.
+    detection: Detection,
 }
 
 impl Ctx<'_> {
@@ -89,7 +91,7 @@ impl Ctx<'_> {
                 Err(err) => return Ok(Some((e.id.clone(), None, f64::INFINITY, err.to_string()))),
                 Ok(c) => {
                     let th = self.local.get(&e.id).copied().unwrap_or(0.0);
-                    let v = compare_tensor(&e.id, r, &c, th, self.eps);
+                    let v = compare_tensor_with(&e.id, r, &c, th, self.eps, self.detection);
                     if !v.passed {
                         let detail = if v.ratio > 1.0 {
                             format!(
@@ -141,6 +143,8 @@ pub fn localize(
         reference,
         local,
         eps,
+        detection: Detection::default()
+            .accumulated_in(sharded.model().recipe().narrowest_accumulator()),
     };
     let modules = sharded.model().modules().to_vec();
     let found =

@@ -430,8 +430,8 @@ pub fn apply_threshold(verdict: &mut TensorVerdict, dn: f64, rn: f64, threshold_
 
 /// Check a merged candidate trace against the reference: every id of `ids` (in order) is
 /// compared with its threshold from `thresholds` (absolute; a missing id has threshold 0: the
-/// tensor must be bit-identical); ids in `merge_errors` fail with the error as the reason, and
-/// an id missing from the candidate fails too.
+/// tensor must be bit-identical) and by the tests of `detection`; ids in `merge_errors` fail
+/// with the error as the reason, and an id missing from the candidate fails too.
 pub fn check(
     reference: &Trace,
     candidate: &Trace,
@@ -439,6 +439,7 @@ pub fn check(
     ids: &[String],
     thresholds: &HashMap<String, f64>,
     eps: f64,
+    detection: Detection,
 ) -> CheckReport {
     let errors: HashMap<&str, &Error> = merge_errors.iter().map(|(i, e)| (i.as_str(), e)).collect();
     let mut verdicts = Vec::with_capacity(ids.len());
@@ -449,7 +450,7 @@ pub fn check(
         let th = thresholds.get(id).copied().unwrap_or(0.0);
         let v = match (errors.get(id.as_str()), candidate.get(id)) {
             (Some(e), _) => failed(id, r.len(), e.to_string()),
-            (None, Some(c)) => compare_tensor(id, r, c, th, eps),
+            (None, Some(c)) => compare_tensor_with(id, r, c, th, eps, detection),
             (None, None) => failed(id, r.len(), "missing from the candidate".into()),
         };
         verdicts.push(v);
@@ -542,7 +543,15 @@ mod tests {
         )];
         let mut th = HashMap::new();
         th.insert("b|fwd.output.0".to_string(), 0.25);
-        let rep = check(&reference, &candidate, &errors, &ids, &th, 1.0);
+        let rep = check(
+            &reference,
+            &candidate,
+            &errors,
+            &ids,
+            &th,
+            1.0,
+            Detection::default(),
+        );
         assert_eq!(rep.failures, 3);
         assert_eq!(rep.first_failure.as_deref(), Some("b|fwd.output.0"));
         assert!(rep.verdicts[2].problem.as_deref().unwrap().contains("bad"));
@@ -554,7 +563,15 @@ mod tests {
         assert_eq!(rep.verdicts.len(), 4);
         // Within a generous threshold and without the broken ones, it passes.
         th.insert("b|fwd.output.0".to_string(), 1.0);
-        let rep = check(&reference, &candidate, &[], &ids[..2], &th, 1.0);
+        let rep = check(
+            &reference,
+            &candidate,
+            &[],
+            &ids[..2],
+            &th,
+            1.0,
+            Detection::default(),
+        );
         assert!(rep.passed() && rep.failures == 0);
     }
 }

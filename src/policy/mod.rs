@@ -508,6 +508,16 @@ impl Recipe {
             .unwrap_or(&self.policies[0].2)
     }
 
+    /// The narrowest format any of its reductions accumulates in (FP32 for every built-in
+    /// recipe but `uniform-bf16`, `uniform-f16` and the like).
+    pub fn narrowest_accumulator(&self) -> Format {
+        self.policies
+            .iter()
+            .map(|(_, _, p)| p.accumulator())
+            .min_by_key(|f| f.precision())
+            .unwrap_or(Format::F32)
+    }
+
     /// Validate every policy.
     pub fn validate(&self) -> Result<()> {
         for (_, _, p) in &self.policies {

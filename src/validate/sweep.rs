@@ -419,6 +419,11 @@ pub fn run_config_with_thresholds(
     let eps = recipe.activation_format.machine_epsilon();
     let localizer = localize(&mut sharded, &cand_step, &ref_trace, &local, eps)?;
     let depth = before.config().layers as u32 + 1;
+    let detection = Detection {
+        delta: sim.delta,
+        ..Detection::default()
+    }
+    .accumulated_in(recipe.narrowest_accumulator());
     let studied = Some(run.mesh) == options.sensitivity_mesh
         && Some(run.seed) == options.runs.first().map(|r| r.seed)
         && run.algorithm == Algorithm::Ring;
@@ -462,10 +467,7 @@ pub fn run_config_with_thresholds(
             c,
             th.abs,
             train.machine_epsilon(),
-            Detection {
-                delta: sim.delta,
-                ..Detection::default()
-            },
+            detection,
         )
         .0;
         let observed = if verdict.nonfinite_mismatches > 0 {
@@ -500,10 +502,7 @@ pub fn run_config_with_thresholds(
                             offsets: th.offsets,
                             perturbation: pert.get(&e.id).copied().unwrap_or(0.0),
                             depth,
-                            detection: Detection {
-                                delta: sim.delta,
-                                ..Detection::default()
-                            },
+                            detection,
                             replayed: replayed.get(&e.id).map(|output| Replayed {
                                 output,
                                 threshold_abs: local.get(&e.id).copied().unwrap_or(0.0),
@@ -606,6 +605,7 @@ pub fn run_bug_dumping(
         &ids,
         &thresholds.composed,
         eps,
+        Detection::default().accumulated_in(recipe.narrowest_accumulator()),
     );
     let localization = localize(&mut sharded, &cand_step, &ref_trace, &thresholds.local, eps)?;
     let localized = match bug {
