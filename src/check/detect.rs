@@ -281,6 +281,116 @@ pub fn sparse_critical(n: f64, delta: f64) -> f64 {
     (n / delta).ln().max(0.0) / std::f64::consts::SQRT_2
 }
 
+/// One row's systematic sums and the key of its reference values.
+///
+/// Rows equal in the reference (a token repeated in a batch, before attention mixes positions;
+/// a constant tensor) were computed from equal inputs, so their round-off is equal too: one
+/// cluster, not independent ones. Counted apart, k equal rows make the variance k times too
+/// small for their part; the row clusters are therefore the classes of equal reference rows
+/// (by a 64-bit key: a collision merges two classes, which only makes the test more cautious).
+#[derive(Debug, Clone, Copy)]
+struct RowSumsKeyed {
+    key: u64,
+    /// Σ wD for the scale (w = m) and the bias (w = 1), Σ m², the finite pairs, Σ D², and
+    /// Σ m, Σ (Dm)², Σ m⁴, Σ m²D, Σ m³, Σ m³D.
+    x: f64,
+    y: f64,
+    mm: f64,
+    n: f64,
+    dd: f64,
+    ms: f64,
+    dada: f64,
+    a4: f64,
+    m2d: f64,
+    m3: f64,
+    m3d: f64,
+}
+
+impl RowSumsKeyed {
+    /// The row's own structure: D fitted by least squares as a·m + b — a relative factor and
+    /// an offset shared by the row, as a normalizer's or a denominator's rounding moves a
+    /// whole row. `None` for a row too short or degenerate to fit.
+    fn fit(&self) -> Option<(f64, f64)> {
+        let n = self.n;
+        let det = n * self.mm - self.ms * self.ms;
+        (n >= 3.0 && det > 1e-9 * n * self.mm).then(|| {
+            let a = (n * self.x - self.ms * self.y) / det;
+            let b = (self.mm * self.y - self.ms * self.x) / det;
+            (a, b)
+        })
+    }
+
+    /// The variance the elements' own noise gives the row's sums Σ mD and Σ D: the sandwich
+    /// (heteroscedasticity-consistent) estimates Σ m²e² and Σ e² of the residuals
+    /// e = D − a·m − b, times n/(n − 2). Zero for a row the fit explains — whose sum is one
+    /// event, not many.
+    fn noise(&self) -> (f64, f64) {
+        let Some((a, b)) = self.fit() else {
+            return (0.0, 0.0);
+        };
+        let k = self.n / (self.n - 2.0);
+        // Σ m²(D − am − b)² and Σ (D − am − b)², expanded in the row's sums.
+        let scale = self.dada - 2.0 * a * self.m3d - 2.0 * b * self.m2d
+            + a * a * self.a4
+            + 2.0 * a * b * self.m3
+            + b * b * self.mm;
+        let bias = self.dd - 2.0 * a * self.x - 2.0 * b * self.y
+            + a * a * self.mm
+            + 2.0 * a * b * self.ms
+            + b * b * self.n;
+        (scale.max(0.0) * k, bias.max(0.0) * k)
+    }
+}
+
+/// The deterministic part the row clusters may give L = Σ s_c: κ·σ_f·ΣM_c, where s_c = f_c·M_c
+/// (M_c the cluster's weight Σw·m — Σm² for the scale, its pairs for the bias — and f_c its
+/// own factor) and σ_f the spread of the factors beyond what the elements' own noise v_c
+/// makes: σ_f² = (Σ(f_c − f̄)² − Σv_c/M_c² − 3·√(2Σ(v_c/M_c²)²))⁺/(n − 1). A pure scale has
+/// equal factors (σ_f = 0); a normalizer's rounding, one factor per row, spreads them.
+fn factor_slack(s: &[f64], weight: &[f64], noise: &[f64]) -> f64 {
+    let (mut f, mut vf) = (Vec::with_capacity(s.len()), Vec::with_capacity(s.len()));
+    for ((&sc, &m), &v) in s.iter().zip(weight).zip(noise) {
+        if m > 0.0 {
+            f.push(sc / m);
+            vf.push(v / (m * m));
+        }
+    }
+    let n = f.len() as f64;
+    if n < 2.0 {
+        return 0.0;
+    }
+    let mean = f.iter().sum::<f64>() / n;
+    let ss = f.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>();
+    let v = vf.iter().sum::<f64>();
+    let sd = (2.0 * vf.iter().map(|x| x * x).sum::<f64>()).sqrt();
+    let var = (ss - v - 3.0 * sd).max(0.0) / (n - 1.0);
+    SYSTEMATIC_SLACK * var.sqrt() * weight.iter().sum::<f64>()
+}
+
+/// The key of a row's reference values (their bits, in four interleaved streams).
+fn row_key(r: &[f64]) -> u64 {
+    const K: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut h = [1u64, 2, 3, 4];
+    let chunks = r.chunks_exact(4);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for l in 0..4 {
+            h[l] = (h[l] ^ c[l].to_bits()).wrapping_mul(K).rotate_left(29);
+        }
+    }
+    for (l, x) in tail.iter().enumerate() {
+        h[l] = (h[l] ^ x.to_bits()).wrapping_mul(K).rotate_left(29);
+    }
+    h.iter().fold(r.len() as u64, |a, &b| {
+        (a ^ b).wrapping_mul(K).rotate_left(31)
+    })
+}
+
+/// κ: the deterministic part round-off may give the systematic tests' statistic, as a mean
+/// row factor of up to κ times the factors' spread ([`factor_slack`]; module docs,
+/// "Deterministic round-off").
+pub const SYSTEMATIC_SLACK: f64 = 2.0;
+
 /// Sums of one linear statistic L = Σ wᵢDᵢ by clusters.
 #[derive(Debug, Clone, Copy, Default)]
 struct Clustered {
@@ -288,6 +398,8 @@ struct Clustered {
     sum: f64,
     /// Σ over rows of the row's sum, squared.
     rows: f64,
+    /// The deterministic part its row clusters may hold ([`factor_slack`]).
+    slack: f64,
     /// Σ over elements of (wᵢDᵢ)².
     elements: f64,
 }
@@ -356,6 +468,15 @@ struct RowSums {
     q: f64,
     qmax: f64,
     emax: f64,
+    /// Σ (D/|r|)² and their count over the elements at least their row's root mean square
+    /// (those measured against their own magnitude).
+    lq: f64,
+    ln: f64,
+    /// Σ m, Σ m²D, Σ m³, Σ m³D (the rows' residual noise, [`RowSumsKeyed`]).
+    ms: f64,
+    m2d: f64,
+    m3: f64,
+    m3d: f64,
 }
 
 /// The first pass's per-element work on a row of finite pairs, in lanes. One unit in the last
@@ -429,6 +550,8 @@ impl Kernel {
             _mm256_set1_pd(1.0),
         );
         let [mut x, mut y, mut dada, mut dd, mut a4, mut qs, mut qmax, mut emax] = [zero; 8];
+        let (mut lq, mut ln, mut ms) = (zero, zero, zero);
+        let (mut m2d, mut m3, mut m3d) = (zero, zero, zero);
         let mut mms = zero;
         let half = _mm256_set1_pd(0.5);
         // Columns: Σ dr, Σ d, Σ r², pairs, Σ q (q masked to zero on a row of zero reference).
@@ -452,12 +575,20 @@ impl Kernel {
             let a2 = _mm256_mul_pd(a, a);
             x = _mm256_add_pd(x, da);
             mms = _mm256_add_pd(mms, mm);
+            ms = _mm256_add_pd(ms, mid);
+            m2d = _mm256_add_pd(m2d, _mm256_mul_pd(mid, da));
+            m3 = _mm256_add_pd(m3, _mm256_mul_pd(mid, mm));
+            m3d = _mm256_add_pd(m3d, _mm256_mul_pd(mm, da));
             y = _mm256_add_pd(y, d);
             dada = _mm256_add_pd(dada, _mm256_mul_pd(da, da));
             dd = _mm256_add_pd(dd, _mm256_mul_pd(d, d));
             a4 = _mm256_add_pd(a4, _mm256_mul_pd(mm, mm));
             qs = _mm256_add_pd(qs, q);
             qmax = _mm256_max_pd(qmax, q);
+            // Elements measured against their own magnitude: own·|a| ≥ floor.
+            let big = _mm256_cmp_pd::<_CMP_GE_OQ>(_mm256_mul_pd(own_v, aa), floor_v);
+            lq = _mm256_add_pd(lq, _mm256_and_pd(q, big));
+            ln = _mm256_add_pd(ln, _mm256_and_pd(one, big));
             let over = _mm256_max_pd(_mm256_sub_pd(_mm256_and_pd(d, abs), allowance), zero);
             emax = _mm256_max_pd(emax, _mm256_div_pd(over, scale));
             if let Some(k) = cols.as_mut() {
@@ -486,6 +617,12 @@ impl Kernel {
             q: lanes(qs),
             qmax: lanes(qmax),
             emax: lanes(emax),
+            lq: lanes(lq),
+            ln: lanes(ln),
+            ms: lanes(ms),
+            m2d: lanes(m2d),
+            m3: lanes(m3),
+            m3d: lanes(m3d),
         };
         for j in tail..n {
             let e = self.element(&mut acc, 0, r[j], c[j], floor, own);
@@ -581,6 +718,10 @@ impl Kernel {
         let q = e * e;
         acc.x[l] += da;
         acc.mm[l] += mm;
+        acc.ms[l] += mid;
+        acc.m2d[l] += mid * da;
+        acc.m3[l] += mid * mm;
+        acc.m3d[l] += mm * da;
         acc.y[l] += d;
         acc.dada[l] += da * da;
         acc.dd[l] += d * d;
@@ -588,6 +729,9 @@ impl Kernel {
         acc.q[l] += q;
         let max = |m: f64, x: f64| if m > x { m } else { x };
         acc.qmax[l] = max(acc.qmax[l], q);
+        let big = if own * a.abs() >= floor { 1.0 } else { 0.0 };
+        acc.lq[l] += q * big;
+        acc.ln[l] += big;
         acc.emax[l] = max(acc.emax[l], max(d.abs() - allowance, 0.0) / scale);
         Element { d, da, mm, q }
     }
@@ -605,6 +749,12 @@ struct Acc {
     q: [f64; LANES],
     qmax: [f64; LANES],
     emax: [f64; LANES],
+    lq: [f64; LANES],
+    ln: [f64; LANES],
+    ms: [f64; LANES],
+    m2d: [f64; LANES],
+    m3: [f64; LANES],
+    m3d: [f64; LANES],
 }
 
 impl Acc {
@@ -623,6 +773,12 @@ impl Acc {
             q: sum(&self.q),
             qmax: max(&self.qmax),
             emax: max(&self.emax),
+            lq: sum(&self.lq),
+            ln: sum(&self.ln),
+            ms: sum(&self.ms),
+            m2d: sum(&self.m2d),
+            m3: sum(&self.m3),
+            m3d: sum(&self.m3d),
         }
     }
 }
@@ -683,8 +839,15 @@ pub(crate) struct Detect {
     rows: Vec<RowRecord>,
     /// Rows seen (the records stop at [`MAX_ROW_RECORDS`]).
     row_count: usize,
+    /// Each row's systematic sums under the key of its reference values: rows equal in the
+    /// reference are one cluster (see [`RowSumsKeyed`]).
+    keyed: Vec<RowSumsKeyed>,
     /// Σ over rows of (finite pairs in the row)².
     ones_rows: f64,
+    /// Σ (D/|r|)² and the count over the elements at least their row's root mean square: the
+    /// sparse test's pool for elements measured against their own magnitude.
+    large_q: f64,
+    large_n: f64,
     /// Which of [`GRIDS`] still hold every value.
     on_grid: [bool; 5],
     /// Some of them do.
@@ -726,7 +889,10 @@ impl Detect {
             col_n: vec![0; cols],
             rows: Vec::new(),
             row_count: 0,
+            keyed: Vec::new(),
             ones_rows: 0.0,
+            large_q: 0.0,
+            large_n: 0.0,
             on_grid: GRIDS.map(|g| g.precision() < stored.precision()),
             grid_live: GRIDS.iter().any(|g| g.precision() < stored.precision()),
         }
@@ -777,6 +943,11 @@ impl Detect {
         if !self.row_pass_finite(r, c) {
             self.row_pass_plain(r, c);
         }
+        if self.keyed.len() == self.row_count && self.cfg.systematic {
+            if let Some(k) = self.keyed.last_mut() {
+                k.key = row_key(r);
+            }
+        }
     }
 
     /// [`Detect::row_pass`] on a row whose pairs are all finite: the same sums in lanes,
@@ -815,6 +986,8 @@ impl Detect {
         }
         self.scale.elements += s.dada;
         self.bias.elements += s.dd;
+        self.large_q += s.lq;
+        self.large_n += s.ln;
         self.pure_elements += s.a4;
         let rec = RowRecord {
             q: s.q,
@@ -823,7 +996,12 @@ impl Detect {
             n,
             zero: s.zero,
         };
-        self.end_row(rec, s.x, s.y, s.rr, s.mm);
+        self.end_row(
+            rec,
+            [
+                s.x, s.y, s.rr, s.mm, s.dd, s.ms, s.dada, s.a4, s.m2d, s.m3, s.m3d,
+            ],
+        );
         true
     }
 
@@ -844,7 +1022,8 @@ impl Detect {
             ..RowRecord::default()
         };
         let full = self.cols > 0 && r.len() == self.cols;
-        let (mut x, mut y, mut mm) = (0.0f64, 0.0f64, 0.0f64);
+        let (mut x, mut y, mut mm, mut dd) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+        let [mut ms, mut dada, mut a4, mut m2d, mut m3, mut m3d] = [0.0f64; 6];
         for (j, (&a, &b)) in r.iter().zip(c).enumerate() {
             if !finite(a, b) {
                 continue;
@@ -856,6 +1035,13 @@ impl Detect {
             mm += mid * mid;
             self.scale.elements += (d * mid) * (d * mid);
             self.bias.elements += d * d;
+            dd += d * d;
+            ms += mid;
+            dada += (d * mid) * (d * mid);
+            a4 += (mid * mid) * (mid * mid);
+            m2d += mid * (d * mid);
+            m3 += mid * (mid * mid);
+            m3d += (mid * mid) * (d * mid);
             self.pure_elements += (mid * mid) * (mid * mid);
             if full {
                 self.col_dr[j] += d * mid;
@@ -872,12 +1058,19 @@ impl Detect {
                 }
                 self.grid_live = self.on_grid.iter().any(|&on| on);
             }
+            let large = !rec.zero && a.abs() >= rms;
+            if large {
+                self.large_n += 1.0;
+            }
             if d == 0.0 {
                 continue;
             }
             let allowance = self.stored.ulp(a.abs().max(b.abs())).unwrap_or(0.0);
             let s = if rec.zero { 1.0 } else { a.abs().max(rms) };
             let q = (d / s) * (d / s);
+            if large {
+                self.large_q += q;
+            }
             if full && !rec.zero {
                 self.col_q[j] += q;
             }
@@ -885,28 +1078,91 @@ impl Detect {
             rec.qmax = rec.qmax.max(q);
             rec.emax = rec.emax.max((d.abs() - allowance).max(0.0) / s);
         }
-        self.end_row(rec, x, y, rr, mm);
+        self.end_row(rec, [x, y, rr, mm, dd, ms, dada, a4, m2d, m3, m3d]);
     }
 
-    /// Adds a finished row's sums: its scale and bias statistics `x`, `y`, Σr² `rr` and Σm²
-    /// `mm` (m = (r + c)/2).
-    fn end_row(&mut self, rec: RowRecord, x: f64, y: f64, rr: f64, mm: f64) {
+    /// Adds a finished row's sums: its scale and bias statistics `x`, `y`, Σr² `rr`, Σm² `mm`
+    /// (m = (r + c)/2), ΣD² `dd`, and for the residual noise Σm, Σ(Dm)², Σm⁴, Σm²D, Σm³, Σm³D.
+    fn end_row(
+        &mut self,
+        rec: RowRecord,
+        [x, y, rr, mm, dd, ms, dada, a4, m2d, m3, m3d]: [f64; 11],
+    ) {
         let n = rec.n;
         self.scale.sum += x;
         self.scale.rows += x * x;
         self.bias.sum += y;
         self.bias.rows += y * y;
         self.pure_rows += mm * mm;
+        self.ones_rows += (n as f64) * (n as f64);
         self.rr += rr;
         self.mm += mm;
         self.n += n;
-        self.ones_rows += (n as f64) * (n as f64);
         self.row_count += 1;
+        if self.keyed.len() < MAX_ROW_RECORDS {
+            self.keyed.push(RowSumsKeyed {
+                key: 0,
+                x,
+                y,
+                mm,
+                n: n as f64,
+                dd,
+                ms,
+                dada,
+                a4,
+                m2d,
+                m3,
+                m3d,
+            });
+        }
         // The sparse test's per-row records are bounded: a tensor of more rows than that (a
         // column vector of hundreds of millions of elements) has no sparse test.
         if self.rows.len() < MAX_ROW_RECORDS {
             self.rows.push(rec);
         }
+    }
+
+    /// The row terms of the cluster-robust variances, with rows equal in the reference merged
+    /// into one cluster: Σ over clusters of (Σ_cluster x)², likewise y, m² and the pairs.
+    fn cluster_rows(&mut self) {
+        // Rows by key, equal keys in row order; the classes then in the order of their first
+        // row, so that every sum runs in an order the values' magnitudes do not change.
+        let mut order: Vec<u32> = (0..self.keyed.len() as u32).collect();
+        order.sort_by_key(|&i| self.keyed[i as usize].key);
+        let mut groups: Vec<&[u32]> = order
+            .chunk_by(|&a, &b| self.keyed[a as usize].key == self.keyed[b as usize].key)
+            .collect();
+        groups.sort_by_key(|g| g[0]);
+        let (mut x2, mut y2, mut mm2, mut n2) = (0.0, 0.0, 0.0, 0.0);
+        let (mut xs, mut ys, mut mms, mut ns) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut x_noise, mut y_noise) = (Vec::new(), Vec::new());
+        for group in groups {
+            let sum = |f: &dyn Fn(&RowSumsKeyed) -> f64| {
+                group
+                    .iter()
+                    .map(|&i| f(&self.keyed[i as usize]))
+                    .sum::<f64>()
+            };
+            let (x, y, mm, n) = (sum(&|k| k.x), sum(&|k| k.y), sum(&|k| k.mm), sum(&|k| k.n));
+            x2 += x * x;
+            y2 += y * y;
+            mm2 += mm * mm;
+            n2 += n * n;
+            xs.push(x);
+            ys.push(y);
+            mms.push(mm);
+            ns.push(n);
+            x_noise.push(sum(&|k| k.noise().0));
+            y_noise.push(sum(&|k| k.noise().1));
+        }
+        // Merging can only make the variance larger where equal rows differ alike; where
+        // they do not (the candidate's equal rows differ unalike), the rows stay apart.
+        self.scale.rows = x2.max(self.scale.rows);
+        self.bias.rows = y2.max(self.bias.rows);
+        self.pure_rows = mm2.max(self.pure_rows);
+        self.ones_rows = n2.max(self.ones_rows);
+        self.scale.slack = factor_slack(&xs, &mms, &x_noise);
+        self.bias.slack = factor_slack(&ys, &ns, &y_noise);
     }
 
     /// The coarsest standard grid holding every finite value of both sides.
@@ -932,7 +1188,11 @@ impl Detect {
         }
         let n = self.n as f64;
         let sq = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>();
-        if self.matrix && self.cols > 0 && self.cfg.systematic {
+        // Every row's keyed sums are needed to merge equal rows: a tensor of more rows than
+        // the records hold has no systematic test.
+        if self.matrix && self.cols > 0 && self.cfg.systematic && self.keyed.len() == self.row_count
+        {
+            self.cluster_rows();
             let t = symmetric_critical(self.cfg.each());
             // Scale (weights m = (r + c)/2): the pure signal D = m has L = Σm², rows
             // Σ(Σ_row m²)², columns Σ(Σ_col m²)², elements Σm⁴; bias: D = 1 has rows
@@ -940,11 +1200,13 @@ impl Detect {
             let pure = Clustered {
                 sum: self.mm,
                 rows: self.pure_rows,
+                slack: 0.0,
                 elements: self.pure_elements,
             };
             let ones = Clustered {
                 sum: n,
                 rows: self.ones_rows,
+                slack: 0.0,
                 elements: n,
             };
             let col_n: Vec<f64> = self.col_n.iter().map(|&k| k as f64).collect();
@@ -985,7 +1247,7 @@ impl Detect {
                     continue;
                 }
                 let est = stat.sum / per / eps;
-                let th = t * stat.variance(cols).sqrt() / per / eps;
+                let th = (t * stat.variance(cols).sqrt() + stat.slack) / per / eps;
                 let ratio = if est == 0.0 {
                     0.0
                 } else if th > 0.0 {
@@ -1112,6 +1374,12 @@ impl Detect {
                 let mut sg = sigma(row_q, qi, u.n);
                 if full && !u.zero {
                     sg = sg.max(pool(self.col_q[j], qi, self.col_n[j]));
+                }
+                // An element measured against its own magnitude is compared with the others
+                // that are: where a row's error is one relative factor (a softmax's
+                // denominator), its small elements say little of its large ones'.
+                if !u.zero && a.abs() >= rms {
+                    sg = sg.max(pool(self.large_q, qi, self.large_n as usize));
                 }
                 let z = e / sg;
                 if z > crit {
@@ -1441,13 +1709,16 @@ mod tests {
                 };
                 let bits = |s: RowSums| {
                     [
-                        s.rr, s.mm, s.x, s.y, s.dada, s.dd, s.a4, s.q, s.qmax, s.emax,
+                        s.rr, s.mm, s.x, s.y, s.dada, s.dd, s.a4, s.q, s.qmax, s.emax, s.lq, s.ln,
+                        s.ms, s.m2d, s.m3, s.m3d,
                     ]
                     .map(f64::to_bits)
                 };
                 let (x, y) = (k.dispatch(a, b, None).unwrap(), k.row(a, b, None).unwrap());
                 assert_eq!(bits(x), bits(y));
             }
+            fast.cluster_rows();
+            plain.cluster_rows();
             let pairs = [
                 (fast.scale.sum, plain.scale.sum, plain.scale.rows.sqrt()),
                 (fast.scale.rows, plain.scale.rows, plain.scale.rows),
@@ -1468,6 +1739,8 @@ mod tests {
                 assert!(close(x, y, scale), "{f:?} sum {i}: {x} against {y}");
             }
             assert_eq!((fast.n, fast.row_count), (plain.n, plain.row_count));
+            assert_eq!(fast.large_n, plain.large_n);
+            assert!(close(fast.large_q, plain.large_q, plain.large_q));
             assert_eq!(fast.col_n, plain.col_n);
             for j in 0..cols {
                 for (x, y) in [

@@ -322,7 +322,12 @@ fn compare_pair(
     let (rf, cf) = pair.formats;
     let mut pass = Pass::new(rf, cf);
     let stored = coarser(rf, cf);
-    let mut det = detect::Detect::new(rs, stored, detection_for(id, detection));
+    let mut detection = detection_for(id, detection);
+    // One side stored in a coarser format was rounded once more, onto a grid whose rounding
+    // is biased by the data's distribution (measured: GELU outputs in BF16 against the same in
+    // FP32, 2.6·10⁵ elements, the bias test at 2×): no systematic test between formats.
+    detection.systematic &= rf == cf;
+    let mut det = detect::Detect::new(rs, stored, detection);
     (pair.pieces)(&mut |r, c| {
         pass.feed(r, c);
         det.feed(r, c);
@@ -407,6 +412,14 @@ pub fn apply_threshold(verdict: &mut TensorVerdict, dn: f64, rn: f64, threshold_
     };
     verdict.rel_error = rel(dn);
     verdict.threshold = rel(threshold_abs);
+    // A threshold as large as the reference itself says the values may be lost whole (to
+    // underflow in a narrower format, to cancellation): a scale or a bias of them is then no
+    // evidence (a candidate whose FP16 partial sums underflowed to zero is a scale of −1).
+    if threshold_abs >= rn {
+        verdict
+            .findings
+            .retain(|f| !matches!(f.detector, Detector::Scale | Detector::Bias));
+    }
     verdict.ratio = if dn == 0.0 {
         0.0
     } else if threshold_abs > 0.0 && threshold_abs.is_finite() {

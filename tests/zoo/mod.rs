@@ -445,7 +445,7 @@ pub enum Outcome {
     UnflaggedNonFinite,
 }
 
-fn threshold(
+pub fn threshold(
     op_r: Op,
     op_c: Op,
     x: &Tensor,
@@ -514,7 +514,7 @@ fn partials(x: &Tensor) -> ttrace::Result<Vec<Tensor>> {
         .collect()
 }
 
-fn execute(op: Op, x: &Tensor, b: &Tensor, p: &Policy) -> ttrace::Result<Vec<f64>> {
+pub fn execute(op: Op, x: &Tensor, b: &Tensor, p: &Policy) -> ttrace::Result<Vec<f64>> {
     let n = *x.shape().last().unwrap();
     Ok(match op {
         Op::Elementwise(e) => match e {

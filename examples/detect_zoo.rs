@@ -1,0 +1,180 @@
+//! The data zoo for the tests beyond the norm: every structured data family of
+//! `tests/zoo` through the ops that make matrices (matmul, softmax, LayerNorm, RMSNorm, the
+//! elementwise ops), each pair of correct policies, and the scale, bias and sparse tests
+//! ([`ttrace::check::Detection`]) on the two results — which differ by round-off only, so any
+//! test that fires is a false alarm. Prints the closest call of each test per op and family,
+//! and every false alarm.
+//!
+//! `cargo run --release --example detect_zoo -- [trials] [filter]` (default 3 trials per cell;
+//! `docs/zoo.md` records the published run). Outputs are [256, 64] (matmul: A [256, k] from
+//! the family, B [k, 64] Gaussian) or [256, k], at k = 64 and 1024.
+#[path = "../tests/zoo/mod.rs"]
+mod zoo;
+
+use std::collections::BTreeMap;
+
+use ttrace::bounds::Confidence;
+use ttrace::check::{compare_tensor_with, Detection, Detector};
+use ttrace::{Format, Tensor};
+use zoo::{Family, Op, FAMILIES};
+
+/// Per detector: (applied, fired, closest ratio) — one (op, family) cell of the table.
+type Cell = BTreeMap<Detector, (usize, usize, f64)>;
+
+const ROWS: usize = 256;
+const COLS: usize = 64;
+
+/// The inputs of one trial: x [ROWS, k] from the family and the second operand (B [k, COLS]
+/// Gaussian for a matmul, a Gaussian [ROWS, k] for `add`, unused otherwise).
+fn inputs(op: Op, family: Family, k: usize, seed: u64, pair: &zoo::Pair) -> (Tensor, Tensor) {
+    let input = pair.reference.input();
+    let acc = pair.reference.accumulator();
+    let x = zoo::generate(family, ROWS, k, seed, input, acc);
+    let x = Tensor::from_vec(&[ROWS, k], x, input).expect("zoo data");
+    let b = match op {
+        Op::Matmul => {
+            let bt = zoo::generate(Family::Gaussian, COLS, k, seed ^ 0x5eed, input, acc);
+            let mut bv = vec![0.0; k * COLS];
+            for j in 0..COLS {
+                for p in 0..k {
+                    bv[p * COLS + j] = bt[j * k + p];
+                }
+            }
+            Tensor::from_vec(&[k, COLS], bv, input).expect("zoo data")
+        }
+        _ => {
+            let y = zoo::generate(Family::Gaussian, ROWS, k, seed ^ 0x5eed, input, acc);
+            Tensor::from_vec(&[ROWS, k], y, input).expect("zoo data")
+        }
+    };
+    (x, b)
+}
+
+fn main() -> ttrace::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let trials: u64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(3);
+    let filter = args.get(2).cloned().unwrap_or_default();
+    let ops: Vec<Op> = zoo::ops()
+        .into_iter()
+        .filter(|o| !matches!(o, Op::Sum | Op::Mean | Op::AllReduce))
+        .collect();
+    let mut table: BTreeMap<(String, String), Cell> = BTreeMap::new();
+    let mut alarms = vec![];
+    let mut pairs_run = 0usize;
+    let mut norm_alarms = 0usize;
+    for op in &ops {
+        for family in FAMILIES {
+            for pair in zoo::pairs(*op) {
+                let name = format!("{} {} {}", op.name(), family.name(), pair.name);
+                if !filter.is_empty() && !name.contains(&filter) {
+                    continue;
+                }
+                for k in [64usize, 1024] {
+                    for seed in 0..trials {
+                        let (x, b) = inputs(*op, family, k, seed, &pair);
+                        let (op_r, op_c) = match op {
+                            Op::Softmax(_) | Op::LayerNorm(_) | Op::RmsNorm => {
+                                (pair.ref_op, pair.cand_op)
+                            }
+                            _ => (*op, *op),
+                        };
+                        let cols = if *op == Op::Matmul { COLS } else { k };
+                        let run = |o: Op, p: &ttrace::Policy| -> ttrace::Result<Tensor> {
+                            let v = zoo::execute(o, &x, &b, p)?;
+                            Tensor::from_vec(&[ROWS, cols], v, p.output)
+                        };
+                        let (r, c) = match (run(op_r, &pair.reference), run(op_c, &pair.candidate))
+                        {
+                            (Ok(r), Ok(c)) => (r, c),
+                            // Overflow and the like: the norm's business (refused there).
+                            _ => continue,
+                        };
+                        if r.values().iter().chain(c.values()).any(|v| !v.is_finite()) {
+                            continue;
+                        }
+                        pairs_run += 1;
+                        let acc = [pair.reference.accumulator(), pair.candidate.accumulator()]
+                            .into_iter()
+                            .min_by_key(|f| f.precision())
+                            .unwrap_or(Format::F32);
+                        let detection = Detection::default().accumulated_in(acc);
+                        let eps = pair.reference.output.machine_epsilon();
+                        // The norm's probabilistic threshold for the pair, at its share of δ.
+                        let th = zoo::threshold(
+                            op_r,
+                            op_c,
+                            &x,
+                            &b,
+                            &pair,
+                            Confidence::Probabilistic {
+                                delta: 1e-6 * ttrace::check::NORM_SHARE,
+                            },
+                        );
+                        let Ok(th) = th else {
+                            continue;
+                        };
+                        let v = compare_tensor_with(
+                            "zoo|fwd.output.0",
+                            &r,
+                            &c,
+                            th.abs_frobenius,
+                            eps,
+                            detection,
+                        );
+                        if v.ratio > 1.0 {
+                            norm_alarms += 1;
+                            alarms.push(format!("{name} k={k} seed={seed}: norm {:.2}x", v.ratio));
+                        }
+                        let cell = table.entry((op.name(), family.name())).or_default();
+                        for f in &v.findings {
+                            let e = cell.entry(f.detector).or_insert((0, 0, 0.0));
+                            e.0 += 1;
+                            e.1 += usize::from(f.fired);
+                            e.2 = e.2.max(f.ratio);
+                            if f.fired {
+                                alarms.push(format!(
+                                    "{name} k={k} seed={seed}: {} {:.3} against {:.3} ({:.2}x)",
+                                    f.detector.name(),
+                                    f.estimate,
+                                    f.threshold,
+                                    f.ratio
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    println!("| op | family | scale: applied / fired / closest | bias | sparse |");
+    println!("|---|---|---|---|---|");
+    let mut worst: BTreeMap<Detector, f64> = BTreeMap::new();
+    for ((op, fam), cell) in &table {
+        let show = |d: Detector| {
+            cell.get(&d)
+                .map_or("-".to_string(), |(n, f, m)| format!("{n} / {f} / {m:.2}"))
+        };
+        for (d, (_, _, m)) in cell {
+            let w = worst.entry(*d).or_insert(0.0);
+            *w = w.max(*m);
+        }
+        println!(
+            "| {op} | {fam} | {} | {} | {} |",
+            show(Detector::Scale),
+            show(Detector::Bias),
+            show(Detector::Sparse)
+        );
+    }
+    println!();
+    println!(
+        "{pairs_run} pairs compared; false alarms: {} ({norm_alarms} of the norm)",
+        alarms.len()
+    );
+    for (d, m) in &worst {
+        println!("closest {}: {m:.3}", d.name());
+    }
+    for a in &alarms {
+        println!("FALSE ALARM {a}");
+    }
+    Ok(())
+}
