@@ -354,3 +354,97 @@ fn kahan_guaranteed_bound_holds() {
         }
     }
 }
+
+/// The classes of structured data on which the scale and bias tests fired on correct
+/// arithmetic before their deterministic round-off was handled (`examples/detect_zoo.rs`,
+/// `papers/checking.md` §7): sequentially summed softmax rows of gridded logits (a biased
+/// shared factor per row), constant and repeated rows (equal round-off), two stored formats
+/// (one-sided rounding). Correct pairs: none may fire; where the test applies it still runs.
+#[test]
+fn the_systematic_tests_hold_on_the_structured_data_that_broke_them() {
+    use ttrace::check::{compare_tensor_with, Detection, Detector};
+    use zoo::{Family, Op};
+    let cases: [(Op, Family, &str, usize, bool); 6] = [
+        (
+            Op::Softmax(ttrace::engine::AttentionImpl::Standard),
+            Family::Dyadic,
+            "->f32 seq vs pairwise",
+            1024,
+            true,
+        ),
+        (
+            Op::Softmax(ttrace::engine::AttentionImpl::Standard),
+            Family::Gaussian,
+            "->f32 seq vs pairwise",
+            1024,
+            true,
+        ),
+        (
+            Op::Softmax(ttrace::engine::AttentionImpl::Standard),
+            Family::SortedDescending,
+            "->f32 seq vs pairwise",
+            1024,
+            true,
+        ),
+        (
+            Op::LayerNorm(ttrace::engine::Variance::TwoPass),
+            Family::Constant,
+            "two-pass: seq",
+            1024,
+            false,
+        ),
+        (Op::RmsNorm, Family::RepeatedRows, "rms", 1024, false),
+        (
+            Op::Elementwise(ttrace::bounds::Elementwise::Gelu),
+            Family::Gaussian,
+            "bf16->bf16 vs bf16->f32",
+            1024,
+            false,
+        ),
+    ];
+    let rows = 256;
+    for (op, family, pair_name, k, applies) in cases {
+        let pair = zoo::pairs(op)
+            .into_iter()
+            .find(|p| p.name.starts_with(pair_name))
+            .unwrap_or_else(|| panic!("no pair {pair_name}"));
+        let input = pair.reference.input();
+        let acc = pair.reference.accumulator();
+        let x = zoo::generate(family, rows, k, 1, input, acc);
+        let x = Tensor::from_vec(&[rows, k], x, input).unwrap();
+        let y = zoo::generate(Family::Gaussian, rows, k, 2, input, acc);
+        let y = Tensor::from_vec(&[rows, k], y, input).unwrap();
+        let (op_r, op_c) = match op {
+            Op::Elementwise(_) => (op, op),
+            _ => (pair.ref_op, pair.cand_op),
+        };
+        let side = |o: Op, p: &Policy| {
+            let v = zoo::execute(o, &x, &y, p).unwrap();
+            Tensor::from_vec(&[rows, k], v, p.output).unwrap()
+        };
+        let (r, c) = (side(op_r, &pair.reference), side(op_c, &pair.candidate));
+        let rn = r.values().iter().map(|v| v * v).sum::<f64>().sqrt();
+        let eps = pair.reference.output.machine_epsilon();
+        let v = compare_tensor_with(
+            "x|fwd.output.0",
+            &r,
+            &c,
+            0.5 * rn,
+            eps,
+            Detection::default(),
+        );
+        let name = format!("{} {} {pair_name}", op.name(), family.name());
+        let systematic: Vec<_> = v
+            .findings
+            .iter()
+            .filter(|f| matches!(f.detector, Detector::Scale | Detector::Bias))
+            .collect();
+        assert!(
+            systematic.iter().all(|f| !f.fired),
+            "{name}: {systematic:?}"
+        );
+        if applies {
+            assert_eq!(systematic.len(), 2, "{name}: the tests should apply");
+        }
+    }
+}
