@@ -980,11 +980,17 @@ impl Detect {
         if !self.row_pass_finite(r, c) {
             self.row_pass_plain(r, c);
         }
-        if self.keyed.len() == self.row_count && self.cfg.systematic {
+        // The row's keyed sums were just pushed (while the records last).
+        if self.systematic() && self.keyed.len() == self.row_count {
             if let Some(k) = self.keyed.last_mut() {
                 k.key = row_key(r);
             }
         }
+    }
+
+    /// The scale and bias tests can run: asked for, on a matrix with columns.
+    fn systematic(&self) -> bool {
+        self.cfg.systematic && self.matrix && self.cols > 0
     }
 
     /// [`Detect::row_pass`] on a row whose pairs are all finite: the same sums in lanes,
@@ -1136,7 +1142,7 @@ impl Detect {
         self.mm += mm;
         self.n += n;
         self.row_count += 1;
-        if self.keyed.len() < MAX_ROW_RECORDS {
+        if self.systematic() && self.keyed.len() < MAX_ROW_RECORDS {
             self.keyed.push(RowSumsKeyed {
                 key: 0,
                 x,
@@ -1189,8 +1195,12 @@ impl Detect {
             ys.push(y);
             mms.push(mm);
             ns.push(n);
-            x_noise.push(sum(&|k| k.noise().0));
-            y_noise.push(sum(&|k| k.noise().1));
+            let (xv, yv) = group.iter().fold((0.0, 0.0), |(a, b), &i| {
+                let (u, v) = self.keyed[i as usize].noise();
+                (a + u, b + v)
+            });
+            x_noise.push(xv);
+            y_noise.push(yv);
         }
         // Merging can only make the variance larger where equal rows differ alike; where
         // they do not (the candidate's equal rows differ unalike), the rows stay apart.
@@ -1227,8 +1237,7 @@ impl Detect {
         let sq = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>();
         // Every row's keyed sums are needed to merge equal rows: a tensor of more rows than
         // the records hold has no systematic test.
-        if self.matrix && self.cols > 0 && self.cfg.systematic && self.keyed.len() == self.row_count
-        {
+        if self.systematic() && self.keyed.len() == self.row_count {
             self.cluster_rows();
             let t = symmetric_critical(self.cfg.each());
             // Scale (weights m = (r + c)/2): the pure signal D = m has L = Σm², rows
