@@ -143,7 +143,10 @@ pub mod validate;
 pub use error::{Error, IoError, Result};
 pub use exact::{exact_dot, exact_sum, exact_sum_abs, ExactAccumulator};
 pub use format::{Format, FormatInfo, Overflow};
-pub use order::{dot, sum, Accumulation, BlockSum, Combine, Order, Products, TermDepth};
+pub use order::{
+    dot, sum, AccRounding, Accumulation, BlockSum, Combine, Order, Products, TensorCoreSum,
+    TermDepth,
+};
 pub use policy::{Policy, Recipe, Scaling};
 pub use tensor::Tensor;
 

@@ -10,12 +10,12 @@ use crate::bounds::compare::{
     grouped_threshold, row_classes, tensor_threshold_weighted, Confidence, ElementDiff, Threshold,
 };
 use crate::bounds::reduction::{
-    planned_reduction_error, reduction_error, ReductionError, TermStats,
+    planned_reduction_error, reduction_error, reduction_error_aligned, ReductionError, TermStats,
 };
 use crate::error::{Error, Result};
 use crate::exact::ExactAccumulator;
 use crate::format::Format;
-use crate::order::Accumulation;
+use crate::order::{product_exponent, Accumulation};
 use crate::policy::Policy;
 use crate::policy::{quantize, Quantized};
 use crate::tensor::Tensor;
@@ -213,12 +213,27 @@ pub fn matmul_threshold(
     let mut norm_sq = 0.0;
     let mut tr = vec![0.0; k];
     let mut tc = vec![0.0; k];
+    // A tensor core aligns each product by its factors' exponents (e_x + e_y), which the
+    // product's value alone does not tell.
+    let aligned = (r.acc.order.has_tensor_core(), c.acc.order.has_tensor_core());
+    let mut xr = vec![None; if aligned.0 { k } else { 0 }];
+    let mut xc = vec![None; if aligned.1 { k } else { 0 }];
     for &(i, count_i) in &rows {
         for &(j, count_j) in &cols {
             let weight = count_i * count_j;
             for p in 0..k {
                 tr[p] = r.q_a.values[i * k + p] * r.q_b.values[p * n + j];
                 tc[p] = c.q_a.values[i * k + p] * c.q_b.values[p * n + j];
+            }
+            if aligned.0 {
+                for (p, e) in xr.iter_mut().enumerate() {
+                    *e = product_exponent(r.q_a.values[i * k + p], r.q_b.values[p * n + j]);
+                }
+            }
+            if aligned.1 {
+                for (p, e) in xc.iter_mut().enumerate() {
+                    *e = product_exponent(c.q_a.values[i * k + p], c.q_b.values[p * n + j]);
+                }
             }
             // Exact values are needed only when the two sides' exact results differ; the
             // magnitude that sets the output spacing is fine from an f64 sum.
@@ -238,8 +253,14 @@ pub fn matmul_threshold(
             } else {
                 exact_value(&c, i, j, m, k, n) - exact_r
             };
-            let er = scaled(reduction_error(&tr, &r.acc, true)?, r.factor.unwrap_or(1.0));
-            let ec = scaled(reduction_error(&tc, &c.acc, true)?, c.factor.unwrap_or(1.0));
+            let er = scaled(
+                reduction_error_aligned(&tr, aligned.0.then_some(&xr[..]), &r.acc, true)?,
+                r.factor.unwrap_or(1.0),
+            );
+            let ec = scaled(
+                reduction_error_aligned(&tc, aligned.1.then_some(&xc[..]), &c.acc, true)?,
+                c.factor.unwrap_or(1.0),
+            );
             let mut d = ElementDiff::from_reductions(er, ec, offset);
             if !same_operands {
                 // Both exact values were rounded to f64 before the subtraction.

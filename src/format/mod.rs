@@ -680,7 +680,7 @@ impl Format {
 }
 
 /// Unbiased binary exponent of a positive finite non-zero `f64` (floor(log2 a)).
-fn exponent_of(a: f64) -> i32 {
+pub(crate) fn exponent_of(a: f64) -> i32 {
     let bits = a.to_bits() & !SIGN_BIT;
     let field = (bits >> 52) as i32;
     if field == 0 {

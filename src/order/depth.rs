@@ -28,6 +28,13 @@ impl TermDepth {
         self.counts[format.index()] += k;
     }
 
+    /// Each format's count raised to `other`'s where that is larger.
+    pub(crate) fn max_with(&mut self, other: &TermDepth) {
+        for (a, b) in self.counts.iter_mut().zip(other.counts) {
+            *a = (*a).max(b);
+        }
+    }
+
     /// Πf (1 + u_f)^(count_f) − 1, with u_f the unit roundoff of each format: the largest
     /// |Π(1 + δ) − 1| over roundings |δ| ≤ u_f (no underflow). This is at most Higham's γ_k
     /// for a single format (Lemma 3.1) and never vacuous. Rounded up to be safe in `f64`.
@@ -92,6 +99,33 @@ pub(crate) fn fill_depths(order: &Order, out: &mut [TermDepth], acc: Format, loa
         Order::Kahan => {
             for d in out.iter_mut() {
                 d.add(acc, 2);
+            }
+        }
+        // Not a tree of roundings: `Accumulation::sum_depths` refuses it before this point;
+        // one rounding per block step is what remains of it here.
+        Order::TensorCore(tc) => {
+            let nb = len.div_ceil(tc.block);
+            for (j, chunk) in out.chunks_mut(tc.block).enumerate() {
+                for d in chunk.iter_mut() {
+                    d.add(acc, (nb - j) as u32);
+                }
+            }
+        }
+        Order::AnyOf(members) => {
+            // Every term at the largest count of each format over the members: a bound on
+            // Π(1 + u_f)^count for every member.
+            let mut best = vec![TermDepth::default(); len];
+            for m in members {
+                let mut d = vec![TermDepth::default(); len];
+                fill_depths(m, &mut d, acc, load_rounds);
+                for (b, x) in best.iter_mut().zip(&d) {
+                    b.max_with(x);
+                }
+            }
+            for (o, b) in out.iter_mut().zip(&best) {
+                for f in Format::ALL {
+                    o.add(f, b.count(f));
+                }
             }
         }
         Order::Pairwise { base } => {
@@ -277,7 +311,12 @@ pub(crate) fn walk(
 ) -> Operand {
     match order {
         Order::Sequential => walk_sequential(r, acc, load_rounds, emit),
-        Order::Kahan => value(r, acc),
+        // Priced by their own analyses (`bounds::reduction`): no sites of their own here.
+        Order::Kahan | Order::TensorCore(_) => value(r, acc),
+        Order::AnyOf(members) => match members.first() {
+            Some(first) => walk(first, r, acc, load_rounds, emit),
+            None => value(r, acc),
+        },
         Order::Pairwise { base } => {
             let len = r.end - r.start;
             if len <= *base {

@@ -13,7 +13,7 @@ pub(crate) fn part_range(j: usize, parts: usize, len: usize) -> Range<usize> {
 /// An exact term: hi + lo, with lo = 0 unless a product of two `f64` values needs two parts.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Term {
-    hi: f64,
+    pub(crate) hi: f64,
     lo: f64,
     /// When `lo` ≠ 0, the term is the exact product x·y of these factors.
     x: f64,
@@ -24,6 +24,10 @@ pub(crate) struct Term {
 pub(crate) trait Terms {
     fn term(&self, i: usize) -> Term;
     fn add_exact(&self, i: usize, acc: &mut ExactAccumulator);
+    /// The exponent a tensor core aligns term `i` by (see [`TensorCoreSum`]): e_x + e_y for
+    /// an exact product, the value's own exponent otherwise; `None` for a zero or a
+    /// non-finite term.
+    fn align_exponent(&self, i: usize) -> Option<i32>;
 }
 
 pub(crate) struct SumTerms<'a>(&'a [f64]);
@@ -40,6 +44,44 @@ impl Terms for SumTerms<'_> {
     }
     fn add_exact(&self, i: usize, acc: &mut ExactAccumulator) {
         acc.add(self.0[i]);
+    }
+    #[inline]
+    fn align_exponent(&self, i: usize) -> Option<i32> {
+        value_exponent(self.0[i])
+    }
+}
+
+/// Exact values with the exponents a tensor core aligns them by (products given by their
+/// value and their factors' exponent sum).
+pub(crate) struct AlignedTerms<'a> {
+    values: &'a [f64],
+    exps: &'a [Option<i32>],
+}
+
+impl<'a> AlignedTerms<'a> {
+    /// `exps[i]` is the alignment exponent of `values[i]`; the slices have one length.
+    pub(crate) fn new(values: &'a [f64], exps: &'a [Option<i32>]) -> AlignedTerms<'a> {
+        debug_assert_eq!(values.len(), exps.len());
+        AlignedTerms { values, exps }
+    }
+}
+
+impl Terms for AlignedTerms<'_> {
+    #[inline]
+    fn term(&self, i: usize) -> Term {
+        Term {
+            hi: self.values[i],
+            lo: 0.0,
+            x: 0.0,
+            y: 0.0,
+        }
+    }
+    fn add_exact(&self, i: usize, acc: &mut ExactAccumulator) {
+        acc.add(self.values[i]);
+    }
+    #[inline]
+    fn align_exponent(&self, i: usize) -> Option<i32> {
+        self.exps[i]
     }
 }
 
@@ -100,13 +142,20 @@ impl Terms for DotTerms<'_> {
             Products::Rounded(_) => acc.add(self.term(i).hi),
         }
     }
+    #[inline]
+    fn align_exponent(&self, i: usize) -> Option<i32> {
+        match self.products {
+            Products::Exact => product_exponent(self.x[i], self.y[i]),
+            Products::Rounded(_) => value_exponent(self.term(i).hi),
+        }
+    }
 }
 
 /// The arithmetic context of one reduction level: accumulator format and overflow policy.
 #[derive(Clone, Copy)]
 pub(crate) struct Ctx {
-    acc: Format,
-    overflow: Overflow,
+    pub(crate) acc: Format,
+    pub(crate) overflow: Overflow,
 }
 
 impl Ctx {
@@ -214,6 +263,12 @@ pub(crate) fn reduce<T: Terms>(terms: &T, range: Range<usize>, order: &Order, ct
                 }
             }
         }
+        Order::TensorCore(tc) => tensorcore::run(terms, range, tc, ctx),
+        Order::AnyOf(members) => match members.first() {
+            // An order of unknown kernel: executed as its first member.
+            Some(first) => reduce(terms, range, first, ctx),
+            None => sequential(terms, range, ctx),
+        },
         Order::Kahan => {
             if range.is_empty() {
                 return 0.0;

@@ -25,11 +25,14 @@ use crate::format::{Format, Overflow};
 
 mod depth;
 mod exec;
+mod tensorcore;
 
 pub use depth::TermDepth;
 pub(crate) use depth::*;
 pub(crate) use exec::*;
 pub use exec::{dot, sum};
+pub(crate) use tensorcore::{product_exponent, truncate_to, value_exponent};
+pub use tensorcore::{AccRounding, TensorCoreSum};
 
 /// The order in which the terms of a reduction are combined.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,6 +78,17 @@ pub enum Order {
     /// term y = fl(xᵢ − c), t = fl(s + y), c = fl(fl(t − s) − y), s = t. Every operation is
     /// rounded to the accumulator format. Error ≤ (2u + O(nu²))·Σ|xᵢ| (Knuth, TAOCP vol. 2, §4.2.2; Goldberg 1991, Thm 8; Higham 2002, §4.3).
     Kahan,
+    /// A hardware matrix unit's accumulation ([`TensorCoreSum`]): block FMAs aligned to the
+    /// block's largest exponent and cut to a fixed number of bits, an internal accumulator
+    /// narrower than FP32, promoted into the accumulator format every P terms. Inputs must
+    /// have at most 26 significant bits (their products exact in `f64`).
+    TensorCore(TensorCoreSum),
+    /// Some order of this family, which one unknown (a vendor kernel that picks its blocking
+    /// and split by shape): priced to hold for every member — guaranteed bounds are the
+    /// largest over the members, probabilistic ones cover each member's deterministic part
+    /// and the largest variance — and executed as the first member. At least one member; no
+    /// member is itself a family.
+    AnyOf(Vec<Order>),
 }
 
 impl Order {
@@ -123,19 +137,109 @@ impl Order {
 
     /// The format the result of a reduction in this order is a value of, given the
     /// accumulator format: the partial format for split-K (its last additions round there),
-    /// the accumulator otherwise.
+    /// the widest of the members' for a family, the accumulator otherwise.
     pub fn result_format(&self, accumulator: Format) -> Format {
         match self {
             Order::SplitK { partial, .. } => *partial,
+            Order::AnyOf(members) => members
+                .iter()
+                .map(|m| m.result_format(accumulator))
+                .max_by_key(|f| f.precision())
+                .unwrap_or(accumulator),
             _ => accumulator,
+        }
+    }
+
+    /// The family of orders a vendor kernel of unknown blocking may run, its partial results
+    /// in `partial` (the accumulator format): one sequential chain of fused multiply-adds
+    /// (cuBLAS's per-thread K loop), a full binary tree, NumPy's pairwise order, blocks of
+    /// 32, and split-K / per-thread partial sums combined sequentially or by a tree over
+    /// 2, 4, 8, 32 and 256 parts (split-K GEMMs, warp and block reductions). The text `any`
+    /// (or `any:FMT`) names it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use ttrace::{Format, Order};
+    /// let any = Order::unknown_kernel(Format::F32);
+    /// assert_eq!("any".parse::<Order>()?, any);
+    /// assert_eq!(any.to_string().parse::<Order>()?, any);
+    /// # Ok::<(), ttrace::Error>(())
+    /// ```
+    pub fn unknown_kernel(partial: Format) -> Order {
+        let split = |parts: usize, combine: Combine| Order::SplitK {
+            parts,
+            inner: Box::new(Order::Sequential),
+            partial,
+            combine,
+        };
+        Order::AnyOf(vec![
+            Order::Sequential,
+            Order::Pairwise { base: 1 },
+            Order::Pairwise { base: 8 },
+            Order::blocked(32),
+            split(2, Combine::Sequential),
+            split(4, Combine::Tree),
+            split(8, Combine::Tree),
+            split(32, Combine::Tree),
+            split(256, Combine::Tree),
+        ])
+    }
+
+    /// What cuBLAS may run for an FP8 GEMM on Hopper (`torch._scaled_mm`), a family: the
+    /// tensor cores of [`TensorCoreSum::hopper_fp8_fast`] (`fast`, `use_fast_accum=True`) or
+    /// [`TensorCoreSum::hopper_fp8`] (promoted every 128 terms) over the whole of K, or K split
+    /// into 2, 3, 4, 6, 8, 16 or 32 parts whose results are added in FP32 — cuBLAS splits K
+    /// for some shapes (on an H100, fast-accumulation GEMMs of K ≥ 8192 with few output
+    /// tiles), and which split it picks is not visible from outside. The texts
+    /// `hopper-fp8-fast` and `hopper-fp8` name these; `tc:…` one configuration.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use ttrace::Order;
+    /// let family: Order = "hopper-fp8-fast".parse()?;
+    /// assert_eq!(family, Order::hopper_fp8_gemm(true));
+    /// assert!(family.to_string().starts_with("any(tc:32:13:14:rz|splitk:2:f32:seq:inner=tc:32:13:14:rz|"));
+    /// # Ok::<(), ttrace::Error>(())
+    /// ```
+    pub fn hopper_fp8_gemm(fast: bool) -> Order {
+        let tc = Order::TensorCore(if fast {
+            TensorCoreSum::hopper_fp8_fast()
+        } else {
+            TensorCoreSum::hopper_fp8()
+        });
+        let mut members = vec![tc.clone()];
+        for parts in [2, 3, 4, 6, 8, 16, 32] {
+            members.push(Order::SplitK {
+                parts,
+                inner: Box::new(tc.clone()),
+                partial: Format::F32,
+                combine: Combine::Sequential,
+            });
+        }
+        Order::AnyOf(members)
+    }
+
+    /// Whether a tensor-core accumulation occurs anywhere in this order.
+    pub(crate) fn has_tensor_core(&self) -> bool {
+        match self {
+            Order::TensorCore(_) => true,
+            Order::SplitK { inner, .. } => inner.has_tensor_core(),
+            Order::AnyOf(m) => m.iter().any(Order::has_tensor_core),
+            _ => false,
         }
     }
 }
 
 /// The text form read by [`Order::from_str`](std::str::FromStr::from_str): `sequential`,
-/// `pairwise:B`, `blocked:B`, `blockfma:B`, `kahan`, or `splitk:P:FMT:COMBINE` with COMBINE
+/// `pairwise:B`, `blocked:B`, `blockfma:B`, `kahan`, `splitk:P:FMT:COMBINE` with COMBINE
 /// `seq`, `tree` or `ring:START`, followed by `:inner=ORDER` when the parts are not summed
-/// sequentially. Parsing the text gives the order back.
+/// sequentially, `tc:BLOCK:ALIGN:ACC_BITS:rz|rn[:promote=P]` for a tensor core
+/// ([`TensorCoreSum`]), `hopper-fp8` and `hopper-fp8-fast` for what cuBLAS runs
+/// ([`Order::hopper_fp8_gemm`]), and `any(ORDER|ORDER|…)`
+/// for an order of unknown kernel ([`Order::AnyOf`]; `any` or `any:FMT` for
+/// [`Order::unknown_kernel`]). Parsing the text gives the order back.
 impl std::fmt::Display for Order {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -150,6 +254,17 @@ impl std::fmt::Display for Order {
                 inner: BlockSum::Fused,
             } => write!(f, "blockfma:{block}"),
             Order::Kahan => f.write_str("kahan"),
+            Order::TensorCore(tc) => tc.write(f),
+            Order::AnyOf(members) => {
+                f.write_str("any(")?;
+                for (i, m) in members.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str("|")?;
+                    }
+                    write!(f, "{m}")?;
+                }
+                f.write_str(")")
+            }
             Order::SplitK {
                 parts,
                 inner,
@@ -187,10 +302,32 @@ impl std::str::FromStr for Order {
             name: "order",
             reason: format!(
                 "'{s}': {why} (sequential, pairwise:B, blocked:B, blockfma:B, kahan, \
-                 splitk:P:FMT:seq|tree|ring:START[:inner=ORDER])"
+                 splitk:P:FMT:seq|tree|ring:START[:inner=ORDER], \
+                 tc:BLOCK:ALIGN:ACC_BITS:rz|rn[:promote=P], hopper-fp8[-fast], any, \
+                 any(ORDER|ORDER|...))"
             ),
         };
         let s = s.trim();
+        if let Some(list) = s.strip_prefix("any(") {
+            let list = list
+                .strip_suffix(')')
+                .ok_or_else(|| bad("a family 'any(' must end with ')'".into()))?;
+            let members = split_members(list)
+                .into_iter()
+                .map(str::parse::<Order>)
+                .collect::<Result<Vec<Order>>>()?;
+            let order = Order::AnyOf(members);
+            validate_order(&order)?;
+            return Ok(order);
+        }
+        if s == "any" {
+            return Ok(Order::unknown_kernel(Format::F32));
+        }
+        match s {
+            "hopper-fp8" => return Ok(Order::hopper_fp8_gemm(false)),
+            "hopper-fp8-fast" => return Ok(Order::hopper_fp8_gemm(true)),
+            _ => {}
+        }
         let (head, rest) = s.split_once(':').unwrap_or((s, ""));
         let whole = |what: &str, text: &str| {
             text.parse::<usize>()
@@ -209,6 +346,8 @@ impl std::str::FromStr for Order {
             "pairwise" => Order::pairwise(whole("base", rest)?),
             "blocked" => Order::blocked(whole("block size", rest)?),
             "blockfma" => Order::block_fma(whole("block size", rest)?),
+            "tc" => Order::TensorCore(TensorCoreSum::parse_fields(rest).map_err(bad)?),
+            "any" => Order::unknown_kernel(rest.parse::<Format>()?),
             "splitk" => {
                 let (fields, inner) = match rest.split_once(":inner=") {
                     Some((f, i)) => (f, Box::new(i.parse::<Order>()?)),
@@ -346,9 +485,22 @@ impl Accumulation {
         self
     }
 
-    /// Check the order's parameters (block sizes and part counts ≥ 1, ring start < parts).
+    /// Check the order's parameters (block sizes and part counts ≥ 1, ring start < parts, a
+    /// tensor core's ranges) and that a tensor-core order gets inputs of at most 26
+    /// significant bits (so that its products are exact in `f64`).
     pub fn validate(&self) -> Result<()> {
-        validate_order(&self.order)
+        validate_order(&self.order)?;
+        if self.order.has_tensor_core() && self.input.precision() > 26 {
+            return Err(Error::InvalidParameter {
+                name: "order",
+                reason: format!(
+                    "a tensor-core accumulation takes inputs of at most 26 significant bits \
+                     (got {})",
+                    self.input
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// For a sum of `n` terms: how many roundings each term undergoes, per format.
@@ -356,6 +508,7 @@ impl Accumulation {
     pub fn sum_depths(&self, n: usize) -> Result<Vec<TermDepth>> {
         self.validate()?;
         check_depth_len(n)?;
+        refuse_tensor_core(&self.order)?;
         let load_rounds = !self.input.is_subset_of(self.accumulator);
         Ok(order_depths(&self.order, n, self.accumulator, load_rounds))
     }
@@ -366,6 +519,7 @@ impl Accumulation {
     pub fn dot_depths(&self, n: usize) -> Result<Vec<TermDepth>> {
         self.validate()?;
         check_depth_len(n)?;
+        refuse_tensor_core(&self.order)?;
         let (load_rounds, product_format) = match self.products {
             Products::Exact => (true, None),
             Products::Rounded(f) => (!f.is_subset_of(self.accumulator), Some(f)),
@@ -380,9 +534,61 @@ impl Accumulation {
     }
 }
 
+/// A tensor core's error is not a count of roundings relative to each term (its truncation
+/// is relative to the block's largest addend): depth-based bounds refuse it.
+fn refuse_tensor_core(order: &Order) -> Result<()> {
+    if order.has_tensor_core() {
+        return Err(Error::InvalidParameter {
+            name: "order",
+            reason: format!(
+                "'{order}': a tensor-core accumulation has no per-term rounding depths; it is \
+                 priced from the data (bounds::reduction_error, matmul_threshold)"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Split a family's member list at the `|` that are not inside a nested `any(…)`.
+fn split_members(list: &str) -> Vec<&str> {
+    let (mut depth, mut start, mut out) = (0usize, 0usize, vec![]);
+    for (i, ch) in list.char_indices() {
+        match ch {
+            '(' => depth += 1,
+            ')' => depth = depth.saturating_sub(1),
+            '|' if depth == 0 => {
+                out.push(&list[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    out.push(&list[start..]);
+    out
+}
+
 fn validate_order(order: &Order) -> Result<()> {
     match order {
         Order::Sequential | Order::Kahan => Ok(()),
+        Order::TensorCore(tc) => tc.validate(),
+        Order::AnyOf(members) => {
+            if members.is_empty() {
+                return Err(Error::InvalidParameter {
+                    name: "order",
+                    reason: "a family of orders needs at least one member".into(),
+                });
+            }
+            for m in members {
+                if matches!(m, Order::AnyOf(_)) {
+                    return Err(Error::InvalidParameter {
+                        name: "order",
+                        reason: "a family of orders cannot hold another family".into(),
+                    });
+                }
+                validate_order(m)?;
+            }
+            Ok(())
+        }
         Order::Pairwise { base } => positive("base", *base),
         Order::Blocked { block, .. } => positive("block", *block),
         Order::SplitK {

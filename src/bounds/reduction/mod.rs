@@ -24,9 +24,13 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::exact::ExactAccumulator;
 use crate::format::Format;
-use crate::order::{for_each_rounding, Accumulation, Operand, Order, Products, RoundingSite};
+use crate::order::{
+    for_each_rounding, value_exponent, Accumulation, Operand, Order, Products, RoundingSite,
+};
 
+mod tensorcore;
 mod walk;
+use tensorcore::{family_error, lift_family, tensor_core_error};
 use walk::*;
 
 /// Error statistics of one execution of one reduction, in absolute units of its result.
@@ -76,6 +80,13 @@ fn check_supported(order: &Order) -> Result<()> {
             reason: "compensated (Kahan) summation is priced as a whole order, not inside a \
                      split-K part"
                 .into(),
+        }),
+        Order::TensorCore(_) | Order::AnyOf(_) => Err(Error::InvalidParameter {
+            name: "order",
+            reason: format!(
+                "'{order}' is priced from the data as a whole order (reduction_error, \
+                 matmul_threshold), not here"
+            ),
         }),
         Order::SplitK { inner, .. } => check_supported(inner),
         _ => Ok(()),
@@ -138,8 +149,23 @@ fn check_supported(order: &Order) -> Result<()> {
 ///
 /// Cost: O(n) time and memory for every order.
 pub fn reduction_error(terms: &[f64], acc: &Accumulation, is_dot: bool) -> Result<ReductionError> {
+    reduction_error_aligned(terms, None, acc, is_dot)
+}
+
+/// [`reduction_error`] with the alignment exponents of the terms given (for a tensor core:
+/// e_x + e_y of each exact product, which its value alone does not tell; `None`: the terms'
+/// own exponents).
+pub(crate) fn reduction_error_aligned(
+    terms: &[f64],
+    exps: Option<&[Option<i32>]>,
+    acc: &Accumulation,
+    is_dot: bool,
+) -> Result<ReductionError> {
     acc.validate()?;
-    if acc.order != Order::Kahan {
+    if let Some(members) = lift_family(&acc.order) {
+        return family_error(terms, exps, acc, is_dot, &members);
+    }
+    if acc.order != Order::Kahan && !acc.order.has_tensor_core() {
         check_supported(&acc.order)?;
     }
     if let Some(i) = terms.iter().position(|t| !t.is_finite()) {
@@ -171,6 +197,29 @@ pub fn reduction_error(terms: &[f64], acc: &Accumulation, is_dot: bool) -> Resul
         (true, Products::Exact) => (terms, Format::F64),
         (false, _) => (terms, acc.input),
     };
+    if acc.order.has_tensor_core() {
+        let own: Vec<Option<i32>>;
+        let exps = match exps {
+            Some(e)
+                if e.len() == n && matches!((is_dot, acc.products), (true, Products::Exact)) =>
+            {
+                e
+            }
+            _ => {
+                own = terms.iter().map(|&t| value_exponent(t)).collect();
+                &own
+            }
+        };
+        let a = Accumulation {
+            input,
+            products: Products::Exact,
+            ..acc.clone()
+        };
+        let mut e = tensor_core_error(terms, exps, &a)?;
+        e.mean += product_error;
+        e.guaranteed = (e.guaranteed + product_error.abs()) * (1.0 + 1e-12);
+        return Ok(e);
+    }
     if acc.order == Order::Kahan {
         let load = !input.is_subset_of(acc.accumulator);
         let mut e = kahan_error(terms, acc.accumulator, load)?;
