@@ -246,7 +246,7 @@ pub(crate) fn truncate_to(t: f64, q: f64) -> f64 {
         return t;
     }
     // Scaling by a power of two is exact: by its inverse when that is a normal number.
-    if q >= 1e-300 && q <= 1e300 {
+    if (1e-300..=1e300).contains(&q) {
         (t * (1.0 / q)).trunc() * q
     } else {
         (t / q).trunc() * q
