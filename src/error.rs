@@ -120,6 +120,15 @@ pub enum Error {
         /// The value.
         value: f64,
     },
+    /// A trace records an arithmetic setting ttrace has no model for (an autocast to FP8, an
+    /// FP32 matmul precision it does not know): the tensor cannot be priced, and is never
+    /// priced as something else.
+    UnpricedArithmetic {
+        /// The tensor's canonical id (or what else was being priced).
+        id: String,
+        /// The setting, as `name=value`.
+        setting: String,
+    },
 }
 
 /// `Result` with the crate's [`Error`].
@@ -193,6 +202,12 @@ impl fmt::Display for Error {
             Error::NonFinite { what, value } => {
                 write!(f, "{what} is {value}, but a finite value is required")
             }
+            Error::UnpricedArithmetic { id, setting } => write!(
+                f,
+                "tensor '{id}' was computed with {setting}, an arithmetic ttrace has no model \
+                 for: it cannot be priced (autocast: f16, bf16; FP32 matmul and convolution \
+                 precision: f32, tf32, bf16)"
+            ),
         }
     }
 }

@@ -119,6 +119,7 @@ fn stat(ref_norm: f64, diff_norm: f64, kind: Option<ttrace::engine::ModuleKind>)
         layout: Layout::replicated(),
         norm_gain: 1.0,
         module: kind.map(ModuleInfo::of),
+        cand_module: None,
     }
 }
 

@@ -10,11 +10,20 @@ ranks (Megatron's MLP): each rank's fc2 produces a partial sum, the all-reduce a
 training dtype, and the gradient reaching the LayerNorm is all-reduced likewise. `--bug`
 injects a silent bug: `double-bias` gives every rank's fc2 shard the bias (so the all-reduce
 adds it tp times), `no-grad-allreduce` forgets the all-reduce of fc1's input gradient (each
-rank's LayerNorm sees only its own partial gradient). `ttrace check` exits 0 on the clean run
-and 1, naming the module, on a bug.
+rank's LayerNorm sees only its own partial gradient), `scale` multiplies one rank's fc2
+partial output by 1 + 1e-3. `ttrace check` exits 0 on the clean run and 1, naming the module,
+on a bug.
+
+The arithmetic GPUs train with: `--autocast f16|bf16` runs both steps under `torch.autocast`
+(FP32 parameters, `--dtype fp32`); `--tf32 both|candidate` makes FP32 matmuls round their
+inputs to TF32 — on a GPU (`--device cuda`) by `torch.backends.cuda.matmul.allow_tf32`, on the
+CPU by rounding every linear layer's operands to TF32 first (what the GPU's tensor cores do),
+declared to the tracer as the GPU's setting would be recorded. The tracer records both
+settings per module call; the checker prices them.
 """
 
 import argparse
+import contextlib
 import os
 import shutil
 
@@ -35,13 +44,50 @@ class BiasAdd(nn.Module):
         return x + self.bias
 
 
+def round_tf32(t):
+    """Round FP32 values to TF32 (10 fraction bits), to nearest with ties to even — what
+    cuBLAS's TF32 GEMMs do to their operands."""
+    b = t.contiguous().view(torch.int32)
+    b = (b + 0xFFF + ((b >> 13) & 1)) & ~0x1FFF
+    return b.view(torch.float32)
+
+
+class Tf32Linear(torch.autograd.Function):
+    """y = x·Wᵀ + b with TF32 operands in every product, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        y = torch.nn.functional.linear(round_tf32(x), round_tf32(w))
+        return y if b is None else y + b
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dy32 = round_tf32(dy)
+        dx = dy32 @ round_tf32(w)
+        dw = dy32.reshape(-1, dy.shape[-1]).t() @ round_tf32(x).reshape(-1, x.shape[-1])
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
+        return dx, dw, db
+
+
+class EmulatedTf32(nn.Linear):
+    """An nn.Linear whose products run on TF32 operands (CPU emulation of a TF32 GPU)."""
+
+    def forward(self, x):
+        if not getattr(self, "tf32", False):
+            return super().forward(x)
+        return Tf32Linear.apply(x, self.weight, self.bias)
+
+
 class Mlp(nn.Module):
     def __init__(self, d, hidden, fc2_bias=False):
         super().__init__()
         self.ln = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, hidden)
+        self.fc1 = EmulatedTf32(d, hidden)
         self.act = nn.GELU()
-        self.fc2 = nn.Linear(hidden, d, bias=fc2_bias)
+        self.fc2 = EmulatedTf32(hidden, d, bias=fc2_bias)
         self.bias2 = BiasAdd(d)
         self.loss = nn.MSELoss()
 
@@ -81,18 +127,53 @@ class AllReduce(torch.autograd.Function):
         return grads
 
 
-def main():
+BUGS = ["none", "double-bias", "no-grad-allreduce", "scale"]
+
+
+def _autocast(device, name):
+    if name == "none":
+        return contextlib.nullcontext()
+    return torch.autocast(device, dtype=torch.float16 if name == "f16" else torch.bfloat16)
+
+
+def _set_tf32(device, on):
+    """TF32 for FP32 matmuls on a GPU (a process-wide setting, set by this script only)."""
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = on
+        torch.backends.cudnn.allow_tf32 = on
+
+
+def _use_tf32(model, device, on):
+    """On the CPU: emulate TF32 in the model's linear layers."""
+    for m in model.modules():
+        if isinstance(m, EmulatedTf32):
+            m.tf32 = on and device == "cpu"
+
+
+def _declared(device, on):
+    """Formats declared to the tracer: on the CPU the emulated TF32 is declared as the
+    setting a GPU run records by itself."""
+    if device != "cpu" or not on:
+        return {}
+    return {"fc1": {"fp32_matmul": "tf32"}, "fc2": {"fp32_matmul": "tf32"}}
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="/tmp/ttrace-tp-demo")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    ap.add_argument("--bug", default="none", choices=["none", "double-bias", "no-grad-allreduce"])
+    ap.add_argument("--bug", default="none", choices=BUGS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--d", type=int, default=64)
-    args = ap.parse_args()
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--autocast", default="none", choices=["none", "f16", "bf16"])
+    ap.add_argument("--tf32", default="none", choices=["none", "both", "candidate"])
+    args = ap.parse_args(argv)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     d, hidden, tp = args.d, 4 * args.d, args.tp
+    dev = args.device
     shutil.rmtree(args.out, ignore_errors=True)
 
     # Consistent generation: one seed for the weights, one generator for the batch.
@@ -100,17 +181,22 @@ def main():
     ref = Mlp(d, hidden)
     with torch.no_grad():
         ref.bias2.bias.normal_(0, 0.1)
-    ref = ref.to(dtype)
+    ref = ref.to(dtype).to(dev)
     gen = torch.Generator().manual_seed(args.seed + 1)
-    x = torch.randn(2, args.tokens // 2, d, generator=gen).to(dtype)
-    target = torch.randn(2, args.tokens // 2, d, generator=gen).to(dtype)
+    x = torch.randn(2, args.tokens // 2, d, generator=gen).to(dtype).to(dev)
+    target = torch.randn(2, args.tokens // 2, d, generator=gen).to(dtype).to(dev)
 
     # Reference run.
     kinds = {"bias2": "residual"}  # an elementwise add: not a type the tracer recognises
-    tracer = td.Tracer(ref, kinds=kinds)
-    h = ref.ln(x)
-    y = ref.bias2(ref.fc2(ref.act(ref.fc1(h))))
-    ref.loss(y, target).backward()
+    ref_tf32 = args.tf32 == "both"
+    _set_tf32(dev, ref_tf32)
+    _use_tf32(ref, dev, ref_tf32)
+    tracer = td.Tracer(ref, kinds=kinds, formats=_declared(dev, ref_tf32))
+    with _autocast(dev, args.autocast):
+        h = ref.ln(x)
+        y = ref.bias2(ref.fc2(ref.act(ref.fc1(h))))
+        loss = ref.loss(y, target)
+    loss.backward()
     tracer.write(os.path.join(args.out, "reference"), combine=True)
 
     # Candidate: tp ranks, emulated in one process.
@@ -120,21 +206,29 @@ def main():
         "fc2": td.row_parallel(),
     }
     ranks = []
+    cand_tf32 = args.tf32 != "none"
+    _set_tf32(dev, cand_tf32)
     for r in range(tp):
-        m = Mlp(d, hidden // tp, fc2_bias=(args.bug == "double-bias")).to(dtype)
+        m = Mlp(d, hidden // tp, fc2_bias=(args.bug == "double-bias")).to(dtype).to(dev)
         td.copy_sharded(ref, m, layouts, r, tp, skip=("fc2.bias",))
         if args.bug == "double-bias":
             # The bias goes on every rank's partial output instead of after the all-reduce.
             with torch.no_grad():
                 m.fc2.bias.copy_(ref.bias2.bias)
                 m.bias2.bias.zero_()
+        _use_tf32(m, dev, cand_tf32)
         ranks.append(m)
-    tracers = [td.Tracer(m, rank=r, mesh=td.Mesh(tp=tp), layouts=layouts, kinds=kinds) for r, m in enumerate(ranks)]
-    hs = [m.ln(x) for m in ranks]
-    hs = CopyToTensorParallel.apply(args.bug != "no-grad-allreduce", *hs)
-    parts = [m.fc2(m.act(m.fc1(h))) for m, h in zip(ranks, hs)]
-    ys = AllReduce.apply(*parts)
-    losses = [m.loss(m.bias2(y), target) for m, y in zip(ranks, ys)]
+    tracers = [td.Tracer(m, rank=r, mesh=td.Mesh(tp=tp), layouts=layouts, kinds=kinds,
+                         formats=_declared(dev, cand_tf32))
+               for r, m in enumerate(ranks)]
+    with _autocast(dev, args.autocast):
+        hs = [m.ln(x) for m in ranks]
+        hs = CopyToTensorParallel.apply(args.bug != "no-grad-allreduce", *hs)
+        parts = [m.fc2(m.act(m.fc1(h))) for m, h in zip(ranks, hs)]
+        if args.bug == "scale":
+            parts[0] = parts[0] * (1 + 1e-3)
+        ys = AllReduce.apply(*parts)
+        losses = [m.loss(m.bias2(y), target) for m, y in zip(ranks, ys)]
     # Every rank back-propagates its own (identical) loss; the graphs meet only at the
     # emulated collectives, so each rank's gradients are its own.
     torch.stack(losses).sum().backward()
@@ -142,7 +236,9 @@ def main():
     for t in tracers:
         t.write(cand)
     td.finish(cand)
-    print(f"wrote {args.out}/reference and {args.out}/candidate ({tp} ranks, {args.dtype}, bug: {args.bug})")
+    _set_tf32(dev, False)
+    print(f"wrote {args.out}/reference and {args.out}/candidate ({tp} ranks, {args.dtype}, "
+          f"autocast {args.autocast}, tf32 {args.tf32}, {dev}, bug: {args.bug})")
     print(f"check with: python -m ttrace check {args.out}/reference {args.out}/candidate")
 
 

@@ -26,7 +26,10 @@ use ttrace::{Error, Format, Policy, Tensor};
 /// The exception class of `ttrace.errors` that stands for a library error.
 fn error_class(e: &Error) -> &'static str {
     match e {
-        Error::File { .. } | Error::Layout { .. } | Error::ReplicaMismatch { .. } => "TraceError",
+        Error::File { .. }
+        | Error::Layout { .. }
+        | Error::ReplicaMismatch { .. }
+        | Error::UnpricedArithmetic { .. } => "TraceError",
         Error::Overflow { .. } | Error::NoFiniteBound { .. } => "NoFiniteBoundError",
         _ => "InvalidInputError",
     }

@@ -80,6 +80,7 @@ import numpy as np
 import torch
 
 from . import _ttrace
+from . import arith as _arith
 from .errors import InvalidInputError, TtraceError, UnsupportedLayoutError
 
 __all__ = [
@@ -437,6 +438,17 @@ def _expressible(dt: Any) -> bool:
     )
 
 
+def _device_type(module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> str:
+    """The device type a module call runs on: its first tensor argument's, else its first
+    parameter's, else ``cpu``."""
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device.type
+    for p in module.parameters(recurse=False):
+        return p.device.type
+    return "cpu"
+
+
 def _in_backward() -> bool:
     """Whether autograd is running a backward pass on this thread (a module's forward then is
     a recomputation: activation checkpointing)."""
@@ -552,6 +564,9 @@ class _StepRecord:
     recomputed: Dict[str, int] = field(default_factory=dict)
     #: (module, role, index) → the axes along which the tensor's layout is a guess.
     guesses: Dict[Tuple[str, str, int], List[str]] = field(default_factory=dict)
+    #: Per module call: the arithmetic in force when it ran (autocast, TF32; see
+    #: :mod:`ttrace.arith`), applied to all its tensors, gradients included.
+    arith: Dict[str, Dict[str, str]] = field(default_factory=dict)
 
 
 class _Tap(torch.autograd.Function):
@@ -1013,6 +1028,9 @@ class Tracer:
         module_info = self._module_info(name)
         if info:
             module_info = {**info, **(module_info or {})}  # declared formats win
+        settings = self._s.arith.get(name)
+        if settings:
+            module_info = {**settings, **(module_info or {})}
         self._s.meta[tid] = {"layout": layout, "module": module_info,
                              "guessed": guessed}
         if param is None:
@@ -1047,6 +1065,8 @@ class Tracer:
             counter[base] = calls + 1
             name = base if calls == 0 else f"{base}#{calls}"
             self._s.current[base] = name
+            if name not in self._s.arith:
+                self._s.arith[name] = _arith.module_settings(_device_type(module, args, kwargs))
             # Recorded (copied) before the module runs: it may modify them in place.
             inherit = None
             # Keyword tensors (hidden_states=x, as Hugging Face models pass them) follow the
@@ -1187,7 +1207,8 @@ class Tracer:
                 e["guessed"] = self._s.meta[tid]["guessed"]
             entries.append(e)
         manifest: Dict[str, Any] = {"format": "ttrace-trace", "version": VERSION,
-                                    "mesh": self.mesh.to_json(), "tensors": entries}
+                                    "mesh": self.mesh.to_json(), "run": _arith.run_settings(),
+                                    "tensors": entries}
         if self.recipe:
             manifest["recipe"] = self.recipe
         job = (directory, fname, tensors, manifest)

@@ -208,6 +208,7 @@ fn gather(
     // time by the comparison.
     let r = reference.logical_stored(id)?;
     let module = reference.module(id).cloned();
+    let cand_module = candidate.module(id).cloned();
     let mut layout = candidate
         .layout(id)
         .unwrap_or_else(crate::shard::Layout::replicated);
@@ -261,6 +262,7 @@ fn gather(
             1.0
         },
         module,
+        cand_module,
     };
     let (content, shape) = (r.content_hash(), r.shape().to_vec());
     reference.recycle(r);

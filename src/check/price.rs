@@ -153,6 +153,9 @@ pub struct TensorStat {
     pub norm_gain: f64,
     /// What produced it (the reference manifest's `module`).
     pub module: Option<ModuleInfo>,
+    /// What produced it in the candidate (the candidate manifest's `module`): its arithmetic
+    /// may differ from the reference's (a TF32 run checked against an FP32 one).
+    pub cand_module: Option<ModuleInfo>,
 }
 
 impl TensorStat {
@@ -430,6 +433,71 @@ fn coarser(a: Format, b: Format) -> bool {
     a.precision() < b.precision()
 }
 
+fn coarser_of(a: Format, b: Format) -> Format {
+    if coarser(b, a) {
+        b
+    } else {
+        a
+    }
+}
+
+/// What one run's recorded arithmetic does to a module's reductions.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Effective {
+    /// The format its matmuls round their inputs to, when coarser than the inputs' own.
+    quantize: Option<Format>,
+    /// The format its results are rounded to: the stored dtype, or the autocast dtype where
+    /// that is coarser.
+    out: Format,
+}
+
+/// The arithmetic of a module call (its `module` entry's autocast and FP32 matmul precision)
+/// applied to a module of `kind`: matmuls (linear, attention, and modules of unknown kind,
+/// which may hold any) take their inputs in the autocast dtype and round their results to it
+/// (autocast's lower-precision op list), or round FP32 inputs to TF32 / BF16; norms, losses,
+/// activations, residual additions and embeddings run in their tensors' dtypes (autocast's
+/// FP32 list or unaffected).
+fn effective(
+    info: Option<&ModuleInfo>,
+    kind: Option<ModuleKind>,
+    input: Option<Format>,
+    stored: Format,
+) -> Effective {
+    let none = Effective {
+        quantize: None,
+        out: stored,
+    };
+    let Some(a) = info.map(|m| &m.arith) else {
+        return none;
+    };
+    if !matches!(
+        kind,
+        None | Some(ModuleKind::Linear) | Some(ModuleKind::Attention)
+    ) {
+        return none;
+    }
+    let coarser_than_input = |q: Format| input.is_some_and(|f| coarser(q, f));
+    if let Some(dtype) = a.autocast.filter(|f| coarser(*f, Format::F32)) {
+        return Effective {
+            quantize: Some(dtype).filter(|q| coarser_than_input(*q)),
+            out: coarser_of(stored, dtype),
+        };
+    }
+    // FP32 inputs only: the precision settings concern FP32 matmuls (and, for a module of
+    // unknown kind, convolutions).
+    let reduced = match kind {
+        None => [a.fp32_matmul, a.fp32_conv]
+            .into_iter()
+            .flatten()
+            .min_by_key(|f| f.precision()),
+        _ => a.fp32_matmul,
+    };
+    Effective {
+        quantize: reduced.filter(|q| input == Some(Format::F32) && coarser(*q, Format::F32)),
+        out: stored,
+    }
+}
+
 /// Price the threshold of the produced tensor `id` by the local model (module docs).
 /// `inputs` indexes the trace's consumed ids; `stat(j)` gives the statistics of any traced
 /// id, `None` for an id that is not traced.
@@ -463,6 +531,9 @@ pub fn price_local<'s>(
     // Carried difference, relative to ‖t_ref‖.
     let carried = if kind == Some(ModuleKind::Residual) {
         // Linear in its inputs: the backward pass sees only the arriving gradient.
+        // A parameter's gradient (an added bias's) sums the arriving gradient over the rows
+        // the parameter was broadcast to: ‖Σ_t Δ_t‖ ≤ √rows·‖Δ‖_F (Cauchy–Schwarz), reached
+        // when the rows' differences align — as a one-sided TF32 or autocast run makes them.
         let abs: f64 = input_ids
             .iter()
             .zip(&inputs)
@@ -471,7 +542,14 @@ pub fn price_local<'s>(
                     || TensorId::parse(j)
                         .is_some_and(|t| matches!(t.role, TensorRole::GradOutput(_)))
             })
-            .map(|(_, s)| s.diff_norm)
+            .map(|(_, s)| {
+                if role.param_grad {
+                    let rows = s.elements as f64 / me.elements.max(1) as f64;
+                    s.diff_norm * rows.max(1.0).sqrt()
+                } else {
+                    s.diff_norm
+                }
+            })
             .sum();
         if abs == 0.0 {
             0.0
@@ -507,7 +585,6 @@ pub fn price_local<'s>(
         return None;
     }
     // Formats: metadata, else the recipe's policy, else defaults.
-    let out = me.format;
     let policy = match (&ctx.recipe, kind) {
         (Some(r), Some(k)) => Some(r.policy(class(k, &role), role.pass).clone()),
         _ => None,
@@ -516,11 +593,39 @@ pub fn price_local<'s>(
         .iter()
         .map(|s| s.format)
         .min_by_key(|f| f.precision());
-    let quantize = info
+    // The arithmetic each run recorded (autocast, TF32): what its matmuls quantized their
+    // inputs to and rounded their results to, beyond the stored dtypes.
+    let (ar, ac) = (
+        effective(info.as_ref(), kind, input_format, me.format),
+        effective(
+            me.cand_module.as_ref().or(info.as_ref()),
+            kind,
+            input_format,
+            me.format,
+        ),
+    );
+    let out = ar.out;
+    let declared = info
         .as_ref()
         .and_then(|m| m.quantize)
         .or_else(|| policy.as_ref().map(|p| p.accumulation.input))
         .filter(|q| input_format.is_some_and(|f| coarser(*q, f)));
+    // Both runs round their inputs to the same grid: differences flip roundings (below). Only
+    // one of them does, or to another grid: an input difference of its own (`one_sided`).
+    let quantize = declared.or(if ar.quantize == ac.quantize {
+        ar.quantize
+    } else {
+        None
+    });
+    let one_sided = if declared.is_none() && ar.quantize != ac.quantize {
+        let u = |q: Option<Format>| q.map_or(0.0, Format::unit_roundoff);
+        // Each operand's elements move by at most u of themselves, with mean square at most
+        // u²/3 of theirs (rounding to nearest, uniform phase); two operands, the kind's gain.
+        gain_allowance(kind) * 2.0 * u(ar.quantize).max(u(ac.quantize)) / 3f64.sqrt()
+    } else {
+        0.0
+    };
+    let carried = carried + one_sided;
     let default_acc = if out == Format::F64 {
         Format::F64
     } else {
@@ -531,9 +636,32 @@ pub fn price_local<'s>(
         .and_then(|m| m.accumulate)
         .or_else(|| policy.as_ref().map(|p| p.accumulation.accumulator))
         .unwrap_or(default_acc);
-    let combine = info.as_ref().and_then(|m| m.combine).unwrap_or(out);
+    // Partial results split across ranks are rounded to the module's output format (the
+    // autocast dtype, where the stored one is wider) before they are combined.
+    let combine = info
+        .as_ref()
+        .and_then(|m| m.combine)
+        .unwrap_or(coarser_of(out, ac.out));
+    // Below a format's smallest normal value its spacing stops shrinking: a rounding there errs
+    // by up to half the smallest subnormal λ whatever the value (FP16 gradients without loss
+    // scaling live there). Per rounding of n values of norm ‖x‖ this adds at most n·λ²/12 to
+    // the squared error (uniform phase), relative λ²·n/(12‖x‖²); a flip moves a value by one
+    // spacing, at most max(2u|x|, λ).
+    let floor = |f: Format, elements: usize, norm: f64| -> f64 {
+        if norm > 0.0 {
+            f.min_subnormal() * (elements as f64).sqrt() / norm
+        } else {
+            0.0
+        }
+    };
     let rho_q = match quantize {
-        Some(q) if carried > 0.0 => (carried * carried + 2.0 * q.unit_roundoff() * carried).sqrt(),
+        Some(q) if carried > 0.0 => {
+            let sub = inputs
+                .iter()
+                .map(|i| floor(q, i.elements, i.ref_norm))
+                .fold(0.0, f64::max);
+            (carried * carried + (2.0 * q.unit_roundoff() + sub) * carried).sqrt()
+        }
         _ => carried,
     };
     // Order: reductions split across ranks.
@@ -547,13 +675,16 @@ pub fn price_local<'s>(
     {
         s *= ctx.mesh.cp;
     }
-    let spread = |u: f64| u * (2.0 * s as f64 / 3.0).sqrt();
+    let spread = |f: Format| {
+        let lambda = floor(f, me.elements, out_norm);
+        (2.0 * s as f64 * (f.unit_roundoff().powi(2) / 3.0 + lambda * lambda / 12.0)).sqrt()
+    };
     let (rho_order, rho_comb) = if s <= 1 {
         (0.0, 0.0)
     } else if coarser(combine, acc) {
-        (0.0, spread(combine.unit_roundoff()))
+        (0.0, spread(combine))
     } else {
-        (spread(acc.unit_roundoff()), 0.0)
+        (spread(acc), 0.0)
     };
     let k = inputs.first().map_or(1, |f| {
         if role.param_grad {
@@ -572,20 +703,31 @@ pub fn price_local<'s>(
         0.0
     };
     let pre = rho_q + rho_order + rho_kernel;
+    // One run rounds its results to a coarser format than the other (autocast on one side
+    // only): an independent rounding, relative mean square at most u²/3.
+    let rho_out = if ar.out != ac.out {
+        let f = coarser_of(ar.out, ac.out);
+        let lambda = floor(f, me.elements, out_norm);
+        (f.unit_roundoff().powi(2) / 3.0 + lambda * lambda / 12.0).sqrt()
+    } else {
+        0.0
+    };
+    let out = coarser_of(out, ac.out);
     let u_out = out.unit_roundoff();
     let flips = coarser(out, acc) && pre > 0.0;
     let n = me.elements.max(1) as f64;
     let x = ctx.log_inv_delta;
     // Continuous parts (n contributions): χ² tail.
     let tail2 = 1.0 + 2.0 * (x / n).sqrt() + 2.0 * x / n;
-    let mut energy = (pre * pre + rho_comb * rho_comb) * tail2;
+    let mut energy = (pre * pre + rho_comb * rho_comb + rho_out * rho_out) * tail2;
     if flips {
         // Flip energy Σ B_i·ulp_i² with P(B_i) = |d_i|/ulp_i: mean μ ≤ 2u·ρ_pre (relative to
         // ‖t‖²), each term ≤ W = (2u·max|t|)²/‖t‖²; Bernstein's inequality bounds it at
         // δ by μ + W·x/3 + sqrt(W²x²/9 + 2Wμx) — valid however few flips are expected.
-        let mu = 2.0 * u_out * pre;
+        // Spacings at the subnormal floor: Σ|d_i|·λ ≤ λ·√n·‖d‖ adds λ√n/‖t‖ · ρ_pre.
+        let mu = (2.0 * u_out + floor(out, me.elements, out_norm)) * pre;
         let w = if out_norm > 0.0 {
-            (2.0 * u_out * me.ref_max_abs / out_norm).powi(2)
+            ((2.0 * u_out * me.ref_max_abs).max(out.min_subnormal()) / out_norm).powi(2)
         } else {
             0.0
         };
@@ -617,6 +759,7 @@ mod tests {
             layout: Layout::replicated(),
             norm_gain: 1.0,
             module: Some(crate::io::manifest::ModuleInfo::of(ModuleKind::Linear)),
+            cand_module: None,
         };
         let ids = vec!["l|fwd.input.0".to_string(), "l|fwd.output.0".to_string()];
         let index = InputIndex::new(&ids);

@@ -59,6 +59,60 @@ pub struct ModuleInfo {
     /// all-reduce dtype, e.g. `bf16` for Megatron's row-parallel output).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub combine: Option<Format>,
+    /// The arithmetic in force when the module ran, as the tracer found it
+    /// (`papers/trace-format.md`): the autocast dtype, the precision of FP32 matmuls and
+    /// convolutions, the device.
+    #[serde(default, flatten)]
+    pub arith: ModuleArith,
+}
+
+/// The arithmetic settings in force for one module call (PyTorch's `torch.autocast`,
+/// `torch.backends.cuda.matmul.allow_tf32` / `fp32_precision`, cuDNN's `allow_tf32`, oneDNN's
+/// `fp32_precision`). Absent fields: full precision, no autocast.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModuleArith {
+    /// The autocast dtype (`f16`, `bf16`): the module's matmuls and convolutions took their
+    /// inputs in it and rounded their results to it, whatever dtype stores them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autocast: Option<Format>,
+    /// The format FP32 matmul inputs are rounded to on the module's device: `tf32` (TF32 tensor
+    /// cores), `bf16` (oneDNN's reduced precision); `f32` or absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp32_matmul: Option<Format>,
+    /// The same for convolutions (cuDNN's `allow_tf32`, on by default in PyTorch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp32_conv: Option<Format>,
+    /// The device type the module ran on (`cuda`, `cpu`, …); informational.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+}
+
+impl ModuleArith {
+    /// Refuse settings ttrace has no model for ([`Error::UnpricedArithmetic`] naming `id`):
+    /// an autocast dtype other than F16, BF16 (or F32, no change); an FP32 matmul or
+    /// convolution precision other than F32, TF32, BF16.
+    pub fn check(&self, id: &str) -> Result<()> {
+        let bad = |name: &str, f: Format| Error::UnpricedArithmetic {
+            id: id.to_string(),
+            setting: format!("{name}={f}"),
+        };
+        if let Some(f) = self.autocast {
+            if !matches!(f, Format::F16 | Format::BF16 | Format::F32) {
+                return Err(bad("autocast", f));
+            }
+        }
+        for (name, v) in [
+            ("fp32_matmul", self.fp32_matmul),
+            ("fp32_conv", self.fp32_conv),
+        ] {
+            if let Some(f) = v {
+                if !matches!(f, Format::F32 | Format::TF32 | Format::BF16) {
+                    return Err(bad(name, f));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 impl ModuleInfo {
@@ -69,6 +123,7 @@ impl ModuleInfo {
             quantize: None,
             accumulate: None,
             combine: None,
+            arith: ModuleArith::default(),
         }
     }
 }
@@ -196,6 +251,9 @@ fn entry(
     let dtype = dtype
         .parse::<Format>()
         .map_err(|e| ferr(path, format!("{who}: 'dtype': {e}")))?;
+    if let Some(m) = &module {
+        m.arith.check(&printable(&id))?;
+    }
     if threshold.is_some_and(|t| t.is_nan() || t < 0.0) {
         return Err(ferr(
             path,
@@ -1109,5 +1167,52 @@ mod tests {
         ));
         let e = Manifest::parse(&twice, path).unwrap_err().to_string();
         assert!(e.contains("twice"), "{e}");
+    }
+
+    /// The arithmetic a module ran with reads from both parsers; a setting ttrace has no
+    /// model for is `UnpricedArithmetic` naming the tensor and the setting, an unknown value
+    /// a file error naming the tensor's `module`.
+    #[test]
+    fn module_arithmetic_reads_and_unpriceable_settings_are_refused() {
+        let path = Path::new("manifest.json");
+        let text = |module: &str| {
+            format!(
+                r#"{{"format": "ttrace-trace", "version": 1,
+            "mesh": {{"tp": 1, "cp": 1, "dp": 1, "sp": false}},
+            "tensors": [
+              {{"id": "fc1|grad.input.0", "rank": 0, "file": "rank0.safetensors", "dtype": "f32",
+               "layout": {{"dp": {{"kind": "replicate"}}, "cp": {{"kind": "replicate"}},
+                          "tp": {{"kind": "replicate"}}}},
+               "module": {module}}}]}}"#
+            )
+        };
+        let ok = text(
+            r#"{"kind": "linear", "autocast": "f16", "fp32_matmul": "tf32", "device": "cuda"}"#,
+        );
+        let fast = Manifest::parse_typed(&ok, path).unwrap();
+        assert_eq!(fast, Manifest::parse_detailed(&ok, path).unwrap());
+        let arith = &fast.tensors[0].module.as_ref().unwrap().arith;
+        assert_eq!(arith.autocast, Some(Format::F16));
+        assert_eq!(arith.fp32_matmul, Some(Format::TF32));
+        assert_eq!(arith.device.as_deref(), Some("cuda"));
+        for (module, setting) in [
+            (r#"{"kind": "linear", "autocast": "e4m3"}"#, "autocast=e4m3"),
+            (
+                r#"{"kind": "linear", "fp32_matmul": "f16"}"#,
+                "fp32_matmul=f16",
+            ),
+            (r#"{"fp32_conv": "e5m2"}"#, "fp32_conv=e5m2"),
+        ] {
+            match Manifest::parse(&text(module), path) {
+                Err(Error::UnpricedArithmetic { id, setting: s }) => {
+                    assert_eq!(id, "fc1|grad.input.0");
+                    assert_eq!(s, setting);
+                }
+                other => panic!("{module}: {other:?}"),
+            }
+        }
+        let e = Manifest::parse(&text(r#"{"autocast": "fp4"}"#), path).unwrap_err();
+        assert!(matches!(e, Error::File { .. }), "{e:?}");
+        assert!(e.to_string().contains("fc1|grad.input.0"), "{e}");
     }
 }

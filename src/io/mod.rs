@@ -9,7 +9,8 @@ pub(crate) mod stored;
 
 pub use guard::{limits, printable, sanitize};
 pub use manifest::{
-    read_manifest, write_trace_dir, InferredLayout, Manifest, ManifestEntry, ModuleInfo, TraceDir,
+    read_manifest, write_trace_dir, InferredLayout, Manifest, ManifestEntry, ModuleArith,
+    ModuleInfo, TraceDir,
 };
 
 /// Write `contents` to `path` atomically: into a temporary file beside it (same directory, so
