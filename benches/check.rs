@@ -136,6 +136,7 @@ fn gpt_stats(layers: usize) -> (Vec<String>, Vec<TensorStat>) {
             layout,
             norm_gain: 1.2,
             module: Some(ModuleInfo::of(kinds[m])),
+            cand_module: None,
         })
         .collect();
     (ids.into_iter().map(|(i, _)| i).collect(), stats)
