@@ -222,6 +222,15 @@ fn threshold_prices_every_supported_op() {
             "in=e4m3,scaling=current",
             "in=e4m3,scaling=current,order=splitk:4:bf16:tree",
         ),
+        // Hopper's FP8 tensor cores, whole against split in two (priced on synthetic data).
+        (
+            "matmul",
+            "in=e4m3,out=f32,order=hopper-fp8-fast",
+            "in=e4m3,out=f32,order=splitk:2:f32:seq:inner=hopper-fp8-fast",
+        ),
+        // A kernel of unknown order on both sides.
+        ("matmul", "in=f32,out=f32,order=any", "in=tf32,out=f32,order=any"),
+        ("rmsnorm", "", "order=any"),
     ] {
         let o = ttrace(
             &[

@@ -221,12 +221,22 @@ impl Order {
         Order::AnyOf(members)
     }
 
-    /// Whether a tensor-core accumulation occurs anywhere in this order.
-    pub(crate) fn has_tensor_core(&self) -> bool {
+    /// Whether a tensor-core accumulation occurs anywhere in this order (its error is then
+    /// priced from the data, not from per-term depths).
+    pub fn has_tensor_core(&self) -> bool {
         match self {
             Order::TensorCore(_) => true,
             Order::SplitK { inner, .. } => inner.has_tensor_core(),
             Order::AnyOf(m) => m.iter().any(Order::has_tensor_core),
+            _ => false,
+        }
+    }
+
+    /// Whether a family of orders ([`Order::AnyOf`]) occurs anywhere in this order.
+    pub fn has_family(&self) -> bool {
+        match self {
+            Order::AnyOf(_) => true,
+            Order::SplitK { inner, .. } => inner.has_family(),
             _ => false,
         }
     }

@@ -62,7 +62,8 @@ pub struct Args {
 #[derive(Clone, Copy, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Op {
-    /// C = A·B (closed-form plan; priced on synthetic data when a side uses FP8 scaling).
+    /// C = A·B (closed-form plan; priced on synthetic data when a side uses FP8 scaling, a
+    /// tensor core or an order of unknown kernel).
     Matmul,
     /// Row sums (closed-form plan).
     Sum,
@@ -184,7 +185,13 @@ pub fn run(a: Args) -> Result<Outcome, String> {
     let stats = TermStats::normal(mean, std);
     let fmt = rp.input();
     let e = |r: ttrace::Result<Threshold>| r.map_err(|e| e.to_string());
-    let fp8 = rp.scaling != Scaling::None || cp.scaling != Scaling::None;
+    // FP8 scaling, tensor cores and orders of unknown kernel are priced from data: on
+    // synthetic operands.
+    let data_only = |p: &Policy| {
+        let o = &p.accumulation.order;
+        p.scaling != Scaling::None || o.has_tensor_core() || o.has_family()
+    };
+    let fp8 = data_only(&rp) || data_only(&cp);
     let th = match op {
         Op::Matmul if fp8 => {
             let a = synthetic(&[m, k], mean, std, "cli.a", Format::F32)?;
