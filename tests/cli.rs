@@ -229,7 +229,11 @@ fn threshold_prices_every_supported_op() {
             "in=e4m3,out=f32,order=splitk:2:f32:seq:inner=hopper-fp8-fast",
         ),
         // A kernel of unknown order on both sides.
-        ("matmul", "in=f32,out=f32,order=any", "in=tf32,out=f32,order=any"),
+        (
+            "matmul",
+            "in=f32,out=f32,order=any",
+            "in=tf32,out=f32,order=any",
+        ),
         ("rmsnorm", "", "order=any"),
     ] {
         let o = ttrace(

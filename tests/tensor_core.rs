@@ -395,3 +395,93 @@ fn family_depths_cover_every_member() {
     }
     let _ = Products::Exact;
 }
+
+/// Two runs of a kernel of unknown order are not the same execution: a policy with a family
+/// on both sides prices the difference between any two members (cuBLAS picks the kernel by
+/// shape: a column shard or a batch half of a product runs another one).
+#[test]
+fn two_runs_of_an_unknown_kernel_may_differ() {
+    use ttrace::bounds::{
+        matmul_threshold, norm_threshold, Confidence, NormData, NormOp, NormSide,
+    };
+    use ttrace::{Policy, Tensor};
+    let a = Tensor::rounded(
+        &[6, 512],
+        (0..6 * 512)
+            .map(|i| ((i * 7919) % 1009) as f64 / 500.0 - 1.0)
+            .collect(),
+        Format::F32,
+        Overflow::Saturating,
+    )
+    .unwrap();
+    let b = Tensor::rounded(
+        &[512, 5],
+        (0..512 * 5)
+            .map(|i| ((i * 104729) % 1013) as f64 / 700.0 - 0.6)
+            .collect(),
+        Format::F32,
+        Overflow::Saturating,
+    )
+    .unwrap();
+    let any: Policy = "in=f32,acc=f32,out=f32,order=any".parse().unwrap();
+    let t = matmul_threshold(
+        &a,
+        &b,
+        None,
+        &any,
+        &any,
+        Confidence::default_probabilistic(),
+    )
+    .unwrap();
+    assert!(!t.identical && t.abs_frobenius > 0.0);
+    let members = match Order::unknown_kernel(Format::F32) {
+        Order::AnyOf(m) => m,
+        o => panic!("{o}"),
+    };
+    let outputs: Vec<Tensor> = members
+        .iter()
+        .map(|m| ttrace::engine::matmul(&a, &b, &any.clone().with_order(m.clone())).unwrap())
+        .collect();
+    let differing = outputs
+        .iter()
+        .filter(|o| o.values() != outputs[0].values())
+        .count();
+    assert!(
+        differing > 0,
+        "the members must differ for this test to mean anything"
+    );
+    for (i, o) in outputs.iter().enumerate() {
+        for p in &outputs {
+            assert!(
+                t.check(p, o).passed,
+                "member {} against another",
+                members[i]
+            );
+        }
+    }
+    // The same for a norm: one kernel against itself is bit-identical, a family is not.
+    let x = Tensor::rounded(
+        &[4, 256],
+        (0..1024).map(|i| (i as f64 * 0.37).sin() * 3.0).collect(),
+        Format::BF16,
+        Overflow::Saturating,
+    )
+    .unwrap();
+    let w = Tensor::rounded(&[256], vec![1.0; 256], Format::BF16, Overflow::Saturating).unwrap();
+    let seq: Policy = "in=bf16,acc=f32,out=bf16".parse().unwrap();
+    let fam: Policy = "in=bf16,acc=f32,out=bf16,order=any".parse().unwrap();
+    let data = NormData {
+        x: &x,
+        weight: &w,
+        bias: None,
+        eps: 1e-6,
+    };
+    let side = |policy| NormSide {
+        op: NormOp::RmsNorm,
+        policy,
+    };
+    let p = Confidence::default_probabilistic();
+    let same = norm_threshold(&data, side(&seq), side(&seq), p).unwrap();
+    let unknown = norm_threshold(&data, side(&fam), side(&fam), p).unwrap();
+    assert!(same.identical && !unknown.identical && unknown.abs_frobenius > 0.0);
+}

@@ -445,11 +445,14 @@ pub fn norm_threshold(
     let (xi, w) = (cast(x), cast(weight));
     let b = bias.map(cast);
     let a = reference.accumulator();
-    let identical = reference == candidate && ref_op == cand_op;
-    // μ̂ (and so every dᵢ) is the same on both sides when the sum runs in the same order;
-    // everything before the output rounding is the same when the whole arithmetic is.
-    let shared_mu = reference.accumulation.order == candidate.accumulation.order;
-    let same_internal = reference.accumulation == candidate.accumulation && ref_op == cand_op;
+    let identical = reference.same_execution(candidate) && ref_op == cand_op;
+    // μ̂ (and so every dᵢ) is the same on both sides when the sum runs in the same order (one
+    // kernel, not a family); everything before the output rounding is the same when the
+    // whole arithmetic is.
+    let one_kernel = !reference.accumulation.order.has_family();
+    let shared_mu = reference.accumulation.order == candidate.accumulation.order && one_kernel;
+    let same_internal =
+        reference.accumulation == candidate.accumulation && ref_op == cand_op && one_kernel;
     let centered = matches!(ref_op, NormOp::LayerNorm(_));
     let bias_at = |i: usize| b.as_ref().map_or(0.0, |b| b.values()[i]);
     // The exact model of one row: μ, rstd, x̂ and y.

@@ -193,7 +193,7 @@ pub fn matmul_threshold(
     let c = side(a, b, m, k, n, candidate);
     let same_operands =
         r.q_a.values == c.q_a.values && r.q_b.values == c.q_b.values && r.factor == c.factor;
-    let identical = reference == candidate;
+    let identical = reference.same_execution(candidate);
     // Identical rows of A (as both sides quantize them) and identical columns of B (with their
     // bias) give identical output differences: price each pair of classes once.
     let (_, rows) = row_classes(&side_by_side(&r.q_a.values, k, &c.q_a.values, k), 2 * k);
@@ -349,7 +349,7 @@ pub fn sum_threshold(
     accr.input = reference.input();
     let mut accc = candidate.accumulation.clone();
     accc.input = candidate.input();
-    let identical = reference == candidate;
+    let identical = reference.same_execution(candidate);
     let exact = |v: &[f64]| {
         let mut e = ExactAccumulator::new();
         e.add_all(v);
@@ -623,7 +623,7 @@ fn plan(
     let c_sq = k as f64 * t.mean_square + (k as f64) * (k as f64 - 1.0) * t.mean * t.mean;
     let magnitude = c_sq.sqrt();
     let norm = (c_sq * elements as f64).sqrt();
-    if reference == candidate {
+    if reference.same_execution(candidate) {
         return Ok(Threshold::identical(confidence, norm, elements));
     }
     let er = planned_reduction_error(k, t, &reference.accumulation, is_dot)?;

@@ -122,6 +122,13 @@ impl Policy {
         self.accumulation.accumulator
     }
 
+    /// Whether two executions under `self` and `other` compute the same bits: equal policies
+    /// whose order names one kernel (no [`Order::AnyOf`] family — two runs of a kernel of
+    /// unknown order may pick different members, as cuBLAS does for different shapes).
+    pub(crate) fn same_execution(&self, other: &Policy) -> bool {
+        self == other && !self.accumulation.order.has_family()
+    }
+
     /// Check the order parameters and the scaling parameters.
     pub fn validate(&self) -> Result<()> {
         self.accumulation.validate()?;
