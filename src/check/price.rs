@@ -697,8 +697,24 @@ pub fn price_local<'s>(
     // is sharded (a column-parallel slice, a batch shard): another blocking, another order.
     let reshaped =
         sharded(&me.layout, &ctx.mesh) || layouts.iter().any(|(l, _)| sharded(l, &ctx.mesh));
+    // FP8 products on a GPU accumulate in its tensor cores' 14-bit truncating accumulator
+    // (papers/formats-and-orders.md §5.1), not in FP32: each block step of their reduction
+    // errs by up to ε₁₄ = 2^-13 of the running sum, so the kernel term takes that unit in
+    // place of the accumulation format's — conservative against the measured errors (relative
+    // 1e-4 to 1.4e-3 for K = 2048 to 16384 on an H100, against 2^-13·sqrt(K/3) = 3e-3 to 9e-3).
+    let on_gpu = |m: Option<&ModuleInfo>| {
+        m.and_then(|m| m.arith.device.as_deref())
+            .is_some_and(|d| d == "cuda")
+    };
+    let fp8_tensor_cores = quantize.is_some_and(|q| matches!(q, Format::E4M3 | Format::E5M2))
+        && (on_gpu(info.as_ref()) || on_gpu(me.cand_module.as_ref()));
+    let u_kernel = if fp8_tensor_cores {
+        crate::format::pow2(-13).max(acc.unit_roundoff())
+    } else {
+        acc.unit_roundoff()
+    };
     let rho_kernel = if carried > 0.0 || s > 1 || reshaped {
-        acc.unit_roundoff() * (k.max(1) as f64 / 3.0).sqrt()
+        u_kernel * (k.max(1) as f64 / 3.0).sqrt()
     } else {
         0.0
     };
@@ -742,6 +758,96 @@ pub fn price_local<'s>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The recorded arithmetic moves the threshold the way the hardware moves the error:
+    /// autocast to FP16 rounds an FP32-stored result to FP16 (the flips of a coarser
+    /// format), a TF32 candidate against an FP32 reference carries its own input difference,
+    /// FP8 products on a GPU accumulate in the tensor cores' 14 bits.
+    #[test]
+    fn recorded_arithmetic_prices_what_the_hardware_does() {
+        use crate::io::manifest::{ModuleArith, ModuleInfo};
+        let info = |arith: ModuleArith, quantize: Option<Format>| ModuleInfo {
+            quantize,
+            arith,
+            ..ModuleInfo::of(ModuleKind::Linear)
+        };
+        let stat = |format: Format, module: ModuleInfo, cand: Option<ModuleInfo>| TensorStat {
+            ref_norm: 64.0,
+            ref_max_abs: 4.0,
+            diff_norm: 64.0 * 1e-6,
+            elements: 4096,
+            last_dim: 64,
+            ndim: 2,
+            format,
+            layout: Layout::replicated(),
+            norm_gain: 1.0,
+            module: Some(module),
+            cand_module: cand,
+        };
+        let ids = vec!["l|fwd.input.0".to_string(), "l|fwd.output.0".to_string()];
+        let index = InputIndex::new(&ids);
+        let ctx = PriceContext {
+            mesh: Mesh::single(),
+            recipe: None,
+            log_inv_delta: (1e6f64).ln(),
+        };
+        let price = |input: &TensorStat, out: &TensorStat| -> f64 {
+            let lookup = |j: &str| -> Option<&TensorStat> {
+                Some(if j == "l|fwd.input.0" { input } else { out })
+            };
+            price_local("l|fwd.output.0", &index, &lookup, &ctx)
+                .unwrap()
+                .threshold
+        };
+        let plain = ModuleArith::default();
+        let f16 = ModuleArith {
+            autocast: Some(Format::F16),
+            ..ModuleArith::default()
+        };
+        let tf32 = ModuleArith {
+            fp32_matmul: Some(Format::TF32),
+            ..ModuleArith::default()
+        };
+        let cuda = ModuleArith {
+            device: Some("cuda".into()),
+            ..ModuleArith::default()
+        };
+        let x = stat(Format::F32, info(plain.clone(), None), None);
+        let base = price(&x, &stat(Format::F32, info(plain.clone(), None), None));
+        // Autocast FP16: the FP32-stored result was rounded to FP16 (u = 2^-11 instead of 2^-24).
+        let auto = price(&x, &stat(Format::F32, info(f16.clone(), None), None));
+        assert!(auto > 30.0 * base, "{auto} vs {base}");
+        // TF32 on both sides: the carried difference flips TF32 roundings; on one side only:
+        // an input difference of its own, larger still.
+        let both = price(
+            &x,
+            &stat(
+                Format::F32,
+                info(tf32.clone(), None),
+                Some(info(tf32.clone(), None)),
+            ),
+        );
+        let one = price(
+            &x,
+            &stat(
+                Format::F32,
+                info(plain.clone(), None),
+                Some(info(tf32, None)),
+            ),
+        );
+        assert!(both > 3.0 * base && one > both, "{base} {both} {one}");
+        // FP8 products: on a GPU the kernel term is the tensor cores' 2^-13, not FP32's 2^-24.
+        let x8 = stat(Format::BF16, info(plain.clone(), Some(Format::E4M3)), None);
+        let cpu8 = price(
+            &x8,
+            &stat(Format::BF16, info(plain, Some(Format::E4M3)), None),
+        );
+        let gpu8 = price(
+            &x8,
+            &stat(Format::BF16, info(cuda, Some(Format::E4M3)), None),
+        );
+        assert!(gpu8 > 1.2 * cpu8, "{gpu8} vs {cpu8}");
+    }
 
     /// An input whose reference is all zero but which differs: the output is priced (by the
     /// fallback rule, `None` here), not left unjudged as if an input had failed; an input that
