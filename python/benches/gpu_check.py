@@ -15,8 +15,8 @@
    single-pass emulation reproduces bit for bit; an ``acc=f32`` threshold must reject fast
    accumulation.
 3. **Traced tensor-parallel steps** (``python/examples/tp_demo.py``): BF16, FP32, TF32 on both
-   sides and on the candidate only, FP16 and BF16 autocast; clean runs over seeds must pass,
-   planted bugs must fail.
+   sides and on the candidate only, FP16 and BF16 autocast, FP8 forward products (fast and
+   precise accumulation); clean runs over seeds must pass, planted bugs must fail.
 
 Writes a JSON table (``--out``) and prints a summary; exits 0 when every clean case passed
 and every planted bug was found, 1 otherwise. Pricing runs on the CPU on slices of each
@@ -253,6 +253,9 @@ def steps(device: str, quick: bool, seeds: int) -> List[Dict[str, Any]]:
         ("tf32-candidate", ["--dtype", "fp32", "--tf32", "candidate"]),
         ("autocast-f16", ["--dtype", "fp32", "--autocast", "f16"]),
         ("autocast-bf16", ["--dtype", "fp32", "--autocast", "bf16"]),
+        ("fp8-fast-bf16", ["--dtype", "bf16", "--fp8", "fast"]),
+        ("fp8-fast-fp32", ["--dtype", "fp32", "--fp8", "fast"]),
+        ("fp8-precise-fp32", ["--dtype", "fp32", "--fp8", "precise"]),
     ]
     # (tokens × d, tensor-parallel ranks)
     shapes = [("256x128", ["--tokens", "256", "--d", "128"], 2),

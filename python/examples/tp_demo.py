@@ -19,7 +19,9 @@ The arithmetic GPUs train with: `--autocast f16|bf16` runs both steps under `tor
 inputs to TF32 — on a GPU (`--device cuda`) by `torch.backends.cuda.matmul.allow_tf32`, on the
 CPU by rounding every linear layer's operands to TF32 first (what the GPU's tensor cores do),
 declared to the tracer as the GPU's setting would be recorded. The tracer records both
-settings per module call; the checker prices them.
+settings per module call; the checker prices them. `--fp8 fast|precise` runs fc1's and
+fc2's forward products in FP8 (`torch._scaled_mm` on E4M3 operands, delayed scales shared by
+the ranks, with or without fast accumulation), declared to the tracer as `quantize: e4m3`.
 """
 
 import argparse
@@ -72,10 +74,44 @@ class Tf32Linear(torch.autograd.Function):
         return dx, dw, db
 
 
+class Fp8Linear(torch.autograd.Function):
+    """y = x·Wᵀ + b with E4M3 operands in the forward product (``torch._scaled_mm``: FP8
+    tensor cores on a GPU), per-tensor scales given (delayed scaling, the same on every
+    rank, as TransformerEngine reduces amaxes over the tensor-parallel group); the output in
+    the input's dtype; the backward pass in the tensors' own dtype."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, sx, sw, fast):
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        e4m3 = torch.float8_e4m3fn
+        x2 = x.reshape(-1, x.shape[-1])
+        xq = (x2.float() * sx).clamp(-448, 448).to(e4m3)
+        wq = (w.float() * sw).clamp(-448, 448).to(e4m3)
+        one = lambda v: torch.tensor(1.0 / v, device=x.device)  # noqa: E731
+        y = torch._scaled_mm(xq, wq.t(), scale_a=one(sx), scale_b=one(sw),
+                             out_dtype=x.dtype, use_fast_accum=fast)
+        y = y.reshape(*x.shape[:-1], w.shape[0])
+        return y if b is None else y + b
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx = dy @ w
+        dw = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
+        return dx, dw, db, None, None, None
+
+
 class EmulatedTf32(nn.Linear):
-    """An nn.Linear whose products run on TF32 operands (CPU emulation of a TF32 GPU)."""
+    """An nn.Linear whose products run on TF32 operands (CPU emulation of a TF32 GPU), or in
+    FP8 (``fp8_scales``: the delayed scales of x and W)."""
 
     def forward(self, x):
+        scales = getattr(self, "fp8_scales", None)
+        if scales is not None:
+            return Fp8Linear.apply(x, self.weight, self.bias, scales[0], scales[1],
+                                   getattr(self, "fp8_fast", True))
         if not getattr(self, "tf32", False):
             return super().forward(x)
         return Tf32Linear.apply(x, self.weight, self.bias)
@@ -150,12 +186,36 @@ def _use_tf32(model, device, on):
             m.tf32 = on and device == "cpu"
 
 
-def _declared(device, on):
+def _declared(device, on, fp8=False):
     """Formats declared to the tracer: on the CPU the emulated TF32 is declared as the
-    setting a GPU run records by itself."""
-    if device != "cpu" or not on:
-        return {}
-    return {"fc1": {"fp32_matmul": "tf32"}, "fc2": {"fp32_matmul": "tf32"}}
+    setting a GPU run records by itself; FP8 products are declared by their input format."""
+    out = {}
+    for name in ("fc1", "fc2"):
+        if fp8:
+            out[name] = {"quantize": "e4m3"}
+        elif device == "cpu" and on:
+            out[name] = {"fp32_matmul": "tf32"}
+    return out
+
+
+def _fp8_scales(model, x):
+    """Delayed FP8 scales of fc1's and fc2's inputs and weights, from a forward pass of the
+    reference (amax of each, scaled to E4M3's 448)."""
+    scales = {}
+    with torch.no_grad():
+        h = model.ln(x)
+        a = model.act(model.fc1(h))
+        for name, inp in (("fc1", h), ("fc2", a)):
+            w = getattr(model, name).weight
+            scales[name] = (448.0 / float(inp.abs().max()), 448.0 / float(w.abs().max()))
+    return scales
+
+
+def _use_fp8(model, scales, fast):
+    for name, (sx, sw) in scales.items():
+        layer = getattr(model, name)
+        layer.fp8_scales = (sx, sw)
+        layer.fp8_fast = fast
 
 
 def main(argv=None):
@@ -170,6 +230,9 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--autocast", default="none", choices=["none", "f16", "bf16"])
     ap.add_argument("--tf32", default="none", choices=["none", "both", "candidate"])
+    ap.add_argument("--fp8", default="none", choices=["none", "fast", "precise"],
+                    help="fc1 and fc2 forward products in FP8 (torch._scaled_mm, E4M3, "
+                         "delayed scales shared by the ranks), with or without fast accumulation")
     args = ap.parse_args(argv)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     d, hidden, tp = args.d, 4 * args.d, args.tp
@@ -189,9 +252,12 @@ def main(argv=None):
     # Reference run.
     kinds = {"bias2": "residual"}  # an elementwise add: not a type the tracer recognises
     ref_tf32 = args.tf32 == "both"
+    fp8 = args.fp8 != "none"
+    scales = _fp8_scales(ref, x) if fp8 else {}
+    _use_fp8(ref, scales, args.fp8 == "fast")
     _set_tf32(dev, ref_tf32)
     _use_tf32(ref, dev, ref_tf32)
-    tracer = td.Tracer(ref, kinds=kinds, formats=_declared(dev, ref_tf32))
+    tracer = td.Tracer(ref, kinds=kinds, formats=_declared(dev, ref_tf32, fp8))
     with _autocast(dev, args.autocast):
         h = ref.ln(x)
         y = ref.bias2(ref.fc2(ref.act(ref.fc1(h))))
@@ -217,9 +283,10 @@ def main(argv=None):
                 m.fc2.bias.copy_(ref.bias2.bias)
                 m.bias2.bias.zero_()
         _use_tf32(m, dev, cand_tf32)
+        _use_fp8(m, scales, args.fp8 == "fast")
         ranks.append(m)
     tracers = [td.Tracer(m, rank=r, mesh=td.Mesh(tp=tp), layouts=layouts, kinds=kinds,
-                         formats=_declared(dev, cand_tf32))
+                         formats=_declared(dev, cand_tf32, fp8))
                for r, m in enumerate(ranks)]
     with _autocast(dev, args.autocast):
         hs = [m.ln(x) for m in ranks]

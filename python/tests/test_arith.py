@@ -98,6 +98,16 @@ def test_autocast_f16_without_the_recorded_setting_is_a_false_alarm(tmp_path: Pa
     assert not report.passed, str(report)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_fp8_products_clean_runs_pass(tmp_path: Path, dtype: str) -> None:
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this torch has no FP8 dtype")
+    report = _run(tmp_path / "run", "--fp8", "fast", "--dtype", dtype)
+    assert report.passed, str(report)
+    m = json.loads((tmp_path / "run" / "candidate" / "manifest.json").read_text())
+    assert all(e["module"]["quantize"] == "e4m3" for e in m["tensors"] if e["id"].startswith("fc2|"))
+
+
 @pytest.mark.parametrize("tf32", ["both", "candidate"])
 def test_tf32_clean_runs_pass(tmp_path: Path, tf32: str) -> None:
     report = _run(tmp_path / "run", "--tf32", tf32)
@@ -121,6 +131,8 @@ def test_tf32_candidate_without_the_recorded_setting_is_a_false_alarm(tmp_path: 
         (["--tf32", "candidate"], "double-bias", "fc2"),
         (["--tf32", "candidate"], "no-grad-allreduce", "ln"),
         (["--tf32", "both"], "scale", "bias2"),
+        (["--fp8", "fast", "--dtype", "bf16"], "double-bias", "fc2"),
+        (["--fp8", "fast"], "no-grad-allreduce", "ln"),
     ],
 )
 def test_bugs_are_found_under_gpu_arithmetic(
