@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import io
 import json
@@ -61,18 +62,22 @@ def _tf32(on: bool) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
+def _load(path: Path, name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def _fixture_data() -> Any:
+    return _load(ROOT / "tests" / "fixtures" / "h100" / "data.py", "h100_data")
+
+
 def _draw(family: str, shape: tuple, gen: np.random.Generator) -> torch.Tensor:
-    if family == "gauss":
-        t = gen.standard_normal(shape)
-    elif family == "mean1":
-        t = gen.standard_normal(shape) + 1.0
-    elif family == "upos":
-        t = gen.random(shape)
-    elif family == "small":
-        t = gen.standard_normal(shape) * 0.02
-    else:
-        raise ValueError(family)
-    return torch.from_numpy(np.ascontiguousarray(t, dtype=np.float32))
+    """Inputs drawn as the H100 fixtures' were (tests/fixtures/h100/data.py)."""
+    return _fixture_data()._draw(family, shape, gen)
 
 
 def _differ(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -238,11 +243,7 @@ def fp8(device: str, quick: bool, rows: int, cols: int, seed: int) -> List[Dict[
 # -- 3. traced steps -------------------------------------------------------------------------------
 
 def _demo() -> Any:
-    spec = importlib.util.spec_from_file_location("tp_demo", DEMO)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load(DEMO, "tp_demo")
 
 
 def steps(device: str, quick: bool, seeds: int) -> List[Dict[str, Any]]:

@@ -61,3 +61,14 @@ def run_job(job: str, directory: Path, world: int = 1, bug: str = "",
     if failed:
         r, out = failed[0]
         raise JobFailed(f"job {job} rank {r} failed:\n{out[-4000:]}")
+
+
+def load_script(path: Path, name: str) -> "object":
+    """Import a script (an example, a bench) as a module, without running its ``main``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

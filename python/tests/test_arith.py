@@ -10,7 +10,6 @@ The GPU runs of the same steps are in python/benches/gpu_check.py.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any, List
@@ -19,6 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import harness  # noqa: E402
 import ttrace  # noqa: E402
 from ttrace import arith  # noqa: E402
 from ttrace.errors import TraceError  # noqa: E402
@@ -26,16 +26,9 @@ from ttrace.errors import TraceError  # noqa: E402
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "tp_demo.py"
 
 
-def _demo() -> Any:
-    spec = importlib.util.spec_from_file_location("tp_demo", DEMO)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _run(out: Path, *args: str) -> ttrace.CheckReport:
-    _demo().main(["--out", str(out), "--dtype", "fp32", "--tokens", "256", "--d", "128", *args])
+    demo: Any = harness.load_script(DEMO, "tp_demo")
+    demo.main(["--out", str(out), "--dtype", "fp32", "--tokens", "256", "--d", "128", *args])
     return ttrace.check(out / "reference", out / "candidate")
 
 

@@ -10,7 +10,6 @@ tested in Rust (tests/gpu_fixtures.rs), where the tensor-core model runs bit for
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -23,6 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+import harness  # noqa: E402
 import ttrace  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "h100"
@@ -35,11 +35,7 @@ COLS = slice(None) if FULL else slice(0, 2)
 
 
 def _data() -> Any:
-    spec = importlib.util.spec_from_file_location("h100_data", FIXTURES / "data.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return harness.load_script(FIXTURES / "data.py", "h100_data")
 
 
 def _cases() -> List[Dict[str, Any]]:
