@@ -65,6 +65,8 @@ def test_settings_are_read_without_changing_them() -> None:
 def test_autocast_clean_runs_pass(tmp_path: Path, dtype: str, seed: int) -> None:
     report = _run(tmp_path / "run", "--autocast", dtype, "--seed", str(seed))
     assert report.passed, str(report)
+    assert report.arithmetic["candidate"][f"autocast={dtype}"] > 0
+    assert f"reference autocast={dtype}" in str(report)
     m = json.loads((tmp_path / "run" / "candidate" / "manifest.json").read_text())
     fc1 = [e for e in m["tensors"] if e["id"] == "fc1|grad.input.0"]
     assert fc1 and all(e["module"]["autocast"] == dtype for e in fc1)

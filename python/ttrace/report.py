@@ -70,6 +70,9 @@ class CheckReport:
     #: Layouts the tracer could only guess, as the checker inferred them from the shapes:
     #: tensor id → layout (``{"dp": …, "cp": …, "tp": …}``).
     inferred_layouts: Dict[str, Dict[str, Any]]
+    #: The arithmetic the traces recorded and the checker priced, per run: ``{"reference":
+    #: {"autocast=f16": 18}, "candidate": {"fp32_matmul=tf32": 20}}`` (tensors per setting).
+    arithmetic: Dict[str, Dict[str, int]]
     #: The text of the report (``str(report)``).
     text: str
     #: The core's report, as JSON-ready data.
@@ -117,6 +120,13 @@ def _fired(v: Dict[str, Any]) -> List[str]:
     return (["norm"] if norm else []) + others
 
 
+def _arithmetic(entries: List[Any]) -> Dict[str, Dict[str, int]]:
+    out: Dict[str, Dict[str, int]] = {}
+    for side, setting, n in entries:
+        out.setdefault(str(side), {})[str(setting)] = int(n)
+    return out
+
+
 def check(reference: PathLike, candidate: PathLike, *, pricing: str = "auto") -> CheckReport:
     """Compare the candidate trace directory with the reference one.
 
@@ -157,6 +167,7 @@ def check(reference: PathLike, candidate: PathLike, *, pricing: str = "auto") ->
         pricing_counts=counts,
         untraced_gaps=list(raw.get("untraced", [])),
         inferred_layouts={e["tensor"]: e["layout"] for e in raw.get("inferred", [])},
+        arithmetic=_arithmetic(raw.get("arithmetic", [])),
         text=text,
         raw=raw,
     )

@@ -74,6 +74,10 @@ pub struct DirCheck {
     pub inferred: Vec<InferredLayout>,
     /// The mode used.
     pub mode: PricingMode,
+    /// The arithmetic settings the traces recorded and the checker priced (autocast, FP32
+    /// matmul and convolution precision), per run: (`reference` or `candidate`, the setting
+    /// as `name=value`, how many tensors carry it).
+    pub arithmetic: Vec<(String, String, usize)>,
 }
 
 /// A tensor a traced module consumes that untraced code made (its reference content equals no
@@ -633,7 +637,30 @@ fn finish(
             })
         })
         .collect();
+    let mut arithmetic: std::collections::BTreeMap<(String, String), usize> = Default::default();
+    for g in by_id.values() {
+        for (side, m) in [("reference", &g.stat.module), ("candidate", &g.stat.cand_module)] {
+            let Some(a) = m.as_ref().map(|m| &m.arith) else {
+                continue;
+            };
+            for (name, f) in [
+                ("autocast", a.autocast),
+                ("fp32_matmul", a.fp32_matmul),
+                ("fp32_conv", a.fp32_conv),
+            ] {
+                if let Some(f) = f.filter(|f| *f != Format::F32) {
+                    *arithmetic
+                        .entry((side.to_string(), format!("{name}={f}")))
+                        .or_default() += 1;
+                }
+            }
+        }
+    }
     DirCheck {
+        arithmetic: arithmetic
+            .into_iter()
+            .map(|((side, setting), n)| (side, setting, n))
+            .collect(),
         report: CheckReport {
             first_failure: first.map(|i| verdicts[i].id.clone()),
             verdicts,

@@ -20,6 +20,14 @@ pub fn render_dir_check(check: &DirCheck) -> String {
     for (_, n, rule) in &check.pricing_summary {
         out.push_str(&format!("  {n:>6} tensors: {rule}\n"));
     }
+    if !check.arithmetic.is_empty() {
+        let parts: Vec<String> = check
+            .arithmetic
+            .iter()
+            .map(|(side, setting, n)| format!("{side} {setting} ({n} tensors)"))
+            .collect();
+        out.push_str(&format!("arithmetic priced: {}\n", parts.join("; ")));
+    }
     if let Some(first) = check.untraced.first() {
         let between = match &first.after {
             Some(a) => format!(
