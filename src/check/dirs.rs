@@ -639,7 +639,10 @@ fn finish(
         .collect();
     let mut arithmetic: std::collections::BTreeMap<(String, String), usize> = Default::default();
     for g in by_id.values() {
-        for (side, m) in [("reference", &g.stat.module), ("candidate", &g.stat.cand_module)] {
+        for (side, m) in [
+            ("reference", &g.stat.module),
+            ("candidate", &g.stat.cand_module),
+        ] {
             let Some(a) = m.as_ref().map(|m| &m.arith) else {
                 continue;
             };
