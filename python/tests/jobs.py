@@ -69,7 +69,14 @@ def tp(directory: str, bug: str) -> None:
     model, x = make()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        if os.environ.get("TTRACE_TEST_MESH") == "nd":
+            # As transformers and torchtitan build it: one n-D root mesh, every dimension but
+            # tp of size 1, the parameters on its tp sub-mesh.
+            root = init_device_mesh("cpu", (1, 1, 1, world),
+                                    mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
+            mesh = root["tp"]
+        else:
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         full = model.block1.fc1.weight.detach().clone()
         for name in ("block0", "block1"):
             plan = {

@@ -37,6 +37,19 @@ def test_dtensor_tensor_parallel_clean_run_passes(traces, dtype):
     assert layouts["block0.act|fwd.input.0"]["tp"]["kind"] == "split"
 
 
+def test_an_n_dimensional_root_mesh_needs_no_declarations(traces, recwarn):
+    """transformers' and torchtitan's meshes: a 4-D root (pp, dp_replicate, fsdp, tp) with
+    sizes 1 but tp, the parameters on its tp sub-mesh — traced with no argument, the size-1
+    dimensions ignored, no deprecated torch API called."""
+    ref, cand = traces("tp"), traces("tp", 2, MESH="nd")
+    report = ttrace.check(ref, cand)
+    assert report.passed, str(report)
+    layouts = _manifest_layouts(cand)
+    assert layouts["block0.fc1|fwd.output.0"]["tp"] == {"kind": "split", "dim": 2, "groups": 1}
+    mesh = json.loads(sorted(cand.glob("manifest.rank*.json"))[0].read_text())["mesh"]
+    assert (mesh["tp"], mesh["dp"], mesh["cp"]) == (2, 1, 1)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dtensor_wrong_weight_shard_fails_at_its_module(traces, dtype):
     report = ttrace.check(traces("tp", dtype=dtype), traces("tp", 2, "wrong-shard", dtype))

@@ -233,3 +233,56 @@ def test_activation_checkpointing_records_the_same_tensors(tmp_path, reentrant):
     assert "block.fc1|grad.output.0" in ids[True]
     for i in ids[False]:
         assert (ttrace.load(steps[True], i) == ttrace.load(steps[False], i)).all(), i
+
+
+class _FakeMesh:
+    """What the tracer reads of a DeviceMesh: names, shape, this rank's coordinate."""
+
+    def __init__(self, names, shape, coord):
+        self.mesh_dim_names = names
+        self.mesh = torch.zeros(shape)
+        self._coord = coord
+
+    def get_coordinate(self):
+        return list(self._coord)
+
+
+def test_meshes_as_engines_build_them():
+    from torch.distributed.tensor import Replicate, Shard
+
+    from ttrace.errors import UnsupportedLayoutError
+    from ttrace.tracer import _MeshMap, _placement_layout
+
+    # transformers: (pp, dp_replicate, fsdp, tp), all of size 1 but tp.
+    mm = _MeshMap(_FakeMesh(("pp", "dp_replicate", "fsdp", "tp"), (1, 1, 1, 4), (0, 0, 0, 3)), {})
+    assert mm.error is None and mm.sizes == {"tp": 4, "cp": 1, "dp": 1} and mm.coords["tp"] == 3
+    # HSDP: two data-parallel dimensions form one dp axis, row-major.
+    hsdp = _FakeMesh(("dp_replicate", "dp_shard", "tp"), (2, 2, 2), (1, 0, 1))
+    mm = _MeshMap(hsdp, {})
+    assert mm.sizes == {"tp": 2, "cp": 1, "dp": 4} and mm.coords == {"tp": 1, "cp": 0, "dp": 2}
+    shape = (8, 6)
+    lay = _placement_layout("w", (Shard(0), Shard(0), Replicate()), hsdp, shape, mm)
+    assert lay["dp"] == {"kind": "split", "dim": 0, "groups": 1} and lay["tp"]["kind"] == "replicate"
+    with pytest.raises(UnsupportedLayoutError, match="place it differently"):
+        _placement_layout("w", (Replicate(), Shard(0), Replicate()), hsdp, shape, mm)
+    # A flattened torchtitan dimension (dp_shard_cp) is data parallel.
+    assert _MeshMap(_FakeMesh(("dp_shard_cp",), (2,), (1,)), {}).sizes["dp"] == 2
+    # Pipeline parallelism of size 2: not placeable — said per tensor, with the fix.
+    pp = _FakeMesh(("pp", "tp"), (2, 2), (0, 1))
+    mm = _MeshMap(pp, {})
+    assert mm.error is not None and "pipeline" in mm.error
+    with pytest.raises(UnsupportedLayoutError, match="pipeline"):
+        _placement_layout("x", (Replicate(), Replicate()), pp, (4,), mm)
+    # An unknown name: the message's fix works.
+    mm = _MeshMap(_FakeMesh(("replicas", "tp"), (2, 2), (1, 0)), {})
+    assert mm.error is not None and "axes={'dp': 'replicas'}" in mm.error
+    fixed = _MeshMap(_FakeMesh(("replicas", "tp"), (2, 2), (1, 0)), {"dp": "replicas"})
+    assert fixed.error is None and fixed.sizes == {"tp": 2, "cp": 1, "dp": 2}
+
+
+def test_mesh_and_tracer_are_exported_and_typed():
+    import ttrace
+
+    assert ttrace.Mesh(tp=2).world() == 2
+    assert ttrace.Tracer is ttrace.tracer.Tracer
+    assert ttrace.ModuleLayout is ttrace.tracer.ModuleLayout

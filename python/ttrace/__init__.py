@@ -17,7 +17,7 @@ Importing ttrace does not import torch and changes no process-wide state.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import errors
 from ._ttrace import __version__
@@ -46,6 +46,8 @@ from .thresholds import (
 __all__ = [
     "__version__",
     "CheckReport",
+    "Mesh",
+    "ModuleLayout",
     "TensorRow",
     "Threshold",
     "Tracer",
@@ -71,10 +73,18 @@ __all__ = [
 ]
 
 
+if TYPE_CHECKING:  # the lazily imported names, typed for type checkers
+    from .tracer import Mesh as Mesh
+    from .tracer import ModuleLayout as ModuleLayout
+    from .tracer import Tracer as Tracer
+
+_LAZY = ("Tracer", "Mesh", "ModuleLayout")
+
+
 def __getattr__(name: str) -> Any:
     # The tracer needs torch: imported on first use, so `import ttrace` stays light.
-    if name == "Tracer":
-        from .tracer import Tracer
+    if name in _LAZY:
+        from . import tracer
 
-        return Tracer
+        return getattr(tracer, name)
     raise AttributeError(f"module 'ttrace' has no attribute {name!r}")

@@ -110,11 +110,22 @@ for _name, _code in (("float8_e4m3fn", "e4m3"), ("float8_e5m2", "e5m2")):
         _DTYPES[getattr(torch, _name)] = _code
 
 _AXIS_NAMES = {
-    "tp": ("tp", "tensor", "model", "tensor_parallel", "mp"),
+    "tp": ("tp", "tensor", "model", "tensor_parallel", "mp", "tp_shard"),
     "dp": ("dp", "data", "fsdp", "shard", "replicate", "ddp", "dp_shard", "dp_replicate",
-           "data_parallel"),
-    "cp": ("cp", "context", "seq", "context_parallel"),
+           "data_parallel", "hsdp", "dp_rep", "dp_replicate_shard", "batch"),
+    "cp": ("cp", "context", "seq", "context_parallel", "sp_cp"),
 }
+
+#: Mesh dimensions of parallelisms a ttrace trace does not hold yet: ignored at size 1 (as
+#: transformers and torchtitan build them), refused (per tensor, with the fix) when larger.
+_UNSUPPORTED_AXES = {
+    "pp": ("pp", "pipeline", "pipeline_parallel"),
+    "ep": ("ep", "expert", "expert_parallel", "moe", "etp", "ep_shard"),
+}
+
+#: Flattened dimensions (torchtitan's ``dp_shard_cp``, ``dp_cp``): data parallel when their
+#: context-parallel factor is 1.
+_FLATTENED_DP = ("dp_shard_cp", "dp_cp", "dp_shard_in_ep", "dp_shard_mod_ep", "fsdp_cp")
 
 
 # --- placements ------------------------------------------------------------------------------
@@ -349,63 +360,87 @@ def _uses_fsdp(model: torch.nn.Module) -> bool:
 
 
 def _root_mesh(device_mesh: Any) -> Any:
-    """The mesh a sub-mesh was sliced from (itself when it is not a slice)."""
-    try:
-        from torch.distributed.device_mesh import _mesh_resources
-
-        return _mesh_resources.get_root_mesh(device_mesh)
-    except (ImportError, AttributeError):
-        get = getattr(device_mesh, "_get_root_mesh", None)
-        return get() if get is not None else device_mesh
+    """The mesh a sub-mesh was sliced from (itself when it is not a slice), read from the mesh
+    itself (the ``_mesh_resources.get_root_mesh`` registry call is deprecated)."""
+    get = getattr(device_mesh, "_get_root_mesh", None)
+    if get is not None:
+        return get()
+    root = getattr(device_mesh, "_root_mesh", None)
+    return root if root is not None else device_mesh
 
 
 def _axis_of(name: Optional[str], axes: Dict[str, str]) -> Optional[str]:
+    """The ttrace axis (``tp``, ``cp``, ``dp``) — or ``pp`` / ``ep`` — a mesh dimension of
+    this name stands for: ``axes`` first, then the names of torchtitan, transformers,
+    Megatron, FSDP2 and HSDP."""
     if name is None:
         return None
     for axis, dim in axes.items():
         if dim == name and axis in _AXIS_NAMES:
             return axis
     low = name.lower()
-    for axis, names in _AXIS_NAMES.items():
+    for axis, names in list(_AXIS_NAMES.items()) + list(_UNSUPPORTED_AXES.items()):
         if low in names:
             return axis
+    if low in _FLATTENED_DP:
+        return "dp"
     return None
 
 
 class _MeshMap:
-    """How a DeviceMesh's dimensions map onto ttrace's tp / cp / dp axes."""
+    """How a DeviceMesh's dimensions map onto ttrace's tp / cp / dp axes.
+
+    Dimensions of size 1 are ignored (transformers' root mesh is ``(pp, dp_replicate, fsdp,
+    tp)`` with sizes 1 but ``tp``). Several dimensions of one axis (HSDP's ``dp_replicate`` ×
+    ``dp_shard``) form one ttrace axis, in row-major order. A dimension that cannot be placed
+    (an unknown name, pipeline or expert parallelism of size > 1) leaves the map unusable:
+    ``error`` says why and how to fix it, and every tensor on the mesh is refused (or skipped)
+    with that message — the Tracer itself is still built."""
 
     def __init__(self, device_mesh: Any, axes: Dict[str, str]) -> None:
-        names = device_mesh.mesh_dim_names or ()
-        shape = tuple(device_mesh.mesh.shape)
-        self.axis: List[str] = []
+        names = tuple(device_mesh.mesh_dim_names or ())
+        shape = tuple(int(x) for x in device_mesh.mesh.shape)
+        self.names = names
+        #: Per mesh dimension: its ttrace axis, or None (size 1, or unusable).
+        self.axis: List[Optional[str]] = []
+        self.error: Optional[str] = None
         for i, size in enumerate(shape):
             name = names[i] if i < len(names) else None
             axis = _axis_of(name, axes)
+            if axis is None and len(shape) == 1 and not names:
+                axis = axes.get("_default", "tp")
+            if size == 1:
+                self.axis.append(None)
+                continue
             if axis is None:
-                if len(shape) == 1 and not names:
-                    axis = axes.get("_default", "tp")
-                else:
-                    raise UnsupportedLayoutError(
-                        f"device mesh dimension {i} ({name!r}) is not named after a ttrace "
-                        "axis: name it tp/dp/cp or pass axes={'tp': NAME, ...} to the Tracer",
-                        "Layout",
-                    )
-            if axis in self.axis:
-                raise UnsupportedLayoutError(
-                    f"device mesh dimensions {self.axis.index(axis)} and {i} both map to the "
-                    f"{axis} axis (names {names}); ttrace's mesh has one dimension per axis",
-                    "Layout",
+                fix = "{'dp': " + repr(name) + "}"
+                self.error = (
+                    f"device mesh dimension {i} ({name!r}, size {size}) of mesh {names} is not "
+                    f"named after a ttrace axis: pass axes={fix} (or 'tp' / 'cp') to the "
+                    "Tracer to say which parallelism it is"
                 )
-            self.axis.append(axis)
+            elif axis in _UNSUPPORTED_AXES:
+                self.error = (
+                    f"device mesh dimension {i} ({name!r}, size {size}) is "
+                    f"{'pipeline' if axis == 'pp' else 'expert'} parallelism, which ttrace "
+                    "traces cannot hold yet: trace one stage / one expert group with "
+                    "mesh=ttrace.Mesh(...) over its ranks"
+                )
+            self.axis.append(axis if axis in ("tp", "cp", "dp") and self.error is None else None)
         self.sizes = {a: 1 for a in ("tp", "cp", "dp")}
-        for a, s in zip(self.axis, shape):
-            self.sizes[a] = int(s)
-        coord = device_mesh.get_coordinate()
         self.coords = {a: 0 for a in ("tp", "cp", "dp")}
-        if coord is not None:
-            for a, c in zip(self.axis, coord):
-                self.coords[a] = int(c)
+        coord = device_mesh.get_coordinate()
+        for i, (a, size) in enumerate(zip(self.axis, shape)):
+            if a is None:
+                continue
+            # Row-major over the dimensions of one axis.
+            self.coords[a] = self.coords[a] * size + (int(coord[i]) if coord is not None else 0)
+            self.sizes[a] *= size
+
+    def check(self, what: str) -> None:
+        """Raise the reason this mesh cannot be placed, naming ``what`` it was needed for."""
+        if self.error is not None:
+            raise UnsupportedLayoutError(f"{what}: {self.error}", "Layout")
 
 
 def _alias_key(t: torch.Tensor) -> Optional[Tuple[Any, ...]]:
@@ -496,32 +531,54 @@ def _placement_layout(tid: str, placements: Sequence[Any], device_mesh: Any,
     """The ttrace layout of a tensor of (global) ``shape`` placed by ``placements``."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
+    mm.check(f"tensor {tid!r}")
     layout = {"dp": replicate(), "cp": replicate(), "tp": replicate()}
     ndim = len(shape)
+    per_axis: Dict[str, List[Tuple[Any, int]]] = {}
     for axis, p, size in zip(mm.axis, placements, device_mesh.mesh.shape):
-        if type(p) is Shard:
-            d = p.dim % max(ndim, 1)
-            if ndim == 0 or shape[d] % int(size):
+        if axis is not None:  # a dimension of size 1 places nothing
+            per_axis.setdefault(axis, []).append((p, int(size)))
+    for axis, dims in per_axis.items():
+        kinds: List[Tuple[str, Optional[int]]] = []
+        for p, size in dims:
+            if type(p) is Shard:
+                d = p.dim % max(ndim, 1)
+                kinds.append(("split", d))
+            elif isinstance(p, Replicate):
+                kinds.append(("replicate", None))
+            elif type(p) is Partial and getattr(p, "reduce_op", "sum") == "sum":
+                # Exactly Partial: its subclasses (the masked partial of a vocabulary-parallel
+                # embedding) hold local values that are not addends of the logical tensor.
+                kinds.append(("partial", None))
+            else:
                 raise UnsupportedLayoutError(
-                    f"tensor {tid!r}: placement {p} on the {axis} axis splits a dimension of "
-                    f"length {shape[d] if ndim else 0} into {int(size)} uneven parts; ttrace's "
-                    "split needs equal parts",
+                    f"tensor {tid!r}: placement {p!r} on the {axis} axis cannot be expressed "
+                    "in a ttrace trace (supported: Shard(d) with equal parts, Replicate(), "
+                    "Partial('sum')); trace with unsupported='skip' to leave it out",
                     "Layout",
                 )
-            layout[axis] = split(d)
-        elif isinstance(p, Replicate):
-            layout[axis] = replicate()
-        elif type(p) is Partial and getattr(p, "reduce_op", "sum") == "sum":
-            # Exactly Partial: its subclasses (the masked partial of a vocabulary-parallel
-            # embedding) hold local values that are not addends of the logical tensor.
-            layout[axis] = partial()
-        else:
+        if len(set(kinds)) > 1:
             raise UnsupportedLayoutError(
-                f"tensor {tid!r}: placement {p!r} on the {axis} axis cannot be expressed in a "
-                "ttrace trace (supported: Shard(d) with equal parts, Replicate(), "
-                "Partial('sum'))",
+                f"tensor {tid!r}: the mesh dimensions of the {axis} axis place it differently "
+                f"({', '.join(str(p) for p, _ in dims)}); ttrace's {axis} axis holds one "
+                "placement — trace with unsupported='skip' to leave it out",
                 "Layout",
             )
+        kind, sd = kinds[0]
+        total = 1
+        for _, size in dims:
+            total *= size
+        if kind == "split" and sd is not None:
+            if ndim == 0 or shape[sd] % total:
+                raise UnsupportedLayoutError(
+                    f"tensor {tid!r}: placement {dims[0][0]} on the {axis} axis splits a "
+                    f"dimension of length {shape[sd] if ndim else 0} into {total} uneven "
+                    "parts; ttrace's split needs equal parts",
+                    "Layout",
+                )
+            layout[axis] = split(sd)
+        elif kind == "partial":
+            layout[axis] = partial()
     return layout
 
 
@@ -675,6 +732,8 @@ class Tracer:
         if unknown:
             raise InvalidInputError(f"no module named {unknown[0]!r} in the model", "UnknownName")
         self._mesh_maps: Dict[int, _MeshMap] = {}
+        #: Why the device mesh cannot be placed, if it cannot (reported per tensor).
+        self._mesh_error: Optional[str] = None
         self.mesh, self.rank = self._find_mesh(mesh, rank)
         #: Tensors left out because their layout cannot be expressed: (id, reason).
         self.skipped: List[Tuple[str, str]] = []
@@ -734,6 +793,12 @@ class Tracer:
             # parallel): the whole mesh places this rank.
             root = _root_mesh(device_mesh)
             mm = _MeshMap(root, self.axes)
+            if mm.error is not None:
+                # Not placeable: every tensor on it is refused (or skipped) with the reason;
+                # the tracer itself is built, over the process group's ranks.
+                self._mesh_error = mm.error
+                m = Mesh(dp=world)
+                return m, (rank if rank is not None else grank)
             m = Mesh(tp=mm.sizes["tp"], cp=mm.sizes["cp"], dp=mm.sizes["dp"])
             if m.world() != world and world > 1:
                 # A mesh over part of the world (e.g. TP inside a DP replica group that is not
@@ -859,11 +924,14 @@ class Tracer:
         return {"dp": dp, "cp": replicate(), "tp": tp}
 
     def _mesh_of(self, device_mesh: Any) -> _MeshMap:
-        """How the dimensions of a tensor's own device mesh map onto ttrace's axes."""
+        """How the dimensions of a tensor's own device mesh map onto ttrace's axes (unusable
+        when the whole mesh the tracer places its ranks on is)."""
         key = id(device_mesh)
         mm = self._mesh_maps.get(key)
         if mm is None:
             mm = self._mesh_maps[key] = _MeshMap(device_mesh, self.axes)
+            if mm.error is None and self._mesh_error is not None:
+                mm.error = self._mesh_error
         return mm
 
     def _local_layout(self, tid: str, t: torch.Tensor) -> Optional[dict]:
