@@ -336,6 +336,15 @@ fn validate_runs_a_small_sweep_and_writes_json_and_svg() {
         text.contains("false alarms") && text.contains("all"),
         "{text}"
     );
+    // It ends with a one-line verdict.
+    let last = text
+        .lines()
+        .rev()
+        .find(|l| !l.is_empty() && !l.starts_with("report:"));
+    assert!(
+        last.is_some_and(|l| l.starts_with("verdict: PASS — 0 false alarms in ")),
+        "{last:?}"
+    );
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let runs = v["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 20, "one run per mesh");
@@ -767,5 +776,64 @@ fn check_reports_are_atomic_and_reproducible() {
     let ob = ttrace(&rb.iter().map(String::as_str).collect::<Vec<_>>(), "");
     assert_eq!(oa.status.code(), ob.status.code());
     assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+    let _ = std::fs::remove_dir_all(&base);
+}
+
+/// The README's `ttrace check traces/reference traces/candidate` on directories of traced
+/// steps (`step0/`, as the tracer writes them): the one common step is checked; several are
+/// refused with the list and the command to pick one. Reference and candidate swapped (the
+/// sharded run given as the reference) is refused, saying so.
+#[test]
+fn check_finds_the_traced_step_and_refuses_a_swap() {
+    let base = std::env::temp_dir().join(format!("ttrace-steps-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let d = base.join("dump");
+    let o = ttrace(
+        &["simulate", "--tp", "2", "--dump", d.to_str().unwrap()],
+        "",
+    );
+    assert_eq!(o.status.code(), Some(0));
+    let (r, c) = (base.join("traces/reference"), base.join("traces/candidate"));
+    std::fs::create_dir_all(&r).unwrap();
+    std::fs::create_dir_all(&c).unwrap();
+    std::fs::rename(d.join("reference"), r.join("step0")).unwrap();
+    std::fs::rename(d.join("candidate"), c.join("step0")).unwrap();
+    let o = ttrace(&["check", r.to_str().unwrap(), c.to_str().unwrap()], "");
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(String::from_utf8_lossy(&o.stdout).contains("step0"));
+    // A second step on both sides: say which.
+    for side in [&r, &c] {
+        let from = side.join("step0");
+        let to = side.join("step1");
+        std::fs::create_dir_all(&to).unwrap();
+        for e in std::fs::read_dir(&from).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+    let o = ttrace(&["check", r.to_str().unwrap(), c.to_str().unwrap()], "");
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("step0, step1") && err.contains("name one"),
+        "{err}"
+    );
+    // Swapped.
+    let o = ttrace(
+        &[
+            "check",
+            c.join("step0").to_str().unwrap(),
+            r.join("step0").to_str().unwrap(),
+        ],
+        "",
+    );
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("swapped"), "{err}");
     let _ = std::fs::remove_dir_all(&base);
 }

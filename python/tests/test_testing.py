@@ -73,3 +73,23 @@ def test_shape_mismatch_and_unknown_op_are_clear():
         assert_close(cand[:4], ref, op="sum", inputs=(x,))
     with pytest.raises(ValueError, match="unknown op 'conv'"):
         assert_close(cand, ref, op="conv", inputs=(x,))
+
+
+def test_failure_names_the_test_that_fired_and_a_missing_candidate():
+    """One corrupted element fires the sparse test beside the norm: the message names every
+    test that fired, each with its own statistic; an omitted candidate= says that only a
+    bit-identical result passes."""
+    x = np.random.default_rng(3).standard_normal((32, 32, 512)).astype(np.float32)
+    ref = rows(x, seq_sum)
+    cand = rows(x, lambda r: splitk_sum(r, 8))
+    cand[5, 7] = np.float32(cand[5, 7] + 256 * np.spacing(np.float32(abs(cand[5, 7]))))
+    with pytest.raises(AssertionError) as e:
+        assert_close(cand, ref, op="sum", inputs=(x,),
+                     candidate="in=f32,acc=f32,out=f32,order=splitk:8:f32:tree")
+    msg = str(e.value)
+    assert "fired: norm, sparse" in msg and "sparse test: statistic" in msg, msg
+    assert "norm ratio" in msg and "worst element at index (5, 7)" in msg
+    assert "bit-identical" not in msg
+    with pytest.raises(AssertionError) as e:
+        assert_close(cand, ref, op="sum", inputs=(x,))
+    assert "only a bit-identical result passes" in str(e.value)

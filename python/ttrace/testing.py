@@ -107,7 +107,9 @@ def assert_close(
     ``reference`` / ``candidate``: the arithmetic of each side as policy text (see
     :mod:`ttrace.thresholds`). The reference defaults to the inputs' dtype with FP32
     accumulation (``in=bf16,acc=f32,out=bf16`` for BF16 inputs); the candidate defaults to
-    the reference — then only a bit-identical result passes.
+    the reference — then only a bit-identical result passes. What GPUs run: ``in=tf32`` for
+    TF32 matmuls, ``order=any`` on both sides for a vendor kernel of unknown order,
+    ``order=hopper-fp8-fast`` for FP8 ``torch._scaled_mm`` on Hopper.
 
     ``delta``: the false-alarm probability of the threshold under the random-rounding model;
     ``guaranteed=True`` uses the worst-case bound instead.
@@ -137,17 +139,34 @@ def assert_close(
         worst = np.unravel_index(int(np.nanargmax(diff)) if diff.size else 0, a64.shape)
     conf = "guaranteed" if t.delta is None else f"probabilistic, delta={t.delta:g}"
     eps = v.rel_error / v.rel_error_eps if v.rel_error_eps else float("nan")
+    fired = v.fired
     lines = [
-        f"{name}: the difference is larger than round-off of {op} can explain",
+        f"{name}: the difference is larger than round-off of {op} can explain"
+        + (f" (fired: {', '.join(fired)})" if fired else ""),
         f"  error     {v.rel_error_eps:.4g} eps  (||actual - expected||_F / ||expected||_F = "
         f"{v.rel_error:.4e})",
         f"  threshold {v.threshold / eps if eps == eps and eps else float('nan'):.4g} eps  "
-        f"({conf}; ratio {v.ratio:.3g})",
+        f"({conf}; norm ratio {v.ratio:.3g})",
+    ]
+    # A test beyond the norm has its own statistic: say which fired and by how much.
+    for f in v.details.get("findings", []):
+        if f.get("fired"):
+            lines.append(
+                f"  {f['detector']} test: statistic {float(f['estimate']):.4g} eps against its "
+                f"threshold {float(f['threshold']):.4g} eps (ratio {float(f['ratio']):.3g})"
+            )
+    lines += [
         f"  worst element at index {tuple(int(i) for i in worst)}: actual {a64[worst]!r}, "
         f"expected {e64[worst]!r}, |diff| {diff[worst]!r}",
         f"  reference: {t.reference}",
         f"  candidate: {t.candidate}",
     ]
+    if candidate is None or t.reference == t.candidate:
+        lines.append(
+            "  (the candidate's arithmetic is the reference's, so only a bit-identical result "
+            "passes: pass candidate= the arithmetic that ran, e.g. its order, or order=any "
+            "for a kernel of unknown order)"
+        )
     if v.nonfinite_mismatches:
         lines.insert(1, f"  {v.nonfinite_mismatches} elements are NaN or infinite on one side only")
     raise AssertionError("\n".join(lines))

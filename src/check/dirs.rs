@@ -22,7 +22,7 @@
 //! local model a tensor fails only when its own inputs do not explain its difference).
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
@@ -334,6 +334,23 @@ struct Plan {
 }
 
 fn plan(reference: &TraceDir, candidate: &TraceDir) -> Result<Plan> {
+    let (rw, cw) = (
+        reference.manifest().mesh.world(),
+        candidate.manifest().mesh.world(),
+    );
+    if rw > 1 && cw == 1 {
+        // A sharded "reference" against a one-rank "candidate" is the two swapped: judged
+        // so, the reference's shards would be held to thresholds priced for no sharding.
+        return Err(Error::InvalidParameter {
+            name: "reference",
+            reason: format!(
+                "the reference {} has {rw} ranks and the candidate {} one: are they swapped? \
+                 The reference is the single-device run: ttrace check REFERENCE CANDIDATE",
+                reference.path().display(),
+                candidate.path().display()
+            ),
+        });
+    }
     let ids = reference.ids().to_vec();
     if ids.is_empty() {
         return Err(Error::File {
@@ -761,6 +778,96 @@ pub fn check_dirs(
     ))
 }
 
+/// The trace directories to compare for `reference` and `candidate` as a user names them: the
+/// directories themselves when they hold a manifest, else the one traced step (`step{n}`, as
+/// the Python tracer writes them) both hold. Several common steps are refused with the list
+/// and the command to pick one; no manifest and no step is left to the reader's error.
+///
+/// # Examples
+///
+/// ```no_run
+/// let (r, c) = ttrace::check::resolve_steps("traces/reference".as_ref(), "traces/candidate".as_ref())?;
+/// # Ok::<(), ttrace::Error>(())
+/// ```
+///
+/// # Errors
+///
+/// [`Error::File`] naming the common steps when there are several, or the steps of each side
+/// when they have none in common.
+pub fn resolve_steps(reference: &Path, candidate: &Path) -> Result<(PathBuf, PathBuf)> {
+    let has_manifest = |d: &Path| {
+        d.join("manifest.json").exists()
+            || std::fs::read_dir(d).is_ok_and(|it| {
+                it.filter_map(|e| e.ok()).any(|e| {
+                    let n = e.file_name();
+                    let n = n.to_string_lossy();
+                    n.starts_with("manifest.rank") && n.ends_with(".json")
+                })
+            })
+    };
+    let steps = |d: &Path| -> Vec<(u64, String)> {
+        let mut v: Vec<(u64, String)> = std::fs::read_dir(d)
+            .map(|it| {
+                it.filter_map(|e| e.ok())
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                    .filter_map(|e| {
+                        let n = e.file_name().to_string_lossy().to_string();
+                        let k = n.strip_prefix("step")?.parse::<u64>().ok()?;
+                        has_manifest(&e.path()).then_some((k, n))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    };
+    if has_manifest(reference) || has_manifest(candidate) {
+        return Ok((reference.to_path_buf(), candidate.to_path_buf()));
+    }
+    let (rs, cs) = (steps(reference), steps(candidate));
+    if rs.is_empty() && cs.is_empty() {
+        return Ok((reference.to_path_buf(), candidate.to_path_buf()));
+    }
+    let common: Vec<&String> = rs
+        .iter()
+        .filter(|s| cs.contains(s))
+        .map(|(_, n)| n)
+        .collect();
+    let list = |v: &[(u64, String)]| {
+        v.iter()
+            .map(|(_, n)| n.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match common.as_slice() {
+        [one] => Ok((reference.join(one), candidate.join(one))),
+        [] => Err(Error::File {
+            path: reference.display().to_string(),
+            reason: format!(
+                "holds traced steps ({}) and the candidate {} ({}): none in common",
+                list(&rs),
+                candidate.display(),
+                list(&cs)
+            ),
+            io: None,
+        }),
+        many => Err(Error::File {
+            path: reference.display().to_string(),
+            reason: format!(
+                "holds {} traced steps ({}): name one, e.g. ttrace check {} {}",
+                many.len(),
+                many.iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                reference.join(many[0]).display(),
+                candidate.join(many[0]).display()
+            ),
+            io: None,
+        }),
+    }
+}
+
 /// [`check_dirs`] on directory paths, spread over the rayon thread pool: every worker reads a
 /// contiguous run of tensors through its own reader (sharing the validated headers); the verdicts come back in the
 /// reference's order, identical for any number of threads. Memory: one tensor pair per
@@ -771,9 +878,10 @@ pub fn check_dir_paths(
     mode: PricingMode,
     progress: &(dyn Fn() + Sync),
 ) -> Result<DirCheck> {
+    let (reference, candidate) = resolve_steps(reference, candidate)?;
     check_dir_traces(
-        &TraceDir::open(reference)?,
-        &TraceDir::open(candidate)?,
+        &TraceDir::open(&reference)?,
+        &TraceDir::open(&candidate)?,
         mode,
         progress,
     )

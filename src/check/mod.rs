@@ -30,7 +30,10 @@ use pass::Pass;
 
 pub use crate::io::InferredLayout;
 pub use detect::{Detection, Detector, Finding, NORM_SHARE};
-pub use dirs::{check_dir_paths, check_dir_traces, check_dirs, DirCheck, PricingMode, UntracedGap};
+pub use dirs::{
+    check_dir_paths, check_dir_traces, check_dirs, resolve_steps, DirCheck, PricingMode,
+    UntracedGap,
+};
 pub use localize::{localize, replayed_outputs, Localization};
 pub use price::{price_local, InputIndex, PriceContext, Priced, Pricing, TensorStat};
 pub use text::{localization_line, render_check, render_dir_check};

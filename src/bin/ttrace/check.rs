@@ -54,6 +54,10 @@ fn check_dirs_cli(
     if let Some(path) = json {
         refuse_report_inside(path, &[reference, candidate])?;
     }
+    // A directory of traced steps (step0/, step1/, …) resolves to the one both hold.
+    let (reference, candidate) =
+        ttrace::check::resolve_steps(reference, candidate).map_err(|e| e.to_string())?;
+    let (reference, candidate) = (reference.as_path(), candidate.as_path());
     // Each trace is opened (its headers validated) once; no file stays open between reads.
     let r = ttrace::io::TraceDir::open(reference).map_err(|e| e.to_string())?;
     let c = ttrace::io::TraceDir::open(candidate).map_err(|e| e.to_string())?;

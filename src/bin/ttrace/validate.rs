@@ -197,7 +197,23 @@ pub fn run(a: Args) -> Result<Outcome, String> {
         write_atomic(&svg, render_svg(&report).as_bytes())?;
         outln!("report: {} and {}", path.display(), svg.display());
     }
-    Ok(Outcome::of(
-        report.total.false_alarms == 0 && report.localizer_false_alarms == 0,
-    ))
+    let clean = report.total.false_alarms == 0 && report.localizer_false_alarms == 0;
+    let (runs, detected, localized) = report.bug_rows.iter().fold((0, 0, 0), |a, r| {
+        (a.0 + r.runs, a.1 + r.detected, a.2 + r.localized)
+    });
+    outln!();
+    outln!(
+        "verdict: {} — {} false alarms in {} tensors of {} correct runs (localizer: {}){}",
+        if clean { "PASS" } else { "FAIL" },
+        report.total.false_alarms,
+        report.total.compared,
+        report.runs.len(),
+        report.localizer_false_alarms,
+        if runs > 0 {
+            format!("; {detected} of {runs} bug runs detected, {localized} localized")
+        } else {
+            String::new()
+        }
+    );
+    Ok(Outcome::of(clean))
 }
