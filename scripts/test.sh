@@ -11,8 +11,9 @@ cd "$(dirname "$0")/.."
 
 venv=target/pyenv
 py="$venv/bin/python"
-packages=(numpy pytest mypy safetensors ml_dtypes "maturin>=1.7,<2" "torch==2.15.0" "megatron-core==0.16.1")
-if ! "$py" -c "import numpy, pytest, mypy, safetensors, ml_dtypes, maturin, torch, megatron.core" 2>/dev/null; then
+packages=(numpy pytest mypy safetensors ml_dtypes "maturin>=1.7,<2" "torch==2.15.0" "megatron-core==0.16.1"
+          "transformers==5.23.0" "accelerate==1.15.0")
+if ! "$py" -c "import numpy, pytest, mypy, safetensors, ml_dtypes, maturin, torch, megatron.core, transformers, accelerate" 2>/dev/null; then
   echo "test.sh: making the Python environment $venv (torch is large: the first run downloads it)"
   python3 -m venv "$venv"
   "$py" -m pip install --quiet --disable-pip-version-check "${packages[@]}"

@@ -304,6 +304,63 @@ def unsupported(directory: str, bug: str) -> None:
     assert [i for i, _ in tracer.skipped] == ["1|fwd.output.0"], tracer.skipped
 
 
+def hf(directory: str, bug: str) -> None:
+    """Hugging Face transformers' own tensor parallelism (``DistributedConfig(tp_size=N)``,
+    its ``tp_plan``) on a tiny model of ``TTRACE_TEST_FAMILY`` (``llama`` or ``qwen3``): one
+    training step, traced with no argument but the directory. The weights come from one seed,
+    saved and loaded as a checkpoint (as ``from_pretrained`` loads them under TP). Bugs:
+    ``rotary`` shifts rank 1's rotary positions by one (in the attention's functional core),
+    ``scale-o`` scales rank 1's share of layer 0's ``o_proj`` output by 1 + 1e-2."""
+    import tempfile
+
+    import transformers
+
+    family = os.environ.get("TTRACE_TEST_FAMILY", "llama")
+    dtype = getattr(torch, os.environ.get("TTRACE_TEST_DTYPE", "float32"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                  attn_implementation="sdpa", tie_word_embeddings=False)
+    if family == "qwen3":
+        config = transformers.Qwen3Config(head_dim=8, **common)
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        config = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    base = cls(config)
+    with tempfile.TemporaryDirectory() as ckpt:
+        if world > 1:
+            # One checkpoint for every rank: rank 0's (all ranks built the same from the seed).
+            path = [ckpt]
+            dist.broadcast_object_list(path, src=0)
+            if dist.get_rank() == 0:
+                base.save_pretrained(path[0])
+            dist.barrier()
+            model = cls.from_pretrained(path[0], dtype=dtype,
+                                        distributed_config=transformers.DistributedConfig(
+                                            tp_size=world))
+            dist.barrier()
+        else:
+            base.save_pretrained(ckpt)
+            model = cls.from_pretrained(ckpt, dtype=dtype)
+    model.train()
+    if bug == "rotary" and world > 1 and dist.get_rank() == 1:
+        rope = model.model.rotary_emb
+        forward = rope.forward
+        rope.forward = lambda x, position_ids, **kw: forward(x, position_ids + 1, **kw)
+    if bug == "scale-o" and world > 1 and dist.get_rank() == 1:
+        model.model.layers[0].self_attn.o_proj.register_forward_hook(
+            lambda m, a, out: out * (1 + 1e-2))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (2, 16), generator=gen)
+    tracer = ttrace.Tracer(model, directory)
+    with tracer.step():
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+    tracer.close()
+
+
 def main() -> None:
     job, directory = sys.argv[1], sys.argv[2]
     bug = sys.argv[3] if len(sys.argv) > 3 else ""
@@ -313,7 +370,7 @@ def main() -> None:
         dist.init_process_group("gloo")
     try:
         jobs = {"tp": tp, "fsdp": fsdp, "ddp": ddp, "megatron": megatron, "llama": llama,
-                "mgpt": mgpt, "hand": hand, "unsupported": unsupported}
+                "mgpt": mgpt, "hand": hand, "unsupported": unsupported, "hf": hf}
         jobs[job](directory, bug)
     finally:
         if distributed:

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import atexit
 import fnmatch
+import functools
 import json
 import os
 import queue
@@ -269,6 +270,10 @@ def _megatron_layout(module: torch.nn.Module) -> Optional[ModuleLayout]:
 
 # --- module kinds ------------------------------------------------------------------------------
 
+_ACTIVATION_NAMES = ("gelu", "silu", "swish", "relu", "mish", "tanh", "sigmoid", "softplus",
+                     "elu", "quickgelu", "hardswish")
+
+
 def _kind_of(module: torch.nn.Module) -> Optional[str]:
     nn = torch.nn
     norms: Tuple[type, ...] = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d)
@@ -291,10 +296,21 @@ def _kind_of(module: torch.nn.Module) -> Optional[str]:
             return "linear"
         if name == "VocabParallelEmbedding":
             return "embedding"
-    if "RMSNorm" in name or "LayerNorm" in name:
+    if "RMSNorm" in name or "LayerNorm" in name or name.endswith(("Norm", "Norm2d")):
         return "norm"
     if _is_attention_core(module):
         return "attention"
+    # By behaviour, across libraries (transformers' SiLUActivation, GELUActivation,
+    # NewGELUActivation; timm's GELUTanh, Swish, Mish; torchtitan's and Megatron's wrappers):
+    # a module without parameters named after an activation is elementwise.
+    low = name.lower()
+    if not any(True for _ in module.parameters(recurse=False)):
+        if low.endswith("activation") or any(a in low for a in _ACTIVATION_NAMES):
+            return "activation"
+    # Rotary position embeddings (LlamaRotaryEmbedding, RotaryEmbedding, RoPE): a table of
+    # cos / sin computed from positions alone, like an embedding lookup.
+    if "rotary" in low or "rope" in low:
+        return "embedding"
     # Hand-written engines' layers, by the name of their class and what they hold: a
     # ``ColumnParallelLinear``-like module with a 2-D weight, an embedding table.
     weight = getattr(module, "weight", None)
@@ -646,6 +662,33 @@ class _Tap(torch.autograd.Function):
 ModuleSelector = Union[Sequence[str], Callable[[str, torch.nn.Module], bool], None]
 
 
+@functools.lru_cache(maxsize=None)
+def _site_mode_type() -> type:
+    from torch.overrides import TorchFunctionMode
+
+    class SiteMode(TorchFunctionMode):
+        """Sees the functional calls of a traced step: ``scaled_dot_product_attention`` (which
+        transformers' attention interfaces and torchtitan's attention call) becomes an
+        attention site of the module it runs in."""
+
+        def __init__(self, tracer: "Tracer") -> None:
+            super().__init__()
+            self.tracer = tracer
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if func is torch.nn.functional.scaled_dot_product_attention:
+                return self.tracer._attention_site(func, tuple(args), dict(kwargs))
+            return func(*args, **kwargs)
+
+    return SiteMode
+
+
+def _SiteMode(tracer: "Tracer") -> Any:
+    return _site_mode_type()(tracer)
+
+
 class Tracer:
     """Records training steps of ``model`` on this rank (see the module docs).
 
@@ -663,6 +706,10 @@ class Tracer:
     ``formats``: per-module ``{"quantize", "accumulate", "combine"}`` format names. Declare
     ``"accumulate"`` for a module whose kernel accumulates below FP32 (``"bf16"``, ``"f16"``):
     such sums round one way, so the check then runs no scale or bias test on the trace.
+    ``sites``: trace functional attention — each call of
+    ``torch.nn.functional.scaled_dot_product_attention`` (transformers' and torchtitan's
+    attention cores) as an attention site ``{module}.sdpa`` of the module that calls it
+    (default: when ``modules`` is not given).
     ``unsupported``: ``"raise"`` (default) or ``"skip"`` a tensor whose layout the trace
     format cannot express. ``background``: write on a background thread (default: with a
     ``directory``; without one the tracer records from construction until :meth:`write`,
@@ -692,6 +739,7 @@ class Tracer:
         background: Optional[bool] = None,
         local_mean_loss: bool = True,
         fsync: bool = False,
+        sites: Optional[bool] = None,
     ) -> None:
         if every < 1:
             raise InvalidInputError(f"every must be at least 1 (got {every})", "InvalidParameter")
@@ -731,6 +779,12 @@ class Tracer:
         unknown = [n for n in list(layouts or {}) + list(self.kinds) if n not in named]
         if unknown:
             raise InvalidInputError(f"no module named {unknown[0]!r} in the model", "UnknownName")
+        #: Whether functional attention (``scaled_dot_product_attention`` calls) is traced
+        #: as attention sites inside the modules that call it.
+        self.sites = modules is None if sites is None else sites
+        self._sites: "set[str]" = set()
+        self._stack: List[str] = []
+        self._mode: Optional[Any] = None
         self._mesh_maps: Dict[int, _MeshMap] = {}
         #: Why the device mesh cannot be placed, if it cannot (reported per tensor).
         self._mesh_error: Optional[str] = None
@@ -879,6 +933,15 @@ class Tracer:
         if self._handles:
             return
         self._s = _StepRecord()
+        if self.sites:
+            # Which module is running (for naming the functional attention sites inside it),
+            # and the mode that sees the functional calls (thread-local, only while attached).
+            for n, m in self._named.items():
+                if n:
+                    self._handles.append(m.register_forward_pre_hook(self._push(n)))
+                    self._handles.append(m.register_forward_hook(self._pop(n), always_call=True))
+            self._mode = _SiteMode(self)
+            self._mode.__enter__()
         for n in self.names:
             m = self._named[n]
             # Appended: after the pre-hooks of the module's parallel style, so the inputs are
@@ -900,6 +963,62 @@ class Tracer:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            try:
+                mode.__exit__(None, None, None)
+            except RuntimeError:  # another mode entered after ours was left open by its owner
+                pass
+        self._stack = []
+
+    def _push(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            self._stack.append(name)
+        return hook
+
+    def _pop(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if self._stack and self._stack[-1] == name:
+                self._stack.pop()
+        return hook
+
+    def _attention_site(self, func: Callable[..., Any], args: Tuple[Any, ...],
+                        kwargs: Dict[str, Any]) -> Any:
+        """Record one call of ``scaled_dot_product_attention`` as the attention site
+        ``{module}.sdpa`` of the module it runs in: query, key, value (and a floating-point
+        mask) as its inputs, their gradients tapped, the output and its gradient."""
+        parent = self._stack[-1] if self._stack else ""
+        base = f"{parent}.sdpa" if parent else "sdpa"
+        counter = self._s.recomputed if _in_backward() else self._s.calls
+        calls = counter.get(base, 0)
+        counter[base] = calls + 1
+        name = base if calls == 0 else f"{base}#{calls}"
+        self._sites.add(name)
+        self._sites.add(base)
+        self._s.current[base] = name
+        keys = ["query", "key", "value", "attn_mask"]
+        values = list(args[:4]) + [kwargs.get(k) for k in keys[len(args[:4]):]]
+        device = next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")
+        if name not in self._s.arith:
+            self._s.arith[name] = _arith.module_settings(device)
+        recorded = [v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        for i, v in enumerate(recorded):
+            self._record(name, "fwd.input", i, v)
+        self._s.tapped[name] = False
+        if torch.is_grad_enabled():
+            tapped = {id(v): self._tap(name, i, v) for i, v in enumerate(recorded)}
+            values = [tapped.get(id(v), v) if isinstance(v, torch.Tensor) else v
+                      for v in values]
+        new_args = tuple(values[:len(args[:4])]) + tuple(args[4:])
+        new_kwargs = dict(kwargs)
+        for k, v in zip(keys[len(args[:4]):], values[len(args[:4]):]):
+            if k in kwargs:
+                new_kwargs[k] = v
+        out = func(*new_args, **new_kwargs)
+        self._record(name, "fwd.output", 0, out)
+        if isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled():
+            out.register_hook(self._output_grad(name, 0))
+        return out
 
     def _layout(self, name: str, role: str, i: int, t: torch.Tensor,
                 param: Optional[str] = None) -> dict:
@@ -1110,6 +1229,8 @@ class Tracer:
     def _kind(self, name: str) -> Optional[str]:
         if name in self.kinds:
             return self.kinds[name]
+        if name in self._sites:
+            return "attention"
         return _kind_of(self._named[name])
 
     def _module_info(self, name: str) -> Optional[dict]:
@@ -1246,6 +1367,8 @@ class Tracer:
         for item in self._s.order:
             if isinstance(item, tuple):
                 name = item[1]
+                if name not in self._named:  # a functional site: no parameters
+                    continue
                 module = self._named[name]
                 for pname, p in module.named_parameters(recurse=False):
                     grad, info = _param_grad(module, pname, p)

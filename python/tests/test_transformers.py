@@ -1,0 +1,46 @@
+"""Hugging Face transformers' own tensor parallelism (``DistributedConfig(tp_size=N)``: its
+``tp_plan`` on one n-D root mesh ``(pp, dp_replicate, fsdp, tp)``), traced with nothing but a
+directory — multi-process gloo jobs on CPU, tiny Llama and Qwen3 configurations: clean runs
+pass in FP32 and BF16 at TP 2 and 4 with every tensor priced by its module kind (the SDPA
+call inside each attention module traced as an attention site), and planted bugs fail at the
+module they are born in, with the rank."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import ttrace  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "family,dtype,tp",
+    [("llama", "float32", 2), ("llama", "bfloat16", 4), ("qwen3", "bfloat16", 2),
+     ("qwen3", "float32", 4)],
+)
+def test_transformers_tensor_parallel_clean_run_passes(traces, family, dtype, tp):
+    ref = traces("hf", dtype=dtype, FAMILY=family)
+    cand = traces("hf", tp, dtype=dtype, FAMILY=family)
+    report = ttrace.check(ref, cand)
+    assert report.passed, str(report)
+    # No generic pricing: activations, rotary tables, norms and attention have their kinds.
+    assert not any("generic" in rule for rule in report.pricing_counts), report.pricing_counts
+    sites = [r.id for r in report.rows if ".self_attn.sdpa|" in r.id]
+    assert any(i.endswith("sdpa|fwd.output.0") for i in sites)
+    assert any(i.endswith("sdpa|grad.input.0") for i in sites)
+
+
+def test_a_one_rank_rotary_offset_is_found_where_it_is_born(traces):
+    ref = traces("hf", FAMILY="llama")
+    report = ttrace.check(ref, traces("hf", 2, "rotary", FAMILY="llama"))
+    assert not report.passed
+    assert report.localization["module"] == "model.rotary_emb", str(report)
+
+
+def test_a_scaled_attention_output_on_one_rank_is_found(traces):
+    ref = traces("hf", dtype="bfloat16", FAMILY="qwen3")
+    report = ttrace.check(ref, traces("hf", 2, "scale-o", dtype="bfloat16", FAMILY="qwen3"))
+    assert not report.passed
+    # Born in o_proj's output hook: found at the first tensor it reaches.
+    assert report.localization["module"].startswith("model.layers.0"), str(report)
