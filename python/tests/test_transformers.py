@@ -35,7 +35,10 @@ def test_a_one_rank_rotary_offset_is_found_where_it_is_born(traces):
     ref = traces("hf", FAMILY="llama")
     report = ttrace.check(ref, traces("hf", 2, "rotary", FAMILY="llama"))
     assert not report.passed
+    # Replicas that disagree are reported as such, with the rank — not read as partial sums.
     assert report.localization["module"] == "model.rotary_emb", str(report)
+    assert report.localization["rank"] == 1, str(report)
+    assert "rank 1's copy differs" in report.localization["detail"]
 
 
 def test_a_scaled_attention_output_on_one_rank_is_found(traces):
