@@ -837,3 +837,45 @@ fn check_finds_the_traced_step_and_refuses_a_swap() {
     assert!(err.contains("swapped"), "{err}");
     let _ = std::fs::remove_dir_all(&base);
 }
+
+/// A parameter gradient one rank lacks (the parameter got no gradient there) is a finding
+/// naming the parameter and the rank, not unusable input.
+#[test]
+fn a_parameter_gradient_missing_on_one_rank_is_a_finding() {
+    use serde_json::Value;
+    let base = std::env::temp_dir().join(format!("ttrace-missing-grad-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let d = base.join("dump");
+    let o = ttrace(
+        &["simulate", "--tp", "2", "--dump", d.to_str().unwrap()],
+        "",
+    );
+    assert_eq!(o.status.code(), Some(0));
+    let (rdir, cdir) = (d.join("reference"), d.join("candidate"));
+    let mpath = cdir.join("manifest.json");
+    let mut m: Value = serde_json::from_str(&std::fs::read_to_string(&mpath).unwrap()).unwrap();
+    let t = m["tensors"].as_array_mut().unwrap();
+    let victim = t
+        .iter()
+        .find(|e| e["id"].as_str().unwrap().ends_with("|param_grad") && e["rank"] == 1)
+        .unwrap()["id"]
+        .clone();
+    t.retain(|e| !(e["id"] == victim && e["rank"] == 1));
+    std::fs::write(&mpath, serde_json::to_string(&m).unwrap()).unwrap();
+    let o = ttrace(
+        &["check", rdir.to_str().unwrap(), cdir.to_str().unwrap()],
+        "",
+    );
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        out.contains(victim.as_str().unwrap()) && out.contains("rank 1 holds no gradient"),
+        "{out}"
+    );
+    let _ = std::fs::remove_dir_all(&base);
+}

@@ -579,3 +579,53 @@ fn stored_bytes_are_written_as_given() {
     ));
     assert!(!other.exists());
 }
+
+/// A tensor the candidate stores in another dtype than the reference (gradients reduced in
+/// BF16 where the reference keeps FP32 main gradients) is judged, not refused: priced at the
+/// wider of the two, failing with the change named when the narrower storage loses more than
+/// round-off; stored wider with the same values, it passes.
+#[test]
+fn a_dtype_change_between_runs_is_judged_and_named() {
+    use ttrace::check::{check_dir_paths, PricingMode};
+    let values: Vec<f64> = (0..4096)
+        .map(|i| {
+            Format::F32.round(
+                ((i * 7919 % 1013) as f64 - 506.0) / 97.0,
+                ttrace::Overflow::Saturating,
+            )
+        })
+        .collect();
+    let f32t = Tensor::from_vec(&[64, 64], values.clone(), Format::F32).unwrap();
+    let bf16 = Tensor::rounded(
+        &[64, 64],
+        values.clone(),
+        Format::BF16,
+        ttrace::Overflow::Saturating,
+    )
+    .unwrap();
+    let f64t = Tensor::from_vec(&[64, 64], values, Format::F64).unwrap();
+    let mesh = Mesh::new(1, 1, 1, false).unwrap();
+    let write = |dir: &PathBuf, t: &Tensor| {
+        let _ = std::fs::remove_dir_all(dir);
+        let entries = vec![(
+            "l|fwd.output.0".to_string(),
+            Layout::replicated(),
+            vec![t.clone()],
+        )];
+        write_trace_dir(dir, &mesh, None, &entries, &HashMap::new(), &HashMap::new()).unwrap();
+    };
+    let (r, c) = (tmp("dtype-change-ref"), tmp("dtype-change-cand"));
+    write(&r, &f32t);
+    write(&c, &bf16);
+    let out = check_dir_paths(&r, &c, PricingMode::Local, &|| {}).unwrap();
+    let v = &out.report.verdicts[0];
+    assert!(!v.passed);
+    let note = v.problem.as_deref().unwrap_or("");
+    assert!(
+        note.contains("stored as bf16 in the candidate but as f32"),
+        "{note}"
+    );
+    write(&c, &f64t);
+    let out = check_dir_paths(&r, &c, PricingMode::Local, &|| {}).unwrap();
+    assert!(out.report.passed(), "{:?}", out.report.verdicts[0]);
+}

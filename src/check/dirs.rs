@@ -156,6 +156,8 @@ struct Gathered {
     shape: Vec<usize>,
     /// A layout read as partial sums along a guessed axis (see `partial_instead`).
     inferred: Option<crate::shard::Layout>,
+    /// The two runs store the tensor in different dtypes: said when it fails.
+    dtype_change: Option<String>,
 }
 
 /// A tensor whose replicas differ along an axis the writer only guessed as replicated (and
@@ -254,8 +256,32 @@ fn gather(
         .unwrap_or_else(crate::shard::Layout::replicated);
     let mut inferred = None;
     let mut replicas: Option<(String, usize)> = None;
-    let (mut c, mut problem, mut rank) = match candidate.logical_stored(id) {
+    let missing = candidate.missing_ranks(id).map(<[usize]>::to_vec);
+    let stored = match &missing {
+        // A parameter gradient some ranks lack: the parameter got no gradient there.
+        Some(ranks) => Err(Error::Layout {
+            id: id.to_string(),
+            reason: format!(
+                "rank{} {} hold{} no gradient of this parameter (every other rank does): it \
+                 was not used there, or its gradient was dropped",
+                if ranks.len() > 1 { "s" } else { "" },
+                ranks
+                    .iter()
+                    .map(|r| r.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                if ranks.len() > 1 { "" } else { "s" }
+            ),
+        }),
+        None => candidate.logical_stored(id),
+    };
+    let (mut c, mut problem, mut rank) = match stored {
         Ok(c) => (Some(c), None, None),
+        Err(e @ Error::Layout { .. }) if missing.is_some() => (
+            None,
+            Some(e.to_string()),
+            missing.as_ref().and_then(|m| m.first().copied()),
+        ),
         // Replicas that disagree are a finding (a missing synchronization); shards whose shapes
         // do not fit their layout are unusable input and end the check. The verdict's columns
         // (and the reference's sums, which pricing needs) then come from the reference alone.
@@ -280,7 +306,7 @@ fn gather(
         // Read as partial sums, the replicas would differ from the reference by half its norm
         // or more (two nearly equal copies add to twice the value): they are replicas one of
         // which drifted, and the finding is that — naming the rank — not a 100% error.
-        if !(sums.dn <= 0.5 * sums.rn) {
+        if sums.dn.is_nan() || sums.dn > 0.5 * sums.rn {
             layout = candidate
                 .layout(id)
                 .unwrap_or_else(crate::shard::Layout::replicated);
@@ -293,6 +319,13 @@ fn gather(
         }
     }
     let cand = c.as_ref().unwrap_or(&r);
+    let cand_format = c.as_ref().map(|c| c.format());
+    let dtype_change = cand_format.filter(|f| *f != r.format()).map(|f| {
+        format!(
+            "stored as {f} in the candidate but as {} in the reference (judged at the wider)",
+            r.format()
+        )
+    });
     let (dn, rn, rmax) = (sums.dn, sums.rn, sums.rmax);
     let mut diff_norm = dn;
     if let Some(p) = problem {
@@ -316,7 +349,11 @@ fn gather(
         elements: r.len(),
         last_dim,
         ndim: r.shape().len(),
-        format: r.format(),
+        // Priced at the wider of the two runs' dtypes where they differ.
+        format: match cand_format {
+            Some(f) if f.precision() > r.format().precision() => f,
+            _ => r.format(),
+        },
         layout,
         norm_gain: if is_norm_input {
             let mut window = Window::new(&r);
@@ -339,6 +376,7 @@ fn gather(
         content,
         shape,
         inferred,
+        dtype_change,
     })
 }
 
@@ -379,27 +417,18 @@ fn plan(reference: &TraceDir, candidate: &TraceDir) -> Result<Plan> {
         });
     }
     // A map lookup per id: linear in the number of tensors.
-    if let Some(missing) = ids.iter().find(|id| !candidate.contains(id)) {
+    if let Some(missing) = ids
+        .iter()
+        .find(|id| !candidate.contains(id) && candidate.missing_ranks(id).is_none())
+    {
         return Err(Error::UnknownName {
             kind: "tensor of the reference trace that the candidate trace lacks",
             name: missing.clone(),
         });
     }
-    // One dtype per id on both sides: the thresholds price runs of the same formats.
-    if let Some((id, r, c)) = ids.iter().find_map(|id| {
-        let (r, c) = (reference.dtype(id)?, candidate.dtype(id)?);
-        (r != c).then_some((id, r, c))
-    }) {
-        return Err(Error::File {
-            path: candidate.path().display().to_string(),
-            reason: format!(
-                "tensor '{}' is stored as {c} in the candidate but as {r} in the reference: \
-                 ttrace compares runs of the same dtypes",
-                printable(id)
-            ),
-            io: None,
-        });
-    }
+    // A tensor stored in another dtype by the candidate (a gradient reduced in BF16 where
+    // the reference keeps FP32 main gradients) is judged, priced at the wider of the two,
+    // and the change said where it fails (`gather`).
     let recipe = match &reference.manifest().recipe {
         Some(r) => Some(Recipe::by_name(r)?),
         None => None,
@@ -585,7 +614,17 @@ fn finish(
             v.passed = v.nonfinite_mismatches == 0;
         } else if v.problem.is_none() {
             apply_threshold(&mut v, g.stat.diff_norm, g.stat.ref_norm, priced.0);
-            if let (false, Some(p)) = (v.passed, source) {
+            // "Changed between the two" only when the norm says so: a test beyond the norm that
+            // fires on a consumed copy of a tensor fires on the tensor itself (downstream of a
+            // bug it is the same difference, not a second bug).
+            let producer_passed = source
+                .and_then(|p| verdicts.iter().rev().find(|x: &&TensorVerdict| x.id == p))
+                .is_none_or(|x| x.passed);
+            if let (false, None, Some(note)) = (v.passed, &v.problem, &g.dtype_change) {
+                v.problem = Some(note.clone());
+            }
+            if let (false, Some(p), true, true) = (v.passed, source, v.ratio > 1.0, producer_passed)
+            {
                 v.problem = Some(format!(
                     "differs from the reference more than {} does ({:.3e} against {:.3e}), \
                      which it equals in the reference: changed between the two, where \

@@ -552,6 +552,9 @@ pub struct TraceDir {
     files: HashMap<String, safetensors::SafetensorsFile>,
     /// Read buffers handed back by [`TraceDir::recycle`], reused by the next reads.
     spare: Vec<Vec<u8>>,
+    /// Parameter gradients some ranks do not hold (the parameter received no gradient there:
+    /// unused on that rank), with the ranks that lack them: not merged, judged as missing.
+    incomplete: std::sync::Arc<BTreeMap<String, Vec<usize>>>,
 }
 
 impl TraceDir {
@@ -628,6 +631,7 @@ impl TraceDir {
             slots.push((e.rank, k));
         }
         let mut complete = BTreeMap::new();
+        let mut incomplete = BTreeMap::new();
         for id in &order {
             let Some(mut slots) = by_id.remove(id) else {
                 continue;
@@ -642,6 +646,12 @@ impl TraceDir {
                         w[0].0
                     ),
                 ));
+            }
+            if slots.len() < world && id.ends_with("|param_grad") {
+                let have: Vec<usize> = slots.iter().map(|(r, _)| *r).collect();
+                let missing = (0..world).filter(|r| !have.contains(r)).collect();
+                incomplete.insert(id.clone(), missing);
+                continue;
             }
             if slots.len() < world {
                 let r = slots
@@ -672,6 +682,7 @@ impl TraceDir {
             order: std::sync::Arc::new(order),
             files,
             spare: Vec::new(),
+            incomplete: std::sync::Arc::new(incomplete),
         })
     }
 
@@ -690,7 +701,14 @@ impl TraceDir {
                 .filter_map(|(k, f)| Some((k.clone(), f.share()?)))
                 .collect(),
             spare: Vec::new(),
+            incomplete: self.incomplete.clone(),
         }
+    }
+
+    /// The ranks lacking a parameter gradient other ranks hold (it received no gradient
+    /// there), if `id` is such a gradient.
+    pub fn missing_ranks(&self, id: &str) -> Option<&[usize]> {
+        self.incomplete.get(id).map(Vec::as_slice)
     }
 
     /// The manifest.
