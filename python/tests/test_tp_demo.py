@@ -40,3 +40,17 @@ def test_tp_demo(tmp_path, bug, dtype, module, pass_):
         assert not report.passed
         assert report.localization["module"] == module, str(report)
         assert report.localization["pass"] == pass_
+
+
+def test_the_dtensor_example_runs_clean_and_finds_its_bug(tmp_path):
+    """python/examples/dtensor_tp.py: spawned ranks on a (dp_replicate, fsdp, tp) root mesh,
+    traced with the README's four lines; exit 0 clean, 1 with a shard loaded from the wrong
+    rank's rows."""
+    example = DEMO.with_name("dtensor_tp.py")
+    for bug, code in (("none", 0), ("wrong-shard", 1)):
+        run = subprocess.run(
+            [sys.executable, str(example), "--out", str(tmp_path / bug), "--bug", bug],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert run.returncode == code, run.stdout + run.stderr
+        assert ("PASS" if code == 0 else "localized: module 1.fc1") in run.stdout, run.stdout
