@@ -286,3 +286,27 @@ def test_mesh_and_tracer_are_exported_and_typed():
     assert ttrace.Mesh(tp=2).world() == 2
     assert ttrace.Tracer is ttrace.tracer.Tracer
     assert ttrace.ModuleLayout is ttrace.tracer.ModuleLayout
+
+
+def test_a_megatron_output_layer_twice_the_ffn_width_is_no_fused_projection():
+    """Megatron's fused gate/up projection is recognized by its place (``linear_fc1``), not
+    by its width: an output layer whose vocabulary is twice the FFN width stays a plain
+    column-parallel layer (Megatron-core 0.19's GPT failed every TP run on this)."""
+    from types import SimpleNamespace
+
+    from ttrace.tracer import _megatron_layout
+
+    class ColumnParallelLinear(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = SimpleNamespace(gated_linear_unit=True, ffn_hidden_size=64)
+            self.output_size = 128
+            self.gather_output = False
+
+    ColumnParallelLinear.__module__ = "megatron.core.tensor_parallel.layers"
+    m = ColumnParallelLinear()
+    fused = _megatron_layout(m, "decoder.layers.0.mlp.linear_fc1")
+    plain = _megatron_layout(m, "output_layer")
+    assert fused is not None and plain is not None
+    assert fused.params["weight"]["groups"] == 2
+    assert plain.params.get("weight", {"groups": 1})["groups"] == 1

@@ -218,7 +218,7 @@ def row_parallel() -> ModuleLayout:
     )
 
 
-def _megatron_layout(module: torch.nn.Module) -> Optional[ModuleLayout]:
+def _megatron_layout(module: torch.nn.Module, path: str = "") -> Optional[ModuleLayout]:
     """Layouts of Megatron-LM's tensor-parallel layers, recognized by class (Megatron itself is
     never imported). Their forward returns ``(output, bias)``; with ``skip_bias_add`` the bias
     is returned, not added."""
@@ -242,7 +242,11 @@ def _megatron_layout(module: torch.nn.Module) -> Optional[ModuleLayout]:
         layout.outputs = layout.outputs + [split(0)]  # (output, bias shard when skipped)
         config = getattr(module, "config", None)
         ffn = getattr(config, "ffn_hidden_size", None)
-        if (getattr(config, "gated_linear_unit", False) and ffn
+        # The MLP's first projection (``linear_fc1``, also inside experts) by its place in the
+        # model, not by its width: an output layer whose vocabulary happens to be twice the
+        # FFN width is no fused projection.
+        fc1 = path.rsplit(".", 1)[-1] == "linear_fc1" if path else True
+        if (fc1 and getattr(config, "gated_linear_unit", False) and ffn
                 and getattr(module, "output_size", None) == 2 * ffn and not gather):
             # The fused gate/up projection of a gated MLP (SwiGLU): each rank holds its slice
             # of the gate and its slice of the up projection, [gate_r; up_r] — two interleaved
@@ -767,7 +771,7 @@ class Tracer:
         self._named = named
         self.layouts: Dict[str, ModuleLayout] = {}
         for n, m in named.items():
-            ml = _megatron_layout(m)
+            ml = _megatron_layout(m, n)
             if ml is not None:
                 self.layouts[n] = ml
         self._megatron = bool(self.layouts)
