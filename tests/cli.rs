@@ -16,6 +16,20 @@ fn ttrace(args: &[&str], stdin: &str) -> Output {
     child.wait_with_output().unwrap()
 }
 
+/// A clean TP 2 dump of the simulator under a fresh temporary directory named after `tag`:
+/// (the directory, the dump holding `reference/` and `candidate/`).
+fn simulated_tp2_dump(tag: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let base = std::env::temp_dir().join(format!("ttrace-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let d = base.join("dump");
+    let o = ttrace(
+        &["simulate", "--tp", "2", "--dump", d.to_str().unwrap()],
+        "",
+    );
+    assert_eq!(o.status.code(), Some(0));
+    (base, d)
+}
+
 fn stdout_lines(o: &Output) -> Vec<String> {
     String::from_utf8(o.stdout.clone())
         .unwrap()
@@ -598,14 +612,7 @@ fn check_finds_dumped_bugs_passes_clean_dumps_and_rejects_broken_ones() {
 #[test]
 fn check_rejects_malformed_traces_with_exit_code_2() {
     use serde_json::Value;
-    let base = std::env::temp_dir().join(format!("ttrace-malformed-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&base);
-    let d = base.join("clean");
-    let o = ttrace(
-        &["simulate", "--tp", "2", "--dump", d.to_str().unwrap()],
-        "",
-    );
-    assert_eq!(o.status.code(), Some(0));
+    let (base, d) = simulated_tp2_dump("malformed");
     let (rdir, cdir) = (d.join("reference"), d.join("candidate"));
     let mpath = cdir.join("manifest.json");
     let original = std::fs::read_to_string(&mpath).unwrap();
@@ -785,14 +792,7 @@ fn check_reports_are_atomic_and_reproducible() {
 /// sharded run given as the reference) is refused, saying so.
 #[test]
 fn check_finds_the_traced_step_and_refuses_a_swap() {
-    let base = std::env::temp_dir().join(format!("ttrace-steps-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&base);
-    let d = base.join("dump");
-    let o = ttrace(
-        &["simulate", "--tp", "2", "--dump", d.to_str().unwrap()],
-        "",
-    );
-    assert_eq!(o.status.code(), Some(0));
+    let (base, d) = simulated_tp2_dump("steps");
     let (r, c) = (base.join("traces/reference"), base.join("traces/candidate"));
     std::fs::create_dir_all(&r).unwrap();
     std::fs::create_dir_all(&c).unwrap();
@@ -843,14 +843,7 @@ fn check_finds_the_traced_step_and_refuses_a_swap() {
 #[test]
 fn a_parameter_gradient_missing_on_one_rank_is_a_finding() {
     use serde_json::Value;
-    let base = std::env::temp_dir().join(format!("ttrace-missing-grad-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&base);
-    let d = base.join("dump");
-    let o = ttrace(
-        &["simulate", "--tp", "2", "--dump", d.to_str().unwrap()],
-        "",
-    );
-    assert_eq!(o.status.code(), Some(0));
+    let (base, d) = simulated_tp2_dump("missing-grad");
     let (rdir, cdir) = (d.join("reference"), d.join("candidate"));
     let mpath = cdir.join("manifest.json");
     let mut m: Value = serde_json::from_str(&std::fs::read_to_string(&mpath).unwrap()).unwrap();
