@@ -689,10 +689,6 @@ def _site_mode_type() -> type:
     return SiteMode
 
 
-def _SiteMode(tracer: "Tracer") -> Any:
-    return _site_mode_type()(tracer)
-
-
 class Tracer:
     """Records training steps of ``model`` on this rank (see the module docs).
 
@@ -944,7 +940,7 @@ class Tracer:
                 if n:
                     self._handles.append(m.register_forward_pre_hook(self._push(n)))
                     self._handles.append(m.register_forward_hook(self._pop(n), always_call=True))
-            self._mode = _SiteMode(self)
+            self._mode = _site_mode_type()(self)
             self._mode.__enter__()
         for n in self.names:
             m = self._named[n]
@@ -975,6 +971,17 @@ class Tracer:
                 pass
         self._stack = []
 
+    def _call_name(self, base: str) -> str:
+        """The name this call of ``base`` records under: ``base``, then ``base#1``, … for
+        further calls in the step; a recomputation inside the backward pass (activation
+        checkpointing) counts apart and reuses the names of the calls it repeats."""
+        counter = self._s.recomputed if _in_backward() else self._s.calls
+        calls = counter.get(base, 0)
+        counter[base] = calls + 1
+        name = base if calls == 0 else f"{base}#{calls}"
+        self._s.current[base] = name
+        return name
+
     def _push(self, name: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any) -> None:
             self._stack.append(name)
@@ -993,13 +1000,9 @@ class Tracer:
         mask) as its inputs, their gradients tapped, the output and its gradient."""
         parent = self._stack[-1] if self._stack else ""
         base = f"{parent}.sdpa" if parent else "sdpa"
-        counter = self._s.recomputed if _in_backward() else self._s.calls
-        calls = counter.get(base, 0)
-        counter[base] = calls + 1
-        name = base if calls == 0 else f"{base}#{calls}"
+        name = self._call_name(base)
         self._sites.add(name)
         self._sites.add(base)
-        self._s.current[base] = name
         keys = ["query", "key", "value", "attn_mask"]
         values = list(args[:4]) + [kwargs.get(k) for k in keys[len(args[:4]):]]
         device = next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")
@@ -1253,11 +1256,7 @@ class Tracer:
             # A forward run again inside the backward pass is activation checkpointing's
             # recomputation of calls already seen: it reuses their names (counted apart), so
             # its tensors and the gradients it produces land on the forward's ids.
-            counter = self._s.recomputed if _in_backward() else self._s.calls
-            calls = counter.get(base, 0)
-            counter[base] = calls + 1
-            name = base if calls == 0 else f"{base}#{calls}"
-            self._s.current[base] = name
+            name = self._call_name(base)
             if name not in self._s.arith:
                 self._s.arith[name] = _arith.module_settings(_device_type(module, args, kwargs))
             # Recorded (copied) before the module runs: it may modify them in place.

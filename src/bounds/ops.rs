@@ -62,7 +62,7 @@ pub(crate) fn round_sides(
 fn check_output(d: &ElementDiff, v: f64, outputs: (Format, Format)) -> Result<()> {
     let magnitude = v.abs() + d.guaranteed;
     for f in [outputs.0, outputs.1] {
-        let limit = f.max_finite() + f.ulp(f.max_finite()).unwrap_or(0.0) / 2.0;
+        let limit = crate::bounds::reduction::overflow_threshold(f);
         if magnitude >= limit {
             return Err(crate::bounds::reduction::overflow_error(
                 f,

@@ -344,7 +344,7 @@ pub(crate) fn kahan_error(terms: &[f64], f: Format, load: bool) -> Result<Reduct
             let e3 = eta(y + e2);
             (e3, eta(e2 + e3))
         };
-        let limit = f.max_finite() + f.ulp(f.max_finite()).unwrap_or(0.0) / 2.0;
+        let limit = overflow_threshold(f);
         if s + y >= limit {
             return Err(overflow_error(f, s + y, "a partial sum"));
         }
@@ -359,6 +359,12 @@ pub(crate) fn kahan_error(terms: &[f64], f: Format, load: bool) -> Result<Reduct
         variance,
         tie_bound: bound_c,
     })
+}
+
+/// The magnitude from which rounding to `f` (to nearest) overflows: its largest finite value
+/// plus half a spacing there.
+pub(crate) fn overflow_threshold(f: Format) -> f64 {
+    f.max_finite() + f.ulp(f.max_finite()).unwrap_or(0.0) / 2.0
 }
 
 pub(crate) fn overflow_error(f: Format, magnitude: f64, what: &str) -> Error {

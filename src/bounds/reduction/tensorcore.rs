@@ -22,7 +22,10 @@
 //! * promotion and split combinations round to nearest in their format: u·|value| each, the
 //!   value bounded by the exact partial sums plus the errors so far (Higham 2002, Thm 2.2).
 
-use crate::bounds::reduction::{overflow_error, reduction_error_aligned, ReductionError};
+use crate::bounds::reduction::walk::two_sum;
+use crate::bounds::reduction::{
+    overflow_error, overflow_threshold, reduction_error_aligned, ReductionError,
+};
 use crate::error::Result;
 use crate::format::{exponent_of, Format};
 use crate::order::{
@@ -67,14 +70,9 @@ pub(crate) fn tensor_core_error(
 
 /// The exact sum of `terms` as an unevaluated pair (hi, lo).
 fn exact_sum(terms: &[f64]) -> (f64, f64) {
-    let (mut hi, mut lo) = (0.0f64, 0.0f64);
-    for &t in terms {
-        let s = hi + t;
-        let bb = s - hi;
-        lo += (hi - (s - bb)) + (t - bb);
-        hi = s;
-    }
-    (hi, lo)
+    terms
+        .iter()
+        .fold((0.0, 0.0), |acc, &t| add_pair(acc, (t, 0.0)))
 }
 
 /// (guaranteed bound on the error, exact sum as (hi, lo)) of one execution of `order`.
@@ -156,15 +154,12 @@ fn bound(
 }
 
 fn add_pair(a: (f64, f64), b: (f64, f64)) -> (f64, f64) {
-    let s = a.0 + b.0;
-    let bb = s - a.0;
-    let err = (a.0 - (s - bb)) + (b.0 - bb);
+    let (s, err) = two_sum(a.0, b.0);
     (s, a.1 + b.1 + err)
 }
 
 fn check_range(f: Format, magnitude: f64) -> Result<()> {
-    let limit = f.max_finite() + f.ulp(f.max_finite()).unwrap_or(0.0) / 2.0;
-    if magnitude >= limit || !magnitude.is_finite() {
+    if magnitude >= overflow_threshold(f) || !magnitude.is_finite() {
         return Err(overflow_error(f, magnitude, "a tensor-core partial sum"));
     }
     Ok(())
@@ -265,7 +260,7 @@ pub(crate) fn family_error(
 }
 
 /// Merge the statistics of a family's members (see [`family_error`]).
-pub(crate) fn merge_family(stats: &[ReductionError]) -> ReductionError {
+fn merge_family(stats: &[ReductionError]) -> ReductionError {
     let lo = stats.iter().map(|e| e.mean).fold(f64::INFINITY, f64::min);
     let hi = stats
         .iter()

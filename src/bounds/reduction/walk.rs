@@ -171,7 +171,7 @@ impl Walk<'_> {
             // its rounding is priced as undetermined.
             return;
         }
-        let limit = f.max_finite() + f.ulp(f.max_finite()).unwrap_or(0.0) / 2.0;
+        let limit = crate::bounds::reduction::overflow_threshold(f);
         if (magnitude >= limit || magnitude.is_nan()) && self.overflows.is_none() {
             self.overflows = Some((f, magnitude));
         }
