@@ -175,17 +175,50 @@ def ddp(directory: str, bug: str) -> None:
 
     model, x = make()
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    loss = os.environ.get("TTRACE_TEST_LOSS", "")
+    if loss:
+        # The loss inside the model, as a module of its own whose output is a scalar: the
+        # mean over this rank's batch (``local``) or the sum over it divided by the global
+        # count (``global``).
+        model = WithLoss(model, global_count=BATCH * SEQ * HIDDEN if loss == "global" else 0)
     if world > 1:
         model = DistributedDataParallel(model)
         r, n = dist.get_rank(), BATCH // world
         x = x[r * n:(r + 1) * n].contiguous()
         if bug == "unsynced-weight" and r == 1:
             with torch.no_grad():
-                model.module.block1.fc2.weight.mul_(1.01)
-    tracer = ttrace.Tracer(model, directory)
+                inner = model.module.net if loss else model.module
+                inner.block1.fc2.weight.mul_(1.01)
+    tracer = ttrace.Tracer(model, directory, local_mean_loss=loss != "global")
     with tracer.step():
-        model(x).pow(2).mean().backward()
+        out = model(x)
+        (out if loss else out.pow(2).mean()).backward()
     tracer.close()
+
+
+class SquareLoss(nn.Module):
+    """The mean (or, with ``global_count``, the sum divided by that count) of the squares."""
+
+    def __init__(self, global_count: int) -> None:
+        super().__init__()
+        self.global_count = global_count
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        if self.global_count:
+            return y.pow(2).sum() / self.global_count
+        return y.pow(2).mean()
+
+
+class WithLoss(nn.Module):
+    """A model with its loss as a module of its own."""
+
+    def __init__(self, net: nn.Module, global_count: int) -> None:
+        super().__init__()
+        self.net = net
+        self.loss = SquareLoss(global_count)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.net(x))
 
 
 def megatron(directory: str, bug: str) -> None:

@@ -25,6 +25,9 @@ import torch
 #: TTRACE_TEST_SIZE=large: the size study's model (hidden 128, 256 tokens), on which the scale
 #: and bias tests apply (the default's 32 tokens are too few row clusters for them).
 LARGE = os.environ.get("TTRACE_TEST_SIZE", "") == "large"
+#: TTRACE_TEST_BIAS=1: biases on every linear layer (TransformerConfig's default,
+#: ``add_bias_linear=True``); off by default, like Llama.
+BIAS = os.environ.get("TTRACE_TEST_BIAS", "0") == "1"
 DIM, HEADS, GROUPS, FFN, LAYERS, VOCAB, SEQ, BATCH = (
     (128, 8, 4, 256, 2, 256, 64, 4) if LARGE else (64, 8, 4, 128, 2, 128, 16, 2))
 
@@ -67,7 +70,7 @@ def build(tp: int, sp: bool, dtype: torch.dtype, seed: int = 0):
         num_layers=LAYERS, hidden_size=DIM, num_attention_heads=HEADS,
         num_query_groups=GROUPS, ffn_hidden_size=FFN, normalization="RMSNorm",
         gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        add_bias_linear=BIAS, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, sequence_parallel=sp and tp > 1,
         use_cpu_initialization=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         persist_layer_norm=False, bias_activation_fusion=False, masked_softmax_fusion=False,

@@ -21,6 +21,17 @@ def _manifest_layouts(step0):
     return out
 
 
+def _stored(step0, tid, rank):
+    """The value rank ``rank`` stored for a scalar tensor, read with safetensors."""
+    from safetensors.numpy import load_file
+
+    for f in sorted(step0.glob("manifest*.json")):
+        for e in json.loads(f.read_text())["tensors"]:
+            if e["id"] == tid and e["rank"] == rank:
+                return float(load_file(str(step0 / e["file"]))[e["key"]].reshape(()))
+    raise KeyError(tid)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dtensor_tensor_parallel_clean_run_passes(traces, dtype):
     ref, cand = traces("tp", dtype=dtype), traces("tp", 2, dtype=dtype)
@@ -122,6 +133,24 @@ def test_ddp_weight_never_broadcast_fails_at_its_module(traces):
     assert not report.passed
     assert report.localization["module"] == "block1.fc2"
     assert report.localization["pass"] == "forward"
+
+
+def test_a_scalar_loss_under_data_parallelism_is_judged_as_the_mean_of_the_ranks(traces):
+    # The loss as a module of its own: each rank's output is the mean over its half of the
+    # batch, the reference's the mean over the whole — the mean of the ranks' values (was
+    # refused as "each rank's own value").
+    ref, cand = traces("ddp", LOSS="local"), traces("ddp", 2, LOSS="local")
+    report = ttrace.check(ref, cand)
+    assert report.passed, str(report)
+    row = next(r for r in report.rows if r.id == "loss|fwd.output.0")
+    assert row.elements == 1
+    assert _manifest_layouts(cand)["loss|fwd.output.0"]["dp"] == {"kind": "partial"}
+    # Independently: the halves stored by the two ranks add to the reference's loss.
+    halves = [_stored(cand, "loss|fwd.output.0", r) for r in (0, 1)]
+    whole = _stored(ref, "loss|fwd.output.0", 0)
+    assert abs(sum(halves) - whole) <= 4 * 2.0**-24 * abs(whole)
+    bug = ttrace.check(ref, traces("ddp", 2, "unsynced-weight", LOSS="local"))
+    assert bug.localization["module"] == "net.block1.fc2"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

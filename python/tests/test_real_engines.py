@@ -18,9 +18,16 @@ def mgpt(traces, world=1, bug="", dtype="float32", **env):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_megatron_gpt_tensor_and_sequence_parallel_clean_run_passes(traces, dtype):
-    report = ttrace.check(mgpt(traces, dtype=dtype), mgpt(traces, 2, dtype=dtype, **SP2))
+    # In BF16 with TransformerConfig's default biases: the row-parallel layers return theirs
+    # (skip_bias_add) to be added to each rank's sequence shard, so its gradient is a partial
+    # sum over TP (was declared replicated: 4 false alarms per run).
+    bias = dict(BIAS="1") if dtype == "bfloat16" else {}
+    report = ttrace.check(mgpt(traces, dtype=dtype, **bias),
+                          mgpt(traces, 2, dtype=dtype, **SP2, **bias))
     assert report.passed, str(report)
-    assert len(report.rows) > 130
+    assert len(report.rows) > 120
+    if bias:
+        assert "decoder.layers.1.mlp.linear_fc2|grad.output.1" in {r.id for r in report.rows}
     # Megatron's attention internals ([s, b, heads/tp, d], [b, heads/tp, s, s]) and the
     # sequence shards of its norms are plain tensors: their layouts were inferred.
     inferred = report.inferred_layouts

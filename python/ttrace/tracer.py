@@ -258,8 +258,11 @@ def _megatron_layout(module: torch.nn.Module, path: str = "") -> Optional[Module
         sp = bool(getattr(module, "sequence_parallel", False))
         layout = row_parallel()
         # The output is all-reduced (or reduce-scattered along the sequence with SP) inside.
+        # The bias it returns (``skip_bias_add``) is added by the caller to this rank's
+        # sequence shard under SP, so its gradient is a partial sum over the shard's tokens
+        # (summed over TP with the parameter's, in ``finalize_model_grads``).
         layout.outputs = [split(0) if sp else replicate(), replicate()]
-        layout.grad_outputs = [split(0) if sp else replicate(), replicate()]
+        layout.grad_outputs = [split(0) if sp else replicate(), partial() if sp else replicate()]
         return layout
     if name == "VocabParallelEmbedding":
         # With sequence parallelism the output is reduce-scattered along the sequence (and
@@ -718,6 +721,9 @@ class Tracer:
     (the usual DDP / FSDP setup), so the gradients flowing through activations are dp times
     those of a reference averaging over the whole batch; they are recorded divided by dp
     (exactly, for dp a power of two). Set False when the loss is normalized by the global batch.
+    A scalar a module returns under data parallelism (a loss module's output) is each rank's
+    value over its share of the batch: recorded as a partial sum over dp (divided by dp with
+    ``local_mean_loss``, so the ranks' mean is judged against the reference's).
     """
 
     def __init__(
@@ -1130,6 +1136,7 @@ class Tracer:
             t = t.transpose(*declared.swap_outputs)
         derived = None
         guessed: List[str] = []
+        scalar_mean = False
         try:
             if self._dtensor is not None and isinstance(t, self._dtensor):
                 dt = cast(Any, t)
@@ -1168,12 +1175,17 @@ class Tracer:
                     # to next find it by its memory.
                     derived = layout
                     self._remember(t, t, layout)
-                if t.dim() == 0 and self.mesh.dp > 1:
-                    raise UnsupportedLayoutError(
-                        f"tensor {tid!r}: a scalar under data parallelism is each rank's own "
-                        "value (a local loss), not a shard of the reference's",
-                        "Layout",
-                    )
+                if t.dim() == 0 and self.mesh.dp > 1 and param is None:
+                    # A scalar under data parallelism is each rank's own value, a loss over
+                    # its share of the batch: the reference's is their sum when each is
+                    # normalized by the global count, their mean when each averages its own
+                    # batch (``local_mean_loss``; recorded divided by dp, so summed either
+                    # way). Its gradient is the backward's seed, the same on every rank.
+                    fwd = role.startswith("fwd.")
+                    layout = {**layout, "dp": partial() if fwd else replicate()}
+                    guessed = [a for a in guessed if a != "dp"]
+                    derived = None
+                    scalar_mean = fwd and self.local_mean_loss
         except UnsupportedLayoutError as e:
             if self.unsupported == "skip":
                 self.skipped.append((tid, str(e)))
@@ -1183,8 +1195,9 @@ class Tracer:
             raise InvalidInputError(
                 f"tensor {tid!r}: dtype {local.dtype} cannot be stored", "UnknownFormat"
             )
-        scaled = (self.local_mean_loss and self.mesh.dp > 1 and role.startswith("grad.")
-                  and param is None and layout["dp"]["kind"] == "split")
+        scaled = scalar_mean or (self.local_mean_loss and self.mesh.dp > 1
+                                 and role.startswith("grad.") and param is None
+                                 and layout["dp"]["kind"] == "split")
         # The same tensor handed from one module to the next (an output that is the next
         # module's input: same memory, shape, strides and version while the first holder
         # lives) is copied and stored once, both ids naming it — and only when the contents
