@@ -18,6 +18,13 @@ if ! "$py" -c "import numpy, pytest, mypy, safetensors, ml_dtypes, maturin, torc
   python3 -m venv "$venv"
   "$py" -m pip install --quiet --disable-pip-version-check "${packages[@]}"
 fi
+# megatron-core 0.19.2 beside 0.16.1, for the real-engine tests that run both (TTRACE_TEST_MCORE=19
+# puts it first on the jobs' path). Its metadata asks for Python 3.12 but it publishes a CPython
+# 3.11 wheel, which imports and runs here.
+if [ ! -d target/mcore19/megatron/core ]; then
+  "$py" -m pip install --quiet --disable-pip-version-check --no-deps --ignore-requires-python \
+    --target target/mcore19 "megatron-core==0.19.2"
+fi
 export PATH="$PWD/$venv/bin:$PATH"
 
 cargo fmt --all --check

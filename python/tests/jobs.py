@@ -10,11 +10,23 @@ from __future__ import annotations
 import os
 import sys
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 import ttrace
+
+#: TTRACE_TEST_MCORE=19: megatron-core 0.19.2 from target/mcore19 (scripts/test.sh installs it
+#: there beside the environment's 0.16.1) instead of the environment's.
+MCORE = os.environ.get("TTRACE_TEST_MCORE", "")
+if MCORE:
+    _side = Path(__file__).resolve().parents[2] / "target" / f"mcore{MCORE}"
+    if not (_side / "megatron" / "core").is_dir():
+        raise SystemExit(f"megatron-core {MCORE} is not installed at {_side} "
+                         "(scripts/test.sh installs it)")
+    sys.path.insert(0, str(_side))
 
 HIDDEN, FFN, SEQ, BATCH = 32, 64, 8, 4
 
@@ -277,6 +289,10 @@ def mgpt(directory: str, bug: str) -> None:
     import megatron_gpt as G
     from megatron.core import parallel_state
 
+    import megatron.core
+
+    if MCORE and not megatron.core.__version__.startswith(f"0.{MCORE}."):
+        raise SystemExit(f"megatron-core {megatron.core.__version__} imported, not 0.{MCORE}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp = int(os.environ.get("TTRACE_TEST_TP", "1")) if world > 1 else 1
     sp = os.environ.get("TTRACE_TEST_SP", "0") == "1"
@@ -296,6 +312,10 @@ def hand(directory: str, bug: str) -> None:
     rotary embeddings in the attention's functional code instead of a module."""
     import handtp
 
+    import megatron.core
+
+    if MCORE and not megatron.core.__version__.startswith(f"0.{MCORE}."):
+        raise SystemExit(f"megatron-core {megatron.core.__version__} imported, not 0.{MCORE}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp = int(os.environ.get("TTRACE_TEST_TP", "1")) if world > 1 else 1
     cp = int(os.environ.get("TTRACE_TEST_CP", "1")) if world > 1 else 1

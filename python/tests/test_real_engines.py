@@ -43,6 +43,39 @@ def test_megatron_gpt_data_and_tensor_parallel_clean_run_passes(traces):
     assert report.passed, str(report)
 
 
+#: megatron-core 0.19.2 (from target/mcore19) instead of the environment's 0.16.1.
+MC19 = dict(MCORE="19")
+
+
+@pytest.mark.parametrize("world,dtype,env", [
+    (2, "bfloat16", dict(TP="2", SP="1", BIAS="1")),
+    (4, "float32", dict(TP="4", BIAS="1")),
+    (4, "bfloat16", dict(TP="2", SP="1", BIAS="1")),
+], ids=["tp2-sp-bf16", "tp4-fp32", "tp2-sp-dp2-bf16"])
+def test_megatron_core_0_19_gpt_passes_clean_with_no_declarations(traces, world, dtype, env):
+    # The newer Megatron-core's own GPT with TransformerConfig's default biases: under TP the
+    # output layer (vocabulary twice the FFN width) is a plain column-parallel layer, under SP
+    # the row-parallel layers' returned biases get partial-sum gradients, under DP the loss
+    # normalized by the global token count.
+    bias = dict(BIAS=env["BIAS"], **MC19)
+    report = ttrace.check(mgpt(traces, dtype=dtype, **bias),
+                          mgpt(traces, world, dtype=dtype, **env, **MC19))
+    assert report.passed, str(report)
+    assert len(report.rows) > 120
+
+
+def test_megatron_core_0_19_bugs_are_found_where_they_are_born(traces):
+    ref = mgpt(traces, dtype="bfloat16", **MC19)
+    report = ttrace.check(ref, mgpt(traces, 2, "softmax-scale-local", "bfloat16", TP="2",
+                                    **MC19))
+    assert report.localization["module"] == (
+        "decoder.layers.0.self_attention.core_attention.scale_mask_softmax")
+    assert report.localization["pass"] == "forward"
+    report = ttrace.check(ref, mgpt(traces, 2, "sp-norm-grad-not-reduced", "bfloat16", **SP2,
+                                    **MC19))
+    assert report.first_failure == "decoder.layers.1.pre_mlp_layernorm.weight|param_grad"
+
+
 def test_softmax_scale_from_the_local_width_is_born_in_the_attention_core(traces):
     report = ttrace.check(mgpt(traces, dtype="bfloat16"),
                           mgpt(traces, 2, "softmax-scale-local", "bfloat16", TP="2"))
