@@ -201,7 +201,7 @@ def ddp(directory: str, bug: str) -> None:
             with torch.no_grad():
                 inner = model.module.net if loss else model.module
                 inner.block1.fc2.weight.mul_(1.01)
-    tracer = ttrace.Tracer(model, directory, local_mean_loss=loss != "global")
+    tracer = ttrace.Tracer(model, directory)
     with tracer.step():
         out = model(x)
         (out if loss else out.pow(2).mean()).backward()

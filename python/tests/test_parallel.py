@@ -126,6 +126,12 @@ def test_ddp_clean_run_passes_under_the_reference_module_names(traces):
     report = ttrace.check(ref, cand)
     assert report.passed, str(report)
     assert "block0.fc1|fwd.output.0" in _manifest_layouts(cand)
+    # Each rank's loss is the mean over its half of the batch; the tracer was not told, and
+    # the checker settled it from the reference (the gradients are twice the reference's).
+    loss = report.loss_normalization
+    assert loss is not None and loss["local_mean"] and loss["dp"] == 2, loss
+    assert loss["error_local"] < 1e-6 < 0.5 < loss["error_global"]
+    assert "each rank averaged its loss over its own share of the batch" in str(report)
 
 
 def test_ddp_weight_never_broadcast_fails_at_its_module(traces):
@@ -145,10 +151,13 @@ def test_a_scalar_loss_under_data_parallelism_is_judged_as_the_mean_of_the_ranks
     row = next(r for r in report.rows if r.id == "loss|fwd.output.0")
     assert row.elements == 1
     assert _manifest_layouts(cand)["loss|fwd.output.0"]["dp"] == {"kind": "partial"}
-    # Independently: the halves stored by the two ranks add to the reference's loss.
+    # Independently: the means the two ranks stored (as computed: the tracer was not told the
+    # normalization) average to the reference's loss, and the checker read them so.
     halves = [_stored(cand, "loss|fwd.output.0", r) for r in (0, 1)]
     whole = _stored(ref, "loss|fwd.output.0", 0)
-    assert abs(sum(halves) - whole) <= 4 * 2.0**-24 * abs(whole)
+    assert abs(sum(halves) / 2 - whole) <= 4 * 2.0**-24 * abs(whole)
+    assert abs(sum(halves) - whole) > 0.5 * abs(whole)
+    assert report.loss_normalization["local_mean"]
     bug = ttrace.check(ref, traces("ddp", 2, "unsynced-weight", LOSS="local"))
     assert bug.localization["module"] == "net.block1.fc2"
 

@@ -41,6 +41,12 @@ def test_megatron_gpt_data_and_tensor_parallel_clean_run_passes(traces):
     report = ttrace.check(mgpt(traces, dtype="bfloat16"),
                           mgpt(traces, 4, dtype="bfloat16", **SP2))
     assert report.passed, str(report)
+    # The loss is normalized by the global token count and the tracer was not told (its
+    # default): settled from the reference, the gradients read as stored (was 13 false alarms
+    # with the old default of per-rank means).
+    loss = report.loss_normalization
+    assert loss is not None and not loss["local_mean"], loss
+    assert loss["error_global"] < 0.05 < 0.4 < loss["error_local"]
 
 
 #: megatron-core 0.19.2 (from target/mcore19) instead of the environment's 0.16.1.

@@ -73,6 +73,11 @@ class CheckReport:
     #: The arithmetic the traces recorded and the checker priced, per run: ``{"reference":
     #: {"autocast=f16": 18}, "candidate": {"fp32_matmul=tf32": 20}}`` (tensors per setting).
     arithmetic: Dict[str, Dict[str, int]]
+    #: How the candidate's data-parallel ranks normalized their loss, where the tracer did not
+    #: know and the checker settled it from the reference: ``{"local_mean", "dp", "tensors",
+    #: "error_local", "error_global"}`` (``local_mean``: each rank averaged over its own share
+    #: of the batch, so activation gradients were read divided by dp), else None.
+    loss_normalization: Optional[Dict[str, Any]]
     #: The text of the report (``str(report)``).
     text: str
     #: The core's report, as JSON-ready data.
@@ -168,6 +173,7 @@ def check(reference: PathLike, candidate: PathLike, *, pricing: str = "auto") ->
         untraced_gaps=list(raw.get("untraced", [])),
         inferred_layouts={e["tensor"]: e["layout"] for e in raw.get("inferred", [])},
         arithmetic=_arithmetic(raw.get("arithmetic", [])),
+        loss_normalization=raw.get("loss"),
         text=text,
         raw=raw,
     )

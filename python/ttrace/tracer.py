@@ -717,13 +717,17 @@ class Tracer:
     format cannot express. ``background``: write on a background thread (default: with a
     ``directory``; without one the tracer records from construction until :meth:`write`,
     which then writes before returning).
-    ``local_mean_loss``: under data parallelism each rank's loss averages over its own batch
-    (the usual DDP / FSDP setup), so the gradients flowing through activations are dp times
-    those of a reference averaging over the whole batch; they are recorded divided by dp
-    (exactly, for dp a power of two). Set False when the loss is normalized by the global batch.
+    ``local_mean_loss``: how each data-parallel rank normalizes its loss. ``True``: it averages
+    over its own share of the batch (the usual DDP / FSDP loop), so the gradients flowing
+    through activations are dp times those of a reference averaging over the whole batch; they
+    are recorded divided by dp (exactly, for dp a power of two). ``False``: normalized by the
+    global batch (Megatron's token count), recorded as computed. ``None`` (default): not
+    stated — recorded as computed and marked ``"dp_loss": "auto"`` in the manifest, and the
+    checker settles which from the reference (the first activation gradients compared both
+    ways; its report says which it took).
     A scalar a module returns under data parallelism (a loss module's output) is each rank's
     value over its share of the batch: recorded as a partial sum over dp (divided by dp with
-    ``local_mean_loss``, so the ranks' mean is judged against the reference's).
+    ``local_mean_loss=True``, so the ranks' mean is judged against the reference's).
     """
 
     def __init__(
@@ -743,7 +747,7 @@ class Tracer:
         formats: Optional[Dict[str, dict]] = None,
         unsupported: str = "raise",
         background: Optional[bool] = None,
-        local_mean_loss: bool = True,
+        local_mean_loss: Optional[bool] = None,
         fsync: bool = False,
         sites: Optional[bool] = None,
     ) -> None:
@@ -1185,7 +1189,7 @@ class Tracer:
                     layout = {**layout, "dp": partial() if fwd else replicate()}
                     guessed = [a for a in guessed if a != "dp"]
                     derived = None
-                    scalar_mean = fwd and self.local_mean_loss
+                    scalar_mean = fwd and self.local_mean_loss is True
         except UnsupportedLayoutError as e:
             if self.unsupported == "skip":
                 self.skipped.append((tid, str(e)))
@@ -1195,7 +1199,7 @@ class Tracer:
             raise InvalidInputError(
                 f"tensor {tid!r}: dtype {local.dtype} cannot be stored", "UnknownFormat"
             )
-        scaled = scalar_mean or (self.local_mean_loss and self.mesh.dp > 1
+        scaled = scalar_mean or (self.local_mean_loss is True and self.mesh.dp > 1
                                  and role.startswith("grad.") and param is None
                                  and layout["dp"]["kind"] == "split")
         # The same tensor handed from one module to the next (an output that is the next
@@ -1418,6 +1422,8 @@ class Tracer:
                                     "tensors": entries}
         if self.recipe:
             manifest["recipe"] = self.recipe
+        if self.local_mean_loss is None and self.mesh.dp > 1:
+            manifest["dp_loss"] = "auto"
         job = (directory, fname, tensors, manifest)
         self._s = _StepRecord()
         self.last_directory = directory
@@ -1523,9 +1529,11 @@ def finish(directory: Union[str, "os.PathLike[str]"]) -> str:
         if merged is None:
             merged = m
         else:
-            if m["mesh"] != merged["mesh"] or m.get("recipe") != merged.get("recipe"):
+            if (m["mesh"] != merged["mesh"] or m.get("recipe") != merged.get("recipe")
+                    or m.get("dp_loss") != merged.get("dp_loss")):
                 raise InvalidInputError(
-                    f"{n} disagrees with the first fragment on the mesh or recipe",
+                    f"{n} disagrees with the first fragment on the mesh, recipe or loss "
+                    "normalization",
                     "InvalidParameter",
                 )
             merged["tensors"].extend(m["tensors"])

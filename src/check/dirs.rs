@@ -78,6 +78,9 @@ pub struct DirCheck {
     /// matmul and convolution precision), per run: (`reference` or `candidate`, the setting
     /// as `name=value`, how many tensors carry it).
     pub arithmetic: Vec<(String, String, usize)>,
+    /// How the candidate's data-parallel ranks normalized their loss, where its tracer did
+    /// not know and the checker settled it from the reference.
+    pub loss: Option<crate::check::LossNormalization>,
 }
 
 /// A tensor a traced module consumes that untraced code made (its reference content equals no
@@ -755,6 +758,7 @@ fn finish(
         untraced,
         inferred,
         mode,
+        loss: None,
     }
 }
 
@@ -818,6 +822,7 @@ pub fn check_dirs(
 ) -> Result<DirCheck> {
     let (mut resolved, inferred) = candidate.infer_guessed(reference)?;
     let candidate = &mut resolved;
+    let loss = crate::check::loss::settle_dp_loss(reference, candidate)?;
     let plan = plan(reference, candidate)?;
     let mut out = Vec::with_capacity(plan.ids.len());
     for id in &plan.ids {
@@ -825,7 +830,7 @@ pub fn check_dirs(
         progress();
     }
     let (producer, kinds) = side_info(reference);
-    Ok(finish(
+    let mut check = finish(
         &plan,
         out,
         &producer,
@@ -833,7 +838,9 @@ pub fn check_dirs(
         &kinds,
         mode,
         inferred,
-    ))
+    );
+    check.loss = loss;
+    Ok(check)
 }
 
 /// The trace directories to compare for `reference` and `candidate` as a user names them: the
@@ -953,7 +960,8 @@ pub fn check_dir_traces(
     mode: PricingMode,
     progress: &(dyn Fn() + Sync),
 ) -> Result<DirCheck> {
-    let (resolved, inferred) = c0.infer_guessed(r0)?;
+    let (mut resolved, inferred) = c0.infer_guessed(r0)?;
+    let loss = crate::check::loss::settle_dp_loss(&mut r0.share(), &mut resolved)?;
     let c0 = &resolved;
     let plan = plan(r0, c0)?;
     let (producer, kinds) = side_info(r0);
@@ -976,7 +984,7 @@ pub fn check_dir_traces(
     })
     .into_iter()
     .collect::<Result<_>>()?;
-    Ok(finish(
+    let mut check = finish(
         &plan,
         parts.into_iter().flatten().collect(),
         &producer,
@@ -984,5 +992,7 @@ pub fn check_dir_traces(
         &kinds,
         mode,
         inferred,
-    ))
+    );
+    check.loss = loss;
+    Ok(check)
 }

@@ -13,6 +13,7 @@
 pub(crate) mod detect;
 pub(crate) mod dirs;
 pub(crate) mod localize;
+pub(crate) mod loss;
 pub(crate) mod pass;
 pub(crate) mod price;
 mod text;
@@ -35,6 +36,7 @@ pub use dirs::{
     UntracedGap,
 };
 pub use localize::{localize, replayed_outputs, Localization};
+pub use loss::LossNormalization;
 pub use price::{price_local, InputIndex, PriceContext, Priced, Pricing, TensorStat};
 pub use text::{localization_line, render_check, render_dir_check};
 

@@ -51,6 +51,10 @@ pub fn render_dir_check(check: &DirCheck) -> String {
             printable(&first.tensor)
         ));
     }
+    if let Some(loss) = &check.loss {
+        out.push_str(&printable(&loss.describe()));
+        out.push('\n');
+    }
     out
 }
 

@@ -31,7 +31,7 @@ use crate::format::Format;
 use crate::io::guard::{limits, printable, TrustedDir};
 use crate::io::stored::Stored;
 use crate::io::{npy, safetensors};
-use crate::shard::layout::{Axis, Layout, Mesh};
+use crate::shard::layout::{Axis, Layout, Mesh, Placement};
 use crate::shard::merge::{keep, merge_fetched, sum_group, take_spare, Joinable};
 use crate::tensor::Tensor;
 
@@ -158,6 +158,18 @@ pub struct ManifestEntry {
     pub guessed: Vec<Axis>,
 }
 
+/// How each data-parallel rank normalized its loss, where the writer did not know (see
+/// `papers/trace-format.md`, "Loss normalization under data parallelism").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DpLoss {
+    /// Not known to the writer: the gradients of activations split along dp, and the scalars
+    /// summed over dp (a loss), are stored as each rank computed them. Each rank's loss either
+    /// averaged its own share of the batch — they are then dp times the reference's — or was
+    /// normalized by the global count; the checker settles which from the reference.
+    Auto,
+}
+
 /// A manifest.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Manifest {
@@ -168,6 +180,10 @@ pub struct Manifest {
     /// The recipe name, if known.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub recipe: Option<String>,
+    /// How the candidate's data-parallel ranks normalized their loss, where the writer did not
+    /// know.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dp_loss: Option<DpLoss>,
     /// The mesh.
     pub mesh: Mesh,
     /// Every shard.
@@ -206,6 +222,8 @@ struct RawManifest {
     version: u64,
     #[serde(default)]
     recipe: Option<String>,
+    #[serde(default)]
+    dp_loss: Option<DpLoss>,
     mesh: Mesh,
     tensors: Vec<RawEntry>,
 }
@@ -331,6 +349,7 @@ impl Manifest {
             format: "ttrace-trace".into(),
             version: raw.version,
             recipe: raw.recipe,
+            dp_loss: raw.dp_loss,
             mesh,
             tensors,
         })
@@ -425,10 +444,18 @@ impl Manifest {
                     .to_string(),
             ),
         };
+        let dp_loss = match v.get("dp_loss") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(x) => Some(
+                serde_json::from_value(x.clone())
+                    .map_err(|e| ferr(path, format!("'dp_loss' (\"auto\"): {e}")))?,
+            ),
+        };
         Ok(Manifest {
             format: "ttrace-trace".into(),
             version,
             recipe,
+            dp_loss,
             mesh,
             tensors,
         })
@@ -479,10 +506,11 @@ fn read_manifest_in(td: &TrustedDir) -> Result<(Manifest, PathBuf)> {
         match &mut merged {
             None => merged = Some(m),
             Some(all) => {
-                if all.mesh != m.mesh || all.recipe != m.recipe {
+                if all.mesh != m.mesh || all.recipe != m.recipe || all.dp_loss != m.dp_loss {
                     return Err(ferr(
                         p,
-                        "fragment disagrees with the first fragment on the mesh or the recipe",
+                        "fragment disagrees with the first fragment on the mesh, the recipe or \
+                         the loss normalization",
                     ));
                 }
                 all.tensors.extend(m.tensors);
@@ -555,6 +583,10 @@ pub struct TraceDir {
     /// Parameter gradients some ranks do not hold (the parameter received no gradient there:
     /// unused on that rank), with the ranks that lack them: not merged, judged as missing.
     incomplete: std::sync::Arc<BTreeMap<String, Vec<usize>>>,
+    /// Set by the checker when the candidate's ranks each averaged their loss over their own
+    /// share of the batch ([`DpLoss::Auto`] settled): the loss-dependent tensors are read
+    /// divided by this (the data-parallel size).
+    dp_divisor: Option<usize>,
 }
 
 impl TraceDir {
@@ -683,6 +715,7 @@ impl TraceDir {
             files,
             spare: Vec::new(),
             incomplete: std::sync::Arc::new(incomplete),
+            dp_divisor: None,
         })
     }
 
@@ -702,6 +735,7 @@ impl TraceDir {
                 .collect(),
             spare: Vec::new(),
             incomplete: self.incomplete.clone(),
+            dp_divisor: self.dp_divisor,
         }
     }
 
@@ -918,8 +952,41 @@ impl TraceDir {
         Ok(t)
     }
 
+    /// Read the tensors that depend on how each data-parallel rank normalized its loss (see
+    /// [`TraceDir::loss_dependent`]) divided by `divisor` (the data-parallel size), or as
+    /// stored (`None`).
+    pub(crate) fn set_dp_divisor(&mut self, divisor: Option<usize>) {
+        self.dp_divisor = divisor;
+    }
+
+    /// Whether the tensor `id` merged as `layout` scales with each data-parallel rank's loss
+    /// normalization: an activation's gradient split along dp (a parameter's is reduced over
+    /// dp by the engine, which knows), or a forward tensor summed over dp (a scalar loss).
+    pub(crate) fn loss_dependent(id: &str, layout: &Layout) -> bool {
+        let Some(t) = crate::engine::TensorId::parse(id) else {
+            return false;
+        };
+        match (t.pass(), layout.along(Axis::Dp)) {
+            (crate::policy::Pass::Forward, Placement::Partial) => true,
+            (crate::policy::Pass::Backward, Placement::Split { .. }) => {
+                !matches!(t.role, crate::engine::TensorRole::ParamGrad { .. })
+            }
+            _ => false,
+        }
+    }
+
     /// [`TraceDir::logical_stored`] merged as if the layout were `layout`.
     pub(crate) fn logical_stored_as(&mut self, id: &str, layout: Layout) -> Result<Stored> {
+        let stored = self.merged_as(id, layout)?;
+        match self.dp_divisor {
+            Some(d) if d > 1 && TraceDir::loss_dependent(id, &layout) => {
+                Ok(crate::io::stored::divided(&stored, d as f64))
+            }
+            _ => Ok(stored),
+        }
+    }
+
+    fn merged_as(&mut self, id: &str, layout: Layout) -> Result<Stored> {
         let ks = self.entries_of(id)?;
         let manifest = self.manifest.clone();
         let (files, dir) = (&mut self.files, &self.dir);
@@ -1089,6 +1156,7 @@ pub fn write_trace_dir(
         format: "ttrace-trace".into(),
         version: VERSION,
         recipe: recipe.map(str::to_string),
+        dp_loss: None,
         mesh: *mesh,
         tensors,
     };
@@ -1109,6 +1177,9 @@ fn manifest_text(m: &Manifest) -> serde_json::Result<String> {
     );
     if let Some(r) = &m.recipe {
         out += &format!("  \"recipe\": {},\n", json(r)?);
+    }
+    if let Some(l) = &m.dp_loss {
+        out += &format!("  \"dp_loss\": {},\n", json(l)?);
     }
     out += &format!("  \"mesh\": {},\n  \"tensors\": [", json(&m.mesh)?);
     for (k, e) in m.tensors.iter().enumerate() {
@@ -1138,11 +1209,19 @@ mod tests {
             threshold: Some(0.25),
             guessed: vec![],
         };
-        for (recipe, tensors) in [(None, vec![]), (Some("bf16".to_string()), vec![e(0), e(1)])] {
+        for (recipe, tensors, dp_loss) in [
+            (None, vec![], None),
+            (
+                Some("bf16".to_string()),
+                vec![e(0), e(1)],
+                Some(DpLoss::Auto),
+            ),
+        ] {
             let m = Manifest {
                 format: "ttrace-trace".into(),
                 version: VERSION,
                 recipe,
+                dp_loss,
                 mesh: Mesh::new(2, 1, 1, false).unwrap(),
                 tensors,
             };

@@ -9,7 +9,7 @@ pub(crate) mod stored;
 
 pub use guard::{limits, printable, sanitize};
 pub use manifest::{
-    read_manifest, write_trace_dir, InferredLayout, Manifest, ManifestEntry, ModuleArith,
+    read_manifest, write_trace_dir, DpLoss, InferredLayout, Manifest, ManifestEntry, ModuleArith,
     ModuleInfo, TraceDir,
 };
 

@@ -151,6 +151,28 @@ impl Stored {
     }
 }
 
+/// `t` divided by `d`, rounded to nearest in its own format (exact for a power of two `d`
+/// outside the format's subnormal range).
+pub(crate) fn divided(t: &Stored, d: f64) -> Stored {
+    let f = t.format();
+    let mut values = Vec::new();
+    t.decode_range(0, t.len(), &mut values);
+    let size = element_size(f);
+    let mut bytes = Vec::with_capacity(values.len() * size);
+    for v in values {
+        let q = f.round(v / d, crate::format::Overflow::NonSaturating);
+        // A rounded finite value (or a NaN / infinity carried over) is always encodable.
+        let bits = match f {
+            Format::F64 => q.to_bits(),
+            _ => f
+                .encode(q)
+                .unwrap_or_else(|_| f.encode(f64::NAN).unwrap_or(0)),
+        };
+        bytes.extend_from_slice(&bits.to_le_bytes()[..size]);
+    }
+    Stored::from_parts_unchecked(t.shape(), f, bytes)
+}
+
 /// A stored tensor's values decoded a window at a time, for visits of nearby ranges (the
 /// rows of a norm input, each visited twice): memory for one window of values.
 pub(crate) struct Window<'a> {
