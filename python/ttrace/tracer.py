@@ -1183,8 +1183,9 @@ class Tracer:
                     # A scalar under data parallelism is each rank's own value, a loss over
                     # its share of the batch: the reference's is their sum when each is
                     # normalized by the global count, their mean when each averages its own
-                    # batch (``local_mean_loss``; recorded divided by dp, so summed either
-                    # way). Its gradient is the backward's seed, the same on every rank.
+                    # batch (divided by dp here with local_mean_loss=True, by the checker
+                    # when it settles an unstated normalization). Its gradient is the
+                    # backward's seed, the same on every rank.
                     fwd = role.startswith("fwd.")
                     layout = {**layout, "dp": partial() if fwd else replicate()}
                     guessed = [a for a in guessed if a != "dp"]

@@ -830,17 +830,18 @@ pub fn check_dirs(
         progress();
     }
     let (producer, kinds) = side_info(reference);
-    let mut check = finish(
-        &plan,
-        out,
-        &producer,
-        candidate.manifest().mesh,
-        &kinds,
-        mode,
-        inferred,
-    );
-    check.loss = loss;
-    Ok(check)
+    Ok(DirCheck {
+        loss,
+        ..finish(
+            &plan,
+            out,
+            &producer,
+            candidate.manifest().mesh,
+            &kinds,
+            mode,
+            inferred,
+        )
+    })
 }
 
 /// The trace directories to compare for `reference` and `candidate` as a user names them: the
@@ -984,15 +985,16 @@ pub fn check_dir_traces(
     })
     .into_iter()
     .collect::<Result<_>>()?;
-    let mut check = finish(
-        &plan,
-        parts.into_iter().flatten().collect(),
-        &producer,
-        mesh,
-        &kinds,
-        mode,
-        inferred,
-    );
-    check.loss = loss;
-    Ok(check)
+    Ok(DirCheck {
+        loss,
+        ..finish(
+            &plan,
+            parts.into_iter().flatten().collect(),
+            &producer,
+            mesh,
+            &kinds,
+            mode,
+            inferred,
+        )
+    })
 }

@@ -980,7 +980,7 @@ impl TraceDir {
         let stored = self.merged_as(id, layout)?;
         match self.dp_divisor {
             Some(d) if d > 1 && TraceDir::loss_dependent(id, &layout) => {
-                Ok(crate::io::stored::divided(&stored, d as f64))
+                crate::io::stored::divided(&stored, d as f64)
             }
             _ => Ok(stored),
         }

@@ -3,14 +3,13 @@
 //! are merged pattern by pattern and decoded to `f64` a block at a time — so an FP8 tensor
 //! takes one byte per element in memory, not the eight of its decoded values.
 
+#[cfg(test)]
+use crate::error::Error;
+use crate::error::Result;
 use crate::format::Format;
+use crate::io::safetensors::encode_values;
 use crate::io::safetensors::{decode_values_into, element_size};
 use crate::tensor::{element_count, Tensor};
-#[cfg(test)]
-use crate::{
-    error::{Error, Result},
-    io::safetensors::encode_values,
-};
 
 /// A tensor as stored: format, shape and the elements' little-endian bit patterns
 /// ([`element_size`] bytes each). Every pattern of the format's width is a value of it, so
@@ -153,24 +152,18 @@ impl Stored {
 
 /// `t` divided by `d`, rounded to nearest in its own format (exact for a power of two `d`
 /// outside the format's subnormal range).
-pub(crate) fn divided(t: &Stored, d: f64) -> Stored {
+pub(crate) fn divided(t: &Stored, d: f64) -> Result<Stored> {
     let f = t.format();
     let mut values = Vec::new();
     t.decode_range(0, t.len(), &mut values);
-    let size = element_size(f);
-    let mut bytes = Vec::with_capacity(values.len() * size);
-    for v in values {
-        let q = f.round(v / d, crate::format::Overflow::NonSaturating);
-        // A rounded finite value (or a NaN / infinity carried over) is always encodable.
-        let bits = match f {
-            Format::F64 => q.to_bits(),
-            _ => f
-                .encode(q)
-                .unwrap_or_else(|_| f.encode(f64::NAN).unwrap_or(0)),
-        };
-        bytes.extend_from_slice(&bits.to_le_bytes()[..size]);
+    for v in &mut values {
+        *v = f.round(*v / d, crate::format::Overflow::NonSaturating);
     }
-    Stored::from_parts_unchecked(t.shape(), f, bytes)
+    Ok(Stored::from_parts_unchecked(
+        t.shape(),
+        f,
+        encode_values(&values, f, "tensor divided by the data-parallel size")?,
+    ))
 }
 
 /// A stored tensor's values decoded a window at a time, for visits of nearby ranges (the
