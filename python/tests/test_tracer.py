@@ -89,6 +89,38 @@ def test_modules_that_modify_their_inputs_in_place_are_traced(tmp_path):
     assert torch.equal(torch.from_numpy(data[entries["soft|fwd.input.0"]]), h @ h.T)
 
 
+def test_an_output_changed_by_a_forward_hook_is_recorded_as_the_caller_receives_it(tmp_path):
+    # Output hooks registered before the tracer (a planted bug, a clamp): one returns a new
+    # tensor, one changes the output in place. The tracer's own hook runs first; the module's
+    # recorded output must still be what its caller receives — else a difference born in the
+    # hook is found only in the gap after the module.
+    from safetensors.numpy import load_file
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
+    net[0].register_forward_hook(lambda m, a, out: out * 1.5)
+
+    def in_place(m, a, out):
+        out.mul_(-2.0)
+
+    net[1].register_forward_hook(in_place)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # the oracle: the same arithmetic without hooks or tracer
+        h0 = torch.nn.functional.linear(x, net[0].weight, net[0].bias) * 1.5
+        h1 = torch.nn.functional.linear(h0, net[1].weight, net[1].bias) * -2.0
+        h2 = torch.nn.functional.linear(h1, net[2].weight, net[2].bias)
+    tracer = ttrace.Tracer(net, tmp_path / "t", background=False)
+    with tracer.step():
+        net(x).sum().backward()
+    tracer.close()
+    data = load_file(str(tmp_path / "t/step0/rank0.safetensors"))
+    entries = {e["id"]: e["key"] for e in json.loads(
+        (tmp_path / "t/step0/manifest.rank0.json").read_text())["tensors"]}
+    for name, want in (("0", h0), ("1", h1), ("2", h2)):
+        got = torch.from_numpy(data[entries[f"{name}|fwd.output.0"]])
+        assert torch.equal(got, want), name
+
+
 def test_attention_cores_are_traced_by_default(tmp_path):
     class DotProductAttention(nn.Module):
         def __init__(self) -> None:

@@ -45,5 +45,7 @@ def test_a_scaled_attention_output_on_one_rank_is_found(traces):
     ref = traces("hf", dtype="bfloat16", FAMILY="qwen3")
     report = ttrace.check(ref, traces("hf", 2, "scale-o", dtype="bfloat16", FAMILY="qwen3"))
     assert not report.passed
-    # Born in o_proj's output hook: found at the first tensor it reaches.
-    assert report.localization["module"].startswith("model.layers.0"), str(report)
+    # Born in o_proj's output hook (registered before the tracer, which records the output
+    # as the caller receives it): localized to o_proj, with the rank (was the gap after it).
+    assert report.localization["module"] == "model.layers.0.self_attn.o_proj", str(report)
+    assert report.localization["rank"] == 1, str(report)

@@ -352,6 +352,12 @@ def _param_grad(module: torch.nn.Module, name: str,
     return main, info
 
 
+def _local_version(t: torch.Tensor, dtensor: Any) -> int:
+    """The version counter of a tensor's local data (in-place changes bump it)."""
+    local = getattr(t, "_local_tensor", t) if dtensor is not None and isinstance(t, dtensor) else t
+    return int(local._version)
+
+
 def _is_attention_core(module: torch.nn.Module) -> bool:
     """A module that computes attention from given queries, keys and values: its class
     name says attention and it holds no parameters (Megatron's and Transformer Engine's
@@ -632,6 +638,9 @@ class _StepRecord:
     copies: Dict[Any, Tuple[Any, torch.Tensor]] = field(default_factory=dict)
     #: Outputs whose placement cannot be expressed before the module's output hooks run.
     deferred: "set[Tuple[str, int]]" = field(default_factory=set)
+    #: (module, output index) → the output as the module returned it, until its output hooks
+    #: have run (to see whether one of them changed it).
+    returned: Dict[Tuple[str, int], Tuple[torch.Tensor, int]] = field(default_factory=dict)
     #: Per module: the layout its outputs inherit from a plain input (found as the inputs are
     #: recorded, before the module runs), and whether any input was tapped for its gradient.
     inherit: Dict[str, Optional[dict]] = field(default_factory=dict)
@@ -1329,6 +1338,8 @@ class Tracer:
                 derived = self._record(name, "fwd.output", i, o, inherit=inherit)
                 if derived is not None and isinstance(o, torch.Tensor):
                     self._remember(o, o, derived)
+                if f"{name}|fwd.output.{i}" in self._s.records:
+                    self._s.returned[(name, i)] = (o, _local_version(o, self._dtensor))
         return hook
 
     def _final_hook(self, base: str) -> Callable[..., None]:
@@ -1359,9 +1370,41 @@ class Tracer:
                     layout = None
                 if layout is not None:
                     self._s.final[(name, i)] = (shape, layout)
+                    self._rerecord_if_hooked(name, i, o, layout)
                 if o.requires_grad and torch.is_grad_enabled():
                     o.register_hook(self._output_grad(name, i))
         return hook
+
+    def _rerecord_if_hooked(self, name: str, i: int, o: torch.Tensor, layout: dict) -> None:
+        """An output hook that changed a module's output without changing its placement (a
+        scale, a clamp, a bug planted as a hook): the caller receives the changed values, so
+        they are the module's output — a difference they carry is born in this module, not in
+        the gap after it. (The first record runs before the output hooks, where a DTensor's
+        placement is still known; a parallel style's redistribution changes the layout and is
+        left as recorded.)"""
+        hit = self._s.returned.pop((name, i), None)
+        if hit is None:
+            return
+        first, version = hit
+        if o is first and _local_version(o, self._dtensor) == version:
+            return  # untouched: no hook changed it (the usual case, free)
+        tid = f"{name}|fwd.output.{i}"
+        recorded = self._s.forward.get((name, "fwd.output", i))
+        stored = self._s.records.get(tid)
+        after = cast(Any, o).to_local() if _is_dtensor(o, self._dtensor) else o
+        if (recorded is None or recorded[1] != layout or stored is None
+                or tuple(after.shape) != tuple(stored.shape) or after.dtype != stored.dtype):
+            return
+        if o is first:
+            # Changed in place: only the stored copy still holds what the module returned.
+            same = torch.equal(after.detach().to("cpu"), stored)
+        else:
+            # A new tensor (a parallel style's to_local, or a hook's result): compared where
+            # it lives, copied only if it differs.
+            local = cast(Any, first).to_local() if _is_dtensor(first, self._dtensor) else first
+            same = tuple(local.shape) == tuple(after.shape) and torch.equal(after, local)
+        if not same:
+            self._s.records[tid] = after.detach().to("cpu", copy=True).contiguous()
 
     def _output_grad(self, name: str, i: int) -> Callable[[torch.Tensor], None]:
         record = self._s
