@@ -321,6 +321,10 @@ fn gather(
             (verdict, sums) = compare_stored(id, &r, &r, 0.0, eps, detection);
         }
     }
+    if let (Some(cand), None, None, false) = (c.as_ref(), &problem, rank, verdict.passed) {
+        // A difference that lies in one rank's shard names the rank.
+        rank = crate::check::blame::faulty_rank(&r, cand, &layout, &candidate.manifest().mesh, id);
+    }
     let cand = c.as_ref().unwrap_or(&r);
     let cand_format = c.as_ref().map(|c| c.format());
     let dtype_change = cand_format.filter(|f| *f != r.format()).map(|f| {

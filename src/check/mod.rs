@@ -10,6 +10,7 @@
 //! left out of the norms. A shard set that cannot be merged (replicas that differ, a layout
 //! that does not fit) is a failure with the merge error as its reason.
 
+mod blame;
 pub(crate) mod detect;
 pub(crate) mod dirs;
 pub(crate) mod localize;

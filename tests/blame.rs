@@ -1,0 +1,100 @@
+//! A failing tensor whose difference lies in one rank's shard names that rank. Oracle: the
+//! candidate's shards are cut from the reference (`ttrace::shard::shard`) and one chosen
+//! shard is corrupted by hand.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use ttrace::check::{check_dir_paths, PricingMode};
+use ttrace::io::write_trace_dir;
+use ttrace::shard::{Layout, Mesh, Placement};
+use ttrace::{Format, Tensor};
+
+const ID: &str = "m|fwd.output.0";
+
+fn reference() -> Tensor {
+    let mut g = ttrace::engine::SplitMix64::for_name("blame", 7);
+    let v = (0..8 * 16)
+        .map(|_| Format::F32.round(2.0 * g.uniform() - 1.0, ttrace::Overflow::Saturating))
+        .collect();
+    Tensor::from_vec(&[8, 16], v, Format::F32).unwrap()
+}
+
+/// Check a candidate on `mesh` (the tensor split along dim 1 over tp, replicated elsewhere)
+/// whose shards on the ranks in `bad` are scaled by `factor`; returns the localization's
+/// rank and whether the check failed.
+fn check(dir: &Path, mesh: Mesh, bad: &[usize], factor: f64) -> (Option<usize>, bool) {
+    let x = reference();
+    let mut layout = Layout::replicated();
+    layout.tp = Placement::split(1);
+    let mut shards = ttrace::shard::shard(&x, &layout, &mesh, ID).unwrap();
+    for &r in bad {
+        let v = shards[r]
+            .values()
+            .iter()
+            .map(|v| Format::F32.round(v * factor, ttrace::Overflow::Saturating))
+            .collect();
+        shards[r] = Tensor::from_vec(shards[r].shape(), v, Format::F32).unwrap();
+    }
+    let (rd, cd): (PathBuf, PathBuf) = (dir.join("r"), dir.join("c"));
+    let none = HashMap::new();
+    write_trace_dir(
+        &rd,
+        &Mesh::single(),
+        None,
+        &[(ID.into(), Layout::replicated(), vec![x])],
+        &HashMap::new(),
+        &none,
+    )
+    .unwrap();
+    write_trace_dir(
+        &cd,
+        &mesh,
+        None,
+        &[(ID.into(), layout, shards)],
+        &HashMap::new(),
+        &none,
+    )
+    .unwrap();
+    let out = check_dir_paths(&rd, &cd, PricingMode::Auto, &|| {}).unwrap();
+    let failed = out.report.failures > 0;
+    (out.localization.and_then(|l| l.rank), failed)
+}
+
+fn temp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ttrace-blame-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn a_difference_in_one_shard_names_its_rank() {
+    let d = temp("one");
+    let tp4 = Mesh::new(4, 1, 1, false).unwrap();
+    for bad in 0..4 {
+        assert_eq!(
+            check(&d, tp4, &[bad], 1.25),
+            (Some(bad), true),
+            "rank {bad}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_shard_replicated_over_dp_names_the_lowest_rank_holding_it() {
+    // tp 2 × dp 2: global rank = dp·2 + tp. The tp-1 shard is held by ranks 1 and 3.
+    let d = temp("dp");
+    let mesh = Mesh::new(2, 1, 2, false).unwrap();
+    assert_eq!(check(&d, mesh, &[1, 3], 1.25), (Some(1), true));
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_difference_over_every_shard_names_none() {
+    let d = temp("all");
+    let tp2 = Mesh::new(2, 1, 1, false).unwrap();
+    assert_eq!(check(&d, tp2, &[0, 1], 1.25), (None, true));
+    let _ = std::fs::remove_dir_all(&d);
+}
