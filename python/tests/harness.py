@@ -63,6 +63,23 @@ def run_job(job: str, directory: Path, world: int = 1, bug: str = "",
         raise JobFailed(f"job {job} rank {r} failed:\n{out[-4000:]}")
 
 
+def stored(step: Path, rank: int = 0) -> Dict[str, "object"]:
+    """What rank ``rank`` stored in the trace directory ``step``, read with safetensors
+    (independently of ttrace's reader): tensor id → NumPy array."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    out: Dict[str, object] = {}
+    files: Dict[str, Dict[str, object]] = {}
+    for f in sorted(step.glob("manifest*.json")):
+        for e in json.loads(f.read_text())["tensors"]:
+            if e["rank"] == rank:
+                data = files.setdefault(e["file"], load_file(str(step / e["file"])))
+                out[e["id"]] = data[e["key"]]
+    return out
+
+
 def load_script(path: Path, name: str) -> "object":
     """Import a script (an example, a bench) as a module, without running its ``main``."""
     import importlib.util

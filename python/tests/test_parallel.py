@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+import harness
 import ttrace
 
 DTYPES = ["float32", "bfloat16"]
@@ -23,13 +24,7 @@ def _manifest_layouts(step0):
 
 def _stored(step0, tid, rank):
     """The value rank ``rank`` stored for a scalar tensor, read with safetensors."""
-    from safetensors.numpy import load_file
-
-    for f in sorted(step0.glob("manifest*.json")):
-        for e in json.loads(f.read_text())["tensors"]:
-            if e["id"] == tid and e["rank"] == rank:
-                return float(load_file(str(step0 / e["file"]))[e["key"]].reshape(()))
-    raise KeyError(tid)
+    return float(harness.stored(step0, rank)[tid].reshape(()))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import harness
 import ttrace
 from ttrace.tracer import Mesh
 
@@ -56,8 +57,6 @@ def _grads_by_full_hooks(net: nn.Module, x, mask) -> dict:
 
 
 def test_modules_that_modify_their_inputs_in_place_are_traced(tmp_path):
-    from safetensors.numpy import load_file
-
     torch.manual_seed(0)
     net = Net(inplace=True)
     oracle = Net(inplace=False)
@@ -76,17 +75,15 @@ def test_modules_that_modify_their_inputs_in_place_are_traced(tmp_path):
     with tracer.step():
         net(x, mask).pow(2).sum().backward()
     tracer.close()
-    data = load_file(str(tmp_path / "t/step0/rank0.safetensors"))
-    entries = {e["id"]: e["key"] for e in json.loads(
-        (tmp_path / "t/step0/manifest.rank0.json").read_text())["tensors"]}
+    data = harness.stored(tmp_path / "t/step0")
     want = _grads_by_full_hooks(oracle, x, mask)
     for name in ("act", "soft", "fc2"):
-        got = data[entries[f"{name}|grad.input.0"]]
+        got = data[f"{name}|grad.input.0"]
         assert torch.equal(torch.from_numpy(got), want[name]), name
     # The input is recorded as the module received it, before it was modified.
     with torch.no_grad():
         h = torch.relu(net.fc1(x))
-    assert torch.equal(torch.from_numpy(data[entries["soft|fwd.input.0"]]), h @ h.T)
+    assert torch.equal(torch.from_numpy(data["soft|fwd.input.0"]), h @ h.T)
 
 
 def test_an_output_changed_by_a_forward_hook_is_recorded_as_the_caller_receives_it(tmp_path):
@@ -94,8 +91,6 @@ def test_an_output_changed_by_a_forward_hook_is_recorded_as_the_caller_receives_
     # tensor, one changes the output in place. The tracer's own hook runs first; the module's
     # recorded output must still be what its caller receives — else a difference born in the
     # hook is found only in the gap after the module.
-    from safetensors.numpy import load_file
-
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
     net[0].register_forward_hook(lambda m, a, out: out * 1.5)
@@ -113,11 +108,9 @@ def test_an_output_changed_by_a_forward_hook_is_recorded_as_the_caller_receives_
     with tracer.step():
         net(x).sum().backward()
     tracer.close()
-    data = load_file(str(tmp_path / "t/step0/rank0.safetensors"))
-    entries = {e["id"]: e["key"] for e in json.loads(
-        (tmp_path / "t/step0/manifest.rank0.json").read_text())["tensors"]}
+    data = harness.stored(tmp_path / "t/step0")
     for name, want in (("0", h0), ("1", h1), ("2", h2)):
-        got = torch.from_numpy(data[entries[f"{name}|fwd.output.0"]])
+        got = torch.from_numpy(data[f"{name}|fwd.output.0"])
         assert torch.equal(got, want), name
 
 
