@@ -179,6 +179,53 @@ def llama(directory: str, bug: str) -> None:
     tracer.close()
 
 
+def titan(directory: str, bug: str) -> None:
+    """The Llama of llama.py parallelized as torchtitan does on an n-D mesh: one root mesh
+    ``(dp_replicate, dp_shard, cp, tp)`` (sizes TTRACE_TEST_DP_SHARD, TTRACE_TEST_CP,
+    TTRACE_TEST_TP; dp_replicate 1), the TP + SP plan on ``mesh["tp"]``, FSDP2 over the flattened
+    ``dp_shard_cp``, context parallelism on ``mesh["cp"]`` with head-tail load balancing (each cp
+    rank holds sequence chunks c and 2·cp − 1 − c; keys and values all-gathered, as torch's CP
+    does for flex attention), each rank's loss averaged over its own tokens — and the Tracer
+    given nothing but the model. Bugs: those of llama.py (``rope-positions-local``,
+    ``cp-mask-local``, ``softmax-scale-local``, ``norm-grad-not-reduced``)."""
+    import llama as L
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    L.BUG = bug if world > 1 else ""
+    dtype = getattr(torch, os.environ.get("TTRACE_TEST_DTYPE", "float32"))
+    torch.manual_seed(0)
+    model = L.Llama().to(dtype)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, L.VOCAB, (L.BATCH, L.SEQ), generator=g)
+    labels = torch.randint(0, L.VOCAB, (L.BATCH, L.SEQ), generator=g)
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        sizes = {k: int(os.environ.get(f"TTRACE_TEST_{k.upper()}", "1"))
+                 for k in ("dp_shard", "cp", "tp")}
+        mesh = init_device_mesh("cpu", (1, sizes["dp_shard"], sizes["cp"], sizes["tp"]),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        if sizes["tp"] > 1:
+            L.parallelize(model, mesh["tp"], bug)
+        for layer in model.layers.values():
+            fully_shard(layer, mesh=mesh["dp_shard_cp"])
+        fully_shard(model, mesh=mesh["dp_shard_cp"])
+        d, n = mesh.get_local_rank("dp_shard"), L.BATCH // sizes["dp_shard"]
+        tokens, labels = tokens[d * n:(d + 1) * n], labels[d * n:(d + 1) * n]
+        if sizes["cp"] > 1:
+            L.CP_GROUP = mesh["cp"].get_group()
+            L.POSITIONS = L.head_tail(L.SEQ, sizes["cp"], mesh.get_local_rank("cp"))
+            tokens, labels = tokens[:, L.POSITIONS], labels[:, L.POSITIONS]
+    tracer = ttrace.Tracer(model, directory)
+    with tracer.step():
+        logits = model(tokens)
+        torch.nn.functional.cross_entropy(logits.float().view(-1, L.VOCAB),
+                                          labels.reshape(-1)).backward()
+    tracer.close()
+
+
 def ddp(directory: str, bug: str) -> None:
     """DistributedDataParallel: each rank a contiguous part of the batch, gradients averaged
     by DDP's all-reduce. Bug ``unsynced-weight``: rank 1 starts with a block1.fc2 weight that
@@ -423,7 +470,8 @@ def main() -> None:
         dist.init_process_group("gloo")
     try:
         jobs = {"tp": tp, "fsdp": fsdp, "ddp": ddp, "megatron": megatron, "llama": llama,
-                "mgpt": mgpt, "hand": hand, "unsupported": unsupported, "hf": hf}
+                "mgpt": mgpt, "hand": hand, "unsupported": unsupported, "hf": hf,
+                "titan": titan}
         jobs[job](directory, bug)
     finally:
         if distributed:

@@ -22,10 +22,49 @@ DIM, HEADS, KV, LAYERS, VOCAB, SEQ, BATCH = (
     (128, 8, 4, 2, 256, 64, 4) if LARGE else (64, 8, 4, 2, 128, 16, 2))
 HD = DIM // HEADS
 
+#: Context parallelism (set by the job): the cp process group, and the global positions of this
+#: rank's tokens (torchtitan's head-tail load balancing: chunks c and 2·cp − 1 − c of 2·cp).
+CP_GROUP = None
+POSITIONS = None
+
+
+def head_tail(seq: int, cp: int, rank: int) -> torch.Tensor:
+    """The positions rank ``rank`` of ``cp`` holds under head-tail load balancing."""
+    c = seq // (2 * cp)
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                      torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather along ``dim`` over CP_GROUP; the gradient is the sum over the group of each
+    rank's gradient, cut to this rank's part."""
+
+    @staticmethod
+    def forward(ctx, x, dim):
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(CP_GROUP))]
+        dist.all_gather(parts, x.contiguous(), group=CP_GROUP)
+        ctx.dim, ctx.n = dim, x.shape[dim]
+        return torch.cat(parts, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        import torch.distributed as dist
+
+        g = g.contiguous()
+        dist.all_reduce(g, group=CP_GROUP)
+        r = dist.get_rank(CP_GROUP)
+        return g.narrow(ctx.dim, r * ctx.n, ctx.n), None
+
+
 def rope(x, start=0):
-    # x: [b, s, h, d]; rotary on pairs, positions start..start+s
+    # x: [b, s, h, d]; rotary on pairs, at POSITIONS under context parallelism (BUG
+    # "rope-positions-local": at the local positions 0..s), else start..start+s
     b, s, h, d = x.shape
     pos = torch.arange(start, start + s, dtype=torch.float32)
+    if POSITIONS is not None and BUG != "rope-positions-local":
+        pos = POSITIONS.to(torch.float32)
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     ang = torch.outer(pos, inv)  # [s, d/2]
     cos, sin = ang.cos()[None, :, None, :].to(x.dtype), ang.sin()[None, :, None, :].to(x.dtype)
@@ -43,13 +82,26 @@ class Attention(nn.Module):
         q, k = rope(q), rope(k)
         rep = q.shape[2] // k.shape[2]
         k = k.repeat_interleave(rep, dim=2); v = v.repeat_interleave(rep, dim=2)
+        mask, causal = None, True
+        if CP_GROUP is not None:
+            # Context parallelism as torch's CP does it for flex attention: every rank's keys
+            # and values gathered (differentiably) and put back in sequence order; this rank's
+            # queries attend causally by their global positions.
+            pos = _Gather.apply(POSITIONS.to(torch.float32), 0)
+            order = torch.argsort(pos)
+            k = _Gather.apply(k, 1)[:, order]
+            v = _Gather.apply(v, 1)[:, order]
+            # BUG "cp-mask-local": the causal mask of a local sequence (query i sees keys 0..i).
+            mine = (torch.arange(t) if BUG == "cp-mask-local" else POSITIONS)
+            mask, causal = mine[:, None] >= torch.arange(k.shape[1])[None, :], False
         # BUG = "softmax-scale-local": the scale from the rank's local width (local heads x head
         # dim spread over all heads), as a port from a single-device code base might compute.
         scale = None
         if BUG == "softmax-scale-local":
             scale = 1.0 / math.sqrt(q.shape[2] * HD / HEADS)
         o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            is_causal=causal, scale=scale
         )
         return s.wo(o.transpose(1, 2).reshape(b, t, -1))
 

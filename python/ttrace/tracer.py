@@ -127,6 +127,10 @@ _UNSUPPORTED_AXES = {
 #: Flattened dimensions (torchtitan's ``dp_shard_cp``, ``dp_cp``): data parallel when their
 #: context-parallel factor is 1.
 _FLATTENED_DP = ("dp_shard_cp", "dp_cp", "dp_shard_in_ep", "dp_shard_mod_ep", "fsdp_cp")
+#: Flattened dimensions that hold the context-parallel ranks inside the data-parallel ones
+#: (FSDP2 over torchtitan's ``dp_shard_cp``): coordinate d·cp + c, a split of one tensor
+#: dimension by dp and then by cp.
+_FLATTENED_DP_CP = ("dp_shard_cp", "dp_cp", "fsdp_cp")
 
 
 # --- placements ------------------------------------------------------------------------------
@@ -398,6 +402,17 @@ def _root_mesh(device_mesh: Any) -> Any:
     return root if root is not None else device_mesh
 
 
+def _cp_size(device_mesh: Any, axes: Dict[str, str]) -> int:
+    """The context-parallel size of the whole mesh a (flattened) mesh was cut from: the product
+    of its root's dimensions named after cp."""
+    root = _root_mesh(device_mesh)
+    n = 1
+    for name, size in zip(root.mesh_dim_names or (), root.mesh.shape):
+        if _axis_of(name, axes) == "cp":
+            n *= int(size)
+    return n
+
+
 def _axis_of(name: Optional[str], axes: Dict[str, str]) -> Optional[str]:
     """The ttrace axis (``tp``, ``cp``, ``dp``) — or ``pp`` / ``ep`` — a mesh dimension of
     this name stands for: ``axes`` first, then the names of torchtitan, transformers,
@@ -430,6 +445,7 @@ class _MeshMap:
         names = tuple(device_mesh.mesh_dim_names or ())
         shape = tuple(int(x) for x in device_mesh.mesh.shape)
         self.names = names
+        self.shape = shape
         #: Per mesh dimension: its ttrace axis, or None (size 1, or unusable).
         self.axis: List[Optional[str]] = []
         self.error: Optional[str] = None
@@ -456,15 +472,38 @@ class _MeshMap:
                     "mesh=ttrace.Mesh(...) over its ranks"
                 )
             self.axis.append(axis if axis in ("tp", "cp", "dp") and self.error is None else None)
+        # A flattened data × context dimension: its cp factor is the root mesh's cp size.
+        cp_in = 1
+        for i, a in enumerate(self.axis):
+            if a == "dp" and i < len(names) and names[i].lower() in _FLATTENED_DP_CP:
+                cp_in = cp_in if cp_in > 1 else _cp_size(device_mesh, axes)
+                if cp_in > 1 and shape[i] % cp_in == 0:
+                    self.axis[i] = "dp_cp"
+        self.cp_in = cp_in
         self.sizes = {a: 1 for a in ("tp", "cp", "dp")}
         self.coords = {a: 0 for a in ("tp", "cp", "dp")}
         coord = device_mesh.get_coordinate()
         for i, (a, size) in enumerate(zip(self.axis, shape)):
             if a is None:
                 continue
-            # Row-major over the dimensions of one axis.
-            self.coords[a] = self.coords[a] * size + (int(coord[i]) if coord is not None else 0)
-            self.sizes[a] *= size
+            at = int(coord[i]) if coord is not None else 0
+            parts = ([("dp", size // cp_in, at // cp_in), ("cp", cp_in, at % cp_in)]
+                     if a == "dp_cp" else [(a, size, at)])
+            for axis, n, x in parts:
+                # Row-major over the dimensions of one axis.
+                self.coords[axis] = self.coords[axis] * n + x
+                self.sizes[axis] *= n
+
+    def placed(self) -> List[Tuple[int, str, int]]:
+        """(mesh dimension, ttrace axis, ranks along it) for every dimension that places
+        something; a flattened data × context dimension gives one entry per axis, dp first."""
+        out: List[Tuple[int, str, int]] = []
+        for i, (a, size) in enumerate(zip(self.axis, self.shape)):
+            if a == "dp_cp":
+                out += [(i, "dp", size // self.cp_in), (i, "cp", self.cp_in)]
+            elif a is not None:
+                out.append((i, a, size))
+        return out
 
     def check(self, what: str) -> None:
         """Raise the reason this mesh cannot be placed, naming ``what`` it was needed for."""
@@ -564,9 +603,8 @@ def _placement_layout(tid: str, placements: Sequence[Any], device_mesh: Any,
     layout = {"dp": replicate(), "cp": replicate(), "tp": replicate()}
     ndim = len(shape)
     per_axis: Dict[str, List[Tuple[Any, int]]] = {}
-    for axis, p, size in zip(mm.axis, placements, device_mesh.mesh.shape):
-        if axis is not None:  # a dimension of size 1 places nothing
-            per_axis.setdefault(axis, []).append((p, int(size)))
+    for i, axis, size in mm.placed():  # a dimension of size 1 places nothing
+        per_axis.setdefault(axis, []).append((placements[i], size))
     for axis, dims in per_axis.items():
         kinds: List[Tuple[str, Optional[int]]] = []
         for p, size in dims:
@@ -1099,7 +1137,7 @@ class Tracer:
         data): a split of the batch dimension (``dp_dim``) for dp, replication otherwise —
         guesses, listed under ``"_guessed"`` for the checker to settle."""
         missing = [a for a in ("dp", "cp", "tp")
-                   if a not in mm.axis and getattr(self.mesh, a) > 1]
+                   if a not in {x for _, x, _ in mm.placed()} and getattr(self.mesh, a) > 1]
         if not missing:
             return layout
         layout = dict(layout)
@@ -1188,16 +1226,18 @@ class Tracer:
                     # to next find it by its memory.
                     derived = layout
                     self._remember(t, t, layout)
-                if t.dim() == 0 and self.mesh.dp > 1 and param is None:
-                    # A scalar under data parallelism is each rank's own value, a loss over
-                    # its share of the batch: the reference's is their sum when each is
-                    # normalized by the global count, their mean when each averages its own
-                    # batch (divided by dp here with local_mean_loss=True, by the checker
-                    # when it settles an unstated normalization). Its gradient is the
+                if t.dim() == 0 and self.mesh.dp * self.mesh.cp > 1 and param is None:
+                    # A scalar under data (or context) parallelism is each rank's own value,
+                    # a loss over its share of the batch: the reference's is their sum when
+                    # each is normalized by the global count, their mean when each averages
+                    # its own share (divided by dp·cp here with local_mean_loss=True, by the
+                    # checker when it settles an unstated normalization). Its gradient is the
                     # backward's seed, the same on every rank.
                     fwd = role.startswith("fwd.")
-                    layout = {**layout, "dp": partial() if fwd else replicate()}
-                    guessed = [a for a in guessed if a != "dp"]
+                    for a in ("dp", "cp"):
+                        if getattr(self.mesh, a) > 1:
+                            layout = {**layout, a: partial() if fwd else replicate()}
+                    guessed = [a for a in guessed if a not in ("dp", "cp")]
                     derived = None
                     scalar_mean = fwd and self.local_mean_loss is True
         except UnsupportedLayoutError as e:
@@ -1209,9 +1249,14 @@ class Tracer:
             raise InvalidInputError(
                 f"tensor {tid!r}: dtype {local.dtype} cannot be stored", "UnknownFormat"
             )
-        scaled = scalar_mean or (self.local_mean_loss is True and self.mesh.dp > 1
+        # With local_mean_loss=True, an activation gradient in parts along the data ranks
+        # (dp split; under context parallelism every one, its cp placement mostly a guess) is
+        # dp·cp times the reference's: recorded divided.
+        data = self.mesh.dp * self.mesh.cp
+        scaled = scalar_mean or (self.local_mean_loss is True and data > 1
                                  and role.startswith("grad.") and param is None
-                                 and layout["dp"]["kind"] == "split")
+                                 and (layout["dp"]["kind"] == "split"
+                                      or (self.mesh.cp > 1 and t.dim() > 0)))
         # The same tensor handed from one module to the next (an output that is the next
         # module's input: same memory, shape, strides and version while the first holder
         # lives) is copied and stored once, both ids naming it — and only when the contents
@@ -1237,7 +1282,7 @@ class Tracer:
                     return None
                 raise TtraceError(why, "Storage") from None
             if scaled:
-                copy.mul_(1.0 / self.mesh.dp)
+                copy.mul_(1.0 / data)
             if key is not None:
                 self._s.copies[same] = (weakref.ref(owner), copy)
         if tid not in self._s.records:
@@ -1466,7 +1511,7 @@ class Tracer:
                                     "tensors": entries}
         if self.recipe:
             manifest["recipe"] = self.recipe
-        if self.local_mean_loss is None and self.mesh.dp > 1:
+        if self.local_mean_loss is None and self.mesh.dp * self.mesh.cp > 1:
             manifest["dp_loss"] = "auto"
         job = (directory, fname, tensors, manifest)
         self._s = _StepRecord()

@@ -1,18 +1,20 @@
 //! How the candidate's data-parallel ranks normalized their loss, settled from the reference
 //! where the tracer did not know ([`DpLoss::Auto`]).
 //!
-//! Under data parallelism each rank's loss covers its share of the batch. If it is normalized
-//! by the global count (tokens or samples of the whole batch), the ranks' activation gradients
-//! are the reference's, split along the batch; if each rank averages over its own share (the
-//! usual DDP / FSDP loop), they are dp times the reference's. Both are correct training — the
-//! engine's gradient reduction (a mean or a sum over dp) makes the parameter gradients agree —
+//! Under data parallelism each rank's loss covers its share of the batch; under context
+//! parallelism, its share of each sequence. If it is normalized by the global count (tokens or
+//! samples of the whole batch), the ranks' activation gradients are the reference's, split
+//! along the batch (and the sequence); if each rank averages over its own share (the usual
+//! DDP / FSDP / torchtitan loop), they are dp·cp times the reference's — or dp or cp times,
+//! where the engine averages over one axis and counts globally over the other. All are
+//! correct training — the engine's gradient reduction makes the parameter gradients agree —
 //! and nothing in one rank's trace tells them apart. The reference does: the first few
 //! loss-dependent gradients of the backward pass (those nearest the loss, before a bug deep
-//! in the model could mix into them) are compared both ways, and the hypothesis whose relative
-//! Frobenius difference is smaller is taken for the whole trace. A planted scale of exactly dp
-//! on every activation gradient is indistinguishable from the other normalization and is not
-//! found; any other factor (a per-rank token count, Megatron-LM #7452) is, since neither
-//! hypothesis then fits.
+//! in the model could mix into them) are compared read as stored and divided by each of
+//! dp·cp, dp and cp, and the reading whose relative Frobenius difference is smallest is taken
+//! for the whole trace. A planted scale of exactly one of those factors on every activation
+//! gradient is indistinguishable from that normalization and is not found; any other factor
+//! (a per-rank token count, Megatron-LM #7452) is, since no reading then fits.
 
 use serde::Serialize;
 
@@ -25,35 +27,48 @@ const PROBES: usize = 4;
 /// How the candidate's data-parallel ranks normalized their loss, as the checker settled it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct LossNormalization {
-    /// Each rank averaged its loss over its own share of the batch: the loss-dependent
-    /// tensors (activation gradients split along dp, scalars summed over dp) were read divided
-    /// by `dp`. Else normalized by the global count: read as stored.
+    /// Each rank averaged its loss over its own share of the batch (or of the sequence): the
+    /// loss-dependent tensors (activation gradients split along dp or cp, scalars summed over
+    /// them) were read divided by `divisor`. Else normalized by the global count: read as
+    /// stored.
     pub local_mean: bool,
     /// The data-parallel size.
     pub dp: usize,
+    /// The context-parallel size.
+    pub cp: usize,
+    /// What the loss-dependent tensors were read divided by: dp·cp, dp or cp for a local mean,
+    /// 1 for the global count.
+    pub divisor: usize,
     /// The gradients compared, in execution order (empty when none could be: then read as
     /// stored).
     pub tensors: Vec<String>,
-    /// ‖c/dp − r‖/‖r‖ over them.
+    /// ‖c/(dp·cp) − r‖/‖r‖ over them.
     pub error_local: f64,
     /// ‖c − r‖/‖r‖ over them.
     pub error_global: f64,
+    /// ‖c/divisor − r‖/‖r‖ over them, for the divisor taken.
+    pub error_chosen: f64,
 }
 
 impl LossNormalization {
     /// The finding in words.
     pub fn describe(&self) -> String {
-        let dp = self.dp;
+        let ranks = match (self.dp, self.cp) {
+            (dp, 1) => format!("dp = {dp}"),
+            (1, cp) => format!("cp = {cp}"),
+            (dp, cp) => format!("dp = {dp}, cp = {cp}"),
+        };
         if self.tensors.is_empty() {
             return format!(
-                "loss normalization under data parallelism (dp = {dp}) not stated by the \
+                "loss normalization under data parallelism ({ranks}) not stated by the \
                  tracer and not settled (no activation gradient to compare): read as stored"
             );
         }
         let how = if self.local_mean {
             format!(
-                "each rank averaged its loss over its own share of the batch: activation \
-                 gradients read divided by dp = {dp}"
+                "each rank averaged its loss over its own share of the data ({ranks}): \
+                 activation gradients read divided by {}",
+                self.divisor
             )
         } else {
             "the loss was normalized by the global batch: activation gradients read as stored"
@@ -61,8 +76,10 @@ impl LossNormalization {
         };
         format!(
             "loss normalization settled from the reference (the tracer did not know): {how} \
-             (relative difference {:.2e} divided, {:.2e} as stored, over {} gradient{} from {})",
+             (relative difference {:.2e} divided by {}, {:.2e} as stored, over {} gradient{} \
+             from {})",
             self.error_local,
+            self.dp * self.cp,
             self.error_global,
             self.tensors.len(),
             if self.tensors.len() == 1 { "" } else { "s" },
@@ -73,13 +90,14 @@ impl LossNormalization {
 
 /// Settle the candidate's loss normalization when its manifest leaves it to the checker, and
 /// set `candidate` to read its loss-dependent tensors accordingly. `None` when the manifest
-/// states it (or there is no data parallelism).
+/// states it (or there is neither data nor context parallelism).
 pub(crate) fn settle_dp_loss(
     reference: &mut TraceDir,
     candidate: &mut TraceDir,
 ) -> Result<Option<LossNormalization>> {
-    let dp = candidate.manifest().mesh.dp;
-    if candidate.manifest().dp_loss != Some(DpLoss::Auto) || dp < 2 {
+    let mesh = candidate.manifest().mesh;
+    let (dp, cp) = (mesh.dp, mesh.cp);
+    if candidate.manifest().dp_loss != Some(DpLoss::Auto) || dp * cp < 2 {
         return Ok(None);
     }
     candidate.set_dp_divisor(None);
@@ -96,7 +114,15 @@ pub(crate) fn settle_dp_loss(
         })
         .cloned()
         .collect();
-    let (mut local, mut global, mut norm) = (0.0f64, 0.0f64, 0.0f64);
+    // The readings: as stored first (ties keep it), then the local means, widest first.
+    let mut divisors: Vec<usize> = vec![];
+    for d in [1, dp * cp, dp, cp] {
+        if !divisors.contains(&d) {
+            divisors.push(d);
+        }
+    }
+    let mut sq = vec![0.0f64; divisors.len()];
+    let mut norm = 0.0f64;
     let mut used = vec![];
     for id in ids {
         if used.len() == PROBES {
@@ -110,29 +136,48 @@ pub(crate) fn settle_dp_loss(
             continue;
         }
         let (r, c) = (r.decode(), c.decode());
-        let (mut l, mut g, mut n) = (0.0, 0.0, 0.0);
+        let mut s = vec![0.0f64; divisors.len()];
+        let mut n = 0.0;
         for (&x, &y) in r.values().iter().zip(c.values()) {
             if !(x.is_finite() && y.is_finite()) {
                 continue;
             }
-            l += (y / dp as f64 - x).powi(2);
-            g += (y - x).powi(2);
+            for (acc, &d) in s.iter_mut().zip(&divisors) {
+                *acc += (y / d as f64 - x).powi(2);
+            }
             n += x * x;
         }
         if n > 0.0 {
-            (local, global, norm) = (local + l, global + g, norm + n);
+            for (total, x) in sq.iter_mut().zip(s) {
+                *total += x;
+            }
+            norm += n;
             used.push(id);
         }
     }
     let found = !used.is_empty();
-    let local_mean = found && local < global;
-    candidate.set_dp_divisor(local_mean.then_some(dp));
+    let best = if found {
+        (0..divisors.len()).fold(0, |b, i| if sq[i] < sq[b] { i } else { b })
+    } else {
+        0
+    };
+    let divisor = divisors[best];
+    candidate.set_dp_divisor((divisor > 1).then_some(divisor));
     let rel = |x: f64| if found { (x / norm).sqrt() } else { f64::NAN };
+    let at = |d: usize| {
+        divisors
+            .iter()
+            .position(|&x| x == d)
+            .map_or(f64::NAN, |i| rel(sq[i]))
+    };
     Ok(Some(LossNormalization {
-        local_mean,
+        local_mean: divisor > 1,
         dp,
+        cp,
+        divisor,
         tensors: used,
-        error_local: rel(local),
-        error_global: rel(global),
+        error_local: at(dp * cp),
+        error_global: at(1),
+        error_chosen: rel(sq[best]),
     }))
 }

@@ -960,18 +960,20 @@ impl TraceDir {
     }
 
     /// Whether the tensor `id` merged as `layout` scales with each data-parallel rank's loss
-    /// normalization: an activation's gradient split along dp (a parameter's is reduced over
-    /// dp by the engine, which knows), or a forward tensor summed over dp (a scalar loss).
+    /// normalization: an activation's gradient held in parts along dp or cp (split, or summed
+    /// — a parameter's is reduced by the engine, which knows), or a forward tensor summed over
+    /// dp or cp (a scalar loss).
     pub(crate) fn loss_dependent(id: &str, layout: &Layout) -> bool {
         let Some(t) = crate::engine::TensorId::parse(id) else {
             return false;
         };
-        match (t.pass(), layout.along(Axis::Dp)) {
-            (crate::policy::Pass::Forward, Placement::Partial) => true,
-            (crate::policy::Pass::Backward, Placement::Split { .. }) => {
+        let data = [layout.along(Axis::Dp), layout.along(Axis::Cp)];
+        match t.pass() {
+            crate::policy::Pass::Forward => data.contains(&Placement::Partial),
+            crate::policy::Pass::Backward => {
                 !matches!(t.role, crate::engine::TensorRole::ParamGrad { .. })
+                    && data.iter().any(|&p| p != Placement::Replicate)
             }
-            _ => false,
         }
     }
 

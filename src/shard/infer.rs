@@ -9,8 +9,11 @@
 //! a head dimension both halved when dp = tp = 2): the one whose merged tensor is closest to
 //! the reference's is taken (`TraceDir::infer_guessed`), which could hide only a bug that
 //! exactly permutes whole blocks between those dimensions. None fits: the guess stays and the
-//! merge reports it. Shapes cannot tell a replicated tensor from a partial sum, nor a
-//! contiguous split from an interleaved one: those stay as guessed, and a wrong guess shows as
+//! merge reports it. A context-parallel axis may also hold load-balanced chunks
+//! ([`Placement::CpChunks`], torchtitan's and Megatron's default for causal attention), which
+//! fit wherever a contiguous split does: the values choose. Shapes cannot tell a replicated
+//! tensor from a partial sum, nor a contiguous split from an interleaved one: those stay as
+//! guessed, and a wrong guess shows as
 //! replicas that differ or a large error — never as a pass.
 
 use super::layout::{dim_of, Axis, Layout, Mesh, Placement};
@@ -51,7 +54,9 @@ pub(crate) fn logical_shape(layout: &Layout, local: &[usize], mesh: &Mesh) -> Op
 
 /// Every layout that makes every rank hold `local` of a logical tensor of shape `logical`,
 /// changing only the axes in `free` of `guess`, fewest changes first (the guess itself first
-/// when it fits). Two axes never split one dimension (that would need an order between them).
+/// when it fits). Two axes may split one dimension (context parallelism's chunks of the
+/// sequence, cut again by sequence parallelism): the outer axis cuts first, as the merge nests
+/// them (dp, then cp, then tp).
 pub(crate) fn fitting_layouts(
     guess: Layout,
     free: &[Axis],
@@ -63,13 +68,19 @@ pub(crate) fn fitting_layouts(
         return vec![];
     }
     // The options of each axis: its guess first, then (for a guessed axis) replication and a
-    // split of each dimension (an axis of size 1 keeps its guess: it cuts nothing).
+    // split of each dimension — for cp also its load-balanced chunks, which shapes cannot
+    // tell from a contiguous split (an axis of size 1 keeps its guess: it cuts nothing).
     let options = |axis: Axis| -> Vec<Placement> {
         let g = guess.along(axis);
         let mut v = vec![g];
         if mesh.size(axis) > 1 && free.contains(&axis) {
+            let chunks = (axis == Axis::Cp)
+                .then(|| (0..logical.len()).map(|dim| Placement::CpChunks { dim }))
+                .into_iter()
+                .flatten();
             let others = std::iter::once(Placement::Replicate)
-                .chain((0..logical.len()).map(Placement::split));
+                .chain((0..logical.len()).map(Placement::split))
+                .chain(chunks);
             v.extend(others.filter(|&p| p != g));
         }
         v
@@ -82,14 +93,6 @@ pub(crate) fn fitting_layouts(
                     .with(Axis::Dp, dp)
                     .with(Axis::Cp, cp)
                     .with(Axis::Tp, tp);
-                let dims: Vec<usize> = Axis::ALL
-                    .iter()
-                    .filter(|&&a| mesh.size(a) > 1)
-                    .filter_map(|&a| dim_of(l.along(a)))
-                    .collect();
-                if (1..dims.len()).any(|i| dims[..i].contains(&dims[i])) {
-                    continue;
-                }
                 if local_shape(&l, logical, mesh).as_deref() != Some(local) {
                     continue;
                 }
