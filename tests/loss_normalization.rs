@@ -33,11 +33,17 @@ fn scaled(t: &Tensor, k: f64) -> Tensor {
 /// two activation gradients, the candidate's gradients `factor` times the reference's; `auto`
 /// marks the candidate's normalization as unknown.
 fn traces(dir: &Path, factor: f64, auto: bool) -> (PathBuf, PathBuf) {
+    traces_on(dir, factor, auto, Mesh::new(1, 1, 2, false).unwrap())
+}
+
+/// [`traces`] on `mesh`: the batch (dim 0) split along dp, the sequence (dim 1) cut into
+/// context parallelism's load-balanced chunks along cp.
+fn traces_on(dir: &Path, factor: f64, auto: bool, mesh: Mesh) -> (PathBuf, PathBuf) {
     let (x, g1, g2) = (tensor(&[4, 8], 1), tensor(&[4, 8], 2), tensor(&[4, 8], 3));
     let ids = ["m|fwd.output.0", "m|grad.output.0", "m|grad.input.0"];
     let mut split = Layout::replicated();
     split.dp = Placement::split(0);
-    let dp2 = Mesh::new(1, 1, 2, false).unwrap();
+    split.cp = Placement::CpChunks { dim: 1 };
     let none = HashMap::new();
     let (r, c) = (dir.join("reference"), dir.join("candidate"));
     let whole: Vec<_> = ids
@@ -50,11 +56,11 @@ fn traces(dir: &Path, factor: f64, auto: bool) -> (PathBuf, PathBuf) {
         .iter()
         .zip([x, scaled(&g1, factor), scaled(&g2, factor)])
         .map(|(id, t)| {
-            let shards = ttrace::shard::shard(&t, &split, &dp2, id).unwrap();
+            let shards = ttrace::shard::shard(&t, &split, &mesh, id).unwrap();
             (id.to_string(), split, shards)
         })
         .collect();
-    write_trace_dir(&c, &dp2, None, &sharded, &HashMap::new(), &none).unwrap();
+    write_trace_dir(&c, &mesh, None, &sharded, &HashMap::new(), &none).unwrap();
     if auto {
         let m = c.join("manifest.json");
         let text = std::fs::read_to_string(&m).unwrap();
@@ -129,5 +135,35 @@ fn a_stated_normalization_is_not_second_guessed() {
         check.report.first_failure.as_deref(),
         Some("m|grad.output.0")
     );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn under_context_parallelism_the_divisor_is_the_one_that_fits_among_dp_cp_dp_and_cp() {
+    // dp = 2, cp = 2: each rank's own mean (torchtitan: ×4), a mean over the batch shard but a
+    // global count over the sequence (×2 = dp, or ×2 = cp: the same reading), the global
+    // count (×1). Halving and quartering FP32 values is exact.
+    let mesh = Mesh::new(1, 2, 2, false).unwrap();
+    for (factor, divisor) in [(4.0, 4), (2.0, 2), (1.0, 1)] {
+        let d = temp(&format!("cp{divisor}"));
+        let (r, c) = traces_on(&d, factor, true, mesh);
+        let check = check_dir_paths(&r, &c, PricingMode::Auto, &|| {}).unwrap();
+        let loss = check.loss.as_ref().expect("settled");
+        assert_eq!((loss.dp, loss.cp, loss.divisor), (2, 2, divisor), "{loss:?}");
+        assert_eq!(loss.local_mean, divisor > 1);
+        assert_eq!(loss.error_chosen, 0.0);
+        assert_eq!(check.report.failures, 0, "{:?}", check.report);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+    // cp alone (dp = 1) is settled too; a factor no reading explains still fails.
+    let cp2 = Mesh::new(1, 2, 1, false).unwrap();
+    let d = temp("cp-only");
+    let (r, c) = traces_on(&d, 2.0, true, cp2);
+    let check = check_dir_paths(&r, &c, PricingMode::Auto, &|| {}).unwrap();
+    assert_eq!(check.loss.as_ref().map(|l| l.divisor), Some(2));
+    assert_eq!(check.report.failures, 0);
+    let (r, c) = traces_on(&d.join("odd"), 3.0, true, mesh);
+    let check = check_dir_paths(&r, &c, PricingMode::Auto, &|| {}).unwrap();
+    assert!(check.report.failures >= 1);
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -292,6 +292,18 @@ def test_meshes_as_engines_build_them():
         _placement_layout("w", (Replicate(), Shard(0), Replicate()), hsdp, shape, mm)
     # A flattened torchtitan dimension (dp_shard_cp) is data parallel.
     assert _MeshMap(_FakeMesh(("dp_shard_cp",), (2,), (1,)), {}).sizes["dp"] == 2
+    # ... and holds the context-parallel ranks inside the data-parallel ones when the mesh it
+    # was cut from has a cp dimension: FSDP2 over (dp_shard_cp, tp) of (dp_shard, cp, tp)
+    # = (2, 2, 2), at coordinate 3 = d·cp + c with d = 1, c = 1.
+    root = _FakeMesh(("dp_replicate", "dp_shard", "cp", "tp"), (1, 2, 2, 2), (0, 1, 1, 0))
+    flat = _FakeMesh(("dp_shard_cp", "tp"), (4, 2), (3, 0))
+    flat._get_root_mesh = lambda: root
+    mm = _MeshMap(flat, {})
+    assert mm.sizes == {"tp": 2, "cp": 2, "dp": 2} and mm.coords == {"tp": 0, "cp": 1, "dp": 1}
+    lay = _placement_layout("w", (Shard(0), Replicate()), flat, (8, 6), mm)
+    # dp cuts first, cp cuts what dp left: the flattened dimension's contiguous split.
+    assert lay["dp"] == lay["cp"] == {"kind": "split", "dim": 0, "groups": 1}
+    assert lay["tp"]["kind"] == "replicate"
     # Pipeline parallelism of size 2: not placeable — said per tensor, with the fix.
     pp = _FakeMesh(("pp", "tp"), (2, 2), (0, 1))
     mm = _MeshMap(pp, {})

@@ -74,9 +74,11 @@ class CheckReport:
     #: {"autocast=f16": 18}, "candidate": {"fp32_matmul=tf32": 20}}`` (tensors per setting).
     arithmetic: Dict[str, Dict[str, int]]
     #: How the candidate's data-parallel ranks normalized their loss, where the tracer did not
-    #: know and the checker settled it from the reference: ``{"local_mean", "dp", "tensors",
-    #: "error_local", "error_global"}`` (``local_mean``: each rank averaged over its own share
-    #: of the batch, so activation gradients were read divided by dp), else None.
+    #: know and the checker settled it from the reference: ``{"local_mean", "dp", "cp",
+    #: "divisor", "tensors", "error_local", "error_global", "error_chosen"}`` (``local_mean``:
+    #: each rank averaged over its own share of the batch's tokens, so activation gradients
+    #: were read divided by ``divisor`` — dp·cp, dp or cp; ``error_local`` at dp·cp,
+    #: ``error_global`` as stored, ``error_chosen`` at the divisor taken), else None.
     loss_normalization: Optional[Dict[str, Any]]
     #: The text of the report (``str(report)``).
     text: str

@@ -65,9 +65,14 @@ impl LossNormalization {
             );
         }
         let how = if self.local_mean {
+            let share = if self.cp > 1 {
+                "its own share of the batch's tokens"
+            } else {
+                "its own share of the batch"
+            };
             format!(
-                "each rank averaged its loss over its own share of the data ({ranks}): \
-                 activation gradients read divided by {}",
+                "each rank averaged its loss over {share} ({ranks}): activation gradients \
+                 read divided by {}",
                 self.divisor
             )
         } else {

@@ -194,6 +194,38 @@ mod tests {
     }
 
     #[test]
+    fn context_parallel_chunks_and_a_second_cut_of_the_sequence_are_candidates() {
+        // torchtitan: the sequence (dim 1) in load-balanced chunks along cp, each rank's
+        // chunks cut again along tp by sequence parallelism; the batch split along dp.
+        let m = Mesh::new(2, 2, 2, false).unwrap();
+        let g = Layout {
+            dp: Placement::split(0),
+            cp: Placement::Replicate,
+            tp: Placement::split(1),
+        };
+        let fits = infer(g, &[Axis::Dp, Axis::Cp], &[4, 16, 8], &[2, 4, 8], &m);
+        let chunks = g.with(Axis::Cp, Placement::CpChunks { dim: 1 });
+        assert!(fits.contains(&chunks), "{fits:?}");
+        assert!(fits.contains(&g.with(Axis::Cp, Placement::split(1))));
+        // The nested cut is the one the merge undoes: shard then merge round-trips.
+        let n = 4 * 16 * 8;
+        let t = crate::tensor::Tensor::from_parts_unchecked(
+            &[4, 16, 8],
+            (0..n).map(|i| i as f64).collect(),
+            crate::format::Format::F32,
+        );
+        let shards = crate::shard::layout::shard(&t, &chunks, &m, "x").unwrap();
+        assert_eq!(shards[0].shape(), &[2, 4, 8]);
+        // cp rank 0 holds chunks 0 and 3 of 4 (tokens 0..4 and 12..16); its tp rank 1 the
+        // second half of those: tokens 12..16. cp rank 1, tp rank 0: tokens 4..8.
+        let at = |cp, tp| m.rank(crate::shard::layout::Coords { dp: 0, cp, tp });
+        assert_eq!(shards[at(0, 1)].values()[0], (12 * 8) as f64);
+        assert_eq!(shards[at(1, 0)].values()[0], (4 * 8) as f64);
+        // A cp axis that is not free keeps its guess.
+        assert!(infer(g, &[Axis::Dp], &[4, 16, 8], &[2, 4, 8], &m).is_empty());
+    }
+
+    #[test]
     fn shapes_no_layout_explains_give_none() {
         let g = lay(Placement::Replicate, Placement::Replicate);
         assert!(infer(g, &ALL, &[6, 4], &[5, 4], &mesh(2, 1)).is_empty());
