@@ -149,7 +149,11 @@ fn under_context_parallelism_the_divisor_is_the_one_that_fits_among_dp_cp_dp_and
         let (r, c) = traces_on(&d, factor, true, mesh);
         let check = check_dir_paths(&r, &c, PricingMode::Auto, &|| {}).unwrap();
         let loss = check.loss.as_ref().expect("settled");
-        assert_eq!((loss.dp, loss.cp, loss.divisor), (2, 2, divisor), "{loss:?}");
+        assert_eq!(
+            (loss.dp, loss.cp, loss.divisor),
+            (2, 2, divisor),
+            "{loss:?}"
+        );
         assert_eq!(loss.local_mean, divisor > 1);
         assert_eq!(loss.error_chosen, 0.0);
         assert_eq!(check.report.failures, 0, "{:?}", check.report);

@@ -410,7 +410,8 @@ def hf(directory: str, bug: str) -> None:
     training step, traced with no argument but the directory. The weights come from one seed,
     saved and loaded as a checkpoint (as ``from_pretrained`` loads them under TP). Bugs:
     ``rotary`` shifts rank 1's rotary positions by one (in the attention's functional core),
-    ``scale-o`` scales rank 1's share of layer 0's ``o_proj`` output by 1 + 1e-2."""
+    ``scale-o`` scales rank 1's share of layer 0's ``o_proj`` output by 1 + 1e-2,
+    ``no-allreduce-o`` skips layer 0's ``o_proj`` all-reduce (its partial product handed on)."""
     import tempfile
 
     import transformers
@@ -452,6 +453,20 @@ def hf(directory: str, bug: str) -> None:
     if bug == "scale-o" and world > 1 and dist.get_rank() == 1:
         model.model.layers[0].self_attn.o_proj.register_forward_hook(
             lambda m, a, out: out * (1 + 1e-2))
+    if bug == "no-allreduce-o" and world > 1:
+        # Layer 0's o_proj hands its caller the local partial product: the row-parallel
+        # all-reduce is skipped (its Partial() output made local as is).
+        from transformers.distributed import tensor_parallel as hf_tp
+
+        target = model.model.layers[0].self_attn.o_proj
+        post = hf_tp.RowwiseParallel.transform_output_post_forward
+
+        def skip(self, module, output, mesh):  # type: ignore[no-untyped-def]
+            if module is target:
+                return output.to_local()
+            return post(self, module, output, mesh)
+
+        hf_tp.RowwiseParallel.transform_output_post_forward = skip
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 128, (2, 16), generator=gen)
     tracer = ttrace.Tracer(model, directory)

@@ -49,3 +49,17 @@ def test_a_scaled_attention_output_on_one_rank_is_found(traces):
     # as the caller receives it): localized to o_proj, with the rank (was the gap after it).
     assert report.localization["module"] == "model.layers.0.self_attn.o_proj", str(report)
     assert report.localization["rank"] == 1, str(report)
+
+
+def test_a_missing_all_reduce_is_found_at_the_module_that_skipped_it(traces):
+    ref = traces("hf", FAMILY="llama")
+    report = ttrace.check(ref, traces("hf", 2, "no-allreduce-o", FAMILY="llama"))
+    assert not report.passed
+    # o_proj's own output, a Partial() made local, merges to the right sum: the difference
+    # shows where its caller uses one rank's addend — and is named at o_proj (was the gap
+    # after it).
+    loc = report.localization
+    assert loc["module"] == "model.layers.0.self_attn.o_proj", str(report)
+    assert loc["tensor"] == "model.layers.0.self_attn.o_proj|fwd.output.0"
+    assert "partial sum over tp" in loc["detail"] and "missing all-reduce" in loc["detail"]
+    assert loc["rank"] is None  # every rank skipped it

@@ -1188,6 +1188,8 @@ class Tracer:
         derived = None
         guessed: List[str] = []
         scalar_mean = False
+        #: Axes along which a module hands its caller a partial sum as a plain tensor.
+        unreduced: List[str] = []
         try:
             if self._dtensor is not None and isinstance(t, self._dtensor):
                 dt = cast(Any, t)
@@ -1206,6 +1208,12 @@ class Tracer:
                 derived, guessed = (self._derived(tid, name, role, i, t, inherit)
                                     if param is None else (None, []))
                 layout = derived if derived is not None else self._layout(name, role, i, t, param)
+                if (role == "fwd.output" and derived is not None
+                        and getattr(t.grad_fn, "dtensor_spec", None) is not None):
+                    # A DTensor's Partial() made local and handed on with no reduction: merged
+                    # as the sum it is, but the caller's plain code uses one rank's addend.
+                    unreduced = [a for a in ("dp", "cp", "tp")
+                                 if derived.get(a, {}).get("kind") == "partial"]
                 if derived is None and self.mesh.world() > 1:
                     # Neither a DTensor, nor declared, nor derived from one: a guess the
                     # checker settles from the shapes. Under data parallelism the batch
@@ -1294,6 +1302,8 @@ class Tracer:
         module_info = self._module_info(name)
         if info:
             module_info = {**info, **(module_info or {})}  # declared formats win
+        if unreduced:
+            module_info = {**(module_info or {}), "unreduced": unreduced}
         settings = self._s.arith.get(name)
         if settings:
             module_info = {**settings, **(module_info or {})}

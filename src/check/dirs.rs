@@ -834,7 +834,7 @@ pub fn check_dirs(
         progress();
     }
     let (producer, kinds) = side_info(reference);
-    Ok(DirCheck {
+    let check = DirCheck {
         loss,
         ..finish(
             &plan,
@@ -845,7 +845,48 @@ pub fn check_dirs(
             mode,
             inferred,
         )
-    })
+    };
+    Ok(unreduced_producer(candidate, check))
+}
+
+/// A first failure in a tensor consumed after module `m` (untraced code between), where `m`
+/// handed its output to plain code as a partial sum ([`ModuleInfo::unreduced`]
+/// (crate::io::ModuleInfo::unreduced)): the difference was born at `m`, whose missing
+/// reduction its own output — merged as the sum it is — cannot show. The localization names
+/// `m` and its output, and says why.
+fn unreduced_producer(candidate: &TraceDir, mut check: DirCheck) -> DirCheck {
+    let Some(loc) = check.localization.as_mut() else {
+        return check;
+    };
+    let (Some(after), Some(Pass::Forward)) = (loc.born_after.clone(), loc.pass) else {
+        return check;
+    };
+    let prefix = format!("{after}|fwd.output.");
+    let hit = candidate.manifest().tensors.iter().find_map(|e| {
+        let m = e.module.as_ref()?;
+        (e.id.starts_with(&prefix) && !m.unreduced.is_empty()).then_some((e, m))
+    });
+    if let Some((e, m)) = hit {
+        let axes: Vec<&str> = m.unreduced.iter().map(|a| a.name()).collect();
+        loc.detail = format!(
+            "module {} handed its output {} to plain code as a partial sum over {} (a DTensor \
+             Partial() made local without its reduction): a missing all-reduce, seen where the \
+             sum is used, in {}: {}",
+            printable(&after),
+            printable(&e.id),
+            axes.join(" and "),
+            printable(&loc.tensor),
+            loc.detail
+        );
+        loc.tensor = e.id.clone();
+        loc.kind = m.kind.or(loc.kind);
+        loc.module = after;
+        loc.born_after = None;
+        // Every rank skipped it: the consumer's differing replica names no culprit.
+        loc.rank = None;
+        loc.ratio = f64::INFINITY;
+    }
+    check
 }
 
 /// The trace directories to compare for `reference` and `candidate` as a user names them: the
@@ -989,7 +1030,7 @@ pub fn check_dir_traces(
     })
     .into_iter()
     .collect::<Result<_>>()?;
-    Ok(DirCheck {
+    let check = DirCheck {
         loss,
         ..finish(
             &plan,
@@ -1000,5 +1041,6 @@ pub fn check_dir_traces(
             mode,
             inferred,
         )
-    })
+    };
+    Ok(unreduced_producer(c0, check))
 }

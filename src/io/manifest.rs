@@ -64,6 +64,12 @@ pub struct ModuleInfo {
     /// convolutions, the device.
     #[serde(default, flatten)]
     pub arith: ModuleArith,
+    /// The axes along which the module handed its caller a partial sum as a plain tensor (a
+    /// DTensor `Partial()` made local with no reduction): merged as the sum it is, so the
+    /// output itself passes — but the caller's plain code uses one rank's addend. When a tensor
+    /// it feeds is the first to fail, the check names this module: a missing reduction.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unreduced: Vec<crate::shard::Axis>,
 }
 
 /// The arithmetic settings in force for one module call (PyTorch's `torch.autocast`,
@@ -124,6 +130,7 @@ impl ModuleInfo {
             accumulate: None,
             combine: None,
             arith: ModuleArith::default(),
+            unreduced: vec![],
         }
     }
 }
