@@ -67,10 +67,12 @@ def make() -> "tuple[Model, torch.Tensor]":
 
 def tp(directory: str, bug: str) -> None:
     """Tensor parallelism with sequence parallelism (DTensor): norms on sequence shards,
-    fc1 column-parallel, fc2 row-parallel with a reduce-scatter back to sequence shards.
-    Bug ``wrong-shard``: block1.fc1's weight shards in the wrong rank order."""
+    fc1 column-parallel, fc2 row-parallel with a reduce-scatter back to sequence shards
+    (TTRACE_TEST_SP=0: no sequence parallelism, fc2's output all-reduced).
+    Bugs: ``wrong-shard``: block1.fc1's weight shards in the wrong rank order;
+    ``fc2-partial`` (without SP): block0.fc2's output layout Partial(), never reduced."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Partial, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -80,6 +82,7 @@ def tp(directory: str, bug: str) -> None:
 
     model, x = make()
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    sp = os.environ.get("TTRACE_TEST_SP", "1") == "1"
     if world > 1:
         if os.environ.get("TTRACE_TEST_MESH") == "nd":
             # As transformers and torchtitan build it: one n-D root mesh, every dimension but
@@ -96,6 +99,12 @@ def tp(directory: str, bug: str) -> None:
                 f"{name}.fc1": ColwiseParallel(input_layouts=Shard(1)),
                 f"{name}.fc2": RowwiseParallel(output_layouts=Shard(1)),
             }
+            if not sp:
+                plan = {f"{name}.fc1": ColwiseParallel(), f"{name}.fc2": RowwiseParallel()}
+                if bug == "fc2-partial" and name == "block0":
+                    # The reduction deferred (a Partial() output layout) and never done: the
+                    # local partial product is handed on as a plain tensor.
+                    plan[f"{name}.fc2"] = RowwiseParallel(output_layouts=Partial())
             parallelize_module(model, mesh, plan)
         if bug == "wrong-shard":
             # A checkpoint loaded with the shards in the wrong order: block1.fc1's rows on
@@ -104,8 +113,9 @@ def tp(directory: str, bug: str) -> None:
             other = (r + 1) % world
             with torch.no_grad():
                 model.block1.fc1.weight.to_local().copy_(full[other * n:(other + 1) * n])
-        r, n = dist.get_rank(), SEQ // world
-        x = x[:, r * n:(r + 1) * n].contiguous()
+        if sp:
+            r, n = dist.get_rank(), SEQ // world
+            x = x[:, r * n:(r + 1) * n].contiguous()
     tracer = ttrace.Tracer(model, directory)
     with tracer.step():
         model(x).pow(2).sum().backward()

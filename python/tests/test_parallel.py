@@ -56,6 +56,18 @@ def test_an_n_dimensional_root_mesh_needs_no_declarations(traces, recwarn):
     assert (mesh["tp"], mesh["dp"], mesh["cp"]) == (2, 1, 1)
 
 
+def test_a_deferred_reduction_never_done_is_named_at_its_module(traces):
+    # block0.fc2 under RowwiseParallel(output_layouts=Partial()): the tracer records its
+    # output as the partial sum it is (so it merges right); the residual add uses one rank's
+    # addend. The clean run without SP passes; the bug is named at fc2, not the gap after it.
+    assert ttrace.check(traces("tp"), traces("tp", 2, SP="0")).passed
+    report = ttrace.check(traces("tp"), traces("tp", 2, "fc2-partial", SP="0"))
+    assert not report.passed
+    loc = report.localization
+    assert loc["module"] == "block0.fc2" and loc["tensor"] == "block0.fc2|fwd.output.0"
+    assert "missing all-reduce" in loc["detail"], loc
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dtensor_wrong_weight_shard_fails_at_its_module(traces, dtype):
     report = ttrace.check(traces("tp", dtype=dtype), traces("tp", 2, "wrong-shard", dtype))

@@ -1426,9 +1426,23 @@ class Tracer:
                 if layout is not None:
                     self._s.final[(name, i)] = (shape, layout)
                     self._rerecord_if_hooked(name, i, o, layout)
+                    if not _is_dtensor(o, self._dtensor):
+                        self._mark_unreduced(tid, o, layout)
                 if o.requires_grad and torch.is_grad_enabled():
                     o.register_hook(self._output_grad(name, i))
         return hook
+
+    def _mark_unreduced(self, tid: str, o: torch.Tensor, layout: dict) -> None:
+        """A module output its caller receives as a plain tensor made local from a DTensor's
+        Partial() (a parallel style whose output layout is Partial, handed on with
+        ``use_local_output``): marked in its module info, for the check to name the module
+        when the sum's use fails (see :meth:`_record`)."""
+        if getattr(o.grad_fn, "dtensor_spec", None) is None or tid not in self._s.meta:
+            return
+        axes = [a for a in ("dp", "cp", "tp") if layout.get(a, {}).get("kind") == "partial"]
+        if axes:
+            meta = self._s.meta[tid]
+            meta["module"] = {**(meta.get("module") or {}), "unreduced": axes}
 
     def _rerecord_if_hooked(self, name: str, i: int, o: torch.Tensor, layout: dict) -> None:
         """An output hook that changed a module's output without changing its placement (a
