@@ -196,12 +196,14 @@ def titan(directory: str, bug: str) -> None:
     ``dp_shard_cp``, context parallelism on ``mesh["cp"]`` with head-tail load balancing (each cp
     rank holds sequence chunks c and 2·cp − 1 − c; keys and values all-gathered, as torch's CP
     does for flex attention), each rank's loss averaged over its own tokens — and the Tracer
-    given nothing but the model. Bugs: those of llama.py (``rope-positions-local``,
+    given nothing but the model. TTRACE_TEST_CPDT=1: the queries pass a traced module as
+    DTensors sharded along the sequence on the cp mesh, as torch's CP hands them to attention. Bugs: those of llama.py (``rope-positions-local``,
     ``cp-mask-local``, ``softmax-scale-local``, ``norm-grad-not-reduced``)."""
     import llama as L
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     L.BUG = bug if world > 1 else ""
+    L.CORE = os.environ.get("TTRACE_TEST_CPDT") == "1"
     dtype = getattr(torch, os.environ.get("TTRACE_TEST_DTYPE", "float32"))
     torch.manual_seed(0)
     model = L.Llama().to(dtype)
@@ -226,6 +228,8 @@ def titan(directory: str, bug: str) -> None:
         tokens, labels = tokens[d * n:(d + 1) * n], labels[d * n:(d + 1) * n]
         if sizes["cp"] > 1:
             L.CP_GROUP = mesh["cp"].get_group()
+            if L.CORE:
+                L.CP_MESH = mesh["cp"]
             L.POSITIONS = L.head_tail(L.SEQ, sizes["cp"], mesh.get_local_rank("cp"))
             tokens, labels = tokens[:, L.POSITIONS], labels[:, L.POSITIONS]
     tracer = ttrace.Tracer(model, directory)

@@ -26,6 +26,10 @@ HD = DIM // HEADS
 #: rank's tokens (torchtitan's head-tail load balancing: chunks c and 2·cp − 1 − c of 2·cp).
 CP_GROUP = None
 POSITIONS = None
+#: The queries pass a traced module (``core``, an identity) — as DTensors on CP_MESH, the cp
+#: device mesh, when it is set (TTRACE_TEST_CPDT=1).
+CORE = False
+CP_MESH = None
 
 
 def head_tail(seq: int, cp: int, rank: int) -> torch.Tensor:
@@ -76,9 +80,18 @@ class Attention(nn.Module):
         super().__init__()
         s.wq = nn.Linear(DIM, HEADS * HD, bias=False); s.wk = nn.Linear(DIM, KV * HD, bias=False)
         s.wv = nn.Linear(DIM, KV * HD, bias=False); s.wo = nn.Linear(HEADS * HD, DIM, bias=False)
+        s.core = nn.Identity()  # traced: the queries as a DTensor under CP_MESH
     def forward(s, x):
         b, t, _ = x.shape
         q = s.wq(x).view(b, t, -1, HD); k = s.wk(x).view(b, t, -1, HD); v = s.wv(x).view(b, t, -1, HD)
+        if CP_MESH is not None:
+            # As torch's context parallelism hands them to attention: the queries a DTensor
+            # sharded along the sequence on the cp mesh (Shard, whatever the token order).
+            from torch.distributed.tensor import DTensor, Shard
+
+            q = s.core(DTensor.from_local(q, CP_MESH, [Shard(1)], run_check=False)).to_local()
+        elif CORE:
+            q = s.core(q)
         q, k = rope(q), rope(k)
         rep = q.shape[2] // k.shape[2]
         k = k.repeat_interleave(rep, dim=2); v = v.repeat_interleave(rep, dim=2)

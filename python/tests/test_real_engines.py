@@ -239,6 +239,17 @@ def test_torchtitan_dp_shard_cp_tp_mesh_clean_run_passes_with_no_arguments(trace
     assert loss["error_chosen"] < 1e-2 < 1.0 < loss["error_global"]
 
 
+def test_queries_as_dtensors_sharded_on_a_load_balanced_cp_mesh_pass(traces):
+    # torch's CP hands attention DTensors placed Shard(seq) on the cp mesh whatever order its
+    # load balancer put the tokens in (head-tail here): the order is settled from the values
+    # (was a false alarm at the first such tensor, merged as contiguous).
+    report = ttrace.check(titan(traces, CPDT="1"), titan(traces, 2, CP="2", CPDT="1"))
+    assert report.passed, str(report)
+    for role in ("fwd.input.0", "grad.output.0"):
+        assert report.inferred_layouts[f"layers.0.attention.core|{role}"]["cp"] == {
+            "kind": "cp_chunks", "dim": 1}
+
+
 def test_torchtitan_mesh_a_causal_mask_of_local_positions_is_born_in_the_attention_core(traces):
     report = ttrace.check(titan(traces, dtype="bfloat16"),
                           titan(traces, 8, "cp-mask-local", "bfloat16", **TITAN))

@@ -1200,6 +1200,13 @@ class Tracer:
                                            mm)
                 if param is None:
                     layout = self._uncovered(layout, mm, dt.dim())
+                    if self.mesh.cp > 1 and layout["cp"]["kind"] == "split":
+                        # Context parallelism places the sequence as Shard(seq) on the cp mesh
+                        # in whatever order its load balancer put the tokens (torch's CP:
+                        # head-tail chunks for causal attention): the order is settled from
+                        # the values.
+                        layout = {**layout,
+                                  "_guessed": sorted(set(layout.get("_guessed", [])) | {"cp"})}
                 local = dt.to_local()
                 derived = layout
                 self._remember(getattr(dt, "_local_tensor", local), local, layout)
