@@ -191,9 +191,9 @@ def llama(directory: str, bug: str) -> None:
 
 def titan(directory: str, bug: str) -> None:
     """The Llama of llama.py parallelized as torchtitan does on an n-D mesh: one root mesh
-    ``(dp_replicate, dp_shard, cp, tp)`` (sizes TTRACE_TEST_DP_SHARD, TTRACE_TEST_CP,
-    TTRACE_TEST_TP; dp_replicate 1), the TP + SP plan on ``mesh["tp"]``, FSDP2 over the flattened
-    ``dp_shard_cp``, context parallelism on ``mesh["cp"]`` with head-tail load balancing (each cp
+    ``(dp_replicate, dp_shard, cp, tp)`` (sizes TTRACE_TEST_DP_REPLICATE, TTRACE_TEST_DP_SHARD,
+    TTRACE_TEST_CP, TTRACE_TEST_TP; default 1), the TP + SP plan on ``mesh["tp"]``, FSDP2 over
+    the flattened ``dp_shard_cp`` (HSDP over ``(dp_replicate, dp_shard_cp)``), context parallelism on ``mesh["cp"]`` with head-tail load balancing (each cp
     rank holds sequence chunks c and 2·cp − 1 − c; keys and values all-gathered, as torch's CP
     does for flex attention), each rank's loss averaged over its own tokens — and the Tracer
     given nothing but the model. TTRACE_TEST_CPDT=1: the queries pass a traced module as
@@ -215,16 +215,22 @@ def titan(directory: str, bug: str) -> None:
         from torch.distributed.fsdp import fully_shard
 
         sizes = {k: int(os.environ.get(f"TTRACE_TEST_{k.upper()}", "1"))
-                 for k in ("dp_shard", "cp", "tp")}
-        mesh = init_device_mesh("cpu", (1, sizes["dp_shard"], sizes["cp"], sizes["tp"]),
+                 for k in ("dp_replicate", "dp_shard", "cp", "tp")}
+        mesh = init_device_mesh("cpu", tuple(sizes.values()),
                                 mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         if sizes["tp"] > 1:
             L.parallelize(model, mesh["tp"], bug)
+        # HSDP (dp_replicate > 1): replicated over dp_replicate, sharded over dp_shard_cp.
+        fsdp = (mesh["dp_replicate", "dp_shard_cp"] if sizes["dp_replicate"] > 1
+                else mesh["dp_shard_cp"])
         for layer in model.layers.values():
-            fully_shard(layer, mesh=mesh["dp_shard_cp"])
-        fully_shard(model, mesh=mesh["dp_shard_cp"])
-        d, n = mesh.get_local_rank("dp_shard"), L.BATCH // sizes["dp_shard"]
+            fully_shard(layer, mesh=fsdp)
+        fully_shard(model, mesh=fsdp)
+        dp = sizes["dp_replicate"] * sizes["dp_shard"]
+        d = mesh.get_local_rank("dp_replicate") * sizes["dp_shard"] + mesh.get_local_rank(
+            "dp_shard")
+        n = L.BATCH // dp
         tokens, labels = tokens[d * n:(d + 1) * n], labels[d * n:(d + 1) * n]
         if sizes["cp"] > 1:
             L.CP_GROUP = mesh["cp"].get_group()

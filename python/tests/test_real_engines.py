@@ -239,6 +239,17 @@ def test_torchtitan_dp_shard_cp_tp_mesh_clean_run_passes_with_no_arguments(trace
     assert loss["error_chosen"] < 1e-2 < 1.0 < loss["error_global"]
 
 
+def test_hsdp_with_context_parallelism_passes(traces):
+    # HSDP over (dp_replicate, dp_shard_cp): each parameter gradient replicated over one data
+    # dimension and sharded over the other — gathered when read (was refused: "the mesh
+    # dimensions of the dp axis place it differently", a crash of the step).
+    report = ttrace.check(titan(traces), titan(traces, 4, DP_REPLICATE="2", CP="2"))
+    assert report.passed, str(report)
+    grads = [r for r in report.rows if r.id.endswith("|param_grad")]
+    assert len(grads) > 15 and "layers.1.feed_forward.w2.weight|param_grad" in {
+        r.id for r in grads}
+
+
 def test_queries_as_dtensors_sharded_on_a_load_balanced_cp_mesh_pass(traces):
     # torch's CP hands attention DTensors placed Shard(seq) on the cp mesh whatever order its
     # load balancer put the tokens in (head-tail here): the order is settled from the values

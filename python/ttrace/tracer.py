@@ -578,6 +578,26 @@ def _gather_strided(dt: Any) -> Any:
     return dt.redistribute(dt.device_mesh, placements)
 
 
+def _gather_mixed(dt: Any, mm: "_MeshMap") -> Any:
+    """A parameter gradient placed differently by the mesh dimensions of one ttrace axis —
+    HSDP's replicated over ``dp_replicate`` and sharded over ``dp_shard`` (or
+    ``dp_shard_cp``) — gathered along the sharding ones (a collective every rank makes, in the
+    same order, when the step's gradients are read): exact, and one placement per axis."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    kinds: Dict[str, set] = {}
+    for i, axis, _ in mm.placed():
+        p = dt.placements[i]
+        kinds.setdefault(axis, set()).add((type(p).__name__, getattr(p, "dim", None)))
+    mixed = {a for a, k in kinds.items() if len(k) > 1}
+    if not mixed:
+        return dt
+    dims = {i for i, axis, _ in mm.placed() if axis in mixed}
+    placements = [Replicate() if i in dims and type(p) is Shard else p
+                  for i, p in enumerate(dt.placements)]
+    return dt.redistribute(dt.device_mesh, placements)
+
+
 def _owns(owner: Optional[torch.Tensor], t: torch.Tensor) -> bool:
     """Whether ``owner`` is alive and still holds the memory ``t`` points into."""
     if owner is None:
@@ -1196,6 +1216,8 @@ class Tracer:
                 if param is not None and not _expressible(dt):
                     dt = _gather_strided(dt)
                 mm = self._mesh_of(dt.device_mesh)
+                if param is not None and mm.error is None:
+                    dt = _gather_mixed(dt, mm)
                 layout = _placement_layout(tid, dt.placements, dt.device_mesh, tuple(dt.shape),
                                            mm)
                 if param is None:
