@@ -204,6 +204,7 @@ def titan(directory: str, bug: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     L.BUG = bug if world > 1 else ""
     L.CORE = os.environ.get("TTRACE_TEST_CPDT") == "1"
+    L.LOSS_PARALLEL = os.environ.get("TTRACE_TEST_LOSS_PARALLEL") == "1"
     dtype = getattr(torch, os.environ.get("TTRACE_TEST_DTYPE", "float32"))
     torch.manual_seed(0)
     model = L.Llama().to(dtype)
@@ -238,11 +239,19 @@ def titan(directory: str, bug: str) -> None:
                 L.CP_MESH = mesh["cp"]
             L.POSITIONS = L.head_tail(L.SEQ, sizes["cp"], mesh.get_local_rank("cp"))
             tokens, labels = tokens[:, L.POSITIONS], labels[:, L.POSITIONS]
+    import contextlib
+
+    lp: "contextlib.AbstractContextManager[None]" = contextlib.nullcontext()
+    if L.LOSS_PARALLEL and world > 1:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        lp = loss_parallel()
     tracer = ttrace.Tracer(model, directory)
     with tracer.step():
         logits = model(tokens)
-        torch.nn.functional.cross_entropy(logits.float().view(-1, L.VOCAB),
-                                          labels.reshape(-1)).backward()
+        with lp:
+            torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                              labels.reshape(-1)).backward()
     tracer.close()
 
 

@@ -30,6 +30,8 @@ POSITIONS = None
 #: device mesh, when it is set (TTRACE_TEST_CPDT=1).
 CORE = False
 CP_MESH = None
+#: torchtitan's loss parallelism (set by the job): see ``parallelize``.
+LOSS_PARALLEL = False
 
 
 def head_tail(seq: int, cp: int, rank: int) -> torch.Tensor:
@@ -156,7 +158,11 @@ def parallelize(model: Llama, mesh, bug: str = "") -> None:
     parallelize_module(model, mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        # LOSS_PARALLEL (torchtitan's default under TP): the logits stay sharded over the
+        # vocabulary as a DTensor, for a cross-entropy under loss_parallel().
+        "output": (ColwiseParallel(input_layouts=Shard(1), use_local_output=False)
+                   if LOSS_PARALLEL else
+                   ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())),
     })
     for index, blk in model.layers.items():
         seq_to_full = PrepareModuleInput(input_layouts=(Shard(1),),

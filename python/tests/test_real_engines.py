@@ -220,11 +220,15 @@ def titan(traces, world=1, bug="", dtype="float32", **env):
     return traces("titan", world, bug, dtype, **env)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_torchtitan_dp_shard_cp_tp_mesh_clean_run_passes_with_no_arguments(traces, dtype):
+@pytest.mark.parametrize("dtype,loss_parallel", [("float32", "1"), ("bfloat16", "0")])
+def test_torchtitan_dp_shard_cp_tp_mesh_clean_run_passes_with_no_arguments(traces, dtype,
+                                                                          loss_parallel):
     # 8 ranks: FSDP2 over the flattened dp_shard_cp, TP + SP on mesh["tp"], CP with head-tail
-    # load balancing; each rank averages its loss over its own tokens.
-    report = ttrace.check(titan(traces, dtype=dtype), titan(traces, 8, dtype=dtype, **TITAN))
+    # load balancing; each rank averages its loss over its own tokens. In FP32 the logits stay
+    # sharded over the vocabulary for a cross-entropy under loss_parallel() (torchtitan's
+    # default under TP).
+    report = ttrace.check(titan(traces, dtype=dtype),
+                          titan(traces, 8, dtype=dtype, LOSS_PARALLEL=loss_parallel, **TITAN))
     assert report.passed, str(report)
     assert len(report.rows) > 100
     # Each activation: batch split along dp, sequence in load-balanced chunks along cp, each
