@@ -98,3 +98,44 @@ fn a_difference_over_every_shard_names_none() {
     assert_eq!(check(&d, tp2, &[0, 1], 1.25), (None, true));
     let _ = std::fs::remove_dir_all(&d);
 }
+
+#[test]
+fn unreduced_parameter_gradients_say_when_they_must_be_read() {
+    // A parameter gradient replicated over tp whose rank-1 copy is its own partial (read
+    // before Megatron's finalize_model_grads all-reduced it): the replicas differ, the rank is
+    // named, and the message gives the other cause than a missing reduction. An activation
+    // that differs the same way gets the plain message.
+    let d = temp("param");
+    let tp2 = Mesh::new(2, 1, 1, false).unwrap();
+    let x = reference();
+    let half = Tensor::from_vec(
+        x.shape(),
+        x.values().iter().map(|v| v * 0.5).collect(),
+        Format::F32,
+    )
+    .unwrap();
+    let none = HashMap::new();
+    for (id, said) in [("m.weight|param_grad", true), (ID, false)] {
+        let (rd, cd) = (d.join(format!("r{said}")), d.join(format!("c{said}")));
+        let whole = [(id.to_string(), Layout::replicated(), vec![x.clone()])];
+        write_trace_dir(&rd, &Mesh::single(), None, &whole, &HashMap::new(), &none).unwrap();
+        let shards = vec![x.clone(), half.clone()];
+        let part = [(id.to_string(), Layout::replicated(), shards)];
+        write_trace_dir(&cd, &tp2, None, &part, &HashMap::new(), &none).unwrap();
+        let out = check_dir_paths(&rd, &cd, PricingMode::Auto, &|| {}).unwrap();
+        let loc = out.localization.expect("fails");
+        assert_eq!(loc.rank, Some(1));
+        assert!(
+            loc.detail.contains("rank 1's copy differs"),
+            "{}",
+            loc.detail
+        );
+        assert_eq!(
+            loc.detail.contains("finalize_model_grads"),
+            said,
+            "{}",
+            loc.detail
+        );
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -163,6 +163,19 @@ struct Gathered {
     dtype_change: Option<String>,
 }
 
+/// The words for replicas that differ; for a parameter gradient, also the other cause than a
+/// missing reduction: gradients read before the engine reduced them.
+fn replica_note(id: &str, e: &Error) -> String {
+    if !id.ends_with("|param_grad") {
+        return e.to_string();
+    }
+    format!(
+        "{e} (parameter gradients must be read after the engine reduces them: Megatron's \
+         finalize_model_grads, called at the end of its forward_backward_func, and DDP's or \
+         FSDP's backward — trace the whole step; if it was, that reduction is missing)"
+    )
+}
+
 /// A tensor whose replicas differ along an axis the writer only guessed as replicated (and
 /// that is no parameter gradient, which no later tensor would check) read as partial sums
 /// along it: what a collective not yet done leaves (the gradient of all-gathered keys under
@@ -292,10 +305,10 @@ fn gather(
             Some((c, l)) => {
                 layout = l;
                 inferred = Some(l);
-                replicas = Some((e.to_string(), rank));
+                replicas = Some((replica_note(id, &e), rank));
                 (Some(c), None, None)
             }
-            None => (None, Some(e.to_string()), Some(rank)),
+            None => (None, Some(replica_note(id, &e)), Some(rank)),
         },
         Err(e) => return Err(e),
     };
