@@ -196,7 +196,8 @@ def titan(directory: str, bug: str) -> None:
     the flattened ``dp_shard_cp`` (HSDP over ``(dp_replicate, dp_shard_cp)``), context parallelism on ``mesh["cp"]`` with head-tail load balancing (each cp
     rank holds sequence chunks c and 2·cp − 1 − c; keys and values all-gathered, as torch's CP
     does for flex attention), each rank's loss averaged over its own tokens — and the Tracer
-    given nothing but the model. TTRACE_TEST_CPDT=1: the queries pass a traced module as
+    given nothing but the model (bug ``rope-rank-5``: global rank 5's rotary positions shifted
+    by one). TTRACE_TEST_CPDT=1: the queries pass a traced module as
     DTensors sharded along the sequence on the cp mesh, as torch's CP hands them to attention. Bugs: those of llama.py (``rope-positions-local``,
     ``cp-mask-local``, ``softmax-scale-local``, ``norm-grad-not-reduced``)."""
     import llama as L

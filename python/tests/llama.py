@@ -71,6 +71,11 @@ def rope(x, start=0):
     pos = torch.arange(start, start + s, dtype=torch.float32)
     if POSITIONS is not None and BUG != "rope-positions-local":
         pos = POSITIONS.to(torch.float32)
+    if BUG == "rope-rank-5":
+        # One process's rotary positions shifted by one (global rank 5).
+        import torch.distributed as dist
+
+        pos = pos + float(dist.get_rank() == 5)
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     ang = torch.outer(pos, inv)  # [s, d/2]
     cos, sin = ang.cos()[None, :, None, :].to(x.dtype), ang.sin()[None, :, None, :].to(x.dtype)

@@ -274,6 +274,16 @@ def test_torchtitan_mesh_a_causal_mask_of_local_positions_is_born_in_the_attenti
 
 
 def test_torchtitan_mesh_rotary_at_local_positions_is_born_before_the_attention_core(traces):
-    report = ttrace.check(titan(traces), titan(traces, 8, "rope-positions-local", **TITAN))
+    report = ttrace.check(titan(traces), titan(traces, 2, "rope-positions-local", CP="2"))
     assert report.first_failure == "layers.0.attention.sdpa|fwd.input.0"
     assert report.localization["born_after"] == "layers.0.attention.wv"
+
+
+def test_torchtitan_mesh_one_process_at_fault_is_named(traces):
+    # Global rank 5 of 8 (dp 1, cp 0, tp 1) shifts its rotary positions by one: its shard of
+    # the queries and keys differs, and only its.
+    report = ttrace.check(titan(traces, dtype="bfloat16"),
+                          titan(traces, 8, "rope-rank-5", "bfloat16", **TITAN))
+    assert report.first_failure == "layers.0.attention.sdpa|fwd.input.0"
+    assert report.localization["born_after"] == "layers.0.attention.wv"
+    assert report.localization["rank"] == 5
