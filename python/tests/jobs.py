@@ -313,17 +313,23 @@ class WithLoss(nn.Module):
 def megatron(directory: str, bug: str) -> None:
     """Megatron-LM's tensor-parallel layers (megatron-core, CPU and gloo): LayerNorm →
     ColumnParallelLinear → GELU → RowParallelLinear on [s, b, h] activations, traced with no
-    declarations. Bug ``no-grad-allreduce``: the column-parallel layer built with
-    ``disable_grad_reduce`` (its input gradient is never all-reduced)."""
+    declarations; TTRACE_TEST_CP: context parallelism (the sequence in Megatron's load-balanced
+    chunks). Bugs: ``no-grad-allreduce``: the column-parallel layer built with
+    ``disable_grad_reduce`` (its input gradient is never all-reduced); ``cp-grad-not-reduced``:
+    the parameter gradients not all-reduced over cp."""
     from megatron.core import parallel_state
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    cp = int(os.environ.get("TTRACE_TEST_CP", "1")) if world > 1 else 1
+    tp = world // cp
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             context_parallel_size=cp)
     dtype = getattr(torch, os.environ.get("TTRACE_TEST_DTYPE", "float32"))
     config = ModelParallelConfig(
-        tensor_model_parallel_size=world, use_cpu_initialization=True, params_dtype=dtype
+        tensor_model_parallel_size=tp, context_parallel_size=cp, use_cpu_initialization=True,
+        params_dtype=dtype
     )
 
     def init(w: torch.Tensor) -> torch.Tensor:
@@ -351,10 +357,18 @@ def megatron(directory: str, bug: str) -> None:
     torch.manual_seed(0)  # the full ("master") weights are drawn alike, then split
     model = Mlp()
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(1)).to(dtype)
+    if cp > 1:
+        # Megatron's get_batch_on_this_cp_rank: chunks c and 2·cp − 1 − c of 2·cp.
+        c, n = parallel_state.get_context_parallel_rank(), SEQ // (2 * cp)
+        x = torch.cat([x[c * n:(c + 1) * n], x[(2 * cp - 1 - c) * n:(2 * cp - c) * n]])
     x.requires_grad_(True)
     tracer = ttrace.Tracer(model, directory)
     with tracer.step():
         model(x).pow(2).sum().backward()
+        if cp > 1 and bug != "cp-grad-not-reduced":
+            # What Megatron's DDP does over dp × cp (the loss is a sum: summed).
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=parallel_state.get_context_parallel_group())
     tracer.close()
     parallel_state.destroy_model_parallel()
 

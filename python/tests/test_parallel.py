@@ -56,6 +56,22 @@ def test_an_n_dimensional_root_mesh_needs_no_declarations(traces, recwarn):
     assert (mesh["tp"], mesh["dp"], mesh["cp"]) == (2, 1, 1)
 
 
+def test_megatron_layers_under_context_parallelism_pass_and_an_unreduced_gradient_is_named(
+        traces):
+    # TP 2 × CP 2: each rank holds Megatron's load-balanced sequence chunks (cp chunks on the
+    # sequence dimension, found from the values; was refused at the Tracer's construction).
+    report = ttrace.check(traces("megatron"), traces("megatron", 4, CP="2"))
+    assert report.passed, str(report)
+    assert report.inferred_layouts["act|fwd.input.0"]["cp"] == {"kind": "cp_chunks", "dim": 0}
+    # The gradients not all-reduced over cp: replicas that differ, with the rank and the
+    # reading-too-early cause named.
+    bad = ttrace.check(traces("megatron"), traces("megatron", 4, "cp-grad-not-reduced", CP="2"))
+    assert bad.first_failure is not None and bad.first_failure.endswith("|param_grad")
+    assert all(r.id.endswith("|param_grad") for r in bad.failed_rows)
+    assert "declared replicated along cp" in bad.localization["detail"]
+    assert "finalize_model_grads" in bad.localization["detail"]
+
+
 def test_a_deferred_reduction_never_done_is_named_at_its_module(traces):
     # block0.fc2 under RowwiseParallel(output_layouts=Partial()): the tracer records its
     # output as the partial sum it is (so it merges right); the residual add uses one rank's

@@ -971,10 +971,10 @@ class Tracer:
             dp=ps.get_data_parallel_world_size(),
             sp=sp,
         )
-        if m.cp > 1:
-            raise UnsupportedLayoutError(
-                "Megatron context parallelism is not supported by the tracer yet", "Layout"
-            )
+        # Under context parallelism each rank holds load-balanced chunks of the sequence
+        # (Megatron's get_batch_on_this_cp_rank): the cp placement of every activation is a
+        # guess the checker settles from shapes and values (parameter gradients are reduced
+        # over dp × cp by Megatron's DDP: replicated along cp).
         r = m.rank(dp=ps.get_data_parallel_rank(), cp=ps.get_context_parallel_rank(),
                    tp=ps.get_tensor_model_parallel_rank())
         return m, r
@@ -1260,9 +1260,10 @@ class Tracer:
                     derived = None
                 if param is None and derived is None and _base(name) in self.layouts:
                     # A declared layout (Megatron's layers): the modules this tensor is handed
-                    # to next find it by its memory.
-                    derived = layout
-                    self._remember(t, t, layout)
+                    # to next find it by its memory — with its cp placement still a guess
+                    # under context parallelism (the sequence's chunks are no layer's).
+                    derived = {**layout, "_guessed": ["cp"]} if "cp" in guessed else layout
+                    self._remember(t, t, derived)
                 if t.dim() == 0 and self.mesh.dp * self.mesh.cp > 1 and param is None:
                     # A scalar under data (or context) parallelism is each rank's own value,
                     # a loss over its share of the batch: the reference's is their sum when
