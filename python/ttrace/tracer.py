@@ -669,6 +669,12 @@ def _placement_layout(tid: str, placements: Sequence[Any], device_mesh: Any,
     return layout
 
 
+def _with_guess(layout: dict, axis: str) -> dict:
+    """``layout`` with its placement along ``axis`` marked a guess (``"_guessed"``, for the
+    checker to settle)."""
+    return {**layout, "_guessed": sorted(set(layout.get("_guessed", [])) | {axis})}
+
+
 def _grad_layout(layout: dict) -> dict:
     """The layout of a gradient of a tensor of ``layout``: the gradient of a partial sum is
     replicated (DTensor's rule for ``to_local``/``from_local`` gradients); shards stay."""
@@ -1227,8 +1233,7 @@ class Tracer:
                         # in whatever order its load balancer put the tokens (torch's CP:
                         # head-tail chunks for causal attention): the order is settled from
                         # the values.
-                        layout = {**layout,
-                                  "_guessed": sorted(set(layout.get("_guessed", [])) | {"cp"})}
+                        layout = _with_guess(layout, "cp")
                 local = dt.to_local()
                 derived = layout
                 self._remember(getattr(dt, "_local_tensor", local), local, layout)
@@ -1262,7 +1267,7 @@ class Tracer:
                     # A declared layout (Megatron's layers): the modules this tensor is handed
                     # to next find it by its memory — with its cp placement still a guess
                     # under context parallelism (the sequence's chunks are no layer's).
-                    derived = {**layout, "_guessed": ["cp"]} if "cp" in guessed else layout
+                    derived = _with_guess(layout, "cp") if "cp" in guessed else layout
                     self._remember(t, t, derived)
                 if t.dim() == 0 and self.mesh.dp * self.mesh.cp > 1 and param is None:
                     # A scalar under data (or context) parallelism is each rank's own value,
