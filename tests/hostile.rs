@@ -718,3 +718,21 @@ fn overflowing_shapes_and_huge_meshes_are_refused() {
     assert!(err.contains("no shard for rank 1"), "{err}");
     std::fs::remove_dir_all(&b).unwrap();
 }
+
+#[test]
+fn a_trace_compared_with_itself_is_refused() {
+    // The same directory under two names, or a link to it, would pass whatever it holds.
+    let b = base("itself");
+    let (r, c) = dump(&b.join("run"), &[]);
+    let link = b.join("link");
+    std::os::unix::fs::symlink(&c, &link).unwrap();
+    for (x, y) in [(&c, &c), (&c, &link), (&r, &r)] {
+        let (code, out, err) = check(x, y);
+        assert_eq!(code, Some(2), "{out}{err}");
+        assert!(err.contains("compared with itself"), "{err}");
+        assert!(!out.contains("PASS"), "{out}");
+    }
+    // Two different directories still check (the clean pair passes).
+    assert_eq!(check(&r, &c).0, Some(0));
+    let _ = std::fs::remove_dir_all(&b);
+}

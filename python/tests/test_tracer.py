@@ -214,9 +214,20 @@ def test_a_module_called_twice_in_a_step_records_each_call(tmp_path):
     assert (ttrace.load(step, "act#1|fwd.output.0") == second.double().numpy()).all()
     # Each call's gradient is its own: the second's output gradient is d(sum y²)/dy = 2y.
     assert (ttrace.load(step, "act#1|grad.output.0") == (2 * second).double().numpy()).all()
-    # A run against itself passes, every tensor compared.
-    report = ttrace.check(step, step)
+    # A copy of the run passes, every tensor compared; the run itself — the same directory,
+    # or a link to it — is refused: a trace compared with itself proves nothing.
+    import shutil
+
+    from ttrace.errors import TraceError
+
+    shutil.copytree(step, tmp_path / "copy")
+    report = ttrace.check(step, tmp_path / "copy")
     assert report.passed and len(report.rows) == len(ids)
+    (tmp_path / "link").symlink_to(step)
+    for same in (step, tmp_path / "link"):
+        with pytest.raises(TraceError, match="compared with itself") as e:
+            ttrace.check(step, same)
+        assert e.value.kind == "InvalidParameter"
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

@@ -411,6 +411,22 @@ struct Plan {
 }
 
 fn plan(reference: &TraceDir, candidate: &TraceDir) -> Result<Plan> {
+    // One directory under two names (or a link to it) would pass whatever it holds.
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => a == b,
+    };
+    if same(reference.path(), candidate.path()) {
+        return Err(Error::InvalidParameter {
+            name: "candidate",
+            reason: format!(
+                "the candidate {} is the reference {} itself: a trace compared with itself \
+                 proves nothing — give the traced parallel run",
+                printable(&candidate.path().display().to_string()),
+                printable(&reference.path().display().to_string())
+            ),
+        });
+    }
     let (rw, cw) = (
         reference.manifest().mesh.world(),
         candidate.manifest().mesh.world(),
