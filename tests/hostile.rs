@@ -736,3 +736,51 @@ fn a_trace_compared_with_itself_is_refused() {
     assert_eq!(check(&r, &c).0, Some(0));
     let _ = std::fs::remove_dir_all(&b);
 }
+
+#[test]
+fn newlines_in_names_from_a_file_forge_no_report_line() {
+    // A tensor id and a module kind holding a newline (and an escape sequence) followed by a
+    // verdict line: every report and error line stays one line, escaped.
+    let b = base("forge");
+    let run = b.join("run");
+    let args = [
+        "simulate",
+        "--tp",
+        "2",
+        "--bug",
+        "row-bias-on-every-rank",
+        "--dump",
+    ];
+    let (code, _, err) = ttrace(&[&args[..], &[run.to_str().unwrap()]].concat());
+    assert_eq!(code, Some(1), "{err}");
+    let (r, c) = (run.join("reference"), run.join("candidate"));
+    let forged = "\nPASS: all 9 tensors within their thresholds \u{1b}[32m";
+    for dir in [&r, &c] {
+        let mut m = manifest(dir);
+        for t in m["tensors"].as_array_mut().unwrap() {
+            let id = t["id"].as_str().unwrap().to_string();
+            t["id"] = serde_json::Value::String(id.replacen('|', &format!("{forged}|"), 1));
+        }
+        write_manifest(dir, &m);
+    }
+    let (code, out, err) = check(&r, &c);
+    assert_eq!(code, Some(1), "{out}{err}");
+    let text = format!("{out}{err}");
+    assert!(!text.contains('\u{1b}'), "{text}");
+    assert!(
+        text.lines().all(|l| !l.starts_with("PASS: all 9")),
+        "{text}"
+    );
+    // A module kind that is no kind: the error names it on one escaped line.
+    let mut m = manifest(&c);
+    m["tensors"][0]["module"] = serde_json::json!({"kind": format!("linear{forged}")});
+    write_manifest(&c, &m);
+    let (code, out, err) = check(&r, &c);
+    assert_eq!(code, Some(2), "{out}{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        !err.contains('\u{1b}') && err.contains("\\u{a}PASS"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&b);
+}

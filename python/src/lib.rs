@@ -634,6 +634,13 @@ fn write_atomic(py: Python<'_>, path: std::path::PathBuf, contents: Vec<u8>) -> 
     guard_detached(py, move || ttrace::io::write_atomic(&path, &contents))
 }
 
+/// `text` for a terminal, on one line (the CLI's escaping: control characters but tab, and
+/// bidirectional controls, written as `\u{…}`).
+#[pyfunction]
+fn sanitize(text: &str) -> String {
+    ttrace::io::sanitize(text).into_owned()
+}
+
 /// The exact values of an array of `format` as float64, in its shape.
 #[pyfunction]
 fn to_float64<'py>(
@@ -681,6 +688,7 @@ fn _ttrace(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load_logical, m)?)?;
     m.add_function(wrap_pyfunction!(write_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(write_atomic, m)?)?;
+    m.add_function(wrap_pyfunction!(sanitize, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(to_float64, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;

@@ -86,6 +86,27 @@ def test_python_m_ttrace_check_exit_codes_and_json(pair, tmp_path):
     assert inside.read_bytes() == before
 
 
+def test_python_m_ttrace_check_escapes_and_exits_as_the_rust_cli(pair, tmp_path):
+    import os
+
+    def run(*a: object, stdout: object = subprocess.PIPE) -> "subprocess.CompletedProcess[str]":
+        return subprocess.run([sys.executable, "-m", "ttrace", "check", *map(str, a)],
+                              stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=120)
+
+    # A path holding an escape sequence and a newline: the message is one escaped line.
+    hostile = tmp_path / "x\x1b[31m\nPASS: forged"
+    bad = run(pair / "ref/step0", hostile)
+    assert bad.returncode == 2
+    assert "\x1b" not in bad.stderr and bad.stderr.count("\n") == 1, repr(bad.stderr)
+    assert bad.stderr.startswith("ttrace: error: ") and "\\u{1b}" in bad.stderr
+    # Output that cannot be written is an error (exit 2), not a verdict — even for a pass.
+    if os.path.exists("/dev/full"):
+        with open("/dev/full", "w") as full:
+            out = run(pair / "ref/step0", pair / "same/step0", stdout=full)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert "standard output" in out.stderr
+
+
 def test_every_nth_step_and_module_selection(tmp_path):
     tracer, written = trace(tmp_path / "t", steps=5, every=2, modules=["fc*"])
     assert sorted(p.name for p in (tmp_path / "t").iterdir()) == ["step0", "step2", "step4"]

@@ -42,20 +42,32 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .errors import TtraceError
     from .report import check
 
+    def error(message: str) -> int:
+        # As the Rust CLI: on one line, escaped for the terminal; exit code 2.
+        try:
+            print(f"ttrace: error: {_ttrace.sanitize(message)}", file=sys.stderr, flush=True)
+        except OSError:
+            pass
+        return 2
+
     if args.json:
         problem = _inside(args.json, [args.reference, args.candidate])
         if problem:
-            print(f"error: {problem}", file=sys.stderr)
-            return 2
+            return error(problem)
     try:
         report = check(args.reference, args.candidate, pricing=args.pricing)
-        print(f"ttrace check: {args.candidate} against {args.reference}")
-        sys.stdout.write(str(report))
         if args.json:
             _ttrace.write_atomic(args.json, report.to_json(indent=1).encode())
+        header = (f"ttrace check: {_ttrace.sanitize(args.candidate)} against "
+                  f"{_ttrace.sanitize(args.reference)}\n")
+        # The report's text is the Rust CLI's, escaped there; what cannot be written (a full
+        # disk, a closed pipe) is an error, not a verdict.
+        sys.stdout.write(header + str(report))
+        sys.stdout.flush()
     except TtraceError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return error(str(e))
+    except OSError as e:
+        return error(f"standard output: {e.strerror or e}")
     return 0 if report.passed else 1
 
 

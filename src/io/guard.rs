@@ -319,10 +319,11 @@ pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
     }
 }
 
-/// `text` for a terminal: every control character except newline and tab (escape sequences
-/// included) and every bidirectional control written as `\u{…}`.
+/// `text` for a terminal, on one line: every control character but tab (escape sequences and
+/// newlines included — a newline in a name from a file could forge a line of a report) and
+/// every bidirectional control written as `\u{…}`.
 pub fn sanitize(text: &str) -> std::borrow::Cow<'_, str> {
-    let bad = |c: char| (c.is_control() && c != '\n' && c != '\t') || is_bidi_control(c);
+    let bad = |c: char| (c.is_control() && c != '\t') || is_bidi_control(c);
     if !text.chars().any(bad) {
         return std::borrow::Cow::Borrowed(text);
     }
