@@ -625,8 +625,10 @@ fn fallback_thresholds_and_zero_inputs_never_pass_vacuously() {
         out.contains("layers.30000.w") && out.contains("threshold"),
         "{out}"
     );
-    // The same ids, identical: pass.
-    let (code, out, err) = check(&r, &r);
+    // The same ids, identical (a copy: the directory itself is refused): pass.
+    let same = b.join("deep/same");
+    write_f32_trace(&same, &[("layers.30000.w", vec![1.0, 2.0])], &[]);
+    let (code, out, err) = check(&r, &same);
     assert_eq!(code, Some(0), "{out}{err}");
 
     let (r, c) = (b.join("zero/reference"), b.join("zero/candidate"));
@@ -782,5 +784,51 @@ fn newlines_in_names_from_a_file_forge_no_report_line() {
         !err.contains('\u{1b}') && err.contains("\\u{a}PASS"),
         "{err}"
     );
+    let _ = std::fs::remove_dir_all(&b);
+}
+
+#[test]
+fn layouts_on_an_axis_of_size_one_are_validated_too() {
+    // The reference's mesh is one rank: its placements cut nothing, but one no mesh could use
+    // (a split of dimension 99, or of 0 or 2^64 − 1 groups) is refused as at tp = 2.
+    let b = base("size1");
+    let (r, c) = dump(&b.join("run"), &[]);
+    let original = manifest(&r);
+    let cases = [
+        (
+            serde_json::json!({"kind": "split", "dim": 99, "groups": 1}),
+            "dimension 99",
+        ),
+        (
+            serde_json::json!({"kind": "split", "dim": 0, "groups": 0}),
+            "0 group(s)",
+        ),
+        (
+            serde_json::json!({"kind": "split", "dim": 0, "groups": u64::MAX}),
+            "group(s)",
+        ),
+        (
+            serde_json::json!({"kind": "cp_chunks", "dim": 70}),
+            "dimension 70",
+        ),
+    ];
+    for (placement, said) in cases {
+        let mut m = original.clone();
+        m["tensors"][0]["layout"]["tp"] = placement.clone();
+        write_manifest(&r, &m);
+        let (code, out, err) = check(&r, &c);
+        assert_eq!(code, Some(2), "{placement}: {out}{err}");
+        assert!(
+            err.contains(said) && err.contains("layout along tp"),
+            "{err}"
+        );
+    }
+    // A dimension within the limits that the tensor lacks: refused when it is merged.
+    let mut m = original.clone();
+    m["tensors"][0]["layout"]["tp"] = serde_json::json!({"kind": "split", "dim": 9, "groups": 1});
+    write_manifest(&r, &m);
+    let (code, out, err) = check(&r, &c);
+    assert_eq!(code, Some(2), "{out}{err}");
+    assert!(err.contains("dimension 9"), "{err}");
     let _ = std::fs::remove_dir_all(&b);
 }

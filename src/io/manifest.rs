@@ -285,6 +285,35 @@ fn entry(
             format!("{who}: 'threshold' must be a non-negative number"),
         ));
     }
+    // Every axis's placement is checked, an axis of size 1 too (it cuts nothing, but a
+    // placement no mesh could use is a broken writer, refused the same at any size).
+    for axis in Axis::ALL {
+        let bad = match layout.along(axis) {
+            Placement::Split { dim, groups } => {
+                (dim >= limits::DIMS || !(1..=limits::SPLIT_PARTS).contains(&groups)).then(|| {
+                    format!(
+                        "a split of dimension {dim} in {groups} group(s) (dimensions below {}, \
+                         1 to {} groups)",
+                        limits::DIMS,
+                        limits::SPLIT_PARTS
+                    )
+                })
+            }
+            Placement::CpChunks { dim } => (dim >= limits::DIMS).then(|| {
+                format!(
+                    "cp chunks of dimension {dim} (dimensions below {})",
+                    limits::DIMS
+                )
+            }),
+            _ => None,
+        };
+        if let Some(what) = bad {
+            return Err(ferr(
+                path,
+                format!("{who}: layout along {}: {what}", axis.name()),
+            ));
+        }
+    }
     Ok(ManifestEntry {
         key: key.unwrap_or_else(|| id.clone()),
         id,

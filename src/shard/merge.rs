@@ -331,6 +331,11 @@ pub(crate) fn merge_fetched<'a, T: Joinable>(
 ) -> Result<T> {
     let groups = groups(layout, mesh);
     let first = fetch(&groups[0].1, spare)?;
+    // A placement naming a dimension the shards lack is refused on an axis of size 1 too
+    // (a one-rank trace's merge is its one shard).
+    for axis in crate::shard::layout::Axis::ALL {
+        check_dim(layout.along(axis), first.shape(), id)?;
+    }
     let merged = if groups.len() == 1 {
         first.into_owned()
     } else {
@@ -435,6 +440,10 @@ pub(crate) fn logical_shape(
             ),
         )
     };
+    // A placement naming a dimension the shard lacks is refused on an axis of size 1 too.
+    for axis in crate::shard::layout::Axis::ALL {
+        check_dim(layout.along(axis), shape, id)?;
+    }
     let mut s = shape.to_vec();
     for (axis, parts, _) in axes(
         mesh,
