@@ -832,3 +832,60 @@ fn layouts_on_an_axis_of_size_one_are_validated_too() {
     assert!(err.contains("dimension 9"), "{err}");
     let _ = std::fs::remove_dir_all(&b);
 }
+
+#[test]
+fn a_key_named_twice_is_refused_inside_fields_ttrace_does_not_know() {
+    // "A key named twice is an error at any depth": in an unknown top-level field, in an
+    // unknown field of an entry, in an unknown field of a module. Unknown fields themselves
+    // are read past (a newer writer's), named once.
+    let b = base("twice");
+    let (r, c) = dump(&b.join("run"), &[]);
+    let text = std::fs::read_to_string(c.join("manifest.json")).unwrap();
+    let first_entry = text.find("\"id\"").unwrap();
+    let kind = text.find("\"module\":{").unwrap() + "\"module\":{".len();
+    let cases = [
+        (
+            text.replacen(
+                "\"format\"",
+                "\"extra\": {\"a\": 1, \"a\": 2},\n\"format\"",
+                1,
+            ),
+            true,
+        ),
+        (
+            text.replacen(
+                "\"format\"",
+                "\"extra\": {\"a\": 1, \"b\": 2},\n\"format\"",
+                1,
+            ),
+            false,
+        ),
+        (
+            format!(
+                "{}\"note\": [{{\"x\": 1, \"x\": 1}}], {}",
+                &text[..first_entry],
+                &text[first_entry..]
+            ),
+            true,
+        ),
+        (
+            format!(
+                "{}\"hint\": {{\"y\": 0, \"y\": 0}}, {}",
+                &text[..kind],
+                &text[kind..]
+            ),
+            true,
+        ),
+    ];
+    for (manifest, twice) in cases {
+        std::fs::write(c.join("manifest.json"), &manifest).unwrap();
+        let (code, out, err) = check(&r, &c);
+        if twice {
+            assert_eq!(code, Some(2), "{out}{err}");
+            assert!(err.contains("appears twice"), "{err}");
+        } else {
+            assert_eq!(code, Some(0), "{out}{err}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&b);
+}

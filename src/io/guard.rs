@@ -229,7 +229,8 @@ pub fn parse_json_strict(bytes: &[u8]) -> std::result::Result<serde_json::Value,
     Ok(v.0)
 }
 
-struct Strict(serde_json::Value);
+/// A JSON value parsed strictly (a key named twice in one object is an error, at any depth).
+pub(crate) struct Strict(pub(crate) serde_json::Value);
 
 impl<'de> serde::Deserialize<'de> for Strict {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {

@@ -205,8 +205,11 @@ fn ferr(path: &Path, reason: impl Into<String>) -> Error {
     }
 }
 
-/// A manifest entry as the typed fast path reads it (serde refuses a field named twice).
+/// A manifest entry as the typed fast path reads it (serde refuses a field named twice; a
+/// field it does not know sends the manifest to the strict field-by-field pass, which checks
+/// what such a field holds too).
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawEntry {
     id: String,
     rank: u64,
@@ -215,17 +218,25 @@ struct RawEntry {
     key: Option<String>,
     dtype: String,
     layout: Layout,
+    /// Parsed strictly, then as a [`ModuleInfo`] (which passes over fields it does not know).
     #[serde(default)]
-    module: Option<ModuleInfo>,
+    module: Option<crate::io::guard::Strict>,
     #[serde(default)]
     threshold: Option<f64>,
     #[serde(default)]
     guessed: Vec<Axis>,
 }
 
-/// The manifest as the typed fast path reads it.
+/// The manifest as the typed fast path reads it (see [`RawEntry`]).
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawManifest {
+    /// `"ttrace-trace"` (checked before parsing).
+    #[serde(default, rename = "format")]
+    _format: Option<String>,
+    /// The run's settings as the Python tracer writes them (informational).
+    #[serde(default, rename = "run")]
+    _run: Option<crate::io::guard::Strict>,
     version: u64,
     #[serde(default)]
     recipe: Option<String>,
@@ -329,16 +340,20 @@ fn entry(
 
 impl Manifest {
     /// Parse and validate a manifest's text (`path` names it in errors). Strict: a field named
-    /// twice in one object is an error (which of the two would be meant?), and so is a field
-    /// of the wrong JSON type. Typed parsing first (memory about the size of the entries);
-    /// when it fails, a second, field-by-field pass finds the message that names the tensor
-    /// and the field.
+    /// twice in one object is an error at any depth — inside a field ttrace does not know too
+    /// (which of the two would be meant?) — and so is a field of the wrong JSON type. Typed
+    /// parsing first (memory about the size of the entries); when it fails, a second,
+    /// field-by-field pass over the strictly parsed JSON reads a manifest with fields this
+    /// version does not know, or finds the message that names the tensor and the field.
     pub fn parse(text: &str, path: &Path) -> Result<Manifest> {
         let fast = Self::parse_typed(text, path);
         match fast {
             Ok(m) => Ok(m),
+            // The strict pass reads what the typed one cannot: fields it does not know (each
+            // parsed strictly); else its message names the tensor and the field.
             Err(e) => match Self::parse_detailed(text, path) {
                 Err(detailed) => Err(detailed),
+                Ok(m) if e.to_string().contains("unknown field") => Ok(m),
                 Ok(_) => Err(e),
             },
         }
@@ -365,6 +380,15 @@ impl Manifest {
             .into_iter()
             .enumerate()
             .map(|(i, t)| {
+                let module = match t.module.map(|m| m.0) {
+                    None | Some(serde_json::Value::Null) => None,
+                    Some(m) => Some(serde_json::from_value(m).map_err(|e| {
+                        ferr(
+                            path,
+                            format!("not a valid manifest: tensor #{i}: 'module': {e}"),
+                        )
+                    })?),
+                };
                 entry(
                     i,
                     t.id,
@@ -373,7 +397,7 @@ impl Manifest {
                     t.key,
                     &t.dtype,
                     t.layout,
-                    t.module,
+                    module,
                     t.threshold,
                     t.guessed,
                     &mesh,
@@ -1283,12 +1307,30 @@ mod tests {
                           "tp": {"kind": "split", "dim": 1, "groups": 1}},
                "module": {"kind": "linear", "accumulate": "f32"}, "threshold": 0.5},
               {"id": "a|fwd.output.0", "rank": 1, "file": "rank1.safetensors", "key": "k",
-               "dtype": "bf16", "threshold": null, "extra": [1, 2],
+               "dtype": "bf16", "threshold": null,
                "layout": {"dp": {"kind": "replicate"}, "cp": {"kind": "replicate"},
                           "tp": {"kind": "split", "dim": 1, "groups": 1}}}]}"#;
         let fast = Manifest::parse_typed(text, path).unwrap();
         let slow = Manifest::parse_detailed(text, path).unwrap();
         assert_eq!(fast, slow);
+        // Fields this version does not know (a newer writer's) are read by the strict pass:
+        // the same manifest.
+        let extra = text
+            .replacen(
+                "\"threshold\": null,",
+                "\"threshold\": null, \"extra\": [1, 2],",
+                1,
+            )
+            .replacen(
+                "\"recipe\"",
+                "\"run\": {\"torch\": \"2\"}, \"new\": 1, \"recipe\"",
+                1,
+            );
+        assert!(Manifest::parse_typed(&extra, path).is_err());
+        assert_eq!(Manifest::parse(&extra, path).unwrap(), slow);
+        // The Python tracer's "run" is known: typed.
+        let run = text.replacen("\"recipe\"", "\"run\": {\"torch\": \"2\"}, \"recipe\"", 1);
+        assert_eq!(Manifest::parse_typed(&run, path).unwrap(), slow);
         assert_eq!(fast.tensors[0].key, "a|fwd.output.0");
         assert_eq!(fast.tensors[1].key, "k");
         let twice = text.replacen("\"rank\": 0,", "\"rank\": 0, \"rank\": 1,", 1);
