@@ -35,9 +35,10 @@ Layouts — how the ranks' shards form the logical tensor — are found without 
   ``Replicate()`` → replicated, ``Partial()`` → partial sum. Mesh dimensions are mapped to
   ttrace's axes by name (``tp``/``tensor``/``model`` → tp; ``dp``/``data``/``fsdp``/``shard``/
   ``replicate``/``ddp`` → dp; ``cp``/``context``/``seq`` → cp) or by ``axes={"tp": "my_dim"}``.
-  A parameter gradient FSDP2 shards again over a TP shard (``_StridedShard``) is gathered
-  when read. Another placement the format cannot express (an uneven ``Shard``,
-  ``Partial("avg")``, a strided shard, two mesh dimensions on one axis) raises :class:`ttrace.UnsupportedLayoutError` naming
+  A parameter gradient FSDP2 shards again over a TP shard (``_StridedShard``), or HSDP places
+  two ways on one axis, is gathered when read. Another placement the format cannot express
+  (an uneven ``Shard``, ``Partial("avg")``, a strided shard, two mesh dimensions placing one
+  axis differently) raises :class:`ttrace.UnsupportedLayoutError` naming
   the tensor and the placement — or, with ``unsupported="skip"``, the tensor is left out and
   listed in ``tracer.skipped`` (as is a tensor whose storage torch released before the hook
   could read it, otherwise a :class:`ttrace.TtraceError`).
@@ -473,12 +474,12 @@ class _MeshMap:
                 )
             self.axis.append(axis if axis in ("tp", "cp", "dp") and self.error is None else None)
         # A flattened data × context dimension: its cp factor is the root mesh's cp size.
-        cp_in = 1
-        for i, a in enumerate(self.axis):
-            if a == "dp" and i < len(names) and names[i].lower() in _FLATTENED_DP_CP:
-                cp_in = cp_in if cp_in > 1 else _cp_size(device_mesh, axes)
-                if cp_in > 1 and shape[i] % cp_in == 0:
-                    self.axis[i] = "dp_cp"
+        flat = [i for i, a in enumerate(self.axis)
+                if a == "dp" and i < len(names) and names[i].lower() in _FLATTENED_DP_CP]
+        cp_in = _cp_size(device_mesh, axes) if flat else 1
+        for i in flat:
+            if cp_in > 1 and shape[i] % cp_in == 0:
+                self.axis[i] = "dp_cp"
         self.cp_in = cp_in
         self.sizes = {a: 1 for a in ("tp", "cp", "dp")}
         self.coords = {a: 0 for a in ("tp", "cp", "dp")}
@@ -564,37 +565,30 @@ def _base(name: str) -> str:
     return name.split("#", 1)[0]
 
 
-def _gather_strided(dt: Any) -> Any:
-    """A parameter gradient whose placements ttrace cannot express — FSDP2 over a
-    tensor-parallel parameter shards the TP shard again along the same dimension
-    (``_StridedShard``) — gathered along those mesh dimensions (a collective every rank makes,
-    in the same order, when the step's gradients are read): exact, and expressible."""
+def _gather_param(dt: Any, mm: Optional["_MeshMap"]) -> Any:
+    """A parameter gradient gathered, in one collective every rank makes in the same order
+    when the step's gradients are read (exact), along the mesh dimensions whose placement
+    ttrace cannot express: FSDP2 over a tensor-parallel parameter shards the TP shard again
+    along the same dimension (``_StridedShard``); HSDP places it two ways on one ttrace axis
+    (replicated over ``dp_replicate``, sharded over ``dp_shard`` or ``dp_shard_cp``) — those
+    axes' sharding dimensions are gathered (``mm``: the mesh map, None when unusable)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    placements = [p if type(p) is Shard or isinstance(p, Replicate) else Replicate()
-                  for p in dt.placements]
-    if any(type(p) is Shard for p, q in zip(placements, dt.placements) if p is not q):
+    placements = list(dt.placements)
+    if not _expressible(dt):
+        placements = [p if type(p) is Shard or isinstance(p, Replicate) else Replicate()
+                      for p in placements]
+    if mm is not None:
+        kinds: Dict[str, set] = {}
+        for i, axis, _ in mm.placed():
+            p = placements[i]
+            kinds.setdefault(axis, set()).add((type(p).__name__, getattr(p, "dim", None)))
+        mixed = {a for a, k in kinds.items() if len(k) > 1}
+        dims = {i for i, axis, _ in mm.placed() if axis in mixed}
+        placements = [Replicate() if i in dims and type(p) is Shard else p
+                      for i, p in enumerate(placements)]
+    if all(p is q for p, q in zip(placements, dt.placements)):
         return dt
-    return dt.redistribute(dt.device_mesh, placements)
-
-
-def _gather_mixed(dt: Any, mm: "_MeshMap") -> Any:
-    """A parameter gradient placed differently by the mesh dimensions of one ttrace axis —
-    HSDP's replicated over ``dp_replicate`` and sharded over ``dp_shard`` (or
-    ``dp_shard_cp``) — gathered along the sharding ones (a collective every rank makes, in the
-    same order, when the step's gradients are read): exact, and one placement per axis."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    kinds: Dict[str, set] = {}
-    for i, axis, _ in mm.placed():
-        p = dt.placements[i]
-        kinds.setdefault(axis, set()).add((type(p).__name__, getattr(p, "dim", None)))
-    mixed = {a for a, k in kinds.items() if len(k) > 1}
-    if not mixed:
-        return dt
-    dims = {i for i, axis, _ in mm.placed() if axis in mixed}
-    placements = [Replicate() if i in dims and type(p) is Shard else p
-                  for i, p in enumerate(dt.placements)]
     return dt.redistribute(dt.device_mesh, placements)
 
 
@@ -667,6 +661,11 @@ def _placement_layout(tid: str, placements: Sequence[Any], device_mesh: Any,
         elif kind == "partial":
             layout[axis] = partial()
     return layout
+
+
+def _partial_axes(layout: dict) -> List[str]:
+    """The axes along which ``layout`` holds partial sums."""
+    return [a for a in ("dp", "cp", "tp") if layout.get(a, {}).get("kind") == "partial"]
 
 
 def _with_guess(layout: dict, axis: str) -> dict:
@@ -1219,11 +1218,9 @@ class Tracer:
         try:
             if self._dtensor is not None and isinstance(t, self._dtensor):
                 dt = cast(Any, t)
-                if param is not None and not _expressible(dt):
-                    dt = _gather_strided(dt)
                 mm = self._mesh_of(dt.device_mesh)
-                if param is not None and mm.error is None:
-                    dt = _gather_mixed(dt, mm)
+                if param is not None:
+                    dt = _gather_param(dt, mm if mm.error is None else None)
                 layout = _placement_layout(tid, dt.placements, dt.device_mesh, tuple(dt.shape),
                                            mm)
                 if param is None:
@@ -1246,8 +1243,7 @@ class Tracer:
                         and getattr(t.grad_fn, "dtensor_spec", None) is not None):
                     # A DTensor's Partial() made local and handed on with no reduction: merged
                     # as the sum it is, but the caller's plain code uses one rank's addend.
-                    unreduced = [a for a in ("dp", "cp", "tp")
-                                 if derived.get(a, {}).get("kind") == "partial"]
+                    unreduced = _partial_axes(derived)
                 if derived is None and self.mesh.world() > 1:
                     # Neither a DTensor, nor declared, nor derived from one: a guess the
                     # checker settles from the shapes. Under data parallelism the batch
@@ -1474,7 +1470,7 @@ class Tracer:
         when the sum's use fails (see :meth:`_record`)."""
         if getattr(o.grad_fn, "dtensor_spec", None) is None or tid not in self._s.meta:
             return
-        axes = [a for a in ("dp", "cp", "tp") if layout.get(a, {}).get("kind") == "partial"]
+        axes = _partial_axes(layout)
         if axes:
             meta = self._s.meta[tid]
             meta["module"] = {**(meta.get("module") or {}), "unreduced": axes}

@@ -79,13 +79,27 @@ impl LossNormalization {
             "the loss was normalized by the global batch: activation gradients read as stored"
                 .to_string()
         };
+        // The reading taken, and the other that matters: as stored for a local mean, the
+        // widest local mean for the global count.
+        let (other, at) = if self.local_mean {
+            (self.error_global, 1)
+        } else {
+            (self.error_local, self.dp * self.cp)
+        };
+        let read = |d: usize| {
+            if d == 1 {
+                "as stored".to_string()
+            } else {
+                format!("divided by {d}")
+            }
+        };
         format!(
             "loss normalization settled from the reference (the tracer did not know): {how} \
-             (relative difference {:.2e} divided by {}, {:.2e} as stored, over {} gradient{} \
-             from {})",
-            self.error_local,
-            self.dp * self.cp,
-            self.error_global,
+             (relative difference {:.2e} {}, {:.2e} {}, over {} gradient{} from {})",
+            self.error_chosen,
+            read(self.divisor),
+            other,
+            read(at),
             self.tensors.len(),
             if self.tensors.len() == 1 { "" } else { "s" },
             self.tensors[0]

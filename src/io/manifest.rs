@@ -645,7 +645,7 @@ pub struct TraceDir {
     incomplete: std::sync::Arc<BTreeMap<String, Vec<usize>>>,
     /// Set by the checker when the candidate's ranks each averaged their loss over their own
     /// share of the batch ([`DpLoss::Auto`] settled): the loss-dependent tensors are read
-    /// divided by this (the data-parallel size).
+    /// divided by this (dp·cp, dp or cp, whichever fit the reference).
     dp_divisor: Option<usize>,
 }
 
@@ -1013,8 +1013,8 @@ impl TraceDir {
     }
 
     /// Read the tensors that depend on how each data-parallel rank normalized its loss (see
-    /// [`TraceDir::loss_dependent`]) divided by `divisor` (the data-parallel size), or as
-    /// stored (`None`).
+    /// [`TraceDir::loss_dependent`]) divided by `divisor` (the data ranks a local mean
+    /// averaged over), or as stored (`None`).
     pub(crate) fn set_dp_divisor(&mut self, divisor: Option<usize>) {
         self.dp_divisor = divisor;
     }

@@ -162,7 +162,7 @@ pub(crate) fn divided(t: &Stored, d: f64) -> Result<Stored> {
     Ok(Stored::from_parts_unchecked(
         t.shape(),
         f,
-        encode_values(&values, f, "tensor divided by the data-parallel size")?,
+        encode_values(&values, f, "tensor divided by its loss normalization")?,
     ))
 }
 
