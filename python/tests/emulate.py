@@ -16,18 +16,19 @@ def seq_sum(v: Sequence[np.float32]) -> np.float32:
 
 
 def tree(parts: List[np.float32]) -> np.float32:
-    while len(parts) > 1:
-        parts = [np.float32(parts[i] + parts[i + 1]) if i + 1 < len(parts) else parts[i]
-                 for i in range(0, len(parts), 2)]
-    return parts[0]
+    """Recursive halving (``Combine::Tree``): a first half of ⌈len/2⌉ partials and the rest,
+    each combined the same way, then added."""
+    if len(parts) == 1:
+        return parts[0]
+    h = -(-len(parts) // 2)
+    return np.float32(tree(parts[:h]) + tree(parts[h:]))
 
 
 def splitk_sum(v: Sequence[np.float32], parts: int) -> np.float32:
-    """Split into ``parts`` contiguous chunks (the last may be shorter when the length does
-    not divide), each summed sequentially, partials combined pairwise (a tree)."""
+    """Split-K as the order is documented: part j holds terms ⌊jn/p⌋ … ⌊(j+1)n/p⌋ − 1, each
+    summed sequentially, the partials combined by recursive halving (a tree)."""
     n = len(v)
-    size = -(-n // parts)
-    partials = [seq_sum(v[i * size:(i + 1) * size]) for i in range(parts)]
+    partials = [seq_sum(v[j * n // parts:(j + 1) * n // parts]) for j in range(parts)]
     return tree(partials)
 
 

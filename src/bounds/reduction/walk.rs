@@ -178,10 +178,10 @@ impl Walk<'_> {
     }
 
     /// A computed operand: its state, its exact partial sum (value, error bound), its format,
-    /// and its computed value when every rounding behind it was exact (then ŝ = s, up to the
-    /// slack of the range sum, which rounding to its format removes). A value that an inexact
-    /// rounding has touched keeps its low-order bits to itself: the model treats them as
-    /// random.
+    /// and its computed value when every error behind it is determined (then ŝ = s + det, up
+    /// to the slack of the range sum and of det, which rounding to its format removes). A
+    /// value that an undetermined rounding has touched keeps its low-order bits to itself: the
+    /// model treats them as random.
     pub(super) fn operand(
         &mut self,
         op: &Operand,
@@ -210,7 +210,8 @@ impl Walk<'_> {
                     content: 0,
                 });
                 let (s, err) = self.range_sum(first, second);
-                let known = if k.exact {
+                // Every error behind it determined (none of unknown size): ŝ = s + det.
+                let known = if k.exact || k.bound == 0.0 {
                     let c = s + k.det.v;
                     let v = format.round(c, crate::format::Overflow::NonSaturating);
                     let slack = err + k.det.err + c.abs() * SLACK;
@@ -397,7 +398,7 @@ impl Walk<'_> {
             det: det_in + Det::of(eta, eta_err),
             bound: 0.0,
             parity: Some((grid, rounded != 0.0 && is_odd(rounded / grid))),
-            exact: eta == 0.0,
+            exact: eta == 0.0 && det_in == Det::default(),
             lattice: lowest_bit(rounded),
             content: 0,
         }
