@@ -95,6 +95,10 @@ pub struct ElementDiff {
     /// its direction may align with the offsets of those elements, so the tensor threshold
     /// adds it by the triangle inequality instead of as an orthogonal coordinate.
     pub spread: bool,
+    /// Proxy of the spread components' share of this element (a softmax or norm row's common
+    /// part): priced in the tensor norm as those components, and added here to this element's
+    /// own bound ([`ElementDiff::probabilistic_bound`]), which they move too.
+    pub shared_proxy: f64,
 }
 
 impl ElementDiff {
@@ -132,6 +136,7 @@ impl ElementDiff {
         self.rounding_mean_square *= f * f;
         self.rounding_bound *= a;
         self.rounding_bound_proxy *= f * f;
+        self.shared_proxy *= f * f;
     }
 
     /// Both sides round their (nearly equal) values of magnitude about `magnitude` to `format`.
@@ -195,7 +200,7 @@ impl ElementDiff {
 
     /// |D| ≤ this with probability ≥ 1 − δ, never more than the guaranteed bound.
     pub fn probabilistic_bound(&self, delta: f64) -> f64 {
-        let x = (2.0 * self.proxy * (4.0 / delta).ln()).sqrt();
+        let x = (2.0 * (self.proxy + self.shared_proxy) * (4.0 / delta).ln()).sqrt();
         (self.offset.abs() + self.bias_bound + x + self.rounding_part_bound(delta / 2.0))
             .min(self.guaranteed)
     }

@@ -393,6 +393,7 @@ pub fn softmax_threshold(
             d.round_both(a, p);
             round_sides(&mut d, (a, a), (reference.output, candidate.output), p);
             d.proxy -= row_part;
+            d.shared_proxy = row_part;
             groups.push((d, same * count));
         }
     }
