@@ -19,9 +19,10 @@
 
 use crate::bounds::compare::{grouped_threshold, row_classes, Confidence, ElementDiff, Threshold};
 use crate::bounds::ops::round_sides;
-use crate::bounds::reduction::{random_rounding_error, reduction_error};
+use crate::bounds::reduction::{random_rounding_error, reduction_error, ReductionError};
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
+use crate::policy::arith::Arith;
 use crate::policy::Policy;
 use crate::policy::Variance;
 use crate::tensor::Tensor;
@@ -35,79 +36,37 @@ fn rounding(f: Format, v: f64) -> (f64, f64) {
     (ulp * ulp / 12.0, ulp / 2.0)
 }
 
-/// First-order error statistics of Welford's recurrence on the exact inputs x, every step
-/// rounded to `a` (see [`Variance::Welford`]):
-/// δ = ra(x_k − μ), μ' = ra(μ + ra(δ/k)), M2' = ra(M2 + ra(δ·ra(x_k − μ'))).
-///
-/// # Derivation (papers/bounds-norm.md, Welford)
-/// With e_μ, e_M the errors of μ̂, M̂2 and η₁…η₆ the six roundings of step k (exact values δ,
-/// r = x_k − μ'), to first order
-/// e_μ' = (1 − 1/k)·e_μ + η₁/k + η₂ + η₃,
-/// e_M' = e_M − (r + δ(1 − 1/k))·e_μ + (r − δ/k)·η₁ − δ·η₂ − δ·η₃ + δ·η₄ + η₅ + η₆.
-/// The η are independent, zero-mean, uniform within half a spacing (variance ulp²/12, 0 for an
-/// exact rounding): the 2×2 covariance of (e_μ, e_M) is propagated exactly under this linear
-/// map. The bounds propagate |η| ≤ ulp/2 at each value's largest possible magnitude by the
-/// triangle inequality, with the one second-order product (e_δ·e_r) carried.
-struct WelfordError {
-    /// The exact model M2 = Σ (x − μ)².
-    m2: f64,
-    mu_var: f64,
-    mu_max: f64,
-    m2_var: f64,
-    m2_max: f64,
+/// Variance and bound of the rounding to `f` of a computed value known to lie within `b` of
+/// the exact `v`: exact only when nothing is uncertain and `v` lies on the grid.
+fn rounding_within(f: Format, v: f64, b: f64) -> (f64, f64) {
+    if b == 0.0 {
+        return rounding(f, v);
+    }
+    let ulp = f.ulp(v.abs() + b).unwrap_or(f64::INFINITY);
+    (ulp * ulp / 12.0, ulp / 2.0)
 }
 
-fn welford_error(x: &[f64], a: Format) -> WelfordError {
-    // Rounding of the exact value v of a computed quantity known within b: exact only when
-    // nothing is uncertain and v lies on the grid.
-    let rnd = |v: f64, b: f64| -> (f64, f64) {
-        if b == 0.0 && a.round(v, Overflow::NonSaturating) == v {
-            return (0.0, 0.0);
-        }
-        let ulp = a.ulp(v.abs() + b).unwrap_or(f64::INFINITY);
-        (ulp * ulp / 12.0, ulp / 2.0)
-    };
-    let (mut mu, mut m2) = (0.0f64, 0.0f64);
-    let (mut vmu, mut vm, mut cov) = (0.0f64, 0.0f64, 0.0f64);
-    let (mut bmu, mut bm) = (0.0f64, 0.0f64);
-    for (k, &xk) in x.iter().enumerate() {
-        let kf = (k + 1) as f64;
-        let delta = xk - mu;
-        let (v1, m1) = rnd(delta, bmu);
-        let q = delta / kf;
-        let (v2, m2r) = rnd(q, (bmu + m1) / kf);
-        let mu_new = mu + q;
-        let (v3, m3) = rnd(mu_new, bmu + (bmu + m1) / kf + m2r);
-        let keep = 1.0 - 1.0 / kf;
-        let bmu_new = keep * bmu + m1 / kf + m2r + m3;
-        let r = xk - mu_new;
-        let (v4, m4) = rnd(r, bmu_new);
-        let p = delta * r;
-        let (bd, br) = (bmu + m1, bmu_new + m4);
-        let bp_in = r.abs() * bd + delta.abs() * br + bd * br;
-        let (v5, m5) = rnd(p, bp_in);
-        let (v6, m6) = rnd(m2 + p, bm + bp_in + m5);
-        let c = -(r + delta * keep);
-        let var_n_mu = v1 / (kf * kf) + v2 + v3;
-        let cov_n = (r - delta / kf) * v1 / kf - delta * (v2 + v3);
-        let var_n_m = (r - delta / kf).powi(2) * v1 + delta * delta * (v2 + v3 + v4) + v5 + v6;
-        let vmu_new = keep * keep * vmu + var_n_mu;
-        let cov_new = keep * (c * vmu + cov) + cov_n;
-        vm = c * c * vmu + 2.0 * c * cov + vm + var_n_m;
-        vmu = vmu_new;
-        cov = cov_new;
-        bm += bp_in + m5 + m6;
-        bmu = bmu_new;
-        mu = mu_new;
-        m2 += p;
+/// The computed value of a reduction whose every rounding the walk determines (no random
+/// part), when that pins it to one point of its result grid `rf`: the exact sum plus the
+/// determined error lies within half a spacing of that point, with room for the ties of
+/// unknown direction and the f64 sum of the determined errors.
+fn determined_value(exact: f64, e: &ReductionError, rf: Format, ov: Overflow) -> Option<f64> {
+    if e.variance != 0.0 {
+        return None;
     }
-    WelfordError {
-        m2,
-        mu_var: vmu,
-        mu_max: bmu * (1.0 + 1e-12),
-        m2_var: vm.max(0.0),
-        m2_max: bm * (1.0 + 1e-12),
-    }
+    let c = exact + e.mean;
+    let s_hat = rf.round(c, ov);
+    let below = rf
+        .ulp(s_hat.abs() * (1.0 - 2.0 * rf.unit_roundoff()))
+        .unwrap_or(0.0);
+    let slack = e.tie_bound + c.abs() * 4.0 * f64::EPSILON;
+    (s_hat.is_finite() && (c - s_hat).abs() + slack < below / 2.0).then_some(s_hat)
+}
+
+/// Whether values of `f` have at most 26 significant bits, so that the product of two of them
+/// is exact in `f64` (every format up to FP32).
+fn narrow(f: Format) -> bool {
+    f.unit_roundoff() >= 2f64.powi(-26)
 }
 
 /// Which normalization.
@@ -125,6 +84,9 @@ struct SideRow {
     mu: f64,
     /// The side's computed dᵢ = ra(xᵢ − μ̂), when its μ̂ is determined.
     d_hat: Option<Vec<f64>>,
+    /// The side's computed x̂ source (d̂ᵢ, or xᵢ for RMSNorm) and rstd, when every rounding
+    /// before them is determined: the side's output is then known exactly.
+    exact: Option<(Vec<f64>, f64)>,
     mu_tie: f64,
     rho_tie: f64,
     mu_var: f64,
@@ -136,9 +98,33 @@ struct SideRow {
     /// Per element: variance and bound of the rounding of dᵢ (absolute).
     d_var: Vec<f64>,
     d_max: Vec<f64>,
+    /// Per element: |d̂ᵢ − dᵢ| at most (the mean's error and the dᵢ rounding; 0 for RMSNorm).
+    e_max: Vec<f64>,
 }
 
-fn side_row(x: &[f64], op: NormOp, eps: f64, policy: &Policy) -> Result<SideRow> {
+/// A side whose output is known exactly: no statistics, the computed x̂ sources and rstd.
+fn exact_side(mu: f64, n: usize, src: Vec<f64>, rstd: f64) -> SideRow {
+    SideRow {
+        mu,
+        d_hat: None,
+        exact: Some((src, rstd)),
+        mu_tie: 0.0,
+        rho_tie: 0.0,
+        mu_var: 0.0,
+        mu_max: 0.0,
+        mu_mean: 0.0,
+        rho_var: 0.0,
+        rho_max: 0.0,
+        rho_mean: 0.0,
+        d_var: vec![0.0; n],
+        d_max: vec![0.0; n],
+        e_max: vec![0.0; n],
+    }
+}
+
+/// One side's model of one row. `determine`: the side runs one kernel (no family of orders),
+/// so roundings the data determine may be computed exactly.
+fn side_row(x: &[f64], op: NormOp, eps: f64, policy: &Policy, determine: bool) -> Result<SideRow> {
     let a = policy.accumulator();
     let n = x.len() as f64;
     let mut acc_in = policy.accumulation.clone();
@@ -153,27 +139,24 @@ fn side_row(x: &[f64], op: NormOp, eps: f64, policy: &Policy) -> Result<SideRow>
     // The side's μ̂ = ra(Ŝ/n), when every rounding of its sum is determined: then the dᵢ it
     // computes are known exactly too.
     let mut mu_hat = None;
-    if centered {
+    if centered && op != NormOp::LayerNorm(Variance::Welford) {
         let es = reduction_error(x, &acc_in, false)?;
         mu_tie = es.tie_bound / n;
-        let (rv, rm) = rounding(a, mu);
+        // The division rounds the computed Ŝ/n, not the exact mean: exact only when the sum
+        // is (a representable mean says nothing about Ŝ/n otherwise).
+        let (rv, rm) = rounding_within(a, mu, es.guaranteed / n);
         mu_var = es.variance / (n * n) + rv;
         mu_max = es.guaranteed / n + rm;
         mu_mean = es.mean / n;
-        if es.variance == 0.0 {
-            let rf = acc_in.order.result_format(a);
-            let c = exact_sum + es.mean;
-            let s_hat = rf.round(c, ov);
-            let below = rf
-                .ulp(s_hat.abs() * (1.0 - 2.0 * rf.unit_roundoff()))
-                .unwrap_or(0.0);
-            let slack = es.tie_bound + c.abs() * 4.0 * f64::EPSILON;
-            if s_hat.is_finite() && (c - s_hat).abs() + slack < below / 2.0 {
-                mu_hat = Some(a.round(s_hat / n, ov));
-            }
+        let rf = acc_in.order.result_format(a);
+        if let Some(s_hat) = determined_value(exact_sum, &es, rf, ov) {
+            // Every rounding up to μ̂ is known: its error is a determined offset.
+            let m = a.round(s_hat / n, ov);
+            mu_hat = Some(m);
+            (mu_var, mu_max, mu_mean, mu_tie) = (0.0, (m - mu).abs(), m - mu, 0.0);
         }
     }
-    let mut d_hat: Option<Vec<f64>> =
+    let d_hat: Option<Vec<f64>> =
         mu_hat.map(|m| x.iter().map(|&v| a.add_rounded(v, -m, ov)).collect());
     let d: Vec<f64> = x
         .iter()
@@ -181,6 +164,14 @@ fn side_row(x: &[f64], op: NormOp, eps: f64, policy: &Policy) -> Result<SideRow>
         .collect();
     let mut d_var = vec![0.0; x.len()];
     let mut d_max = vec![0.0; x.len()];
+    // The roundings of dᵢ = x − μ̂ for a μ̂ known within mu_max.
+    let price_d = |mu_max: f64, d_var: &mut [f64], d_max: &mut [f64]| {
+        for (i, &di) in d.iter().enumerate() {
+            (d_var[i], d_max[i]) = rounding_within(a, di, mu_max);
+        }
+    };
+    // The side's computed variance, when determined.
+    let mut var_hat = None;
     let (var_exact, mut var_var, mut var_max, mut var_mean, var_tie);
     match op {
         NormOp::LayerNorm(Variance::TwoPass) if d_hat.is_some() => {
@@ -191,26 +182,26 @@ fn side_row(x: &[f64], op: NormOp, eps: f64, policy: &Policy) -> Result<SideRow>
             var_exact = d.iter().map(|v| v * v).sum::<f64>() / n;
             let shift = sq.iter().sum::<f64>() / n - var_exact;
             let ed = reduction_error(&sq, &acc_a, true)?;
-            let (rv, rm) = rounding(a, var_exact + shift);
+            if narrow(a) {
+                let rf = acc_a.order.result_format(a);
+                var_hat = determined_value(crate::exact::exact_sum(&sq), &ed, rf, ov)
+                    .map(|s| a.round(s / n, ov));
+            }
+            let (rv, rm) = rounding_within(a, var_exact + shift, ed.guaranteed / n);
             var_var = ed.variance / (n * n) + rv;
             var_max = ed.guaranteed / n + shift.abs() + rm;
             var_mean = ed.mean / n + shift;
             var_tie = ed.tie_bound / n + (var_exact.abs() + shift.abs()) * 8.0 * f64::EPSILON;
         }
         NormOp::LayerNorm(Variance::TwoPass) => {
-            for (i, &di) in d.iter().enumerate() {
-                let (v, m) = rounding(a, di);
-                d_var[i] = v;
-                d_max[i] = m;
-            }
+            price_d(mu_max, &mut d_var, &mut d_max);
             let sq: Vec<f64> = d.iter().map(|v| v * v).collect();
             var_exact = sq.iter().sum::<f64>() / n;
             // The side squares its computed dᵢ, which the model knows only approximately: the
             // all-random model prices this sum (the dᵢ roundings are added below).
             let ed = random_rounding_error(&sq, &acc_a, false)?;
-            let (rv, rm) = rounding(a, var_exact);
-            var_var = ed.variance / (n * n) + rv;
-            var_max = ed.guaranteed / n + rm;
+            var_var = ed.variance / (n * n);
+            var_max = ed.guaranteed / n;
             var_mean = ed.mean / n;
             var_tie = ed.tie_bound / n;
             // The dᵢ roundings move the variance by (2dᵢ/n)·η, and dᵢ² by (2dᵢ + η)·η. Those
@@ -237,59 +228,95 @@ fn side_row(x: &[f64], op: NormOp, eps: f64, policy: &Policy) -> Result<SideRow>
                 .sum();
             let grouped: f64 = coherent.values().map(|(s, v)| s * s * v).sum();
             var_var += independent.max(grouped);
+            // The division rounds the computed Σd̂²/n, within var_max of the exact variance.
+            let (rv, rm) = rounding_within(a, var_exact, var_max);
+            var_var += rv;
+            var_max += rm;
         }
         NormOp::LayerNorm(Variance::OnePass) | NormOp::RmsNorm => {
             let sq: Vec<f64> = x.iter().map(|v| v * v).collect();
             let ms = sq.iter().sum::<f64>() / n;
             // dot(x, x): the exact products xᵢ², handled as the policy's products are.
             let ed = reduction_error(&sq, &acc_in, true)?;
-            let (rv, rm) = rounding(a, ms);
+            let ms_hat = if narrow(policy.input()) {
+                let rf = acc_in.order.result_format(a);
+                determined_value(crate::exact::exact_sum(&sq), &ed, rf, ov)
+                    .map(|s| a.round(s / n, ov))
+            } else {
+                None
+            };
+            let (rv, rm) = rounding_within(a, ms, ed.guaranteed / n);
             var_var = ed.variance / (n * n) + rv;
             var_max = ed.guaranteed / n + rm;
             var_mean = ed.mean / n;
             var_tie = ed.tie_bound / n + 2.0 * mu.abs() * mu_tie;
             if centered {
-                for (i, &di) in d.iter().enumerate() {
-                    let (v, m) = rounding(a, di);
-                    d_var[i] = v;
-                    d_max[i] = m;
-                }
-                let (qv, qm) = rounding(a, mu * mu);
+                price_d(mu_max, &mut d_var, &mut d_max);
+                let sq_max = 2.0 * mu.abs() * mu_max + mu_max * mu_max;
+                let (qv, qm) = rounding_within(a, mu * mu, sq_max);
                 var_var += 4.0 * mu * mu * mu_var + qv;
-                var_max += 2.0 * mu.abs() * mu_max + mu_max * mu_max + qm;
+                var_max += sq_max + qm;
                 var_mean -= 2.0 * mu * mu_mean;
                 var_exact = ms - mu * mu;
-                let (sv, sm) = rounding(a, var_exact);
+                let (sv, sm) = rounding_within(a, var_exact, var_max);
                 var_var += sv;
                 var_max += sm;
+                var_hat = match (ms_hat, mu_hat) {
+                    (Some(ms), Some(m)) if narrow(a) => {
+                        Some(a.add_rounded(ms, -a.round(m * m, ov), ov))
+                    }
+                    _ => None,
+                };
             } else {
                 var_exact = ms;
+                var_hat = ms_hat;
             }
         }
         NormOp::LayerNorm(Variance::Welford) => {
-            // Welford's recurrence replaces the sum: its μ̂ and M̂2 errors are propagated
-            // through the recurrence (welford_error); nothing about μ̂ is determined.
-            let we = welford_error(x, a);
-            mu_var = we.mu_var;
-            mu_max = we.mu_max;
-            mu_mean = 0.0;
-            mu_tie = 0.0;
-            d_hat = None;
-            for (i, &di) in d.iter().enumerate() {
-                let (v, m) = rounding(a, di);
-                d_var[i] = v;
-                d_max[i] = m;
+            // Welford's updating form is one sequential recurrence whatever the order
+            // ([`Variance::Welford`]): its μ̂ and M̂2 are computed as the engine computes them.
+            // (A first-order random model of its roundings was 2–3× low on large-mean rows,
+            // whose updates round alike step after step: issue 34.)
+            let ar = Arith::new(a, policy.output, ov);
+            let (mut m, mut m2) = (0.0, 0.0);
+            for (k, &xv) in x.iter().enumerate() {
+                let delta = ar.sub(xv, m);
+                m = ar.add(m, ar.div(delta, (k + 1) as f64));
+                m2 = ar.add(m2, ar.mul(delta, ar.sub(xv, m)));
             }
-            var_exact = we.m2 / n;
-            let (rv, rm) = rounding(a, var_exact);
-            var_var = we.m2_var / (n * n) + rv;
-            var_max = we.m2_max / n + rm;
-            var_mean = 0.0;
-            var_tie = 0.0;
+            let src: Vec<f64> = x.iter().map(|&v| ar.sub(v, m)).collect();
+            let v = ar.add(ar.div(m2, n), ar.ra(eps));
+            let rstd = ar.ra(1.0 / v.sqrt());
+            if !(rstd.is_finite() && rstd > 0.0) {
+                return Err(Error::NoFiniteBound {
+                    what: format!("{op:?} of a row of {} values", x.len()),
+                    reason: format!(
+                        "its computed variance + eps is {v:e}: rstd is {rstd} and the output \
+                         not finite"
+                    ),
+                });
+            }
+            return Ok(exact_side(mu, x.len(), src, rstd));
+        }
+    }
+    // Every rounding before x̂ determined: the side's output is computed exactly, as the
+    // engine computes it (rstd = ra(1/√ra(var + ra(eps)))).
+    if determine {
+        let src = if centered {
+            d_hat.clone()
+        } else {
+            Some(x.to_vec())
+        };
+        if let (Some(src), Some(var)) = (src, var_hat) {
+            let v = a.add_rounded(var, a.round(eps, ov), ov);
+            let rstd = a.round(1.0 / v.sqrt(), ov);
+            if rstd.is_finite() && rstd > 0.0 {
+                return Ok(exact_side(mu, x.len(), src, rstd));
+            }
         }
     }
     let v = var_exact + eps;
-    let (vv, vm) = rounding(a, v);
+    let (vv, vm) = rounding_within(a, v, var_max);
     var_var += vv;
     var_max += vm;
     // A computed var + eps within var_max of v: rstd = 1/√(v(1 + δ)), |δ| ≤ r = var_max/v.
@@ -308,14 +335,23 @@ fn side_row(x: &[f64], op: NormOp, eps: f64, policy: &Policy) -> Result<SideRow>
         });
     }
     let rstd = 1.0 / v.sqrt();
-    let (rv, rm) = rounding(a, rstd);
+    let rstd_max = rstd * (1.0 / (1.0 - r).sqrt() - 1.0);
+    let (rv, rm) = rounding_within(a, rstd, rstd_max);
     let rho_var = var_var / (4.0 * v * v) + rv / (rstd * rstd);
     let rho_max = 1.0 / (1.0 - r).sqrt() - 1.0 + rm / rstd;
     let rho_mean = -var_mean / (2.0 * v);
     let rho_tie = var_tie / (2.0 * v);
+    let e_max = if !centered {
+        vec![0.0; x.len()]
+    } else if let Some(dh) = &d_hat {
+        dh.iter().zip(&d).map(|(h, e)| (h - e).abs()).collect()
+    } else {
+        d_max.iter().map(|m| m + mu_max).collect()
+    };
     Ok(SideRow {
         mu,
         d_hat,
+        exact: None,
         mu_tie,
         rho_tie,
         mu_var,
@@ -326,6 +362,7 @@ fn side_row(x: &[f64], op: NormOp, eps: f64, policy: &Policy) -> Result<SideRow>
         rho_mean,
         d_var,
         d_max,
+        e_max,
     })
 }
 
@@ -450,7 +487,12 @@ pub fn norm_threshold(
     // kernel, not a family); everything before the output rounding is the same when the
     // whole arithmetic is.
     let one_kernel = !reference.accumulation.order.has_family();
-    let shared_mu = reference.accumulation.order == candidate.accumulation.order && one_kernel;
+    let cand_one_kernel = !candidate.accumulation.order.has_family();
+    // Welford's μ̂ comes from its own recurrence, not from the sum: shared only with Welford.
+    let welford = |op: NormOp| op == NormOp::LayerNorm(Variance::Welford);
+    let shared_mu = reference.accumulation.order == candidate.accumulation.order
+        && one_kernel
+        && welford(ref_op) == welford(cand_op);
     let same_internal =
         reference.accumulation == candidate.accumulation && ref_op == cand_op && one_kernel;
     let centered = matches!(ref_op, NormOp::LayerNorm(_));
@@ -487,22 +529,77 @@ pub fn norm_threshold(
     for &(r, count) in &classes {
         let row = &xi.values()[r * n..(r + 1) * n];
         let (rstd, xhat, y) = exact_row(row);
-        let sr = side_row(row, ref_op, eps, reference)?;
-        let sc = side_row(row, cand_op, eps, candidate)?;
-        // Row-common part: γ ⊙ (−rstd·Δμ·1 + Δρ·x̂), two scalars times fixed vectors; the
-        // sub-Gaussian proxy of the sum is at most (σ₁‖v₁‖ + σ₂‖v₂‖)².
+        let sr = side_row(row, ref_op, eps, reference, one_kernel)?;
+        let sc = side_row(row, cand_op, eps, candidate, cand_one_kernel)?;
+        // A side whose every rounding before x̂ is determined: its output, computed as the
+        // engine computes it.
+        let output = |s: &SideRow, p: &Policy| {
+            let ar = Arith::new(a, p.output, p.accumulation.overflow);
+            s.exact.as_ref().map(|(src, r_hat)| {
+                (0..n)
+                    .map(|i| {
+                        let mut v = ar.mul(ar.mul(src[i], *r_hat), w.values()[i]);
+                        if b.is_some() {
+                            v = ar.add(v, bias_at(i));
+                        }
+                        ar.ro(v)
+                    })
+                    .collect::<Vec<f64>>()
+            })
+        };
+        let (yr, yc) = (output(&sr, reference), output(&sc, candidate));
+        if let (Some(yr), Some(yc)) = (&yr, &yc) {
+            // Both sides known: the difference is too (exactly in f64; the slack covers the
+            // norms the threshold and its user take of it).
+            for i in 0..n {
+                let d = yc[i] - yr[i];
+                let slack = d.abs() * 1e-12;
+                groups.push((
+                    ElementDiff {
+                        offset: d,
+                        bias_bound: slack,
+                        guaranteed: d.abs() + slack,
+                        ..ElementDiff::default()
+                    },
+                    count,
+                ));
+            }
+            continue;
+        }
+        // One side known: its error against the exact model is a determined offset, and only
+        // the other side's roundings are priced.
+        let one_known = yr.is_some() || yc.is_some();
+        let known_offset = |i: usize| {
+            let o =
+                yc.as_ref().map_or(0.0, |v| v[i] - y[i]) - yr.as_ref().map_or(0.0, |v| v[i] - y[i]);
+            // The exact model's y is computed in f64.
+            (
+                o,
+                (y[i].abs() + rstd * row[i].abs()) * 1e-12 + f64::MIN_POSITIVE,
+            )
+        };
+        // Row-common part: γ ⊙ (−rstd·Δμ·1 + Δρ·x̂_side), two scalars times vectors; the
+        // sub-Gaussian proxy of the sum is at most (σ₁‖v₁‖ + σ₂‖v₂‖)². The side's x̂ is
+        // rstd·d̂ᵢ with |d̂ᵢ − dᵢ| ≤ e_max: the vector of Δρ is within rstd·‖γ ⊙ e_max‖ of γ ⊙ x̂.
+        let e_max: Vec<f64> = (0..n).map(|i| sr.e_max[i].max(sc.e_max[i])).collect();
         let g_norm = w.values().iter().map(|v| v * v).sum::<f64>().sqrt();
         let gx_norm = (0..n)
             .map(|i| (w.values()[i] * xhat[i]).powi(2))
             .sum::<f64>()
-            .sqrt();
+            .sqrt()
+            + rstd
+                * (0..n)
+                    .map(|i| (w.values()[i] * e_max[i]).powi(2))
+                    .sum::<f64>()
+                    .sqrt();
         // Both sides' dᵢ known exactly: their difference is a determined offset per element,
         // and neither μ̂ nor the dᵢ roundings are random.
         let known_d = match (&sr.d_hat, &sc.d_hat) {
             (Some(dr), Some(dc)) => Some((dr, dc)),
             _ => None,
         };
-        let shared_mu = shared_mu || known_d.is_some();
+        let shared_mu = (shared_mu && !one_known) || known_d.is_some();
+        let same_internal = same_internal && !one_known;
         let (mu_var, mu_max) = if shared_mu {
             (0.0, 0.0)
         } else {
@@ -590,11 +687,29 @@ pub fn norm_threshold(
                 (sr.d_var[i] + sc.d_var[i], sr.d_max[i] + sc.d_max[i])
             };
             let dd = known_d.map_or(0.0, |(dr, dc)| dc[i] - dr[i]);
+            // Second order: ρ multiplies the side's x̂ = rstd·(dᵢ + eᵢ), |eᵢ| ≤ e_max. With
+            // both eᵢ known, their share of the ρ means is determined.
+            let (cross_mean, cross_bias) = match known_d {
+                Some((dr, dc)) => {
+                    let (er, ec) = (dr[i] - (row[i] - sr.mu), dc[i] - (row[i] - sc.mu));
+                    (rstd * (sc.rho_mean * ec - sr.rho_mean * er), 0.0)
+                }
+                None => (
+                    0.0,
+                    rstd * e_max[i] * (sr.rho_mean.abs() + sc.rho_mean.abs()),
+                ),
+            };
+            let (known, slack) = known_offset(i);
             let mut d = ElementDiff {
-                offset: gi * (rstd * (dd - dmu_mean) + drho_mean * xhat[i]),
-                bias_bound: gi.abs() * (rstd * mu_tie + rho_tie * xhat[i].abs()),
-                guaranteed: gi.abs()
-                    * (rstd * (dm + mu_max + dd.abs()) + rho_max * xhat[i].abs())
+                offset: gi * (rstd * (dd - dmu_mean) + drho_mean * xhat[i] + cross_mean) + known,
+                bias_bound: gi.abs()
+                    * (rstd * mu_tie + rho_tie * (xhat[i].abs() + rstd * e_max[i]) + cross_bias)
+                    + slack,
+                guaranteed: (gi.abs()
+                    * (rstd * (dm + mu_max + dd.abs())
+                        + rho_max * (xhat[i].abs() + rstd * e_max[i]))
+                    + known.abs()
+                    + slack)
                     * 1.01,
                 ..ElementDiff::default()
             };
@@ -603,15 +718,33 @@ pub fn norm_threshold(
             let share = (gi * (rstd * mu_var.sqrt() + xhat[i].abs() * rho_var.sqrt())).powi(2)
                 + gi * gi * rstd * rstd * dv;
             d.proxy += share;
-            if !same_internal {
-                d.round_both(a, xhat[i]);
-                d.round_both(a, xhat[i] * gi);
+            if one_known {
+                // The other side's trailing roundings alone.
+                let out = if yr.is_some() {
+                    candidate.output
+                } else {
+                    reference.output
+                };
+                d.round_one(a, xhat[i]);
+                d.round_one(a, xhat[i] * gi);
                 if b.is_some() {
-                    d.round_both(a, y[i]);
+                    d.round_one(a, y[i]);
                 }
+                if !a.is_subset_of(out) {
+                    d.round_one(out, y[i]);
+                }
+            } else {
+                if !same_internal {
+                    d.round_both(a, xhat[i]);
+                    d.round_both(a, xhat[i] * gi);
+                    if b.is_some() {
+                        d.round_both(a, y[i]);
+                    }
+                }
+                round_sides(&mut d, (a, a), (reference.output, candidate.output), y[i]);
             }
-            round_sides(&mut d, (a, a), (reference.output, candidate.output), y[i]);
             d.proxy -= share;
+            d.shared_proxy = share;
             groups.push((d, cnt * count));
         }
     }
