@@ -61,9 +61,18 @@ pub enum Family {
     Subnormal,
     /// Gaussian scaled so that sums come near the largest finite value.
     NearOverflow,
+    /// A large constant (250 to 32,000) with one element in eight raised by a small integer:
+    /// every update of a running mean rounds at the constant's spacing.
+    NearConstant,
+    /// Uniform on [−1, 1) with one element 10⁶ per row: the squares of x − μ̂ all round the
+    /// same way onto the outlier's.
+    SingleOutlier,
+    /// Positive values below 2⁻¹⁰: a long sum in a narrow accumulator stalls (each term under
+    /// half the running sum's spacing). Matmuls take B from the same family.
+    Stall,
 }
 
-pub const FAMILIES: [Family; 19] = [
+pub const FAMILIES: [Family; 22] = [
     Family::Gaussian,
     Family::Mean(0.5),
     Family::Mean(1.0),
@@ -83,6 +92,9 @@ pub const FAMILIES: [Family; 19] = [
     Family::Residues,
     Family::Subnormal,
     Family::NearOverflow,
+    Family::NearConstant,
+    Family::SingleOutlier,
+    Family::Stall,
 ];
 
 impl Family {
@@ -104,6 +116,9 @@ impl Family {
             Family::Residues => "residue pattern".into(),
             Family::Subnormal => "subnormal".into(),
             Family::NearOverflow => "near overflow".into(),
+            Family::NearConstant => "near-constant large".into(),
+            Family::SingleOutlier => "one outlier 1e6".into(),
+            Family::Stall => "stall (< 2^-10)".into(),
         }
     }
 }
@@ -204,6 +219,28 @@ pub fn generate(
             let scale = acc.max_finite().min(format.max_finite()) / (k as f64).max(4.0) / 2.0;
             (0..n).map(|_| g.uniform() * scale).collect()
         }
+        Family::NearConstant => {
+            let c = [250.0, 1000.0, 3e4][(g.next_u64() % 3) as usize] * (1.0 + g.uniform());
+            let c = r(c);
+            (0..n)
+                .map(|_| {
+                    if g.next_u64() % 8 == 0 {
+                        c + (1 + g.next_u64() % 4) as f64
+                    } else {
+                        c
+                    }
+                })
+                .collect()
+        }
+        Family::SingleOutlier => {
+            let mut v: Vec<f64> = (0..n).map(|_| 2.0 * g.uniform() - 1.0).collect();
+            for row in v.chunks_mut(k) {
+                let j = (g.next_u64() % k as u64) as usize;
+                row[j] = 1e6 * (1.0 + g.uniform());
+            }
+            v
+        }
+        Family::Stall => (0..n).map(|_| g.uniform() * 2f64.powi(-10)).collect(),
     };
     for x in &mut v {
         *x = r(*x);
@@ -371,6 +408,12 @@ pub fn pairs(op: Op) -> Vec<Pair> {
                 Policy::new(Format::F16, Format::F16, Format::F16),
                 Policy::new(Format::F16, Format::F32, Format::F16),
             ));
+            let f16 = Policy::new(Format::F16, Format::F16, Format::F16);
+            out.push(mk(
+                "f16 in, f16 acc: seq vs pairwise(8)".into(),
+                f16.clone(),
+                f16.with_order(Order::Pairwise { base: 8 }),
+            ));
         }
         Op::Softmax(_) => {
             for out_f in [Format::F32, Format::BF16] {
@@ -422,6 +465,29 @@ pub fn pairs(op: Op) -> Vec<Pair> {
                     ref_op: r,
                     cand_op: c,
                 });
+                // The same order on both sides (the variance algorithms alone differ), with
+                // FP32 and BF16 inputs.
+                if r != c {
+                    for input in [Format::F32, Format::BF16] {
+                        let p = Policy::new(input, Format::F32, Format::F32);
+                        out.push(Pair {
+                            name: format!("{name}: {input} seq"),
+                            reference: p.clone(),
+                            candidate: p,
+                            ref_op: r,
+                            cand_op: c,
+                        });
+                    }
+                }
+            }
+            if op != Op::RmsNorm {
+                out.push(Pair {
+                    name: "welford: seq vs pairwise(8)".into(),
+                    reference: base.clone(),
+                    candidate: base.clone().with_order(Order::Pairwise { base: 8 }),
+                    ref_op: Op::LayerNorm(Variance::Welford),
+                    cand_op: Op::LayerNorm(Variance::Welford),
+                });
             }
         }
     }
@@ -437,6 +503,8 @@ pub enum Outcome {
         guaranteed: f64,
         probabilistic: f64,
         oracle_ok: bool,
+        /// max |cand − ref| and the guaranteed and probabilistic per-element bounds.
+        per_element: (f64, f64, f64),
     },
     /// The threshold function refused with an overflow (or non-finite) error: allowed only when
     /// the computation could really leave the finite range.
@@ -581,7 +649,12 @@ pub fn trial(
             let m = rows.clamp(1, 4);
             let n = rows.div_ceil(m);
             let a = generate(family, m, k, seed, input, acc);
-            let bt = generate(Family::Gaussian, n, k, seed ^ 0x5eed, input, acc);
+            let b_family = if family == Family::Stall {
+                Family::Stall
+            } else {
+                Family::Gaussian
+            };
+            let bt = generate(b_family, n, k, seed ^ 0x5eed, input, acc);
             // B [k, n] from the transposed rows.
             let mut bv = vec![0.0; k * n];
             for j in 0..n {
@@ -636,11 +709,17 @@ pub fn trial(
             } else {
                 true
             };
+            let max_diff = r
+                .iter()
+                .zip(&c)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f64::max);
             Ok(Outcome::Priced {
                 observed: frob(&r, &c),
                 guaranteed: g.abs_frobenius,
                 probabilistic: p.abs_frobenius,
                 oracle_ok,
+                per_element: (max_diff, g.per_element, p.per_element),
             })
         }
         (Err(Error::Overflow { .. } | Error::NoFiniteBound { .. }), _)
@@ -725,11 +804,13 @@ impl Cell {
                 guaranteed,
                 probabilistic,
                 oracle_ok,
+                per_element: (max_diff, per_g, per_p),
             } => {
-                if observed > guaranteed {
+                // The tensor bound and the per-element one (max |cand − ref|).
+                if observed > guaranteed || max_diff > per_g {
                     self.guaranteed_violations += 1;
                 }
-                if observed > probabilistic {
+                if observed > probabilistic || max_diff > per_p {
                     self.probabilistic_violations += 1;
                 }
                 if !oracle_ok {

@@ -1,0 +1,301 @@
+//! The counterexamples of the independent adversarial suite (issue 34), each with its explicit
+//! inputs: both sides run on the engine, and ‖cand − ref‖ must lie within the guaranteed and
+//! the probabilistic (δ = 1e-6) thresholds; the refusals that had a finite bound are priced.
+
+use ttrace::bounds::{
+    matmul_threshold, norm_threshold, softmax_threshold, sum_threshold, Confidence, NormData,
+    NormOp, NormSide,
+};
+use ttrace::engine::{layer_norm, softmax, AttentionImpl, Variance};
+use ttrace::{Error, Format, Order, Overflow, Policy, Tensor};
+
+const DELTA: Confidence = Confidence::Probabilistic { delta: 1e-6 };
+
+fn frob(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y) * (x - y))
+        .sum::<f64>()
+        .sqrt()
+}
+
+/// A LayerNorm pair on one row: (observed ‖D‖, guaranteed, probabilistic), both sides executed
+/// by the engine and priced by `norm_threshold`; zeros for a refusal where a side's output is
+/// not finite.
+fn layer_norm_case(
+    x: &[f64],
+    format: Format,
+    eps: f64,
+    reference: (Variance, &Policy),
+    candidate: (Variance, &Policy),
+) -> ttrace::Result<(f64, f64, f64)> {
+    let n = x.len();
+    let x = Tensor::rounded(&[1, n], x.to_vec(), format, Overflow::NonSaturating)?;
+    let w = Tensor::from_vec(&[n], vec![1.0; n], format)?;
+    let b = Tensor::zeros(&[n], format);
+    let (yr, _) = layer_norm(&x, &w, &b, eps, reference.0, reference.1)?;
+    let (yc, _) = layer_norm(&x, &w, &b, eps, candidate.0, candidate.1)?;
+    let d = frob(yr.values(), yc.values());
+    let finite = yr.values().iter().chain(yc.values()).all(|v| v.is_finite());
+    let data = NormData {
+        x: &x,
+        weight: &w,
+        bias: Some(&b),
+        eps,
+    };
+    let th = [Confidence::Guaranteed, DELTA].map(|conf| {
+        norm_threshold(
+            &data,
+            NormSide {
+                op: NormOp::LayerNorm(reference.0),
+                policy: reference.1,
+            },
+            NormSide {
+                op: NormOp::LayerNorm(candidate.0),
+                policy: candidate.1,
+            },
+            conf,
+        )
+    });
+    let [g, p] = th;
+    match (g, p) {
+        (Ok(g), Ok(p)) => Ok((d, g.abs_frobenius, p.abs_frobenius)),
+        // A refusal is right only where a side's output is not finite (the one-pass variance
+        // of a constant row may come out negative).
+        (Err(Error::NoFiniteBound { .. }), Err(Error::NoFiniteBound { .. })) if !finite => {
+            Ok((0.0, 0.0, 0.0))
+        }
+        (g, p) => Err(g.and(p).unwrap_err()),
+    }
+}
+
+fn assert_within(name: &str, (d, g, p): (f64, f64, f64)) {
+    assert!(d <= g, "{name}: guaranteed {g:e} < ‖D‖ = {d:e}");
+    assert!(d <= p, "{name}: probabilistic {p:e} < ‖D‖ = {d:e}");
+}
+
+/// Case 1: a constant FP32 row: two-pass rounds its mean (x − μ̂ = 1 ulp), Welford and the exact
+/// model do not. The thresholds were ≈ 0 (the two sides were taken to share μ̂).
+#[test]
+fn constant_rows_under_every_variance_algorithm() {
+    let f32p = Policy::new(Format::F32, Format::F32, Format::F32);
+    let seq = f32p.clone();
+    let pw = f32p.clone().with_order(Order::Pairwise { base: 8 });
+    for x in [vec![1.7; 3], vec![1.7; 64], vec![0.1; 7], vec![3.3; 1000]] {
+        for (r, c) in [
+            (Variance::TwoPass, Variance::Welford),
+            (Variance::TwoPass, Variance::OnePass),
+            (Variance::Welford, Variance::OnePass),
+            (Variance::TwoPass, Variance::TwoPass),
+        ] {
+            for (pr, pc) in [(&seq, &seq), (&seq, &pw)] {
+                let name = format!("{} × {}: {r:?} vs {c:?}", x[0], x.len());
+                if r == c && pr == pc {
+                    continue;
+                }
+                assert_within(
+                    &name,
+                    layer_norm_case(&x, Format::F32, 1e-5, (r, pr), (c, pc)).unwrap(),
+                );
+            }
+        }
+    }
+    // The issue's case: ‖D‖ = 6.53e-5.
+    let (d, _, _) = layer_norm_case(
+        &[1.7; 3],
+        Format::F32,
+        1e-5,
+        (Variance::TwoPass, &seq),
+        (Variance::Welford, &seq),
+    )
+    .unwrap();
+    assert!(d > 6e-5, "{d:e}");
+}
+
+/// Case 2: Welford with a large mean: every μ update rounds at the spacing of 1000.
+#[test]
+fn welford_with_a_large_mean() {
+    let p = Policy::new(Format::BF16, Format::F32, Format::F32);
+    let x = [
+        1000.0, 1000.0, 1000.0, 1000.0, 1000.0, 1004.0, 1000.0, 1000.0,
+    ];
+    let case = layer_norm_case(
+        &x,
+        Format::BF16,
+        1e-5,
+        (Variance::TwoPass, &p),
+        (Variance::Welford, &p),
+    )
+    .unwrap();
+    assert!(case.0 > 1e-4, "{case:?}");
+    assert_within("1000 × 7, 1004", case);
+    // The family: large-mean near-constant rows, every pair of algorithms.
+    for k in [8usize, 64, 333] {
+        for m in [1000.0, 3e4, 250.0] {
+            let x: Vec<f64> = (0..k)
+                .map(|i| if (i * 7919) % 5 == 0 { m + 4.0 } else { m })
+                .collect();
+            for (r, c) in [
+                (Variance::TwoPass, Variance::Welford),
+                (Variance::Welford, Variance::Welford),
+            ] {
+                let pc = p.clone().with_order(Order::Pairwise { base: 8 });
+                assert_within(
+                    &format!("{m} ({k}) {r:?} vs {c:?}"),
+                    layer_norm_case(&x, Format::BF16, 1e-5, (r, &p), (c, &pc)).unwrap(),
+                );
+            }
+        }
+    }
+}
+
+/// Case 3: one outlier: x_16 = 1e6 among 1023 values in [−1, 1]. The squares of x − μ̂ (≈ 977²)
+/// added to 1e12 round up by the same amount each time.
+#[test]
+fn a_single_large_outlier() {
+    let p = Policy::new(Format::F32, Format::F32, Format::F32);
+    let pw = p.clone().with_order(Order::Pairwise { base: 8 });
+    let mut x: Vec<f64> = (0..1024)
+        .map(|j| ((7919 * j) % 1009) as f64 / 504.5 - 1.0)
+        .collect();
+    x[16] = 1e6;
+    for v in [Variance::TwoPass, Variance::OnePass, Variance::Welford] {
+        assert_within(
+            &format!("{v:?}"),
+            layer_norm_case(&x, Format::F32, 0.0, (v, &p), (v, &pw)).unwrap(),
+        );
+    }
+}
+
+/// Case 4: FP16 accumulation that stalls: [1, 8192]·[8192, 1], input, accumulator and output FP16.
+#[test]
+fn fp16_accumulation_stall() {
+    let f16 = |v: f64| Format::F16.round(v, Overflow::NonSaturating);
+    let k = 8192;
+    let x: Vec<f64> = (0..k)
+        .map(|j| f16(((7919 * j + 3) % 1009) as f64 / 1009.0 * 2f64.powi(-10)))
+        .collect();
+    let y: Vec<f64> = (0..k)
+        .map(|j| f16(((104729 * j + 11) % 1009) as f64 / 1009.0 * 2f64.powi(-10)))
+        .collect();
+    let r = Policy::new(Format::F16, Format::F16, Format::F16);
+    let c = r.clone().with_order(Order::Pairwise { base: 8 });
+    let a = Tensor::from_vec(&[1, k], x, Format::F16).unwrap();
+    let b = Tensor::from_vec(&[k, 1], y, Format::F16).unwrap();
+    let d = frob(
+        ttrace::engine::matmul(&a, &b, &r).unwrap().values(),
+        ttrace::engine::matmul(&a, &b, &c).unwrap().values(),
+    );
+    assert!(d > 4e-4, "{d:e}");
+    for conf in [Confidence::Guaranteed, DELTA] {
+        let t = matmul_threshold(&a, &b, None, &r, &c, conf).unwrap();
+        assert!(
+            d <= t.abs_frobenius,
+            "{conf:?}: {:e} < {d:e}",
+            t.abs_frobenius
+        );
+    }
+}
+
+/// Case 5: softmax with an FP32 output, sequential against pairwise(8) sums: the per-element bound.
+#[test]
+fn softmax_per_element_bound() {
+    let p = Policy::new(Format::BF16, Format::F32, Format::F32);
+    let pw = p.clone().with_order(Order::Pairwise { base: 8 });
+    let row = [
+        3.8125, 5.9375, 4.25, 2.109375, 0.9921875, -0.2578125, -1.5546875, 0.79296875, -2.546875,
+    ];
+    let x = Tensor::from_vec(&[1, 9], row.to_vec(), Format::BF16).unwrap();
+    let (yr, yc) = (softmax(&x, &p).unwrap(), softmax(&x, &pw).unwrap());
+    let d = frob(yr.values(), yc.values());
+    let max = yr
+        .values()
+        .iter()
+        .zip(yc.values())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(max > 1.1e-7, "{max:e}");
+    // The pairwise kernel priced as one of a family (its sum undetermined): the row's common
+    // part must enter each element's own bound.
+    let family = p.clone().with_order(Order::AnyOf(vec![
+        Order::Sequential,
+        Order::Pairwise { base: 8 },
+    ]));
+    for (cand, conf) in [
+        (&pw, Confidence::Guaranteed),
+        (&pw, DELTA),
+        (&family, DELTA),
+    ] {
+        let t = softmax_threshold(
+            &x,
+            &p,
+            AttentionImpl::Standard,
+            cand,
+            AttentionImpl::Standard,
+            conf,
+        )
+        .unwrap();
+        assert!(
+            d <= t.abs_frobenius,
+            "{conf:?}: {:e} < {d:e}",
+            t.abs_frobenius
+        );
+        assert!(
+            max <= t.per_element,
+            "{conf:?}: per element {:e} < {max:e}",
+            t.per_element
+        );
+    }
+}
+
+/// Refusals with a bound: a one-value row (both outputs are exactly β), two-pass against
+/// Welford with ε > 0, alternating BF16 sums accumulated in FP16 at K = 4096.
+#[test]
+fn refusals_that_had_a_bound() {
+    let p = Policy::new(Format::F32, Format::F32, Format::F32);
+    let pw = p.clone().with_order(Order::Pairwise { base: 8 });
+    let (d, g, pr) = layer_norm_case(
+        &[2.5],
+        Format::F32,
+        1e-5,
+        (Variance::OnePass, &p),
+        (Variance::OnePass, &pw),
+    )
+    .unwrap();
+    assert_eq!(d, 0.0);
+    assert!(g.is_finite() && pr.is_finite());
+    let mut x: Vec<f64> = (0..4096).map(|i| 1000.0 + (i % 3) as f64).collect();
+    x[7] = 1004.0;
+    assert_within(
+        "two-pass vs Welford, eps 1e-5",
+        layer_norm_case(
+            &x,
+            Format::F32,
+            1e-5,
+            (Variance::TwoPass, &p),
+            (Variance::Welford, &p),
+        )
+        .unwrap(),
+    );
+    // Alternating BF16 terms (partial sums stay near 100) in an FP16 accumulator.
+    let k = 4096;
+    let xs: Vec<f64> = (0..k)
+        .map(|i| {
+            let v = 100.0 + (i % 13) as f64 / 4.0;
+            if i % 2 == 0 {
+                v
+            } else {
+                -v + 0.25
+            }
+        })
+        .collect();
+    let t = Tensor::rounded(&[1, k], xs, Format::BF16, Overflow::NonSaturating).unwrap();
+    let r = Policy::new(Format::BF16, Format::F16, Format::F32);
+    let c = r.clone().with_order(Order::Pairwise { base: 8 });
+    for conf in [Confidence::Guaranteed, DELTA] {
+        match sum_threshold(&t, &r, &c, false, conf) {
+            Ok(th) => assert!(th.abs_frobenius.is_finite()),
+            Err(e) => panic!("{conf:?}: refused: {e}"),
+        }
+    }
+}
