@@ -19,7 +19,7 @@
 
 use crate::bounds::compare::{grouped_threshold, row_classes, Confidence, ElementDiff, Threshold};
 use crate::bounds::ops::round_sides;
-use crate::bounds::reduction::{random_rounding_error, reduction_error, ReductionError};
+use crate::bounds::reduction::{reduction_error, reduction_error_within, ReductionError};
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::policy::arith::Arith;
@@ -197,9 +197,19 @@ fn side_row(x: &[f64], op: NormOp, eps: f64, policy: &Policy, determine: bool) -
             price_d(mu_max, &mut d_var, &mut d_max);
             let sq: Vec<f64> = d.iter().map(|v| v * v).collect();
             var_exact = sq.iter().sum::<f64>() / n;
-            // The side squares its computed dᵢ, which the model knows only approximately: the
-            // all-random model prices this sum (the dᵢ roundings are added below).
-            let ed = random_rounding_error(&sq, &acc_a, false)?;
+            // The side squares its computed dᵢ, known within eᵢ = mu_max + d_maxᵢ: the walk on
+            // the model's squares with radii (2|dᵢ| + eᵢ)·eᵢ determines the roundings that
+            // round alike over them (squares added onto one outlier's all round the same way:
+            // issue 34), the rest are random (the dᵢ roundings themselves are added below).
+            let radii: Vec<f64> = d
+                .iter()
+                .zip(&d_max)
+                .map(|(di, dm)| {
+                    let e = mu_max + dm;
+                    (2.0 * di.abs() + e) * e
+                })
+                .collect();
+            let ed = reduction_error_within(&sq, &radii, &acc_a, true)?;
             var_var = ed.variance / (n * n);
             var_max = ed.guaranteed / n;
             var_mean = ed.mean / n;

@@ -94,6 +94,36 @@ pub(super) fn parity_on(k: &Known, grid: f64) -> Option<bool> {
 
 pub(super) type Key = (usize, usize, usize, usize);
 
+/// A multiply-rotate hasher for the walk's range keys (FxHash's step): the walk inserts and
+/// removes one key per rounding site, and SipHash cost half its time. The keys are ranges of
+/// one reduction, not data from a file: no flooding to resist.
+#[derive(Default, Clone, Copy)]
+pub(super) struct RangeHasher(u64);
+
+impl std::hash::Hasher for RangeHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(b as u64);
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+
+    fn write_usize(&mut self, v: usize) {
+        self.write_u64(v as u64);
+    }
+}
+
+/// The map of computed values by range, with [`RangeHasher`].
+pub(super) type Values =
+    std::collections::HashMap<Key, Known, std::hash::BuildHasherDefault<RangeHasher>>;
+
 /// An order-sensitive 64-bit mix (SplitMix64's finalizer) for content hashes.
 pub(super) fn mix(a: u64, b: u64) -> u64 {
     let mut z = a ^ b.rotate_left(17) ^ 0x9E37_79B9_7F4A_7C15;
@@ -114,7 +144,7 @@ pub(super) struct Walk<'a> {
     /// Bound on the error of a range sum taken from `prefix`.
     pub(super) margin: f64,
     pub(super) overflow: crate::format::Overflow,
-    pub(super) values: std::collections::HashMap<Key, Known>,
+    pub(super) values: Values,
     pub(super) scratch: ExactAccumulator,
     /// The exact operands of the current site (a reused buffer).
     pub(super) exact: Vec<f64>,
@@ -140,6 +170,14 @@ pub(super) struct Walk<'a> {
     pub(super) underflow: f64,
     /// A rounding whose value may reach the format's overflow threshold: (format, |value|).
     pub(super) overflows: Option<(Format, f64)>,
+    /// Prefix sums of the terms' radii (empty: the terms are exact). A side that reduces
+    /// computed terms t̂ᵢ known only within rᵢ of tᵢ (the squares of x − μ̂ for an undetermined
+    /// μ̂): every interval widens by the radii of its terms, and a rounding of terms is
+    /// determined only when it rounds the same way over the whole interval — then the
+    /// deviations cancel (RN(ŝ + t̂) − ŝ = RN(ŝ + t) − ŝ) and its model error is the true one.
+    pub(super) radii: Vec<f64>,
+    /// The radius of the current site's exact operands.
+    pub(super) site_radius: f64,
 }
 
 impl Walk<'_> {
@@ -162,7 +200,18 @@ impl Walk<'_> {
         let (hb, lb) = part(b);
         let (h, e) = two_sum(ha, hb);
         let v = h + (e + la + lb);
-        (v, self.margin + v.abs() * SLACK)
+        (
+            v,
+            self.margin + v.abs() * SLACK + self.radius(a) + self.radius(b),
+        )
+    }
+
+    /// The radius of the terms in `r` (0 for exact terms), rounded up.
+    pub(super) fn radius(&self, r: &std::ops::Range<usize>) -> f64 {
+        if self.radii.is_empty() || r.is_empty() {
+            return 0.0;
+        }
+        (self.radii[r.end] - self.radii[r.start]) * (1.0 + SLACK)
     }
 
     pub(super) fn note_overflow(&mut self, f: Format, magnitude: f64) {
@@ -178,10 +227,10 @@ impl Walk<'_> {
     }
 
     /// A computed operand: its state, its exact partial sum (value, error bound), its format,
-    /// and its computed value when every error behind it is determined (then ŝ = s + det, up
-    /// to the slack of the range sum and of det, which rounding to its format removes). A
-    /// value that an undetermined rounding has touched keeps its low-order bits to itself: the
-    /// model treats them as random.
+    /// and its computed value when every rounding behind it was exact (then ŝ = s, up to the
+    /// slack of the range sum, which rounding to its format removes). A value that an inexact
+    /// rounding has touched keeps its low-order bits to itself: the model treats them as
+    /// random.
     pub(super) fn operand(
         &mut self,
         op: &Operand,
@@ -210,8 +259,7 @@ impl Walk<'_> {
                     content: 0,
                 });
                 let (s, err) = self.range_sum(first, second);
-                // Every error behind it determined (none of unknown size): ŝ = s + det.
-                let known = if k.exact || k.bound == 0.0 {
+                let known = if k.exact {
                     let c = s + k.det.v;
                     let v = format.round(c, crate::format::Overflow::NonSaturating);
                     let slack = err + k.det.err + c.abs() * SLACK;
@@ -290,6 +338,7 @@ impl Walk<'_> {
         let mut exact = std::mem::take(&mut self.exact);
         exact.clear();
         exact.extend(s.fused.clone().map(|i| self.terms[i]));
+        let mut radius = self.radius(&s.fused);
         let mut det_in = Det::default();
         let mut site_content = mix(f.index() as u64, s.fused.len() as u64);
         let mut exact_content = 0;
@@ -304,6 +353,7 @@ impl Walk<'_> {
                 Operand::None => site_content = mix(site_content, 0),
                 Operand::Term(i) => {
                     exact.push(self.terms[*i]);
+                    radius += self.radius(&(*i..*i + 1));
                     let h = mix(1, self.terms[*i].to_bits());
                     exact_content = mix(exact_content, h);
                     site_content = mix(site_content, h);
@@ -327,6 +377,12 @@ impl Walk<'_> {
             }
         }
         site_content = mix(site_content, exact_content);
+        self.site_radius = radius;
+        if radius > 0.0 {
+            // Uncertain terms: their roundings are not the same computation twice.
+            site_content = mix(site_content, self.sites.to_bits());
+            exact_content = mix(exact_content, self.sites.to_bits());
+        }
         self.site_content = site_content;
         self.exact_content = exact_content;
         let mut result = match unknown {
@@ -357,6 +413,10 @@ impl Walk<'_> {
     /// A rounding of exact operands only (terms, known computed values): its error is
     /// computed exactly. `det_in` is the known operands' own error.
     pub(super) fn exact_site(&mut self, f: Format, exact: &[f64], det_in: Det) -> Known {
+        let w = self.site_radius;
+        if w > 0.0 {
+            return self.uncertain_site(f, exact, det_in, w);
+        }
         // η = RN(x) − x: exact in f64 for one operand (|η| ≤ half a spacing of the narrower
         // grid, a multiple of the operand's f64 spacing); the exact residual rounded once
         // otherwise.
@@ -398,8 +458,60 @@ impl Walk<'_> {
             det: det_in + Det::of(eta, eta_err),
             bound: 0.0,
             parity: Some((grid, rounded != 0.0 && is_odd(rounded / grid))),
-            exact: eta == 0.0 && det_in == Det::default(),
+            exact: eta == 0.0,
             lattice: lowest_bit(rounded),
+            content: 0,
+        }
+    }
+
+    /// A rounding of exact operands whose terms are known only within `w`: determined when
+    /// every value within `w` of their sum rounds to the same point (its model error then is
+    /// the true one, the deviation cancelling), otherwise random with the deviation in its
+    /// bound.
+    pub(super) fn uncertain_site(
+        &mut self,
+        f: Format,
+        exact: &[f64],
+        det_in: Det,
+        w: f64,
+    ) -> Known {
+        let x: f64 = exact.iter().sum();
+        let slack = exact.iter().map(|t| t.abs()).sum::<f64>() * SLACK + w;
+        let r = f.round(x, self.overflow);
+        self.note_overflow(f, x.abs() + slack);
+        if r.is_finite() {
+            let below = f
+                .ulp(r.abs() * (1.0 - 2.0 * f.unit_roundoff()))
+                .unwrap_or(0.0);
+            if (x - r).abs() + slack < below / 2.0 {
+                let (rounded, eta, eta_err) = self.round_exact(f, exact);
+                if rounded == r {
+                    self.mean += eta;
+                    self.mean_abs += eta.abs();
+                    let grid = if r == 0.0 {
+                        f64::INFINITY
+                    } else {
+                        f.ulp(r).unwrap_or(f64::INFINITY)
+                    };
+                    return Known {
+                        det: det_in + Det::of(eta, eta_err),
+                        bound: 0.0,
+                        parity: Some((grid, r != 0.0 && is_odd(r / grid))),
+                        exact: false,
+                        lattice: lowest_bit(r),
+                        content: 0,
+                    };
+                }
+            }
+        }
+        let key = self.site_content;
+        let site = self.random(f, x, slack, 0.0, key);
+        Known {
+            det: det_in,
+            bound: site + w,
+            parity: None,
+            exact: false,
+            lattice: 0.0,
             content: 0,
         }
     }
@@ -441,8 +553,9 @@ impl Walk<'_> {
             }
         };
         let t_exact = t.unwrap_or_else(|| exact.iter().sum());
+        let w = self.site_radius;
         let cx = c + t_exact;
-        let rx = r + cx.abs() * SLACK;
+        let rx = r + cx.abs() * SLACK + w;
         let (xmin, xmax) = abs_range(cx, rx);
         self.note_overflow(f, xmax);
         let u = f.ulp(xmax).unwrap_or(f64::INFINITY);
@@ -470,7 +583,7 @@ impl Walk<'_> {
             let site = w.random(f, cx, rx, g, group);
             Known {
                 det: k.det,
-                bound: k.bound + site,
+                bound: k.bound + site + w.site_radius,
                 parity: None,
                 exact: false,
                 lattice,
@@ -498,6 +611,14 @@ impl Walk<'_> {
         let q = t / u + rho / u;
         if q - rho / u != t / u || !q.is_finite() {
             return undetermined(self);
+        }
+        if w > 0.0 {
+            // Terms within w: determined only when every t' within w rounds to the same
+            // point, no tie among them.
+            let n = q.round_ties_even();
+            if (q - n).abs() + w / u >= 0.5 || !(w / u).is_finite() {
+                return undetermined(self);
+            }
         }
         let floor = q.floor();
         let (eta, parity_after, tie_unknown) = if q - floor == 0.5 {
@@ -564,6 +685,18 @@ impl Walk<'_> {
         let uniform = f.ulp(xmin) == Some(u) && u.is_finite();
         let det = kv.det + kw.det;
         let bound = kv.bound + kw.bound;
+        if kv.content != 0 && kv.content == kw.content && fv == fw && fv.is_subset_of(f) {
+            // Two identically computed values (the equal blocks of a constant row): ŝ + ŝ = 2ŝ
+            // is exact whatever ŝ's bits are, and both errors are the same one, twice.
+            return Known {
+                det,
+                bound,
+                parity: parity_on(&kv, u / 2.0).map(|odd| (u, odd)),
+                exact: kv.exact && kw.exact,
+                lattice: 2.0 * gv,
+                content: 0,
+            };
+        }
         let lattice = lattice_after(gv.min(gw), f.ulp(xmin).unwrap_or(0.0), u);
         if uniform && gv >= u && gw >= u {
             let parity = match (parity_on(&kv, u), parity_on(&kw, u)) {
