@@ -347,10 +347,26 @@ fn side_row(x: &[f64], op: NormOp, eps: f64, policy: &Policy, determine: bool) -
     let rstd = 1.0 / v.sqrt();
     let rstd_max = rstd * (1.0 / (1.0 - r).sqrt() - 1.0);
     let (rv, rm) = rounding_within(a, rstd, rstd_max);
-    let rho_var = var_var / (4.0 * v * v) + rv / (rstd * rstd);
+    // ρ = 1/√(1 + δ) − 1 for the relative error δ of var + eps: −δ/2 to first order, but
+    // convex, so where δ may be a large fraction of v (rows whose variance is eps-sized, a
+    // one-pass variance that cancels) the first order is low: within |δ| ≤ δ* — its mean and
+    // ties plus six standard deviations, at most r — |ρ| ≤ c·|δ|/2 with the secant slope
+    // c = 2(1/√(1 − δ*) − 1)/δ*, which scales the model's random ρ and its ties.
+    let d_star = ((var_mean.abs() + var_tie + 6.0 * var_var.sqrt()) / v).min(r);
+    let curve = if d_star > 1e-9 {
+        2.0 * (1.0 / (1.0 - d_star).sqrt() - 1.0) / d_star
+    } else {
+        1.0
+    };
+    let rho_var = var_var / (4.0 * v * v) * curve * curve + rv / (rstd * rstd);
     let rho_max = 1.0 / (1.0 - r).sqrt() - 1.0 + rm / rstd;
-    let rho_mean = -var_mean / (2.0 * v);
-    let rho_tie = var_tie / (2.0 * v);
+    // The determined part of δ is known: its ρ is computed, not linearized.
+    let rho_mean = if var_mean / v > -0.5 {
+        1.0 / (1.0 + var_mean / v).sqrt() - 1.0
+    } else {
+        -var_mean / (2.0 * v) * curve
+    };
+    let rho_tie = var_tie / (2.0 * v) * curve;
     let e_max = if !centered {
         vec![0.0; x.len()]
     } else if let Some(dh) = &d_hat {

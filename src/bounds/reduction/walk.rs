@@ -377,12 +377,9 @@ impl Walk<'_> {
             }
         }
         site_content = mix(site_content, exact_content);
+        // Equal uncertain terms are equal computed values (the squares of equal x − μ̂):
+        // their roundings err alike as equal exact terms do.
         self.site_radius = radius;
-        if radius > 0.0 {
-            // Uncertain terms: their roundings are not the same computation twice.
-            site_content = mix(site_content, self.sites.to_bits());
-            exact_content = mix(exact_content, self.sites.to_bits());
-        }
         self.site_content = site_content;
         self.exact_content = exact_content;
         let mut result = match unknown {
@@ -739,13 +736,22 @@ impl Walk<'_> {
         }
         let g = (fv.ulp(sv).unwrap_or(0.0).max(gv)).min(fw.ulp(sw).unwrap_or(0.0).max(gw));
         // The error depends on the smaller operand's bits on the result's grid: additions of
-        // identically computed operands (the repeated blocks of a constant row) err alike.
-        let smaller = if cv.abs() <= cw.abs() {
-            kv.content
+        // identically computed operands (the repeated blocks of a constant row) err alike, and
+        // so do operands within a small fraction of that grid of each other (the nearly equal
+        // blocks of a near-constant row: their residues differ by less than U/16). Those are
+        // grouped by the bin of U/16 their value lies in, when it is known that well.
+        let (c_small, r_small, content) = if cv.abs() <= cw.abs() {
+            (cv, rv, kv.content)
         } else {
-            kw.content
+            (cw, rw, kw.content)
         };
-        let site = self.random(f, cx, rx, g, mix(3, smaller));
+        let bin = u / 16.0;
+        let key = if r_small < bin && (c_small / bin).abs() < 2f64.powi(62) {
+            mix(4, (c_small / bin).round() as i64 as u64)
+        } else {
+            mix(3, content)
+        };
+        let site = self.random(f, cx, rx, g, key);
         Known {
             det,
             bound: bound + site,
