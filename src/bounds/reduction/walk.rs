@@ -94,35 +94,8 @@ pub(super) fn parity_on(k: &Known, grid: f64) -> Option<bool> {
 
 pub(super) type Key = (usize, usize, usize, usize);
 
-/// A multiply-rotate hasher for the walk's range keys (FxHash's step): the walk inserts and
-/// removes one key per rounding site, and SipHash cost half its time. The keys are ranges of
-/// one reduction, not data from a file: no flooding to resist.
-#[derive(Default, Clone, Copy)]
-pub(super) struct RangeHasher(u64);
-
-impl std::hash::Hasher for RangeHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(b as u64);
-        }
-    }
-
-    fn write_u64(&mut self, v: u64) {
-        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
-    }
-
-    fn write_usize(&mut self, v: usize) {
-        self.write_u64(v as u64);
-    }
-}
-
-/// The map of computed values by range, with [`RangeHasher`].
-pub(super) type Values =
-    std::collections::HashMap<Key, Known, std::hash::BuildHasherDefault<RangeHasher>>;
+/// The map of computed values by range.
+pub(super) type Values = std::collections::HashMap<Key, Known>;
 
 /// An order-sensitive 64-bit mix (SplitMix64's finalizer) for content hashes.
 pub(super) fn mix(a: u64, b: u64) -> u64 {
