@@ -9,15 +9,10 @@ use ttrace::bounds::{
 use ttrace::engine::{layer_norm, softmax, AttentionImpl, Variance};
 use ttrace::{Error, Format, Order, Overflow, Policy, Tensor};
 
-const DELTA: Confidence = Confidence::Probabilistic { delta: 1e-6 };
+mod common;
+use common::frob;
 
-fn frob(a: &[f64], b: &[f64]) -> f64 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y) * (x - y))
-        .sum::<f64>()
-        .sqrt()
-}
+const DELTA: Confidence = Confidence::Probabilistic { delta: 1e-6 };
 
 /// A LayerNorm pair on one row: (observed ‖D‖, guaranteed, probabilistic), both sides executed
 /// by the engine and priced by `norm_threshold`; zeros for a refusal where a side's output is

@@ -27,20 +27,11 @@ use crate::policy::Policy;
 use crate::policy::Variance;
 use crate::tensor::Tensor;
 
-/// Variance and bound of the absolute error of rounding the exact `v` to `f`.
-fn rounding(f: Format, v: f64) -> (f64, f64) {
-    if f.round(v, Overflow::NonSaturating) == v {
-        return (0.0, 0.0);
-    }
-    let ulp = f.ulp(v).unwrap_or(0.0);
-    (ulp * ulp / 12.0, ulp / 2.0)
-}
-
 /// Variance and bound of the rounding to `f` of a computed value known to lie within `b` of
 /// the exact `v`: exact only when nothing is uncertain and `v` lies on the grid.
 fn rounding_within(f: Format, v: f64, b: f64) -> (f64, f64) {
-    if b == 0.0 {
-        return rounding(f, v);
+    if b == 0.0 && f.round(v, Overflow::NonSaturating) == v {
+        return (0.0, 0.0);
     }
     let ulp = f.ulp(v.abs() + b).unwrap_or(f64::INFINITY);
     (ulp * ulp / 12.0, ulp / 2.0)

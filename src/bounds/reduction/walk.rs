@@ -416,8 +416,21 @@ impl Walk<'_> {
                 content: 0,
             };
         }
-        self.mean += eta;
-        self.mean_abs += eta.abs();
+        self.determined(f, rounded, Det::of(eta, eta_err), det_in, eta == 0.0)
+    }
+
+    /// The result of a determined rounding to `f`: `rounded`, with error `eta` on top of the
+    /// operands' own `det_in`; its parity on its grid and its lattice follow from its value.
+    pub(super) fn determined(
+        &mut self,
+        f: Format,
+        rounded: f64,
+        eta: Det,
+        det_in: Det,
+        exact: bool,
+    ) -> Known {
+        self.mean += eta.v;
+        self.mean_abs += eta.v.abs();
         // Zero is even on every grid.
         let grid = if rounded == 0.0 {
             f64::INFINITY
@@ -425,10 +438,10 @@ impl Walk<'_> {
             f.ulp(rounded).unwrap_or(f64::INFINITY)
         };
         Known {
-            det: det_in + Det::of(eta, eta_err),
+            det: det_in + eta,
             bound: 0.0,
             parity: Some((grid, rounded != 0.0 && is_odd(rounded / grid))),
-            exact: eta == 0.0,
+            exact,
             lattice: lowest_bit(rounded),
             content: 0,
         }
@@ -456,21 +469,7 @@ impl Walk<'_> {
             if (x - r).abs() + slack < below / 2.0 {
                 let (rounded, eta, eta_err) = self.round_exact(f, exact);
                 if rounded == r {
-                    self.mean += eta;
-                    self.mean_abs += eta.abs();
-                    let grid = if r == 0.0 {
-                        f64::INFINITY
-                    } else {
-                        f.ulp(r).unwrap_or(f64::INFINITY)
-                    };
-                    return Known {
-                        det: det_in + Det::of(eta, eta_err),
-                        bound: 0.0,
-                        parity: Some((grid, r != 0.0 && is_odd(r / grid))),
-                        exact: false,
-                        lattice: lowest_bit(r),
-                        content: 0,
-                    };
+                    return self.determined(f, r, Det::of(eta, eta_err), det_in, false);
                 }
             }
         }
