@@ -9,6 +9,7 @@
 use crate::bounds::compare::{
     grouped_threshold, row_classes, tensor_threshold_weighted, Confidence, ElementDiff, Threshold,
 };
+use crate::bounds::fast::FastSide;
 use crate::bounds::reduction::{
     planned_reduction_error, reduction_error, reduction_error_aligned, ReductionError, TermStats,
 };
@@ -59,7 +60,7 @@ pub(crate) fn round_sides(
 
 /// Refuse an output rounding that may overflow either side's output format: the value `v`
 /// (exact) within the difference's guaranteed bound may reach the format's overflow threshold.
-fn check_output(d: &ElementDiff, v: f64, outputs: (Format, Format)) -> Result<()> {
+pub(crate) fn check_output(d: &ElementDiff, v: f64, outputs: (Format, Format)) -> Result<()> {
     let magnitude = v.abs() + d.guaranteed;
     for f in [outputs.0, outputs.1] {
         let limit = crate::bounds::reduction::overflow_threshold(f);
@@ -166,6 +167,20 @@ pub fn matmul_threshold(
     candidate: &Policy,
     confidence: Confidence,
 ) -> Result<Threshold> {
+    matmul_threshold_by(a, b, bias, reference, candidate, confidence, true)
+}
+
+/// [`matmul_threshold`], with the fast path ([`crate::bounds::fast`]) tried first when `fast`,
+/// else priced by the walk alone.
+pub(crate) fn matmul_threshold_by(
+    a: &Tensor,
+    b: &Tensor,
+    bias: Option<&Tensor>,
+    reference: &Policy,
+    candidate: &Policy,
+    confidence: Confidence,
+    fast: bool,
+) -> Result<Threshold> {
     reference.validate()?;
     candidate.validate()?;
     let sa = a.expect_rank(2, "matmul threshold: A")?;
@@ -194,6 +209,26 @@ pub fn matmul_threshold(
     let same_operands =
         r.q_a.values == c.q_a.values && r.q_b.values == c.q_b.values && r.factor == c.factor;
     let identical = reference.same_execution(candidate);
+    if fast && !identical && same_operands && r.factor.is_none() && c.factor.is_none() {
+        let fast = crate::bounds::fast::matmul_threshold_fast(
+            &r.q_a.values,
+            &r.q_b.values,
+            bias_vals.as_deref(),
+            (m, k, n),
+            FastSide {
+                acc: &r.acc,
+                policy: &r.policy,
+            },
+            FastSide {
+                acc: &c.acc,
+                policy: &c.policy,
+            },
+            confidence,
+        )?;
+        if let Some(t) = fast {
+            return Ok(t);
+        }
+    }
     // Identical rows of A (as both sides quantize them) and identical columns of B (with their
     // bias) give identical output differences: price each pair of classes once.
     let (_, rows) = row_classes(&side_by_side(&r.q_a.values, k, &c.q_a.values, k), 2 * k);

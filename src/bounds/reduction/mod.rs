@@ -31,6 +31,7 @@ use crate::order::{
 mod tensorcore;
 mod walk;
 use tensorcore::{family_error, lift_family, tensor_core_error};
+pub(crate) use walk::lowest_bit;
 use walk::*;
 
 /// Error statistics of one execution of one reduction, in absolute units of its result.
@@ -338,6 +339,32 @@ fn reduction_error_walk(
         tie_bound: (walk.tie_bound + (walk.sites + 2.0) * f64::EPSILON * walk.mean_abs)
             .min(guaranteed),
     })
+}
+
+/// Per-term weights w and a constant c such that the guaranteed bound [`reduction_error`]
+/// gives for exact products accumulated under `acc` is at most Σₚ |tₚ|·wₚ + c, whatever the
+/// products tₚ: Higham's depths with the growth factor, and the underflow term counted at
+/// every rounding the order performs (the walk counts it at the non-empty ones). Orders
+/// priced as a whole (families, tensor cores, Kahan) are not described by depths alone: the
+/// caller keeps them on the walk.
+pub(crate) fn dot_guaranteed_weights(acc: &Accumulation, n: usize) -> Result<(Vec<f64>, f64)> {
+    let accumulate = Accumulation {
+        input: Format::F64,
+        products: Products::Exact,
+        ..acc.clone()
+    };
+    let g: Vec<f64> = accumulate
+        .sum_depths(n)?
+        .iter()
+        .map(|d| d.relative_error_bound())
+        .collect();
+    let growth = g.iter().copied().fold(0.0, f64::max);
+    let mut underflow = 0.0;
+    for_each_rounding(&acc.order, n, acc.accumulator, true, &mut |s| {
+        underflow += s.format.min_subnormal() / 2.0;
+    });
+    let f = (1.0 + growth) * (1.0 + 1e-12);
+    Ok((g.iter().map(|x| x * f).collect(), underflow * f))
 }
 
 /// The error of Kahan's compensated summation of the exact `terms` in format `f` (the first

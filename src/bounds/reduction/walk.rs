@@ -747,7 +747,7 @@ pub(super) fn lattice_after(lx: f64, u_min: f64, u_max: f64) -> f64 {
     }
 }
 
-pub(super) fn lowest_bit(x: f64) -> f64 {
+pub(crate) fn lowest_bit(x: f64) -> f64 {
     if x == 0.0 || !x.is_finite() {
         return f64::INFINITY;
     }

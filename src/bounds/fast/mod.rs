@@ -1,0 +1,432 @@
+//! Matmul thresholds priced at the speed of a product: the all-random rounding model's
+//! statistics gathered in one vectorized pass per side, kept only where the data show no
+//! structure that the determined-rounding walk would price differently.
+//!
+//! # Model (papers/bounds-reductions.md §2 and §6)
+//! * **Guaranteed**: the walk's own bound, Σₚ |aᵢₚ||bₚⱼ|·(w_ref,p + w_cand,p) + c
+//!   ([`dot_guaranteed_weights`]: Higham's depths, growth factor and underflow terms),
+//!   summed in `f32` over scaled values and inflated by the sum's own rounding error
+//!   ((1 + 2⁻²⁴)^(k+2)) and its underflow (2⁻¹⁴⁹ per term).
+//! * **Probabilistic**: every rounding an independent error, zero-mean and uniform on the grid
+//!   points within half a spacing of the value it rounds ([`kernel`]: E(η²) = U²/12 + g²/6,
+//!   zero when both operands lie on the result's grid), with the spacings of the values the
+//!   two declared executions actually compute. No determined part: the walk's determined
+//!   roundings are counted as random ones.
+//! * **Structure test** (what decides between this and the walk): the two executions are run
+//!   (the kernel computes them, bit for bit the engine's), and their difference D must look
+//!   like a draw of the model: every |Dᵢ| ≤ √(2hᵢ·ln(2N/δ_s)) and ‖D‖² within the
+//!   Hsu–Kakade–Zhang bound of Σhᵢ at δ_s = 10⁻³. Systematic errors — absorbed terms of a
+//!   stalling sum, ties resolved by parity, rows of repeated values — make D grow with the
+//!   number of roundings rather than with its square root and fail the test; the tensor then
+//!   goes to the walk, which prices them. On data without structure the test passes with
+//!   probability at least 1 − 2δ_s.
+//!
+//! Scope: equal operands on both sides (no FP8 rescale), exact products of inputs of at most
+//! 12 significant bits, FP32 accumulation with every rounding in FP32, and orders made of
+//! sequential runs and additions (sequential, blocked, pairwise, split-K with FP32 partials).
+//! Everything else, and any non-finite or out-of-range value, stays on the walk.
+
+mod kernel;
+mod program;
+
+use crate::bounds::compare::{grouped_threshold, Confidence, ElementDiff, Threshold};
+use crate::bounds::ops::{check_output, round_sides};
+use crate::bounds::reduction::{dot_guaranteed_weights, ReductionError};
+use crate::error::Result;
+use crate::format::Format;
+use crate::order::{Accumulation, Products};
+use crate::policy::Policy;
+use kernel::{Packed, OUT, W};
+use program::program;
+
+/// The failure probability of the structure test.
+const STRUCTURE_DELTA: f64 = 1e-3;
+
+/// One side of a matmul as the fast path needs it.
+pub(crate) struct FastSide<'a> {
+    /// The accumulation (its input format: the operands' common format).
+    pub acc: &'a Accumulation,
+    /// The side's policy (accumulator and output formats).
+    pub policy: &'a Policy,
+}
+
+/// The threshold for C = A·B (+ bias) with the same quantized operands on both sides, or
+/// `None` when the fast path does not apply or the structure test sends the data to the walk.
+/// `a` is [m, k] and `b` [k, n], row-major.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_threshold_fast(
+    a: &[f64],
+    b: &[f64],
+    bias: Option<&[f64]>,
+    (m, k, n): (usize, usize, usize),
+    r: FastSide,
+    c: FastSide,
+    confidence: Confidence,
+) -> Result<Option<Threshold>> {
+    if m == 0 || n == 0 || k == 0 || k > 1 << 24 {
+        return Ok(None);
+    }
+    for s in [&r, &c] {
+        let acc = s.acc;
+        if acc.accumulator != Format::F32
+            || acc.products != Products::Exact
+            || acc.input.precision() > 12
+            || !acc.input.is_subset_of(Format::F32)
+        {
+            return Ok(None);
+        }
+    }
+    let (Some(pr), Some(pc)) = (program(&r.acc.order, k), program(&c.acc.order, k)) else {
+        return Ok(None);
+    };
+    let (wr, cr) = dot_guaranteed_weights(r.acc, k)?;
+    let (wc, cc) = dot_guaranteed_weights(c.acc, k)?;
+    let w: Vec<f64> = wr.iter().zip(&wc).map(|(x, y)| x + y).collect();
+    let Some((packed, row_exp, col_exp)) = pack(a, b, m, k, n, &w) else {
+        return Ok(None);
+    };
+    let out_r = kernel::run(&pr, &packed, true);
+    let out_c = kernel::run(&pc, &packed, false);
+    // The f32 sums of non-negative terms (the guaranteed sum, the variances) err by at most
+    // (1 + 2^-24)^(k+2) − 1 relative (the weights' rounding included).
+    let inflate = (((k + 2) as f64) * (2f64.powi(-24)).ln_1p()).exp_m1() * (1.0 + 1e-9) + 1.0;
+    let n_el = m * n;
+    let mut diffs: Vec<(ElementDiff, usize)> = Vec::with_capacity(n_el);
+    let mut norm_sq = 0.0;
+    let (mut sum_d2, mut sum_h, mut sum_h2, mut max_h) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+    let t_s = (1.0 / STRUCTURE_DELTA).ln();
+    let z2 = 2.0 * (2.0 * n_el as f64 / STRUCTURE_DELTA).ln();
+    let (ar, ac) = (r.policy.accumulator(), c.policy.accumulator());
+    for i in 0..m {
+        for j in 0..n {
+            let (jb, l) = (j / W, j % W);
+            let o = (i * packed.blocks + jb) * OUT;
+            let scale = 2f64.powi(-(row_exp[i] + col_exp[j]));
+            let vr = out_r[o + l] as f64 * scale;
+            let vc = out_c[o + l] as f64 * scale;
+            let var_unit = scale * scale * 2f64.powi(-46) * inflate;
+            let (hr, hc) = (
+                out_r[o + W + l] as f64 * var_unit,
+                out_c[o + W + l] as f64 * var_unit,
+            );
+            let g = out_r[o + 2 * W + l] as f64 * inflate * scale
+                + k as f64 * 2f64.powi(-149) * scale
+                + cr
+                + cc;
+            if !(vr.is_finite() && vc.is_finite() && hr.is_finite() && hc.is_finite())
+                || !g.is_finite()
+            {
+                return Ok(None);
+            }
+            // The structure test, per element.
+            // Every partial sum is at most Σ|a||b| ≤ 4k·scale (scaled values below 2): far
+            // from FP32's overflow, or the walk decides.
+            if 4.0 * k as f64 * scale >= 2f64.powi(120) {
+                return Ok(None);
+            }
+            let d = vc - vr;
+            let h = hr + hc;
+            if d * d > z2 * h {
+                return Ok(None);
+            }
+            sum_d2 += d * d;
+            sum_h += h;
+            sum_h2 += h * h;
+            max_h = max_h.max(h);
+            let bias_j = bias.map_or(0.0, |b| b[j]);
+            let v = vr + bias_j;
+            norm_sq += v * v;
+            // |exact − vr| ≤ the reference's guaranteed error ≤ g.
+            let magnitude = v.abs() + g;
+            let er = ReductionError {
+                guaranteed: g,
+                variance: hr,
+                ..ReductionError::default()
+            };
+            let ec = ReductionError {
+                variance: hc,
+                ..ReductionError::default()
+            };
+            let mut e = ElementDiff::from_reductions(er, ec, 0.0);
+            let mut cur = (r.acc.order.result_format(ar), c.acc.order.result_format(ac));
+            if bias.is_some() {
+                round_sides(&mut e, (Format::F64, Format::F64), (ar, ac), magnitude);
+                cur = (ar, ac);
+            }
+            if check_output(&e, magnitude, (r.policy.output, c.policy.output)).is_err() {
+                // The walk decides, from the exact values.
+                return Ok(None);
+            }
+            round_sides(&mut e, cur, (r.policy.output, c.policy.output), magnitude);
+            diffs.push((e, 1));
+        }
+    }
+    // The structure test, for the tensor (Hsu, Kakade & Zhang 2012, Thm 1).
+    if sum_d2 > sum_h + 2.0 * (t_s * sum_h2).sqrt() + 2.0 * t_s * max_h {
+        return Ok(None);
+    }
+    Ok(Some(grouped_threshold(
+        &diffs,
+        norm_sq.sqrt(),
+        confidence,
+        n_el,
+    )))
+}
+
+/// The power of two e with max·2^e in [1, 2) (0 for 0).
+fn unit_exponent(max: f64) -> i32 {
+    if max == 0.0 {
+        0
+    } else {
+        -(max.log2().floor() as i32)
+    }
+}
+
+/// Pack A (rows scaled) and B (columns scaled) for the kernel, with the guaranteed bound's
+/// weights folded into |A|; `None` when a scaled non-zero value would leave [2^-62, 2) (its
+/// products could underflow `f32`) or a value is not finite.
+fn pack(
+    a: &[f64],
+    b: &[f64],
+    m: usize,
+    k: usize,
+    n: usize,
+    w: &[f64],
+) -> Option<(Packed, Vec<i32>, Vec<i32>)> {
+    let lo = 2f64.powi(-62);
+    let fits = |x: f64, e: i32| x == 0.0 || (x.abs() * 2f64.powi(e) >= lo);
+    let mut row_exp = Vec::with_capacity(m);
+    for i in 0..m {
+        let row = &a[i * k..(i + 1) * k];
+        if row.iter().any(|x| !x.is_finite()) {
+            return None;
+        }
+        let e = unit_exponent(row.iter().fold(0.0f64, |s, x| s.max(x.abs())));
+        if !row.iter().all(|&x| fits(x, e)) {
+            return None;
+        }
+        row_exp.push(e);
+    }
+    let mut col_exp = Vec::with_capacity(n);
+    for j in 0..n {
+        let mut max = 0.0f64;
+        for p in 0..k {
+            let x = b[p * n + j];
+            if !x.is_finite() {
+                return None;
+            }
+            max = max.max(x.abs());
+        }
+        let e = unit_exponent(max);
+        if !(0..k).all(|p| fits(b[p * n + j], e)) {
+            return None;
+        }
+        col_exp.push(e);
+    }
+    let lowest = |x: f64| crate::bounds::reduction::lowest_bit(x) as f32;
+    let mut pa = Vec::with_capacity(m * k);
+    let mut la = Vec::with_capacity(m * k);
+    let mut aw = Vec::with_capacity(m * k);
+    for i in 0..m {
+        let s = 2f64.powi(row_exp[i]);
+        for p in 0..k {
+            let x = a[i * k + p] * s;
+            pa.push(x as f32);
+            la.push(lowest(x) * 2f32.powi(23));
+            aw.push((x.abs() * w[p]) as f32);
+        }
+    }
+    let blocks = n.div_ceil(W);
+    let mut pb = vec![0.0f32; blocks * k * W];
+    let mut lb = vec![f32::INFINITY; blocks * k * W];
+    for j in 0..n {
+        let (jb, l) = (j / W, j % W);
+        let s = 2f64.powi(col_exp[j]);
+        for p in 0..k {
+            let x = b[p * n + j] * s;
+            pb[(jb * k + p) * W + l] = x as f32;
+            lb[(jb * k + p) * W + l] = lowest(x);
+        }
+    }
+    Some((
+        Packed {
+            m,
+            k,
+            blocks,
+            a: pa,
+            la,
+            aw,
+            b: pb,
+            lb,
+        },
+        row_exp,
+        col_exp,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bounds::ops::matmul_threshold_by;
+    use crate::order::{Combine, Order};
+    use crate::tensor::Tensor;
+    use crate::Overflow;
+
+    fn bf16(shape: &[usize], seed: u64, mean: f64) -> Tensor {
+        let mut g = crate::engine::init::SplitMix64::for_name("fast", seed);
+        let n: usize = shape.iter().product();
+        let v = (0..n)
+            .map(|_| mean + (g.uniform() - 0.5) * 2.0 * (1.0 + 3.0 * g.uniform()))
+            .collect();
+        Tensor::rounded(shape, v, Format::BF16, Overflow::Saturating).unwrap()
+    }
+
+    fn orders() -> Vec<Order> {
+        vec![
+            Order::Sequential,
+            Order::blocked(16),
+            Order::pairwise(8),
+            Order::split_k(8, Format::F32, Combine::Tree),
+            Order::split_k(3, Format::F32, Combine::Sequential),
+            Order::split_k(4, Format::F32, Combine::Ring { start: 1 }),
+        ]
+    }
+
+    fn policy(order: &Order) -> Policy {
+        let mut p: Policy = "in=bf16,acc=f32,out=f32".parse().unwrap();
+        p.accumulation.order = order.clone();
+        p
+    }
+
+    /// The kernel's executions are the engine's, bit for bit (the engine executes each order
+    /// from its own description, `order::exec`).
+    #[test]
+    fn kernel_executes_each_order_as_the_engine_does() {
+        for (k, seed) in [(1usize, 1u64), (7, 2), (64, 3), (257, 4), (1000, 5)] {
+            let (m, n) = (3, 21);
+            let a = bf16(&[m, k], seed, 0.0);
+            let b = bf16(&[k, n], seed + 100, 0.3);
+            for order in orders() {
+                let Some(prog) = program(&order, k) else {
+                    assert!(k < 8, "{order} k={k}");
+                    continue;
+                };
+                let w = vec![0.0; k];
+                let (packed, re, ce) = pack(a.values(), b.values(), m, k, n, &w).unwrap();
+                let out = kernel::run(&prog, &packed, false);
+                let engine = crate::engine::matmul(&a, &b, &policy(&order)).unwrap();
+                for i in 0..m {
+                    for j in 0..n {
+                        let o = (i * packed.blocks + j / W) * OUT + j % W;
+                        let v = out[o] as f64 * 2f64.powi(-(re[i] + ce[j]));
+                        assert_eq!(
+                            v.to_bits(),
+                            engine.values()[i * n + j].to_bits(),
+                            "{order} k={k} ({i},{j})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    fn both(
+        a: &Tensor,
+        b: &Tensor,
+        r: &Policy,
+        c: &Policy,
+        conf: Confidence,
+    ) -> (Option<Threshold>, Threshold) {
+        let (m, k, n) = (a.shape()[0], a.shape()[1], b.shape()[1]);
+        let mut ra = r.accumulation.clone();
+        ra.input = Format::BF16;
+        let mut ca = c.accumulation.clone();
+        ca.input = Format::BF16;
+        let fast = matmul_threshold_fast(
+            a.values(),
+            b.values(),
+            None,
+            (m, k, n),
+            FastSide {
+                acc: &ra,
+                policy: r,
+            },
+            FastSide {
+                acc: &ca,
+                policy: c,
+            },
+            conf,
+        )
+        .unwrap();
+        let walk = matmul_threshold_by(a, b, None, r, c, conf, false).unwrap();
+        (fast, walk)
+    }
+
+    /// The guaranteed bound is the walk's (Higham's, from the same depths), up to the f32
+    /// sum's inflation.
+    #[test]
+    fn guaranteed_bound_is_the_walks() {
+        let a = bf16(&[8, 300], 7, 0.0);
+        let b = bf16(&[300, 24], 8, 0.5);
+        for order in orders().into_iter().skip(1) {
+            let (fast, walk) = both(
+                &a,
+                &b,
+                &policy(&Order::Sequential),
+                &policy(&order),
+                Confidence::Guaranteed,
+            );
+            let fast = fast.unwrap_or_else(|| panic!("{order}: no fast path"));
+            let ratio = fast.abs_frobenius / walk.abs_frobenius;
+            assert!((1.0..1.0 + 1e-4).contains(&ratio), "{order}: {ratio}");
+            let ratio = fast.per_element / walk.per_element;
+            assert!((1.0..1.0 + 1e-4).contains(&ratio), "{order}: {ratio}");
+        }
+    }
+
+    /// On data without structure the model's threshold is near the walk's (which prices the
+    /// determined roundings exactly), and both hold for the engine's executions.
+    #[test]
+    fn probabilistic_threshold_near_the_walks_on_plain_data() {
+        let conf = Confidence::default_probabilistic();
+        for (m, k, n, mean) in [(16, 256, 16, 0.0), (8, 1024, 16, 0.0), (4, 512, 32, 1.0)] {
+            let a = bf16(&[m, k], k as u64, 0.0);
+            let b = bf16(&[k, n], k as u64 + 1, mean);
+            for order in orders().into_iter().skip(1) {
+                let (rp, cp) = (policy(&Order::Sequential), policy(&order));
+                let (fast, walk) = both(&a, &b, &rp, &cp, conf);
+                let fast = fast.unwrap_or_else(|| panic!("{order} k={k}: no fast path"));
+                let ratio = fast.abs_frobenius / walk.abs_frobenius;
+                assert!((0.7..2.0).contains(&ratio), "{order} k={k}: {ratio}");
+                let r = crate::engine::matmul(&a, &b, &rp).unwrap();
+                let c = crate::engine::matmul(&a, &b, &cp).unwrap();
+                assert!(fast.check(&r, &c).passed, "{order} k={k}");
+            }
+        }
+    }
+
+    /// Terms just above half a spacing of a large partial sum all round up in a sequential
+    /// sum (a systematic error, growing with k); pairwise sums them among themselves first.
+    /// The structure test sends such data to the walk.
+    #[test]
+    fn systematic_roundings_go_to_the_walk() {
+        let k = 1024;
+        let mut av = vec![0.0625 * (1.0 + 1.0 / 128.0); k];
+        av[0] = (1u64 << 20) as f64;
+        let a = Tensor::from_vec(&[1, k], av, Format::BF16).unwrap();
+        let b = Tensor::from_vec(&[k, 1], vec![1.0; k], Format::BF16).unwrap();
+        let (fast, walk) = both(
+            &a,
+            &b,
+            &policy(&Order::Sequential),
+            &policy(&Order::pairwise(8)),
+            Confidence::default_probabilistic(),
+        );
+        assert!(fast.is_none());
+        let r = crate::engine::matmul(&a, &b, &policy(&Order::Sequential)).unwrap();
+        let c = crate::engine::matmul(&a, &b, &policy(&Order::pairwise(8))).unwrap();
+        assert!(walk.check(&r, &c).passed);
+        // The realized difference is many times the all-random model's deviation.
+        assert!((c.values()[0] - r.values()[0]).abs() > 20.0);
+    }
+}
