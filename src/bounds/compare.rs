@@ -401,69 +401,115 @@ pub fn tensor_threshold_weighted(
     confidence: Confidence,
 ) -> Threshold {
     let n: usize = diffs.iter().map(|(_, c)| c).sum();
-    let w = |c: &usize| *c as f64;
-    let g_abs = diffs
-        .iter()
-        .map(|(d, c)| d.guaranteed * d.guaranteed * w(c))
-        .sum::<f64>()
-        .sqrt();
-    let g_max = diffs.iter().map(|(d, _)| d.guaranteed).fold(0.0, f64::max);
-    let expected: f64 = diffs.iter().map(|(d, c)| d.mean_square() * w(c)).sum();
-    let (abs, per_element) = match confidence {
-        Confidence::Guaranteed => (g_abs, g_max),
-        Confidence::Probabilistic { delta } => {
-            let nf = n.max(1) as f64;
-            // Five events at δ/5 each: the quadratic forms of X (own coordinates) and of the
-            // spread components, the linear form ⟨o, X⟩, and the two of the rounding part.
-            let t = (5.0 / delta).ln();
-            // Offsets: deterministic (the tie part, of unknown sign, at its bound).
-            let off = |d: &ElementDiff| d.offset.abs() + d.bias_bound;
-            let o2: f64 = diffs.iter().map(|(d, c)| off(d).powi(2) * w(c)).sum();
-            // Hsu–Kakade–Zhang for ‖X‖² over a set of independent components.
-            let hkz = |spread: bool| {
-                let part = || diffs.iter().filter(|(d, _)| d.spread == spread);
-                let sum_h: f64 = part().map(|(d, c)| d.proxy * w(c)).sum();
-                let sum_h2: f64 = part().map(|(d, c)| d.proxy * d.proxy * w(c)).sum();
-                let max_h = part().map(|(d, _)| d.proxy).fold(0.0, f64::max);
-                sum_h + 2.0 * (t * sum_h2).sqrt() + 2.0 * t * max_h
-            };
-            // Own coordinates: ‖o + X‖² = ‖o‖² + 2⟨o, X⟩ + ‖X‖² with the sub-Gaussian linear
-            // form ⟨o, X⟩ ≤ √(2t·Σ oᵢ²hᵢ); spread components by the triangle inequality.
-            let o2h: f64 = diffs
-                .iter()
-                .filter(|(d, _)| !d.spread)
-                .map(|(d, c)| off(d).powi(2) * d.proxy * w(c))
-                .sum();
-            let ox = (o2 + 2.0 * (2.0 * t * o2h).sqrt() + hkz(false)).sqrt() + hkz(true).sqrt();
-            // Rounding part: truncation at δ/(5N) per element, Bernstein at δ/5.
-            let b = diffs
-                .iter()
-                .map(|(d, _)| d.rounding_part_bound(delta / (5.0 * nf)))
-                .fold(0.0, f64::max);
-            let e_r: f64 = diffs
-                .iter()
-                .map(|(d, c)| d.rounding_mean_square * w(c))
-                .sum();
-            let b2 = b * b;
-            let l = t;
-            let t_r = b2 * l / 3.0 + ((b2 * l / 3.0).powi(2) + 2.0 * b2 * l * e_r).sqrt();
-            let r = if b2 > 0.0 { (e_r + t_r).sqrt() } else { 0.0 };
-            let per = diffs
-                .iter()
-                .map(|(d, _)| d.probabilistic_bound(delta / nf))
-                .fold(0.0, f64::max);
-            ((ox + r).min(g_abs), per.min(g_max))
+    let mut sums = ThresholdSums::new(confidence, n);
+    for (d, c) in diffs {
+        sums.add(d, *c);
+    }
+    sums.threshold(reference_norm)
+}
+
+/// The sums [`tensor_threshold_weighted`] needs, gathered one element (or group) at a time,
+/// so that a tensor is priced without holding every element's statistics.
+#[derive(Debug, Clone)]
+pub(crate) struct ThresholdSums {
+    confidence: Confidence,
+    /// Elements the threshold is for (the union bounds' N).
+    elements: usize,
+    g2: f64,
+    g_max: f64,
+    expected: f64,
+    o2: f64,
+    /// Σh, Σh², max h of the own coordinates (0) and of the spread components (1).
+    h: [(f64, f64, f64); 2],
+    o2h: f64,
+    b: f64,
+    e_r: f64,
+    per: f64,
+}
+
+impl ThresholdSums {
+    /// Empty sums for a tensor of `elements` elements.
+    pub(crate) fn new(confidence: Confidence, elements: usize) -> ThresholdSums {
+        ThresholdSums {
+            confidence,
+            elements,
+            g2: 0.0,
+            g_max: 0.0,
+            expected: 0.0,
+            o2: 0.0,
+            h: [(0.0, 0.0, 0.0); 2],
+            o2h: 0.0,
+            b: 0.0,
+            e_r: 0.0,
+            per: 0.0,
         }
-    };
-    Threshold {
-        identical: false,
-        confidence,
-        abs_frobenius: abs,
-        relative: relative(abs, reference_norm),
-        reference_norm,
-        per_element,
-        expected_relative: relative(expected.sqrt(), reference_norm),
-        guaranteed_relative: relative(g_abs, reference_norm),
-        elements: n,
+    }
+
+    /// Add `count` elements that share the difference statistics `d`.
+    pub(crate) fn add(&mut self, d: &ElementDiff, count: usize) {
+        let w = count as f64;
+        self.g2 += d.guaranteed * d.guaranteed * w;
+        self.g_max = self.g_max.max(d.guaranteed);
+        self.expected += d.mean_square() * w;
+        if let Confidence::Probabilistic { delta } = self.confidence {
+            let nf = self.elements.max(1) as f64;
+            // Offsets: deterministic (the tie part, of unknown sign, at its bound).
+            let off = d.offset.abs() + d.bias_bound;
+            self.o2 += off * off * w;
+            let h = &mut self.h[usize::from(d.spread)];
+            h.0 += d.proxy * w;
+            h.1 += d.proxy * d.proxy * w;
+            h.2 = h.2.max(d.proxy);
+            if !d.spread {
+                self.o2h += off * off * d.proxy * w;
+            }
+            self.b = self.b.max(d.rounding_part_bound(delta / (5.0 * nf)));
+            self.e_r += d.rounding_mean_square * w;
+            self.per = self.per.max(d.probabilistic_bound(delta / nf));
+        }
+    }
+
+    /// The tensor threshold (see the module docs).
+    pub(crate) fn threshold(&self, reference_norm: f64) -> Threshold {
+        let g_abs = self.g2.sqrt();
+        let (abs, per_element) = match self.confidence {
+            Confidence::Guaranteed => (g_abs, self.g_max),
+            Confidence::Probabilistic { delta } => {
+                // Five events at δ/5 each: the quadratic forms of X (own coordinates) and of
+                // the spread components, the linear form ⟨o, X⟩, and the two of the rounding
+                // part.
+                let t = (5.0 / delta).ln();
+                // Hsu–Kakade–Zhang for ‖X‖² over a set of independent components.
+                let hkz = |(sum_h, sum_h2, max_h): (f64, f64, f64)| {
+                    sum_h + 2.0 * (t * sum_h2).sqrt() + 2.0 * t * max_h
+                };
+                // Own coordinates: ‖o + X‖² = ‖o‖² + 2⟨o, X⟩ + ‖X‖² with the sub-Gaussian
+                // linear form ⟨o, X⟩ ≤ √(2t·Σ oᵢ²hᵢ); spread components by the triangle
+                // inequality.
+                let ox = (self.o2 + 2.0 * (2.0 * t * self.o2h).sqrt() + hkz(self.h[0])).sqrt()
+                    + hkz(self.h[1]).sqrt();
+                // Rounding part: truncation at δ/(5N) per element, Bernstein at δ/5.
+                let b2 = self.b * self.b;
+                let l = t;
+                let t_r = b2 * l / 3.0 + ((b2 * l / 3.0).powi(2) + 2.0 * b2 * l * self.e_r).sqrt();
+                let r = if b2 > 0.0 {
+                    (self.e_r + t_r).sqrt()
+                } else {
+                    0.0
+                };
+                ((ox + r).min(g_abs), self.per.min(self.g_max))
+            }
+        };
+        Threshold {
+            identical: false,
+            confidence: self.confidence,
+            abs_frobenius: abs,
+            relative: relative(abs, reference_norm),
+            reference_norm,
+            per_element,
+            expected_relative: relative(self.expected.sqrt(), reference_norm),
+            guaranteed_relative: relative(g_abs, reference_norm),
+            elements: self.elements,
+        }
     }
 }

@@ -113,6 +113,16 @@ fn tile_avx2<const G: bool>(
     unsafe { inner::<G>(program, p, i, jb, slots, out) }
 }
 
+/// The smaller of two values that are not NaN (one instruction, unlike `f32::min`).
+#[inline(always)]
+fn min(x: f32, y: f32) -> f32 {
+    if x < y {
+        x
+    } else {
+        y
+    }
+}
+
 /// One tile (row `i`, column block `jb`): the portable code, vectorized over the 16 lanes
 /// (compiled with AVX2 and FMA by [`tile_avx2`]; `mul_add` is a correctly rounded fused
 /// multiply-add either way).
@@ -133,8 +143,6 @@ fn tile<const G: bool>(
     let lbpan = &p.lb[jb * k * W..(jb + 1) * k * W];
     let mut var = [0.0f32; W];
     let mut g = [0.0f32; W];
-    const C12: f32 = 1.0 / 12.0;
-    const C6: f32 = 1.0 / 6.0;
     for step in &program.steps {
         match step {
             Step::Start { slot, term } => {
@@ -153,26 +161,36 @@ fn tile<const G: bool>(
                 }
             }
             Step::Chain { slot, terms } => {
-                let s = &mut slots[*slot];
+                // The chain's values in registers (a copy), written back at its end.
+                let mut sv = slots[*slot];
+                // The spacing (·2^23) of each lane's current value, carried from step to step.
+                let mut mv = [0.0f32; W];
+                for l in 0..W {
+                    mv[l] = f32::from_bits(sv[l].to_bits() & EXP);
+                }
                 for t in terms.clone() {
                     let (a, la, aw) = (arow[t], larow[t], awrow[t]);
                     let b: &[f32; W] = bpan[t * W..(t + 1) * W].try_into().unwrap();
                     let lb: &[f32; W] = lbpan[t * W..(t + 1) * W].try_into().unwrap();
                     for l in 0..W {
-                        let x = s[l];
+                        let x = sv[l];
                         let nx = a.mul_add(b[l], x);
                         let m = f32::from_bits(nx.to_bits() & EXP);
-                        let mp = f32::from_bits(x.to_bits() & EXP);
+                        let mp = mv[l];
+                        mv[l] = m;
                         let lbt = la * lb[l];
-                        let gup = lbt.min(0.5 * m);
-                        let term = (m * m).mul_add(C12, gup * gup * C6);
-                        var[l] += if lbt.min(mp) < m { term } else { 0.0 };
-                        s[l] = nx;
+                        // 2g bounded above by twice the product's lowest bit and by U:
+                        // E(η²)·24 = 2U² + (2g)².
+                        let g2 = min(lbt + lbt, m);
+                        let term = g2.mul_add(g2, 2.0 * m * m);
+                        var[l] += if min(lbt, mp) < m { term } else { 0.0 };
+                        sv[l] = nx;
                         if G {
                             g[l] = aw.mul_add(b[l].abs(), g[l]);
                         }
                     }
                 }
+                slots[*slot] = sv;
             }
             Step::Add { into, from } => {
                 let y = slots[*from];
@@ -183,14 +201,16 @@ fn tile<const G: bool>(
                     let m = f32::from_bits(nx.to_bits() & EXP);
                     let mx = f32::from_bits(x.to_bits() & EXP);
                     let my = f32::from_bits(y[l].to_bits() & EXP);
-                    // g ≤ U/2 when inexact: U²/12 + U²/24.
-                    var[l] += if mx.min(my) < m { m * m * 0.125 } else { 0.0 };
+                    // g ≤ U/2 when inexact: (U²/12 + U²/24)·24 = 3U².
+                    var[l] += if min(mx, my) < m { 3.0 * m * m } else { 0.0 };
                     s[l] = nx;
                 }
             }
         }
     }
     out[..W].copy_from_slice(&slots[program.result]);
-    out[W..2 * W].copy_from_slice(&var);
+    for (o, v) in out[W..2 * W].iter_mut().zip(&var) {
+        *o = v / 24.0;
+    }
     out[2 * W..].copy_from_slice(&g);
 }

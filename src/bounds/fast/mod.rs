@@ -29,7 +29,7 @@
 mod kernel;
 mod program;
 
-use crate::bounds::compare::{grouped_threshold, Confidence, ElementDiff, Threshold};
+use crate::bounds::compare::{Confidence, ElementDiff, Threshold, ThresholdSums};
 use crate::bounds::ops::{check_output, round_sides};
 use crate::bounds::reduction::{dot_guaranteed_weights, ReductionError};
 use crate::error::Result;
@@ -91,7 +91,7 @@ pub(crate) fn matmul_threshold_fast(
     // (1 + 2^-24)^(k+2) − 1 relative (the weights' rounding included).
     let inflate = (((k + 2) as f64) * (2f64.powi(-24)).ln_1p()).exp_m1() * (1.0 + 1e-9) + 1.0;
     let n_el = m * n;
-    let mut diffs: Vec<(ElementDiff, usize)> = Vec::with_capacity(n_el);
+    let mut sums = ThresholdSums::new(confidence, n_el);
     let mut norm_sq = 0.0;
     let (mut sum_d2, mut sum_h, mut sum_h2, mut max_h) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
     let t_s = (1.0 / STRUCTURE_DELTA).ln();
@@ -158,19 +158,14 @@ pub(crate) fn matmul_threshold_fast(
                 return Ok(None);
             }
             round_sides(&mut e, cur, (r.policy.output, c.policy.output), magnitude);
-            diffs.push((e, 1));
+            sums.add(&e, 1);
         }
     }
     // The structure test, for the tensor (Hsu, Kakade & Zhang 2012, Thm 1).
     if sum_d2 > sum_h + 2.0 * (t_s * sum_h2).sqrt() + 2.0 * t_s * max_h {
         return Ok(None);
     }
-    Ok(Some(grouped_threshold(
-        &diffs,
-        norm_sq.sqrt(),
-        confidence,
-        n_el,
-    )))
+    Ok(Some(sums.threshold(norm_sq.sqrt())))
 }
 
 /// The power of two e with max·2^e in [1, 2) (0 for 0).
