@@ -2,22 +2,23 @@
 //! within 5× one BLAS GEMM of the same shape and threads, median over the shapes, 10× at
 //! worst; sum, softmax and norm thresholds within 5× the op), measured in the same run, one
 //! thread each:
-//! * matmul: `matmul_threshold` (BF16 operands, FP32 accumulation, sequential vs split-K 8;
-//!   guaranteed and probabilistic) ÷ ndarray's f32 matmul (matrixmultiply) of the same shape;
+//! * matmul: `matmul_threshold_priced` (BF16 operands, FP32 accumulation, sequential vs
+//!   split-K 8) with `Pricing::Fast` (guaranteed and probabilistic) and, for shapes up to 2²²
+//!   multiply-adds, `Pricing::Walk` ÷ ndarray's f32 matmul (matrixmultiply) of the same shape;
 //! * sum, softmax, LayerNorm: the threshold (sequential vs pairwise 8) ÷ a native f32 loop
 //!   computing the op on the same rows.
 //!
 //! Run with `MATMUL_NUM_THREADS=1 cargo bench --bench pricing`. `PRICING_SHAPES` lists the
-//! matmul shapes as m×k×n (default `64x64x64,16x1024x16,64x1024x64,128x128x128`; issue 34
-//! asks for 64³ to 4096³, which at the present cost of the threshold take hours).
+//! matmul shapes as m×k×n (default 64³ to 1024³; `PRICING_SHAPES=4096x4096x4096` adds
+//! issue 34's largest shape, about two minutes).
 
 use std::hint::black_box;
 use std::time::Instant;
 
 use ndarray::Array2;
 use ttrace::bounds::{
-    matmul_threshold, norm_threshold, softmax_threshold, sum_threshold, Confidence, NormData,
-    NormOp, NormSide,
+    matmul_threshold_priced, norm_threshold, softmax_threshold, sum_threshold, Confidence,
+    NormData, NormOp, NormSide, Pricing,
 };
 use ttrace::engine::{AttentionImpl, SplitMix64, Variance};
 use ttrace::{Combine, Format, Order, Overflow, Policy, Tensor};
@@ -44,8 +45,9 @@ fn bf16(n: usize, seed: u64) -> Vec<f64> {
 }
 
 fn shapes() -> Vec<(usize, usize, usize)> {
-    let spec = std::env::var("PRICING_SHAPES")
-        .unwrap_or_else(|_| "64x64x64,16x1024x16,64x1024x64,128x128x128".into());
+    let spec = std::env::var("PRICING_SHAPES").unwrap_or_else(|_| {
+        "64x64x64,16x1024x16,64x1024x64,128x128x128,256x256x256,512x512x512,1024x1024x1024".into()
+    });
     spec.split(',')
         .map(|s| {
             let d: Vec<usize> = s.split('x').map(|v| v.trim().parse().unwrap()).collect();
@@ -60,8 +62,8 @@ fn matmuls(pool: &rayon::ThreadPool) -> Vec<f64> {
         .clone()
         .with_order(Order::split_k(8, Format::F32, Combine::Tree));
     println!(
-        "{:<16} {:>12} {:>14} {:>10} {:>14} {:>10}",
-        "matmul m×k×n", "GEMM s", "guaranteed s", "ratio", "probabilistic s", "ratio"
+        "{:<16} {:>10} {:>12} {:>8} {:>12} {:>8} {:>12} {:>8}",
+        "matmul m×k×n", "GEMM s", "fast g. s", "ratio", "fast p. s", "ratio", "walk p. s", "ratio"
     );
     let mut ratios = vec![];
     for (m, k, n) in shapes() {
@@ -71,17 +73,24 @@ fn matmuls(pool: &rayon::ThreadPool) -> Vec<f64> {
         let gemm = median(5, || a32.dot(&b32));
         let ta = Tensor::from_vec(&[m, k], a, Format::BF16).unwrap();
         let tb = Tensor::from_vec(&[k, n], b, Format::BF16).unwrap();
-        let price = |conf| {
+        let runs = if m * k * n >= 1 << 30 { 1 } else { 3 };
+        let price = |conf, pricing| {
             pool.install(|| {
-                median(1, || {
-                    matmul_threshold(&ta, &tb, None, &r, &c, conf).unwrap()
+                median(runs, || {
+                    matmul_threshold_priced(&ta, &tb, None, &r, &c, conf, pricing).unwrap()
                 })
             })
         };
-        let g = price(Confidence::Guaranteed);
-        let p = price(Confidence::default_probabilistic());
+        let g = price(Confidence::Guaranteed, Pricing::Fast);
+        let p = price(Confidence::default_probabilistic(), Pricing::Fast);
+        // The walk only where it takes seconds, not hours.
+        let walk = (m * k * n <= 1 << 22)
+            .then(|| price(Confidence::default_probabilistic(), Pricing::Walk));
+        let (ws, wr) = walk.map_or(("-".to_string(), "-".to_string()), |w| {
+            (format!("{w:.3e}"), format!("{:.0}", w / gemm))
+        });
         println!(
-            "{:<16} {gemm:>12.3e} {g:>14.3e} {:>10.0} {p:>14.3e} {:>10.0}",
+            "{:<16} {gemm:>10.3e} {g:>12.3e} {:>8.1} {p:>12.3e} {:>8.1} {ws:>12} {wr:>8}",
             format!("{m}x{k}x{n}"),
             g / gemm,
             p / gemm

@@ -158,6 +158,13 @@ fn zoo_slice_matmuls() {
     assert_slice(&[zoo::Op::Matmul], 3, 300);
 }
 
+/// The same slice priced by the vectorized all-random model (`Pricing::Fast`; the walk where
+/// its structure test fails).
+#[test]
+fn zoo_slice_matmuls_fast_pricing() {
+    assert_slice(&[zoo::Op::MatmulFast], 3, 300);
+}
+
 #[test]
 fn zoo_slice_softmax_and_norms() {
     use ttrace::engine::{AttentionImpl, Variance};

@@ -42,7 +42,8 @@ pub use elementwise::{
 };
 pub use norm::{norm_threshold, NormData, NormOp, NormSide};
 pub use ops::{
-    allreduce_threshold, matmul_threshold, plan_matmul, plan_sum, sum_threshold, MatmulPlan,
+    allreduce_threshold, matmul_threshold, matmul_threshold_priced, plan_matmul, plan_sum,
+    sum_threshold, MatmulPlan, Pricing,
 };
 pub use reduction::{
     planned_reduction_error, reduction_error, ReductionError, TermStats, MAX_PLANNED_TERMS,

@@ -128,7 +128,10 @@ fn side(a: &Tensor, b: &Tensor, m: usize, k: usize, n: usize, policy: &Policy) -
 /// same A of shape [m, k], B of shape [k, n] (and a bias of length n), priced from the data: exact partial sums of every
 /// output element, the operands as each side quantizes them, and the reference's magnitudes.
 ///
-/// Cost: O(m·n·k) per side, like the matmul itself.
+/// Priced by [`Pricing::Auto`]: large products by the vectorized all-random model (tens of
+/// times one GEMM), small ones — and data the model's structure test rejects — by the
+/// determined-rounding walk (about 250 ns per multiply-add and side);
+/// [`matmul_threshold_priced`] chooses. Either way O(m·n·k), like the matmul itself.
 ///
 /// # Examples
 ///
@@ -167,19 +170,69 @@ pub fn matmul_threshold(
     candidate: &Policy,
     confidence: Confidence,
 ) -> Result<Threshold> {
-    matmul_threshold_by(a, b, bias, reference, candidate, confidence, true)
+    matmul_threshold_priced(a, b, bias, reference, candidate, confidence, Pricing::Auto)
 }
 
-/// [`matmul_threshold`], with the fast path ([`crate::bounds::fast`]) tried first when `fast`,
-/// else priced by the walk alone.
-pub(crate) fn matmul_threshold_by(
+/// How [`matmul_threshold_priced`] prices a matmul from its data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Pricing {
+    /// [`Pricing::Fast`] for products of at least 2²² multiply-adds, or 2²⁰ with at least
+    /// 4,096 outputs; [`Pricing::Walk`] below, where the walk takes at most a second or two
+    /// and the fast path's margins (it counts the roundings the walk determines as random)
+    /// weigh most: with few outputs its threshold is up to 1.5× the walk's, with 4,096 about
+    /// 1.1×.
+    #[default]
+    Auto,
+    /// Every rounding visited by the determined-rounding walk (papers/bounds-reductions.md
+    /// §2): the tightest threshold, at about 250 ns per multiply-add and side.
+    Walk,
+    /// The model's statistics gathered while a vectorized pass executes both declared orders
+    /// (papers/bounds-reductions.md §6), tens of times the cost of one GEMM: the roundings of
+    /// a product onto a running value on the result's grid carried exactly, as the walk
+    /// does, ties and the other roundings as random. Near the walk on large tensors (about
+    /// 1.1× at 4,096 outputs), up to 1.5× with few outputs. Data whose executions differ
+    /// systematically, and what the pass does not cover (FP8 rescales, rounded products,
+    /// narrow accumulators, tensor-core orders, families, Kahan), are priced by the walk.
+    Fast,
+}
+
+/// [`matmul_threshold`] with the pricing method chosen ([`Pricing`]).
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::{matmul_threshold_priced, Confidence, Pricing};
+/// use ttrace::{Format, Policy, Tensor};
+///
+/// # fn main() -> ttrace::Result<()> {
+/// let a = Tensor::rounded(&[8, 256], (0..2048).map(|i| (i as f64 * 0.37).sin()).collect(),
+///     Format::BF16, ttrace::Overflow::Saturating)?;
+/// let b = Tensor::rounded(&[256, 16], (0..4096).map(|i| (i as f64 * 0.11).cos()).collect(),
+///     Format::BF16, ttrace::Overflow::Saturating)?;
+/// let reference: Policy = "in=bf16,acc=f32,out=bf16".parse()?;
+/// let split: Policy = "in=bf16,acc=f32,out=bf16,order=splitk:4:f32:tree".parse()?;
+/// let conf = Confidence::default_probabilistic();
+/// let fast = matmul_threshold_priced(&a, &b, None, &reference, &split, conf, Pricing::Fast)?;
+/// let walk = matmul_threshold_priced(&a, &b, None, &reference, &split, conf, Pricing::Walk)?;
+/// assert!(fast.abs_frobenius > 0.5 * walk.abs_frobenius);
+/// let r = ttrace::engine::matmul(&a, &b, &reference)?;
+/// let c = ttrace::engine::matmul(&a, &b, &split)?;
+/// assert!(fast.check(&r, &c).passed && walk.check(&r, &c).passed);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// As [`matmul_threshold`].
+pub fn matmul_threshold_priced(
     a: &Tensor,
     b: &Tensor,
     bias: Option<&Tensor>,
     reference: &Policy,
     candidate: &Policy,
     confidence: Confidence,
-    fast: bool,
+    pricing: Pricing,
 ) -> Result<Threshold> {
     reference.validate()?;
     candidate.validate()?;
@@ -209,6 +262,14 @@ pub(crate) fn matmul_threshold_by(
     let same_operands =
         r.q_a.values == c.q_a.values && r.q_b.values == c.q_b.values && r.factor == c.factor;
     let identical = reference.same_execution(candidate);
+    let fast = match pricing {
+        Pricing::Auto => {
+            let work = (m as u128) * (k as u128) * (n as u128);
+            work >= 1 << 22 || (work >= 1 << 20 && m * n >= 4096)
+        }
+        Pricing::Walk => false,
+        Pricing::Fast => true,
+    };
     if fast && !identical && same_operands && r.factor.is_none() && c.factor.is_none() {
         let fast = crate::bounds::fast::matmul_threshold_fast(
             &r.q_a.values,

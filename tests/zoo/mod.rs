@@ -14,9 +14,9 @@
 #![allow(dead_code)]
 
 use ttrace::bounds::{
-    allreduce_threshold, elementwise_threshold, matmul_threshold, norm_threshold, reduction_error,
-    softmax_threshold, sum_threshold, Confidence, Elementwise, NormData, NormOp, NormSide,
-    Threshold,
+    allreduce_threshold, elementwise_threshold, matmul_threshold, matmul_threshold_priced,
+    norm_threshold, reduction_error, softmax_threshold, sum_threshold, Confidence, Elementwise,
+    NormData, NormOp, NormSide, Pricing, Threshold,
 };
 use ttrace::engine::{
     add, gelu, layer_norm, matmul, online_softmax, rms_norm, scale, silu, softmax, AttentionImpl,
@@ -259,6 +259,9 @@ pub enum Op {
     Elementwise(Elementwise),
     /// A·B with A [m, k] from the family and B [k, n] Gaussian (or the family for `square`).
     Matmul,
+    /// The same products priced with `Pricing::Fast` (the vectorized all-random model, the
+    /// walk where its structure test fails).
+    MatmulFast,
     Softmax(AttentionImpl),
     LayerNorm(Variance),
     RmsNorm,
@@ -273,6 +276,7 @@ impl Op {
             Op::Elementwise(Elementwise::Scale { .. }) => "scale".into(),
             Op::Elementwise(e) => format!("{e:?}").to_lowercase(),
             Op::Matmul => "matmul".into(),
+            Op::MatmulFast => "matmul fast".into(),
             Op::Softmax(AttentionImpl::Standard) => "softmax".into(),
             Op::Softmax(AttentionImpl::Online { block }) => format!("online softmax({block})"),
             Op::LayerNorm(v) => format!("layernorm {v:?}"),
@@ -365,7 +369,7 @@ pub fn pairs(op: Op) -> Vec<Pair> {
                 }
             }
         }
-        Op::Sum | Op::Mean | Op::Matmul | Op::AllReduce => {
+        Op::Sum | Op::Mean | Op::Matmul | Op::MatmulFast | Op::AllReduce => {
             for (input, out_f) in [
                 (Format::BF16, Format::F32),
                 (Format::BF16, Format::BF16),
@@ -380,7 +384,7 @@ pub fn pairs(op: Op) -> Vec<Pair> {
                     ));
                 }
             }
-            if op == Op::Matmul {
+            if op == Op::Matmul || op == Op::MatmulFast {
                 // FP8 operands with current per-tensor and block scaling, in two orders.
                 for (name, scaling) in [
                     ("e4m3 per-tensor", Scaling::PerTensorCurrent { margin: 0 }),
@@ -530,6 +534,7 @@ pub fn threshold(
             elementwise_threshold(e, x, y, r, c, conf)
         }
         Op::Matmul => matmul_threshold(x, b, None, r, c, conf),
+        Op::MatmulFast => matmul_threshold_priced(x, b, None, r, c, conf, Pricing::Fast),
         Op::Softmax(ri) => {
             let Op::Softmax(ci) = op_c else {
                 unreachable!()
@@ -610,7 +615,7 @@ pub fn execute(op: Op, x: &Tensor, b: &Tensor, p: &Policy) -> ttrace::Result<Vec
             }
             out
         }
-        Op::Matmul => matmul(x, b, p)?.into_values(),
+        Op::Matmul | Op::MatmulFast => matmul(x, b, p)?.into_values(),
         Op::Softmax(AttentionImpl::Standard) => softmax(x, p)?.into_values(),
         Op::Softmax(AttentionImpl::Online { block }) => online_softmax(x, block, p)?.into_values(),
         Op::LayerNorm(v) => {
@@ -645,7 +650,7 @@ pub fn trial(
                 Tensor::zeros(&[1], input),
             )
         }
-        Op::Matmul => {
+        Op::Matmul | Op::MatmulFast => {
             let m = rows.clamp(1, 4);
             let n = rows.div_ceil(m);
             let a = generate(family, m, k, seed, input, acc);
@@ -875,6 +880,7 @@ pub fn ops() -> Vec<Op> {
         Op::Elementwise(Elementwise::Gelu),
         Op::Elementwise(Elementwise::Silu),
         Op::Matmul,
+        Op::MatmulFast,
         Op::Softmax(AttentionImpl::Standard),
         Op::LayerNorm(Variance::TwoPass),
         Op::RmsNorm,

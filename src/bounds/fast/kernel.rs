@@ -2,31 +2,33 @@
 //! statistics of the all-random rounding model gathered at every rounding it performs.
 //!
 //! Per rounding of a value x (result x̂, spacing U = ulp(x̂), which is at least the spacing
-//! at the exact x: rounding to nearest is monotonic and powers of two are representable):
-//! * exact when both operands lie on the grid U (then x is a value of that binade's grid);
-//!   the operands' grids are bounded below by their lowest set bit (a product: the product
-//!   of its factors' lowest bits) or, for a computed value, its own spacing;
-//! * otherwise, under the uniform-phase model, E(η²) = U²/12 + g²/6 with g the operands'
-//!   common grid, g ≤ U/2 (papers/bounds-reductions.md §2); g is bounded above by the
-//!   product's lowest bit and by U/2.
+//! at the exact x: rounding to nearest is monotonic and powers of two are representable), with
+//! g the operands' common grid — the lowest set bit of each operand (a product's is the
+//! product of its factors' lowest bits; a computed value's is read off its bits):
+//! * exact when g ≥ U (x is then a value of the result's grid);
+//! * otherwise, under the uniform-phase model, E(η²) = U²/12 + g²/6, g ≤ U/2
+//!   (papers/bounds-reductions.md §2).
 //!
-//! Both tests use upper bounds of E(η²) where the grid is not known exactly, so the variance
-//! gathered is at least the model's. The values are scaled by powers of two per row of A and
+//! Where a value's lowest bit is not read (zero and subnormal values count as lattice 0), the
+//! test errs towards inexact, so the variance gathered is at least the model's. The values are scaled by powers of two per row of A and
 //! per column of B (exact), so that products stay normal `f32` numbers and the squares of the
 //! spacings neither overflow nor underflow `f32` for the values that matter.
 
 use super::program::{Program, Step};
 
 /// Output columns per tile.
-pub(super) const W: usize = 16;
+pub(super) const W: usize = 8;
 /// Rows of A per band (a B panel is reused across them).
 const BAND: usize = 16;
-/// Floats per tile in the output: the values, the variance and the guaranteed sum.
-pub(super) const OUT: usize = 3 * W;
+/// Floats per tile in the output: the values, the variance, the guaranteed sum and the
+/// determined errors' sum.
+pub(super) const OUT: usize = 4 * W;
 
 /// The exponent field of an `f32`: masking a value's bits with it gives 2^e (0 for zero and
 /// subnormals), the value's spacing times 2^23.
 const EXP: u32 = 0x7f80_0000;
+/// An f32 spacing over its [`EXP`]-masked value: 2^-23.
+const ULP: f32 = 1.0 / 8_388_608.0;
 
 /// A and B as the kernel reads them (`f32`, scaled, with their lowest bits).
 pub(super) struct Packed {
@@ -48,91 +50,121 @@ pub(super) struct Packed {
 }
 
 /// Run `program` on every tile: for each row of A and block of 16 columns, `OUT` floats —
-/// the results, the variance gathered (in units of 2^-46·scale²) and, with `guaranteed`,
-/// Σ |a|·w·|b|. Rows × blocks × `OUT`, row-major.
-pub(super) fn run(program: &Program, p: &Packed, guaranteed: bool) -> Vec<f32> {
+/// the results, the variance gathered (in units of 2^-46·scale²), with `guaranteed`
+/// Σ |a|·w·|b|, and with `det` (exact products only) the sum of the determined roundings'
+/// errors. Rows × blocks × `OUT`, row-major.
+pub(super) fn run(program: &Program, p: &Packed, guaranteed: bool, det: bool) -> Vec<f32> {
     let mut out = vec![0.0f32; p.m * p.blocks * OUT];
     let band_len = BAND * p.blocks * OUT;
-    let tile_fn = pick(guaranteed);
+    let tile_fn = pick(guaranteed, det);
     crate::parallel::for_each_chunk_mut(&mut out, band_len, |(band, chunk)| {
         let rows = chunk.len() / (p.blocks * OUT);
         let mut slots = vec![[0.0f32; W]; program.slots.max(1)];
+        let mut grids = vec![[0.0f32; W]; program.slots.max(1)];
         for jb in 0..p.blocks {
             for r in 0..rows {
                 let i = band * BAND + r;
                 let o = (r * p.blocks + jb) * OUT;
-                tile_fn(program, p, i, jb, &mut slots, &mut chunk[o..o + OUT]);
+                tile_fn(
+                    program,
+                    p,
+                    i,
+                    jb,
+                    &mut slots,
+                    &mut grids,
+                    &mut chunk[o..o + OUT],
+                );
             }
         }
     });
     out
 }
 
-type TileFn = fn(&Program, &Packed, usize, usize, &mut [[f32; W]], &mut [f32]);
+type TileFn = fn(&Program, &Packed, usize, usize, &mut [[f32; W]], &mut [[f32; W]], &mut [f32]);
 
-fn pick(guaranteed: bool) -> TileFn {
+fn pick(guaranteed: bool, det: bool) -> TileFn {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
-            return if guaranteed {
-                tile_avx2::<true>
-            } else {
-                tile_avx2::<false>
+            return match (guaranteed, det) {
+                (true, true) => tile_avx2::<true, true>,
+                (true, false) => tile_avx2::<true, false>,
+                (false, true) => tile_avx2::<false, true>,
+                (false, false) => tile_avx2::<false, false>,
             };
         }
     }
-    if guaranteed {
-        tile::<true>
-    } else {
-        tile::<false>
+    match (guaranteed, det) {
+        (true, true) => tile::<true, true>,
+        (true, false) => tile::<true, false>,
+        (false, true) => tile::<false, true>,
+        (false, false) => tile::<false, false>,
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-fn tile_avx2<const G: bool>(
+fn tile_avx2<const G: bool, const DET: bool>(
     program: &Program,
     p: &Packed,
     i: usize,
     jb: usize,
     slots: &mut [[f32; W]],
+    grids: &mut [[f32; W]],
     out: &mut [f32],
 ) {
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn inner<const G: bool>(
+    unsafe fn inner<const G: bool, const DET: bool>(
         program: &Program,
         p: &Packed,
         i: usize,
         jb: usize,
         slots: &mut [[f32; W]],
+        grids: &mut [[f32; W]],
         out: &mut [f32],
     ) {
-        tile::<G>(program, p, i, jb, slots, out)
+        tile::<G, DET>(program, p, i, jb, slots, grids, out)
     }
     // SAFETY: chosen by `pick` only when the CPU has AVX2 and FMA.
-    unsafe { inner::<G>(program, p, i, jb, slots, out) }
+    unsafe { inner::<G, DET>(program, p, i, jb, slots, grids, out) }
 }
 
-/// The smaller of two values that are not NaN (one instruction, unlike `f32::min`).
+/// One rounding of the sum of two operands on grids g1, g2 (lowest bits, ·2^23) to a result
+/// of spacing U = m·2^-23: its E(η²)·24·2^46 under the model and the result's grid.
+/// * min(g1, g2) ≥ U: exact, and the result keeps the operands' common grid;
+/// * one operand on the grid U and the other's lowest bit U/2: the sum lies halfway, a tie
+///   (|η| = U/2, E(η²) = U²/4), whatever the rest of its bits;
+/// * otherwise uniform phase: U²/12 + g²/6 with g = min(g1, g2) ≤ U/2.
+///
+/// An inexact result's grid is U (the values a rounding returns).
 #[inline(always)]
-fn min(x: f32, y: f32) -> f32 {
-    if x < y {
-        x
-    } else {
-        y
-    }
+fn site(g1: f32, g2: f32, m: f32) -> (f32, f32) {
+    // Selects and 0/1 weights only, so that the lanes vectorize without masked stores.
+    let lo = if g1 < g2 { g1 } else { g2 };
+    let hi = if g1 < g2 { g2 } else { g1 };
+    let inexact = (lo < m) as u32 as f32;
+    let tie = ((lo == 0.5 * m) & (hi >= m)) as u32 as f32;
+    // g ≤ U/2 where it counts; capped so that an infinite grid (a zero operand) stays
+    // finite.
+    let capped = if lo < m { lo } else { m };
+    let g = capped + capped;
+    let m2 = m * m;
+    let uniform = g.mul_add(g, 2.0 * m2);
+    let v = inexact * (uniform + tie * (6.0 * m2 - uniform));
+    (v, if lo < m { m } else { lo })
 }
 
 /// One tile (row `i`, column block `jb`): the portable code, vectorized over the 16 lanes
 /// (compiled with AVX2 and FMA by [`tile_avx2`]; `mul_add` is a correctly rounded fused
 /// multiply-add either way).
 #[inline(always)]
-fn tile<const G: bool>(
+fn tile<const G: bool, const DET: bool>(
     program: &Program,
     p: &Packed,
     i: usize,
     jb: usize,
     slots: &mut [[f32; W]],
+    grids: &mut [[f32; W]],
     out: &mut [f32],
 ) {
     let k = p.k;
@@ -142,67 +174,87 @@ fn tile<const G: bool>(
     let bpan = &p.b[jb * k * W..(jb + 1) * k * W];
     let lbpan = &p.lb[jb * k * W..(jb + 1) * k * W];
     let mut var = [0.0f32; W];
-    let mut g = [0.0f32; W];
+    let mut gsum = [0.0f32; W];
+    let mut off = [0.0f32; W];
     for step in &program.steps {
         match step {
-            Step::Start { slot, term } => {
+            Step::Start { slot, term, count } => {
+                // The prefix both orders share makes the same errors on both sides.
+                let cf = if *count { 1.0f32 } else { 0.0 };
                 let t = *term;
                 let a = arow[t];
-                let b: &[f32; W] = bpan[t * W..(t + 1) * W].try_into().unwrap();
-                let s = &mut slots[*slot];
+                let la = larow[t];
+                let b = &bpan[t * W..(t + 1) * W];
+                let lb = &lbpan[t * W..(t + 1) * W];
+                let (s, gr) = (&mut slots[*slot], &mut grids[*slot]);
                 for l in 0..W {
-                    s[l] = a * b[l];
+                    // The product rounded into FP32: exact unless its lowest bit lies below
+                    // the result's spacing (inputs of more than 12 significant bits).
+                    let p = a * b[l];
+                    let m = f32::from_bits(p.to_bits() & EXP);
+                    let (v, g) = site(la * lb[l], f32::INFINITY, m);
+                    var[l] += v * cf;
+                    gr[l] = g;
+                    s[l] = p;
                 }
                 if G {
                     let aw = awrow[t];
                     for l in 0..W {
-                        g[l] = aw.mul_add(b[l].abs(), g[l]);
+                        gsum[l] = aw.mul_add(b[l].abs(), gsum[l]);
                     }
                 }
             }
-            Step::Chain { slot, terms } => {
+            Step::Chain { slot, terms, count } => {
+                let cf = if *count { 1.0f32 } else { 0.0 };
                 // The chain's values in registers (a copy), written back at its end.
                 let mut sv = slots[*slot];
-                // The spacing (·2^23) of each lane's current value, carried from step to step.
-                let mut mv = [0.0f32; W];
-                for l in 0..W {
-                    mv[l] = f32::from_bits(sv[l].to_bits() & EXP);
-                }
+                let mut lv = grids[*slot];
                 for t in terms.clone() {
                     let (a, la, aw) = (arow[t], larow[t], awrow[t]);
-                    let b: &[f32; W] = bpan[t * W..(t + 1) * W].try_into().unwrap();
-                    let lb: &[f32; W] = lbpan[t * W..(t + 1) * W].try_into().unwrap();
+                    let b = &bpan[t * W..(t + 1) * W];
+                    let lb = &lbpan[t * W..(t + 1) * W];
                     for l in 0..W {
                         let x = sv[l];
                         let nx = a.mul_add(b[l], x);
                         let m = f32::from_bits(nx.to_bits() & EXP);
-                        let mp = mv[l];
-                        mv[l] = m;
-                        let lbt = la * lb[l];
-                        // 2g bounded above by twice the product's lowest bit and by U:
-                        // E(η²)·24 = 2U² + (2g)².
-                        let g2 = min(lbt + lbt, m);
-                        let term = g2.mul_add(g2, 2.0 * m * m);
-                        var[l] += if min(lbt, mp) < m { term } else { 0.0 };
+                        // The product's grid is its factors' lowest bits multiplied.
+                        let (v, g) = site(la * lb[l], lv[l], m);
+                        if DET {
+                            // x on the result's grid: η = RN_U(t) − t, whatever x is
+                            // (papers/bounds-reductions.md §2), computed by TwoSum from the
+                            // exact product p. A tie's direction follows x's parity: random.
+                            let p = a * b[l];
+                            let bp = nx - x;
+                            let e = (x - (nx - bp)) + (p - bp);
+                            let det = (lv[l] >= m) & (e.abs() != 0.5 * ULP * m);
+                            // Weights 0 or 1 rather than conditional updates, which compile
+                            // to masked stores.
+                            let wd = (det as u32 as f32) * cf;
+                            off[l] -= e * wd;
+                            var[l] += v * (cf - wd);
+                        } else {
+                            var[l] += v * cf;
+                        }
+                        lv[l] = g;
                         sv[l] = nx;
                         if G {
-                            g[l] = aw.mul_add(b[l].abs(), g[l]);
+                            gsum[l] = aw.mul_add(b[l].abs(), gsum[l]);
                         }
                     }
                 }
+                grids[*slot] = lv;
                 slots[*slot] = sv;
             }
-            Step::Add { into, from } => {
-                let y = slots[*from];
-                let s = &mut slots[*into];
+            Step::Add { into, from, count } => {
+                let cf = if *count { 1.0f32 } else { 0.0 };
+                let (y, gy) = (slots[*from], grids[*from]);
+                let (s, gx) = (&mut slots[*into], &mut grids[*into]);
                 for l in 0..W {
-                    let x = s[l];
-                    let nx = x + y[l];
+                    let nx = s[l] + y[l];
                     let m = f32::from_bits(nx.to_bits() & EXP);
-                    let mx = f32::from_bits(x.to_bits() & EXP);
-                    let my = f32::from_bits(y[l].to_bits() & EXP);
-                    // g ≤ U/2 when inexact: (U²/12 + U²/24)·24 = 3U².
-                    var[l] += if min(mx, my) < m { 3.0 * m * m } else { 0.0 };
+                    let (v, g) = site(gx[l], gy[l], m);
+                    var[l] += v * cf;
+                    gx[l] = g;
                     s[l] = nx;
                 }
             }
@@ -212,5 +264,6 @@ fn tile<const G: bool>(
     for (o, v) in out[W..2 * W].iter_mut().zip(&var) {
         *o = v / 24.0;
     }
-    out[2 * W..].copy_from_slice(&g);
+    out[2 * W..3 * W].copy_from_slice(&gsum);
+    out[3 * W..].copy_from_slice(&off);
 }

@@ -7,22 +7,28 @@
 //!   ([`dot_guaranteed_weights`]: Higham's depths, growth factor and underflow terms),
 //!   summed in `f32` over scaled values and inflated by the sum's own rounding error
 //!   ((1 + 2⁻²⁴)^(k+2)) and its underflow (2⁻¹⁴⁹ per term).
-//! * **Probabilistic**: every rounding an independent error, zero-mean and uniform on the grid
-//!   points within half a spacing of the value it rounds ([`kernel`]: E(η²) = U²/12 + g²/6,
-//!   zero when both operands lie on the result's grid), with the spacings of the values the
-//!   two declared executions actually compute. No determined part: the walk's determined
-//!   roundings are counted as random ones.
+//! * **Probabilistic**: the walk's split, on the values the two declared executions actually
+//!   compute ([`kernel`]). A product added to a running value that lies on the result's grid
+//!   (known from the grids the model tracks: a product's lowest bit, a rounded value's
+//!   spacing, an exact sum's common grid) errs by RN_U(t) − t whatever that value is: such
+//!   determined errors are summed exactly into the offset (for products exact in `f32`,
+//!   inputs of at most 12 significant bits). Every other rounding — a tie (its direction
+//!   follows the running value's parity), two computed values added, a sum entering a
+//!   coarser binade — is independent, zero-mean, uniform on the grid points within half a
+//!   spacing: E(η²) = U²/12 + g²/6 with g the operands' common grid, U²/4 for a tie, 0 when
+//!   g ≥ U. The prefix of roundings both orders perform alike (the same operations on
+//!   identically computed values) makes the same errors on both sides and is left out.
 //! * **Structure test** (what decides between this and the walk): the two executions are run
 //!   (the kernel computes them, bit for bit the engine's), and their difference D must look
 //!   like a draw of the model: every |Dᵢ| ≤ √(2hᵢ·ln(2N/δ_s)) and ‖D‖² within the
-//!   Hsu–Kakade–Zhang bound of Σhᵢ at δ_s = 10⁻³. Systematic errors — absorbed terms of a
-//!   stalling sum, ties resolved by parity, rows of repeated values — make D grow with the
-//!   number of roundings rather than with its square root and fail the test; the tensor then
-//!   goes to the walk, which prices them. On data without structure the test passes with
-//!   probability at least 1 − 2δ_s.
+//!   Hsu–Kakade–Zhang bound of Σhᵢ at δ_s = 10⁻³ (D less the determined offset). Systematic
+//!   errors among the random ones — ties resolved by parity, sums that keep entering coarser
+//!   binades alike — make D grow with the number of roundings rather than with its square
+//!   root and fail the test; the tensor then goes to the walk, which tracks them. On data
+//!   without structure the test passes with probability at least 1 − 2δ_s.
 //!
-//! Scope: equal operands on both sides (no FP8 rescale), exact products of inputs of at most
-//! 12 significant bits, FP32 accumulation with every rounding in FP32, and orders made of
+//! Scope: equal operands on both sides (no FP8 rescale), exact products (fused multiply-adds) of
+//! FP32 values or narrower, FP32 accumulation with every rounding in FP32, and orders made of
 //! sequential runs and additions (sequential, blocked, pairwise, split-K with FP32 partials).
 //! Everything else, and any non-finite or out-of-range value, stays on the walk.
 
@@ -37,7 +43,9 @@ use crate::format::Format;
 use crate::order::{Accumulation, Products};
 use crate::policy::Policy;
 use kernel::{Packed, OUT, W};
+#[cfg(test)]
 use program::program;
+use program::programs;
 
 /// The failure probability of the structure test.
 const STRUCTURE_DELTA: f64 = 1e-3;
@@ -53,7 +61,7 @@ pub(crate) struct FastSide<'a> {
 /// The threshold for C = A·B (+ bias) with the same quantized operands on both sides, or
 /// `None` when the fast path does not apply or the structure test sends the data to the walk.
 /// `a` is [m, k] and `b` [k, n], row-major.
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 pub(crate) fn matmul_threshold_fast(
     a: &[f64],
     b: &[f64],
@@ -70,13 +78,12 @@ pub(crate) fn matmul_threshold_fast(
         let acc = s.acc;
         if acc.accumulator != Format::F32
             || acc.products != Products::Exact
-            || acc.input.precision() > 12
             || !acc.input.is_subset_of(Format::F32)
         {
             return Ok(None);
         }
     }
-    let (Some(pr), Some(pc)) = (program(&r.acc.order, k), program(&c.acc.order, k)) else {
+    let Some((pr, pc)) = programs(&r.acc.order, &c.acc.order, k) else {
         return Ok(None);
     };
     let (wr, cr) = dot_guaranteed_weights(r.acc, k)?;
@@ -85,8 +92,11 @@ pub(crate) fn matmul_threshold_fast(
     let Some((packed, row_exp, col_exp)) = pack(a, b, m, k, n, &w) else {
         return Ok(None);
     };
-    let out_r = kernel::run(&pr, &packed, true);
-    let out_c = kernel::run(&pc, &packed, false);
+    // Products exact in f32 (inputs of at most 12 significant bits): the roundings of a
+    // product onto a running value on the result's grid are determined.
+    let det = r.acc.input.precision() <= 12 && c.acc.input.precision() <= 12;
+    let out_r = kernel::run(&pr, &packed, true, det);
+    let out_c = kernel::run(&pc, &packed, false, det);
     // The f32 sums of non-negative terms (the guaranteed sum, the variances) err by at most
     // (1 + 2^-24)^(k+2) − 1 relative (the weights' rounding included).
     let inflate = (((k + 2) as f64) * (2f64.powi(-24)).ln_1p()).exp_m1() * (1.0 + 1e-9) + 1.0;
@@ -113,9 +123,7 @@ pub(crate) fn matmul_threshold_fast(
                 + k as f64 * 2f64.powi(-149) * scale
                 + cr
                 + cc;
-            if !(vr.is_finite() && vc.is_finite() && hr.is_finite() && hc.is_finite())
-                || !g.is_finite()
-            {
+            if ![vr, vc, hr, hc, g].iter().all(|x| x.is_finite()) {
                 return Ok(None);
             }
             // The structure test, per element.
@@ -124,8 +132,17 @@ pub(crate) fn matmul_threshold_fast(
             if 4.0 * k as f64 * scale >= 2f64.powi(120) {
                 return Ok(None);
             }
-            let d = vc - vr;
+            // The determined errors (each exact; their f32 sums err by at most
+            // (inflate − 1)·Σ|η|, and Σ|η| over a side's roundings is within its Higham
+            // bound, to first order: Σⱼ|ηⱼ| ≤ Σⱼ u|sⱼ| ≤ Σᵢ|tᵢ|·u·(roundings after i)) and
+            // what the structure test sees: the rest of D.
+            let det_r = out_r[o + 3 * W + l] as f64 * scale;
+            let det_c = out_c[o + 3 * W + l] as f64 * scale;
+            let det_err = 2.0 * (inflate - 1.0) * g;
+            let offset = det_c - det_r;
+            let d = vc - vr - offset;
             let h = hr + hc;
+            let d = d.abs() - det_err.min(d.abs());
             if d * d > z2 * h {
                 return Ok(None);
             }
@@ -140,10 +157,12 @@ pub(crate) fn matmul_threshold_fast(
             let magnitude = v.abs() + g;
             let er = ReductionError {
                 guaranteed: g,
+                mean: det_r,
                 variance: hr,
-                ..ReductionError::default()
+                tie_bound: det_err,
             };
             let ec = ReductionError {
+                mean: det_c,
                 variance: hc,
                 ..ReductionError::default()
             };
@@ -262,18 +281,22 @@ fn pack(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bounds::ops::matmul_threshold_by;
+    use crate::bounds::ops::{matmul_threshold_priced, Pricing};
     use crate::order::{Combine, Order};
     use crate::tensor::Tensor;
     use crate::Overflow;
 
     fn bf16(shape: &[usize], seed: u64, mean: f64) -> Tensor {
+        values(shape, seed, mean, Format::BF16)
+    }
+
+    fn values(shape: &[usize], seed: u64, mean: f64, f: Format) -> Tensor {
         let mut g = crate::engine::init::SplitMix64::for_name("fast", seed);
         let n: usize = shape.iter().product();
         let v = (0..n)
             .map(|_| mean + (g.uniform() - 0.5) * 2.0 * (1.0 + 3.0 * g.uniform()))
             .collect();
-        Tensor::rounded(shape, v, Format::BF16, Overflow::Saturating).unwrap()
+        Tensor::rounded(shape, v, f, Overflow::Saturating).unwrap()
     }
 
     fn orders() -> Vec<Order> {
@@ -296,11 +319,19 @@ mod tests {
     /// The kernel's executions are the engine's, bit for bit (the engine executes each order
     /// from its own description, `order::exec`).
     #[test]
+    #[allow(clippy::needless_range_loop)]
     fn kernel_executes_each_order_as_the_engine_does() {
-        for (k, seed) in [(1usize, 1u64), (7, 2), (64, 3), (257, 4), (1000, 5)] {
+        for (k, seed, f) in [
+            (1usize, 1u64, Format::BF16),
+            (7, 2, Format::BF16),
+            (64, 3, Format::F32),
+            (257, 4, Format::BF16),
+            (1000, 5, Format::F32),
+            (300, 6, Format::F16),
+        ] {
             let (m, n) = (3, 21);
-            let a = bf16(&[m, k], seed, 0.0);
-            let b = bf16(&[k, n], seed + 100, 0.3);
+            let a = values(&[m, k], seed, 0.0, f);
+            let b = values(&[k, n], seed + 100, 0.3, f);
             for order in orders() {
                 let Some(prog) = program(&order, k) else {
                     assert!(k < 8, "{order} k={k}");
@@ -308,8 +339,10 @@ mod tests {
                 };
                 let w = vec![0.0; k];
                 let (packed, re, ce) = pack(a.values(), b.values(), m, k, n, &w).unwrap();
-                let out = kernel::run(&prog, &packed, false);
-                let engine = crate::engine::matmul(&a, &b, &policy(&order)).unwrap();
+                let out = kernel::run(&prog, &packed, false, false);
+                let mut pol = policy(&order);
+                pol.accumulation.input = f;
+                let engine = crate::engine::matmul(&a, &b, &pol).unwrap();
                 for i in 0..m {
                     for j in 0..n {
                         let o = (i * packed.blocks + j / W) * OUT + j % W;
@@ -353,7 +386,7 @@ mod tests {
             conf,
         )
         .unwrap();
-        let walk = matmul_threshold_by(a, b, None, r, c, conf, false).unwrap();
+        let walk = matmul_threshold_priced(a, b, None, r, c, conf, Pricing::Walk).unwrap();
         (fast, walk)
     }
 
@@ -401,27 +434,48 @@ mod tests {
     }
 
     /// Terms just above half a spacing of a large partial sum all round up in a sequential
-    /// sum (a systematic error, growing with k); pairwise sums them among themselves first.
-    /// The structure test sends such data to the walk.
+    /// sum: a determined error (RN_U(t) − t whatever the running value), which the fast path
+    /// carries exactly, as the walk does.
     #[test]
-    fn systematic_roundings_go_to_the_walk() {
+    fn determined_roundings_are_carried_exactly() {
         let k = 1024;
         let mut av = vec![0.0625 * (1.0 + 1.0 / 128.0); k];
         av[0] = (1u64 << 20) as f64;
         let a = Tensor::from_vec(&[1, k], av, Format::BF16).unwrap();
         let b = Tensor::from_vec(&[k, 1], vec![1.0; k], Format::BF16).unwrap();
-        let (fast, walk) = both(
-            &a,
-            &b,
-            &policy(&Order::Sequential),
-            &policy(&Order::pairwise(8)),
-            Confidence::default_probabilistic(),
-        );
+        let (rp, cp) = (policy(&Order::Sequential), policy(&Order::pairwise(8)));
+        let conf = Confidence::default_probabilistic();
+        let (fast, walk) = both(&a, &b, &rp, &cp, conf);
+        let fast = fast.expect("determined roundings are priced by the fast path");
+        let r = crate::engine::matmul(&a, &b, &rp).unwrap();
+        let c = crate::engine::matmul(&a, &b, &cp).unwrap();
+        // The systematic difference is many times what random roundings would give.
+        let d = (c.values()[0] - r.values()[0]).abs();
+        assert!(d > 20.0, "{d}");
+        assert!(fast.check(&r, &c).passed && walk.check(&r, &c).passed);
+        assert!(fast.abs_frobenius < 1.2 * walk.abs_frobenius);
+    }
+
+    /// Ties resolved by parity: with the running sum on the grid U and every term 3U/2, each
+    /// sum lies halfway and rounds up to the even neighbour — +U/2 at every step, a
+    /// systematic error the model counts as random. The structure test sends such data to the
+    /// walk, which tracks the parity.
+    #[test]
+    fn systematic_ties_go_to_the_walk() {
+        let k = 1024;
+        // Running sums in [2^20, 2^21): U = 2^-3; terms 3U/2.
+        let mut av = vec![0.1875; k];
+        av[0] = (1u64 << 20) as f64;
+        let a = Tensor::from_vec(&[1, k], av, Format::BF16).unwrap();
+        let b = Tensor::from_vec(&[k, 1], vec![1.0; k], Format::BF16).unwrap();
+        let (rp, cp) = (policy(&Order::Sequential), policy(&Order::pairwise(8)));
+        let conf = Confidence::default_probabilistic();
+        let (fast, walk) = both(&a, &b, &rp, &cp, conf);
         assert!(fast.is_none());
-        let r = crate::engine::matmul(&a, &b, &policy(&Order::Sequential)).unwrap();
-        let c = crate::engine::matmul(&a, &b, &policy(&Order::pairwise(8))).unwrap();
+        let r = crate::engine::matmul(&a, &b, &rp).unwrap();
+        let c = crate::engine::matmul(&a, &b, &cp).unwrap();
+        let d = (c.values()[0] - r.values()[0]).abs();
+        assert!(d > 20.0, "{d}");
         assert!(walk.check(&r, &c).passed);
-        // The realized difference is many times the all-random model's deviation.
-        assert!((c.values()[0] - r.values()[0]).abs() > 20.0);
     }
 }

@@ -12,12 +12,28 @@ use crate::order::{for_each_rounding, Operand, Order, RoundingSite};
 /// One step of a [`Program`], on slots of lane values.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Step {
-    /// `slot` = a·b of term `term` (exact: no rounding).
-    Start { slot: usize, term: usize },
+    /// `slot` = fl(a·b) of term `term`: the product loaded into FP32 (exact for inputs of at
+    /// most 12 significant bits).
+    Start {
+        slot: usize,
+        term: usize,
+        /// Whether its rounding counts (false inside the prefix both orders share).
+        count: bool,
+    },
     /// `slot` = fl(slot + a·b) for the terms `terms`, one at a time.
-    Chain { slot: usize, terms: Range<usize> },
+    Chain {
+        slot: usize,
+        terms: Range<usize>,
+        /// As for `Start`.
+        count: bool,
+    },
     /// `into` = fl(into + from); `from` is free afterwards.
-    Add { into: usize, from: usize },
+    Add {
+        into: usize,
+        from: usize,
+        /// As for `Start`.
+        count: bool,
+    },
 }
 
 /// The steps of one order over k terms, every rounding in `f32`.
@@ -33,19 +49,36 @@ pub(super) struct Program {
     pub terms: usize,
 }
 
-/// The program of `order` over `k` exact products accumulated in FP32 with every rounding in
-/// FP32 and no rounding of the first product (exact in `f32`). `None` for what the lane
-/// kernel does not execute: other formats, fused blocks, orders priced as a whole (tensor
-/// cores, families, Kahan), k = 0.
+/// The programs of two orders over `k` exact products accumulated in FP32 with every rounding
+/// in FP32 (each run's first product loaded with a rounding: its [`Step::Start`]), with the
+/// roundings of the prefix both perform alike marked as not counting: the same operations on
+/// identically computed operands make the same errors, which cancel in the difference. `None`
+/// for what the lane kernel does not execute: other formats, fused blocks, orders priced as a
+/// whole (tensor cores, families, Kahan), k = 0.
+pub(super) fn programs(
+    reference: &Order,
+    candidate: &Order,
+    k: usize,
+) -> Option<(Program, Program)> {
+    let (r, c) = (sites(reference, k)?, sites(candidate, k)?);
+    let shared = r.iter().zip(&c).take_while(|(x, y)| x == y).count();
+    Some((build(&r, k, shared)?, build(&c, k, shared)?))
+}
+
+/// The program of one order, every rounding counting.
+#[cfg(test)]
 pub(super) fn program(order: &Order, k: usize) -> Option<Program> {
+    build(&sites(order, k)?, k, 0)
+}
+
+fn sites(order: &Order, k: usize) -> Option<Vec<RoundingSite>> {
     if k == 0 || order.has_family() || order.has_tensor_core() || *order == Order::Kahan {
         return None;
     }
     let mut sites = Vec::new();
-    // Exact products of inputs of at most 12 significant bits are exact in f32: the first
-    // product of a run is loaded without a rounding (no load site).
+    // The load of a run's first product is its Start step (no separate site).
     for_each_rounding(order, k, Format::F32, false, &mut |s| sites.push(s));
-    build(&sites, k)
+    Some(sites)
 }
 
 type Key = (Range<usize>, Range<usize>);
@@ -57,7 +90,7 @@ fn key(op: &Operand) -> Option<Key> {
     }
 }
 
-fn build(sites: &[RoundingSite], k: usize) -> Option<Program> {
+fn build(sites: &[RoundingSite], k: usize, shared: usize) -> Option<Program> {
     let mut steps: Vec<Step> = Vec::new();
     let mut live: HashMap<Key, usize> = HashMap::new();
     let mut free: Vec<usize> = Vec::new();
@@ -77,7 +110,8 @@ fn build(sites: &[RoundingSite], k: usize) -> Option<Program> {
         })
     };
     let mut last = None;
-    for s in sites {
+    for (index, s) in sites.iter().enumerate() {
+        let count = index >= shared;
         if s.format != Format::F32 || !s.fused.is_empty() {
             return None;
         }
@@ -87,21 +121,25 @@ fn build(sites: &[RoundingSite], k: usize) -> Option<Program> {
                 take_term(*i, &mut used)?;
                 take_term(*j, &mut used)?;
                 let slot = alloc(&mut free);
-                steps.push(Step::Start { slot, term: *i });
-                push_chain(&mut steps, slot, *j);
+                steps.push(Step::Start {
+                    slot,
+                    term: *i,
+                    count,
+                });
+                push_chain(&mut steps, slot, *j, count);
                 slot
             }
             (v @ Operand::Value { .. }, Operand::Term(j))
             | (Operand::Term(j), v @ Operand::Value { .. }) => {
                 take_term(*j, &mut used)?;
                 let slot = live.remove(&key(v)?)?;
-                push_chain(&mut steps, slot, *j);
+                push_chain(&mut steps, slot, *j, count);
                 slot
             }
             (x @ Operand::Value { .. }, y @ Operand::Value { .. }) => {
                 let into = live.remove(&key(x)?)?;
                 let from = live.remove(&key(y)?)?;
-                steps.push(Step::Add { into, from });
+                steps.push(Step::Add { into, from, count });
                 free.push(from);
                 into
             }
@@ -112,7 +150,11 @@ fn build(sites: &[RoundingSite], k: usize) -> Option<Program> {
             (Operand::Term(i), Operand::None) | (Operand::None, Operand::Term(i)) => {
                 take_term(*i, &mut used)?;
                 let slot = alloc(&mut free);
-                steps.push(Step::Start { slot, term: *i });
+                steps.push(Step::Start {
+                    slot,
+                    term: *i,
+                    count,
+                });
                 slot
             }
             // Sums of nothing: not in this program's arithmetic.
@@ -129,7 +171,11 @@ fn build(sites: &[RoundingSite], k: usize) -> Option<Program> {
             return None;
         }
         return Some(Program {
-            steps: vec![Step::Start { slot: 0, term: 0 }],
+            steps: vec![Step::Start {
+                slot: 0,
+                term: 0,
+                count: shared == 0,
+            }],
             slots: 1,
             result: 0,
             terms: 1,
@@ -148,10 +194,15 @@ fn build(sites: &[RoundingSite], k: usize) -> Option<Program> {
 }
 
 /// Append term `j` to the chain into `slot`, extending the previous step when it is the same
-/// chain's previous term.
-fn push_chain(steps: &mut Vec<Step>, slot: usize, j: usize) {
-    if let Some(Step::Chain { slot: s, terms }) = steps.last_mut() {
-        if *s == slot && terms.end == j {
+/// chain's previous term and counts alike.
+fn push_chain(steps: &mut Vec<Step>, slot: usize, j: usize, count: bool) {
+    if let Some(Step::Chain {
+        slot: s,
+        terms,
+        count: c,
+    }) = steps.last_mut()
+    {
+        if *s == slot && terms.end == j && *c == count {
             terms.end = j + 1;
             return;
         }
@@ -159,6 +210,7 @@ fn push_chain(steps: &mut Vec<Step>, slot: usize, j: usize) {
     steps.push(Step::Chain {
         slot,
         terms: j..j + 1,
+        count,
     });
 }
 
@@ -173,10 +225,15 @@ mod tests {
         assert_eq!(
             p.steps,
             vec![
-                Step::Start { slot: 0, term: 0 },
+                Step::Start {
+                    slot: 0,
+                    term: 0,
+                    count: true
+                },
                 Step::Chain {
                     slot: 0,
-                    terms: 1..5
+                    terms: 1..5,
+                    count: true
                 }
             ]
         );
@@ -189,24 +246,68 @@ mod tests {
         assert_eq!(
             p.steps,
             vec![
-                Step::Start { slot: 0, term: 0 },
+                Step::Start {
+                    slot: 0,
+                    term: 0,
+                    count: true
+                },
                 Step::Chain {
                     slot: 0,
-                    terms: 1..2
+                    terms: 1..2,
+                    count: true
                 },
-                Step::Start { slot: 1, term: 2 },
+                Step::Start {
+                    slot: 1,
+                    term: 2,
+                    count: true
+                },
                 Step::Chain {
                     slot: 1,
-                    terms: 3..4
+                    terms: 3..4,
+                    count: true
                 },
-                Step::Add { into: 0, from: 1 },
+                Step::Add {
+                    into: 0,
+                    from: 1,
+                    count: true
+                },
                 // A block of one term is added as a term.
                 Step::Chain {
                     slot: 0,
-                    terms: 4..5
+                    terms: 4..5,
+                    count: true
                 },
             ]
         );
+    }
+
+    /// Sequential vs split-K over 2: the first half is the same chain on both sides (its
+    /// roundings do not count); everything after differs.
+    #[test]
+    fn the_shared_prefix_does_not_count() {
+        let split = Order::split_k(2, Format::F32, Combine::Tree);
+        let (r, c) = programs(&Order::Sequential, &split, 6).unwrap();
+        let chain = |terms, count| Step::Chain {
+            slot: 0,
+            terms,
+            count,
+        };
+        let start = Step::Start {
+            slot: 0,
+            term: 0,
+            count: false,
+        };
+        assert_eq!(
+            r.steps,
+            vec![start.clone(), chain(1..3, false), chain(3..6, true)]
+        );
+        assert_eq!(c.steps[..2], [start, chain(1..3, false)]);
+        assert!(c.steps[2..].iter().all(|s| matches!(
+            s,
+            Step::Start { count: true, .. }
+                | Step::Chain { count: true, .. }
+                | Step::Add { count: true, .. }
+        )));
     }
 
     #[test]
