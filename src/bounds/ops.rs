@@ -187,7 +187,7 @@ pub enum Pricing {
     /// §2): the tightest threshold, at about 250 ns per multiply-add and side.
     Walk,
     /// The model's statistics gathered while a vectorized pass executes both declared orders
-    /// (papers/bounds-reductions.md §6), tens of times the cost of one GEMM: the roundings of
+    /// (papers/bounds-reductions.md §5.1), tens of times the cost of one GEMM: the roundings of
     /// a product onto a running value on the result's grid carried exactly, as the walk
     /// does, ties and the other roundings as random. Near the walk on large tensors (about
     /// 1.1× at 4,096 outputs), up to 1.5× with few outputs. Data whose executions differ

@@ -1,16 +1,20 @@
-//! The lane kernel: a [`Program`] executed on 16 output columns at a time in `f32`, with the
-//! statistics of the all-random rounding model gathered at every rounding it performs.
+//! The lane kernel: a [`Program`] executed on 8 output columns at a time in `f32`, with the
+//! statistics of the rounding model gathered at every rounding it performs.
 //!
 //! Per rounding of a value x (result x̂, spacing U = ulp(x̂), which is at least the spacing
 //! at the exact x: rounding to nearest is monotonic and powers of two are representable), with
-//! g the operands' common grid — the lowest set bit of each operand (a product's is the
-//! product of its factors' lowest bits; a computed value's is read off its bits):
+//! g the operands' common grid (a product's grid is the product of its factors' lowest bits;
+//! a computed value's as below):
 //! * exact when g ≥ U (x is then a value of the result's grid);
-//! * otherwise, under the uniform-phase model, E(η²) = U²/12 + g²/6, g ≤ U/2
-//!   (papers/bounds-reductions.md §2).
+//! * a product added to a running value that lies on the result's grid: determined, η =
+//!   RN_U(t) − t whatever the value (for products exact in `f32`), computed by TwoSum and summed
+//!   apart — unless it is a tie, whose direction follows the value's parity;
+//! * otherwise random: a certain tie (one operand on the grid U, the other's lowest bit U/2)
+//!   E(η²) = U²/4; else, under the uniform-phase model, E(η²) = U²/12 + g²/6, g ≤ U/2
+//!   (papers/bounds-reductions.md §2 and §5.1).
 //!
-//! Where a value's lowest bit is not read (zero and subnormal values count as lattice 0), the
-//! test errs towards inexact, so the variance gathered is at least the model's. The values are scaled by powers of two per row of A and
+//! Grids are tracked as the walk tracks them: a rounded value's is its spacing U, an exact
+//! sum's its operands' common grid. The values are scaled by powers of two per row of A and
 //! per column of B (exact), so that products stay normal `f32` numbers and the squares of the
 //! spacings neither overflow nor underflow `f32` for the values that matter.
 
@@ -34,7 +38,7 @@ const ULP: f32 = 1.0 / 8_388_608.0;
 pub(super) struct Packed {
     pub m: usize,
     pub k: usize,
-    /// 16-column blocks of B.
+    /// `W`-column blocks of B.
     pub blocks: usize,
     /// A row-major, each row scaled.
     pub a: Vec<f32>,
@@ -42,14 +46,14 @@ pub(super) struct Packed {
     pub la: Vec<f32>,
     /// |a|·w_p of each scaled A value (the guaranteed bound's weight of its term).
     pub aw: Vec<f32>,
-    /// B in blocks of 16 columns, each block step-major (16 values per term), columns scaled
+    /// B in blocks of `W` columns, each block step-major (`W` values per term), columns scaled
     /// (zero columns past n).
     pub b: Vec<f32>,
     /// The lowest set bit of each scaled B value (∞ for 0).
     pub lb: Vec<f32>,
 }
 
-/// Run `program` on every tile: for each row of A and block of 16 columns, `OUT` floats —
+/// Run `program` on every tile: for each row of A and block of `W` columns, `OUT` floats —
 /// the results, the variance gathered (in units of 2^-46·scale²), with `guaranteed`
 /// Σ |a|·w·|b|, and with `det` (exact products only) the sum of the determined roundings'
 /// errors. Rows × blocks × `OUT`, row-major.
@@ -154,7 +158,7 @@ fn site(g1: f32, g2: f32, m: f32) -> (f32, f32) {
     (v, if lo < m { m } else { lo })
 }
 
-/// One tile (row `i`, column block `jb`): the portable code, vectorized over the 16 lanes
+/// One tile (row `i`, column block `jb`): the portable code, vectorized over the `W` lanes
 /// (compiled with AVX2 and FMA by [`tile_avx2`]; `mul_add` is a correctly rounded fused
 /// multiply-add either way).
 #[inline(always)]

@@ -2,7 +2,7 @@
 //! statistics gathered in one vectorized pass per side, kept only where the data show no
 //! structure that the determined-rounding walk would price differently.
 //!
-//! # Model (papers/bounds-reductions.md §2 and §6)
+//! # Model (papers/bounds-reductions.md §2 and §5.1)
 //! * **Guaranteed**: the walk's own bound, Σₚ |aᵢₚ||bₚⱼ|·(w_ref,p + w_cand,p) + c
 //!   ([`dot_guaranteed_weights`]: Higham's depths, growth factor and underflow terms),
 //!   summed in `f32` over scaled values and inflated by the sum's own rounding error
