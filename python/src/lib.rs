@@ -314,7 +314,7 @@ fn parse_policy(py: Python<'_>, text: &str, side: &str) -> PyResult<String> {
 }
 
 #[pyfunction]
-#[pyo3(signature = (a, a_format, b, b_format, bias, bias_format, reference, candidate, delta))]
+#[pyo3(signature = (a, a_format, b, b_format, bias, bias_format, reference, candidate, delta, pricing = "auto"))]
 #[allow(clippy::too_many_arguments)]
 fn matmul_threshold(
     py: Python<'_>,
@@ -327,7 +327,20 @@ fn matmul_threshold(
     reference: &str,
     candidate: &str,
     delta: Option<f64>,
+    pricing: &str,
 ) -> PyResult<Threshold> {
+    let pricing = match pricing {
+        "auto" => bounds::Pricing::Auto,
+        "walk" => bounds::Pricing::Walk,
+        "fast" => bounds::Pricing::Fast,
+        other => {
+            return Err(invalid(
+                py,
+                "pricing",
+                format!("unknown pricing '{other}' (auto, walk, fast)"),
+            ))
+        }
+    };
     let a = tensor(py, a, a_format, "a")?;
     let b = tensor(py, b, b_format, "b")?;
     let bias = bias
@@ -335,7 +348,7 @@ fn matmul_threshold(
         .transpose()?;
     let (rp, cp, conf) = sides(py, reference, candidate, delta)?;
     let inner = guard(py, || {
-        bounds::matmul_threshold(&a, &b, bias.as_ref(), &rp, &cp, conf)
+        bounds::matmul_threshold_priced(&a, &b, bias.as_ref(), &rp, &cp, conf, pricing)
     })?;
     Ok(Threshold { inner })
 }

@@ -143,3 +143,34 @@ def test_the_core_reads_fortran_ordered_bit_patterns_in_logical_order():
     bits_t = np.ascontiguousarray(x).view(np.uint8).T
     assert bits_t.flags["F_CONTIGUOUS"] and not bits_t.flags["C_CONTIGUOUS"]
     assert np.array_equal(_ttrace.to_float64(bits_t, "e4m3"), x.T.astype(np.float64))
+
+
+def test_linear_pricing_fast_holds_and_stays_near_the_walk():
+    # BF16 operands, FP32 accumulation, sequential vs split-K over 8: the vectorized pass and
+    # the walk both hold for the engine's two executions, and the pass is within 1.6x.
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(32, 512, generator=g).to(torch.bfloat16)
+    w = torch.randn(64, 512, generator=g).to(torch.bfloat16)
+    ref, cand = "in=bf16,acc=f32,out=f32", "in=bf16,acc=f32,out=f32,order=splitk:8:f32:tree"
+    fast = ttrace.linear_threshold(x, w, reference=ref, candidate=cand, pricing="fast")
+    walk = ttrace.linear_threshold(x, w, reference=ref, candidate=cand, pricing="walk")
+    assert walk.abs_frobenius <= fast.abs_frobenius <= 1.6 * walk.abs_frobenius
+    xd, wd = x.double().numpy(), w.double().numpy()
+    prods = xd[:, :, None] * wd.T[None, :, :]  # [m, k, n], exact in f64
+    r = prods.astype(np.float32)
+    seq = np.zeros((32, 64), dtype=np.float32)
+    for p in range(512):
+        seq = (seq + r[:, p, :]).astype(np.float32) if p else r[:, 0, :].copy()
+    parts = []
+    for q in range(8):
+        part = r[:, 64 * q, :].copy()
+        for p in range(64 * q + 1, 64 * (q + 1)):
+            part = (part + r[:, p, :]).astype(np.float32)
+        parts.append(part)
+    pair = [(parts[i] + parts[i + 1]).astype(np.float32) for i in range(0, 8, 2)]
+    tree = ((pair[0] + pair[1]).astype(np.float32) + (pair[2] + pair[3]).astype(np.float32))
+    tree = tree.astype(np.float32)
+    assert not np.array_equal(seq, tree)
+    assert fast.check(seq, tree).passed and walk.check(seq, tree).passed
+    with pytest.raises(ValueError, match="pricing"):
+        ttrace.linear_threshold(x, w, reference=ref, candidate=cand, pricing="quick")

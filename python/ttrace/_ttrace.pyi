@@ -39,6 +39,7 @@ def parse_policy(text: str, side: str = "the") -> str: ...
 def matmul_threshold(
     a: np.ndarray, a_format: str, b: np.ndarray, b_format: str, bias: Optional[np.ndarray],
     bias_format: str, reference: str, candidate: str, delta: Optional[float],
+    pricing: str = "auto",
 ) -> Threshold: ...
 def sum_threshold(
     x: np.ndarray, x_format: str, reference: str, candidate: str, mean: bool,
