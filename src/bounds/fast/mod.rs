@@ -433,24 +433,58 @@ mod tests {
         }
     }
 
+    /// Zeros (sparse activations, a zero column of B) are exact additions: priced by the pass,
+    /// with finite statistics, and the threshold holds.
+    #[test]
+    fn zeros_stay_on_the_fast_path() {
+        let (m, k, n) = (8, 512, 24);
+        let a = bf16(&[m, k], 21, 0.0);
+        let av: Vec<f64> = a
+            .values()
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| if i % 3 == 0 { 0.0 } else { x })
+            .collect();
+        let a = Tensor::from_vec(&[m, k], av, Format::BF16).unwrap();
+        let b = bf16(&[k, n], 22, 0.2);
+        let bv: Vec<f64> = (0..k * n)
+            .map(|i| if i % n == 5 { 0.0 } else { b.values()[i] })
+            .collect();
+        let b = Tensor::from_vec(&[k, n], bv, Format::BF16).unwrap();
+        let (rp, cp) = (policy(&Order::Sequential), policy(&Order::blocked(16)));
+        let conf = Confidence::default_probabilistic();
+        let (fast, walk) = both(&a, &b, &rp, &cp, conf);
+        let fast = fast.expect("zeros are priced by the fast path");
+        assert!(fast.abs_frobenius.is_finite() && fast.abs_frobenius < 2.0 * walk.abs_frobenius);
+        let r = crate::engine::matmul(&a, &b, &rp).unwrap();
+        let c = crate::engine::matmul(&a, &b, &cp).unwrap();
+        assert!(fast.check(&r, &c).passed);
+    }
+
+    /// A row [2^20, t, t, …, t] of 1,024 BF16 values times ones, sequential vs pairwise(8):
+    /// both thresholds (fast or none, walk), the two executions and |D|.
+    fn big_then_constant(t: f64) -> (Option<Threshold>, Threshold, Tensor, Tensor, f64) {
+        let k = 1024;
+        let mut av = vec![t; k];
+        av[0] = (1u64 << 20) as f64;
+        let a = Tensor::from_vec(&[1, k], av, Format::BF16).unwrap();
+        let b = Tensor::from_vec(&[k, 1], vec![1.0; k], Format::BF16).unwrap();
+        let (rp, cp) = (policy(&Order::Sequential), policy(&Order::pairwise(8)));
+        let (fast, walk) = both(&a, &b, &rp, &cp, Confidence::default_probabilistic());
+        let r = crate::engine::matmul(&a, &b, &rp).unwrap();
+        let c = crate::engine::matmul(&a, &b, &cp).unwrap();
+        let d = (c.values()[0] - r.values()[0]).abs();
+        (fast, walk, r, c, d)
+    }
+
     /// Terms just above half a spacing of a large partial sum all round up in a sequential
     /// sum: a determined error (RN_U(t) − t whatever the running value), which the fast path
     /// carries exactly, as the walk does.
     #[test]
     fn determined_roundings_are_carried_exactly() {
-        let k = 1024;
-        let mut av = vec![0.0625 * (1.0 + 1.0 / 128.0); k];
-        av[0] = (1u64 << 20) as f64;
-        let a = Tensor::from_vec(&[1, k], av, Format::BF16).unwrap();
-        let b = Tensor::from_vec(&[k, 1], vec![1.0; k], Format::BF16).unwrap();
-        let (rp, cp) = (policy(&Order::Sequential), policy(&Order::pairwise(8)));
-        let conf = Confidence::default_probabilistic();
-        let (fast, walk) = both(&a, &b, &rp, &cp, conf);
+        let (fast, walk, r, c, d) = big_then_constant(0.0625 * (1.0 + 1.0 / 128.0));
         let fast = fast.expect("determined roundings are priced by the fast path");
-        let r = crate::engine::matmul(&a, &b, &rp).unwrap();
-        let c = crate::engine::matmul(&a, &b, &cp).unwrap();
         // The systematic difference is many times what random roundings would give.
-        let d = (c.values()[0] - r.values()[0]).abs();
         assert!(d > 20.0, "{d}");
         assert!(fast.check(&r, &c).passed && walk.check(&r, &c).passed);
         assert!(fast.abs_frobenius < 1.2 * walk.abs_frobenius);
@@ -462,19 +496,9 @@ mod tests {
     /// walk, which tracks the parity.
     #[test]
     fn systematic_ties_go_to_the_walk() {
-        let k = 1024;
         // Running sums in [2^20, 2^21): U = 2^-3; terms 3U/2.
-        let mut av = vec![0.1875; k];
-        av[0] = (1u64 << 20) as f64;
-        let a = Tensor::from_vec(&[1, k], av, Format::BF16).unwrap();
-        let b = Tensor::from_vec(&[k, 1], vec![1.0; k], Format::BF16).unwrap();
-        let (rp, cp) = (policy(&Order::Sequential), policy(&Order::pairwise(8)));
-        let conf = Confidence::default_probabilistic();
-        let (fast, walk) = both(&a, &b, &rp, &cp, conf);
+        let (fast, walk, r, c, d) = big_then_constant(0.1875);
         assert!(fast.is_none());
-        let r = crate::engine::matmul(&a, &b, &rp).unwrap();
-        let c = crate::engine::matmul(&a, &b, &cp).unwrap();
-        let d = (c.values()[0] - r.values()[0]).abs();
         assert!(d > 20.0, "{d}");
         assert!(walk.check(&r, &c).passed);
     }
