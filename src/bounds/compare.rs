@@ -309,26 +309,11 @@ pub(crate) fn grouped_threshold(
     confidence: Confidence,
     elements: usize,
 ) -> Threshold {
-    let scaled: Vec<ElementDiff> = groups
-        .iter()
-        .map(|(d, c)| {
-            let mut w = *d;
-            w.scale((*c as f64).sqrt());
-            w
-        })
-        .collect();
-    let mut th = tensor_threshold(&scaled, reference_norm, confidence);
-    th.elements = elements;
-    th.per_element = groups
-        .iter()
-        .map(|(d, _)| match confidence {
-            Confidence::Guaranteed => d.guaranteed,
-            Confidence::Probabilistic { delta } => {
-                d.probabilistic_bound(delta / elements.max(1) as f64)
-            }
-        })
-        .fold(0.0, f64::max);
-    th
+    let mut sums = ThresholdSums::new(confidence, elements);
+    for (d, c) in groups {
+        sums.add_group(d, *c);
+    }
+    sums.threshold(reference_norm)
 }
 
 /// Classes of identical rows of a [rows, n] row-major array (bit for bit): each row's class
@@ -466,6 +451,20 @@ impl ThresholdSums {
             self.b = self.b.max(d.rounding_part_bound(delta / (5.0 * nf)));
             self.e_r += d.rounding_mean_square * w;
             self.per = self.per.max(d.probabilistic_bound(delta / nf));
+        }
+    }
+
+    /// Add a group of `count` elements whose differences are identical (computed from
+    /// identical inputs by identical arithmetic): one component √count·D of ‖D‖_F, not
+    /// `count` independent ones; the per-element bounds are those of one element.
+    pub(crate) fn add_group(&mut self, d: &ElementDiff, count: usize) {
+        let mut w = *d;
+        w.scale((count as f64).sqrt());
+        let (per, g_max) = (self.per, self.g_max);
+        self.add(&w, 1);
+        self.g_max = g_max.max(d.guaranteed);
+        if let Confidence::Probabilistic { delta } = self.confidence {
+            self.per = per.max(d.probabilistic_bound(delta / self.elements.max(1) as f64));
         }
     }
 

@@ -18,6 +18,8 @@
 //!   spacing: E(η²) = U²/12 + g²/6 with g the operands' common grid, U²/4 for a tie, 0 when
 //!   g ≥ U. The prefix of roundings both orders perform alike (the same operations on
 //!   identically computed values) makes the same errors on both sides and is left out.
+//! * Identical rows of A and identical columns of B give identical differences: each pair of
+//!   classes is one component √c·D (as the walk prices them).
 //! * **Structure test** (what decides between this and the walk): the two executions are run
 //!   (the kernel computes them, bit for bit the engine's), and their difference D must look
 //!   like a draw of the model: every |Dᵢ| ≤ √(2hᵢ·ln(2N/δ_s)) and ‖D‖² within the
@@ -35,7 +37,7 @@
 mod kernel;
 mod program;
 
-use crate::bounds::compare::{Confidence, ElementDiff, Threshold, ThresholdSums};
+use crate::bounds::compare::{row_classes, Confidence, ElementDiff, Threshold, ThresholdSums};
 use crate::bounds::ops::{check_output, round_sides};
 use crate::bounds::reduction::{dot_guaranteed_weights, ReductionError};
 use crate::error::Result;
@@ -107,8 +109,12 @@ pub(crate) fn matmul_threshold_fast(
     let t_s = (1.0 / STRUCTURE_DELTA).ln();
     let z2 = 2.0 * (2.0 * n_el as f64 / STRUCTURE_DELTA).ln();
     let (ar, ac) = (r.policy.accumulator(), c.policy.accumulator());
-    for i in 0..m {
-        for j in 0..n {
+    // Identical rows of A and identical columns of B (with their bias) give identical
+    // differences: one component per pair of classes, as the walk prices them.
+    let (rows, cols) = classes(a, b, bias, m, k, n);
+    for &(i, count_i) in &rows {
+        for &(j, count_j) in &cols {
+            let weight = (count_i * count_j) as f64;
             let (jb, l) = (j / W, j % W);
             let o = (i * packed.blocks + jb) * OUT;
             let scale = 2f64.powi(-(row_exp[i] + col_exp[j]));
@@ -146,13 +152,15 @@ pub(crate) fn matmul_threshold_fast(
             if d * d > z2 * h {
                 return Ok(None);
             }
-            sum_d2 += d * d;
-            sum_h += h;
-            sum_h2 += h * h;
-            max_h = max_h.max(h);
+            // Copies of one difference: counted as the copies they are (the test's
+            // expectation), their tail as one component.
+            sum_d2 += d * d * weight;
+            sum_h += h * weight;
+            sum_h2 += h * h * weight * weight;
+            max_h = max_h.max(h * weight);
             let bias_j = bias.map_or(0.0, |b| b[j]);
             let v = vr + bias_j;
-            norm_sq += v * v;
+            norm_sq += v * v * weight;
             // |exact − vr| ≤ the reference's guaranteed error ≤ g.
             let magnitude = v.abs() + g;
             let er = ReductionError {
@@ -177,7 +185,7 @@ pub(crate) fn matmul_threshold_fast(
                 return Ok(None);
             }
             round_sides(&mut e, cur, (r.policy.output, c.policy.output), magnitude);
-            sums.add(&e, 1);
+            sums.add_group(&e, count_i * count_j);
         }
     }
     // The structure test, for the tensor (Hsu, Kakade & Zhang 2012, Thm 1).
@@ -185,6 +193,32 @@ pub(crate) fn matmul_threshold_fast(
         return Ok(None);
     }
     Ok(Some(sums.threshold(norm_sq.sqrt())))
+}
+
+/// Classes of identical lines: (first member, size) each.
+type Classes = Vec<(usize, usize)>;
+
+/// Classes of identical rows of A and of identical columns of B (each with its bias value):
+/// (first member, size) per class.
+fn classes(
+    a: &[f64],
+    b: &[f64],
+    bias: Option<&[f64]>,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> (Classes, Classes) {
+    let (_, rows) = row_classes(&a[..m * k], k);
+    let width = k + usize::from(bias.is_some());
+    let mut cols_key = Vec::with_capacity(n * width);
+    for j in 0..n {
+        cols_key.extend((0..k).map(|p| b[p * n + j]));
+        if let Some(bias) = bias {
+            cols_key.push(bias[j]);
+        }
+    }
+    let (_, cols) = row_classes(&cols_key, width);
+    (rows, cols)
 }
 
 /// The power of two e with max·2^e in [1, 2) (0 for 0).
@@ -431,6 +465,27 @@ mod tests {
                 assert!(fast.check(&r, &c).passed, "{order} k={k}");
             }
         }
+    }
+
+    /// Sixteen copies of one row of A give sixteen identical rows of D: one component 4·D of
+    /// ‖D‖_F (its tail that of one variable), so the threshold is exactly 4× the one-row
+    /// threshold; counted as independent elements it would be about 2.8× smaller.
+    #[test]
+    fn identical_rows_are_one_component() {
+        let k = 512;
+        let row = bf16(&[1, k], 31, 0.0);
+        let copies: Vec<f64> = (0..16).flat_map(|_| row.values().to_vec()).collect();
+        let a16 = Tensor::from_vec(&[16, k], copies, Format::BF16).unwrap();
+        let b = bf16(&[k, 64], 32, 0.0);
+        let (rp, cp) = (
+            policy(&Order::Sequential),
+            policy(&Order::split_k(8, Format::F32, Combine::Tree)),
+        );
+        let conf = Confidence::default_probabilistic();
+        let one = both(&row, &b, &rp, &cp, conf).0.expect("fast path");
+        let sixteen = both(&a16, &b, &rp, &cp, conf).0.expect("fast path");
+        let ratio = sixteen.abs_frobenius / one.abs_frobenius;
+        assert!((ratio - 4.0).abs() < 1e-9, "{ratio}");
     }
 
     /// Zeros (sparse activations, a zero column of B) are exact additions: priced by the pass,
