@@ -264,6 +264,7 @@ def main(argv=None):
         loss = ref.loss(y, target)
     loss.backward()
     tracer.write(os.path.join(args.out, "reference"), combine=True)
+    tracer.close()
 
     # Candidate: tp ranks, emulated in one process.
     layouts = {
@@ -302,6 +303,7 @@ def main(argv=None):
     cand = os.path.join(args.out, "candidate")
     for t in tracers:
         t.write(cand)
+        t.close()
     td.finish(cand)
     _set_tf32(dev, False)
     print(f"wrote {args.out}/reference and {args.out}/candidate ({tp} ranks, {args.dtype}, "

@@ -358,3 +358,78 @@ def test_a_megatron_output_layer_twice_the_ffn_width_is_no_fused_projection():
     assert fused is not None and plain is not None
     assert fused.params["weight"]["groups"] == 2
     assert plain.params.get("weight", {"groups": 1})["groups"] == 1
+
+
+class _SdpaBlock(nn.Module):
+    """A projection and a functional attention core called by the block itself (recorded as
+    the attention site ``sdpa``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(4, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).unsqueeze(0).chunk(3, dim=-1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def _mode_stack() -> list:
+    # PyTorch's own record of the torch-function modes in force on this thread.
+    from torch.overrides import _get_current_function_mode_stack
+    return _get_current_function_mode_stack()
+
+
+def test_tracers_never_leave_modes_behind_nor_pop_a_mode_they_did_not_push(tmp_path):
+    from torch.overrides import TorchFunctionMode
+
+    class UserMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    before = len(_mode_stack())
+    # Ranks emulated in one process: tracers attached together, closed in any order.
+    tracers = [ttrace.Tracer(_SdpaBlock()) for _ in range(3)]
+    assert len(_mode_stack()) == before + 1
+    tracers[0].close()
+    tracers[2].close()
+    tracers[1].close()
+    assert len(_mode_stack()) == before
+    # Written and left open, many times over (a loop of runs): one mode, whatever their number.
+    open_tracers = []
+    for i in range(20):
+        open_tracers.append(ttrace.Tracer(_SdpaBlock()))
+        open_tracers[-1].write(tmp_path / f"w{i}")
+    assert len(_mode_stack()) == before + 1
+    for t in open_tracers:
+        t.close()
+    assert len(_mode_stack()) == before
+    # A mode the user enters after a tracer attached is never popped by the tracer; ours
+    # stays inert beneath it and serves the next tracer.
+    attached = ttrace.Tracer(_SdpaBlock())
+    user = UserMode()
+    with user:
+        attached.close()
+        assert _mode_stack()[-1] is user and len(_mode_stack()) == before + 2
+    ttrace.Tracer(_SdpaBlock()).close()
+    assert len(_mode_stack()) == before
+
+
+def test_an_attention_call_is_recorded_by_the_tracer_whose_module_runs_it(tmp_path):
+    torch.manual_seed(0)
+    blocks = [_SdpaBlock(), _SdpaBlock()]
+    tracers = [ttrace.Tracer(b, rank=r, mesh=Mesh(dp=2)) for r, b in enumerate(blocks)]
+    x = torch.randn(5, 4)
+    for b in blocks:
+        b(x).sum().backward()
+    for r, t in enumerate(tracers):
+        t.write(tmp_path / f"r{r}")
+        t.close()
+    for r, b in enumerate(blocks):
+        entries = json.loads((tmp_path / f"r{r}/manifest.rank{r}.json").read_text())["tensors"]
+        ids = {e["id"] for e in entries}
+        # One call each, as its own block made it: no "sdpa#1" from the other rank's call.
+        assert "sdpa|fwd.output.0" in ids and not any(i.startswith("sdpa#1") for i in ids)
+        data = harness.stored(tmp_path / f"r{r}", rank=r)
+        q, k, v = b.qkv(x).unsqueeze(0).chunk(3, dim=-1)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        assert torch.equal(torch.from_numpy(data["sdpa|fwd.output.0"]), want.detach())

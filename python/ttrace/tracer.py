@@ -746,22 +746,81 @@ def _site_mode_type() -> type:
     from torch.overrides import TorchFunctionMode
 
     class SiteMode(TorchFunctionMode):
-        """Sees the functional calls of a traced step: ``scaled_dot_product_attention`` (which
+        """Sees the functional calls of traced steps: ``scaled_dot_product_attention`` (which
         transformers' attention interfaces and torchtitan's attention call) becomes an
-        attention site of the module it runs in."""
+        attention site of the module it runs in, for every tracer attached on this thread."""
 
-        def __init__(self, tracer: "Tracer") -> None:
+        def __init__(self, state: "_SiteState") -> None:
             super().__init__()
-            self.tracer = tracer
+            self.state = state
 
         def __torch_function__(self, func: Any, types: Any, args: Any = (),
                                kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
-            if func is torch.nn.functional.scaled_dot_product_attention:
-                return self.tracer._attention_site(func, tuple(args), dict(kwargs))
+            if func is torch.nn.functional.scaled_dot_product_attention and self.state.tracers:
+                return _attention_call(func, self.state.recipients(), *args, **kwargs)
             return func(*args, **kwargs)
 
     return SiteMode
+
+
+def _attention_call(func: Callable[..., Any], tracers: List["Tracer"], /, *args: Any,
+                    **kwargs: Any) -> Any:
+    """``func(*args, **kwargs)`` called through each tracer's attention site in turn (the
+    first records the call's tensors and hands its tapped inputs to the next)."""
+    if not tracers:
+        return func(*args, **kwargs)
+    inner = functools.partial(_attention_call, func, tracers[1:])
+    return tracers[0]._attention_site(inner, args, kwargs)
+
+
+class _SiteState:
+    """A thread's one attention-site mode and the tracers attached to it.
+
+    One mode serves every tracer of the thread (several ranks emulated in one process attach
+    several): it is entered when the first tracer attaches and left when the last detaches, so
+    no tracer ever pops a mode it did not push (``TorchFunctionMode.__exit__`` pops whatever
+    is on top). A mode another owner entered above ours keeps ours on the stack: it stays
+    there inert (no tracers) and is reused by the next attach, so the stack never grows. A
+    tracer detached from another thread leaves the mode inert too (the stack is per thread)."""
+
+    def __init__(self) -> None:
+        self.owner = threading.get_ident()
+        self.mode: Optional[Any] = None
+        self.tracers: List["Tracer"] = []
+
+    def recipients(self) -> List["Tracer"]:
+        """The tracers an attention call belongs to: those inside one of their modules, or
+        every attached tracer for a call outside all of them."""
+        inside = [t for t in self.tracers if t._stack]
+        return inside or list(self.tracers)
+
+    def attach(self, tracer: "Tracer") -> None:
+        if not any(t is tracer for t in self.tracers):
+            self.tracers.append(tracer)
+        if self.mode is None:
+            self.mode = _site_mode_type()(self)
+            self.mode.__enter__()
+
+    def detach(self, tracer: "Tracer") -> None:
+        self.tracers = [t for t in self.tracers if t is not tracer]
+        if self.tracers or self.mode is None or threading.get_ident() != self.owner:
+            return
+        from torch.overrides import _get_current_function_mode
+        if _get_current_function_mode() is self.mode:
+            self.mode.__exit__(None, None, None)
+            self.mode = None
+
+
+_SITE_LOCAL = threading.local()
+
+
+def _site_state() -> _SiteState:
+    """This thread's :class:`_SiteState`."""
+    state = getattr(_SITE_LOCAL, "state", None)
+    if state is None:
+        state = _SITE_LOCAL.state = _SiteState()
+    return state
 
 
 class Tracer:
@@ -866,7 +925,7 @@ class Tracer:
         self.sites = modules is None if sites is None else sites
         self._sites: "set[str]" = set()
         self._stack: List[str] = []
-        self._mode: Optional[Any] = None
+        self._site_state: Optional[_SiteState] = None
         self._mesh_maps: Dict[int, _MeshMap] = {}
         #: Why the device mesh cannot be placed, if it cannot (reported per tensor).
         self._mesh_error: Optional[str] = None
@@ -1018,12 +1077,13 @@ class Tracer:
         if self.sites:
             # Which module is running (for naming the functional attention sites inside it),
             # and the mode that sees the functional calls (thread-local, only while attached).
+            # The root counts ("" names no parent), so that a call it makes is known as this
+            # tracer's among several attached on the thread.
             for n, m in self._named.items():
-                if n:
-                    self._handles.append(m.register_forward_pre_hook(self._push(n)))
-                    self._handles.append(m.register_forward_hook(self._pop(n), always_call=True))
-            self._mode = _site_mode_type()(self)
-            self._mode.__enter__()
+                self._handles.append(m.register_forward_pre_hook(self._push(n)))
+                self._handles.append(m.register_forward_hook(self._pop(n), always_call=True))
+            self._site_state = _site_state()
+            self._site_state.attach(self)
         for n in self.names:
             m = self._named[n]
             # Appended: after the pre-hooks of the module's parallel style, so the inputs are
@@ -1045,12 +1105,10 @@ class Tracer:
         for h in self._handles:
             h.remove()
         self._handles = []
-        if self._mode is not None:
-            mode, self._mode = self._mode, None
-            try:
-                mode.__exit__(None, None, None)
-            except RuntimeError:  # another mode entered after ours was left open by its owner
-                pass
+        if self._site_state is not None:
+            # From the thread that attached (the mode stack is per thread).
+            state, self._site_state = self._site_state, None
+            state.detach(self)
         self._stack = []
 
     def _call_name(self, base: str) -> str:
