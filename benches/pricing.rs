@@ -6,7 +6,8 @@
 //!   split-K 8) with `Pricing::Fast` (guaranteed and probabilistic) and, for shapes up to 2²²
 //!   multiply-adds, `Pricing::Walk` ÷ ndarray's f32 matmul (matrixmultiply) of the same shape;
 //! * sum, softmax, LayerNorm: the threshold (sequential vs pairwise 8) ÷ a native f32 loop
-//!   computing the op on the same rows.
+//!   computing the op on the same rows (sums priced both ways, `Pricing::Walk` and
+//!   `Pricing::Fast`).
 //!
 //! Run with `MATMUL_NUM_THREADS=1 cargo bench --bench pricing`. `PRICING_SHAPES` lists the
 //! matmul shapes as m×k×n (default 64³ to 1024³; `PRICING_SHAPES=4096x4096x4096` adds
@@ -17,7 +18,7 @@ use std::time::Instant;
 
 use ndarray::Array2;
 use ttrace::bounds::{
-    matmul_threshold_priced, norm_threshold, softmax_threshold, sum_threshold, Confidence,
+    matmul_threshold_priced, norm_threshold, softmax_threshold, sum_threshold_priced, Confidence,
     NormData, NormOp, NormSide, Pricing,
 };
 use ttrace::engine::{AttentionImpl, SplitMix64, Variance};
@@ -136,7 +137,7 @@ fn row_ops(pool: &rayon::ThreadPool) {
             })
             .collect::<Vec<_>>()
     };
-    let price_sum = || sum_threshold(&t, &r, &c, false, conf).unwrap();
+    let price_sum = |pricing| sum_threshold_priced(&t, &r, &c, false, conf, pricing).unwrap();
     let price_softmax = || {
         softmax_threshold(
             &t,
@@ -172,7 +173,16 @@ fn row_ops(pool: &rayon::ThreadPool) {
         println!("{name:<24} {op:>12.3e} {th:>14.3e} {:>10.0}", th / op);
     };
     let op = median(21, sum_op);
-    report("sum", op, pool.install(|| median(3, price_sum)));
+    report(
+        "sum (walk)",
+        op,
+        pool.install(|| median(3, || price_sum(Pricing::Walk))),
+    );
+    report(
+        "sum (fast)",
+        op,
+        pool.install(|| median(5, || price_sum(Pricing::Fast))),
+    );
     let op = median(21, softmax_op);
     report("softmax", op, pool.install(|| median(3, price_softmax)));
     let op = median(21, norm_op);

@@ -165,6 +165,12 @@ fn zoo_slice_matmuls_fast_pricing() {
     assert_slice(&[zoo::Op::MatmulFast], 3, 300);
 }
 
+/// Sums and means priced by the pass (as ones(1 × k)·xᵀ).
+#[test]
+fn zoo_slice_sums_fast_pricing() {
+    assert_slice(&[zoo::Op::SumFast, zoo::Op::MeanFast], 3, 300);
+}
+
 #[test]
 fn zoo_slice_softmax_and_norms() {
     use ttrace::engine::{AttentionImpl, Variance};

@@ -313,6 +313,20 @@ fn parse_policy(py: Python<'_>, text: &str, side: &str) -> PyResult<String> {
     Ok(p.to_string())
 }
 
+/// A threshold's [`bounds::Pricing`] from its name.
+fn parse_pricing(py: Python<'_>, pricing: &str) -> PyResult<bounds::Pricing> {
+    match pricing {
+        "auto" => Ok(bounds::Pricing::Auto),
+        "walk" => Ok(bounds::Pricing::Walk),
+        "fast" => Ok(bounds::Pricing::Fast),
+        other => Err(invalid(
+            py,
+            "pricing",
+            format!("unknown pricing '{other}' (auto, walk, fast)"),
+        )),
+    }
+}
+
 #[pyfunction]
 #[pyo3(signature = (a, a_format, b, b_format, bias, bias_format, reference, candidate, delta, pricing = "auto"))]
 #[allow(clippy::too_many_arguments)]
@@ -329,18 +343,7 @@ fn matmul_threshold(
     delta: Option<f64>,
     pricing: &str,
 ) -> PyResult<Threshold> {
-    let pricing = match pricing {
-        "auto" => bounds::Pricing::Auto,
-        "walk" => bounds::Pricing::Walk,
-        "fast" => bounds::Pricing::Fast,
-        other => {
-            return Err(invalid(
-                py,
-                "pricing",
-                format!("unknown pricing '{other}' (auto, walk, fast)"),
-            ))
-        }
-    };
+    let pricing = parse_pricing(py, pricing)?;
     let a = tensor(py, a, a_format, "a")?;
     let b = tensor(py, b, b_format, "b")?;
     let bias = bias
@@ -354,7 +357,8 @@ fn matmul_threshold(
 }
 
 #[pyfunction]
-#[pyo3(signature = (x, x_format, reference, candidate, mean, delta))]
+#[pyo3(signature = (x, x_format, reference, candidate, mean, delta, pricing = "auto"))]
+#[allow(clippy::too_many_arguments)]
 fn sum_threshold(
     py: Python<'_>,
     x: &Bound<'_, PyAny>,
@@ -363,10 +367,14 @@ fn sum_threshold(
     candidate: &str,
     mean: bool,
     delta: Option<f64>,
+    pricing: &str,
 ) -> PyResult<Threshold> {
+    let pricing = parse_pricing(py, pricing)?;
     let x = tensor(py, x, x_format, "x")?;
     let (rp, cp, conf) = sides(py, reference, candidate, delta)?;
-    let inner = guard(py, || bounds::sum_threshold(&x, &rp, &cp, mean, conf))?;
+    let inner = guard(py, || {
+        bounds::sum_threshold_priced(&x, &rp, &cp, mean, conf, pricing)
+    })?;
     Ok(Threshold { inner })
 }
 

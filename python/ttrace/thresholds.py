@@ -238,11 +238,16 @@ def sum_threshold(
     mean: bool = False,
     delta: float = 1e-6,
     guaranteed: bool = False,
+    pricing: str = "auto",
 ) -> Threshold:
-    """Sums (or means, ``mean=True``) along the last dimension of ``x``."""
+    """Sums (or means, ``mean=True``) along the last dimension of ``x`` (``pricing`` as for
+    :func:`matmul_threshold`: a sum is priced as the product of a row of ones and ``x``
+    transposed)."""
     ref, cand = _policies(reference, candidate)
     x_, xf = as_core(x, "x")
-    core = _ttrace.sum_threshold(x_, xf, ref, cand, bool(mean), _delta(delta, guaranteed))
+    core = _ttrace.sum_threshold(
+        x_, xf, ref, cand, bool(mean), _delta(delta, guaranteed), pricing
+    )
     return Threshold(core, "mean" if mean else "sum", ref, cand)
 
 

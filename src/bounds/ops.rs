@@ -9,14 +9,14 @@
 use crate::bounds::compare::{
     grouped_threshold, row_classes, tensor_threshold_weighted, Confidence, ElementDiff, Threshold,
 };
-use crate::bounds::fast::FastSide;
+use crate::bounds::fast::{Epilogue, FastSide, Right};
 use crate::bounds::reduction::{
     planned_reduction_error, reduction_error, reduction_error_aligned, ReductionError, TermStats,
 };
 use crate::error::{Error, Result};
 use crate::exact::ExactAccumulator;
 use crate::format::Format;
-use crate::order::{product_exponent, Accumulation};
+use crate::order::{product_exponent, Accumulation, Products};
 use crate::policy::Policy;
 use crate::policy::{quantize, Quantized};
 use crate::tensor::Tensor;
@@ -177,21 +177,21 @@ pub fn matmul_threshold(
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Pricing {
     /// [`Pricing::Fast`] for products of at least 2²² multiply-adds, or 2²⁰ with at least
-    /// 4,096 outputs; [`Pricing::Walk`] below, where the walk takes at most a second or two
-    /// and the fast path's margins (it counts the roundings the walk determines as random)
-    /// weigh most: with few outputs its threshold is up to 1.5× the walk's, with 4,096 about
-    /// 1.1×.
+    /// 4,096 outputs (for sums: summed values, rows); [`Pricing::Walk`] below, where the walk
+    /// takes at most a second or two.
     #[default]
     Auto,
     /// Every rounding visited by the determined-rounding walk (papers/bounds-reductions.md
     /// §2): the tightest threshold, at about 250 ns per multiply-add and side.
     Walk,
     /// The model's statistics gathered while a vectorized pass executes both declared orders
-    /// (papers/bounds-reductions.md §5.1), tens of times the cost of one GEMM: the roundings of
-    /// a product onto a running value on the result's grid carried exactly, as the walk
-    /// does, ties and the other roundings as random. Near the walk on large tensors (about
-    /// 1.1× at 4,096 outputs), up to 1.5× with few outputs. Data whose executions differ
-    /// systematically, and what the pass does not cover (FP8 rescales, rounded products,
+    /// (papers/bounds-reductions.md §5.1), tens of times the cost of one GEMM (a hundred with
+    /// fewer than 4,096 outputs, and for sums): the roundings the walk determines carried
+    /// exactly as it carries them — with fewer than 4,096 outputs, and for sums, following
+    /// exact values and parities too (about 1.0× the walk's threshold on plain data; from
+    /// 4,096 outputs the grid rule alone, about 1.1×) — and the rest as random. Data whose
+    /// executions differ systematically from the model, products that could round below
+    /// FP32's normal range, and what the pass does not cover (FP8 rescales, rounded products,
     /// narrow accumulators, tensor-core orders, families, Kahan), are priced by the walk.
     Fast,
 }
@@ -273,8 +273,8 @@ pub fn matmul_threshold_priced(
     if fast && !identical && same_operands && r.factor.is_none() && c.factor.is_none() {
         let fast = crate::bounds::fast::matmul_threshold_fast(
             &r.q_a.values,
-            &r.q_b.values,
-            bias_vals.as_deref(),
+            Right::Rows(&r.q_b.values),
+            Epilogue::Bias(bias_vals.as_deref()),
             (m, k, n),
             FastSide {
                 acc: &r.acc,
@@ -435,6 +435,52 @@ pub fn sum_threshold(
     mean: bool,
     confidence: Confidence,
 ) -> Result<Threshold> {
+    sum_threshold_priced(x, reference, candidate, mean, confidence, Pricing::Auto)
+}
+
+/// [`sum_threshold`] with the pricing method chosen ([`Pricing`]; a sum is priced as the
+/// product ones(1 × n)·xᵀ, so [`Pricing::Auto`] takes the fast pass from 2²² summed values,
+/// or 2²⁰ in at least 4,096 rows).
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::{sum_threshold_priced, Confidence, Pricing};
+/// use ttrace::{Format, Policy, Tensor};
+///
+/// # fn main() -> ttrace::Result<()> {
+/// let x = Tensor::rounded(&[64, 512], (0..32768).map(|i| (i as f64 * 0.37).sin()).collect(),
+///     Format::F32, ttrace::Overflow::Saturating)?;
+/// let seq: Policy = "in=f32,acc=f32,out=f32".parse()?;
+/// let pairwise: Policy = "in=f32,acc=f32,out=f32,order=pairwise:8".parse()?;
+/// let conf = Confidence::default_probabilistic();
+/// let fast = sum_threshold_priced(&x, &seq, &pairwise, false, conf, Pricing::Fast)?;
+/// let walk = sum_threshold_priced(&x, &seq, &pairwise, false, conf, Pricing::Walk)?;
+/// // Each side's row sums as the engine computes them (FP32 outputs: no output rounding).
+/// let sums = |p: &Policy| -> ttrace::Result<Tensor> {
+///     let mut acc = p.accumulation.clone();
+///     acc.input = Format::F32;
+///     let s = x.values().chunks(512).map(|row| ttrace::sum(row, &acc)).collect::<Result<_, _>>()?;
+///     Tensor::from_vec(&[64], s, Format::F32)
+/// };
+/// let (r, c) = (sums(&seq)?, sums(&pairwise)?);
+/// assert!(fast.check(&r, &c).passed && walk.check(&r, &c).passed);
+/// assert!(fast.abs_frobenius > 0.0 && fast.abs_frobenius < 2.0 * walk.abs_frobenius);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// As [`sum_threshold`].
+pub fn sum_threshold_priced(
+    x: &Tensor,
+    reference: &Policy,
+    candidate: &Policy,
+    mean: bool,
+    confidence: Confidence,
+    pricing: Pricing,
+) -> Result<Threshold> {
     reference.validate()?;
     candidate.validate()?;
     let n = *x.shape().last().unwrap_or(&0);
@@ -446,12 +492,51 @@ pub fn sum_threshold(
     let mut accc = candidate.accumulation.clone();
     accc.input = candidate.input();
     let identical = reference.same_execution(candidate);
+    let inv_n = if n > 0 { 1.0 / n as f64 } else { 0.0 };
+    let fast = match pricing {
+        Pricing::Auto => {
+            let work = x.len() as u128;
+            work >= 1 << 22 || (work >= 1 << 20 && rows >= 4096)
+        }
+        Pricing::Walk => false,
+        Pricing::Fast => true,
+    };
+    if fast && !identical && xr.values() == xc.values() && rows > 0 {
+        // ones(1 × n) · xᵀ: exact products, the rows of x as B's columns.
+        let exact_products = |acc: &Accumulation| {
+            let mut acc = acc.clone();
+            acc.products = Products::Exact;
+            acc
+        };
+        let (pr, pc) = (exact_products(&accr), exact_products(&accc));
+        let fast = crate::bounds::fast::matmul_threshold_fast(
+            &vec![1.0; n],
+            Right::Columns(xr.values()),
+            if mean {
+                Epilogue::Mean(inv_n)
+            } else {
+                Epilogue::Bias(None)
+            },
+            (1, n, rows),
+            FastSide {
+                acc: &pr,
+                policy: reference,
+            },
+            FastSide {
+                acc: &pc,
+                policy: candidate,
+            },
+            confidence,
+        )?;
+        if let Some(t) = fast {
+            return Ok(t);
+        }
+    }
     let exact = |v: &[f64]| {
         let mut e = ExactAccumulator::new();
         e.add_all(v);
         e.to_f64()
     };
-    let inv_n = if n > 0 { 1.0 / n as f64 } else { 0.0 };
     let mut norm_sq = 0.0;
     for row in 0..rows {
         let sr = exact(&xr.values()[row * n..(row + 1) * n]);

@@ -15,8 +15,8 @@
 
 use ttrace::bounds::{
     allreduce_threshold, elementwise_threshold, matmul_threshold, matmul_threshold_priced,
-    norm_threshold, reduction_error, softmax_threshold, sum_threshold, Confidence, Elementwise,
-    NormData, NormOp, NormSide, Pricing, Threshold,
+    norm_threshold, reduction_error, softmax_threshold, sum_threshold, sum_threshold_priced,
+    Confidence, Elementwise, NormData, NormOp, NormSide, Pricing, Threshold,
 };
 use ttrace::engine::{
     add, gelu, layer_norm, matmul, online_softmax, rms_norm, scale, silu, softmax, AttentionImpl,
@@ -262,6 +262,9 @@ pub enum Op {
     /// The same products priced with `Pricing::Fast` (the vectorized all-random model, the
     /// walk where its structure test fails).
     MatmulFast,
+    /// Sums and means priced with `Pricing::Fast` (as ones(1 × k)·xᵀ).
+    SumFast,
+    MeanFast,
     Softmax(AttentionImpl),
     LayerNorm(Variance),
     RmsNorm,
@@ -277,6 +280,8 @@ impl Op {
             Op::Elementwise(e) => format!("{e:?}").to_lowercase(),
             Op::Matmul => "matmul".into(),
             Op::MatmulFast => "matmul fast".into(),
+            Op::SumFast => "sum fast".into(),
+            Op::MeanFast => "mean fast".into(),
             Op::Softmax(AttentionImpl::Standard) => "softmax".into(),
             Op::Softmax(AttentionImpl::Online { block }) => format!("online softmax({block})"),
             Op::LayerNorm(v) => format!("layernorm {v:?}"),
@@ -369,7 +374,13 @@ pub fn pairs(op: Op) -> Vec<Pair> {
                 }
             }
         }
-        Op::Sum | Op::Mean | Op::Matmul | Op::MatmulFast | Op::AllReduce => {
+        Op::Sum
+        | Op::Mean
+        | Op::SumFast
+        | Op::MeanFast
+        | Op::Matmul
+        | Op::MatmulFast
+        | Op::AllReduce => {
             for (input, out_f) in [
                 (Format::BF16, Format::F32),
                 (Format::BF16, Format::BF16),
@@ -528,6 +539,9 @@ pub fn threshold(
     let (r, c) = (&pair.reference, &pair.candidate);
     match op_r {
         Op::Sum | Op::Mean => sum_threshold(x, r, c, op_r == Op::Mean, conf),
+        Op::SumFast | Op::MeanFast => {
+            sum_threshold_priced(x, r, c, op_r == Op::MeanFast, conf, Pricing::Fast)
+        }
         Op::AllReduce => allreduce_threshold(&partials(x)?, r, c, conf),
         Op::Elementwise(e) => {
             let y = (e == Elementwise::Add).then_some(b);
@@ -598,7 +612,7 @@ pub fn execute(op: Op, x: &Tensor, b: &Tensor, p: &Policy) -> ttrace::Result<Vec
             Elementwise::Exp => unreachable!("not in the zoo's ops"),
         }
         .into_values(),
-        Op::Sum | Op::Mean | Op::AllReduce => {
+        Op::Sum | Op::Mean | Op::SumFast | Op::MeanFast | Op::AllReduce => {
             let rows = x.len() / n;
             let mut acc = p.accumulation.clone();
             acc.input = p.input();
@@ -606,7 +620,7 @@ pub fn execute(op: Op, x: &Tensor, b: &Tensor, p: &Policy) -> ttrace::Result<Vec
             let mut out = vec![];
             for row in 0..rows {
                 let s = sum(&xi.values()[row * n..(row + 1) * n], &acc)?;
-                let v = if op == Op::Mean {
+                let v = if op == Op::Mean || op == Op::MeanFast {
                     p.accumulator().round(s / n as f64, p.accumulation.overflow)
                 } else {
                     s
@@ -709,7 +723,7 @@ pub fn trial(
             if !finite {
                 return Ok(Outcome::UnflaggedNonFinite);
             }
-            let oracle_ok = if matches!(op, Op::Sum | Op::AllReduce) {
+            let oracle_ok = if matches!(op, Op::Sum | Op::SumFast | Op::AllReduce) {
                 sum_oracle(&x, pair)?
             } else {
                 true
@@ -874,6 +888,8 @@ pub fn ops() -> Vec<Op> {
     vec![
         Op::Sum,
         Op::Mean,
+        Op::SumFast,
+        Op::MeanFast,
         Op::AllReduce,
         Op::Elementwise(Elementwise::Add),
         Op::Elementwise(Elementwise::Scale { c: 0.1 }),

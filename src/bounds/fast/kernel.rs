@@ -6,15 +6,19 @@
 //! g the operands' common grid (a product's grid is the product of its factors' lowest bits;
 //! a computed value's as below):
 //! * exact when g ≥ U (x is then a value of the result's grid);
-//! * a product added to a running value that lies on the result's grid: determined, η =
-//!   RN_U(t) − t whatever the value (for products exact in `f32`), computed by TwoSum and summed
-//!   apart — unless it is a tie, whose direction follows the value's parity;
+//! * determined (for products exact in `f32`; η computed by TwoSum and summed apart, with the
+//!   sum of |η| that bounds that sum's own rounding error), as the walk determines it: the
+//!   operands exact (every rounding behind them exact: a function of the terms); or a product
+//!   added to a running value on the result's grid (η = RN_U(t) − t whatever the value), a
+//!   tie included when the value's bit at U is known; or a running value on U/2 whose bit
+//!   there is known, but for a tie;
 //! * otherwise random: a certain tie (one operand on the grid U, the other's lowest bit U/2)
 //!   E(η²) = U²/4; else, under the uniform-phase model, E(η²) = U²/12 + g²/6, g ≤ U/2
 //!   (papers/bounds-reductions.md §2 and §5.1).
 //!
 //! Grids are tracked as the walk tracks them: a rounded value's is its spacing U, an exact
-//! sum's its operands' common grid. The values are scaled by powers of two per row of A and
+//! sum's its operands' common grid, a value computed from exact operands its lowest set bit;
+//! and with them whether the value's bit at its grid (its parity) is known ([`Lanes`]). The values are scaled by powers of two per row of A and
 //! per column of B (exact), so that products stay normal `f32` numbers and the squares of the
 //! spacings neither overflow nor underflow `f32` for the values that matter.
 
@@ -24,9 +28,9 @@ use super::program::{Program, Step};
 pub(super) const W: usize = 8;
 /// Rows of A per band (a B panel is reused across them).
 const BAND: usize = 16;
-/// Floats per tile in the output: the values, the variance, the guaranteed sum and the
-/// determined errors' sum.
-pub(super) const OUT: usize = 4 * W;
+/// Floats per tile in the output: the values, the variance, the guaranteed sum, the
+/// determined errors' sum and the sum of their magnitudes.
+pub(super) const OUT: usize = 5 * W;
 
 /// The exponent field of an `f32`: masking a value's bits with it gives 2^e (0 for zero and
 /// subnormals), the value's spacing times 2^23.
@@ -55,82 +59,121 @@ pub(super) struct Packed {
 
 /// Run `program` on every tile: for each row of A and block of `W` columns, `OUT` floats —
 /// the results, the variance gathered (in units of 2^-46·scale²), with `guaranteed`
-/// Σ |a|·w·|b|, and with `det` (exact products only) the sum of the determined roundings'
-/// errors. Rows × blocks × `OUT`, row-major.
-pub(super) fn run(program: &Program, p: &Packed, guaranteed: bool, det: bool) -> Vec<f32> {
+/// Σ |a|·w·|b|, and as `det` says the sum of the determined roundings' errors and the sum of
+/// their magnitudes (what bounds the first sum's own rounding error). Rows × blocks × `OUT`,
+/// row-major.
+pub(super) fn run(program: &Program, p: &Packed, guaranteed: bool, det: Determine) -> Vec<f32> {
     let mut out = vec![0.0f32; p.m * p.blocks * OUT];
     let band_len = BAND * p.blocks * OUT;
     let tile_fn = pick(guaranteed, det);
     crate::parallel::for_each_chunk_mut(&mut out, band_len, |(band, chunk)| {
         let rows = chunk.len() / (p.blocks * OUT);
-        let mut slots = vec![[0.0f32; W]; program.slots.max(1)];
-        let mut grids = vec![[0.0f32; W]; program.slots.max(1)];
+        let mut lanes = Lanes::new(program.slots.max(1));
         for jb in 0..p.blocks {
             for r in 0..rows {
                 let i = band * BAND + r;
                 let o = (r * p.blocks + jb) * OUT;
-                tile_fn(
-                    program,
-                    p,
-                    i,
-                    jb,
-                    &mut slots,
-                    &mut grids,
-                    &mut chunk[o..o + OUT],
-                );
+                tile_fn(program, p, i, jb, &mut lanes, &mut chunk[o..o + OUT]);
             }
         }
     });
     out
 }
 
-type TileFn = fn(&Program, &Packed, usize, usize, &mut [[f32; W]], &mut [[f32; W]], &mut [f32]);
+/// What the model knows of each slot's computed value x̂, per lane: the value; its grid (a
+/// power of two x̂ is a multiple of, ·2^23); whether it is exact (every rounding behind it
+/// exact, x̂ = x: 1.0, else 0.0); and whether its bit at its grid — the parity that decides a
+/// tie on that grid — is known to the model (1.0) or not (0.0), as the walk's parity chain.
+pub(super) struct Lanes {
+    value: Vec<[f32; W]>,
+    grid: Vec<[f32; W]>,
+    exact: Vec<[f32; W]>,
+    parity: Vec<[f32; W]>,
+}
 
-fn pick(guaranteed: bool, det: bool) -> TileFn {
+impl Lanes {
+    fn new(slots: usize) -> Lanes {
+        let zero = vec![[0.0f32; W]; slots];
+        Lanes {
+            value: zero.clone(),
+            grid: zero.clone(),
+            exact: zero.clone(),
+            parity: zero,
+        }
+    }
+}
+
+/// Which roundings the kernel determines (the rest it prices as random).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Determine {
+    /// None: products that may round (inputs of more than 12 significant bits).
+    Nothing,
+    /// Products added to a running value on the result's grid (not ties).
+    Grid,
+    /// Those, and as the walk: roundings of exact operands, ties and half-grid positions on
+    /// a known parity. About twice the work per rounding; what short sums of narrow values
+    /// need (almost all of their roundings are determined).
+    Track,
+}
+
+const NOTHING: u8 = 0;
+const GRID: u8 = 1;
+const TRACK: u8 = 2;
+
+type TileFn = fn(&Program, &Packed, usize, usize, &mut Lanes, &mut [f32]);
+
+fn pick(guaranteed: bool, det: Determine) -> TileFn {
+    let mode = match det {
+        Determine::Nothing => NOTHING,
+        Determine::Grid => GRID,
+        Determine::Track => TRACK,
+    };
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
-            return match (guaranteed, det) {
-                (true, true) => tile_avx2::<true, true>,
-                (true, false) => tile_avx2::<true, false>,
-                (false, true) => tile_avx2::<false, true>,
-                (false, false) => tile_avx2::<false, false>,
+            return match (guaranteed, mode) {
+                (true, NOTHING) => tile_avx2::<true, NOTHING>,
+                (true, GRID) => tile_avx2::<true, GRID>,
+                (true, _) => tile_avx2::<true, TRACK>,
+                (false, NOTHING) => tile_avx2::<false, NOTHING>,
+                (false, GRID) => tile_avx2::<false, GRID>,
+                (false, _) => tile_avx2::<false, TRACK>,
             };
         }
     }
-    match (guaranteed, det) {
-        (true, true) => tile::<true, true>,
-        (true, false) => tile::<true, false>,
-        (false, true) => tile::<false, true>,
-        (false, false) => tile::<false, false>,
+    match (guaranteed, mode) {
+        (true, NOTHING) => tile::<true, NOTHING>,
+        (true, GRID) => tile::<true, GRID>,
+        (true, _) => tile::<true, TRACK>,
+        (false, NOTHING) => tile::<false, NOTHING>,
+        (false, GRID) => tile::<false, GRID>,
+        (false, _) => tile::<false, TRACK>,
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-fn tile_avx2<const G: bool, const DET: bool>(
+fn tile_avx2<const G: bool, const MODE: u8>(
     program: &Program,
     p: &Packed,
     i: usize,
     jb: usize,
-    slots: &mut [[f32; W]],
-    grids: &mut [[f32; W]],
+    lanes: &mut Lanes,
     out: &mut [f32],
 ) {
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn inner<const G: bool, const DET: bool>(
+    unsafe fn inner<const G: bool, const MODE: u8>(
         program: &Program,
         p: &Packed,
         i: usize,
         jb: usize,
-        slots: &mut [[f32; W]],
-        grids: &mut [[f32; W]],
+        lanes: &mut Lanes,
         out: &mut [f32],
     ) {
-        tile::<G, DET>(program, p, i, jb, slots, grids, out)
+        tile::<G, MODE>(program, p, i, jb, lanes, out)
     }
     // SAFETY: chosen by `pick` only when the CPU has AVX2 and FMA.
-    unsafe { inner::<G, DET>(program, p, i, jb, slots, grids, out) }
+    unsafe { inner::<G, MODE>(program, p, i, jb, lanes, out) }
 }
 
 /// One rounding of the sum of two operands on grids g1, g2 (lowest bits, ·2^23) to a result
@@ -158,17 +201,38 @@ fn site(g1: f32, g2: f32, m: f32) -> (f32, f32) {
     (v, if lo < m { m } else { lo })
 }
 
+/// The lowest set bit of `x` (·2^23, as the grids are kept): the grid of a value the model
+/// knows (∞ for zero, which lies on every grid).
+#[inline(always)]
+fn lowest_grid(x: f32) -> f32 {
+    let bits = x.to_bits();
+    let mant = (bits & 0x007f_ffff) | 0x0080_0000;
+    let lsb = mant & mant.wrapping_neg();
+    let g = f32::from_bits(bits & EXP) * (lsb as i32 as f32);
+    if x == 0.0 {
+        f32::INFINITY
+    } else {
+        g
+    }
+}
+
+/// 0.0 or 1.0 for a condition (weights rather than branches, which keep the lanes
+/// vectorized without masked stores).
+#[inline(always)]
+fn w(c: bool) -> f32 {
+    c as u32 as f32
+}
+
 /// One tile (row `i`, column block `jb`): the portable code, vectorized over the `W` lanes
 /// (compiled with AVX2 and FMA by [`tile_avx2`]; `mul_add` is a correctly rounded fused
 /// multiply-add either way).
 #[inline(always)]
-fn tile<const G: bool, const DET: bool>(
+fn tile<const G: bool, const MODE: u8>(
     program: &Program,
     p: &Packed,
     i: usize,
     jb: usize,
-    slots: &mut [[f32; W]],
-    grids: &mut [[f32; W]],
+    lanes: &mut Lanes,
     out: &mut [f32],
 ) {
     let k = p.k;
@@ -180,17 +244,22 @@ fn tile<const G: bool, const DET: bool>(
     let mut var = [0.0f32; W];
     let mut gsum = [0.0f32; W];
     let mut off = [0.0f32; W];
+    let mut off_abs = [0.0f32; W];
     for step in &program.steps {
         match step {
             Step::Start { slot, term, count } => {
                 // The prefix both orders share makes the same errors on both sides.
-                let cf = if *count { 1.0f32 } else { 0.0 };
+                let cf = w(*count);
                 let t = *term;
                 let a = arow[t];
                 let la = larow[t];
                 let b = &bpan[t * W..(t + 1) * W];
                 let lb = &lbpan[t * W..(t + 1) * W];
-                let (s, gr) = (&mut slots[*slot], &mut grids[*slot]);
+                // With exact products (tracked) the value is exact, and its grid is its lowest
+                // set bit: its bit there is 1, known.
+                lanes.exact[*slot] = [w(MODE == TRACK); W];
+                lanes.parity[*slot] = [w(MODE == TRACK); W];
+                let (s, gr) = (&mut lanes.value[*slot], &mut lanes.grid[*slot]);
                 for l in 0..W {
                     // The product rounded into FP32: exact unless its lowest bit lies below
                     // the result's spacing (inputs of more than 12 significant bits).
@@ -209,10 +278,12 @@ fn tile<const G: bool, const DET: bool>(
                 }
             }
             Step::Chain { slot, terms, count } => {
-                let cf = if *count { 1.0f32 } else { 0.0 };
+                let cf = w(*count);
                 // The chain's values in registers (a copy), written back at its end.
-                let mut sv = slots[*slot];
-                let mut lv = grids[*slot];
+                let mut sv = lanes.value[*slot];
+                let mut lv = lanes.grid[*slot];
+                let mut xv = lanes.exact[*slot];
+                let mut pv = lanes.parity[*slot];
                 for t in terms.clone() {
                     let (a, la, aw) = (arow[t], larow[t], awrow[t]);
                     let b = &bpan[t * W..(t + 1) * W];
@@ -222,52 +293,126 @@ fn tile<const G: bool, const DET: bool>(
                         let nx = a.mul_add(b[l], x);
                         let m = f32::from_bits(nx.to_bits() & EXP);
                         // The product's grid is its factors' lowest bits multiplied.
-                        let (v, g) = site(la * lb[l], lv[l], m);
-                        if DET {
-                            // x on the result's grid: η = RN_U(t) − t, whatever x is
-                            // (papers/bounds-reductions.md §2), computed by TwoSum from the
-                            // exact product p. A tie's direction follows x's parity: random.
+                        let gt = la * lb[l];
+                        let (v, g) = site(gt, lv[l], m);
+                        if MODE == NOTHING {
+                            var[l] += v * cf;
+                            lv[l] = g;
+                        } else {
+                            // The rounding's error η = x̂ − (x + p), by TwoSum from the exact
+                            // product p. It is determined (papers/bounds-reductions.md §2)
+                            // * when x lies on the result's grid U: RN_U(p) − p, whatever x,
+                            //   a tie included when x's bit at U is known (x on a coarser
+                            //   grid: 0);
+                            // and when tracking, as the walk,
+                            // * when x is exact: a function of the terms;
+                            // * when x lies on U/2 with its bit there known (x = mU + ρ, ρ
+                            //   known), but for a tie (its direction is x's unknown bit at U).
+                            // Otherwise it is random, as is a tie on x's unknown parity.
                             let p = a * b[l];
                             let bp = nx - x;
                             let e = (x - (nx - bp)) + (p - bp);
-                            let det = (lv[l] >= m) & (e.abs() != 0.5 * ULP * m);
+                            let g0 = lv[l];
+                            let tie = e.abs() == 0.5 * ULP * m;
+                            let det = if MODE == TRACK {
+                                let k0 = pv[l] != 0.0;
+                                let bit_at_u = (g0 > m) | ((g0 == m) & k0);
+                                let on_grid = (g0 > m) | ((g0 == m) & (!tie | k0));
+                                let on_half = (g0 == 0.5 * m) & k0 & !tie;
+                                let det = w(on_grid | on_half).max(xv[l]);
+                                // Afterwards: exact after an exact rounding only. The bit at
+                                // the new grid: for an exact sum, x's (when x's grid is the
+                                // finer) or p's (its lowest bit, 1); after a rounding, known
+                                // when its result is (x's bit at U known and the rounding
+                                // determined), and for a tie the model recognizes as one
+                                // (x's position on U known: the result is even). A rounding of
+                                // exact operands gives a value the model knows whole (the
+                                // walk's lattice: its lowest set bit).
+                                let inexact = gt.min(g0) < m;
+                                let seen_tie = tie & ((g0 >= m) | ((g0 == 0.5 * m) & k0));
+                                let whole = xv[l] != 0.0;
+                                let rounded_known = seen_tie | ((det != 0.0) & bit_at_u);
+                                let exact_known = k0 | (g0 > gt);
+                                let known = (inexact & rounded_known) | (!inexact & exact_known);
+                                pv[l] = w(known | whole);
+                                lv[l] = if whole { lowest_grid(nx) } else { g };
+                                xv[l] *= w(e == 0.0);
+                                det
+                            } else {
+                                lv[l] = g;
+                                w((g0 >= m) & !tie)
+                            };
                             // Weights 0 or 1 rather than conditional updates, which compile
                             // to masked stores.
-                            let wd = (det as u32 as f32) * cf;
+                            let wd = det * cf;
                             off[l] -= e * wd;
+                            off_abs[l] += e.abs() * wd;
                             var[l] += v * (cf - wd);
-                        } else {
-                            var[l] += v * cf;
                         }
-                        lv[l] = g;
                         sv[l] = nx;
                         if G {
                             gsum[l] = aw.mul_add(b[l].abs(), gsum[l]);
                         }
                     }
                 }
-                grids[*slot] = lv;
-                slots[*slot] = sv;
+                lanes.grid[*slot] = lv;
+                lanes.value[*slot] = sv;
+                lanes.exact[*slot] = xv;
+                lanes.parity[*slot] = pv;
             }
             Step::Add { into, from, count } => {
-                let cf = if *count { 1.0f32 } else { 0.0 };
-                let (y, gy) = (slots[*from], grids[*from]);
-                let (s, gx) = (&mut slots[*into], &mut grids[*into]);
+                let cf = w(*count);
+                let (y, gy, xy, py) = (
+                    lanes.value[*from],
+                    lanes.grid[*from],
+                    lanes.exact[*from],
+                    lanes.parity[*from],
+                );
+                let (s, gx, xx, px) = (
+                    &mut lanes.value[*into],
+                    &mut lanes.grid[*into],
+                    &mut lanes.exact[*into],
+                    &mut lanes.parity[*into],
+                );
                 for l in 0..W {
                     let nx = s[l] + y[l];
                     let m = f32::from_bits(nx.to_bits() & EXP);
                     let (v, g) = site(gx[l], gy[l], m);
-                    var[l] += v * cf;
-                    gx[l] = g;
+                    if MODE == TRACK {
+                        // Two exact values: the rounding is a function of the terms, its
+                        // error by TwoSum. Otherwise random (ties included).
+                        let x = s[l];
+                        let by = nx - x;
+                        let e = (x - (nx - by)) + (y[l] - by);
+                        let both = xx[l] * xy[l];
+                        let wd = both * cf;
+                        off[l] -= e * wd;
+                        off_abs[l] += e.abs() * wd;
+                        var[l] += v * (cf - wd);
+                        // The bit at the new grid: an exact sum's is known when each operand's
+                        // bit there is (0 on a coarser grid); a rounding's when it was
+                        // determined by exact values.
+                        let lo = gx[l].min(gy[l]);
+                        let exact_known =
+                            ((gx[l] > lo) | (px[l] != 0.0)) & ((gy[l] > lo) | (py[l] != 0.0));
+                        let known = ((lo < m) & (both != 0.0)) | ((lo >= m) & exact_known);
+                        px[l] = w(known);
+                        gx[l] = if both != 0.0 { lowest_grid(nx) } else { g };
+                        xx[l] = both * w(e == 0.0);
+                    } else {
+                        var[l] += v * cf;
+                        gx[l] = g;
+                    }
                     s[l] = nx;
                 }
             }
         }
     }
-    out[..W].copy_from_slice(&slots[program.result]);
+    out[..W].copy_from_slice(&lanes.value[program.result]);
     for (o, v) in out[W..2 * W].iter_mut().zip(&var) {
         *o = v / 24.0;
     }
     out[2 * W..3 * W].copy_from_slice(&gsum);
-    out[3 * W..].copy_from_slice(&off);
+    out[3 * W..4 * W].copy_from_slice(&off);
+    out[4 * W..].copy_from_slice(&off_abs);
 }
