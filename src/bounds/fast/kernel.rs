@@ -59,9 +59,9 @@ pub(super) struct Packed {
 
 /// Run `program` on every tile: for each row of A and block of `W` columns, `OUT` floats —
 /// the results, the variance gathered (in units of 2^-46·scale²), with `guaranteed`
-/// Σ |a|·w·|b|, and as `det` says the sum of the determined roundings' errors and the sum of
-/// their magnitudes (what bounds the first sum's own rounding error). Rows × blocks × `OUT`,
-/// row-major.
+/// Σ |a|·w·|b|, and as `det` says the sum of the determined roundings' errors and (tracking)
+/// the sum of their magnitudes, what bounds the first sum's own rounding error. Rows × blocks
+/// × `OUT`, row-major.
 pub(super) fn run(program: &Program, p: &Packed, guaranteed: bool, det: Determine) -> Vec<f32> {
     let mut out = vec![0.0f32; p.m * p.blocks * OUT];
     let band_len = BAND * p.blocks * OUT;
@@ -346,7 +346,9 @@ fn tile<const G: bool, const MODE: u8>(
                             // to masked stores.
                             let wd = det * cf;
                             off[l] -= e * wd;
-                            off_abs[l] += e.abs() * wd;
+                            if MODE == TRACK {
+                                off_abs[l] += e.abs() * wd;
+                            }
                             var[l] += v * (cf - wd);
                         }
                         sv[l] = nx;

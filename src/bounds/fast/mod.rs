@@ -188,13 +188,18 @@ pub(crate) fn matmul_threshold_fast(
                 return Ok(None);
             }
             // The determined errors (each exact; a side's f32 sum of n of them errs by at most
-            // (n − 1)u·Σ|η| (Jeannerod & Rump 2013), n ≤ k + 2, and the f32 sum of the |η|
-            // is within a factor `inflate` of Σ|η|) and what the structure test sees: the
-            // rest of D.
+            // (n − 1)u·Σ|η| (Jeannerod & Rump 2013), n ≤ k + 2: tracking, the pass sums the
+            // |η| (in f32, within a factor `inflate`); otherwise Σ|η| over a side's roundings
+            // is within its Higham bound, to first order: Σⱼ|ηⱼ| ≤ Σⱼ u|sⱼ| ≤
+            // Σᵢ|tᵢ|·u·(roundings after i)) and what the structure test sees: the rest of D.
             let det_r = out_r[o + 3 * W + l] as f64 * scale;
             let det_c = out_c[o + 3 * W + l] as f64 * scale;
-            let abs_sum = (out_r[o + 4 * W + l] as f64 + out_c[o + 4 * W + l] as f64) * scale;
-            let det_err = (inflate - 1.0) * inflate * abs_sum;
+            let abs_sum = if track {
+                (out_r[o + 4 * W + l] as f64 + out_c[o + 4 * W + l] as f64) * scale * inflate
+            } else {
+                2.0 * g
+            };
+            let det_err = (inflate - 1.0) * abs_sum;
             let offset = det_c - det_r;
             let d = vc - vr - offset;
             let h = hr + hc;
