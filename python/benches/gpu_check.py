@@ -286,6 +286,10 @@ def steps(device: str, quick: bool, seeds: int) -> List[Dict[str, Any]]:
                         "bug": bug, "seed": seed, "check_passed": bool(r.passed),
                         "closest": max(priced) if priced else 0.0,
                         "localized": loc.get("module"),
+                        # Which tests failed it (norm, scale, bias, sparse) and where first.
+                        "fired": sorted({f for row in r.rows if not row.passed
+                                         for f in row.fired}),
+                        "first_failure": r.first_failure,
                         "passed": bool(r.passed) if bug == "none" else (not r.passed or not required),
                     })
     return out
