@@ -43,7 +43,7 @@ def matmul_threshold(
 ) -> Threshold: ...
 def sum_threshold(
     x: np.ndarray, x_format: str, reference: str, candidate: str, mean: bool,
-    delta: Optional[float],
+    delta: Optional[float], pricing: str = "auto",
 ) -> Threshold: ...
 def softmax_threshold(
     x: np.ndarray, x_format: str, reference: str, reference_form: str, candidate: str,
