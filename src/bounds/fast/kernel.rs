@@ -18,9 +18,10 @@
 //!
 //! Grids are tracked as the walk tracks them: a rounded value's is its spacing U, an exact
 //! sum's its operands' common grid, a value computed from exact operands its lowest set bit;
-//! and with them whether the value's bit at its grid (its parity) is known ([`Lanes`]). The values are scaled by powers of two per row of A and
-//! per column of B (exact), so that products stay normal `f32` numbers and the squares of the
-//! spacings neither overflow nor underflow `f32` for the values that matter.
+//! and with them whether the value's bit at its grid (its parity) is known ([`Lanes`]). The
+//! values are scaled by powers of two per row of A and per column of B (exact), so that
+//! products stay normal `f32` numbers and the squares of the spacings neither overflow nor
+//! underflow `f32` for the values that matter.
 
 use super::program::{Program, Step};
 
@@ -216,6 +217,13 @@ fn lowest_grid(x: f32) -> f32 {
     }
 }
 
+/// The exact error of s = fl(x + y) (Knuth's TwoSum: x + y = s + e).
+#[inline(always)]
+fn two_sum_err(x: f32, y: f32, s: f32) -> f32 {
+    let by = s - x;
+    (x - (s - by)) + (y - by)
+}
+
 /// 0.0 or 1.0 for a condition (weights rather than branches, which keep the lanes
 /// vectorized without masked stores).
 #[inline(always)]
@@ -299,19 +307,18 @@ fn tile<const G: bool, const MODE: u8>(
                             var[l] += v * cf;
                             lv[l] = g;
                         } else {
-                            // The rounding's error η = x̂ − (x + p), by TwoSum from the exact
+                            // The rounding's error (x + p = x̂ + e), by TwoSum from the exact
                             // product p. It is determined (papers/bounds-reductions.md §2)
                             // * when x lies on the result's grid U: RN_U(p) − p, whatever x,
-                            //   a tie included when x's bit at U is known (x on a coarser
-                            //   grid: 0);
+                            //   but for a tie;
                             // and when tracking, as the walk,
+                            // * for a tie too when x's bit at U is known (x on a coarser
+                            //   grid: 0);
                             // * when x is exact: a function of the terms;
                             // * when x lies on U/2 with its bit there known (x = mU + ρ, ρ
                             //   known), but for a tie (its direction is x's unknown bit at U).
                             // Otherwise it is random, as is a tie on x's unknown parity.
-                            let p = a * b[l];
-                            let bp = nx - x;
-                            let e = (x - (nx - bp)) + (p - bp);
+                            let e = two_sum_err(x, a * b[l], nx);
                             let g0 = lv[l];
                             let tie = e.abs() == 0.5 * ULP * m;
                             let det = if MODE == TRACK {
@@ -383,9 +390,7 @@ fn tile<const G: bool, const MODE: u8>(
                     if MODE == TRACK {
                         // Two exact values: the rounding is a function of the terms, its
                         // error by TwoSum. Otherwise random (ties included).
-                        let x = s[l];
-                        let by = nx - x;
-                        let e = (x - (nx - by)) + (y[l] - by);
+                        let e = two_sum_err(s[l], y[l], nx);
                         let both = xx[l] * xy[l];
                         let wd = both * cf;
                         off[l] -= e * wd;

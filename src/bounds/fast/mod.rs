@@ -28,8 +28,8 @@
 //!   like a draw of the model: every |Dᵢ| ≤ √(2hᵢ·ln(2N/δ_s)) and ‖D‖² within the
 //!   Hsu–Kakade–Zhang bound of Σhᵢ at δ_s = 10⁻³ (D less the determined offset). Systematic
 //!   errors among the random ones — ties on parities the model does not follow, sums that
-//!   keep entering coarser binades alike — make D grow with the number of roundings rather than with its square
-//!   root and fail the test; the tensor then goes to the walk, which tracks them. On data
+//!   keep entering coarser binades alike — make D grow with the number of roundings rather
+//!   than with its square root and fail the test; the tensor then goes to the walk, which tracks them. On data
 //!   without structure the test passes with probability at least 1 − 2δ_s.
 //!
 //! Scope: equal operands on both sides (no FP8 rescale), exact products (fused multiply-adds) of
@@ -233,17 +233,13 @@ pub(crate) fn matmul_threshold_fast(
             };
             let mut e = ElementDiff::from_reductions(er, ec, 0.0);
             let mut cur = (r.acc.order.result_format(ar), c.acc.order.result_format(ac));
-            match epilogue {
-                Epilogue::Bias(None) => {}
-                Epilogue::Bias(Some(_)) => {
-                    round_sides(&mut e, (Format::F64, Format::F64), (ar, ac), magnitude);
-                    cur = (ar, ac);
-                }
-                Epilogue::Mean(inv) => {
-                    e.scale(inv);
-                    round_sides(&mut e, (Format::F64, Format::F64), (ar, ac), magnitude);
-                    cur = (ar, ac);
-                }
+            if let Epilogue::Mean(inv) = epilogue {
+                e.scale(inv);
+            }
+            if !matches!(epilogue, Epilogue::Bias(None)) {
+                // The bias added, or the mean divided, in the accumulator format.
+                round_sides(&mut e, (Format::F64, Format::F64), (ar, ac), magnitude);
+                cur = (ar, ac);
             }
             if check_output(&e, magnitude, (r.policy.output, c.policy.output)).is_err() {
                 // The walk decides, from the exact values.
@@ -340,22 +336,14 @@ fn pack(
         }
         col_exp.push(e);
     }
+    let lowest = crate::bounds::reduction::lowest_bit;
     // The kernel computes on scaled values; the engine on the values themselves, where a
     // rounding below FP32's normal range (2^-126) falls on the subnormal grid 2^-149 rather
     // than the scaled one. Every partial sum lies on its terms' grid, so when each product's
-    // lowest bit is at least 2^-149 (the products of the lowest bits of A and of B) a value
-    // below 2^-126 is exact in FP32 and the two computations agree; otherwise the walk
-    // decides.
-    let low = |v: &mut dyn Iterator<Item = f64>| {
-        v.map(crate::bounds::reduction::lowest_bit)
-            .fold(f64::INFINITY, f64::min)
-    };
-    let low_a = low(&mut a[..m * k].iter().copied());
-    let low_b = low(&mut (0..n).flat_map(|j| b.column(j, k, n)));
-    if low_a * low_b < 2f64.powi(-149) {
-        return None;
-    }
-    let lowest = |x: f64| crate::bounds::reduction::lowest_bit(x) as f32;
+    // lowest bit is at least 2^-149 (the products of the lowest bits of A and of B, unscaled)
+    // a value below 2^-126 is exact in FP32 and the two computations agree; otherwise the
+    // walk decides.
+    let (mut low_a, mut low_b) = (f64::INFINITY, f64::INFINITY);
     let mut pa = Vec::with_capacity(m * k);
     let mut la = Vec::with_capacity(m * k);
     let mut aw = Vec::with_capacity(m * k);
@@ -363,8 +351,10 @@ fn pack(
         let s = 2f64.powi(row_exp[i]);
         for p in 0..k {
             let x = a[i * k + p] * s;
+            let bit = lowest(x);
+            low_a = low_a.min(bit / s);
             pa.push(x as f32);
-            la.push(lowest(x) * 2f32.powi(23));
+            la.push(bit as f32 * 2f32.powi(23));
             aw.push((x.abs() * w[p]) as f32);
         }
     }
@@ -376,9 +366,14 @@ fn pack(
         let s = 2f64.powi(e);
         for (p, x) in b.column(j, k, n).enumerate() {
             let x = x * s;
+            let bit = lowest(x);
+            low_b = low_b.min(bit / s);
             pb[(jb * k + p) * W + l] = x as f32;
-            lb[(jb * k + p) * W + l] = lowest(x);
+            lb[(jb * k + p) * W + l] = bit as f32;
         }
+    }
+    if low_a * low_b < 2f64.powi(-149) {
+        return None;
     }
     Some((
         Packed {
