@@ -196,6 +196,18 @@ pub enum Pricing {
     Fast,
 }
 
+impl Pricing {
+    /// Whether the fast pass prices an op of `work` multiply-adds (summed values) into
+    /// `outputs` elements.
+    fn takes_fast(self, work: u128, outputs: usize) -> bool {
+        match self {
+            Pricing::Auto => work >= 1 << 22 || (work >= 1 << 20 && outputs >= 4096),
+            Pricing::Walk => false,
+            Pricing::Fast => true,
+        }
+    }
+}
+
 /// [`matmul_threshold`] with the pricing method chosen ([`Pricing`]).
 ///
 /// # Examples
@@ -262,14 +274,7 @@ pub fn matmul_threshold_priced(
     let same_operands =
         r.q_a.values == c.q_a.values && r.q_b.values == c.q_b.values && r.factor == c.factor;
     let identical = reference.same_execution(candidate);
-    let fast = match pricing {
-        Pricing::Auto => {
-            let work = (m as u128) * (k as u128) * (n as u128);
-            work >= 1 << 22 || (work >= 1 << 20 && m * n >= 4096)
-        }
-        Pricing::Walk => false,
-        Pricing::Fast => true,
-    };
+    let fast = pricing.takes_fast((m as u128) * (k as u128) * (n as u128), m * n);
     if fast && !identical && same_operands && r.factor.is_none() && c.factor.is_none() {
         let fast = crate::bounds::fast::matmul_threshold_fast(
             &r.q_a.values,
@@ -493,14 +498,7 @@ pub fn sum_threshold_priced(
     accc.input = candidate.input();
     let identical = reference.same_execution(candidate);
     let inv_n = if n > 0 { 1.0 / n as f64 } else { 0.0 };
-    let fast = match pricing {
-        Pricing::Auto => {
-            let work = x.len() as u128;
-            work >= 1 << 22 || (work >= 1 << 20 && rows >= 4096)
-        }
-        Pricing::Walk => false,
-        Pricing::Fast => true,
-    };
+    let fast = pricing.takes_fast(x.len() as u128, rows);
     if fast && !identical && xr.values() == xc.values() && rows > 0 {
         // ones(1 × n) · xᵀ: exact products, the rows of x as B's columns.
         let exact_products = |acc: &Accumulation| {
