@@ -75,6 +75,65 @@ pub(super) struct Known {
     /// A hash of how the value was computed (its terms, formats and operations): values with
     /// equal content are computed identically and carry identical errors.
     pub(super) content: u64,
+    /// A rigorous interval [lo, hi] that ŝ lies in, carried by the monotonicity of rounding
+    /// (RN(x) ≤ RN(y) for x ≤ y): a site's result lies in [RN(lo), RN(hi)] for its operands'
+    /// intervals summed. Unlike det ± bound, whose bound grows by U/2 at every undetermined
+    /// rounding, it snaps to the format's values, so a value that crossed into a coarser binade
+    /// or that a run of small terms cannot move (a stall) stays pinned.
+    pub(super) range: (f64, f64),
+}
+
+/// Nothing known of where ŝ lies.
+pub(super) const ANYWHERE: (f64, f64) = (f64::NEG_INFINITY, f64::INFINITY);
+
+/// The smallest value of `f` at or above `x` (−∞ below the format's range, +∞ above it).
+pub(super) fn up_to_format(f: Format, x: f64) -> f64 {
+    if x.is_nan() {
+        return f64::NEG_INFINITY;
+    }
+    if x.is_infinite() {
+        return x;
+    }
+    let v = f.round(x, crate::format::Overflow::NonSaturating);
+    if !v.is_finite() {
+        return if x > 0.0 {
+            f64::INFINITY
+        } else {
+            -f.max_finite()
+        };
+    }
+    if v >= x {
+        return v;
+    }
+    // v < x: the next value of f above v.
+    let a = v.abs();
+    let step = if v >= 0.0 {
+        f.ulp(a)
+    } else {
+        f.ulp(a * (1.0 - 2.0 * f.unit_roundoff()))
+    };
+    step.map_or(f64::INFINITY, |s| v + s)
+}
+
+/// The largest value of `f` at or below `x`.
+pub(super) fn down_to_format(f: Format, x: f64) -> f64 {
+    -up_to_format(f, -x)
+}
+
+/// The monotone image of [lo, hi] under RN to `f`, as an interval.
+pub(super) fn rounded_range(f: Format, lo: f64, hi: f64) -> (f64, f64) {
+    let r = |x: f64, inf: f64| {
+        let v = f.round(x, crate::format::Overflow::NonSaturating);
+        if v.is_finite() {
+            v
+        } else {
+            inf
+        }
+    };
+    if lo.is_nan() || hi.is_nan() || lo > hi {
+        return ANYWHERE;
+    }
+    (r(lo, f64::NEG_INFINITY), r(hi, f64::INFINITY))
 }
 
 /// The parity of ŝ/`grid` when `k` tells it: known on the same grid, even on any grid finer
@@ -230,6 +289,7 @@ impl Walk<'_> {
                         0.0
                     },
                     content: 0,
+                    range: ANYWHERE,
                 });
                 let (s, err) = self.range_sum(first, second);
                 let known = if k.exact {
@@ -255,6 +315,18 @@ impl Walk<'_> {
     pub(super) fn locate(k: &Known, s: f64, err: f64, fa: Format) -> (f64, f64, f64) {
         let c = s + k.det.v;
         let r = k.bound + k.det.err + err + c.abs() * SLACK;
+        // Narrowed by the interval that monotone rounding carried, whose ends are values of
+        // the format.
+        let (c, r) = {
+            let lo = up_to_format(fa, (c - r).max(k.range.0));
+            let hi = down_to_format(fa, (c + r).min(k.range.1));
+            if lo <= hi && lo.is_finite() && hi.is_finite() && hi - lo < 2.0 * r {
+                let mid = lo + (hi - lo) / 2.0;
+                (mid, (hi - lo) / 2.0 + mid.abs() * SLACK)
+            } else {
+                (c, r)
+            }
+        };
         if r.is_finite() {
             let v = fa.round(c, crate::format::Overflow::NonSaturating);
             if v.is_finite() {
@@ -300,6 +372,7 @@ impl Walk<'_> {
                 exact: true,
                 lattice: f64::INFINITY,
                 content: 0,
+                range: (0.0, 0.0),
             };
             self.values.insert(key(&s.first, &s.second), zero);
             return;
@@ -355,14 +428,46 @@ impl Walk<'_> {
         self.site_radius = radius;
         self.site_content = site_content;
         self.exact_content = exact_content;
+        let range = Self::site_range(f, &exact, radius, &unknown);
         let mut result = match unknown {
             [Some(v), Some(w)] => self.value_plus_value(f, v, w),
             [Some(v), None] => self.value_plus_terms(f, v, &exact, det_in),
             _ => self.exact_site(f, &exact, det_in),
         };
         result.content = site_content;
+        let (lo, hi) = (result.range.0.max(range.0), result.range.1.min(range.1));
+        result.range = if lo <= hi { (lo, hi) } else { range };
         self.values.insert(key(&s.first, &s.second), result);
         self.exact = exact;
+    }
+
+    /// The interval a site's result lies in: RN to `f` of an interval holding the exact sum of
+    /// its operands (the exact ones within `radius`, the computed ones where
+    /// [`locate`](Self::locate) puts them), rounding being monotone.
+    pub(super) fn site_range(
+        f: Format,
+        exact: &[f64],
+        radius: f64,
+        unknown: &[Option<(Known, f64, f64, Format, Option<f64>)>; 2],
+    ) -> (f64, f64) {
+        let (mut sum, mut abs, mut r, mut n) = (0.0, 0.0, radius, exact.len());
+        for &t in exact {
+            sum += t;
+            abs += t.abs();
+        }
+        for v in unknown.iter().flatten() {
+            let (c, rv, _) = Self::locate(&v.0, v.1, v.2, v.3);
+            sum += c;
+            abs += c.abs();
+            r += rv;
+            n += 1;
+        }
+        if !r.is_finite() || !sum.is_finite() {
+            return ANYWHERE;
+        }
+        // n f64 additions err by at most (n − 1)·2⁻⁵³·Σ|·|; the two ends by one rounding each.
+        let slack = r + abs * (n as f64 + 2.0) * f64::EPSILON / 2.0 + f64::MIN_POSITIVE;
+        rounded_range(f, sum - slack, sum + slack)
     }
 
     /// RN_f of the exact sum of `exact`: the result, its error η rounded to f64, and a bound on
@@ -414,6 +519,7 @@ impl Walk<'_> {
                 exact: false,
                 lattice: 0.0,
                 content: 0,
+                range: ANYWHERE,
             };
         }
         self.determined(f, rounded, Det::of(eta, eta_err), det_in, eta == 0.0)
@@ -444,6 +550,7 @@ impl Walk<'_> {
             exact,
             lattice: lowest_bit(rounded),
             content: 0,
+            range: (rounded, rounded),
         }
     }
 
@@ -482,6 +589,7 @@ impl Walk<'_> {
             exact: false,
             lattice: 0.0,
             content: 0,
+            range: ANYWHERE,
         }
     }
 
@@ -557,6 +665,7 @@ impl Walk<'_> {
                 exact: false,
                 lattice,
                 content: 0,
+                range: ANYWHERE,
             }
         };
         let Some(t) = t else {
@@ -619,6 +728,7 @@ impl Walk<'_> {
                 exact: false,
                 lattice,
                 content: 0,
+                range: ANYWHERE,
             };
         }
         self.mean += eta;
@@ -630,6 +740,7 @@ impl Walk<'_> {
             exact: false,
             lattice,
             content: 0,
+            range: ANYWHERE,
         }
     }
 
@@ -664,6 +775,7 @@ impl Walk<'_> {
                 exact: kv.exact && kw.exact,
                 lattice: 2.0 * gv,
                 content: 0,
+                range: ANYWHERE,
             };
         }
         let lattice = lattice_after(gv.min(gw), f.ulp(xmin).unwrap_or(0.0), u);
@@ -679,6 +791,7 @@ impl Walk<'_> {
                 exact: kv.exact && kw.exact,
                 lattice,
                 content: 0,
+                range: ANYWHERE,
             };
         }
         if uniform && gv >= u / 2.0 && gw >= u / 2.0 {
@@ -692,6 +805,7 @@ impl Walk<'_> {
                         // Both odd or both even multiples of U/2: a multiple of U.
                         lattice: lattice.max(u),
                         content: 0,
+                        range: ANYWHERE,
                     };
                 }
                 // A tie decided by a parity bit the model does not know: ±U/2, random sign.
@@ -703,6 +817,7 @@ impl Walk<'_> {
                     exact: false,
                     lattice: lattice.max(u),
                     content: 0,
+                    range: ANYWHERE,
                 };
             }
         }
@@ -731,6 +846,7 @@ impl Walk<'_> {
             exact: false,
             lattice,
             content: 0,
+            range: ANYWHERE,
         }
     }
 }
