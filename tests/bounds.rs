@@ -681,3 +681,76 @@ fn norm_thresholds_hold() {
     }
     eprintln!("norm: {count} comparisons, largest observed / threshold = {worst:.3}");
 }
+
+/// Near-constant FP32 matrices (a constant, one element in eight raised by a small integer):
+/// [m, 1024] · [1024, n] sequential vs blocked(16).
+fn near_constant_product(m: usize, n: usize, seed: u64) -> (Tensor, Tensor) {
+    let mut g = SplitMix64::for_name("near-constant", seed);
+    let mut draw = |len: usize, c: f64| -> Vec<f64> {
+        (0..len)
+            .map(|_| {
+                if g.next_u64() % 8 == 0 {
+                    c + (1 + g.next_u64() % 4) as f64
+                } else {
+                    c
+                }
+            })
+            .collect()
+    };
+    let k = 1024;
+    let a = draw(m * k, 1371.7734);
+    let b = draw(k * n, 0.913);
+    (
+        Tensor::rounded(&[m, k], a, Format::F32, Overflow::Saturating).unwrap(),
+        Tensor::rounded(&[k, n], b, Format::F32, Overflow::Saturating).unwrap(),
+    )
+}
+
+/// Structured data that the pass declines go to the walk within `WALK_BUDGET` multiply-adds
+/// (over classes of identical rows and columns); beyond it the pass's guaranteed threshold is
+/// returned, marked guaranteed, instead of hours of walking — and it holds.
+#[test]
+fn declined_pass_beyond_the_walk_budget_is_priced_guaranteed() {
+    use ttrace::bounds::{matmul_threshold_priced, Pricing, WALK_BUDGET};
+    let r = Policy::uniform(Format::F32);
+    let c = r.clone().with_order(Order::blocked(16));
+    let conf = Confidence::default_probabilistic();
+    // Below the budget: the walk's probabilistic threshold.
+    let (a, b) = near_constant_product(8, 8, 5);
+    assert!(8 * 8 * 1024 <= WALK_BUDGET);
+    let t = matmul_threshold_priced(&a, &b, None, &r, &c, conf, Pricing::Fast).unwrap();
+    assert_eq!(t.confidence, conf);
+    let d = frob(
+        matmul(&a, &b, &r).unwrap().values(),
+        matmul(&a, &b, &c).unwrap().values(),
+    );
+    assert!(
+        d > 0.0 && d <= t.abs_frobenius,
+        "{d:e} {:e}",
+        t.abs_frobenius
+    );
+    // Beyond it (192 · 192 · 1024 > 2^25 distinct multiply-adds).
+    let (a, b) = near_constant_product(192, 192, 6);
+    assert!(192 * 192 * 1024 > WALK_BUDGET);
+    let start = std::time::Instant::now();
+    let t = matmul_threshold_priced(&a, &b, None, &r, &c, conf, Pricing::Auto).unwrap();
+    assert_eq!(
+        t.confidence,
+        Confidence::Guaranteed,
+        "{:?}",
+        start.elapsed()
+    );
+    let d = frob(
+        matmul(&a, &b, &r).unwrap().values(),
+        matmul(&a, &b, &c).unwrap().values(),
+    );
+    assert!(
+        d > 0.0 && d <= t.abs_frobenius,
+        "{d:e} {:e}",
+        t.abs_frobenius
+    );
+    // The same bound as asked for directly.
+    let g = matmul_threshold_priced(&a, &b, None, &r, &c, Confidence::Guaranteed, Pricing::Fast)
+        .unwrap();
+    assert_eq!(g.abs_frobenius, t.abs_frobenius);
+}

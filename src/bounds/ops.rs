@@ -173,6 +173,14 @@ pub fn matmul_threshold(
     matmul_threshold_priced(a, b, bias, reference, candidate, confidence, Pricing::Auto)
 }
 
+/// The most multiply-adds (over classes of identical rows of A and columns of B) that
+/// [`Pricing::Auto`] and [`Pricing::Fast`] hand to the walk when the pass declines a
+/// probabilistic threshold (structured data): 2²⁵, about 20 s on one thread at the walk's
+/// 250 ns per multiply-add and side. Beyond it the pass's guaranteed threshold is returned
+/// (`Threshold::confidence` is then [`Confidence::Guaranteed`]): an op of 4096³ would take
+/// the walk about ten hours.
+pub const WALK_BUDGET: u128 = 1 << 25;
+
 /// How [`matmul_threshold_priced`] prices a matmul from its data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Pricing {
@@ -192,7 +200,8 @@ pub enum Pricing {
     /// 4,096 outputs the grid rule alone, about 1.1×) — and the rest as random. Data whose
     /// executions differ systematically from the model, products that could round below
     /// FP32's normal range, and what the pass does not cover (FP8 rescales, rounded products,
-    /// narrow accumulators, tensor-core orders, families, Kahan), are priced by the walk.
+    /// narrow accumulators, tensor-core orders, families, Kahan), are priced by the walk —
+    /// structured data within [`WALK_BUDGET`], and by the pass's guaranteed threshold beyond.
     Fast,
 }
 
@@ -275,8 +284,9 @@ pub fn matmul_threshold_priced(
         r.q_a.values == c.q_a.values && r.q_b.values == c.q_b.values && r.factor == c.factor;
     let identical = reference.same_execution(candidate);
     let fast = pricing.takes_fast((m as u128) * (k as u128) * (n as u128), m * n);
-    if fast && !identical && same_operands && r.factor.is_none() && c.factor.is_none() {
-        let fast = crate::bounds::fast::matmul_threshold_fast(
+    let in_scope = !identical && same_operands && r.factor.is_none() && c.factor.is_none();
+    let pass = |confidence: Confidence| {
+        crate::bounds::fast::matmul_threshold_fast(
             &r.q_a.values,
             Right::Rows(&r.q_b.values),
             Epilogue::Bias(bias_vals.as_deref()),
@@ -290,8 +300,10 @@ pub fn matmul_threshold_priced(
                 policy: &c.policy,
             },
             confidence,
-        )?;
-        if let Some(t) = fast {
+        )
+    };
+    if fast && in_scope {
+        if let Some(t) = pass(confidence)? {
             return Ok(t);
         }
     }
@@ -310,6 +322,14 @@ pub fn matmul_threshold_priced(
     }
     let key_len = 2 * k + usize::from(bias_vals.is_some());
     let (_, cols) = row_classes(&cols_key, key_len);
+    // The pass declined (structured data): the walk, within its budget; beyond it, the pass's
+    // guaranteed threshold, which needs no model (and says so in its `confidence`).
+    let walk_work = (rows.len() as u128) * (cols.len() as u128) * (k as u128);
+    if fast && in_scope && pricing != Pricing::Walk && walk_work > WALK_BUDGET {
+        if let Some(t) = pass(Confidence::Guaranteed)? {
+            return Ok(t);
+        }
+    }
     let mut groups = Vec::with_capacity(rows.len() * cols.len());
     let mut norm_sq = 0.0;
     let mut tr = vec![0.0; k];

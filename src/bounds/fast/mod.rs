@@ -155,6 +155,7 @@ pub(crate) fn matmul_threshold_fast(
     let mut sums = ThresholdSums::new(confidence, n_el);
     let mut norm_sq = 0.0;
     let (mut sum_d2, mut sum_h, mut sum_h2, mut max_h) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+    let probabilistic = matches!(confidence, Confidence::Probabilistic { .. });
     let t_s = (1.0 / STRUCTURE_DELTA).ln();
     let z2 = 2.0 * (2.0 * n_el as f64 / STRUCTURE_DELTA).ln();
     let (ar, ac) = (r.policy.accumulator(), c.policy.accumulator());
@@ -204,7 +205,8 @@ pub(crate) fn matmul_threshold_fast(
             let d = vc - vr - offset;
             let h = hr + hc;
             let d = d.abs() - det_err.min(d.abs());
-            if d * d > z2 * h {
+            // A guaranteed threshold does not rest on the model: no structure test.
+            if probabilistic && d * d > z2 * h {
                 return Ok(None);
             }
             // Copies of one difference: counted as the copies they are (the test's
@@ -250,7 +252,7 @@ pub(crate) fn matmul_threshold_fast(
         }
     }
     // The structure test, for the tensor (Hsu, Kakade & Zhang 2012, Thm 1).
-    if sum_d2 > sum_h + 2.0 * (t_s * sum_h2).sqrt() + 2.0 * t_s * max_h {
+    if probabilistic && sum_d2 > sum_h + 2.0 * (t_s * sum_h2).sqrt() + 2.0 * t_s * max_h {
         return Ok(None);
     }
     Ok(Some(sums.threshold(norm_sq.sqrt())))
