@@ -717,7 +717,7 @@ fn declined_pass_beyond_the_walk_budget_is_priced_guaranteed() {
     let conf = Confidence::default_probabilistic();
     // Below the budget: the walk's probabilistic threshold.
     let (a, b) = near_constant_product(8, 8, 5);
-    assert!(8 * 8 * 1024 <= WALK_BUDGET);
+    const { assert!(8 * 8 * 1024 <= WALK_BUDGET) };
     let t = matmul_threshold_priced(&a, &b, None, &r, &c, conf, Pricing::Fast).unwrap();
     assert_eq!(t.confidence, conf);
     let d = frob(
@@ -731,7 +731,7 @@ fn declined_pass_beyond_the_walk_budget_is_priced_guaranteed() {
     );
     // Beyond it (192 · 192 · 1024 > 2^25 distinct multiply-adds).
     let (a, b) = near_constant_product(192, 192, 6);
-    assert!(192 * 192 * 1024 > WALK_BUDGET);
+    const { assert!(192 * 192 * 1024 > WALK_BUDGET) };
     let start = std::time::Instant::now();
     let t = matmul_threshold_priced(&a, &b, None, &r, &c, conf, Pricing::Auto).unwrap();
     assert_eq!(

@@ -153,6 +153,10 @@ pub(super) fn parity_on(k: &Known, grid: f64) -> Option<bool> {
 
 pub(super) type Key = (usize, usize, usize, usize);
 
+/// A computed operand as a site sees it: what is known of it, its exact partial sum and that
+/// sum's error bound, its format, and its value when known (see [`Walk::operand`]).
+pub(super) type Computed = (Known, f64, f64, Format, Option<f64>);
+
 /// The map of computed values by range.
 pub(super) type Values = std::collections::HashMap<Key, Known>;
 
@@ -263,10 +267,7 @@ impl Walk<'_> {
     /// slack of the range sum, which rounding to its format removes). A value that an inexact
     /// rounding has touched keeps its low-order bits to itself: the model treats them as
     /// random.
-    pub(super) fn operand(
-        &mut self,
-        op: &Operand,
-    ) -> Option<(Known, f64, f64, Format, Option<f64>)> {
+    pub(super) fn operand(&mut self, op: &Operand) -> Option<Computed> {
         match op {
             Operand::Value {
                 first,
@@ -448,7 +449,7 @@ impl Walk<'_> {
         f: Format,
         exact: &[f64],
         radius: f64,
-        unknown: &[Option<(Known, f64, f64, Format, Option<f64>)>; 2],
+        unknown: &[Option<Computed>; 2],
     ) -> (f64, f64) {
         let (mut sum, mut abs, mut r, mut n) = (0.0, 0.0, radius, exact.len());
         for &t in exact {
@@ -597,7 +598,7 @@ impl Walk<'_> {
     pub(super) fn value_plus_terms(
         &mut self,
         f: Format,
-        v: (Known, f64, f64, Format, Option<f64>),
+        v: Computed,
         exact: &[f64],
         det_in: Det,
     ) -> Known {
@@ -607,12 +608,7 @@ impl Walk<'_> {
         known
     }
 
-    pub(super) fn value_plus_exact(
-        &mut self,
-        f: Format,
-        v: (Known, f64, f64, Format, Option<f64>),
-        exact: &[f64],
-    ) -> Known {
+    pub(super) fn value_plus_exact(&mut self, f: Format, v: Computed, exact: &[f64]) -> Known {
         let (k, s, err, fa, _) = v;
         let (c, r, spacing_a) = Self::locate(&k, s, err, fa);
         // The exact sum t of the exact operands, when it is one f64.
@@ -746,12 +742,7 @@ impl Walk<'_> {
 
     /// ŝ₁ + ŝ₂: exact when both lie on the result's grid; a tie of unknown direction or an
     /// exact sum when both lie on half of it with known parities; otherwise undetermined.
-    pub(super) fn value_plus_value(
-        &mut self,
-        f: Format,
-        v: (Known, f64, f64, Format, Option<f64>),
-        w: (Known, f64, f64, Format, Option<f64>),
-    ) -> Known {
+    pub(super) fn value_plus_value(&mut self, f: Format, v: Computed, w: Computed) -> Known {
         let (kv, sv, ev, fv, _) = v;
         let (kw, sw, ew, fw, _) = w;
         let (cv, rv, gv) = Self::locate(&kv, sv, ev, fv);
