@@ -196,7 +196,9 @@ def matmul_threshold(
     ``"walk"`` visits every rounding (the tightest threshold, about 250 ns per multiply-add),
     ``"fast"`` gathers the model's statistics in a vectorized pass (tens of times one GEMM;
     about 1.1× the walk's threshold at 4,096 outputs, up to 1.5× with few), ``"auto"`` (the
-    default) takes the fast pass for large products.
+    default) takes the fast pass for large products. Where the pass finds structured data
+    it hands them to the walk, up to 2**25 multiply-adds over distinct rows and columns;
+    beyond that the threshold returned is the guaranteed one (its ``delta`` is ``None``).
     """
     ref, cand = _policies(reference, candidate)
     (a_, af), (b_, bf) = as_core(a, "a"), as_core(b, "b")
