@@ -316,6 +316,33 @@ pub(crate) fn grouped_threshold(
     sums.threshold(reference_norm)
 }
 
+/// Clusters of the rows of a [rows, n] row-major array that agree modulo `grid` (a power of
+/// two) element by element: `cluster[r]` for each row. When `grid` is at least twice the
+/// largest spacing any partial sum of these rows meets, every partial sum of two such rows
+/// differs by a multiple of it, so their roundings see the same residues — the same errors
+/// wherever their binades agree (near-constant rows that differ by integers). Rows of generic
+/// data have residues of their own and stay alone; a hash collision only joins rows, which
+/// loosens the threshold.
+pub(crate) fn residue_clusters(values: &[f64], n: usize, grid: f64) -> Vec<usize> {
+    let rows = values.len().checked_div(n).unwrap_or(0);
+    let mut seen: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
+    (0..rows)
+        .map(|r| {
+            let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+            for &v in &values[r * n..(r + 1) * n] {
+                let mut rem = v % grid;
+                if rem < 0.0 {
+                    rem += grid;
+                }
+                h = (h ^ rem.to_bits()).wrapping_mul(0x0000_0100_0000_01b3);
+                h ^= h >> 29;
+            }
+            let next = seen.len();
+            *seen.entry(h).or_insert(next)
+        })
+        .collect()
+}
+
 /// Classes of identical rows of a [rows, n] row-major array (bit for bit): each row's class
 /// and, per class, its first row and its size, in order of first appearance.
 pub(crate) fn row_classes(values: &[f64], n: usize) -> (Vec<usize>, Vec<(usize, usize)>) {
@@ -465,6 +492,43 @@ impl ThresholdSums {
         self.g_max = g_max.max(d.guaranteed);
         if let Confidence::Probabilistic { delta } = self.confidence {
             self.per = per.max(d.probabilistic_bound(delta / self.elements.max(1) as f64));
+        }
+    }
+
+    /// Add groups of identical elements ((statistics, count) each) whose random parts X are
+    /// not independent of each other but may move together — rows whose values agree modulo
+    /// a grid coarser than every spacing their sums meet, so that their roundings fall alike
+    /// ([`residue_clusters`]): their X's are one component with proxy Σ countᵢ·hᵢ, and
+    /// ⟨o, X⟩ over them has proxy (Σ countᵢ·|oᵢ|·√hᵢ)², as for copies of one element; the
+    /// rest of each element as [`add_group`](Self::add_group) adds it.
+    pub(crate) fn add_cluster(&mut self, members: &[(ElementDiff, usize)]) {
+        if let [(d, count)] = members {
+            return self.add_group(d, *count);
+        }
+        let (mut h_c, mut ox) = (0.0, 0.0);
+        for (d, count) in members {
+            let c = *count as f64;
+            let mut own = *d;
+            if !d.spread {
+                h_c += d.proxy * c;
+                ox += (d.offset.abs() + d.bias_bound) * d.proxy.sqrt() * c;
+                own.proxy = 0.0;
+            }
+            own.scale(c.sqrt());
+            let (per, g_max) = (self.per, self.g_max);
+            self.add(&own, 1);
+            self.g_max = g_max.max(d.guaranteed);
+            if let Confidence::Probabilistic { delta } = self.confidence {
+                self.per = per.max(d.probabilistic_bound(delta / self.elements.max(1) as f64));
+            }
+        }
+        self.expected += h_c;
+        if let Confidence::Probabilistic { .. } = self.confidence {
+            let h = &mut self.h[0];
+            h.0 += h_c;
+            h.1 += h_c * h_c;
+            h.2 = h.2.max(h_c);
+            self.o2h += ox * ox;
         }
     }
 

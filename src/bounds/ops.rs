@@ -7,7 +7,8 @@
 //! rounding).
 
 use crate::bounds::compare::{
-    grouped_threshold, row_classes, tensor_threshold_weighted, Confidence, ElementDiff, Threshold,
+    grouped_threshold, residue_clusters, row_classes, tensor_threshold_weighted, Confidence,
+    ElementDiff, Threshold, ThresholdSums,
 };
 use crate::bounds::fast::{Epilogue, FastSide, Right};
 use crate::bounds::reduction::{
@@ -566,8 +567,37 @@ pub fn sum_threshold_priced(
         return Ok(Threshold::identical(confidence, norm, rows));
     }
     // Identical rows (as both sides read them) differ identically: one component each.
-    let (_, classes) = row_classes(&side_by_side(xr.values(), n, xc.values(), n), 2 * n);
-    let mut groups = Vec::with_capacity(classes.len());
+    let both = side_by_side(xr.values(), n, xc.values(), n);
+    let (_, classes) = row_classes(&both, 2 * n);
+    // Rows that agree modulo twice the coarsest spacing any partial sum meets round alike:
+    // their random parts are one component (near-constant rows that differ by integers).
+    let (ar, ac) = (reference.accumulator(), candidate.accumulator());
+    let largest = (0..rows)
+        .map(|r| {
+            let abs = |v: &[f64]| v[r * n..(r + 1) * n].iter().map(|x| x.abs()).sum::<f64>();
+            abs(xr.values()).max(abs(xc.values()))
+        })
+        .fold(0.0, f64::max)
+        * 2.0;
+    let grid = [
+        ar,
+        ac,
+        accr.order.result_format(ar),
+        accc.order.result_format(ac),
+        reference.output,
+        candidate.output,
+    ]
+    .iter()
+    .filter_map(|f| f.ulp(largest))
+    .fold(0.0, f64::max)
+        * 2.0;
+    let cluster = if grid > 0.0 && grid.is_finite() {
+        residue_clusters(&both, 2 * n, grid)
+    } else {
+        (0..rows).collect()
+    };
+    let mut clusters: Vec<Vec<(ElementDiff, usize)>> = vec![];
+    let mut slot = std::collections::HashMap::new();
     for &(row, count) in &classes {
         let vr = &xr.values()[row * n..(row + 1) * n];
         let vc = &xc.values()[row * n..(row + 1) * n];
@@ -592,9 +622,18 @@ pub fn sum_threshold_priced(
         }
         check_output(&d, value, (reference.output, candidate.output))?;
         round_sides(&mut d, cur, (reference.output, candidate.output), value);
-        groups.push((d, count));
+        let next = clusters.len();
+        let at = *slot.entry(cluster[row]).or_insert(next);
+        if at == next {
+            clusters.push(vec![]);
+        }
+        clusters[at].push((d, count));
     }
-    Ok(grouped_threshold(&groups, norm, confidence, rows))
+    let mut sums = ThresholdSums::new(confidence, rows);
+    for c in &clusters {
+        sums.add_cluster(c);
+    }
+    Ok(sums.threshold(norm))
 }
 
 /// Rows of a [rows, na] and a [rows, nb] array side by side ([rows, na + nb]), so that row
