@@ -20,7 +20,9 @@
 //!   points within half a spacing: E(η²) = U²/12 + g²/6 with g the operands' common grid,
 //!   U²/4 for a tie, 0 when g ≥ U. The prefix of roundings both orders perform alike (the
 //!   same operations on identically computed values) makes the same errors on both sides and
-//!   is left out.
+//!   is left out. The walk's interval carried by monotone rounding is not carried here: where
+//!   it determines more (a stall after a binade crossing), D is systematic and the structure
+//!   test below sends the data to the walk.
 //! * Identical rows of A and identical columns of B give identical differences: each pair of
 //!   classes is one component √c·D (as the walk prices them).
 //! * **Structure test** (what decides between this and the walk): the two executions are run
