@@ -35,9 +35,9 @@ fn main() -> ttrace::Result<()> {
             bad += 1;
         }
         println!(
-            "{flag:4} {:<22} {:<20} {:<40} k={:<5} g={} p={} o={} nf={} ref={}/{} closest={:.3} med={:.3} exact={}",
+            "{flag:4} {:<22} {:<20} {:<40} k={:<5} g={} p={} o={} nf={} ref={}/{} closest={:.3} med={:.3} exact={} fallback={}",
             r.op.name(), r.family.name(), r.pair, r.k, c.guaranteed_violations, c.probabilistic_violations,
-            c.oracle_violations, c.unflagged_non_finite, c.refused, c.refused_finite, c.closest(), c.median(), c.exact
+            c.oracle_violations, c.unflagged_non_finite, c.refused, c.refused_finite, c.closest(), c.median(), c.exact, c.model_fallbacks
         );
     }
     let secs = start.elapsed().as_secs_f64();
@@ -91,6 +91,7 @@ fn markdown(rows: &[zoo::Row], spec: &str, secs: f64) -> String {
         nonfinite: usize,
         refused: usize,
         exact: usize,
+        fallbacks: usize,
         closest: f64,
         ratios: Vec<f64>,
     }
@@ -111,6 +112,7 @@ fn markdown(rows: &[zoo::Row], spec: &str, secs: f64) -> String {
         a.nonfinite += c.unflagged_non_finite;
         a.refused += c.refused;
         a.exact += c.exact;
+        a.fallbacks += c.model_fallbacks;
         a.closest = a.closest.min(c.closest());
         a.ratios.extend(c.ratios.iter().copied());
     }
@@ -123,9 +125,9 @@ fn markdown(rows: &[zoo::Row], spec: &str, secs: f64) -> String {
     );
     let _ = writeln!(
         s,
-        "| op | family | cells | trials | guaranteed violations | probabilistic violations | oracle violations | unflagged non-finite | refused | both sides exact | closest call min(τ/d) | median τ/d |"
+        "| op | family | cells | trials | guaranteed violations | probabilistic violations | oracle violations | unflagged non-finite | refused | both sides exact | model fallbacks | closest call min(τ/d) | median τ/d |"
     );
-    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for ((op, fam), a) in &mut by {
         a.ratios.sort_by(|x, y| x.total_cmp(y));
         let med = a
@@ -142,7 +144,7 @@ fn markdown(rows: &[zoo::Row], spec: &str, secs: f64) -> String {
         };
         let _ = writeln!(
             s,
-            "| {op} | {fam} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {op} | {fam} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             a.cells,
             a.trials,
             a.g,
@@ -151,6 +153,7 @@ fn markdown(rows: &[zoo::Row], spec: &str, secs: f64) -> String {
             a.nonfinite,
             a.refused,
             a.exact,
+            a.fallbacks,
             show(a.closest),
             show(med)
         );

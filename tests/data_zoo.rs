@@ -135,7 +135,8 @@ fn assert_slice(ops: &[zoo::Op], trials: usize, min_cells: usize) {
 /// A quick slice of the zoo (the full sweep is `cargo run --release --example zoo`): every
 /// data family and policy pair at K = 2 and 64 — no guaranteed or probabilistic violation, no
 /// non-finite result the threshold did not refuse, the oracle's exact sums within the
-/// guaranteed bound of both sides.
+/// guaranteed bound of both sides, and no probabilistic request that the engine's executions
+/// sent to the guaranteed threshold (the model contradicted).
 #[test]
 fn zoo_slice_sums_and_means() {
     assert_slice(&[zoo::Op::Sum, zoo::Op::Mean, zoo::Op::AllReduce], 5, 900);
@@ -466,7 +467,9 @@ fn the_systematic_tests_hold_on_the_structured_data_that_broke_them() {
 /// modulo every spacing their sums meet, so their undetermined roundings fall alike row after
 /// row: priced as independent rows, 5 of 100 trials of 16 rows × 64 (sequential vs
 /// block-FMA(32)) and 3 of 10 of 8 rows × 1,024 (vs blocked(16)) came out over the
-/// probabilistic threshold (closest 0.958). The rows are one component now.
+/// probabilistic threshold (closest 0.958). The rows are one component now, and the model
+/// fits: the engine's executions never send a trial to the guaranteed threshold (a failure
+/// of the cell).
 #[test]
 fn near_constant_rows_are_priced_as_moving_together() {
     let keep = |_: zoo::Op, family: zoo::Family, pair: &str| {
@@ -482,9 +485,8 @@ fn near_constant_rows_are_priced_as_moving_together() {
     .unwrap();
     assert_eq!(rows.len(), 8);
     for r in &rows {
-        assert_eq!(
-            r.cell.failures(),
-            0,
+        assert!(
+            r.cell.failures() == 0,
             "{} {} k={}: {:?}",
             r.op.name(),
             r.pair,

@@ -10,7 +10,10 @@ a policy text, the grammar of the ``ttrace`` CLI and of the Rust ``Policy``::
 
 A *probabilistic* threshold (the default, failure probability ``delta`` = 1e-6 under the
 random-rounding model) is far tighter than the *guaranteed* one (``guaranteed=True``), which
-holds for every input and every rounding. Derivations: ``papers/`` in the repository.
+holds for every input and every rounding. A probabilistic matmul, linear or sum threshold is
+checked against the two declared executions: where their difference contradicts the model
+(at delta = 1e-3), the guaranteed threshold is returned and its ``delta`` is ``None``.
+Derivations: ``papers/`` in the repository.
 """
 
 from __future__ import annotations

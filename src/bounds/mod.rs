@@ -43,7 +43,7 @@ pub use elementwise::{
 pub use norm::{norm_threshold, NormData, NormOp, NormSide};
 pub use ops::{
     allreduce_threshold, matmul_threshold, matmul_threshold_priced, plan_matmul, plan_sum,
-    sum_threshold, sum_threshold_priced, MatmulPlan, Pricing, WALK_BUDGET,
+    sum_threshold, sum_threshold_priced, MatmulPlan, Pricing, MODEL_CHECK_DELTA, WALK_BUDGET,
 };
 pub use reduction::{
     planned_reduction_error, reduction_error, ReductionError, TermStats, MAX_PLANNED_TERMS,

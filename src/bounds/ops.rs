@@ -17,7 +17,7 @@ use crate::bounds::reduction::{
 use crate::error::{Error, Result};
 use crate::exact::ExactAccumulator;
 use crate::format::Format;
-use crate::order::{product_exponent, Accumulation, Products};
+use crate::order::{product_exponent, Accumulation, Order, Products};
 use crate::policy::Policy;
 use crate::policy::{quantize, Quantized};
 use crate::tensor::Tensor;
@@ -132,7 +132,10 @@ fn side(a: &Tensor, b: &Tensor, m: usize, k: usize, n: usize, policy: &Policy) -
 /// Priced by [`Pricing::Auto`]: large products by the vectorized all-random model (tens of
 /// times one GEMM), small ones — and data the model's structure test rejects — by the
 /// determined-rounding walk (about 250 ns per multiply-add and side);
-/// [`matmul_threshold_priced`] chooses. Either way O(m·n·k), like the matmul itself.
+/// [`matmul_threshold_priced`] chooses. Either way O(m·n·k), like the matmul itself. A
+/// probabilistic threshold from the walk is checked by the engine's executions of both
+/// declared orders (`checked_by_executions`: where they contradict the model at δ = 10⁻³, the
+/// guaranteed threshold is returned, its `confidence` saying so).
 ///
 /// # Examples
 ///
@@ -181,6 +184,59 @@ pub fn matmul_threshold(
 /// (`Threshold::confidence` is then [`Confidence::Guaranteed`]): an op of 4096³ would take
 /// the walk about ten hours.
 pub const WALK_BUDGET: u128 = 1 << 25;
+
+/// The failure probability at which the engine's executions of the two declared orders test
+/// the model behind a probabilistic threshold (`checked_by_executions`).
+pub const MODEL_CHECK_DELTA: f64 = 1e-3;
+
+/// Whether an order is a family (its executions are not one order).
+fn is_family(order: &Order) -> bool {
+    match order {
+        Order::AnyOf(_) => true,
+        Order::SplitK { inner, .. } => is_family(inner),
+        _ => false,
+    }
+}
+
+/// A probabilistic threshold that the engine's own executions of the two declared orders
+/// (`executions`: both sides' outputs, or `None` where they cannot be run) check first. Under
+/// the random-rounding model their difference stays within the model's threshold at
+/// δ_s = min(δ, [`MODEL_CHECK_DELTA`]) but with probability δ_s; where it does not (the tensor
+/// norm or one element), these data are structured in a way the model does not capture —
+/// undetermined roundings that move together across elements, as near-constant products do —
+/// and the guaranteed threshold is returned instead, marked [`Confidence::Guaranteed`]. A
+/// threshold at δ therefore never falls below the difference of the declared executions, and
+/// on data the model fits it is the model's (a spurious fallback has probability δ_s).
+fn checked_by_executions(
+    confidence: Confidence,
+    build: &dyn Fn(Confidence) -> Threshold,
+    executions: &dyn Fn() -> Option<(Vec<f64>, Vec<f64>)>,
+) -> Threshold {
+    let Confidence::Probabilistic { delta } = confidence else {
+        return build(confidence);
+    };
+    let threshold = build(confidence);
+    let Some((r, c)) = executions() else {
+        return threshold;
+    };
+    if r.len() != c.len() || !r.iter().chain(&c).all(|v| v.is_finite()) {
+        return threshold;
+    }
+    let (mut sq, mut max) = (0.0f64, 0.0f64);
+    for (x, y) in r.iter().zip(&c) {
+        let d = (y - x).abs();
+        sq += d * d;
+        max = max.max(d);
+    }
+    let check = build(Confidence::Probabilistic {
+        delta: delta.min(MODEL_CHECK_DELTA),
+    });
+    if sq.sqrt() > check.abs_frobenius || max > check.per_element {
+        build(Confidence::Guaranteed)
+    } else {
+        threshold
+    }
+}
 
 /// How [`matmul_threshold_priced`] prices a matmul from its data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -414,7 +470,21 @@ pub fn matmul_threshold_priced(
     if identical {
         return Ok(Threshold::identical(confidence, norm, m * n));
     }
-    Ok(grouped_threshold(&groups, norm, confidence, m * n))
+    let executable =
+        !is_family(&reference.accumulation.order) && !is_family(&candidate.accumulation.order);
+    let run = || -> Option<(Vec<f64>, Vec<f64>)> {
+        if !executable {
+            return None;
+        }
+        let w = crate::engine::transpose(b, "b").ok()?;
+        let one = |p: &Policy| crate::engine::linear(a, &w, bias, p).ok();
+        Some((one(reference)?.into_values(), one(candidate)?.into_values()))
+    };
+    Ok(checked_by_executions(
+        confidence,
+        &|conf| grouped_threshold(&groups, norm, conf, m * n),
+        &run,
+    ))
 }
 
 /// The exact value f·Σₚ a_ip·b_pj of one side (f its FP8 rescale factor), via the long
@@ -430,7 +500,9 @@ fn exact_value(s: &Side, i: usize, j: usize, _m: usize, k: usize, n: usize) -> f
 /// Threshold for the row sums of x [rows, n] (sum over the last dimension, as
 /// `ttrace::sum` computes each under the policy's accumulation, then rounded to the output
 /// format), reference vs candidate. With `mean`, each sum is divided by n (one rounding in the
-/// accumulator format) before the output rounding.
+/// accumulator format) before the output rounding. As for [`matmul_threshold`], a
+/// probabilistic threshold is checked by the declared executions and falls back to the
+/// guaranteed one where they contradict the model.
 ///
 /// # Examples
 ///
@@ -629,11 +701,36 @@ pub fn sum_threshold_priced(
         }
         clusters[at].push((d, count));
     }
-    let mut sums = ThresholdSums::new(confidence, rows);
-    for c in &clusters {
-        sums.add_cluster(c);
-    }
-    Ok(sums.threshold(norm))
+    let build = |conf: Confidence| {
+        let mut sums = ThresholdSums::new(conf, rows);
+        for c in &clusters {
+            sums.add_cluster(c);
+        }
+        sums.threshold(norm)
+    };
+    let executable = !is_family(&accr.order) && !is_family(&accc.order);
+    let run = || -> Option<(Vec<f64>, Vec<f64>)> {
+        if !executable {
+            return None;
+        }
+        let side = |p: &Policy, acc: &Accumulation, x: &Tensor| -> Option<Vec<f64>> {
+            let ov = acc.overflow;
+            x.values()
+                .chunks(n.max(1))
+                .map(|row| {
+                    let s = crate::order::sum(row, acc).ok()?;
+                    let v = if mean {
+                        p.accumulator().round(s / n as f64, ov)
+                    } else {
+                        s
+                    };
+                    Some(p.output.round(v, ov))
+                })
+                .collect()
+        };
+        Some((side(reference, &accr, &xr)?, side(candidate, &accc, &xc)?))
+    };
+    Ok(checked_by_executions(confidence, &build, &run))
 }
 
 /// Rows of a [rows, na] and a [rows, nb] array side by side ([rows, na + nb]), so that row

@@ -520,6 +520,9 @@ pub enum Outcome {
         oracle_ok: bool,
         /// max |cand − ref| and the guaranteed and probabilistic per-element bounds.
         per_element: (f64, f64, f64),
+        /// The engine's executions contradicted the model at δ = 10⁻³, and the probabilistic
+        /// request was answered with the guaranteed threshold.
+        model_fallback: bool,
     },
     /// The threshold function refused with an overflow (or non-finite) error: allowed only when
     /// the computation could really leave the finite range.
@@ -739,6 +742,7 @@ pub fn trial(
                 probabilistic: p.abs_frobenius,
                 oracle_ok,
                 per_element: (max_diff, g.per_element, p.per_element),
+                model_fallback: p.confidence == Confidence::Guaranteed,
             })
         }
         (Err(Error::Overflow { .. } | Error::NoFiniteBound { .. }), _)
@@ -811,6 +815,9 @@ pub struct Cell {
     pub refused_finite: usize,
     pub unflagged_non_finite: usize,
     pub exact: usize,
+    /// Probabilistic requests answered with the guaranteed threshold because the engine's
+    /// executions contradicted the model (not violations: the model admitting it does not fit).
+    pub model_fallbacks: usize,
     pub ratios: Vec<f64>,
 }
 
@@ -824,7 +831,11 @@ impl Cell {
                 probabilistic,
                 oracle_ok,
                 per_element: (max_diff, per_g, per_p),
+                model_fallback,
             } => {
+                if model_fallback {
+                    self.model_fallbacks += 1;
+                }
                 // The tensor bound and the per-element one (max |cand − ref|).
                 if observed > guaranteed || max_diff > per_g {
                     self.guaranteed_violations += 1;
@@ -864,11 +875,14 @@ impl Cell {
         r[r.len() / 2]
     }
 
+    /// Violations, and model fallbacks: with the executions checking the model, a defect of
+    /// the model shows as a fallback to the guaranteed threshold, not as a violation.
     pub fn failures(&self) -> usize {
         self.guaranteed_violations
             + self.probabilistic_violations
             + self.oracle_violations
             + self.unflagged_non_finite
+            + self.model_fallbacks
     }
 }
 
