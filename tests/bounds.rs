@@ -682,10 +682,10 @@ fn norm_thresholds_hold() {
     eprintln!("norm: {count} comparisons, largest observed / threshold = {worst:.3}");
 }
 
-/// Near-constant FP32 matrices (a constant, one element in eight raised by a small integer):
-/// [m, 1024] · [1024, n] sequential vs blocked(16).
-fn near_constant_product(m: usize, n: usize, seed: u64) -> (Tensor, Tensor) {
-    let mut g = SplitMix64::for_name("near-constant", seed);
+/// Near-constant FP32 matrices: A [m, k] around `c`, B [k, n] around 0.913, one element in
+/// eight raised by a small integer (1 to 4); drawn from the generator named `name`.
+fn near_constant(m: usize, k: usize, n: usize, c: f64, name: &str, seed: u64) -> (Tensor, Tensor) {
+    let mut g = SplitMix64::for_name(name, seed);
     let mut draw = |len: usize, c: f64| -> Vec<f64> {
         (0..len)
             .map(|_| {
@@ -697,13 +697,17 @@ fn near_constant_product(m: usize, n: usize, seed: u64) -> (Tensor, Tensor) {
             })
             .collect()
     };
-    let k = 1024;
-    let a = draw(m * k, 1371.7734);
+    let a = draw(m * k, c);
     let b = draw(k * n, 0.913);
     (
         Tensor::rounded(&[m, k], a, Format::F32, Overflow::Saturating).unwrap(),
         Tensor::rounded(&[k, n], b, Format::F32, Overflow::Saturating).unwrap(),
     )
+}
+
+/// [m, 1024] · [1024, n] near-constant products (sequential vs blocked(16) in the tests).
+fn near_constant_product(m: usize, n: usize, seed: u64) -> (Tensor, Tensor) {
+    near_constant(m, 1024, n, 1371.7734, "near-constant", seed)
 }
 
 /// Structured data that the pass declines go to the walk within `WALK_BUDGET` multiply-adds
@@ -761,34 +765,9 @@ fn executions_that_contradict_the_model_get_the_guaranteed_threshold() {
     let mut fallbacks = 0;
     for seed in 0..10u64 {
         // As examples/near_constant_matmul.rs draws them: 32 × 256 × 32, the constant of A
-        // from 250 to 60,000, B's 0.913; one element in eight raised by 1 to 4.
-        let mut g = SplitMix64::for_name("nc", seed);
-        let mut draw = |len: usize, c: f64| -> Vec<f64> {
-            (0..len)
-                .map(|_| {
-                    if g.next_u64() % 8 == 0 {
-                        c + (1 + g.next_u64() % 4) as f64
-                    } else {
-                        c
-                    }
-                })
-                .collect()
-        };
+        // from 250 to 60,000.
         let c0 = [250.0, 1000.0, 3e4][(seed % 3) as usize] * (1.0 + (seed as f64 * 0.137).fract());
-        let a = Tensor::rounded(
-            &[32, 256],
-            draw(32 * 256, c0),
-            Format::F32,
-            Overflow::Saturating,
-        )
-        .unwrap();
-        let b = Tensor::rounded(
-            &[256, 32],
-            draw(256 * 32, 0.913),
-            Format::F32,
-            Overflow::Saturating,
-        )
-        .unwrap();
+        let (a, b) = near_constant(32, 256, 32, c0, "nc", seed);
         let t = matmul_threshold_priced(&a, &b, None, &r, &c, conf, Pricing::Walk).unwrap();
         let d = frob(
             matmul(&a, &b, &r).unwrap().values(),
