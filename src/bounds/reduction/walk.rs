@@ -154,8 +154,9 @@ pub(super) fn parity_on(k: &Known, grid: f64) -> Option<bool> {
 pub(super) type Key = (usize, usize, usize, usize);
 
 /// A computed operand as a site sees it: what is known of it, its exact partial sum and that
-/// sum's error bound, its format, and its value when known (see [`Walk::operand`]).
-pub(super) type Computed = (Known, f64, f64, Format, Option<f64>);
+/// sum's error bound, its format, its value when known (see [`Walk::operand`]), and where
+/// [`Walk::locate`] puts it (located once per operand).
+pub(super) type Computed = (Known, f64, f64, Format, Option<f64>, (f64, f64, f64));
 
 /// The map of computed values by range.
 pub(super) type Values = std::collections::HashMap<Key, Known>;
@@ -303,7 +304,8 @@ impl Walk<'_> {
                 } else {
                     None
                 };
-                Some((k, s, err, *format, known))
+                let at = Self::locate(&k, s, err, *format);
+                Some((k, s, err, *format, known, at))
             }
             _ => None,
         }
@@ -457,7 +459,7 @@ impl Walk<'_> {
             abs += t.abs();
         }
         for v in unknown.iter().flatten() {
-            let (c, rv, _) = Self::locate(&v.0, v.1, v.2, v.3);
+            let (c, rv, _) = v.5;
             sum += c;
             abs += c.abs();
             r += rv;
@@ -609,8 +611,7 @@ impl Walk<'_> {
     }
 
     pub(super) fn value_plus_exact(&mut self, f: Format, v: Computed, exact: &[f64]) -> Known {
-        let (k, s, err, fa, _) = v;
-        let (c, r, spacing_a) = Self::locate(&k, s, err, fa);
+        let (k, s, _, fa, _, (c, r, spacing_a)) = v;
         // The exact sum t of the exact operands, when it is one f64.
         let t = match exact {
             [] => Some(0.0),
@@ -743,10 +744,8 @@ impl Walk<'_> {
     /// ŝ₁ + ŝ₂: exact when both lie on the result's grid; a tie of unknown direction or an
     /// exact sum when both lie on half of it with known parities; otherwise undetermined.
     pub(super) fn value_plus_value(&mut self, f: Format, v: Computed, w: Computed) -> Known {
-        let (kv, sv, ev, fv, _) = v;
-        let (kw, sw, ew, fw, _) = w;
-        let (cv, rv, gv) = Self::locate(&kv, sv, ev, fv);
-        let (cw, rw, gw) = Self::locate(&kw, sw, ew, fw);
+        let (kv, sv, _, fv, _, (cv, rv, gv)) = v;
+        let (kw, sw, _, fw, _, (cw, rw, gw)) = w;
         let (gv, gw) = (gv.max(kv.lattice), gw.max(kw.lattice));
         let cx = cv + cw;
         let rx = rv + rw + cx.abs() * SLACK;
