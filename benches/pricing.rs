@@ -57,14 +57,76 @@ fn shapes() -> Vec<(usize, usize, usize)> {
         .collect()
 }
 
+/// Rows and columns of the floor kernel's register tile (3 × 16 `f32`: 6 accumulators and 6
+/// statistic vectors of 8 lanes, with B's two vectors and A's broadcast, in AVX2's 16
+/// registers).
+const FR: usize = 3;
+const FC: usize = 16;
+
+/// The floor of any threshold priced from the roundings of an execution: C = A·B in the
+/// sequential FMA order, and per output Σₚ ŝₚ's spacing², the least statistic a rounding model
+/// gathers (the scale of each rounding's error), in register tiles — three vector operations
+/// per multiply-add and 8 lanes (the FMA, the exponent mask, the FMA of the square) beside the
+/// GEMM microkernel's one per 16 (two FMA ports). `a` is [m, k], `b` [k, n], n a multiple of
+/// `FC`, m of `FR`. Returns Σ of the outputs and statistics (kept live).
+fn floor_kernel(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn fast(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> f32 {
+            floor_tiles(a, b, m, k, n)
+        }
+        // SAFETY: the CPU has AVX2 and FMA.
+        return unsafe { fast(a, b, m, k, n) };
+    }
+    floor_tiles(a, b, m, k, n)
+}
+
+#[inline(always)]
+fn floor_tiles(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> f32 {
+    let mut total = 0.0f32;
+    for i in (0..m).step_by(FR) {
+        for j in (0..n).step_by(FC) {
+            let mut acc = [[0.0f32; FC]; FR];
+            let mut spacing = [[0.0f32; FC]; FR];
+            for p in 0..k {
+                let bv: &[f32; FC] = b[p * n + j..p * n + j + FC].try_into().unwrap();
+                for r in 0..FR {
+                    let av = a[(i + r) * k + p];
+                    for l in 0..FC {
+                        let s = av.mul_add(bv[l], acc[r][l]);
+                        let e = f32::from_bits(s.to_bits() & 0x7f80_0000);
+                        spacing[r][l] = e.mul_add(e, spacing[r][l]);
+                        acc[r][l] = s;
+                    }
+                }
+            }
+            for r in 0..FR {
+                for l in 0..FC {
+                    total += acc[r][l] + spacing[r][l];
+                }
+            }
+        }
+    }
+    total
+}
+
 fn matmuls(pool: &rayon::ThreadPool) -> Vec<f64> {
     let r = Policy::new(Format::BF16, Format::F32, Format::F32);
     let c = r
         .clone()
         .with_order(Order::split_k(8, Format::F32, Combine::Tree));
     println!(
-        "{:<16} {:>10} {:>12} {:>8} {:>12} {:>8} {:>12} {:>8}",
-        "matmul m×k×n", "GEMM s", "fast g. s", "ratio", "fast p. s", "ratio", "walk p. s", "ratio"
+        "{:<16} {:>10} {:>12} {:>8} {:>12} {:>8} {:>12} {:>8} {:>8}",
+        "matmul m×k×n",
+        "GEMM s",
+        "fast g. s",
+        "ratio",
+        "fast p. s",
+        "ratio",
+        "walk p. s",
+        "ratio",
+        "floor"
     );
     let mut ratios = vec![];
     for (m, k, n) in shapes() {
@@ -72,6 +134,16 @@ fn matmuls(pool: &rayon::ThreadPool) -> Vec<f64> {
         let a32 = Array2::from_shape_vec((m, k), a.iter().map(|&x| x as f32).collect()).unwrap();
         let b32 = Array2::from_shape_vec((k, n), b.iter().map(|&x| x as f32).collect()).unwrap();
         let gemm = median(5, || a32.dot(&b32));
+        // The floor: two executions (the two sides' orders) with their spacings, on shapes
+        // padded to the tile.
+        let (mp, np) = (m.div_ceil(FR) * FR, n.div_ceil(FC) * FC);
+        let mut fa = vec![0.0f32; mp * k];
+        fa[..m * k].copy_from_slice(a32.as_slice().unwrap());
+        let mut fb = vec![0.0f32; k * np];
+        for p in 0..k {
+            fb[p * np..p * np + n].copy_from_slice(&b32.as_slice().unwrap()[p * n..(p + 1) * n]);
+        }
+        let floor = 2.0 * median(5, || floor_kernel(&fa, &fb, mp, k, np));
         let ta = Tensor::from_vec(&[m, k], a, Format::BF16).unwrap();
         let tb = Tensor::from_vec(&[k, n], b, Format::BF16).unwrap();
         let runs = if m * k * n >= 1 << 30 { 1 } else { 3 };
@@ -91,10 +163,11 @@ fn matmuls(pool: &rayon::ThreadPool) -> Vec<f64> {
             (format!("{w:.3e}"), format!("{:.0}", w / gemm))
         });
         println!(
-            "{:<16} {gemm:>10.3e} {g:>12.3e} {:>8.1} {p:>12.3e} {:>8.1} {ws:>12} {wr:>8}",
+            "{:<16} {gemm:>10.3e} {g:>12.3e} {:>8.1} {p:>12.3e} {:>8.1} {ws:>12} {wr:>8} {:>8.1}",
             format!("{m}x{k}x{n}"),
             g / gemm,
-            p / gemm
+            p / gemm,
+            floor / gemm
         );
         ratios.push(p / gemm);
     }
