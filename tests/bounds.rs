@@ -801,3 +801,67 @@ fn executions_that_contradict_the_model_get_the_guaranteed_threshold() {
         assert_eq!(t.confidence, conf, "seed {seed}");
     }
 }
+
+/// Walk-priced thresholds price their rows and outputs in parallel and fold them in order:
+/// the same bits on 1, 2 and 3 threads (sums, matmuls, softmax, LayerNorm; several classes of
+/// rows each).
+#[test]
+fn walk_priced_thresholds_do_not_depend_on_the_thread_count() {
+    use ttrace::bounds::{
+        matmul_threshold_priced, norm_threshold, softmax_threshold, sum_threshold_priced, NormOp,
+        Pricing,
+    };
+    use ttrace::engine::{AttentionImpl, Variance};
+    let (rows, n) = (24, 96);
+    let x = Tensor::from_vec(&[rows, n], data(rows * n, 41, 0, Format::BF16), Format::BF16)
+        .unwrap();
+    let b = Tensor::from_vec(&[n, 20], data(n * 20, 42, 3, Format::BF16), Format::BF16).unwrap();
+    let w = Tensor::from_vec(&[n], data(n, 43, 2, Format::BF16), Format::BF16).unwrap();
+    let r = Policy::new(Format::BF16, Format::F32, Format::BF16);
+    let c = r.clone().with_order(Order::Pairwise { base: 8 });
+    let conf = Confidence::default_probabilistic();
+    let all = || {
+        let data = NormData {
+            x: &x,
+            weight: &w,
+            bias: None,
+            eps: 1e-5,
+        };
+        let side = |policy, v| NormSide {
+            op: NormOp::LayerNorm(v),
+            policy,
+        };
+        [
+            sum_threshold_priced(&x, &r, &c, false, conf, Pricing::Walk).unwrap(),
+            matmul_threshold_priced(&x, &b, None, &r, &c, conf, Pricing::Walk).unwrap(),
+            softmax_threshold(
+                &x,
+                &r,
+                AttentionImpl::Standard,
+                &c,
+                AttentionImpl::Online { block: 32 },
+                conf,
+            )
+            .unwrap(),
+            norm_threshold(
+                &data,
+                side(&r, Variance::TwoPass),
+                side(&c, Variance::Welford),
+                conf,
+            )
+            .unwrap(),
+        ]
+    };
+    let on = |threads: usize| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(all)
+    };
+    let one = on(1);
+    assert!(one.iter().all(|t| t.abs_frobenius > 0.0), "{one:?}");
+    for threads in [2, 3] {
+        assert_eq!(on(threads), one, "{threads} threads");
+    }
+}

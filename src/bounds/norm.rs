@@ -541,229 +541,242 @@ pub fn norm_threshold(
     // identical rows; within a row, elements with identical (x, γ, β); and the roundings of
     // dᵢ = x − μ̂ that share a grid and a residue of x on it (integers, constants), which err
     // alike whatever μ̂ is.
-    let mut groups: Vec<(ElementDiff, usize)> = vec![];
     let (_, classes) = row_classes(xi.values(), n);
-    for &(r, count) in &classes {
-        let row = &xi.values()[r * n..(r + 1) * n];
-        let (rstd, xhat, y) = exact_row(row);
-        let sr = side_row(row, ref_op, eps, reference, one_kernel)?;
-        let sc = side_row(row, cand_op, eps, candidate, cand_one_kernel)?;
-        // A side whose every rounding before x̂ is determined: its output, computed as the
-        // engine computes it.
-        let output = |s: &SideRow, p: &Policy| {
-            let ar = Arith::new(a, p.output, p.accumulation.overflow);
-            s.exact.as_ref().map(|(src, r_hat)| {
-                (0..n)
-                    .map(|i| {
-                        let mut v = ar.mul(ar.mul(src[i], *r_hat), w.values()[i]);
-                        if b.is_some() {
-                            v = ar.add(v, bias_at(i));
-                        }
-                        ar.ro(v)
-                    })
-                    .collect::<Vec<f64>>()
-            })
-        };
-        let (yr, yc) = (output(&sr, reference), output(&sc, candidate));
-        if let (Some(yr), Some(yc)) = (&yr, &yc) {
-            // Both sides known: the difference is too (exactly in f64; the slack covers the
-            // norms the threshold and its user take of it).
-            for i in 0..n {
-                let d = yc[i] - yr[i];
-                let slack = d.abs() * 1e-12;
-                groups.push((
-                    ElementDiff {
-                        offset: d,
-                        bias_bound: slack,
-                        guaranteed: d.abs() + slack,
-                        ..ElementDiff::default()
-                    },
-                    count,
-                ));
-            }
-            continue;
-        }
-        // One side known: its error against the exact model is a determined offset, and only
-        // the other side's roundings are priced.
-        let one_known = yr.is_some() || yc.is_some();
-        let known_offset = |i: usize| {
-            let o =
-                yc.as_ref().map_or(0.0, |v| v[i] - y[i]) - yr.as_ref().map_or(0.0, |v| v[i] - y[i]);
-            // The exact model's y is computed in f64.
-            (
-                o,
-                (y[i].abs() + rstd * row[i].abs()) * 1e-12 + f64::MIN_POSITIVE,
-            )
-        };
-        // Row-common part: γ ⊙ (−rstd·Δμ·1 + Δρ·x̂_side), two scalars times vectors; the
-        // sub-Gaussian proxy of the sum is at most (σ₁‖v₁‖ + σ₂‖v₂‖)². The side's x̂ is
-        // rstd·d̂ᵢ with |d̂ᵢ − dᵢ| ≤ e_max: the vector of Δρ is within rstd·‖γ ⊙ e_max‖ of γ ⊙ x̂.
-        let e_max: Vec<f64> = (0..n).map(|i| sr.e_max[i].max(sc.e_max[i])).collect();
-        let g_norm = w.values().iter().map(|v| v * v).sum::<f64>().sqrt();
-        let gx_norm = (0..n)
-            .map(|i| (w.values()[i] * xhat[i]).powi(2))
-            .sum::<f64>()
-            .sqrt()
-            + rstd
-                * (0..n)
-                    .map(|i| (w.values()[i] * e_max[i]).powi(2))
-                    .sum::<f64>()
-                    .sqrt();
-        // Both sides' dᵢ known exactly: their difference is a determined offset per element,
-        // and neither μ̂ nor the dᵢ roundings are random.
-        let known_d = match (&sr.d_hat, &sc.d_hat) {
-            (Some(dr), Some(dc)) => Some((dr, dc)),
-            _ => None,
-        };
-        let shared_mu = (shared_mu && !one_known) || known_d.is_some();
-        let same_internal = same_internal && !one_known;
-        let (mu_var, mu_max) = if shared_mu {
-            (0.0, 0.0)
-        } else {
-            (sr.mu_var + sc.mu_var, sr.mu_max + sc.mu_max)
-        };
-        let (rho_var, rho_max) = if same_internal {
-            (0.0, 0.0)
-        } else {
-            (sr.rho_var + sc.rho_var, sr.rho_max + sc.rho_max)
-        };
-        let s1 = mu_var.sqrt() * rstd * g_norm;
-        let s2 = rho_var.sqrt() * gx_norm;
-        groups.push((
-            ElementDiff {
-                proxy: (s1 + s2).powi(2),
-                guaranteed: mu_max * rstd * g_norm + rho_max * gx_norm,
-                spread: true,
-                ..ElementDiff::default()
-            },
-            count,
-        ));
-        let dmu_mean = if shared_mu {
-            0.0
-        } else {
-            sc.mu_mean - sr.mu_mean
-        };
-        let drho_mean = sc.rho_mean - sr.rho_mean;
-        let mu_tie = if shared_mu {
-            0.0
-        } else {
-            sr.mu_tie + sc.mu_tie
-        };
-        let rho_tie = if same_internal {
-            0.0
-        } else {
-            sr.rho_tie + sc.rho_tie
-        };
-        // The dᵢ roundings, by (grid, residue of xᵢ on it): one component each, proxy
-        // Var(η)·Σ (γᵢ·rstd)² over the group.
-        let mut d_groups: std::collections::BTreeMap<(u64, u64), f64> = Default::default();
-        let mut elements: std::collections::HashMap<(u64, u64, u64), (usize, usize)> =
-            Default::default();
-        let mut order = vec![];
-        for (i, (&xv, &gi)) in row.iter().zip(w.values()).enumerate() {
-            let key = (xv.to_bits(), gi.to_bits(), bias_at(i).to_bits());
-            elements
-                .entry(key)
-                .or_insert_with(|| {
-                    order.push(i);
-                    (i, 0)
+    // Each class of rows priced alone (in parallel; concatenated in order below, so that the
+    // threshold does not depend on the number of threads).
+    let priced = crate::parallel::map(
+        &classes,
+        |&(r, count)| -> Result<Vec<(ElementDiff, usize)>> {
+            let mut groups: Vec<(ElementDiff, usize)> = vec![];
+            let row = &xi.values()[r * n..(r + 1) * n];
+            let (rstd, xhat, y) = exact_row(row);
+            let sr = side_row(row, ref_op, eps, reference, one_kernel)?;
+            let sc = side_row(row, cand_op, eps, candidate, cand_one_kernel)?;
+            // A side whose every rounding before x̂ is determined: its output, computed as the
+            // engine computes it.
+            let output = |s: &SideRow, p: &Policy| {
+                let ar = Arith::new(a, p.output, p.accumulation.overflow);
+                s.exact.as_ref().map(|(src, r_hat)| {
+                    (0..n)
+                        .map(|i| {
+                            let mut v = ar.mul(ar.mul(src[i], *r_hat), w.values()[i]);
+                            if b.is_some() {
+                                v = ar.add(v, bias_at(i));
+                            }
+                            ar.ro(v)
+                        })
+                        .collect::<Vec<f64>>()
                 })
-                .1 += 1;
-            if !shared_mu {
-                let dv = sr.d_var[i] + sc.d_var[i];
-                if dv > 0.0 {
-                    let ulp = a.ulp(xv - sr.mu).unwrap_or(0.0);
-                    let residue = xv - ulp * (xv / ulp).floor();
-                    *d_groups
-                        .entry((ulp.to_bits(), residue.to_bits()))
-                        .or_default() += dv * (gi * rstd).powi(2);
+            };
+            let (yr, yc) = (output(&sr, reference), output(&sc, candidate));
+            if let (Some(yr), Some(yc)) = (&yr, &yc) {
+                // Both sides known: the difference is too (exactly in f64; the slack covers the
+                // norms the threshold and its user take of it).
+                for i in 0..n {
+                    let d = yc[i] - yr[i];
+                    let slack = d.abs() * 1e-12;
+                    groups.push((
+                        ElementDiff {
+                            offset: d,
+                            bias_bound: slack,
+                            guaranteed: d.abs() + slack,
+                            ..ElementDiff::default()
+                        },
+                        count,
+                    ));
                 }
+                return Ok(groups);
             }
-        }
-        for proxy in d_groups.values() {
+            // One side known: its error against the exact model is a determined offset, and only
+            // the other side's roundings are priced.
+            let one_known = yr.is_some() || yc.is_some();
+            let known_offset = |i: usize| {
+                let o = yc.as_ref().map_or(0.0, |v| v[i] - y[i])
+                    - yr.as_ref().map_or(0.0, |v| v[i] - y[i]);
+                // The exact model's y is computed in f64.
+                (
+                    o,
+                    (y[i].abs() + rstd * row[i].abs()) * 1e-12 + f64::MIN_POSITIVE,
+                )
+            };
+            // Row-common part: γ ⊙ (−rstd·Δμ·1 + Δρ·x̂_side), two scalars times vectors; the
+            // sub-Gaussian proxy of the sum is at most (σ₁‖v₁‖ + σ₂‖v₂‖)². The side's x̂ is
+            // rstd·d̂ᵢ with |d̂ᵢ − dᵢ| ≤ e_max: the vector of Δρ is within rstd·‖γ ⊙ e_max‖ of γ ⊙ x̂.
+            let e_max: Vec<f64> = (0..n).map(|i| sr.e_max[i].max(sc.e_max[i])).collect();
+            let g_norm = w.values().iter().map(|v| v * v).sum::<f64>().sqrt();
+            let gx_norm = (0..n)
+                .map(|i| (w.values()[i] * xhat[i]).powi(2))
+                .sum::<f64>()
+                .sqrt()
+                + rstd
+                    * (0..n)
+                        .map(|i| (w.values()[i] * e_max[i]).powi(2))
+                        .sum::<f64>()
+                        .sqrt();
+            // Both sides' dᵢ known exactly: their difference is a determined offset per element,
+            // and neither μ̂ nor the dᵢ roundings are random.
+            let known_d = match (&sr.d_hat, &sc.d_hat) {
+                (Some(dr), Some(dc)) => Some((dr, dc)),
+                _ => None,
+            };
+            let shared_mu = (shared_mu && !one_known) || known_d.is_some();
+            let same_internal = same_internal && !one_known;
+            let (mu_var, mu_max) = if shared_mu {
+                (0.0, 0.0)
+            } else {
+                (sr.mu_var + sc.mu_var, sr.mu_max + sc.mu_max)
+            };
+            let (rho_var, rho_max) = if same_internal {
+                (0.0, 0.0)
+            } else {
+                (sr.rho_var + sc.rho_var, sr.rho_max + sc.rho_max)
+            };
+            let s1 = mu_var.sqrt() * rstd * g_norm;
+            let s2 = rho_var.sqrt() * gx_norm;
             groups.push((
                 ElementDiff {
-                    proxy: *proxy,
+                    proxy: (s1 + s2).powi(2),
+                    guaranteed: mu_max * rstd * g_norm + rho_max * gx_norm,
                     spread: true,
                     ..ElementDiff::default()
                 },
                 count,
             ));
-        }
-        for &i in &order {
-            let cnt = elements[&(
-                row[i].to_bits(),
-                w.values()[i].to_bits(),
-                bias_at(i).to_bits(),
-            )]
-                .1;
-            let gi = w.values()[i];
-            let (dv, dm) = if shared_mu {
-                (0.0, 0.0)
+            let dmu_mean = if shared_mu {
+                0.0
             } else {
-                (sr.d_var[i] + sc.d_var[i], sr.d_max[i] + sc.d_max[i])
+                sc.mu_mean - sr.mu_mean
             };
-            let dd = known_d.map_or(0.0, |(dr, dc)| dc[i] - dr[i]);
-            // Second order: ρ multiplies the side's x̂ = rstd·(dᵢ + eᵢ), |eᵢ| ≤ e_max. With
-            // both eᵢ known, their share of the ρ means is determined.
-            let (cross_mean, cross_bias) = match known_d {
-                Some((dr, dc)) => {
-                    let (er, ec) = (dr[i] - (row[i] - sr.mu), dc[i] - (row[i] - sc.mu));
-                    (rstd * (sc.rho_mean * ec - sr.rho_mean * er), 0.0)
-                }
-                None => (
-                    0.0,
-                    rstd * e_max[i] * (sr.rho_mean.abs() + sc.rho_mean.abs()),
-                ),
-            };
-            let (known, slack) = known_offset(i);
-            let mut d = ElementDiff {
-                offset: gi * (rstd * (dd - dmu_mean) + drho_mean * xhat[i] + cross_mean) + known,
-                bias_bound: gi.abs()
-                    * (rstd * mu_tie + rho_tie * (xhat[i].abs() + rstd * e_max[i]) + cross_bias)
-                    + slack,
-                guaranteed: (gi.abs()
-                    * (rstd * (dm + mu_max + dd.abs())
-                        + rho_max * (xhat[i].abs() + rstd * e_max[i]))
-                    + known.abs()
-                    + slack)
-                    * 1.01,
-                ..ElementDiff::default()
-            };
-            // The row part's and the dᵢ rounding's share of this element set E|Δ| for the
-            // trailing roundings; both are priced as their own components above.
-            let share = (gi * (rstd * mu_var.sqrt() + xhat[i].abs() * rho_var.sqrt())).powi(2)
-                + gi * gi * rstd * rstd * dv;
-            d.proxy += share;
-            if one_known {
-                // The other side's trailing roundings alone.
-                let out = if yr.is_some() {
-                    candidate.output
-                } else {
-                    reference.output
-                };
-                d.round_one(a, xhat[i]);
-                d.round_one(a, xhat[i] * gi);
-                if b.is_some() {
-                    d.round_one(a, y[i]);
-                }
-                if !a.is_subset_of(out) {
-                    d.round_one(out, y[i]);
-                }
+            let drho_mean = sc.rho_mean - sr.rho_mean;
+            let mu_tie = if shared_mu {
+                0.0
             } else {
-                if !same_internal {
-                    d.round_both(a, xhat[i]);
-                    d.round_both(a, xhat[i] * gi);
-                    if b.is_some() {
-                        d.round_both(a, y[i]);
+                sr.mu_tie + sc.mu_tie
+            };
+            let rho_tie = if same_internal {
+                0.0
+            } else {
+                sr.rho_tie + sc.rho_tie
+            };
+            // The dᵢ roundings, by (grid, residue of xᵢ on it): one component each, proxy
+            // Var(η)·Σ (γᵢ·rstd)² over the group.
+            let mut d_groups: std::collections::BTreeMap<(u64, u64), f64> = Default::default();
+            let mut elements: std::collections::HashMap<(u64, u64, u64), (usize, usize)> =
+                Default::default();
+            let mut order = vec![];
+            for (i, (&xv, &gi)) in row.iter().zip(w.values()).enumerate() {
+                let key = (xv.to_bits(), gi.to_bits(), bias_at(i).to_bits());
+                elements
+                    .entry(key)
+                    .or_insert_with(|| {
+                        order.push(i);
+                        (i, 0)
+                    })
+                    .1 += 1;
+                if !shared_mu {
+                    let dv = sr.d_var[i] + sc.d_var[i];
+                    if dv > 0.0 {
+                        let ulp = a.ulp(xv - sr.mu).unwrap_or(0.0);
+                        let residue = xv - ulp * (xv / ulp).floor();
+                        *d_groups
+                            .entry((ulp.to_bits(), residue.to_bits()))
+                            .or_default() += dv * (gi * rstd).powi(2);
                     }
                 }
-                round_sides(&mut d, (a, a), (reference.output, candidate.output), y[i]);
             }
-            d.proxy -= share;
-            d.shared_proxy = share;
-            groups.push((d, cnt * count));
-        }
+            for proxy in d_groups.values() {
+                groups.push((
+                    ElementDiff {
+                        proxy: *proxy,
+                        spread: true,
+                        ..ElementDiff::default()
+                    },
+                    count,
+                ));
+            }
+            for &i in &order {
+                let cnt = elements[&(
+                    row[i].to_bits(),
+                    w.values()[i].to_bits(),
+                    bias_at(i).to_bits(),
+                )]
+                    .1;
+                let gi = w.values()[i];
+                let (dv, dm) = if shared_mu {
+                    (0.0, 0.0)
+                } else {
+                    (sr.d_var[i] + sc.d_var[i], sr.d_max[i] + sc.d_max[i])
+                };
+                let dd = known_d.map_or(0.0, |(dr, dc)| dc[i] - dr[i]);
+                // Second order: ρ multiplies the side's x̂ = rstd·(dᵢ + eᵢ), |eᵢ| ≤ e_max. With
+                // both eᵢ known, their share of the ρ means is determined.
+                let (cross_mean, cross_bias) = match known_d {
+                    Some((dr, dc)) => {
+                        let (er, ec) = (dr[i] - (row[i] - sr.mu), dc[i] - (row[i] - sc.mu));
+                        (rstd * (sc.rho_mean * ec - sr.rho_mean * er), 0.0)
+                    }
+                    None => (
+                        0.0,
+                        rstd * e_max[i] * (sr.rho_mean.abs() + sc.rho_mean.abs()),
+                    ),
+                };
+                let (known, slack) = known_offset(i);
+                let mut d = ElementDiff {
+                    offset: gi * (rstd * (dd - dmu_mean) + drho_mean * xhat[i] + cross_mean)
+                        + known,
+                    bias_bound: gi.abs()
+                        * (rstd * mu_tie
+                            + rho_tie * (xhat[i].abs() + rstd * e_max[i])
+                            + cross_bias)
+                        + slack,
+                    guaranteed: (gi.abs()
+                        * (rstd * (dm + mu_max + dd.abs())
+                            + rho_max * (xhat[i].abs() + rstd * e_max[i]))
+                        + known.abs()
+                        + slack)
+                        * 1.01,
+                    ..ElementDiff::default()
+                };
+                // The row part's and the dᵢ rounding's share of this element set E|Δ| for the
+                // trailing roundings; both are priced as their own components above.
+                let share = (gi * (rstd * mu_var.sqrt() + xhat[i].abs() * rho_var.sqrt())).powi(2)
+                    + gi * gi * rstd * rstd * dv;
+                d.proxy += share;
+                if one_known {
+                    // The other side's trailing roundings alone.
+                    let out = if yr.is_some() {
+                        candidate.output
+                    } else {
+                        reference.output
+                    };
+                    d.round_one(a, xhat[i]);
+                    d.round_one(a, xhat[i] * gi);
+                    if b.is_some() {
+                        d.round_one(a, y[i]);
+                    }
+                    if !a.is_subset_of(out) {
+                        d.round_one(out, y[i]);
+                    }
+                } else {
+                    if !same_internal {
+                        d.round_both(a, xhat[i]);
+                        d.round_both(a, xhat[i] * gi);
+                        if b.is_some() {
+                            d.round_both(a, y[i]);
+                        }
+                    }
+                    round_sides(&mut d, (a, a), (reference.output, candidate.output), y[i]);
+                }
+                d.proxy -= share;
+                d.shared_proxy = share;
+                groups.push((d, cnt * count));
+            }
+            Ok(groups)
+        },
+    );
+    let mut groups: Vec<(ElementDiff, usize)> = vec![];
+    for g in priced {
+        groups.extend(g?);
     }
     Ok(grouped_threshold(
         &groups,

@@ -387,18 +387,26 @@ pub fn matmul_threshold_priced(
             return Ok(t);
         }
     }
-    let mut groups = Vec::with_capacity(rows.len() * cols.len());
-    let mut norm_sq = 0.0;
-    let mut tr = vec![0.0; k];
-    let mut tc = vec![0.0; k];
     // A tensor core aligns each product by its factors' exponents (e_x + e_y), which the
     // product's value alone does not tell.
     let aligned = (r.acc.order.has_tensor_core(), c.acc.order.has_tensor_core());
-    let mut xr = vec![None; if aligned.0 { k } else { 0 }];
-    let mut xc = vec![None; if aligned.1 { k } else { 0 }];
-    for &(i, count_i) in &rows {
-        for &(j, count_j) in &cols {
-            let weight = count_i * count_j;
+    // Each pair of classes is priced alone (in parallel; the results are folded in order, so
+    // the threshold does not depend on the number of threads): its weighted square of the
+    // value and its difference's model.
+    let pairs: Vec<(usize, usize, usize)> = rows
+        .iter()
+        .flat_map(|&(i, count_i)| {
+            cols.iter()
+                .map(move |&(j, count_j)| (i, j, count_i * count_j))
+        })
+        .collect();
+    let priced = crate::parallel::map(
+        &pairs,
+        |&(i, j, weight)| -> Result<(f64, Option<ElementDiff>)> {
+            let mut tr = vec![0.0; k];
+            let mut tc = vec![0.0; k];
+            let mut xr = vec![None; if aligned.0 { k } else { 0 }];
+            let mut xc = vec![None; if aligned.1 { k } else { 0 }];
             for p in 0..k {
                 tr[p] = r.q_a.values[i * k + p] * r.q_b.values[p * n + j];
                 tc[p] = c.q_a.values[i * k + p] * c.q_b.values[p * n + j];
@@ -422,9 +430,9 @@ pub fn matmul_threshold_priced(
             };
             let bias_j = bias_vals.as_ref().map_or(0.0, |b| b[j]);
             let v = exact_r + bias_j;
-            norm_sq += v * v * weight as f64;
+            let v_sq = v * v * weight as f64;
             if identical {
-                continue;
+                return Ok((v_sq, None));
             }
             let offset = if same_operands {
                 0.0
@@ -463,8 +471,15 @@ pub fn matmul_threshold_priced(
             }
             check_output(&d, v, (r.policy.output, c.policy.output))?;
             round_sides(&mut d, cur, (r.policy.output, c.policy.output), v);
-            groups.push((d, weight));
-        }
+            Ok((v_sq, Some(d)))
+        },
+    );
+    let mut groups = Vec::with_capacity(pairs.len());
+    let mut norm_sq = 0.0;
+    for (item, &(_, _, weight)) in priced.into_iter().zip(&pairs) {
+        let (v_sq, d) = item?;
+        norm_sq += v_sq;
+        groups.extend(d.map(|d| (d, weight)));
     }
     let norm = norm_sq.sqrt();
     if identical {
@@ -668,9 +683,8 @@ pub fn sum_threshold_priced(
     } else {
         (0..rows).collect()
     };
-    let mut clusters: Vec<Vec<(ElementDiff, usize)>> = vec![];
-    let mut slot = std::collections::HashMap::new();
-    for &(row, count) in &classes {
+    // Each class of rows priced alone (in parallel, folded in order below).
+    let priced = crate::parallel::map(&classes, |&(row, _)| -> Result<ElementDiff> {
         let vr = &xr.values()[row * n..(row + 1) * n];
         let vc = &xc.values()[row * n..(row + 1) * n];
         let sr = exact(vr);
@@ -694,6 +708,12 @@ pub fn sum_threshold_priced(
         }
         check_output(&d, value, (reference.output, candidate.output))?;
         round_sides(&mut d, cur, (reference.output, candidate.output), value);
+        Ok(d)
+    });
+    let mut clusters: Vec<Vec<(ElementDiff, usize)>> = vec![];
+    let mut slot = std::collections::HashMap::new();
+    for (d, &(row, count)) in priced.into_iter().zip(&classes) {
+        let d = d?;
         let next = clusters.len();
         let at = *slot.entry(cluster[row]).or_insert(next);
         if at == next {

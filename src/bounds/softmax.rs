@@ -304,16 +304,17 @@ pub fn softmax_threshold(
             .collect()
     };
     let (_, classes) = row_classes(xi.values(), n);
-    let mut groups: Vec<(ElementDiff, usize)> = Vec::new();
-    let mut norm_sq = 0.0;
-    for &(r, count) in &classes {
+    // Each class of rows priced alone (in parallel; folded in order below, so that the
+    // threshold does not depend on the number of threads): its Σ p² and its components.
+    type Priced = (f64, Vec<(ElementDiff, usize)>);
+    let priced = crate::parallel::map(&classes, |&(r, count)| -> Result<Priced> {
+        let mut groups: Vec<(ElementDiff, usize)> = Vec::new();
         let row = &xi.values()[r * n..(r + 1) * n];
         let sr = side_row(row, reference, ref_impl)?;
         let sc = side_row(row, candidate, cand_impl)?;
         let p_sq: f64 = sr.p.iter().map(|p| p * p).sum();
-        norm_sq += p_sq * count as f64;
         if identical {
-            continue;
+            return Ok((p_sq, groups));
         }
         // Alike elements: the same logit under the same block maximum on each side.
         let mut alike: std::collections::HashMap<(u64, u64, u64), usize> = Default::default();
@@ -396,6 +397,14 @@ pub fn softmax_threshold(
             d.shared_proxy = row_part;
             groups.push((d, same * count));
         }
+        Ok((p_sq, groups))
+    });
+    let mut groups: Vec<(ElementDiff, usize)> = Vec::new();
+    let mut norm_sq = 0.0;
+    for (item, &(_, count)) in priced.into_iter().zip(&classes) {
+        let (p_sq, g) = item?;
+        norm_sq += p_sq * count as f64;
+        groups.extend(g);
     }
     if identical {
         return Ok(Threshold::identical(confidence, norm_sq.sqrt(), rows * n));
