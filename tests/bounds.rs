@@ -813,8 +813,12 @@ fn walk_priced_thresholds_do_not_depend_on_the_thread_count() {
     };
     use ttrace::engine::{AttentionImpl, Variance};
     let (rows, n) = (24, 96);
-    let x = Tensor::from_vec(&[rows, n], data(rows * n, 41, 0, Format::BF16), Format::BF16)
-        .unwrap();
+    let x = Tensor::from_vec(
+        &[rows, n],
+        data(rows * n, 41, 0, Format::BF16),
+        Format::BF16,
+    )
+    .unwrap();
     let b = Tensor::from_vec(&[n, 20], data(n * 20, 42, 3, Format::BF16), Format::BF16).unwrap();
     let w = Tensor::from_vec(&[n], data(n, 43, 2, Format::BF16), Format::BF16).unwrap();
     let r = Policy::new(Format::BF16, Format::F32, Format::BF16);

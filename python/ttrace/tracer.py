@@ -83,6 +83,7 @@ import torch
 
 from . import _ttrace
 from . import arith as _arith
+from ._copies import DEFAULT_POOL_BYTES, Copier, HostCopy
 from .errors import InvalidInputError, TtraceError, UnsupportedLayoutError
 
 __all__ = [
@@ -98,8 +99,6 @@ __all__ = [
     "seed_everything",
     "split",
 ]
-
-VERSION = 1
 
 _DTYPES = {
     torch.float64: "f64",
@@ -685,8 +684,10 @@ def _grad_layout(layout: dict) -> dict:
 class _StepRecord:
     """What one traced step has recorded, and what it has learned about layouts."""
 
-    #: Copies of the recorded tensors, by id.
-    records: Dict[str, torch.Tensor] = field(default_factory=dict)
+    #: Host copies of the recorded tensors, by id.
+    records: Dict[str, HostCopy] = field(default_factory=dict)
+    #: Every host copy made in the step (stored or replaced), released after writing.
+    made: List[HostCopy] = field(default_factory=list)
     #: Layout and module information, by id.
     meta: Dict[str, dict] = field(default_factory=dict)
     #: Ids in execution order, and ("params", module) where parameter gradients belong.
@@ -698,7 +699,7 @@ class _StepRecord:
     #: (module, output index) → (local shape, layout) of the output the caller receives.
     final: Dict[Tuple[str, int], Tuple[Tuple[int, ...], dict]] = field(default_factory=dict)
     #: Stored copies shared between ids (a weak reference to the first holder, the copy).
-    copies: Dict[Any, Tuple[Any, torch.Tensor]] = field(default_factory=dict)
+    copies: Dict[Any, Tuple[Any, HostCopy]] = field(default_factory=dict)
     #: Outputs whose placement cannot be expressed before the module's output hooks run.
     deferred: "set[Tuple[str, int]]" = field(default_factory=set)
     #: (module, output index) → the output as the module returned it, until its output hooks
@@ -881,9 +882,13 @@ class Tracer:
         local_mean_loss: Optional[bool] = None,
         fsync: bool = False,
         sites: Optional[bool] = None,
+        pool_bytes: int = DEFAULT_POOL_BYTES,
     ) -> None:
         if every < 1:
             raise InvalidInputError(f"every must be at least 1 (got {every})", "InvalidParameter")
+        if pool_bytes < 0:
+            raise InvalidInputError(f"pool_bytes must be non-negative (got {pool_bytes})",
+                                    "InvalidParameter")
         if unsupported not in ("raise", "skip"):
             raise InvalidInputError(
                 f"unsupported must be 'raise' or 'skip' (got {unsupported!r})", "InvalidParameter"
@@ -937,6 +942,8 @@ class Tracer:
         self.steps = 0
         self.last_directory: Optional[str] = None
         self._s = _StepRecord()
+        #: Host copies: pooled buffers, asynchronous on CUDA (see :mod:`ttrace._copies`).
+        self._copier = Copier(pool_bytes)
         self._handles: List[Any] = []
         self._queue: "queue.Queue[Any]" = queue.Queue()
         self._errors: List[BaseException] = []
@@ -1073,7 +1080,7 @@ class Tracer:
         """Register the hooks (``step()`` does this for traced steps)."""
         if self._handles:
             return
-        self._s = _StepRecord()
+        self._drop_step()
         if self.sites:
             # Which module is running (for naming the functional attention sites inside it),
             # and the mode that sees the functional calls (thread-local, only while attached).
@@ -1364,13 +1371,15 @@ class Tracer:
         same = (key, local._version, scaled)
         hit = self._s.copies.get(same) if key is not None else None
         copy = None
-        if hit is not None and hit[0]() is not None and not scaled:
+        if hit is not None and hit[0]() is not None and not scaled and local.device.type == "cpu":
+            # (On a CUDA device the comparison would wait for the device: the tensor is
+            # copied again, asynchronously, and the writer stores equal contents once.)
             candidate = hit[1]
-            if torch.equal(_bits(candidate), _bits(local.detach().to("cpu"))):
+            if torch.equal(_bits(candidate.tensor), _bits(local.detach())):
                 copy = candidate
         if copy is None:
             try:
-                copy = local.detach().to("cpu", copy=True).contiguous()
+                copy = self._copier.copy(local, 1.0 / data if scaled else None)
             except RuntimeError as e:
                 # A tensor whose storage torch already released cannot be read.
                 why = f"tensor {tid!r} cannot be read ({e})"
@@ -1378,8 +1387,7 @@ class Tracer:
                     self.skipped.append((tid, why))
                     return None
                 raise TtraceError(why, "Storage") from None
-            if scaled:
-                copy.mul_(1.0 / data)
+            self._s.made.append(copy)
             if key is not None:
                 self._s.copies[same] = (weakref.ref(owner), copy)
         if tid not in self._s.records:
@@ -1555,14 +1563,16 @@ class Tracer:
             return
         if o is first:
             # Changed in place: only the stored copy still holds what the module returned.
-            same = torch.equal(after.detach().to("cpu"), stored)
+            same = torch.equal(after.detach().to("cpu"), stored.wait())
         else:
             # A new tensor (a parallel style's to_local, or a hook's result): compared where
             # it lives, copied only if it differs.
             local = cast(Any, first).to_local() if _is_dtensor(first, self._dtensor) else first
             same = tuple(local.shape) == tuple(after.shape) and torch.equal(after, local)
         if not same:
-            self._s.records[tid] = after.detach().to("cpu", copy=True).contiguous()
+            copy = self._copier.copy(after)
+            self._s.made.append(copy)
+            self._s.records[tid] = copy
 
     def _output_grad(self, name: str, i: int) -> Callable[[torch.Tensor], None]:
         record = self._s
@@ -1619,14 +1629,18 @@ class Tracer:
             if self._s.meta[tid]["guessed"]:
                 e["guessed"] = self._s.meta[tid]["guessed"]
             entries.append(e)
-        manifest: Dict[str, Any] = {"format": "ttrace-trace", "version": VERSION,
-                                    "mesh": self.mesh.to_json(), "run": _arith.run_settings(),
+        # The step's header and entries: the Rust core adds the format and version, builds
+        # the manifest, validates it as every reader does, and writes it (one writer).
+        manifest: Dict[str, Any] = {"mesh": self.mesh.to_json(), "run": _arith.run_settings(),
                                     "tensors": entries}
         if self.recipe:
             manifest["recipe"] = self.recipe
         if self.local_mean_loss is None and self.mesh.dp * self.mesh.cp > 1:
             manifest["dp_loss"] = "auto"
-        job = (directory, fname, tensors, manifest)
+        made = self._s.made
+        for c in made:
+            c.hand()
+        job = (directory, fname, tensors, manifest, made)
         self._s = _StepRecord()
         self.last_directory = directory
         if self._background:
@@ -1639,19 +1653,33 @@ class Tracer:
             finish(directory)
         return directory
 
-    def _write_job(self, job: Tuple[str, str, list, dict]) -> None:
-        directory, fname, tensors, manifest = job
-        os.makedirs(directory, exist_ok=True)
-        stored = [
-            (tid, fmt, shape, t.reshape(-1).view(torch.uint8).numpy())
-            for tid, fmt, shape, t in tensors
-        ]
-        self.bytes_written += _ttrace.write_safetensors(
-            os.path.join(directory, fname), stored, {"rank": str(self.rank)}, self.fsync
-        )
-        # The manifest last: an interrupted write leaves no manifest naming missing files.
-        text = json.dumps(manifest, indent=1).encode()
-        _ttrace.write_atomic(os.path.join(directory, f"manifest.rank{self.rank}.json"), text)
+    def _write_job(self, job: Tuple[str, str, list, dict, List[HostCopy]]) -> None:
+        directory, fname, tensors, manifest, made = job
+        stored: list = []
+        try:
+            os.makedirs(directory, exist_ok=True)
+            # The device copies are complete once their events are (the only wait for the
+            # device, on this thread).
+            stored = [
+                (tid, fmt, shape, t.wait().reshape(-1).view(torch.uint8).numpy())
+                for tid, fmt, shape, t in tensors
+            ]
+            # The tensors, then the manifest last (an interrupted write leaves no manifest
+            # naming missing files), both by the Rust core.
+            self.bytes_written += _ttrace.write_step(
+                directory, fname, stored, {"rank": str(self.rank)},
+                f"manifest.rank{self.rank}.json", json.dumps(manifest), self.fsync
+            )
+        finally:
+            del stored
+            for c in made:
+                c.release()
+
+    def _drop_step(self) -> None:
+        """Start a new step record, giving the unwritten copies' buffers back."""
+        for c in self._s.made:
+            c.release()
+        self._s = _StepRecord()
 
     def _start_writer(self) -> None:
         if self._writer is not None:
@@ -1698,6 +1726,8 @@ class Tracer:
                 self._queue.put(None)
                 self._writer.join()
                 self._writer = None
+            self._drop_step()
+            self._copier.clear()
             if self._atexit:
                 atexit.unregister(self.flush)
                 self._atexit = False
@@ -1713,36 +1743,11 @@ class Tracer:
 def finish(directory: Union[str, "os.PathLike[str]"]) -> str:
     """Merge every ``manifest.rank*.json`` of ``directory`` into ``manifest.json`` (rank
     order) — for several ranks emulated in one process. ``ttrace check`` reads fragments
-    without this."""
-    directory = os.fspath(directory)
-    parts = []
-    for n in os.listdir(directory):
-        if n.startswith("manifest.rank") and n.endswith(".json"):
-            r = n[len("manifest.rank"):-len(".json")]
-            if r.isdigit():
-                parts.append((int(r), n))
-    parts.sort()
-    if not parts:
-        raise FileNotFoundError(f"no manifest.rank*.json in {directory}")
-    merged: Optional[dict] = None
-    for _, n in parts:
-        with open(os.path.join(directory, n)) as f:
-            m = json.load(f)
-        if merged is None:
-            merged = m
-        else:
-            if (m["mesh"] != merged["mesh"] or m.get("recipe") != merged.get("recipe")
-                    or m.get("dp_loss") != merged.get("dp_loss")):
-                raise InvalidInputError(
-                    f"{n} disagrees with the first fragment on the mesh, recipe or loss "
-                    "normalization",
-                    "InvalidParameter",
-                )
-            merged["tensors"].extend(m["tensors"])
-    _ttrace.write_atomic(
-        os.path.join(directory, "manifest.json"), json.dumps(merged, indent=1).encode()
-    )
-    return directory
+    without this. The fragments must agree on the mesh, recipe and loss normalization
+    (:class:`~ttrace.errors.InvalidInputError` otherwise); the Rust core merges and writes, as
+    it reads."""
+    _ttrace.merge_manifests(os.fspath(directory))
+    return os.fspath(directory)
 
 
 # --- consistent generation ---------------------------------------------------------------------

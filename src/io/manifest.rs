@@ -193,6 +193,10 @@ pub struct Manifest {
     pub dp_loss: Option<DpLoss>,
     /// The mesh.
     pub mesh: Mesh,
+    /// The run's settings as the Python tracer records them (informational: the PyTorch
+    /// version, the FP32 matmul precision, the GPU), kept as written.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub run: Option<serde_json::Value>,
     /// Every shard.
     pub tensors: Vec<ManifestEntry>,
 }
@@ -235,8 +239,8 @@ struct RawManifest {
     #[serde(default, rename = "format")]
     _format: Option<String>,
     /// The run's settings as the Python tracer writes them (informational).
-    #[serde(default, rename = "run")]
-    _run: Option<crate::io::guard::Strict>,
+    #[serde(default)]
+    run: Option<crate::io::guard::Strict>,
     version: u64,
     #[serde(default)]
     recipe: Option<String>,
@@ -411,6 +415,7 @@ impl Manifest {
             recipe: raw.recipe,
             dp_loss: raw.dp_loss,
             mesh,
+            run: raw.run.map(|r| r.0).filter(|r| !r.is_null()),
             tensors,
         })
     }
@@ -517,6 +522,7 @@ impl Manifest {
             recipe,
             dp_loss,
             mesh,
+            run: v.get("run").filter(|r| !r.is_null()).cloned(),
             tensors,
         })
     }
@@ -543,6 +549,13 @@ fn read_manifest_in(td: &TrustedDir) -> Result<(Manifest, PathBuf)> {
     if std::fs::symlink_metadata(&mpath).is_ok() {
         return read_one(td, "manifest.json");
     }
+    read_fragments(td)
+}
+
+/// Every `manifest.rank*.json` fragment of `td`, merged in rank order.
+fn read_fragments(td: &TrustedDir) -> Result<(Manifest, PathBuf)> {
+    let dir = td.path();
+    let mpath = dir.join("manifest.json");
     let mut parts: Vec<(usize, String)> = std::fs::read_dir(dir)
         .map_err(|e| Error::io(dir, "cannot list", e))?
         .filter_map(|e| e.ok())
@@ -1220,12 +1233,37 @@ pub fn write_trace_dir(
         recipe: recipe.map(str::to_string),
         dp_loss: None,
         mesh: *mesh,
+        run: None,
         tensors,
     };
-    let text = manifest_text(&manifest).map_err(|e| ferr(dir, e.to_string()))?;
     // Written last and atomically: a dump interrupted before this point has no manifest
     // (and `TraceDir::open` says so) rather than one naming files that are not there.
-    crate::io::write_atomic(&dir.join("manifest.json"), text.as_bytes())
+    write_manifest(&dir.join("manifest.json"), &manifest)
+}
+
+/// Write `manifest` to `path` atomically, in the compact form every ttrace writer uses (the
+/// header one field per line, one line per entry). The one place that renders a manifest:
+/// the simulator's dumps, the Python tracer's steps (through the bindings) and
+/// [`merge_fragments`].
+pub fn write_manifest(path: &Path, manifest: &Manifest) -> Result<()> {
+    let text = manifest_text(manifest).map_err(|e| ferr(path, e.to_string()))?;
+    crate::io::write_atomic(path, text.as_bytes())
+}
+
+/// Merge every `manifest.rank*.json` fragment of `dir` (rank order; they must agree on the
+/// version, mesh, recipe and loss normalization, as [`read_manifest`] requires) into
+/// `manifest.json`, written atomically — for several ranks written by one process. Returns
+/// the merged manifest's path.
+///
+/// # Errors
+///
+/// [`Error::File`] when there is no fragment, one is invalid or they disagree; I/O errors.
+pub fn merge_fragments(dir: &Path) -> Result<PathBuf> {
+    let td = TrustedDir::new(dir)?;
+    let (merged, _) = read_fragments(&td)?;
+    let path = dir.join("manifest.json");
+    write_manifest(&path, &merged)?;
+    Ok(path)
 }
 
 /// A manifest as JSON: the header fields one per line, then one line per entry (compact: a
@@ -1243,7 +1281,11 @@ fn manifest_text(m: &Manifest) -> serde_json::Result<String> {
     if let Some(l) = &m.dp_loss {
         out += &format!("  \"dp_loss\": {},\n", json(l)?);
     }
-    out += &format!("  \"mesh\": {},\n  \"tensors\": [", json(&m.mesh)?);
+    out += &format!("  \"mesh\": {},\n", json(&m.mesh)?);
+    if let Some(r) = &m.run {
+        out += &format!("  \"run\": {},\n", json(r)?);
+    }
+    out += "  \"tensors\": [";
     for (k, e) in m.tensors.iter().enumerate() {
         out += if k == 0 { "\n    " } else { ",\n    " };
         out += &json(e)?;
@@ -1271,12 +1313,14 @@ mod tests {
             threshold: Some(0.25),
             guessed: vec![],
         };
-        for (recipe, tensors, dp_loss) in [
-            (None, vec![], None),
+        let run = serde_json::json!({"torch": "2.11", "gpu": "H100"});
+        for (recipe, tensors, dp_loss, run) in [
+            (None, vec![], None, None),
             (
                 Some("bf16".to_string()),
                 vec![e(0), e(1)],
                 Some(DpLoss::Auto),
+                Some(run),
             ),
         ] {
             let m = Manifest {
@@ -1285,6 +1329,7 @@ mod tests {
                 recipe,
                 dp_loss,
                 mesh: Mesh::new(2, 1, 1, false).unwrap(),
+                run,
                 tensors,
             };
             let text = manifest_text(&m).unwrap();
@@ -1326,11 +1371,17 @@ mod tests {
                 "\"run\": {\"torch\": \"2\"}, \"new\": 1, \"recipe\"",
                 1,
             );
+        // The run's settings are kept as written, by both parsers.
+        let with_run = Manifest {
+            run: Some(serde_json::json!({"torch": "2"})),
+            ..slow.clone()
+        };
         assert!(Manifest::parse_typed(&extra, path).is_err());
-        assert_eq!(Manifest::parse(&extra, path).unwrap(), slow);
+        assert_eq!(Manifest::parse(&extra, path).unwrap(), with_run);
         // The Python tracer's "run" is known: typed.
         let run = text.replacen("\"recipe\"", "\"run\": {\"torch\": \"2\"}, \"recipe\"", 1);
-        assert_eq!(Manifest::parse_typed(&run, path).unwrap(), slow);
+        assert_eq!(Manifest::parse_typed(&run, path).unwrap(), with_run);
+        assert_eq!(Manifest::parse_detailed(&run, path).unwrap(), with_run);
         assert_eq!(fast.tensors[0].key, "a|fwd.output.0");
         assert_eq!(fast.tensors[1].key, "k");
         let twice = text.replacen("\"rank\": 0,", "\"rank\": 0, \"rank\": 1,", 1);

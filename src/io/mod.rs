@@ -9,8 +9,8 @@ pub(crate) mod stored;
 
 pub use guard::{limits, printable, sanitize};
 pub use manifest::{
-    read_manifest, write_trace_dir, DpLoss, InferredLayout, Manifest, ManifestEntry, ModuleArith,
-    ModuleInfo, TraceDir,
+    merge_fragments, read_manifest, write_manifest, write_trace_dir, DpLoss, InferredLayout,
+    Manifest, ManifestEntry, ModuleArith, ModuleInfo, TraceDir, VERSION,
 };
 
 /// Write `contents` to `path` atomically: into a temporary file beside it (same directory, so
