@@ -126,3 +126,50 @@ def test_traces_through_the_pool_equal_traces_without_it(tmp_path, pool_bytes, b
         assert pool.allocations * steps == pooled._copier.copies
     if pool_bytes == 0:
         assert pooled._copier.unpooled >= 10
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_recording_on_a_cuda_device_never_synchronizes(tmp_path):
+    # PyTorch's sync debug mode raises on any operation that makes the host wait for the
+    # device: recording a step (hooks, copies into pinned buffers) must not; the writer waits
+    # on the copies' events, outside the mode. The trace holds the values the device computed.
+    torch.manual_seed(0)
+    net = Mlp().cuda()
+    x = torch.randn(8, 16, device="cuda")
+    tracer = ttrace.Tracer(net)  # records from now until write()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = net(x)
+        out.square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    tracer.write(tmp_path)
+    tracer.close()
+    values = ttrace.load_all(tmp_path)
+    assert np.array_equal(values["fc2|fwd.output.0"], out.detach().cpu().double().numpy())
+    assert tracer._copier.pool("cuda").allocations > 0
+
+
+def test_a_process_that_exits_without_close_leaves_complete_steps(tmp_path):
+    # Steps handed to the background writer are flushed at exit (atexit): every step
+    # directory has its tensors and its manifest, and each reads back whole.
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import torch, torch.nn as nn, ttrace
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        tracer = ttrace.Tracer(net, {str(tmp_path)!r}, pool_bytes=1 << 16)
+        for _ in range(3):
+            with tracer.step():
+                net(torch.randn(128, 64)).sum().backward()
+        # no tracer.close()
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    for n in range(3):
+        step = tmp_path / f"step{n}"
+        assert (step / "manifest.rank0.json").exists() and (step / "rank0.safetensors").exists()
+        values = ttrace.load_all(step)
+        assert len(values) >= 8 and all(np.isfinite(v).all() for v in values.values())

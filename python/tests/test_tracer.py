@@ -287,7 +287,7 @@ def test_meshes_as_engines_build_them():
     from torch.distributed.tensor import Replicate, Shard
 
     from ttrace.errors import UnsupportedLayoutError
-    from ttrace.tracer import _MeshMap, _placement_layout
+    from ttrace.tracer.dtensor import _MeshMap, _placement_layout
 
     # transformers: (pp, dp_replicate, fsdp, tp), all of size 1 but tp.
     mm = _MeshMap(_FakeMesh(("pp", "dp_replicate", "fsdp", "tp"), (1, 1, 1, 4), (0, 0, 0, 3)), {})
@@ -342,7 +342,7 @@ def test_a_megatron_output_layer_twice_the_ffn_width_is_no_fused_projection():
     column-parallel layer (Megatron-core 0.19's GPT failed every TP run on this)."""
     from types import SimpleNamespace
 
-    from ttrace.tracer import _megatron_layout
+    from ttrace.tracer.megatron import _megatron_layout
 
     class ColumnParallelLinear(torch.nn.Module):
         def __init__(self) -> None:

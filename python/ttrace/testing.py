@@ -24,14 +24,18 @@ When to use which:
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
 
 import numpy as np
 
 from . import thresholds as _th
 from ._arrays import as_core, as_float64
+from .errors import InvalidInputError
 
-__all__ = ["assert_close", "threshold_for"]
+if TYPE_CHECKING:
+    from .tracer.placements import ModuleLayout
+
+__all__ = ["assert_close", "copy_sharded", "seed_everything", "threshold_for"]
 
 _OPS = ("matmul", "linear", "sum", "mean", "softmax", "layernorm", "rmsnorm", "add", "gelu",
         "silu", "exp", "allreduce")
@@ -170,3 +174,64 @@ def assert_close(
     if v.nonfinite_mismatches:
         lines.insert(1, f"  {v.nonfinite_mismatches} elements are NaN or infinite on one side only")
     raise AssertionError("\n".join(lines))
+
+
+# --- building a sharded model beside its reference ----------------------------------------------
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators alike in the reference and sharded runs.
+    (This sets process-wide generator state, as any seeding does; it is never called on
+    import.)"""
+    import random
+
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _shard(t: Any, placement: dict, rank: int, parts: int) -> Any:
+    if placement.get("kind") != "split":
+        return t
+    dim = placement["dim"] % t.dim()
+    groups = placement.get("groups", 1)
+    n = t.shape[dim]
+    if n % (groups * parts):
+        raise InvalidInputError(
+            f"dimension {dim} of length {n} does not split into {groups}x{parts}",
+            "InvalidParameter",
+        )
+    view = t.reshape(*t.shape[:dim], groups, parts, n // (groups * parts), *t.shape[dim + 1:])
+    return view.select(dim + 1, rank).reshape(*t.shape[:dim], n // parts, *t.shape[dim + 1:])
+
+
+def copy_sharded(reference: Any, sharded: Any, layouts: Dict[str, ModuleLayout], tp_rank: int,
+                 tp: int, skip: Sequence[str] = ()) -> None:
+    """Copy every parameter of the module ``reference`` into ``sharded`` (same module names),
+    taking rank ``tp_rank``'s slice of the parameters the layouts declare split. Shapes must
+    match; parameters named in ``skip`` are left alone."""
+    import torch
+
+    from .tracer.placements import replicate
+
+    with torch.no_grad():
+        ref = dict(reference.named_parameters())
+        for name, p in sharded.named_parameters():
+            if name in skip:
+                continue
+            if name not in ref:
+                raise InvalidInputError(
+                    f"parameter {name!r} of the sharded model is not in the reference",
+                    "UnknownName",
+                )
+            module, _, local = name.rpartition(".")
+            ml = layouts.get(module)
+            placement = ml.params.get(local, replicate()) if ml else replicate()
+            src = _shard(ref[name], placement, tp_rank, tp) if tp > 1 else ref[name]
+            if src.shape != p.shape:
+                raise InvalidInputError(
+                    f"parameter {name!r}: shard {tuple(src.shape)} vs {tuple(p.shape)}",
+                    "ShapeMismatch",
+                )
+            p.copy_(src.to(p.dtype))

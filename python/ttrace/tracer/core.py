@@ -1,0 +1,790 @@
+"""The tracer: hooks that record a training step's tensors, their layouts and their modules'
+arithmetic, handed to the writer step by step."""
+
+from __future__ import annotations
+
+import os
+import weakref
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union, cast
+
+import torch
+
+from .. import arith as _arith
+from .._copies import DEFAULT_POOL_BYTES, Copier
+from ..errors import InvalidInputError, TtraceError, UnsupportedLayoutError
+from .dtensor import (_MeshMap, _dtensor_type, _expressible, _gather_param, _is_dtensor,
+                      _local_version, _placement_layout)
+from .kinds import _kind_of
+from .megatron import _megatron_layout
+from .mesh import find_mesh
+from .placements import (Mesh, ModuleLayout, _grad_layout, _partial_axes, _with_guess, partial,
+                         replicate, split)
+from .record import (_DTYPES, _StepRecord, _Tap, _alias_key, _base, _bits, _device_type,
+                     _in_backward, _owns, _param_grad)
+from .selection import ModuleSelector, select_modules
+from .sites import _SiteState, _site_state
+from .writing import StepJob, StepWriter, finish
+
+
+class Tracer:
+    """Records training steps of ``model`` on this rank (see the module docs).
+
+    ``directory``: where traced steps are written (``directory/step{n}``). ``mesh``: a
+    :class:`Mesh`, or a ``DeviceMesh`` (default: found from the model's DTensor parameters,
+    else data parallel over the ``torch.distributed`` world, else one rank). ``rank``: this
+    rank's ttrace global rank (default: from the mesh coordinates or ``torch.distributed``).
+    ``axes``: ttrace axis → DeviceMesh dimension name, for meshes whose names are not
+    recognized. ``layouts``: per-module tensor-parallel placements of plain tensors.
+    ``kinds``: module kinds (``linear``, ``norm``, ``attention``, ``activation``,
+    ``residual``, ``embedding``, ``loss``) for modules whose type does not say.
+    ``modules``: what to trace. ``every``: trace one step in N. ``dp_dim``: the batch
+    dimension of activations (default 0; 1 for models with Megatron layers, whose activations
+    are [sequence, batch, hidden], and whose mesh is read from Megatron's parallel state). ``recipe``: a ttrace recipe name for the manifest.
+    ``formats``: per-module ``{"quantize", "accumulate", "combine"}`` format names. Declare
+    ``"accumulate"`` for a module whose kernel accumulates below FP32 (``"bf16"``, ``"f16"``):
+    such sums round one way, so the check then runs no scale or bias test on the trace.
+    ``pool_bytes``: the bytes of reused host buffers the copies may hold per device kind
+    (pinned on CUDA; default 2 GiB; see :mod:`ttrace._copies` for what happens when it is
+    full). What is recorded is listed in :mod:`ttrace.tracer.selection`.
+    ``sites``: trace functional attention — each call of
+    ``torch.nn.functional.scaled_dot_product_attention`` (transformers' and torchtitan's
+    attention cores) as an attention site ``{module}.sdpa`` of the module that calls it
+    (default: when ``modules`` is not given).
+    ``unsupported``: ``"raise"`` (default) or ``"skip"`` a tensor whose layout the trace
+    format cannot express. ``background``: write on a background thread (default: with a
+    ``directory``; without one the tracer records from construction until :meth:`write`,
+    which then writes before returning).
+    ``local_mean_loss``: how each data-parallel rank normalizes its loss. ``True``: it averages
+    over its own share of the batch (the usual DDP / FSDP loop), so the gradients flowing
+    through activations are dp times those of a reference averaging over the whole batch; they
+    are recorded divided by dp (exactly, for dp a power of two). ``False``: normalized by the
+    global batch (Megatron's token count), recorded as computed. ``None`` (default): not
+    stated — recorded as computed and marked ``"dp_loss": "auto"`` in the manifest, and the
+    checker settles which from the reference (the first activation gradients compared both
+    ways; its report says which it took).
+    A scalar a module returns under data parallelism (a loss module's output) is each rank's
+    value over its share of the batch: recorded as a partial sum over dp (divided by dp with
+    ``local_mean_loss=True``, so the ranks' mean is judged against the reference's).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        directory: Optional[Union[str, "os.PathLike[str]"]] = None,
+        *,
+        mesh: Any = None,
+        rank: Optional[int] = None,
+        axes: Optional[Dict[str, str]] = None,
+        layouts: Optional[Dict[str, ModuleLayout]] = None,
+        kinds: Optional[Dict[str, str]] = None,
+        modules: ModuleSelector = None,
+        every: int = 1,
+        dp_dim: Optional[int] = None,
+        recipe: Optional[str] = None,
+        formats: Optional[Dict[str, dict]] = None,
+        unsupported: str = "raise",
+        background: Optional[bool] = None,
+        local_mean_loss: Optional[bool] = None,
+        fsync: bool = False,
+        sites: Optional[bool] = None,
+        pool_bytes: int = DEFAULT_POOL_BYTES,
+    ) -> None:
+        if every < 1:
+            raise InvalidInputError(f"every must be at least 1 (got {every})", "InvalidParameter")
+        if pool_bytes < 0:
+            raise InvalidInputError(f"pool_bytes must be non-negative (got {pool_bytes})",
+                                    "InvalidParameter")
+        if unsupported not in ("raise", "skip"):
+            raise InvalidInputError(
+                f"unsupported must be 'raise' or 'skip' (got {unsupported!r})", "InvalidParameter"
+            )
+        # DistributedDataParallel wraps the model as `.module`: trace the model itself, so its
+        # module names are the reference's.
+        while type(model).__name__ == "DistributedDataParallel" and hasattr(model, "module"):
+            model = cast(torch.nn.Module, model.module)
+        self.model = model
+        self.directory = os.fspath(directory) if directory is not None else None
+        self.axes = dict(axes or {})
+        self.kinds = dict(kinds or {})
+        self.formats = dict(formats or {})
+        self.recipe = recipe
+        self.dp_dim = 0 if dp_dim is None else dp_dim
+        self.every = every
+        self.unsupported = unsupported
+        self.local_mean_loss = local_mean_loss
+        self.fsync = fsync
+        self._dtensor = _dtensor_type()
+        named = dict(model.named_modules())
+        self._named = named
+        self.layouts: Dict[str, ModuleLayout] = {}
+        for n, m in named.items():
+            ml = _megatron_layout(m, n)
+            if ml is not None:
+                self.layouts[n] = ml
+        self._megatron = bool(self.layouts)
+        if dp_dim is None and self._megatron:
+            # Megatron's activations are [sequence, batch, hidden]; elsewhere the batch leads.
+            self.dp_dim = 1
+        self.layouts.update(layouts or {})
+        self.names = select_modules(named, modules)
+        unknown = [n for n in list(layouts or {}) + list(self.kinds) if n not in named]
+        if unknown:
+            raise InvalidInputError(f"no module named {unknown[0]!r} in the model", "UnknownName")
+        #: Whether functional attention (``scaled_dot_product_attention`` calls) is traced
+        #: as attention sites inside the modules that call it.
+        self.sites = modules is None if sites is None else sites
+        self._sites: "set[str]" = set()
+        self._stack: List[str] = []
+        self._site_state: Optional[_SiteState] = None
+        self._mesh_maps: Dict[int, _MeshMap] = {}
+        #: Why the device mesh cannot be placed, if it cannot (reported per tensor).
+        self.mesh, self.rank, self._mesh_error = find_mesh(
+            model, named, self._dtensor, self.axes, self._megatron, mesh, rank
+        )
+        #: Tensors left out because their layout cannot be expressed: (id, reason).
+        self.skipped: List[Tuple[str, str]] = []
+        self.steps = 0
+        self.last_directory: Optional[str] = None
+        self._s = _StepRecord()
+        #: Host copies: pooled buffers, asynchronous on CUDA (see :mod:`ttrace._copies`).
+        self._copier = Copier(pool_bytes)
+        self._handles: List[Any] = []
+        self._writer = StepWriter(
+            self.rank, fsync, background if background is not None else directory is not None
+        )
+        self._closed = False
+        if directory is None:
+            # No steps to delimit: record from now until write().
+            self.attach()
+
+    # -- configuration ----------------------------------------------------------------------
+
+    # -- recording ----------------------------------------------------------------------------
+
+    @contextmanager
+    def step(self) -> Iterator["Tracer"]:
+        """Trace the training step run inside the block (when this step is one in ``every``);
+        parameter gradients are read as the block ends, and the step is handed to the writer."""
+        if self._closed:
+            raise InvalidInputError("the tracer is closed", "InvalidParameter")
+        if self.directory is None:
+            raise InvalidInputError(
+                "Tracer(model, directory) is needed for step(); or call write(dir)",
+                "InvalidParameter",
+            )
+        n = self.steps
+        self.steps += 1
+        traced = n % self.every == 0
+        if traced:
+            self.attach()
+        try:
+            yield self
+        finally:
+            if traced:
+                self.detach()
+        if traced:
+            self.write(os.path.join(self.directory, f"step{n}"))
+
+    def attach(self) -> None:
+        """Register the hooks (``step()`` does this for traced steps)."""
+        if self._handles:
+            return
+        self._drop_step()
+        if self.sites:
+            # Which module is running (for naming the functional attention sites inside it),
+            # and the mode that sees the functional calls (thread-local, only while attached).
+            # The root counts ("" names no parent), so that a call it makes is known as this
+            # tracer's among several attached on the thread.
+            for n, m in self._named.items():
+                self._handles.append(m.register_forward_pre_hook(self._push(n)))
+                self._handles.append(m.register_forward_hook(self._pop(n), always_call=True))
+            self._site_state = _site_state()
+            self._site_state.attach(self)
+        for n in self.names:
+            m = self._named[n]
+            # Appended: after the pre-hooks of the module's parallel style, so the inputs are
+            # recorded (and tapped) as the module receives them.
+            self._handles.append(
+                m.register_forward_pre_hook(self._input_hook(n), with_kwargs=True)
+            )
+            # prepend=True: run before a DTensor output hook converts the output to a local
+            # tensor, so the placement is still known.
+            self._handles.append(
+                m.register_forward_hook(self._forward_hook(n), prepend=True, with_kwargs=True)
+            )
+            # Appended: the outputs as the caller receives them, after any DTensor conversion;
+            # their gradients are tapped there.
+            self._handles.append(m.register_forward_hook(self._final_hook(n)))
+
+    def detach(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self._site_state is not None:
+            # From the thread that attached (the mode stack is per thread).
+            state, self._site_state = self._site_state, None
+            state.detach(self)
+        self._stack = []
+
+    def _call_name(self, base: str) -> str:
+        """The name this call of ``base`` records under: ``base``, then ``base#1``, … for
+        further calls in the step; a recomputation inside the backward pass (activation
+        checkpointing) counts apart and reuses the names of the calls it repeats."""
+        counter = self._s.recomputed if _in_backward() else self._s.calls
+        calls = counter.get(base, 0)
+        counter[base] = calls + 1
+        name = base if calls == 0 else f"{base}#{calls}"
+        self._s.current[base] = name
+        return name
+
+    def _push(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            self._stack.append(name)
+        return hook
+
+    def _pop(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if self._stack and self._stack[-1] == name:
+                self._stack.pop()
+        return hook
+
+    def _attention_site(self, func: Callable[..., Any], args: Tuple[Any, ...],
+                        kwargs: Dict[str, Any]) -> Any:
+        """Record one call of ``scaled_dot_product_attention`` as the attention site
+        ``{module}.sdpa`` of the module it runs in: query, key, value (and a floating-point
+        mask) as its inputs, their gradients tapped, the output and its gradient."""
+        parent = self._stack[-1] if self._stack else ""
+        base = f"{parent}.sdpa" if parent else "sdpa"
+        name = self._call_name(base)
+        self._sites.add(name)
+        self._sites.add(base)
+        keys = ["query", "key", "value", "attn_mask"]
+        values = list(args[:4]) + [kwargs.get(k) for k in keys[len(args[:4]):]]
+        device = next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")
+        if name not in self._s.arith:
+            self._s.arith[name] = _arith.module_settings(device)
+        recorded = [v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        for i, v in enumerate(recorded):
+            self._record(name, "fwd.input", i, v)
+        self._s.tapped[name] = False
+        if torch.is_grad_enabled():
+            tapped = {id(v): self._tap(name, i, v) for i, v in enumerate(recorded)}
+            values = [tapped.get(id(v), v) if isinstance(v, torch.Tensor) else v
+                      for v in values]
+        new_args = tuple(values[:len(args[:4])]) + tuple(args[4:])
+        new_kwargs = dict(kwargs)
+        for k, v in zip(keys[len(args[:4]):], values[len(args[:4]):]):
+            if k in kwargs:
+                new_kwargs[k] = v
+        out = func(*new_args, **new_kwargs)
+        self._record(name, "fwd.output", 0, out)
+        if isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled():
+            out.register_hook(self._output_grad(name, 0))
+        return out
+
+    def _layout(self, name: str, role: str, i: int, t: torch.Tensor,
+                param: Optional[str] = None) -> dict:
+        ml = self.layouts.get(_base(name))
+        if param is not None:
+            tp = ml.params.get(param, replicate()) if ml else replicate()
+        else:
+            tp = ml.pick(role, i) if ml else replicate()
+        tp = dict(tp)
+        if tp.get("kind") == "split" and tp["dim"] < 0:
+            tp["dim"] += t.dim()
+        if tp.get("kind") == "split" and not 0 <= tp["dim"] < max(t.dim(), 1):
+            raise InvalidInputError(
+                f"module {name!r}: split dim out of range for a {t.dim()}-d tensor",
+                "InvalidParameter",
+            )
+        if self.mesh.tp == 1:
+            tp = replicate()
+        dp = replicate()
+        if self.mesh.dp > 1 and param is None and t.dim() > self.dp_dim:
+            dp = split(self.dp_dim)
+        return {"dp": dp, "cp": replicate(), "tp": tp}
+
+    def _mesh_of(self, device_mesh: Any) -> _MeshMap:
+        """How the dimensions of a tensor's own device mesh map onto ttrace's axes (unusable
+        when the whole mesh the tracer places its ranks on is)."""
+        key = id(device_mesh)
+        mm = self._mesh_maps.get(key)
+        if mm is None:
+            mm = self._mesh_maps[key] = _MeshMap(device_mesh, self.axes)
+            if mm.error is None and self._mesh_error is not None:
+                mm.error = self._mesh_error
+        return mm
+
+    def _local_layout(self, tid: str, t: torch.Tensor) -> Optional[dict]:
+        """The layout of a plain tensor made by ``DTensor.to_local()`` (its autograd node keeps
+        the DTensor's placements), or of the local shard of a DTensor seen before."""
+        spec = getattr(t.grad_fn, "dtensor_spec", None)
+        if spec is not None:
+            mm = self._mesh_of(spec.mesh)
+            layout = _placement_layout(tid, spec.placements, spec.mesh, tuple(spec.shape), mm)
+            return self._uncovered(layout, mm, t.dim())
+        key = _alias_key(t)
+        hit = self._s.alias.get(key) if key is not None else None
+        # Only while the tensor first seen there lives and still owns that memory (torch can
+        # free a live tensor's storage: then the address may hold another tensor).
+        return hit[1] if hit is not None and _owns(hit[0](), t) else None
+
+    def _uncovered(self, layout: dict, mm: _MeshMap, ndim: int) -> dict:
+        """A non-parameter DTensor's layout completed along the axes its device mesh does not
+        cover (TP on ``mesh["tp"]`` of a 2-D mesh whose dp dimension splits the batch as plain
+        data): a split of the batch dimension (``dp_dim``) for dp, replication otherwise —
+        guesses, listed under ``"_guessed"`` for the checker to settle."""
+        missing = [a for a in ("dp", "cp", "tp")
+                   if a not in {x for _, x, _ in mm.placed()} and getattr(self.mesh, a) > 1]
+        if not missing:
+            return layout
+        layout = dict(layout)
+        if "dp" in missing and ndim > self.dp_dim:
+            layout["dp"] = split(self.dp_dim)
+        layout["_guessed"] = missing
+        return layout
+
+    def _remember(self, owner: torch.Tensor, t: torch.Tensor, layout: dict) -> None:
+        key = _alias_key(t)
+        if key is not None:
+            self._s.alias[key] = (weakref.ref(owner), layout)
+
+    def _derived(self, tid: str, name: str, role: str, i: int, t: torch.Tensor,
+                 inherit: Optional[dict]) -> Tuple[Optional[dict], List[str]]:
+        """The layout of a plain tensor of a module without declared layouts, derived from
+        DTensors of this step (see the module docs), and the axes along which it is only a
+        guess (the gradient of a forward tensor whose layout was guessed)."""
+        if _base(name) in self.layouts:
+            return None, []
+        hit = self._local_layout(tid, t)
+        if hit is not None:
+            return hit, []
+        if role == "grad.output":
+            key = (name, "fwd.output", i)
+            fwd = self._s.final.get((name, i))
+        elif role == "grad.input":
+            key = (name, "fwd.input", i)
+            fwd = self._s.forward.get(key)
+        else:
+            fwd = None
+        if fwd is not None and fwd[0] == tuple(t.shape):
+            return _grad_layout(fwd[1]), self._s.guesses.get(key, [])
+        if role == "fwd.output" and inherit is not None and inherit["shape"] == tuple(t.shape):
+            return inherit["layout"], []
+        return None, []
+
+    def _record(self, name: str, role: str, i: int, t: Any, param: Optional[str] = None,
+                inherit: Optional[dict] = None, info: Optional[dict] = None) -> Optional[dict]:
+        """Record one tensor; returns its layout when it was derived from a DTensor."""
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            return None
+        tid = f"{name}.{param}|param_grad" if param is not None else f"{name}|{role}.{i}"
+        declared = self.layouts.get(_base(name))
+        if declared is not None and declared.swap_outputs and role in ("fwd.output",
+                                                                      "grad.output"):
+            t = t.transpose(*declared.swap_outputs)
+        derived = None
+        guessed: List[str] = []
+        scalar_mean = False
+        #: Axes along which a module hands its caller a partial sum as a plain tensor.
+        unreduced: List[str] = []
+        try:
+            if self._dtensor is not None and isinstance(t, self._dtensor):
+                dt = cast(Any, t)
+                mm = self._mesh_of(dt.device_mesh)
+                if param is not None:
+                    dt = _gather_param(dt, mm if mm.error is None else None)
+                layout = _placement_layout(tid, dt.placements, dt.device_mesh, tuple(dt.shape),
+                                           mm)
+                if param is None:
+                    layout = self._uncovered(layout, mm, dt.dim())
+                    if self.mesh.cp > 1 and layout["cp"]["kind"] == "split":
+                        # Context parallelism places the sequence as Shard(seq) on the cp mesh
+                        # in whatever order its load balancer put the tokens (torch's CP:
+                        # head-tail chunks for causal attention): the order is settled from
+                        # the values.
+                        layout = _with_guess(layout, "cp")
+                local = dt.to_local()
+                derived = layout
+                self._remember(getattr(dt, "_local_tensor", local), local, layout)
+            else:
+                local = t
+                derived, guessed = (self._derived(tid, name, role, i, t, inherit)
+                                    if param is None else (None, []))
+                layout = derived if derived is not None else self._layout(name, role, i, t, param)
+                if (role == "fwd.output" and derived is not None
+                        and getattr(t.grad_fn, "dtensor_spec", None) is not None):
+                    # A DTensor's Partial() made local and handed on with no reduction: merged
+                    # as the sum it is, but the caller's plain code uses one rank's addend.
+                    unreduced = _partial_axes(derived)
+                if derived is None and self.mesh.world() > 1:
+                    # Neither a DTensor, nor declared, nor derived from one: a guess the
+                    # checker settles from the shapes. Under data parallelism the batch
+                    # dimension of a plain tensor is a guess too (dp_dim), even where its
+                    # tensor-parallel placement is declared.
+                    guessed = [a for a, unknown in (("dp", self.mesh.dp > 1 and param is None),
+                                                    ("cp", self.mesh.cp > 1 and param is None),
+                                                    ("tp", self.mesh.tp > 1
+                                                     and _base(name) not in self.layouts))
+                               if unknown]
+                if derived is not None and "_guessed" in derived:
+                    guessed = sorted(set(guessed) | set(derived["_guessed"]))
+                if guessed:
+                    # Not handed on as known (the gradient of this tensor is a guess too).
+                    derived = None
+                if param is None and derived is None and _base(name) in self.layouts:
+                    # A declared layout (Megatron's layers): the modules this tensor is handed
+                    # to next find it by its memory — with its cp placement still a guess
+                    # under context parallelism (the sequence's chunks are no layer's).
+                    derived = _with_guess(layout, "cp") if "cp" in guessed else layout
+                    self._remember(t, t, derived)
+                if t.dim() == 0 and self.mesh.dp * self.mesh.cp > 1 and param is None:
+                    # A scalar under data (or context) parallelism is each rank's own value,
+                    # a loss over its share of the batch: the reference's is their sum when
+                    # each is normalized by the global count, their mean when each averages
+                    # its own share (divided by dp·cp here with local_mean_loss=True, by the
+                    # checker when it settles an unstated normalization). Its gradient is the
+                    # backward's seed, the same on every rank.
+                    fwd = role.startswith("fwd.")
+                    for a in ("dp", "cp"):
+                        if getattr(self.mesh, a) > 1:
+                            layout = {**layout, a: partial() if fwd else replicate()}
+                    guessed = [a for a in guessed if a not in ("dp", "cp")]
+                    derived = None
+                    scalar_mean = fwd and self.local_mean_loss is True
+        except UnsupportedLayoutError as e:
+            if self.unsupported == "skip":
+                self.skipped.append((tid, str(e)))
+                return None
+            raise
+        if local.dtype not in _DTYPES:
+            raise InvalidInputError(
+                f"tensor {tid!r}: dtype {local.dtype} cannot be stored", "UnknownFormat"
+            )
+        # With local_mean_loss=True, an activation gradient in parts along the data ranks
+        # (dp split; under context parallelism every one, its cp placement mostly a guess) is
+        # dp·cp times the reference's: recorded divided.
+        data = self.mesh.dp * self.mesh.cp
+        scaled = scalar_mean or (self.local_mean_loss is True and data > 1
+                                 and role.startswith("grad.") and param is None
+                                 and (layout["dp"]["kind"] == "split"
+                                      or (self.mesh.cp > 1 and t.dim() > 0)))
+        # The same tensor handed from one module to the next (an output that is the next
+        # module's input: same memory, shape, strides and version while the first holder
+        # lives) is copied and stored once, both ids naming it — and only when the contents
+        # are bitwise equal, checked: torch can free a live tensor's storage and reuse the
+        # memory (DTensor's collectives do), which no address or version test sees.
+        owner = t._local_tensor if local is not t and hasattr(t, "_local_tensor") else local
+        key = _alias_key(local)
+        same = (key, local._version, scaled)
+        hit = self._s.copies.get(same) if key is not None else None
+        copy = None
+        if hit is not None and hit[0]() is not None and not scaled and local.device.type == "cpu":
+            # (On a CUDA device the comparison would wait for the device: the tensor is
+            # copied again, asynchronously, and the writer stores equal contents once.)
+            candidate = hit[1]
+            if torch.equal(_bits(candidate.tensor), _bits(local.detach())):
+                copy = candidate
+        if copy is None:
+            try:
+                copy = self._copier.copy(local, 1.0 / data if scaled else None)
+            except RuntimeError as e:
+                # A tensor whose storage torch already released cannot be read.
+                why = f"tensor {tid!r} cannot be read ({e})"
+                if self.unsupported == "skip":
+                    self.skipped.append((tid, why))
+                    return None
+                raise TtraceError(why, "Storage") from None
+            self._s.made.append(copy)
+            if key is not None:
+                self._s.copies[same] = (weakref.ref(owner), copy)
+        if tid not in self._s.records:
+            self._s.order.append(tid)
+        self._s.records[tid] = copy
+        if "_guessed" in layout:
+            guessed = sorted(set(guessed) | set(layout["_guessed"]))
+            layout = {k: v for k, v in layout.items() if k != "_guessed"}
+        module_info = self._module_info(name)
+        if info:
+            module_info = {**info, **(module_info or {})}  # declared formats win
+        if unreduced:
+            module_info = {**(module_info or {}), "unreduced": unreduced}
+        settings = self._s.arith.get(name)
+        if settings:
+            module_info = {**settings, **(module_info or {})}
+        self._s.meta[tid] = {"layout": layout, "module": module_info,
+                             "guessed": guessed}
+        if param is None:
+            self._s.forward[(name, role, i)] = (tuple(local.shape), layout)
+            if guessed:
+                self._s.guesses[(name, role, i)] = guessed
+        return derived
+
+    def _kind(self, name: str) -> Optional[str]:
+        if name in self.kinds:
+            return self.kinds[name]
+        if name in self._sites:
+            return "attention"
+        return _kind_of(self._named[name])
+
+    def _module_info(self, name: str) -> Optional[dict]:
+        name = _base(name)
+        kind = self._kind(name)
+        info = {"kind": kind} if kind is not None else {}
+        info.update(self.formats.get(name, {}))
+        return info or None
+
+    def _input_hook(self, base: str) -> Callable[..., Any]:
+        def hook(module: torch.nn.Module, args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+            # A module called again in the same step (one activation instance used twice, a
+            # rotary module applied to queries and keys) is recorded under `name#k` for its
+            # k-th further call, so no call's tensors overwrite another's.
+            # A forward run again inside the backward pass is activation checkpointing's
+            # recomputation of calls already seen: it reuses their names (counted apart), so
+            # its tensors and the gradients it produces land on the forward's ids.
+            name = self._call_name(base)
+            if name not in self._s.arith:
+                self._s.arith[name] = _arith.module_settings(_device_type(module, args, kwargs))
+            # Recorded (copied) before the module runs: it may modify them in place.
+            inherit = None
+            # Keyword tensors (hidden_states=x, as Hugging Face models pass them) follow the
+            # positional ones, in the order given.
+            keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+            inputs = list(args) + [kwargs[k] for k in keys]
+            for i, a in enumerate(inputs):
+                derived = self._record(name, "fwd.input", i, a)
+                if derived is not None and inherit is None and not _is_dtensor(a, self._dtensor):
+                    inherit = {"shape": tuple(a.shape), "layout": derived}
+            self._s.inherit[name] = inherit
+            self._s.tapped[name] = False
+            if not torch.is_grad_enabled():
+                return args, kwargs
+            tapped = [self._tap(name, i, a) for i, a in enumerate(inputs)]
+            kwargs = dict(kwargs)
+            for k, t in zip(keys, tapped[len(args):]):
+                kwargs[k] = t
+            return tuple(tapped[:len(args)]), kwargs
+        return hook
+
+    def _tap(self, name: str, i: int, a: Any) -> Any:
+        """``a`` as the module should receive it: through a :class:`_Tap` recording the
+        gradient that flows back to it through the module (when it needs one)."""
+        if not isinstance(a, torch.Tensor) or not a.is_floating_point() or not a.requires_grad:
+            return a
+        record = self._s
+        self._s.tapped[name] = True
+
+        def got(g: torch.Tensor) -> None:
+            if self._s is record:  # the step is still being recorded
+                self._record(name, "grad.input", i, g)
+                # Parameter gradients are read when the step ends; remember where they belong.
+                record.order.append(("params", _base(name)))
+
+        return _Tap.apply(a, got)
+
+    def _forward_hook(self, base: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                 output: Any) -> None:
+            name = self._s.current.get(base, base)
+            inherit = self._s.inherit.get(name)
+            outs = output if isinstance(output, (tuple, list)) else (output,)
+            for i, o in enumerate(outs):
+                if _is_dtensor(o, self._dtensor) and not _expressible(o):
+                    # Recorded as the caller receives it (after the module's parallel style
+                    # redistributes it), by the appended hook.
+                    self._s.deferred.add((name, i))
+                    continue
+                derived = self._record(name, "fwd.output", i, o, inherit=inherit)
+                if derived is not None and isinstance(o, torch.Tensor):
+                    self._remember(o, o, derived)
+                if f"{name}|fwd.output.{i}" in self._s.records:
+                    self._s.returned[(name, i)] = (o, _local_version(o, self._dtensor))
+        return hook
+
+    def _final_hook(self, base: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Tuple[Any, ...], output: Any) -> None:
+            name = self._s.current.get(base, base)
+            outs = output if isinstance(output, (tuple, list)) else (output,)
+            for i, o in enumerate(outs):
+                if not isinstance(o, torch.Tensor) or not o.is_floating_point():
+                    continue
+                tid = f"{name}|fwd.output.{i}"
+                if (name, i) in self._s.deferred:
+                    self._s.deferred.discard((name, i))
+                    self._record(name, "fwd.output", i, o)
+                layout: Optional[dict]
+                try:
+                    if _is_dtensor(o, self._dtensor):
+                        dt = cast(Any, o)
+                        layout = _placement_layout(tid, dt.placements, dt.device_mesh,
+                                                   tuple(dt.shape), self._mesh_of(dt.device_mesh))
+                        shape = tuple(dt.to_local().shape)
+                    else:
+                        layout = self._local_layout(tid, o)
+                        shape = tuple(o.shape)
+                        if layout is None:
+                            recorded = self._s.forward.get((name, "fwd.output", i))
+                            layout = recorded[1] if recorded is not None else None
+                except UnsupportedLayoutError:
+                    layout = None
+                if layout is not None:
+                    self._s.final[(name, i)] = (shape, layout)
+                    self._rerecord_if_hooked(name, i, o, layout)
+                    if not _is_dtensor(o, self._dtensor):
+                        self._mark_unreduced(tid, o, layout)
+                if o.requires_grad and torch.is_grad_enabled():
+                    o.register_hook(self._output_grad(name, i))
+        return hook
+
+    def _mark_unreduced(self, tid: str, o: torch.Tensor, layout: dict) -> None:
+        """A module output its caller receives as a plain tensor made local from a DTensor's
+        Partial() (a parallel style whose output layout is Partial, handed on with
+        ``use_local_output``): marked in its module info, for the check to name the module
+        when the sum's use fails (see :meth:`_record`)."""
+        if getattr(o.grad_fn, "dtensor_spec", None) is None or tid not in self._s.meta:
+            return
+        axes = _partial_axes(layout)
+        if axes:
+            meta = self._s.meta[tid]
+            meta["module"] = {**(meta.get("module") or {}), "unreduced": axes}
+
+    def _rerecord_if_hooked(self, name: str, i: int, o: torch.Tensor, layout: dict) -> None:
+        """An output hook that changed a module's output without changing its placement (a
+        scale, a clamp, a bug planted as a hook): the caller receives the changed values, so
+        they are the module's output — a difference they carry is born in this module, not in
+        the gap after it. (The first record runs before the output hooks, where a DTensor's
+        placement is still known; a parallel style's redistribution changes the layout and is
+        left as recorded.)"""
+        hit = self._s.returned.pop((name, i), None)
+        if hit is None:
+            return
+        first, version = hit
+        if o is first and _local_version(o, self._dtensor) == version:
+            return  # untouched: no hook changed it (the usual case, free)
+        tid = f"{name}|fwd.output.{i}"
+        recorded = self._s.forward.get((name, "fwd.output", i))
+        stored = self._s.records.get(tid)
+        after = cast(Any, o).to_local() if _is_dtensor(o, self._dtensor) else o
+        if (recorded is None or recorded[1] != layout or stored is None
+                or tuple(after.shape) != tuple(stored.shape) or after.dtype != stored.dtype):
+            return
+        if o is first:
+            # Changed in place: only the stored copy still holds what the module returned.
+            same = torch.equal(after.detach().to("cpu"), stored.wait())
+        else:
+            # A new tensor (a parallel style's to_local, or a hook's result): compared where
+            # it lives, copied only if it differs.
+            local = cast(Any, first).to_local() if _is_dtensor(first, self._dtensor) else first
+            same = tuple(local.shape) == tuple(after.shape) and torch.equal(after, local)
+        if not same:
+            copy = self._copier.copy(after)
+            self._s.made.append(copy)
+            self._s.records[tid] = copy
+
+    def _output_grad(self, name: str, i: int) -> Callable[[torch.Tensor], None]:
+        record = self._s
+
+        def got(g: torch.Tensor) -> None:
+            if self._s is record:
+                self._record(name, "grad.output", i, g)
+                if not record.tapped.get(name, False):
+                    # No input takes a gradient: the parameters' come with this one.
+                    record.order.append(("params", _base(name)))
+
+        return got
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def write(self, directory: Union[str, "os.PathLike[str]"], combine: bool = False) -> str:
+        """Hand the recorded step to the writer: ``rank{r}.safetensors`` and
+        ``manifest.rank{r}.json`` in ``directory``. Parameter gradients are read now and placed
+        right after their module's backward tensors (execution order). With ``combine=True``
+        (the last of several ranks emulated in one process) the fragments are then merged into
+        ``manifest.json`` (see :func:`finish`). Returns the directory."""
+        directory = os.fspath(directory)
+        order, seen = [], set()
+        for item in self._s.order:
+            if isinstance(item, tuple):
+                name = item[1]
+                if name not in self._named:  # a functional site: no parameters
+                    continue
+                module = self._named[name]
+                for pname, p in module.named_parameters(recurse=False):
+                    grad, info = _param_grad(module, pname, p)
+                    if grad is not None:
+                        self._record(name, "param", 0, grad, param=pname, info=info)
+                        tid = f"{name}.{pname}|param_grad"
+                        if tid not in seen and tid in self._s.records:
+                            seen.add(tid)
+                            order.append(tid)
+            elif item not in seen:
+                seen.add(item)
+                order.append(item)
+        fname = f"rank{self.rank}.safetensors"
+        tensors, entries = [], []
+        keys: Dict[int, str] = {}
+        for tid in order:
+            t = self._s.records[tid]
+            key = keys.get(id(t))
+            if key is None:
+                key = keys[id(t)] = tid
+                tensors.append((tid, _DTYPES[t.dtype], list(t.shape), t))
+            e = {"id": tid, "rank": self.rank, "file": fname, "key": key,
+                 "dtype": _DTYPES[t.dtype], "layout": self._s.meta[tid]["layout"]}
+            if self._s.meta[tid]["module"] is not None:
+                e["module"] = self._s.meta[tid]["module"]
+            if self._s.meta[tid]["guessed"]:
+                e["guessed"] = self._s.meta[tid]["guessed"]
+            entries.append(e)
+        # The step's header and entries: the Rust core adds the format and version, builds
+        # the manifest, validates it as every reader does, and writes it (one writer).
+        manifest: Dict[str, Any] = {"mesh": self.mesh.to_json(), "run": _arith.run_settings(),
+                                    "tensors": entries}
+        if self.recipe:
+            manifest["recipe"] = self.recipe
+        if self.local_mean_loss is None and self.mesh.dp * self.mesh.cp > 1:
+            manifest["dp_loss"] = "auto"
+        job = StepJob(directory, fname, tensors, manifest, self._s.made)
+        self._s = _StepRecord()
+        self.last_directory = directory
+        self._writer.hand(job)
+        if combine:
+            self.flush()
+            finish(directory)
+        return directory
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes of tensor data written so far (all steps)."""
+        return self._writer.bytes_written
+
+    def _drop_step(self) -> None:
+        """Start a new step record, giving the unwritten copies' buffers back."""
+        for c in self._s.made:
+            c.release()
+        self._s = _StepRecord()
+
+    def flush(self) -> int:
+        """Wait until every handed step is on disk; re-raises a write error. Returns the bytes
+        written so far."""
+        return self._writer.flush()
+
+    def close(self) -> int:
+        """Remove the hooks, wait for the writer and stop it. Returns the bytes written."""
+        self.detach()
+        try:
+            return self.flush()
+        finally:
+            self._writer.close()
+            self._drop_step()
+            self._copier.clear()
+            self._closed = True
+
+    def __enter__(self) -> "Tracer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

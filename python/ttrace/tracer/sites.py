@@ -1,0 +1,91 @@
+"""Functional attention sites: ``scaled_dot_product_attention`` calls seen by one
+``TorchFunctionMode`` per thread, shared by every attached tracer and recorded by the tracers
+whose modules run them."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import TYPE_CHECKING, Any, Callable, List, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from .core import Tracer
+
+@functools.lru_cache(maxsize=None)
+def _site_mode_type() -> type:
+    from torch.overrides import TorchFunctionMode
+
+    class SiteMode(TorchFunctionMode):
+        """Sees the functional calls of traced steps: ``scaled_dot_product_attention`` (which
+        transformers' attention interfaces and torchtitan's attention call) becomes an
+        attention site of the module it runs in, for every tracer attached on this thread."""
+
+        def __init__(self, state: "_SiteState") -> None:
+            super().__init__()
+            self.state = state
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if func is torch.nn.functional.scaled_dot_product_attention and self.state.tracers:
+                return _attention_call(func, self.state.recipients(), *args, **kwargs)
+            return func(*args, **kwargs)
+
+    return SiteMode
+
+def _attention_call(func: Callable[..., Any], tracers: List["Tracer"], /, *args: Any,
+                    **kwargs: Any) -> Any:
+    """``func(*args, **kwargs)`` called through each tracer's attention site in turn (the
+    first records the call's tensors and hands its tapped inputs to the next)."""
+    if not tracers:
+        return func(*args, **kwargs)
+    inner = functools.partial(_attention_call, func, tracers[1:])
+    return tracers[0]._attention_site(inner, args, kwargs)
+
+class _SiteState:
+    """A thread's one attention-site mode and the tracers attached to it.
+
+    One mode serves every tracer of the thread (several ranks emulated in one process attach
+    several): it is entered when the first tracer attaches and left when the last detaches, so
+    no tracer ever pops a mode it did not push (``TorchFunctionMode.__exit__`` pops whatever
+    is on top). A mode another owner entered above ours keeps ours on the stack: it stays
+    there inert (no tracers) and is reused by the next attach, so the stack never grows. A
+    tracer detached from another thread leaves the mode inert too (the stack is per thread)."""
+
+    def __init__(self) -> None:
+        self.owner = threading.get_ident()
+        self.mode: Optional[Any] = None
+        self.tracers: List["Tracer"] = []
+
+    def recipients(self) -> List["Tracer"]:
+        """The tracers an attention call belongs to: those inside one of their modules, or
+        every attached tracer for a call outside all of them."""
+        inside = [t for t in self.tracers if t._stack]
+        return inside or list(self.tracers)
+
+    def attach(self, tracer: "Tracer") -> None:
+        if not any(t is tracer for t in self.tracers):
+            self.tracers.append(tracer)
+        if self.mode is None:
+            self.mode = _site_mode_type()(self)
+            self.mode.__enter__()
+
+    def detach(self, tracer: "Tracer") -> None:
+        self.tracers = [t for t in self.tracers if t is not tracer]
+        if self.tracers or self.mode is None or threading.get_ident() != self.owner:
+            return
+        from torch.overrides import _get_current_function_mode
+        if _get_current_function_mode() is self.mode:
+            self.mode.__exit__(None, None, None)
+            self.mode = None
+
+_SITE_LOCAL = threading.local()
+
+def _site_state() -> _SiteState:
+    """This thread's :class:`_SiteState`."""
+    state = getattr(_SITE_LOCAL, "state", None)
+    if state is None:
+        state = _SITE_LOCAL.state = _SiteState()
+    return state

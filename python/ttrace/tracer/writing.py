@@ -1,0 +1,137 @@
+"""Writing traced steps: each step's host copies and manifest handed to the Rust core (the one
+writer of the trace format), on a background thread so that the step does not wait on the
+disk, or inline; and the merge of several ranks' manifest fragments."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from .. import _ttrace
+from .._copies import HostCopy
+from ..errors import TtraceError
+
+
+@dataclass
+class StepJob:
+    """One rank's step as the writer takes it."""
+
+    #: The step directory.
+    directory: str
+    #: The rank's safetensors file name.
+    file: str
+    #: (key, format, shape, host copy) of each stored tensor.
+    tensors: List[Tuple[str, str, List[int], HostCopy]]
+    #: The step's header and entries (the core adds the format and version).
+    manifest: Dict[str, Any]
+    #: Every host copy the step made, released once written.
+    made: List[HostCopy]
+
+
+class StepWriter:
+    """Writes one rank's steps through the Rust core: tensors first, the manifest fragment
+    ``manifest.rank{r}.json`` last and atomically (an interrupted step leaves no manifest
+    naming missing files). In the background (a daemon thread started on the first step;
+    :meth:`flush` waits for it and re-raises its first error) or inline."""
+
+    def __init__(self, rank: int, fsync: bool, background: bool) -> None:
+        self.rank = rank
+        self.fsync = fsync
+        self.background = background
+        #: Bytes of tensor data written so far (all steps).
+        self.bytes_written = 0
+        self._queue: "queue.Queue[Optional[StepJob]]" = queue.Queue()
+        self._errors: List[BaseException] = []
+        self._thread: Optional[threading.Thread] = None
+        self._atexit = False
+
+    def hand(self, job: StepJob) -> None:
+        """Write ``job``: queued for the background thread, or now."""
+        for c in job.made:
+            c.hand()
+        if not self.background:
+            self._write(job)
+            return
+        self._start()
+        self._queue.put(job)
+
+    def _write(self, job: StepJob) -> None:
+        stored: list = []
+        try:
+            os.makedirs(job.directory, exist_ok=True)
+            # The device copies are complete once their events are (the only wait for the
+            # device, on this thread).
+            stored = [
+                (key, fmt, shape, t.wait().reshape(-1).view(torch.uint8).numpy())
+                for key, fmt, shape, t in job.tensors
+            ]
+            self.bytes_written += _ttrace.write_step(
+                job.directory, job.file, stored, {"rank": str(self.rank)},
+                f"manifest.rank{self.rank}.json", json.dumps(job.manifest), self.fsync
+            )
+        finally:
+            del stored
+            for c in job.made:
+                c.release()
+
+    def _start(self) -> None:
+        if self._thread is not None:
+            return
+
+        def run() -> None:
+            while True:
+                job = self._queue.get()
+                try:
+                    if job is None:
+                        return
+                    self._write(job)
+                except BaseException as e:  # reported by flush()
+                    self._errors.append(e)
+                finally:
+                    self._queue.task_done()
+
+        self._thread = threading.Thread(target=run, name="ttrace-writer", daemon=True)
+        self._thread.start()
+        if not self._atexit:
+            atexit.register(self.flush)
+            self._atexit = True
+
+    def flush(self) -> int:
+        """Wait until every handed step is on disk; re-raises a write error. Returns the bytes
+        written so far."""
+        if self._thread is not None:
+            self._queue.join()
+        if self._errors:
+            e = self._errors.pop(0)
+            self._errors.clear()
+            if isinstance(e, TtraceError):
+                raise e
+            raise TtraceError(f"writing the trace failed: {e}", "File") from e
+        return self.bytes_written
+
+    def close(self) -> None:
+        """Stop the background thread (after the steps handed to it are written)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        if self._atexit:
+            atexit.unregister(self.flush)
+            self._atexit = False
+
+
+def finish(directory: Union[str, "os.PathLike[str]"]) -> str:
+    """Merge every ``manifest.rank*.json`` of ``directory`` into ``manifest.json`` (rank
+    order) — for several ranks emulated in one process. ``ttrace check`` reads fragments
+    without this. The fragments must agree on the mesh, recipe and loss normalization
+    (:class:`~ttrace.errors.TraceError` otherwise); the Rust core merges and writes, as it
+    reads."""
+    _ttrace.merge_manifests(os.fspath(directory))
+    return os.fspath(directory)
