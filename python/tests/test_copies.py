@@ -38,23 +38,27 @@ def test_buffers_are_reused_by_size_and_the_pool_stays_within_its_capacity():
 def test_a_full_pool_waits_for_the_writer_then_reuses_its_buffer():
     pool = HostPool(64, pin=False)
     first = HostCopy(torch.zeros(0), pool.acquire(64), None, pool)
+    buffer_ptr = first._buffer.data_ptr() if first._buffer is not None else None
     first.hand()
     got = []
+    entering = threading.Event()
 
     def record() -> None:
-        start = time.monotonic()
-        got.append((pool.acquire(64), time.monotonic() - start))
+        entering.set()
+        got.append(pool.acquire(64))
 
     t = threading.Thread(target=record)
     t.start()
+    assert entering.wait(timeout=10)
     time.sleep(0.2)
-    assert not got, "the acquire should wait for the handed buffer"
+    # The pool is full and its one buffer is with the writer: the record waits (it neither
+    # refuses nor allocates beyond the capacity) until the writer gives the buffer back.
+    assert t.is_alive() and not got
     first.release()
     t.join(timeout=10)
     assert not t.is_alive()
-    buf, waited = got[0]
-    assert buf is not None and waited >= 0.15
-    assert pool.allocated == 64 and pool.handed == 0
+    assert got[0] is not None and got[0].data_ptr() == buffer_ptr
+    assert pool.allocated == 64 and pool.handed == 0 and pool.allocations == 1
 
 
 def test_copies_hold_the_values_and_scale_where_the_tensor_lives():
