@@ -325,7 +325,7 @@ pub(crate) fn grouped_threshold(
 /// loosens the threshold.
 pub(crate) fn residue_clusters(values: &[f64], n: usize, grid: f64) -> Vec<usize> {
     let rows = values.len().checked_div(n).unwrap_or(0);
-    let mut seen: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
+    let mut seen: crate::bounds::keyed::DataMap<u64, usize> = Default::default();
     (0..rows)
         .map(|r| {
             let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -363,7 +363,7 @@ pub(crate) fn row_classes(values: &[f64], n: usize) -> (Vec<usize>, Vec<(usize, 
         h
     };
     let same = |a: &[f64], b: &[f64]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-    let mut buckets: std::collections::HashMap<u64, Vec<usize>> = Default::default();
+    let mut buckets: crate::bounds::keyed::DataMap<u64, Vec<usize>> = Default::default();
     let mut class = Vec::with_capacity(rows);
     let mut classes: Vec<(usize, usize)> = vec![];
     for r in 0..rows {

@@ -128,8 +128,7 @@ pub fn elementwise_threshold(
     let identical = reference == candidate;
     // Elements with identical inputs have identical differences: group them, so that one
     // distinct input is one independent component (weight √count in the norm).
-    let mut groups: std::collections::HashMap<(u64, u64), (usize, usize)> =
-        std::collections::HashMap::new();
+    let mut groups: crate::bounds::keyed::DataMap<(u64, u64), (usize, usize)> = Default::default();
     let mut order = vec![];
     let mut norm_sq = 0.0;
     for i in 0..x.len() {

@@ -26,6 +26,7 @@ pub(crate) mod baselines;
 pub(crate) mod compare;
 pub(crate) mod elementwise;
 pub(crate) mod fast;
+pub(crate) mod keyed;
 pub(crate) mod norm;
 pub(crate) mod ops;
 pub(crate) mod reduction;

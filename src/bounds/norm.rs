@@ -661,7 +661,7 @@ pub fn norm_threshold(
             // The dᵢ roundings, by (grid, residue of xᵢ on it): one component each, proxy
             // Var(η)·Σ (γᵢ·rstd)² over the group.
             let mut d_groups: std::collections::BTreeMap<(u64, u64), f64> = Default::default();
-            let mut elements: std::collections::HashMap<(u64, u64, u64), (usize, usize)> =
+            let mut elements: crate::bounds::keyed::DataMap<(u64, u64, u64), (usize, usize)> =
                 Default::default();
             let mut order = vec![];
             for (i, (&xv, &gi)) in row.iter().zip(w.values()).enumerate() {

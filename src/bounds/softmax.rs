@@ -317,7 +317,7 @@ pub fn softmax_threshold(
             return Ok((p_sq, groups));
         }
         // Alike elements: the same logit under the same block maximum on each side.
-        let mut alike: std::collections::HashMap<(u64, u64, u64), usize> = Default::default();
+        let mut alike: crate::bounds::keyed::DataMap<(u64, u64, u64), usize> = Default::default();
         let mut order = vec![];
         let (max_r, max_c) = (block_maxima(row, ref_impl), block_maxima(row, cand_impl));
         for (j, &xj) in row.iter().enumerate() {
