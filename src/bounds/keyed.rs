@@ -1,7 +1,8 @@
-//! Hash maps keyed by data (bit patterns of values, digests of rows), as the thresholds group
-//! alike elements and rows: std's SipHash is the larger part of a grouping's cost, so they hash
-//! with a multiplicative fold instead, seeded per map from std's `RandomState` (random per
-//! process) so that no input can be built to crowd one bucket.
+//! Hash maps of the thresholds' bookkeeping, keyed by data (bit patterns of values, digests of
+//! rows, as alike elements and rows are grouped) or by indices (the fast pass's live values):
+//! std's SipHash was the larger part of such a map's cost, so they hash with a multiplicative
+//! fold instead, seeded per map from std's `RandomState` (random per process) so that no input
+//! can be built to crowd one bucket.
 
 use std::hash::{BuildHasher, Hasher};
 

@@ -3,7 +3,7 @@
 //! values (block totals, pairwise trees, split-K combines). Built once per order from
 //! [`for_each_rounding`], the description the walk and the engine share.
 
-use std::collections::HashMap;
+use crate::bounds::keyed::DataMap;
 use std::ops::Range;
 
 use crate::format::Format;
@@ -92,7 +92,7 @@ fn key(op: &Operand) -> Option<Key> {
 
 fn build(sites: &[RoundingSite], k: usize, shared: usize) -> Option<Program> {
     let mut steps: Vec<Step> = Vec::new();
-    let mut live: HashMap<Key, usize> = HashMap::new();
+    let mut live: DataMap<Key, usize> = DataMap::default();
     let mut free: Vec<usize> = Vec::new();
     let mut slots = 0usize;
     let mut used = vec![false; k];
