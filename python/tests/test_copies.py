@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
 
+from models import Mlp
 import ttrace
 from ttrace._copies import Copier, HostCopy, HostPool
 
@@ -77,21 +77,10 @@ def test_copies_hold_the_values_and_scale_where_the_tensor_lives():
     assert not big.pooled and small.unpooled == 1 and torch.equal(big.wait(), torch.ones(16))
 
 
-class Mlp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(16, 32)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(32, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 def _trace(directory: Path, pool_bytes: int, steps: int, background: bool = True
            ) -> ttrace.Tracer:
     torch.manual_seed(0)
-    net = Mlp()
+    net = Mlp(16, 32)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     tracer = ttrace.Tracer(net, directory, pool_bytes=pool_bytes, background=background)
     for _ in range(steps):
@@ -138,7 +127,7 @@ def test_recording_on_a_cuda_device_never_synchronizes(tmp_path):
     # device: recording a step (hooks, copies into pinned buffers) must not; the writer waits
     # on the copies' events, outside the mode. The trace holds the values the device computed.
     torch.manual_seed(0)
-    net = Mlp().cuda()
+    net = Mlp(16, 32).cuda()
     x = torch.randn(8, 16, device="cuda")
     tracer = ttrace.Tracer(net)  # records from now until write()
     torch.cuda.set_sync_debug_mode("error")

@@ -10,23 +10,12 @@ from typing import Any, List
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
 
+from models import Mlp
 import ttrace
 from ttrace import _ttrace
 from ttrace.errors import InvalidInputError, TraceError
 from ttrace.tracer import Mesh, column_parallel, row_parallel
-
-
-class Mlp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
 
 
 def _traced_step(directory: Any, handed: List[str], monkeypatch: pytest.MonkeyPatch,
@@ -41,7 +30,7 @@ def _traced_step(directory: Any, handed: List[str], monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(_ttrace, "write_step", spy)
     torch.manual_seed(0)
-    net = Mlp()
+    net = Mlp(8, 16)
     tracer = ttrace.Tracer(net, directory, background=False, **kwargs)
     with tracer.step():
         with torch.autocast("cpu", dtype=torch.bfloat16):
