@@ -17,6 +17,7 @@ pub(crate) mod localize;
 pub(crate) mod loss;
 pub(crate) mod pass;
 pub(crate) mod price;
+mod summaries;
 mod text;
 
 use std::collections::HashMap;
@@ -39,7 +40,10 @@ pub use dirs::{
 pub use localize::{localize, replayed_outputs, Localization};
 pub use loss::LossNormalization;
 pub use price::{price_local, InputIndex, PriceContext, Priced, Pricing, TensorStat};
-pub use text::{localization_line, render_check, render_dir_check};
+pub use summaries::{
+    compare_summaries, Proof, StepComparison, SummaryCheck, SummaryThresholds, TensorBound,
+};
+pub use text::{localization_line, render_check, render_dir_check, render_summary_check};
 
 /// The verdict on one tensor.
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -157,3 +157,113 @@ pub fn localization_line(l: &Localization) -> String {
         sanitize(&l.detail)
     )
 }
+
+/// A summary comparison ([`compare_summaries`](crate::check::compare_summaries)) as text: the
+/// steps compared, per step the largest relative lower bound and the differences proven (at
+/// most 20 steps shown: those with a proven difference first, then those with the largest
+/// bounds), the first proven difference, and what a summary comparison cannot conclude.
+pub fn render_summary_check(check: &crate::check::SummaryCheck) -> String {
+    use crate::check::{Proof, TensorBound};
+    let mut out = String::new();
+    let (only_r, only_c) = check.unmatched_steps;
+    out.push_str(&format!(
+        "{} step(s) compared from summaries ({only_r} only in the reference, {only_c} only in \
+         the candidate)\n",
+        check.steps.len()
+    ));
+    let bound = |b: &TensorBound| match &b.proof {
+        Some(Proof::NonFinite {
+            reference,
+            candidate,
+        }) => format!(
+            "{}: NaN/+inf/-inf {}/{}/{} against {}/{}/{} in the reference",
+            printable(&b.id),
+            candidate[0],
+            candidate[1],
+            candidate[2],
+            reference[0],
+            reference[1],
+            reference[2]
+        ),
+        Some(Proof::ReplicasDisagree { run, axis, rank }) => format!(
+            "{}: the {run}'s copies along {axis} disagree (rank {rank})",
+            printable(&b.id)
+        ),
+        _ => format!(
+            "{}: ‖D‖ ≥ {:.3e} = {:.3e} of ‖r‖ (by {}){}",
+            printable(&b.id),
+            b.lower,
+            b.rel_lower,
+            b.by,
+            b.threshold
+                .map(|t| format!(
+                    ", threshold {t:.3e}{}",
+                    if b.proof.is_some() { ": beyond" } else { "" }
+                ))
+                .unwrap_or_default()
+        ),
+    };
+    let mut shown: Vec<usize> = (0..check.steps.len())
+        .filter(|&i| !check.steps[i].proven.is_empty())
+        .take(10)
+        .collect();
+    let mut by_size: Vec<usize> = (0..check.steps.len()).collect();
+    let rel = |i: usize| check.steps[i].largest.as_ref().map_or(0.0, |b| b.rel_lower);
+    by_size.sort_by(|&a, &b| rel(b).total_cmp(&rel(a)));
+    for i in by_size {
+        if shown.len() >= 20 {
+            break;
+        }
+        if !shown.contains(&i) {
+            shown.push(i);
+        }
+    }
+    shown.sort_unstable();
+    out.push_str("  step  tensors  proven  largest lower bound\n");
+    for &i in &shown {
+        let s = &check.steps[i];
+        out.push_str(&format!(
+            "  {:>4}  {:>7}  {:>6}  {}\n",
+            s.step,
+            s.compared,
+            s.proven.len(),
+            s.largest.as_ref().map_or("-".into(), bound)
+        ));
+    }
+    if shown.len() < check.steps.len() {
+        out.push_str(&format!(
+            "  ({} more steps in the JSON report)\n",
+            check.steps.len() - shown.len()
+        ));
+    }
+    let skipped: usize = check.steps.iter().map(|s| s.not_comparable.len()).sum();
+    if let Some((id, why)) = check.steps.iter().find_map(|s| s.not_comparable.first()) {
+        out.push_str(&format!(
+            "not comparable from summaries: {skipped} tensor-step(s), e.g. {}: {}\n",
+            printable(id),
+            sanitize(why)
+        ));
+    }
+    for n in &check.notes {
+        out.push_str(&format!("note: {}\n", sanitize(n)));
+    }
+    if !check.thresholds {
+        out.push_str(
+            "no thresholds given (--rtol, or --thresholds with a full check's JSON report): \
+             only non-finite counts and replicas can prove a difference\n",
+        );
+    }
+    match check.first_proven() {
+        Some((step, b)) => out.push_str(&format!(
+            "DIFFERENCE PROVEN: {} tensor-step(s); the first: step {step}, {}\n",
+            check.proven(),
+            bound(b)
+        )),
+        None => out.push_str(
+            "NO DIFFERENCE PROVEN — not a pass: summaries can prove a difference, never \
+             agreement (a permutation of a tensor's elements changes no statistic); check a \
+             full trace of a step to pass it\n",
+        ),
+    }
+    out
+}

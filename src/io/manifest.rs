@@ -302,32 +302,11 @@ fn entry(
     }
     // Every axis's placement is checked, an axis of size 1 too (it cuts nothing, but a
     // placement no mesh could use is a broken writer, refused the same at any size).
-    for axis in Axis::ALL {
-        let bad = match layout.along(axis) {
-            Placement::Split { dim, groups } => {
-                (dim >= limits::DIMS || !(1..=limits::SPLIT_PARTS).contains(&groups)).then(|| {
-                    format!(
-                        "a split of dimension {dim} in {groups} group(s) (dimensions below {}, \
-                         1 to {} groups)",
-                        limits::DIMS,
-                        limits::SPLIT_PARTS
-                    )
-                })
-            }
-            Placement::CpChunks { dim } => (dim >= limits::DIMS).then(|| {
-                format!(
-                    "cp chunks of dimension {dim} (dimensions below {})",
-                    limits::DIMS
-                )
-            }),
-            _ => None,
-        };
-        if let Some(what) = bad {
-            return Err(ferr(
-                path,
-                format!("{who}: layout along {}: {what}", axis.name()),
-            ));
-        }
+    if let Some((axis, what)) = crate::shard::layout::layout_problem(&layout) {
+        return Err(ferr(
+            path,
+            format!("{who}: layout along {}: {what}", axis.name()),
+        ));
     }
     Ok(ManifestEntry {
         key: key.unwrap_or_else(|| id.clone()),

@@ -6,8 +6,9 @@ pub(crate) mod manifest;
 pub mod npy;
 pub mod safetensors;
 pub(crate) mod stored;
+pub mod summary;
 
-pub use guard::{limits, printable, sanitize};
+pub use guard::{limits, printable, read_limited, sanitize};
 pub use manifest::{
     merge_fragments, read_manifest, write_manifest, write_trace_dir, DpLoss, InferredLayout,
     Manifest, ManifestEntry, ModuleArith, ModuleInfo, TraceDir, VERSION,

@@ -241,6 +241,37 @@ impl Layout {
     }
 }
 
+/// What makes `layout` unusable on any mesh, if anything: a split of a dimension at or beyond
+/// [`limits::DIMS`](crate::io::limits::DIMS), or in 0 or more than
+/// [`limits::SPLIT_PARTS`](crate::io::limits::SPLIT_PARTS) groups; cp chunks of such a
+/// dimension. Checked on every axis, an axis of size 1 too (it cuts nothing, but a placement
+/// no mesh could use is a broken writer's).
+pub(crate) fn layout_problem(layout: &Layout) -> Option<(Axis, String)> {
+    use crate::io::limits;
+    Axis::ALL.into_iter().find_map(|axis| {
+        let bad = match layout.along(axis) {
+            Placement::Split { dim, groups } => {
+                (dim >= limits::DIMS || !(1..=limits::SPLIT_PARTS).contains(&groups)).then(|| {
+                    format!(
+                        "a split of dimension {dim} in {groups} group(s) (dimensions below {}, \
+                         1 to {} groups)",
+                        limits::DIMS,
+                        limits::SPLIT_PARTS
+                    )
+                })
+            }
+            Placement::CpChunks { dim } => (dim >= limits::DIMS).then(|| {
+                format!(
+                    "cp chunks of dimension {dim} (dimensions below {})",
+                    limits::DIMS
+                )
+            }),
+            _ => None,
+        };
+        bad.map(|what| (axis, what))
+    })
+}
+
 pub(crate) fn layout_err(id: &str, reason: String) -> Error {
     Error::Layout {
         id: id.to_string(),

@@ -23,6 +23,14 @@ pub struct Args {
     /// tensor from the metadata and the data.
     #[arg(long, value_enum, default_value_t = Pricing::Auto)]
     pub pricing: Pricing,
+    /// Summary traces only: the relative threshold (on ‖c − r‖ / ‖r‖) a lower bound must
+    /// exceed to prove a difference, for tensors without one from `--thresholds`.
+    #[arg(long)]
+    pub rtol: Option<f64>,
+    /// Summary traces only: per-tensor relative thresholds from the JSON report of a full
+    /// check (`ttrace check --json`) of a traced step of the same runs.
+    #[arg(long)]
+    pub thresholds: Option<std::path::PathBuf>,
 }
 
 /// How `ttrace check` prices thresholds.
@@ -41,8 +49,75 @@ pub fn run(a: Args) -> Result<Outcome, String> {
         Pricing::Auto => PricingMode::Auto,
         Pricing::Local => PricingMode::Local,
     };
+    let summaries = [&a.reference, &a.candidate].map(|p| ttrace::io::summary::is_summary_dir(p));
+    if summaries[0] || summaries[1] {
+        if summaries != [true, true] {
+            return Err(format!(
+                "{} is a summary trace and {} is not: summaries compare only with summaries",
+                if summaries[0] {
+                    a.reference.display()
+                } else {
+                    a.candidate.display()
+                },
+                if summaries[0] {
+                    a.candidate.display()
+                } else {
+                    a.reference.display()
+                }
+            ));
+        }
+        return check_summaries_cli(&a).map(Outcome::of);
+    }
+    if a.rtol.is_some() || a.thresholds.is_some() {
+        return Err(
+            "--rtol and --thresholds apply to summary traces only (a full trace's \
+                    thresholds are priced from its data)"
+                .into(),
+        );
+    }
     let passed = check_dirs_cli(&a.reference, &a.candidate, a.json.as_deref(), mode)?;
     Ok(Outcome::of(passed))
+}
+
+/// Compare two summary traces; `Ok(true)` when no difference is proven.
+fn check_summaries_cli(a: &Args) -> Result<bool, String> {
+    use ttrace::check::SummaryThresholds;
+    if let Some(path) = &a.json {
+        refuse_report_inside(path, &[&a.reference, &a.candidate])?;
+    }
+    let mut t = match &a.thresholds {
+        Some(p) => {
+            let bytes =
+                ttrace::io::read_limited(p, ttrace::io::limits::MANIFEST_BYTES, "a check report")
+                    .map_err(|e| e.to_string())?;
+            let text =
+                String::from_utf8(bytes).map_err(|_| format!("{}: not UTF-8 text", p.display()))?;
+            SummaryThresholds::from_check_report(&text).map_err(|e| e.to_string())?
+        }
+        None => SummaryThresholds::default(),
+    };
+    if let Some(r) = a.rtol {
+        if !(r.is_finite() && r >= 0.0) {
+            return Err(format!(
+                "--rtol must be a finite non-negative number (got {r})"
+            ));
+        }
+        t.rtol = Some(r);
+    }
+    let mut r = ttrace::io::summary::SummaryRun::open(&a.reference).map_err(|e| e.to_string())?;
+    let mut c = ttrace::io::summary::SummaryRun::open(&a.candidate).map_err(|e| e.to_string())?;
+    let out = ttrace::check::compare_summaries(&mut r, &mut c, &t).map_err(|e| e.to_string())?;
+    outln!(
+        "ttrace check: summaries of {} against {}",
+        a.candidate.display(),
+        a.reference.display()
+    );
+    out!("{}", ttrace::check::render_summary_check(&out));
+    if let Some(path) = &a.json {
+        let text = serde_json::to_string_pretty(&out).map_err(|e| e.to_string())?;
+        write_atomic(path, text.as_bytes())?;
+    }
+    Ok(out.proven() == 0)
 }
 
 fn check_dirs_cli(
