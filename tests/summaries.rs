@@ -417,3 +417,57 @@ fn thresholds_from_a_check_report() {
         ));
     }
 }
+
+/// `ttrace check` on two summary traces: exit 1 when a difference is proven, 0 when none is
+/// (with the words "not a pass"), 2 for a summary trace against a full one or `--rtol` on full
+/// traces; ids from files are escaped.
+#[test]
+fn command_line_compares_summary_traces() {
+    let run = |args: &[&Path]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_ttrace"))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let dir = Scratch::new();
+    let x = values(21, 64, 1.0, 0.0);
+    let mut y = x.clone();
+    y[0] += 1.0;
+    let id = "fc1|fwd.output.0\nPASS: all 9 tensors";
+    let (rd, cd, bd) = (
+        dir.path().join("r"),
+        dir.path().join("c"),
+        dir.path().join("b"),
+    );
+    single(&rd, &[0, 1, 2], &[(id, x.clone())], 4);
+    single(&cd, &[1, 2], &[(id, x.clone())], 4);
+    single(&bd, &[0, 1, 2], &[(id, y)], 4);
+    let check = Path::new("check");
+    let rtol = Path::new("--rtol");
+    let tol = Path::new("1e-3");
+    let same = run(&[check, &rd, &cd, rtol, tol]);
+    let text = String::from_utf8_lossy(&same.stdout);
+    assert_eq!(same.status.code(), Some(0), "{text}");
+    assert!(text.contains("NO DIFFERENCE PROVEN — not a pass"), "{text}");
+    assert!(text.contains("2 step(s) compared"), "{text}");
+    assert!(!text.contains("\nPASS"), "{text}");
+    let bad = run(&[check, &rd, &bd, rtol, tol]);
+    let text = String::from_utf8_lossy(&bad.stdout);
+    assert_eq!(bad.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("DIFFERENCE PROVEN: 3 tensor-step(s); the first: step 0"),
+        "{text}"
+    );
+    assert!(!text.contains("\nPASS"), "{text}");
+    // Against a directory that is not a summary trace, and --rtol on full traces.
+    let empty = dir.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let mixed = run(&[check, &rd, &empty]);
+    assert_eq!(mixed.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&mixed.stderr).contains("summaries compare only with summaries")
+    );
+    let full = run(&[check, &empty, &empty, rtol, tol]);
+    assert_eq!(full.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&full.stderr).contains("summary traces only"));
+}

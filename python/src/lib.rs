@@ -12,6 +12,8 @@
 //!   — it never unwinds into the interpreter.
 //! * Long calls (checking trace directories, writing a rank's trace) release the GIL.
 
+mod summaries;
+
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -827,6 +829,9 @@ fn _ttrace(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load_logical, m)?)?;
     m.add_function(wrap_pyfunction!(write_step, m)?)?;
     m.add_function(wrap_pyfunction!(merge_manifests, m)?)?;
+    m.add_function(wrap_pyfunction!(summaries::append_summaries, m)?)?;
+    m.add_function(wrap_pyfunction!(summaries::is_summary_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(summaries::check_summaries, m)?)?;
     m.add_function(wrap_pyfunction!(write_atomic, m)?)?;
     m.add_function(wrap_pyfunction!(sanitize, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;

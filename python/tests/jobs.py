@@ -116,6 +116,15 @@ def tp(directory: str, bug: str) -> None:
         if sp:
             r, n = dist.get_rank(), SEQ // world
             x = x[:, r * n:(r + 1) * n].contiguous()
+    if os.environ.get("TTRACE_TEST_SUMMARIES") == "1":
+        # Summaries only, three steps of the same batch (gradients cleared between them).
+        tracer = ttrace.Tracer(model, directory, summaries=True)
+        for _ in range(3):
+            model.zero_grad()
+            with tracer.step():
+                model(x).pow(2).sum().backward()
+        tracer.close()
+        return
     tracer = ttrace.Tracer(model, directory)
     with tracer.step():
         model(x).pow(2).sum().backward()

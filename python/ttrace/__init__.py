@@ -5,7 +5,8 @@ tensor, whether the difference is round-off or a bug — and where the bug was b
 
 * Trace a training step on every rank: :class:`Tracer` (needs torch).
 * Check two traces: :func:`check` returns a :class:`CheckReport`
-  (also ``python -m ttrace check REFERENCE CANDIDATE``).
+  (also ``python -m ttrace check REFERENCE CANDIDATE``); two summary traces
+  (``Tracer(..., summaries=True)``): :func:`check_summaries`.
 * Price one op's tolerance: :func:`matmul_threshold`, :func:`linear_threshold`,
   :func:`sum_threshold`, :func:`softmax_threshold`, :func:`norm_threshold`,
   :func:`elementwise_threshold`, :func:`allreduce_threshold`.
@@ -30,6 +31,7 @@ from .errors import (
     UnsupportedLayoutError,
 )
 from .report import CheckReport, TensorRow, check, load, load_all
+from .summaries import SummaryReport, check_summaries
 from .thresholds import (
     Threshold,
     Verdict,
@@ -48,12 +50,14 @@ __all__ = [
     "CheckReport",
     "Mesh",
     "ModuleLayout",
+    "SummaryReport",
     "TensorRow",
     "Threshold",
     "Tracer",
     "Verdict",
     "allreduce_threshold",
     "check",
+    "check_summaries",
     "elementwise_threshold",
     "errors",
     "linear_threshold",

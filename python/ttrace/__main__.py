@@ -1,16 +1,19 @@
-"""``python -m ttrace check REFERENCE CANDIDATE [--json PATH] [--pricing auto|local]``.
+"""``python -m ttrace check REFERENCE CANDIDATE [--json PATH] [--pricing auto|local]
+[--rtol R] [--thresholds CHECK.json]``.
 
 Mirrors the ``ttrace check`` command of the Rust CLI: prints the report, exits 0 when every
 tensor is within its threshold, 1 when one is not, 2 on an error (unreadable or unmergeable
-traces, bad arguments).
+traces, bad arguments). Two summary traces (``Tracer(..., summaries=True)``) are compared from
+their statistics: exit 1 when a difference is proven, 0 when none is (which is not a pass).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
-from typing import List, Optional
+from typing import List, Optional, Union
 
 
 def _inside(report: str, dirs: List[str]) -> Optional[str]:
@@ -36,11 +39,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     c.add_argument("candidate", help="the candidate trace directory")
     c.add_argument("--json", help="also write the report as JSON to this path")
     c.add_argument("--pricing", choices=["auto", "local"], default="auto")
+    c.add_argument("--rtol", type=float, default=None,
+                   help="summary traces only: the relative threshold for every tensor")
+    c.add_argument("--thresholds", default=None,
+                   help="summary traces only: per-tensor thresholds from a full check's JSON "
+                        "report")
     args = parser.parse_args(argv)
 
     from . import _ttrace
     from .errors import TtraceError
-    from .report import check
+    from .report import CheckReport, check
+    from .summaries import SummaryReport, check_summaries
 
     def error(message: str) -> int:
         # As the Rust CLI: on one line, escaped for the terminal; exit code 2.
@@ -54,11 +63,28 @@ def main(argv: Optional[List[str]] = None) -> int:
         problem = _inside(args.json, [args.reference, args.candidate])
         if problem:
             return error(problem)
+    summaries = [_ttrace.is_summary_dir(d) for d in (args.reference, args.candidate)]
+    if any(summaries) and not all(summaries):
+        one, other = ((args.reference, args.candidate) if summaries[0]
+                      else (args.candidate, args.reference))
+        return error(f"{one} is a summary trace and {other} is not: summaries compare only "
+                     "with summaries")
+    if not any(summaries) and (args.rtol is not None or args.thresholds is not None):
+        return error("--rtol and --thresholds apply to summary traces only (a full trace's "
+                     "thresholds are priced from its data)")
     try:
-        report = check(args.reference, args.candidate, pricing=args.pricing)
+        report: Union[CheckReport, SummaryReport]
+        if all(summaries):
+            report = check_summaries(args.reference, args.candidate, rtol=args.rtol,
+                                     thresholds=args.thresholds)
+        else:
+            report = check(args.reference, args.candidate, pricing=args.pricing)
         if args.json:
-            _ttrace.write_atomic(args.json, report.to_json(indent=1).encode())
-        header = (f"ttrace check: {_ttrace.sanitize(args.candidate)} against "
+            text = (report.to_json(indent=1) if isinstance(report, CheckReport)
+                    else json.dumps(report.raw, indent=1))
+            _ttrace.write_atomic(args.json, text.encode())
+        header = (f"ttrace check: {'summaries of ' if all(summaries) else ''}"
+                  f"{_ttrace.sanitize(args.candidate)} against "
                   f"{_ttrace.sanitize(args.reference)}\n")
         # The report's text is the Rust CLI's, escaped there; what cannot be written (a full
         # disk, a closed pipe) is an error, not a verdict.
@@ -66,9 +92,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         sys.stdout.flush()
     except TtraceError as e:
         return error(str(e))
-    except OSError as e:
-        return error(f"standard output: {e.strerror or e}")
-    return 0 if report.passed else 1
+    except (OSError, ValueError) as e:
+        if isinstance(e, OSError) and e.filename is None:
+            return error(f"standard output: {e.strerror or e}")
+        return error(str(e))
+    return 0 if bool(report) else 1
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union, 
 import torch
 
 from .. import arith as _arith
-from .._copies import DEFAULT_POOL_BYTES, Copier
+from .._copies import DEFAULT_POOL_BYTES, Copier, HostCopy
+from .._summaries import ShardStats, Summarizer
 from ..errors import InvalidInputError, TtraceError, UnsupportedLayoutError
 from .dtensor import (_MeshMap, _dtensor_type, _expressible, _gather_param, _is_dtensor,
                       _local_version, _placement_layout)
@@ -24,7 +25,7 @@ from .record import (_DTYPES, _StepRecord, _Tap, _alias_key, _base, _bits, _devi
                      _in_backward, _owns, _param_grad)
 from .selection import ModuleSelector, select_modules
 from .sites import _SiteState, _site_state
-from .writing import StepJob, StepWriter, finish
+from .writing import StepJob, StepWriter, SummaryJob, finish
 
 
 class Tracer:
@@ -89,12 +90,16 @@ class Tracer:
         fsync: bool = False,
         sites: Optional[bool] = None,
         pool_bytes: int = DEFAULT_POOL_BYTES,
+        summaries: bool = False,
     ) -> None:
         if every < 1:
             raise InvalidInputError(f"every must be at least 1 (got {every})", "InvalidParameter")
         if pool_bytes < 0:
             raise InvalidInputError(f"pool_bytes must be non-negative (got {pool_bytes})",
                                     "InvalidParameter")
+        if summaries and directory is None:
+            raise InvalidInputError("summaries=True needs a directory: Tracer(model, directory, "
+                                    "summaries=True)", "InvalidParameter")
         if unsupported not in ("raise", "skip"):
             raise InvalidInputError(
                 f"unsupported must be 'raise' or 'skip' (got {unsupported!r})", "InvalidParameter"
@@ -149,6 +154,8 @@ class Tracer:
         self._s = _StepRecord()
         #: Host copies: pooled buffers, asynchronous on CUDA (see :mod:`ttrace._copies`).
         self._copier = Copier(pool_bytes)
+        #: Summaries only (``summaries=True``): statistics computed on the device per tensor.
+        self._summarizer = Summarizer() if summaries else None
         self._handles: List[Any] = []
         self._writer = StepWriter(
             self.rank, fsync, background if background is not None else directory is not None
@@ -184,7 +191,10 @@ class Tracer:
             if traced:
                 self.detach()
         if traced:
-            self.write(os.path.join(self.directory, f"step{n}"))
+            if self._summarizer is not None:
+                self._hand_summaries(n)
+            else:
+                self.write(os.path.join(self.directory, f"step{n}"))
 
     def attach(self) -> None:
         """Register the hooks (``step()`` does this for traced steps)."""
@@ -476,6 +486,40 @@ class Tracer:
         # lives) is copied and stored once, both ids naming it — and only when the contents
         # are bitwise equal, checked: torch can free a live tensor's storage and reuse the
         # memory (DTensor's collectives do), which no address or version test sees.
+        copy: Any
+        if self._summarizer is not None:
+            # Summaries only: the statistics computed where the tensor lives, nothing copied.
+            copy = self._summarizer.summarize(local, 1.0 / data if scaled else None)
+        else:
+            copy = self._host_copy(tid, t, local, scaled, data)
+            if copy is None:
+                return None
+        if tid not in self._s.records:
+            self._s.order.append(tid)
+        self._s.records[tid] = copy
+        if "_guessed" in layout:
+            guessed = sorted(set(guessed) | set(layout["_guessed"]))
+            layout = {k: v for k, v in layout.items() if k != "_guessed"}
+        module_info = self._module_info(name)
+        if info:
+            module_info = {**info, **(module_info or {})}  # declared formats win
+        if unreduced:
+            module_info = {**(module_info or {}), "unreduced": unreduced}
+        settings = self._s.arith.get(name)
+        if settings:
+            module_info = {**settings, **(module_info or {})}
+        self._s.meta[tid] = {"layout": layout, "module": module_info,
+                             "guessed": guessed}
+        if param is None:
+            self._s.forward[(name, role, i)] = (tuple(local.shape), layout)
+            if guessed:
+                self._s.guesses[(name, role, i)] = guessed
+        return derived
+
+    def _host_copy(self, tid: str, t: Any, local: torch.Tensor, scaled: bool,
+                   data: int) -> Optional[HostCopy]:
+        """The host copy of a recorded tensor, shared with an earlier id whose contents are the
+        same tensor's (``None``: unreadable, and skipped)."""
         owner = t._local_tensor if local is not t and hasattr(t, "_local_tensor") else local
         key = _alias_key(local)
         same = (key, local._version, scaled)
@@ -500,27 +544,7 @@ class Tracer:
             self._s.made.append(copy)
             if key is not None:
                 self._s.copies[same] = (weakref.ref(owner), copy)
-        if tid not in self._s.records:
-            self._s.order.append(tid)
-        self._s.records[tid] = copy
-        if "_guessed" in layout:
-            guessed = sorted(set(guessed) | set(layout["_guessed"]))
-            layout = {k: v for k, v in layout.items() if k != "_guessed"}
-        module_info = self._module_info(name)
-        if info:
-            module_info = {**info, **(module_info or {})}  # declared formats win
-        if unreduced:
-            module_info = {**(module_info or {}), "unreduced": unreduced}
-        settings = self._s.arith.get(name)
-        if settings:
-            module_info = {**settings, **(module_info or {})}
-        self._s.meta[tid] = {"layout": layout, "module": module_info,
-                             "guessed": guessed}
-        if param is None:
-            self._s.forward[(name, role, i)] = (tuple(local.shape), layout)
-            if guessed:
-                self._s.guesses[(name, role, i)] = guessed
-        return derived
+        return copy
 
     def _kind(self, name: str) -> Optional[str]:
         if name in self.kinds:
@@ -671,15 +695,24 @@ class Tracer:
         if (recorded is None or recorded[1] != layout or stored is None
                 or tuple(after.shape) != tuple(stored.shape) or after.dtype != stored.dtype):
             return
+        if o is first and isinstance(stored, ShardStats):
+            # Changed in place, summaries only: the statistics tell.
+            assert self._summarizer is not None
+            fresh = self._summarizer.summarize(after)
+            if not torch.equal(fresh.values, stored.values):
+                self._s.records[tid] = fresh
+            return
         if o is first:
             # Changed in place: only the stored copy still holds what the module returned.
-            same = torch.equal(after.detach().to("cpu"), stored.wait())
+            same = torch.equal(after.detach().to("cpu"), cast(HostCopy, stored).wait())
         else:
             # A new tensor (a parallel style's to_local, or a hook's result): compared where
             # it lives, copied only if it differs.
             local = cast(Any, first).to_local() if _is_dtensor(first, self._dtensor) else first
             same = tuple(local.shape) == tuple(after.shape) and torch.equal(after, local)
-        if not same:
+        if not same and self._summarizer is not None:
+            self._s.records[tid] = self._summarizer.summarize(after)
+        elif not same:
             copy = self._copier.copy(after)
             self._s.made.append(copy)
             self._s.records[tid] = copy
@@ -704,7 +737,42 @@ class Tracer:
         right after their module's backward tensors (execution order). With ``combine=True``
         (the last of several ranks emulated in one process) the fragments are then merged into
         ``manifest.json`` (see :func:`finish`). Returns the directory."""
+        if self._summarizer is not None:
+            raise InvalidInputError("a summaries-only tracer writes its steps from step()",
+                                    "InvalidParameter")
         directory = os.fspath(directory)
+        order = self._ordered()
+        fname = f"rank{self.rank}.safetensors"
+        tensors, entries = [], []
+        keys: Dict[int, str] = {}
+        for tid in order:
+            t = cast(HostCopy, self._s.records[tid])
+            key = keys.get(id(t))
+            if key is None:
+                key = keys[id(t)] = tid
+                tensors.append((tid, _DTYPES[t.dtype], list(t.shape), t))
+            e = {"rank": self.rank, "file": fname, "key": key, **self._entry(tid, t)}
+            entries.append(e)
+        # The step's header and entries: the Rust core adds the format and version, builds
+        # the manifest, validates it as every reader does, and writes it (one writer).
+        manifest: Dict[str, Any] = {"mesh": self.mesh.to_json(), "run": _arith.run_settings(),
+                                    "tensors": entries}
+        if self.recipe:
+            manifest["recipe"] = self.recipe
+        if self.local_mean_loss is None and self.mesh.dp * self.mesh.cp > 1:
+            manifest["dp_loss"] = "auto"
+        job = StepJob(directory, fname, tensors, manifest, self._s.made)
+        self._s = _StepRecord()
+        self.last_directory = directory
+        self._writer.hand(job)
+        if combine:
+            self.flush()
+            finish(directory)
+        return directory
+
+    def _ordered(self) -> List[str]:
+        """The step's ids in execution order, the parameter gradients read now and placed
+        right after their module's backward tensors."""
         order, seen = [], set()
         for item in self._s.order:
             if isinstance(item, tuple):
@@ -723,38 +791,39 @@ class Tracer:
             elif item not in seen:
                 seen.add(item)
                 order.append(item)
-        fname = f"rank{self.rank}.safetensors"
-        tensors, entries = [], []
-        keys: Dict[int, str] = {}
-        for tid in order:
-            t = self._s.records[tid]
-            key = keys.get(id(t))
-            if key is None:
-                key = keys[id(t)] = tid
-                tensors.append((tid, _DTYPES[t.dtype], list(t.shape), t))
-            e = {"id": tid, "rank": self.rank, "file": fname, "key": key,
-                 "dtype": _DTYPES[t.dtype], "layout": self._s.meta[tid]["layout"]}
-            if self._s.meta[tid]["module"] is not None:
-                e["module"] = self._s.meta[tid]["module"]
-            if self._s.meta[tid]["guessed"]:
-                e["guessed"] = self._s.meta[tid]["guessed"]
+        return order
+
+    def _entry(self, tid: str, t: Any) -> Dict[str, Any]:
+        """The manifest fields of a recorded tensor that summaries share: id, dtype, layout,
+        module, guessed axes."""
+        e: Dict[str, Any] = {"id": tid, "dtype": _DTYPES[t.dtype],
+                             "layout": self._s.meta[tid]["layout"]}
+        if self._s.meta[tid]["module"] is not None:
+            e["module"] = self._s.meta[tid]["module"]
+        if self._s.meta[tid]["guessed"]:
+            e["guessed"] = self._s.meta[tid]["guessed"]
+        return e
+
+    def _hand_summaries(self, step: int) -> None:
+        """Hand the step's statistics to the writer: one line of
+        ``summaries.rank{r}.jsonl`` in the tracer's directory."""
+        assert self._summarizer is not None and self.directory is not None
+        order = self._ordered()
+        stats = [cast(ShardStats, self._s.records[tid]) for tid in order]
+        entries = []
+        for tid, st in zip(order, stats):
+            e = self._entry(tid, st)
+            e["shape"] = list(st.shape)
             entries.append(e)
-        # The step's header and entries: the Rust core adds the format and version, builds
-        # the manifest, validates it as every reader does, and writes it (one writer).
-        manifest: Dict[str, Any] = {"mesh": self.mesh.to_json(), "run": _arith.run_settings(),
-                                    "tensors": entries}
-        if self.recipe:
-            manifest["recipe"] = self.recipe
-        if self.local_mean_loss is None and self.mesh.dp * self.mesh.cp > 1:
-            manifest["dp_loss"] = "auto"
-        job = StepJob(directory, fname, tensors, manifest, self._s.made)
+        line: Dict[str, Any] = {"format": "ttrace-summaries", "version": 1, "step": step,
+                                "rank": self.rank, "mesh": self.mesh.to_json(),
+                                "tensors": entries}
+        pending = self._summarizer.gather(stats)
+        job = SummaryJob(self.directory, line, [st.kept for st in stats], self._summarizer.k,
+                         pending, self.skipped)
         self._s = _StepRecord()
-        self.last_directory = directory
+        self.last_directory = self.directory
         self._writer.hand(job)
-        if combine:
-            self.flush()
-            finish(directory)
-        return directory
 
     @property
     def bytes_written(self) -> int:

@@ -4,11 +4,12 @@ information, the bookkeeping the hooks share, and the helpers that identify tens
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from .._copies import HostCopy
+from .._summaries import ShardStats
 
 _DTYPES = {
     torch.float64: "f64",
@@ -93,8 +94,8 @@ def _owns(owner: Optional[torch.Tensor], t: torch.Tensor) -> bool:
 class _StepRecord:
     """What one traced step has recorded, and what it has learned about layouts."""
 
-    #: Host copies of the recorded tensors, by id.
-    records: Dict[str, HostCopy] = field(default_factory=dict)
+    #: Host copies of the recorded tensors (their statistics, summaries only), by id.
+    records: Dict[str, Union[HostCopy, ShardStats]] = field(default_factory=dict)
     #: Every host copy made in the step (stored or replaced), released after writing.
     made: List[HostCopy] = field(default_factory=list)
     #: Layout and module information, by id.

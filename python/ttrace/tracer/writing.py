@@ -16,6 +16,7 @@ import torch
 
 from .. import _ttrace
 from .._copies import HostCopy
+from .._summaries import Pending, entry_stats
 from ..errors import TtraceError
 
 
@@ -35,6 +36,24 @@ class StepJob:
     made: List[HostCopy]
 
 
+@dataclass
+class SummaryJob:
+    """One rank's step of statistics (``Tracer(..., summaries=True)``)."""
+
+    #: The tracer's directory (the summary files are appended there).
+    directory: str
+    #: The line without the statistics: its entries are completed from ``pending``.
+    line: Dict[str, Any]
+    #: Extremes computed per side for each entry.
+    kept: List[int]
+    #: Extremes asked for per side.
+    k: int
+    #: The statistics on their way to the host.
+    pending: Pending
+    #: Where a tensor that cannot be summarized is reported: (id, reason).
+    skipped: List[Tuple[str, str]]
+
+
 class StepWriter:
     """Writes one rank's steps through the Rust core: tensors first, the manifest fragment
     ``manifest.rank{r}.json`` last and atomically (an interrupted step leaves no manifest
@@ -47,14 +66,14 @@ class StepWriter:
         self.background = background
         #: Bytes of tensor data written so far (all steps).
         self.bytes_written = 0
-        self._queue: "queue.Queue[Optional[StepJob]]" = queue.Queue()
+        self._queue: "queue.Queue[Optional[Union[StepJob, SummaryJob]]]" = queue.Queue()
         self._errors: List[BaseException] = []
         self._thread: Optional[threading.Thread] = None
         self._atexit = False
 
-    def hand(self, job: StepJob) -> None:
+    def hand(self, job: Union[StepJob, SummaryJob]) -> None:
         """Write ``job``: queued for the background thread, or now."""
-        for c in job.made:
+        for c in job.made if isinstance(job, StepJob) else []:
             c.hand()
         if not self.background:
             self._write(job)
@@ -62,7 +81,10 @@ class StepWriter:
         self._start()
         self._queue.put(job)
 
-    def _write(self, job: StepJob) -> None:
+    def _write(self, job: Union[StepJob, SummaryJob]) -> None:
+        if isinstance(job, SummaryJob):
+            self._write_summaries(job)
+            return
         stored: list = []
         try:
             os.makedirs(job.directory, exist_ok=True)
@@ -80,6 +102,22 @@ class StepWriter:
             del stored
             for c in job.made:
                 c.release()
+
+    def _write_summaries(self, job: SummaryJob) -> None:
+        # The statistics are on the host once their transfers' events are (the only wait for
+        # the device, on this thread); the Rust core validates and appends the line.
+        values = job.pending.wait()
+        entries = []
+        for e, v, kept in zip(job.line["tensors"], values, job.kept):
+            stats = entry_stats(v, kept, job.k)
+            if stats is None:
+                job.skipped.append((e["id"], "its float64 sums overflow: not summarized"))
+                continue
+            entries.append({**e, **stats})
+        line = {**job.line, "tensors": entries}
+        text = json.dumps(line, allow_nan=False)
+        _ttrace.append_summaries(job.directory, text, self.fsync)
+        self.bytes_written += len(text) + 1
 
     def _start(self) -> None:
         if self._thread is not None:

@@ -1,0 +1,180 @@
+"""Summaries-only tracing (``Tracer(..., summaries=True)``): the statistics the tracer writes,
+checked against NumPy on the tensors a full trace of the same step stores, and the comparison
+of two summary traces — on real multi-process tensor-parallel runs (gloo, CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import numpy as np
+import pytest
+import torch
+
+from models import Mlp
+import ttrace
+from ttrace.errors import InvalidInputError, TtraceError
+
+
+def _steps(directory: Path, summaries: bool, steps: int = 2, bug: bool = False) -> None:
+    """``steps`` training steps of the MLP (the same seeds every time), traced in full or as
+    summaries; ``bug``: fc2's output scaled by 1.001 from step 1 on."""
+    torch.manual_seed(0)
+    net = Mlp(8, 16)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    tracer = ttrace.Tracer(net, directory, summaries=summaries, background=not summaries)
+    for s in range(steps):
+        x = torch.randn(4, 8, generator=g)
+        if bug and s >= 1:
+            net.fc2.register_forward_hook(lambda m, a, o: o * 1.001)
+        with tracer.step():
+            net(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    tracer.close()
+
+
+def _lines(directory: Path, rank: int = 0) -> List[Dict[str, Any]]:
+    text = (directory / f"summaries.rank{rank}.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_statistics_are_those_of_the_stored_tensors(tmp_path):
+    # The oracle: NumPy on the tensors a full trace of the same steps stores (read with
+    # ttrace.load_all; sums in float64 with math.fsum).
+    _steps(tmp_path / "full", summaries=False)
+    _steps(tmp_path / "sum", summaries=True)
+    lines = _lines(tmp_path / "sum")
+    assert [line["step"] for line in lines] == [0, 1]
+    for line in lines:
+        full = ttrace.load_all(tmp_path / "full" / f"step{line['step']}")
+        assert [e["id"] for e in line["tensors"]] == list(full)
+        for e in line["tensors"]:
+            x = full[e["id"]].reshape(-1)
+            assert e["shape"] == list(full[e["id"]].shape)
+            fin = x[np.isfinite(x)]
+            assert (e["nan"], e["pinf"], e["ninf"]) == (0, 0, 0)
+            n = len(fin)
+            for key, want in (("sum", math.fsum(fin)), ("sum_sq", math.fsum(fin * fin)),
+                              ("sum_abs", math.fsum(abs(fin)))):
+                allowed = n * 2.0 ** -53 * math.fsum(abs(fin) ** (2 if key == "sum_sq" else 1))
+                assert abs(e[key] - want) <= allowed, (e["id"], key, e[key], want)
+            k = min(8, n)
+            assert e["k"] == 8
+            assert e["top"] == sorted(fin.tolist(), reverse=True)[:k]
+            assert e["bottom"] == sorted(fin.tolist())[:k]
+    # A few hundred bytes per tensor.
+    size = (tmp_path / "sum" / "summaries.rank0.jsonl").stat().st_size
+    per_tensor = size / sum(len(line["tensors"]) for line in lines)
+    assert per_tensor < 1000, per_tensor
+
+
+def test_non_finite_values_are_counted_and_left_out_of_the_sums(tmp_path):
+    net = torch.nn.Sequential(torch.nn.Identity())
+    tracer = ttrace.Tracer(net, tmp_path, summaries=True, background=False)
+    x = torch.tensor([1.0, float("nan"), float("inf"), -2.0, float("-inf"), float("inf")])
+    with tracer.step():
+        net(x)
+    tracer.close()
+    e = _lines(tmp_path)[0]["tensors"][0]
+    assert e["id"] == "0|fwd.input.0"
+    assert (e["nan"], e["pinf"], e["ninf"]) == (1, 2, 1)
+    assert (e["sum"], e["sum_sq"], e["sum_abs"]) == (-1.0, 5.0, 3.0)
+    assert (e["top"], e["bottom"]) == ([1.0, -2.0], [-2.0, 1.0])
+
+
+def test_a_bug_is_proven_from_summaries_and_the_same_run_proves_nothing(tmp_path):
+    _steps(tmp_path / "ref", summaries=True, steps=3)
+    _steps(tmp_path / "same", summaries=True, steps=3)
+    _steps(tmp_path / "bug", summaries=True, steps=3, bug=True)
+    same = ttrace.check_summaries(tmp_path / "ref", tmp_path / "same", rtol=1e-6)
+    assert same.proven == 0 and bool(same)
+    assert "NO DIFFERENCE PROVEN — not a pass" in str(same)
+    bad = ttrace.check_summaries(tmp_path / "ref", tmp_path / "bug", rtol=1e-6)
+    assert not bad
+    # Born at step 1 in fc2's output (nothing before it differs).
+    assert bad.first_proven == (1, "fc2|fwd.output.0")
+    assert [s["step"] for s in bad.steps if s["proven"]] == [1, 2]
+    # Without a threshold only the bounds are reported.
+    loose = ttrace.check_summaries(tmp_path / "ref", tmp_path / "bug")
+    assert loose.proven == 0
+    assert loose.steps[1]["largest"]["rel_lower"] > 1e-4
+
+
+def test_command_line_on_summaries_exit_codes(tmp_path):
+    _steps(tmp_path / "ref", summaries=True)
+    _steps(tmp_path / "bug", summaries=True, bug=True)
+    (tmp_path / "full").mkdir()
+
+    def run(*args: str) -> "subprocess.CompletedProcess[str]":
+        return subprocess.run([sys.executable, "-m", "ttrace", "check", *args],
+                              capture_output=True, text=True, timeout=120)
+
+    ref, bug = str(tmp_path / "ref"), str(tmp_path / "bug")
+    same = run(ref, ref, "--rtol", "1e-6")
+    assert same.returncode == 0 and "not a pass" in same.stdout, same
+    out = run(ref, bug, "--rtol", "1e-6", "--json", str(tmp_path / "r.json"))
+    assert out.returncode == 1 and "DIFFERENCE PROVEN" in out.stdout, out
+    assert json.loads((tmp_path / "r.json").read_text())["steps"][1]["proven"]
+    mixed = run(ref, str(tmp_path / "full"))
+    assert mixed.returncode == 2 and "summaries compare only with summaries" in mixed.stderr
+    rtol_full = run(str(tmp_path / "full"), str(tmp_path / "full"), "--rtol", "1")
+    assert rtol_full.returncode == 2 and "summary traces only" in rtol_full.stderr
+
+
+def test_summaries_need_a_directory_and_step(tmp_path):
+    net = Mlp(4, 4)
+    with pytest.raises(InvalidInputError):
+        ttrace.Tracer(net, summaries=True)
+    tracer = ttrace.Tracer(net, tmp_path, summaries=True)
+    with pytest.raises(InvalidInputError):
+        tracer.write(tmp_path / "x")
+    tracer.close()
+
+
+def test_a_writer_error_surfaces_and_leaves_no_torn_line(tmp_path):
+    # The directory is a file: the background writer's error is raised by close().
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    net = Mlp(4, 4)
+    tracer = ttrace.Tracer(net, blocker, summaries=True)
+    with tracer.step():
+        net(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(TtraceError):
+        tracer.close()
+    # A restarted run into the same directory: refused at its first step, the file intact.
+    _steps(tmp_path / "run", summaries=True)
+    before = (tmp_path / "run" / "summaries.rank0.jsonl").read_bytes()
+    with pytest.raises(InvalidInputError, match="steps must increase"):
+        _steps(tmp_path / "run", summaries=True)
+    assert (tmp_path / "run" / "summaries.rank0.jsonl").read_bytes() == before
+
+
+def test_tensor_parallel_summaries_merge_and_prove_the_wrong_shard(traces):
+    # Real runs: DTensor tensor + sequence parallelism on 2 ranks against 1 rank, three steps
+    # of summaries each; per-tensor thresholds from the full check of the same runs.
+    ref = traces("tp", 1, SUMMARIES="1").parent
+    clean = traces("tp", 2, SUMMARIES="1").parent
+    wrong = traces("tp", 2, "wrong-shard", SUMMARIES="1").parent
+    full = ttrace.check(traces("tp", 1), traces("tp", 2))
+    assert full.passed
+    ok = ttrace.check_summaries(ref, clean, thresholds=full)
+    assert ok.proven == 0, str(ok)
+    # Every tensor compared but the partial sums (row-parallel fc2's output before its
+    # reduce-scatter, and their gradients): a sum's statistics are not its addends'.
+    n = len(_lines(ref)[0]["tensors"])
+    for s in ok.steps:
+        assert s["compared"] + len(s["not_comparable"]) == n
+        assert s["compared"] >= n // 2, str(ok)
+        assert all("partial sum" in why for _, why in s["not_comparable"]), str(ok)
+    bad = ttrace.check_summaries(ref, wrong, thresholds=full)
+    assert bad.proven > 0, str(bad)
+    # The bug is born in block1.fc1 (its weight's shards swapped, its bias not): nothing
+    # before it is proven (summaries prove no difference that is not there), and its output —
+    # no permutation of the right one, since the bias stays — is proven at once.
+    assert bad.first_proven == (0, "block1.fc1|fwd.output.0"), str(bad)

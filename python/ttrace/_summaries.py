@@ -1,0 +1,128 @@
+"""Per-tensor statistics computed where the tensor lives (``Tracer(..., summaries=True)``).
+
+For each recorded tensor (this rank's shard): the counts of NaN, +∞ and −∞; over the finite
+elements, in float64 from values exact in float64, Σx, Σx², Σ|x|; the ``k`` largest and ``k``
+smallest finite values. The reductions run on the tensor's device as part of the step's work
+(no host synchronization); at the end of the step the small results of all tensors are
+concatenated on each device and copied in one asynchronous transfer into pinned host memory,
+followed by an event that only the writer thread waits for. What the statistics can and cannot
+prove is in ``papers/summaries.md``; the Rust core writes and compares them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+__all__ = ["DEFAULT_K", "Pending", "ShardStats", "Summarizer"]
+
+#: Extremes kept per side by default.
+DEFAULT_K = 8
+
+
+class ShardStats:
+    """One tensor's statistics, still on its device: ``[nan, +inf, -inf, Σx, Σx², Σ|x|,
+    top…, bottom…]`` as float64."""
+
+    __slots__ = ("values", "dtype", "shape", "kept")
+
+    def __init__(self, values: torch.Tensor, dtype: torch.dtype, shape: torch.Size,
+                 kept: int) -> None:
+        self.values = values
+        self.dtype = dtype
+        self.shape = shape
+        #: Extremes computed per side (min(k, elements)).
+        self.kept = kept
+
+
+#: One device's share of a step: the host tensor, the event its transfer ends with (None on
+#: the CPU), and per stats vector (its index in the step, (start, end) in the host tensor).
+_Part = Tuple[torch.Tensor, Optional[Any], List[Tuple[int, Tuple[int, int]]]]
+
+
+class Pending:
+    """The statistics of one step on their way to the host."""
+
+    def __init__(self, parts: List[_Part]) -> None:
+        self._parts = parts
+
+    def wait(self) -> List[List[float]]:
+        """The statistics as Python floats, in the order they were gathered (waits for the
+        transfers' events: call it on the writer thread)."""
+        out: Dict[int, List[float]] = {}
+        for host, event, slots in self._parts:
+            if event is not None:
+                event.synchronize()
+            flat = host.tolist()
+            for order, (start, end) in slots:
+                out[order] = flat[start:end]
+        return [out[i] for i in range(len(out))]
+
+
+class Summarizer:
+    """Computes :class:`ShardStats` on the tensors' devices and gathers them per step."""
+
+    def __init__(self, k: int = DEFAULT_K) -> None:
+        if not 1 <= k <= 1024:
+            raise ValueError(f"k must be 1 to 1024 (got {k})")
+        self.k = k
+
+    def summarize(self, t: torch.Tensor, scale: Optional[float] = None) -> ShardStats:
+        """The statistics of ``t`` (times ``scale``, applied where ``t`` lives, as the host
+        copies apply it)."""
+        src = t.detach()
+        if scale is not None:
+            src = src * scale
+        x = src.reshape(-1).to(torch.float64)
+        n = x.numel()
+        kept = min(self.k, n)
+        finite = torch.isfinite(x)
+        zero = torch.zeros((), dtype=torch.float64, device=x.device)
+        x0 = torch.where(finite, x, zero)
+        counts = torch.stack([torch.isnan(x).sum(), (x == math.inf).sum(),
+                              (x == -math.inf).sum()]).to(torch.float64)
+        sums = torch.stack([x0.sum(), (x0 * x0).sum(), x0.abs().sum()])
+        parts = [counts, sums]
+        if kept:
+            parts.append(torch.where(finite, x, -math.inf).topk(kept).values)
+            parts.append(torch.where(finite, x, math.inf).topk(kept, largest=False).values)
+        return ShardStats(torch.cat(parts), src.dtype, src.shape, kept)
+
+    def gather(self, stats: List[ShardStats]) -> Pending:
+        """Start moving ``stats`` to the host: one concatenation and one transfer per device
+        (asynchronous into pinned memory on CUDA, ordered after the step's work by an event)."""
+        by_device: Dict[Any, List[int]] = {}
+        for i, s in enumerate(stats):
+            by_device.setdefault(s.values.device, []).append(i)
+        parts: List[_Part] = []
+        for device, idx in by_device.items():
+            flat = torch.cat([stats[i].values for i in idx])
+            slots: List[Tuple[int, Tuple[int, int]]] = []
+            at = 0
+            for i in idx:
+                n = stats[i].values.numel()
+                slots.append((i, (at, at + n)))
+                at += n
+            if device.type == "cuda":
+                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                host.copy_(flat, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                parts.append((host, event, slots))
+            else:
+                parts.append((flat.to("cpu"), None, slots))
+        return Pending(parts)
+
+
+def entry_stats(values: List[float], kept: int, k: int) -> Optional[Dict[str, Any]]:
+    """A summary entry's statistics fields from one gathered vector; ``None`` when its float64
+    sums overflowed (a float64 tensor beyond about 1e154: nothing is summarized)."""
+    nan, pinf, ninf, s1, s2, a1 = values[:6]
+    if not all(math.isfinite(v) for v in (s1, s2, a1)):
+        return None
+    top = [v for v in values[6:6 + kept] if math.isfinite(v)]
+    bottom = [v for v in values[6 + kept:6 + 2 * kept] if math.isfinite(v)]
+    return {"nan": int(nan), "pinf": int(pinf), "ninf": int(ninf), "sum": s1, "sum_sq": s2,
+            "sum_abs": a1, "k": k, "top": top, "bottom": bottom}
