@@ -449,8 +449,11 @@ fn lower_bound(r: &Merged, c: &Merged) -> (f64, &'static str) {
     best
 }
 
+/// One step's ids in order, and each id's entries in rank order.
+type ById<'a> = (Vec<&'a str>, HashMap<&'a str, Vec<&'a SummaryEntry>>);
+
 /// The entries of one step by id, each with its every rank's entry.
-fn by_id(lines: &[SummaryStep]) -> Result<(Vec<&str>, HashMap<&str, Vec<&SummaryEntry>>)> {
+fn by_id(lines: &[SummaryStep]) -> Result<ById<'_>> {
     let mut order = vec![];
     let mut map: HashMap<&str, Vec<&SummaryEntry>> = HashMap::new();
     for line in lines {
