@@ -39,7 +39,7 @@ impl Drop for Scratch {
 
 /// The statistics of `x` computed plainly (the oracle's own code: sequential f64 sums, a full
 /// sort for the extremes).
-fn summarize(x: &[f64], k: usize) -> Summary {
+fn summarize_oracle(x: &[f64], k: usize) -> Summary {
     let finite: Vec<f64> = x.iter().copied().filter(|v| v.is_finite()).collect();
     let mut sorted = finite.clone();
     sorted.sort_by(|a, b| a.total_cmp(b));
@@ -65,7 +65,7 @@ fn entry(id: &str, shape: Vec<usize>, layout: Layout, x: &[f64], k: usize) -> Su
         layout,
         guessed: vec![],
         module: None,
-        summary: summarize(x, k),
+        summary: summarize_oracle(x, k),
     }
 }
 
@@ -470,4 +470,70 @@ fn command_line_compares_summary_traces() {
     let full = run(&[check, &empty, &empty, rtol, tol]);
     assert_eq!(full.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&full.stderr).contains("summary traces only"));
+}
+
+/// The one-pass kernel the tracer runs on CPU tensors (`summarize`) against the plain oracle,
+/// in every stored format, across chunk boundaries, with NaN and infinities sprinkled in.
+#[test]
+fn one_pass_statistics_match_the_oracle_in_every_format() {
+    use ttrace::io::summary::summarize;
+    for &n in &[1usize, 7, 65_536, 200_003] {
+        let mut v = values(n as u64, n, 3.0, 0.25);
+        for i in (0..n).step_by(9_973) {
+            v[i] = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY][i % 3];
+        }
+        for format in [
+            Format::F32,
+            Format::BF16,
+            Format::F16,
+            Format::F64,
+            Format::E4M3,
+        ] {
+            let x: Vec<f64> = v
+                .iter()
+                .map(|&a| format.round(a, ttrace::Overflow::NonSaturating))
+                .collect();
+            let bytes: Vec<u8> = match format {
+                Format::F64 => x.iter().flat_map(|a| a.to_le_bytes()).collect(),
+                Format::F32 => x.iter().flat_map(|&a| (a as f32).to_le_bytes()).collect(),
+                Format::BF16 => x
+                    .iter()
+                    .flat_map(|&a| (((a as f32).to_bits() >> 16) as u16).to_le_bytes())
+                    .collect(),
+                Format::F16 => x
+                    .iter()
+                    .flat_map(|&a| half::f16::from_f64(a).to_bits().to_le_bytes())
+                    .collect(),
+                _ => x.iter().map(|&a| format.encode(a).unwrap() as u8).collect(),
+            };
+            let got = summarize(&bytes, format, 5).unwrap();
+            let want = summarize_oracle(&x, 5);
+            assert_eq!(
+                (got.nan, got.pinf, got.ninf, &got.top, &got.bottom),
+                (want.nan, want.pinf, want.ninf, &want.top, &want.bottom),
+                "{format} n = {n}"
+            );
+            let slack = n as f64 * 2f64.powi(-52);
+            assert!(
+                (got.sum - want.sum).abs() <= slack * want.sum_abs,
+                "{format}"
+            );
+            assert!(
+                (got.sum_sq - want.sum_sq).abs() <= slack * want.sum_sq,
+                "{format}"
+            );
+            assert!(
+                (got.sum_abs - want.sum_abs).abs() <= slack * want.sum_abs,
+                "{format}"
+            );
+        }
+    }
+    assert!(matches!(
+        summarize(&[0u8; 3], Format::F32, 4).unwrap_err(),
+        Error::InvalidParameter { name: "bytes", .. }
+    ));
+    assert!(matches!(
+        summarize(&[0u8; 4], Format::F32, 0).unwrap_err(),
+        Error::InvalidParameter { name: "k", .. }
+    ));
 }

@@ -14,12 +14,15 @@ Configurations:
 * full: every leaf module, every step, written;
 * full, record only: the same without writing (``write`` skipped) — the hooks and copies;
 * selective: only the ``fc2`` linears, every step, written;
-* every 10th step: full tracing of one step in ten, written.
+* every 10th step: full tracing of one step in ten, written;
+* summaries every step: every leaf module's statistics (``summaries=True``), every step,
+  written (issue 35's target: within 1.05× the untraced step).
 
 Each row is printed beside its floor: the untraced step plus the bytes written per traced
 step over the rate measured here for moving them — device to pinned host memory on CUDA
 (issue 35's target: within 2× those bytes' time), and the disk's page-cache write rate
-(what a written step cannot beat on average when every step is written).
+(what a written step cannot beat on average when every step is written); for summaries, plus
+the bytes their statistics read per step over the rate that computation reaches alone.
 """
 
 from __future__ import annotations
@@ -99,6 +102,23 @@ def disk_rate(directory: str) -> float:
     return 64 * len(block) / elapsed
 
 
+def summary_rate(device: str) -> float:
+    """Bytes per second the statistics of summaries are computed at, alone (64 MiB of FP32
+    in 8 MiB tensors, best of 3): the Rust pass on the CPU, the torch reductions on a device."""
+    from ttrace._summaries import Summarizer
+
+    s = Summarizer()
+    xs = [torch.randn(2 << 20, device=device) for _ in range(8)]
+    best = float("inf")
+    for _ in range(3):
+        sync(xs[0])
+        t0 = time.perf_counter()
+        pending = s.gather([s.summarize(x, "f32") for x in xs])
+        pending.wait()
+        best = min(best, time.perf_counter() - t0)
+    return sum(x.numel() * 4 for x in xs) / best
+
+
 def untraced(model: nn.Module, x: torch.Tensor, n: int) -> float:
     sync(x)
     t0 = time.perf_counter()
@@ -109,7 +129,7 @@ def untraced(model: nn.Module, x: torch.Tensor, n: int) -> float:
 
 
 def traced(model: nn.Module, x: torch.Tensor, n: int, out: str, write: bool = True,
-           **kw) -> "tuple[float, int]":
+           **kw) -> "tuple[float, int, int]":
     shutil.rmtree(out, ignore_errors=True)
     tracer = ttrace.Tracer(model, out, **kw)
     if not write:
@@ -123,7 +143,8 @@ def traced(model: nn.Module, x: torch.Tensor, n: int, out: str, write: bool = Tr
     sync(x)
     elapsed = (time.perf_counter() - t0) / n
     shutil.rmtree(out, ignore_errors=True)
-    return elapsed, written
+    summarizer = getattr(tracer, "_summarizer", None)
+    return elapsed, written, summarizer.bytes_read if summarizer is not None else 0
 
 
 def run(device: str, steps: int, out: str) -> None:
@@ -135,19 +156,22 @@ def run(device: str, steps: int, out: str) -> None:
         ("full, record only", dict(write=False)),
         ("selective (fc2 only)", dict(modules=lambda n, m: n.endswith("fc2"))),
         ("every 10th step", dict(every=10)),
+        ("summaries every step", dict(summaries=True)),
     ]
     disk = disk_rate(out)
     pinned = pinned_rate(device) if device == "cuda" else None
+    summaries = summary_rate(device)
     print(f"\n{device}: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{steps} steps each; disk {disk / 1e9:.2f} GB/s"
-          + (f", device → pinned host {pinned / 1e9:.1f} GB/s" if pinned else ""))
+          + (f", device → pinned host {pinned / 1e9:.1f} GB/s" if pinned else "")
+          + f"; summary statistics {summaries / 1e9:.2f} GB/s")
     print(f"{'configuration':<24} {'untraced s/step':>16} {'traced s/step':>14} {'ratio':>7} "
           f"{'MB/traced step':>15} {'floor s/step':>13}")
     for name, kw in configs:
         write = kw.pop("write", True)
         n = steps * (10 if "every" in kw else 1)
         base_t = statistics.median(untraced(model, x, max(1, n // 3)) for _ in range(3))
-        t, written = traced(model, x, n, out, write=write, **kw)
+        t, written, summarized = traced(model, x, n, out, write=write, **kw)
         steps_written = n // kw.get("every", 1) if write else 0
         per_step = written / max(steps_written, 1)
         # The floor of a traced step: its bytes moved at the measured rate (twice that, for
@@ -155,6 +179,10 @@ def run(device: str, steps: int, out: str) -> None:
         rate = pinned if pinned else disk
         share = steps_written / n
         floor = base_t + (2.0 if pinned else 1.0) * per_step * share / rate
+        if summarized:
+            # Summaries: their statistics' pass over the recorded bytes at the rate measured
+            # alone (the bytes written are a few hundred per tensor).
+            floor += summarized / n / summaries
         print(f"{name:<24} {base_t:>16.4f} {t:>14.4f} {t / base_t:>7.2f} "
               f"{per_step / 1e6:>15.1f} {floor:>13.4f}")
 

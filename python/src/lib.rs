@@ -832,6 +832,7 @@ fn _ttrace(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(summaries::append_summaries, m)?)?;
     m.add_function(wrap_pyfunction!(summaries::is_summary_dir, m)?)?;
     m.add_function(wrap_pyfunction!(summaries::check_summaries, m)?)?;
+    m.add_function(wrap_pyfunction!(summaries::summarize, m)?)?;
     m.add_function(wrap_pyfunction!(write_atomic, m)?)?;
     m.add_function(wrap_pyfunction!(sanitize, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;

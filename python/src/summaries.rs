@@ -67,3 +67,54 @@ pub fn check_summaries(
         Ok((json(&out)?, ttrace::check::render_summary_check(&out)))
     })
 }
+
+/// The statistics of a tensor given as a one-dimensional uint8 array of its little-endian
+/// bit patterns in `format`, in one pass (GIL released, the array read in place when
+/// contiguous): `[nan, +inf, -inf, Σx, Σx², Σ|x|, top…, bottom…]`, the `min(k, elements)`
+/// largest values padded with −∞ and the smallest padded with +∞ where fewer are finite (the
+/// layout of the tracer's device path).
+#[pyfunction]
+pub fn summarize(
+    py: Python<'_>,
+    array: numpy::PyReadonlyArrayDyn<'_, u8>,
+    format: &str,
+    k: usize,
+) -> PyResult<Vec<f64>> {
+    let f: ttrace::Format = format
+        .parse()
+        .map_err(|e: ttrace::Error| invalid(py, "format", e.to_string()))?;
+    let view = array.as_array();
+    let owned: Vec<u8>;
+    let bytes: &[u8] = match view.as_slice() {
+        Some(b) => b,
+        None => {
+            owned = view.iter().copied().collect();
+            &owned
+        }
+    };
+    let width = ttrace::io::safetensors::element_size(f);
+    let n = bytes.len() / width.max(1);
+    let s = py.detach(|| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            ttrace::io::summary::summarize(bytes, f, k)
+        }))
+    });
+    let s = crate::guard(py, || match s {
+        Ok(r) => r,
+        Err(p) => std::panic::resume_unwind(p),
+    })?;
+    let kept = k.min(n);
+    let mut out = vec![
+        s.nan as f64,
+        s.pinf as f64,
+        s.ninf as f64,
+        s.sum,
+        s.sum_sq,
+        s.sum_abs,
+    ];
+    out.extend(&s.top);
+    out.extend(std::iter::repeat_n(f64::NEG_INFINITY, kept - s.top.len()));
+    out.extend(&s.bottom);
+    out.extend(std::iter::repeat_n(f64::INFINITY, kept - s.bottom.len()));
+    Ok(out)
+}

@@ -178,3 +178,24 @@ def test_tensor_parallel_summaries_merge_and_prove_the_wrong_shard(traces):
     # before it is proven (summaries prove no difference that is not there), and its output —
     # no permutation of the right one, since the bias stays — is proven at once.
     assert bad.first_proven == (0, "block1.fc1|fwd.output.0"), str(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                   torch.float8_e4m3fn])
+def test_device_path_matches_the_rust_pass(dtype):
+    # The reductions a CUDA tensor gets (run here on the CPU) against the Rust core's one pass
+    # the CPU tensors get: the same counts and extremes, sums within float64 round-off.
+    from ttrace._summaries import Summarizer, _device_stats
+    from ttrace.tracer.record import _DTYPES
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(70_001, generator=g) * 3).to(dtype)
+    if dtype != torch.float8_e4m3fn:
+        x[::9_973] = torch.tensor([float("nan"), float("inf"), float("-inf")]).to(dtype).repeat(3)[
+            :len(x[::9_973])]
+    rust = Summarizer(5).summarize(x, _DTYPES[dtype]).values.tolist()
+    torch_path = _device_stats(x, 5).tolist()
+    assert rust[:3] == torch_path[:3]
+    assert rust[6:] == torch_path[6:]
+    for a, b in zip(rust[3:6], torch_path[3:6]):
+        assert abs(a - b) <= 1e-12 * max(abs(a), abs(b), 1.0)

@@ -3,7 +3,8 @@
 For each recorded tensor (this rank's shard): the counts of NaN, +∞ and −∞; over the finite
 elements, in float64 from values exact in float64, Σx, Σx², Σ|x|; the ``k`` largest and ``k``
 smallest finite values. The reductions run on the tensor's device as part of the step's work
-(no host synchronization); at the end of the step the small results of all tensors are
+(no host synchronization; a CPU tensor in one pass of the Rust core); at the end of the step
+the small results of all tensors are
 concatenated on each device and copied in one asynchronous transfer into pinned host memory,
 followed by an event that only the writer thread waits for. What the statistics can and cannot
 prove is in ``papers/summaries.md``; the Rust core writes and compares them.
@@ -15,6 +16,8 @@ import math
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+
+from . import _ttrace
 
 __all__ = ["DEFAULT_K", "Pending", "ShardStats", "Summarizer"]
 
@@ -68,27 +71,25 @@ class Summarizer:
         if not 1 <= k <= 1024:
             raise ValueError(f"k must be 1 to 1024 (got {k})")
         self.k = k
+        #: Bytes of tensors summarized so far (each read once; reused statistics not counted).
+        self.bytes_read = 0
 
-    def summarize(self, t: torch.Tensor, scale: Optional[float] = None) -> ShardStats:
-        """The statistics of ``t`` (times ``scale``, applied where ``t`` lives, as the host
-        copies apply it)."""
+    def summarize(self, t: torch.Tensor, fmt: str, scale: Optional[float] = None) -> ShardStats:
+        """The statistics of ``t``, stored as ``fmt`` (times ``scale``, applied where ``t``
+        lives, as the host copies apply it). On the CPU in one pass of the Rust core (on this
+        thread, GIL released); on a device as torch reductions there, without synchronizing."""
         src = t.detach()
         if scale is not None:
             src = src * scale
-        x = src.reshape(-1).to(torch.float64)
-        n = x.numel()
+        n = src.numel()
         kept = min(self.k, n)
-        finite = torch.isfinite(x)
-        zero = torch.zeros((), dtype=torch.float64, device=x.device)
-        x0 = torch.where(finite, x, zero)
-        counts = torch.stack([torch.isnan(x).sum(), (x == math.inf).sum(),
-                              (x == -math.inf).sum()]).to(torch.float64)
-        sums = torch.stack([x0.sum(), (x0 * x0).sum(), x0.abs().sum()])
-        parts = [counts, sums]
-        if kept:
-            parts.append(torch.where(finite, x, -math.inf).topk(kept).values)
-            parts.append(torch.where(finite, x, math.inf).topk(kept, largest=False).values)
-        return ShardStats(torch.cat(parts), src.dtype, src.shape, kept)
+        self.bytes_read += n * src.element_size()
+        if src.device.type == "cpu":
+            flat = src.reshape(-1).contiguous()
+            values = _ttrace.summarize(flat.view(torch.uint8).numpy(), fmt, self.k)
+            return ShardStats(torch.tensor(values, dtype=torch.float64), src.dtype, src.shape,
+                              kept)
+        return ShardStats(_device_stats(src, self.k), src.dtype, src.shape, kept)
 
     def gather(self, stats: List[ShardStats]) -> Pending:
         """Start moving ``stats`` to the host: one concatenation and one transfer per device
@@ -114,6 +115,29 @@ class Summarizer:
             else:
                 parts.append((flat.to("cpu"), None, slots))
         return Pending(parts)
+
+
+def _device_stats(src: torch.Tensor, k: int) -> torch.Tensor:
+    """The statistics vector of ``src`` from torch reductions where it lives (no host
+    synchronization): counts and extremes in the tensor's own dtype (its values are exact
+    there), the sums from float64 values."""
+    x = src.reshape(-1)
+    if x.element_size() == 1:
+        x = x.float()  # FP8: exact in FP32, where every reduction below is defined
+    kept = min(k, x.numel())
+    finite = torch.isfinite(x)
+    counts = torch.stack([torch.isnan(x).sum(), torch.isposinf(x).sum(),
+                          torch.isneginf(x).sum()]).to(torch.float64)
+    x0 = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    x0 = x0.to(torch.float64)
+    parts = [counts, torch.stack([x0.sum(), (x0 * x0).sum(), x0.abs().sum()])]
+    if kept:
+        low = torch.full((), -math.inf, dtype=x.dtype, device=x.device)
+        high = torch.full((), math.inf, dtype=x.dtype, device=x.device)
+        parts.append(torch.where(finite, x, low).topk(kept).values.to(torch.float64))
+        parts.append(torch.where(finite, x, high).topk(kept, largest=False).values
+                     .to(torch.float64))
+    return torch.cat(parts)
 
 
 def entry_stats(values: List[float], kept: int, k: int) -> Optional[Dict[str, Any]]:

@@ -6,6 +6,7 @@ pub(crate) mod manifest;
 pub mod npy;
 pub mod safetensors;
 pub(crate) mod stored;
+mod summarize;
 pub mod summary;
 
 pub use guard::{limits, printable, read_limited, sanitize};

@@ -37,6 +37,8 @@ use crate::io::guard::{printable, TrustedDir};
 use crate::io::manifest::ModuleInfo;
 use crate::shard::layout::{Axis, Layout, Mesh};
 
+pub use crate::io::summarize::summarize;
+
 /// The `format` field of a summary line.
 pub const SUMMARY_FORMAT: &str = "ttrace-summaries";
 

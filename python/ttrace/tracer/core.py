@@ -488,8 +488,7 @@ class Tracer:
         # memory (DTensor's collectives do), which no address or version test sees.
         copy: Any
         if self._summarizer is not None:
-            # Summaries only: the statistics computed where the tensor lives, nothing copied.
-            copy = self._summarizer.summarize(local, 1.0 / data if scaled else None)
+            copy = self._summary(t, local, scaled, data)
         else:
             copy = self._host_copy(tid, t, local, scaled, data)
             if copy is None:
@@ -516,6 +515,25 @@ class Tracer:
                 self._s.guesses[(name, role, i)] = guessed
         return derived
 
+    def _summary(self, t: Any, local: torch.Tensor, scaled: bool, data: int) -> ShardStats:
+        """Summaries only: the statistics of a recorded tensor, computed where it lives —
+        or those of the same memory recorded earlier in the step (an input that is the
+        previous module's output), when its first holder still owns that memory and nothing
+        wrote to it since (the version counter its views share). No contents are compared,
+        so nothing waits for the device."""
+        assert self._summarizer is not None
+        owner = t._local_tensor if local is not t and hasattr(t, "_local_tensor") else local
+        key = _alias_key(local)
+        same = (key, local._version, scaled)
+        hit = self._s.copies.get(same) if key is not None else None
+        if hit is not None and isinstance(hit[1], ShardStats) and _owns(hit[0](), local):
+            return hit[1]
+        stats = self._summarizer.summarize(local, _DTYPES[local.dtype],
+                                           1.0 / data if scaled else None)
+        if key is not None:
+            self._s.copies[same] = (weakref.ref(owner), stats)
+        return stats
+
     def _host_copy(self, tid: str, t: Any, local: torch.Tensor, scaled: bool,
                    data: int) -> Optional[HostCopy]:
         """The host copy of a recorded tensor, shared with an earlier id whose contents are the
@@ -524,11 +542,11 @@ class Tracer:
         key = _alias_key(local)
         same = (key, local._version, scaled)
         hit = self._s.copies.get(same) if key is not None else None
-        copy = None
+        copy: Optional[HostCopy] = None
         if hit is not None and hit[0]() is not None and not scaled and local.device.type == "cpu":
             # (On a CUDA device the comparison would wait for the device: the tensor is
             # copied again, asynchronously, and the writer stores equal contents once.)
-            candidate = hit[1]
+            candidate = cast(HostCopy, hit[1])
             if torch.equal(_bits(candidate.tensor), _bits(local.detach())):
                 copy = candidate
         if copy is None:
@@ -698,7 +716,7 @@ class Tracer:
         if o is first and isinstance(stored, ShardStats):
             # Changed in place, summaries only: the statistics tell.
             assert self._summarizer is not None
-            fresh = self._summarizer.summarize(after)
+            fresh = self._summarizer.summarize(after, _DTYPES[after.dtype])
             if not torch.equal(fresh.values, stored.values):
                 self._s.records[tid] = fresh
             return
@@ -711,7 +729,7 @@ class Tracer:
             local = cast(Any, first).to_local() if _is_dtensor(first, self._dtensor) else first
             same = tuple(local.shape) == tuple(after.shape) and torch.equal(after, local)
         if not same and self._summarizer is not None:
-            self._s.records[tid] = self._summarizer.summarize(after)
+            self._s.records[tid] = self._summarizer.summarize(after, _DTYPES[after.dtype])
         elif not same:
             copy = self._copier.copy(after)
             self._s.made.append(copy)

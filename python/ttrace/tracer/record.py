@@ -109,7 +109,7 @@ class _StepRecord:
     #: (module, output index) → (local shape, layout) of the output the caller receives.
     final: Dict[Tuple[str, int], Tuple[Tuple[int, ...], dict]] = field(default_factory=dict)
     #: Stored copies shared between ids (a weak reference to the first holder, the copy).
-    copies: Dict[Any, Tuple[Any, HostCopy]] = field(default_factory=dict)
+    copies: Dict[Any, Tuple[Any, Union[HostCopy, ShardStats]]] = field(default_factory=dict)
     #: Outputs whose placement cannot be expressed before the module's output hooks run.
     deferred: "set[Tuple[str, int]]" = field(default_factory=set)
     #: (module, output index) → the output as the module returned it, until its output hooks
