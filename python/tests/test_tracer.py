@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import harness
 import ttrace
-from ttrace.tracer import Mesh
+from ttrace.tracer import Mesh, replicate, split
 
 
 class MaskedSoftmax(nn.Module):
@@ -298,7 +298,7 @@ def test_meshes_as_engines_build_them():
     assert mm.sizes == {"tp": 2, "cp": 1, "dp": 4} and mm.coords == {"tp": 1, "cp": 0, "dp": 2}
     shape = (8, 6)
     lay = _placement_layout("w", (Shard(0), Shard(0), Replicate()), hsdp, shape, mm)
-    assert lay["dp"] == {"kind": "split", "dim": 0, "groups": 1} and lay["tp"]["kind"] == "replicate"
+    assert lay.dp == split(0) and lay.tp == replicate()
     with pytest.raises(UnsupportedLayoutError, match="place it differently"):
         _placement_layout("w", (Replicate(), Shard(0), Replicate()), hsdp, shape, mm)
     # A flattened torchtitan dimension (dp_shard_cp) is data parallel.
@@ -313,8 +313,8 @@ def test_meshes_as_engines_build_them():
     assert mm.sizes == {"tp": 2, "cp": 2, "dp": 2} and mm.coords == {"tp": 0, "cp": 1, "dp": 1}
     lay = _placement_layout("w", (Shard(0), Replicate()), flat, (8, 6), mm)
     # dp cuts first, cp cuts what dp left: the flattened dimension's contiguous split.
-    assert lay["dp"] == lay["cp"] == {"kind": "split", "dim": 0, "groups": 1}
-    assert lay["tp"]["kind"] == "replicate"
+    assert lay.dp == lay.cp == split(0)
+    assert lay.tp == replicate()
     # Pipeline parallelism of size 2: not placeable — said per tensor, with the fix.
     pp = _FakeMesh(("pp", "tp"), (2, 2), (0, 1))
     mm = _MeshMap(pp, {})
@@ -356,8 +356,8 @@ def test_a_megatron_output_layer_twice_the_ffn_width_is_no_fused_projection():
     fused = _megatron_layout(m, "decoder.layers.0.mlp.linear_fc1")
     plain = _megatron_layout(m, "output_layer")
     assert fused is not None and plain is not None
-    assert fused.params["weight"]["groups"] == 2
-    assert plain.params.get("weight", {"groups": 1})["groups"] == 1
+    assert fused.params["weight"].groups == 2
+    assert plain.params.get("weight", split(0)).groups == 1
 
 
 class _SdpaBlock(nn.Module):

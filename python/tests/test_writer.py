@@ -158,3 +158,27 @@ def test_equal_contents_are_stored_once(tmp_path):
     assert np.array_equal(values["b|fwd.input.0"], v) and values["c|fwd.input.0"].shape == (2, 3)
     assert np.array_equal(values["d|fwd.input.0"],
                           v.view(np.float16).astype(np.float64))
+
+
+def test_placements_are_typed_values_and_accept_the_manifest_form():
+    # Layouts are values (Placement, Layout), not dicts with magic keys; a declaration in the
+    # manifest's form is still accepted and made typed.
+    from ttrace.tracer import Layout, ModuleLayout, Placement, partial, replicate, split
+
+    ml = ModuleLayout(inputs=[{"kind": "split", "dim": -1}],
+                      params={"weight": {"kind": "split", "dim": 0, "groups": 2}})
+    assert ml.inputs == [split(-1)] and ml.params["weight"] == split(0, 2)
+    assert ml.pick("grad.input", 3) == split(-1)
+    layout = Layout(dp=split(0), tp=partial()).with_guess("dp")
+    assert layout.guessed == ("dp",) and layout.known().guessed == ()
+    assert layout.partial_axes() == ["tp"]
+    assert layout.grad() == Layout(dp=split(0), guessed=("dp",))
+    assert layout.to_json() == {"dp": {"kind": "split", "dim": 0, "groups": 1},
+                                "cp": {"kind": "replicate"}, "tp": {"kind": "partial"}}
+    assert replicate() == Placement("replicate")
+    with pytest.raises(ValueError):
+        Placement("sharded")
+    with pytest.raises(ValueError):
+        layout.with_("pp", replicate())
+    with pytest.raises(TypeError):
+        ModuleLayout(inputs=["split"])  # type: ignore[list-item]

@@ -191,11 +191,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _shard(t: Any, placement: dict, rank: int, parts: int) -> Any:
-    if placement.get("kind") != "split":
+def _shard(t: Any, placement: Any, rank: int, parts: int) -> Any:
+    """Rank ``rank``'s part of ``t`` under a :class:`~ttrace.tracer.placements.Placement`."""
+    if not placement.is_split:
         return t
-    dim = placement["dim"] % t.dim()
-    groups = placement.get("groups", 1)
+    dim = placement.dim % t.dim()
+    groups = placement.groups
     n = t.shape[dim]
     if n % (groups * parts):
         raise InvalidInputError(

@@ -77,12 +77,15 @@ from __future__ import annotations
 
 from ..testing import copy_sharded, seed_everything
 from .core import Tracer
-from .placements import Mesh, ModuleLayout, column_parallel, partial, replicate, row_parallel, split
+from .placements import (Layout, Mesh, ModuleLayout, Placement, column_parallel, partial, replicate,
+                         row_parallel, split)
 from .writing import finish
 
 __all__ = [
+    "Layout",
     "Mesh",
     "ModuleLayout",
+    "Placement",
     "Tracer",
     "column_parallel",
     "copy_sharded",

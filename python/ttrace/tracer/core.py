@@ -19,7 +19,7 @@ from .dtensor import (_MeshMap, _dtensor_type, _expressible, _gather_param, _is_
 from .kinds import _kind_of
 from .megatron import _megatron_layout
 from .mesh import find_mesh
-from .placements import (Mesh, ModuleLayout, _grad_layout, _partial_axes, _with_guess, partial,
+from .placements import (Layout, Mesh, ModuleLayout, partial,
                          replicate, split)
 from .record import (_DTYPES, _StepRecord, _Tap, _alias_key, _base, _bits, _device_type,
                      _in_backward, _owns, _param_grad)
@@ -295,16 +295,15 @@ class Tracer:
         return out
 
     def _layout(self, name: str, role: str, i: int, t: torch.Tensor,
-                param: Optional[str] = None) -> dict:
+                param: Optional[str] = None) -> Layout:
         ml = self.layouts.get(_base(name))
         if param is not None:
             tp = ml.params.get(param, replicate()) if ml else replicate()
         else:
             tp = ml.pick(role, i) if ml else replicate()
-        tp = dict(tp)
-        if tp.get("kind") == "split" and tp["dim"] < 0:
-            tp["dim"] += t.dim()
-        if tp.get("kind") == "split" and not 0 <= tp["dim"] < max(t.dim(), 1):
+        if tp.is_split and tp.dim < 0:
+            tp = split(tp.dim + t.dim(), tp.groups)
+        if tp.is_split and not 0 <= tp.dim < max(t.dim(), 1):
             raise InvalidInputError(
                 f"module {name!r}: split dim out of range for a {t.dim()}-d tensor",
                 "InvalidParameter",
@@ -314,7 +313,7 @@ class Tracer:
         dp = replicate()
         if self.mesh.dp > 1 and param is None and t.dim() > self.dp_dim:
             dp = split(self.dp_dim)
-        return {"dp": dp, "cp": replicate(), "tp": tp}
+        return Layout(dp=dp, tp=tp)
 
     def _mesh_of(self, device_mesh: Any) -> _MeshMap:
         """How the dimensions of a tensor's own device mesh map onto ttrace's axes (unusable
@@ -327,7 +326,7 @@ class Tracer:
                 mm.error = self._mesh_error
         return mm
 
-    def _local_layout(self, tid: str, t: torch.Tensor) -> Optional[dict]:
+    def _local_layout(self, tid: str, t: torch.Tensor) -> Optional[Layout]:
         """The layout of a plain tensor made by ``DTensor.to_local()`` (its autograd node keeps
         the DTensor's placements), or of the local shard of a DTensor seen before."""
         spec = getattr(t.grad_fn, "dtensor_spec", None)
@@ -341,28 +340,26 @@ class Tracer:
         # free a live tensor's storage: then the address may hold another tensor).
         return hit[1] if hit is not None and _owns(hit[0](), t) else None
 
-    def _uncovered(self, layout: dict, mm: _MeshMap, ndim: int) -> dict:
+    def _uncovered(self, layout: Layout, mm: _MeshMap, ndim: int) -> Layout:
         """A non-parameter DTensor's layout completed along the axes its device mesh does not
         cover (TP on ``mesh["tp"]`` of a 2-D mesh whose dp dimension splits the batch as plain
         data): a split of the batch dimension (``dp_dim``) for dp, replication otherwise —
-        guesses, listed under ``"_guessed"`` for the checker to settle."""
+        guesses, for the checker to settle."""
         missing = [a for a in ("dp", "cp", "tp")
                    if a not in {x for _, x, _ in mm.placed()} and getattr(self.mesh, a) > 1]
         if not missing:
             return layout
-        layout = dict(layout)
         if "dp" in missing and ndim > self.dp_dim:
-            layout["dp"] = split(self.dp_dim)
-        layout["_guessed"] = missing
-        return layout
+            layout = layout.with_("dp", split(self.dp_dim))
+        return layout.with_guess(*missing)
 
-    def _remember(self, owner: torch.Tensor, t: torch.Tensor, layout: dict) -> None:
+    def _remember(self, owner: torch.Tensor, t: torch.Tensor, layout: Layout) -> None:
         key = _alias_key(t)
         if key is not None:
             self._s.alias[key] = (weakref.ref(owner), layout)
 
     def _derived(self, tid: str, name: str, role: str, i: int, t: torch.Tensor,
-                 inherit: Optional[dict]) -> Tuple[Optional[dict], List[str]]:
+                 inherit: Optional[dict]) -> Tuple[Optional[Layout], List[str]]:
         """The layout of a plain tensor of a module without declared layouts, derived from
         DTensors of this step (see the module docs), and the axes along which it is only a
         guess (the gradient of a forward tensor whose layout was guessed)."""
@@ -380,13 +377,13 @@ class Tracer:
         else:
             fwd = None
         if fwd is not None and fwd[0] == tuple(t.shape):
-            return _grad_layout(fwd[1]), self._s.guesses.get(key, [])
+            return fwd[1].grad(), self._s.guesses.get(key, [])
         if role == "fwd.output" and inherit is not None and inherit["shape"] == tuple(t.shape):
             return inherit["layout"], []
         return None, []
 
     def _record(self, name: str, role: str, i: int, t: Any, param: Optional[str] = None,
-                inherit: Optional[dict] = None, info: Optional[dict] = None) -> Optional[dict]:
+                inherit: Optional[dict] = None, info: Optional[dict] = None) -> Optional[Layout]:
         """Record one tensor; returns its layout when it was derived from a DTensor."""
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             return None
@@ -410,12 +407,12 @@ class Tracer:
                                            mm)
                 if param is None:
                     layout = self._uncovered(layout, mm, dt.dim())
-                    if self.mesh.cp > 1 and layout["cp"]["kind"] == "split":
+                    if self.mesh.cp > 1 and layout.cp.is_split:
                         # Context parallelism places the sequence as Shard(seq) on the cp mesh
                         # in whatever order its load balancer put the tokens (torch's CP:
                         # head-tail chunks for causal attention): the order is settled from
                         # the values.
-                        layout = _with_guess(layout, "cp")
+                        layout = layout.with_guess("cp")
                 local = dt.to_local()
                 derived = layout
                 self._remember(getattr(dt, "_local_tensor", local), local, layout)
@@ -428,7 +425,7 @@ class Tracer:
                         and getattr(t.grad_fn, "dtensor_spec", None) is not None):
                     # A DTensor's Partial() made local and handed on with no reduction: merged
                     # as the sum it is, but the caller's plain code uses one rank's addend.
-                    unreduced = _partial_axes(derived)
+                    unreduced = derived.partial_axes()
                 if derived is None and self.mesh.world() > 1:
                     # Neither a DTensor, nor declared, nor derived from one: a guess the
                     # checker settles from the shapes. Under data parallelism the batch
@@ -439,8 +436,8 @@ class Tracer:
                                                     ("tp", self.mesh.tp > 1
                                                      and _base(name) not in self.layouts))
                                if unknown]
-                if derived is not None and "_guessed" in derived:
-                    guessed = sorted(set(guessed) | set(derived["_guessed"]))
+                if derived is not None and derived.guessed:
+                    guessed = sorted(set(guessed) | set(derived.guessed))
                 if guessed:
                     # Not handed on as known (the gradient of this tensor is a guess too).
                     derived = None
@@ -448,7 +445,7 @@ class Tracer:
                     # A declared layout (Megatron's layers): the modules this tensor is handed
                     # to next find it by its memory — with its cp placement still a guess
                     # under context parallelism (the sequence's chunks are no layer's).
-                    derived = _with_guess(layout, "cp") if "cp" in guessed else layout
+                    derived = layout.with_guess("cp") if "cp" in guessed else layout
                     self._remember(t, t, derived)
                 if t.dim() == 0 and self.mesh.dp * self.mesh.cp > 1 and param is None:
                     # A scalar under data (or context) parallelism is each rank's own value,
@@ -460,7 +457,7 @@ class Tracer:
                     fwd = role.startswith("fwd.")
                     for a in ("dp", "cp"):
                         if getattr(self.mesh, a) > 1:
-                            layout = {**layout, a: partial() if fwd else replicate()}
+                            layout = layout.with_(a, partial() if fwd else replicate())
                     guessed = [a for a in guessed if a not in ("dp", "cp")]
                     derived = None
                     scalar_mean = fwd and self.local_mean_loss is True
@@ -479,7 +476,7 @@ class Tracer:
         data = self.mesh.dp * self.mesh.cp
         scaled = scalar_mean or (self.local_mean_loss is True and data > 1
                                  and role.startswith("grad.") and param is None
-                                 and (layout["dp"]["kind"] == "split"
+                                 and (layout.dp.is_split
                                       or (self.mesh.cp > 1 and t.dim() > 0)))
         # The same tensor handed from one module to the next (an output that is the next
         # module's input: same memory, shape, strides and version while the first holder
@@ -496,9 +493,9 @@ class Tracer:
         if tid not in self._s.records:
             self._s.order.append(tid)
         self._s.records[tid] = copy
-        if "_guessed" in layout:
-            guessed = sorted(set(guessed) | set(layout["_guessed"]))
-            layout = {k: v for k, v in layout.items() if k != "_guessed"}
+        if layout.guessed:
+            guessed = sorted(set(guessed) | set(layout.guessed))
+            layout = layout.known()
         module_info = self._module_info(name)
         if info:
             module_info = {**info, **(module_info or {})}  # declared formats win
@@ -657,7 +654,7 @@ class Tracer:
                 if (name, i) in self._s.deferred:
                     self._s.deferred.discard((name, i))
                     self._record(name, "fwd.output", i, o)
-                layout: Optional[dict]
+                layout: Optional[Layout]
                 try:
                     if _is_dtensor(o, self._dtensor):
                         dt = cast(Any, o)
@@ -681,19 +678,19 @@ class Tracer:
                     o.register_hook(self._output_grad(name, i))
         return hook
 
-    def _mark_unreduced(self, tid: str, o: torch.Tensor, layout: dict) -> None:
+    def _mark_unreduced(self, tid: str, o: torch.Tensor, layout: Layout) -> None:
         """A module output its caller receives as a plain tensor made local from a DTensor's
         Partial() (a parallel style whose output layout is Partial, handed on with
         ``use_local_output``): marked in its module info, for the check to name the module
         when the sum's use fails (see :meth:`_record`)."""
         if getattr(o.grad_fn, "dtensor_spec", None) is None or tid not in self._s.meta:
             return
-        axes = _partial_axes(layout)
+        axes = layout.partial_axes()
         if axes:
             meta = self._s.meta[tid]
             meta["module"] = {**(meta.get("module") or {}), "unreduced": axes}
 
-    def _rerecord_if_hooked(self, name: str, i: int, o: torch.Tensor, layout: dict) -> None:
+    def _rerecord_if_hooked(self, name: str, i: int, o: torch.Tensor, layout: Layout) -> None:
         """An output hook that changed a module's output without changing its placement (a
         scale, a clamp, a bug planted as a hook): the caller receives the changed values, so
         they are the module's output — a difference they carry is born in this module, not in
@@ -815,7 +812,7 @@ class Tracer:
         """The manifest fields of a recorded tensor that summaries share: id, dtype, layout,
         module, guessed axes."""
         e: Dict[str, Any] = {"id": tid, "dtype": _DTYPES[t.dtype],
-                             "layout": self._s.meta[tid]["layout"]}
+                             "layout": self._s.meta[tid]["layout"].to_json()}
         if self._s.meta[tid]["module"] is not None:
             e["module"] = self._s.meta[tid]["module"]
         if self._s.meta[tid]["guessed"]:

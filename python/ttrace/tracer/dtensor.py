@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import UnsupportedLayoutError
-from .placements import Mesh, partial, replicate, split
+from .placements import Layout, Mesh, partial, split
 
 _AXIS_NAMES = {
     "tp": ("tp", "tensor", "model", "tensor_parallel", "mp", "tp_shard"),
@@ -214,12 +214,12 @@ def _is_dtensor(t: Any, dtensor: Optional[type]) -> bool:
     return dtensor is not None and isinstance(t, dtensor)
 
 def _placement_layout(tid: str, placements: Sequence[Any], device_mesh: Any,
-                      shape: Sequence[int], mm: _MeshMap) -> Dict[str, dict]:
+                      shape: Sequence[int], mm: _MeshMap) -> Layout:
     """The ttrace layout of a tensor of (global) ``shape`` placed by ``placements``."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     mm.check(f"tensor {tid!r}")
-    layout = {"dp": replicate(), "cp": replicate(), "tp": replicate()}
+    layout = Layout()
     ndim = len(shape)
     per_axis: Dict[str, List[Tuple[Any, int]]] = {}
     for i, axis, size in mm.placed():  # a dimension of size 1 places nothing
@@ -262,7 +262,7 @@ def _placement_layout(tid: str, placements: Sequence[Any], device_mesh: Any,
                     "parts; ttrace's split needs equal parts",
                     "Layout",
                 )
-            layout[axis] = split(sd)
+            layout = layout.with_(axis, split(sd))
         elif kind == "partial":
-            layout[axis] = partial()
+            layout = layout.with_(axis, partial())
     return layout

@@ -4,20 +4,114 @@ the tensor-parallel placements of plain tensors."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, List, Optional, Tuple, Union
 
-def replicate() -> dict:
+#: The mesh axes, in manifest order.
+AXES = ("dp", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a tensor lies along one mesh axis: ``replicate`` (every rank holds the whole
+    tensor), ``split`` along ``dim`` in ``groups`` interleaved groups, or ``partial`` (the
+    logical tensor is the sum of the ranks' tensors). Build with :func:`replicate`,
+    :func:`split`, :func:`partial`."""
+
+    kind: str
+    dim: int = 0
+    groups: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("replicate", "split", "partial"):
+            raise ValueError(f"unknown placement kind {self.kind!r} (replicate, split, partial)")
+
+    @property
+    def is_split(self) -> bool:
+        return self.kind == "split"
+
+    @property
+    def is_partial(self) -> bool:
+        return self.kind == "partial"
+
+    def to_json(self) -> Dict[str, Any]:
+        """As a trace manifest writes it."""
+        if self.kind == "split":
+            return {"kind": "split", "dim": self.dim, "groups": self.groups}
+        return {"kind": self.kind}
+
+    @staticmethod
+    def of(p: "PlacementLike") -> "Placement":
+        """A placement, or its manifest form (``{"kind": "split", "dim": 1}``)."""
+        if isinstance(p, Placement):
+            return p
+        if isinstance(p, dict) and "kind" in p:
+            return Placement(str(p["kind"]), int(p.get("dim", 0)), int(p.get("groups", 1)))
+        raise TypeError(f"not a placement: {p!r} (use replicate(), split(dim) or partial())")
+
+
+#: A placement, or its manifest form as a dict (accepted where users declare layouts).
+PlacementLike = Union[Placement, Dict[str, Any]]
+
+
+def replicate() -> Placement:
     """Every rank of the axis holds the whole tensor."""
-    return {"kind": "replicate"}
+    return Placement("replicate")
 
-def split(dim: int, groups: int = 1) -> dict:
+
+def split(dim: int, groups: int = 1) -> Placement:
     """Split along ``dim`` (negative counts from the end); ``groups`` interleaved groups."""
-    return {"kind": "split", "dim": dim, "groups": groups}
+    return Placement("split", dim, groups)
 
-def partial() -> dict:
+
+def partial() -> Placement:
     """The logical tensor is the sum of the ranks' tensors (before an all-reduce)."""
-    return {"kind": "partial"}
+    return Placement("partial")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A tensor's placement along each mesh axis, and the axes along which it is only a guess
+    (plain tensors of code the tracer cannot see into), for the checker to settle from the
+    shapes."""
+
+    dp: Placement = field(default_factory=replicate)
+    cp: Placement = field(default_factory=replicate)
+    tp: Placement = field(default_factory=replicate)
+    guessed: Tuple[str, ...] = ()
+
+    def along(self, axis: str) -> Placement:
+        return getattr(self, axis)  # type: ignore[no-any-return]
+
+    def with_(self, axis: str, p: Placement) -> "Layout":
+        """This layout with the placement along ``axis`` replaced."""
+        if axis not in AXES:
+            raise ValueError(f"unknown mesh axis {axis!r} ({', '.join(AXES)})")
+        return replace(self, **{axis: p})  # type: ignore[arg-type]
+
+    def with_guess(self, *axes: str) -> "Layout":
+        """This layout with its placements along ``axes`` marked guesses."""
+        return replace(self, guessed=tuple(sorted(set(self.guessed) | set(axes))))
+
+    def known(self) -> "Layout":
+        """The same placements, nothing marked a guess."""
+        return replace(self, guessed=())
+
+    def partial_axes(self) -> List[str]:
+        """The axes along which the tensor is a partial sum."""
+        return [a for a in AXES if self.along(a).is_partial]
+
+    def grad(self) -> "Layout":
+        """The layout of a gradient of a tensor of this layout: the gradient of a partial sum
+        is replicated (DTensor's rule for ``to_local``/``from_local`` gradients); shards
+        stay."""
+        dp, cp, tp = (replicate() if self.along(a).is_partial else self.along(a) for a in AXES)
+        return Layout(dp, cp, tp, self.guessed)
+
+    def to_json(self) -> Dict[str, Any]:
+        """As a trace manifest writes it (the guesses go in the entry's ``guessed``)."""
+        return {a: self.along(a).to_json() for a in AXES}
+
 
 @dataclass
 class Mesh:
@@ -46,17 +140,27 @@ class ModuleLayout:
     the placement of what they are the gradient of unless ``grad_inputs``/``grad_outputs`` say
     otherwise; ``params`` maps a parameter's local name to its placement."""
 
-    inputs: List[dict] = field(default_factory=lambda: [replicate()])
-    outputs: List[dict] = field(default_factory=lambda: [replicate()])
-    grad_inputs: Optional[List[dict]] = None
-    grad_outputs: Optional[List[dict]] = None
-    params: Dict[str, dict] = field(default_factory=dict)
+    inputs: List[Placement] = field(default_factory=lambda: [replicate()])
+    outputs: List[Placement] = field(default_factory=lambda: [replicate()])
+    grad_inputs: Optional[List[Placement]] = None
+    grad_outputs: Optional[List[Placement]] = None
+    params: Dict[str, Placement] = field(default_factory=dict)
     #: Two dimensions the module's outputs (and their gradients) have swapped relative to
     #: the reference's (Megatron's embedding hands out [s, b, h] under sequence parallelism,
     #: [b, s, h] otherwise): recorded swapped back.
     swap_outputs: Optional[Tuple[int, int]] = None
 
-    def pick(self, role: str, i: int) -> dict:
+    def __post_init__(self) -> None:
+        # Placements given in their manifest form (dicts) are accepted and made typed.
+        self.inputs = [Placement.of(p) for p in self.inputs]
+        self.outputs = [Placement.of(p) for p in self.outputs]
+        if self.grad_inputs is not None:
+            self.grad_inputs = [Placement.of(p) for p in self.grad_inputs]
+        if self.grad_outputs is not None:
+            self.grad_outputs = [Placement.of(p) for p in self.grad_outputs]
+        self.params = {k: Placement.of(p) for k, p in self.params.items()}
+
+    def pick(self, role: str, i: int) -> Placement:
         lists = {
             "fwd.input": self.inputs,
             "fwd.output": self.outputs,
@@ -86,18 +190,3 @@ def row_parallel() -> ModuleLayout:
         grad_outputs=[replicate()],
         params={"weight": split(1), "bias": replicate()},
     )
-
-def _partial_axes(layout: dict) -> List[str]:
-    """The axes along which ``layout`` holds partial sums."""
-    return [a for a in ("dp", "cp", "tp") if layout.get(a, {}).get("kind") == "partial"]
-
-def _with_guess(layout: dict, axis: str) -> dict:
-    """``layout`` with its placement along ``axis`` marked a guess (``"_guessed"``, for the
-    checker to settle)."""
-    return {**layout, "_guessed": sorted(set(layout.get("_guessed", [])) | {axis})}
-
-def _grad_layout(layout: dict) -> dict:
-    """The layout of a gradient of a tensor of ``layout``: the gradient of a partial sum is
-    replicated (DTensor's rule for ``to_local``/``from_local`` gradients); shards stay."""
-    return {a: (replicate() if isinstance(p, dict) and p["kind"] == "partial" else p)
-            for a, p in layout.items()}

@@ -10,6 +10,7 @@ import torch
 
 from .._copies import HostCopy
 from .._summaries import ShardStats
+from .placements import Layout
 
 _DTYPES = {
     torch.float64: "f64",
@@ -103,11 +104,12 @@ class _StepRecord:
     #: Ids in execution order, and ("params", module) where parameter gradients belong.
     order: List[Any] = field(default_factory=list)
     #: Layouts learned by memory (a weak reference to the first holder, the layout).
-    alias: Dict[Any, Tuple[Any, dict]] = field(default_factory=dict)
+    alias: Dict[Any, Tuple[Any, Layout]] = field(default_factory=dict)
     #: (module, role, index) → (local shape, layout), for the gradients of forward tensors.
-    forward: Dict[Tuple[str, str, int], Tuple[Tuple[int, ...], dict]] = field(default_factory=dict)
+    forward: Dict[Tuple[str, str, int], Tuple[Tuple[int, ...], Layout]] = field(
+        default_factory=dict)
     #: (module, output index) → (local shape, layout) of the output the caller receives.
-    final: Dict[Tuple[str, int], Tuple[Tuple[int, ...], dict]] = field(default_factory=dict)
+    final: Dict[Tuple[str, int], Tuple[Tuple[int, ...], Layout]] = field(default_factory=dict)
     #: Stored copies shared between ids (a weak reference to the first holder, the copy).
     copies: Dict[Any, Tuple[Any, Union[HostCopy, ShardStats]]] = field(default_factory=dict)
     #: Outputs whose placement cannot be expressed before the module's output hooks run.
