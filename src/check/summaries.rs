@@ -226,9 +226,9 @@ impl Merged {
     }
 }
 
-/// Why the logical tensor cannot be summarized, or the replica finding.
-enum MergeOutcome {
-    Merged(Merged),
+/// Why shards give no logical tensor's statistics: they cannot be merged, or replicas
+/// disagree (a finding).
+enum Unmerged {
     NotComparable(String),
     Replicas { axis: &'static str, rank: usize },
 }
@@ -251,7 +251,11 @@ fn with_coord(mut c: Coords, a: Axis, v: usize) -> Coords {
 }
 
 /// Merge one id's shards (`by_rank[r]`, every rank's entry) under `layout`.
-fn merge(by_rank: &[&SummaryEntry], layout: &Layout, mesh: &Mesh) -> MergeOutcome {
+fn merge(
+    by_rank: &[&SummaryEntry],
+    layout: &Layout,
+    mesh: &Mesh,
+) -> std::result::Result<Merged, Unmerged> {
     let axes: Vec<Axis> = Axis::ALL
         .into_iter()
         .filter(|&a| mesh.size(a) > 1)
@@ -260,16 +264,16 @@ fn merge(by_rank: &[&SummaryEntry], layout: &Layout, mesh: &Mesh) -> MergeOutcom
     for &a in &axes {
         match layout.along(a) {
             Placement::Partial => {
-                return MergeOutcome::NotComparable(format!(
+                return Err(Unmerged::NotComparable(format!(
                     "a partial sum over {}: the statistics of a sum are not those of its addends",
                     a.name()
-                ))
+                )))
             }
             Placement::Split { dim, .. } | Placement::CpChunks { dim } => {
                 if dim >= shape.len() {
-                    return MergeOutcome::NotComparable(format!(
+                    return Err(Unmerged::NotComparable(format!(
                         "its layout splits dimension {dim} of a shard of shape {shape:?}"
-                    ));
+                    )));
                 }
                 shape[dim] *= mesh.size(a);
             }
@@ -284,10 +288,10 @@ fn merge(by_rank: &[&SummaryEntry], layout: &Layout, mesh: &Mesh) -> MergeOutcom
     let mut members = vec![];
     for (r, e) in by_rank.iter().enumerate() {
         if e.shape != by_rank[0].shape {
-            return MergeOutcome::NotComparable(format!(
+            return Err(Unmerged::NotComparable(format!(
                 "shards of different shapes ({:?} on rank 0, {:?} on rank {r})",
                 by_rank[0].shape, e.shape
-            ));
+            )));
         }
         let c = mesh.coords(r);
         match replicated.iter().find(|&&a| coord(c, a) != 0) {
@@ -295,25 +299,15 @@ fn merge(by_rank: &[&SummaryEntry], layout: &Layout, mesh: &Mesh) -> MergeOutcom
             Some(&a) => {
                 let first = replicated.iter().fold(c, |c, &b| with_coord(c, b, 0));
                 if by_rank[mesh.rank(first)].summary != e.summary {
-                    return MergeOutcome::Replicas {
+                    return Err(Unmerged::Replicas {
                         axis: a.name(),
                         rank: r,
-                    };
+                    });
                 }
             }
         }
     }
-    let mut s = Summary {
-        nan: 0,
-        pinf: 0,
-        ninf: 0,
-        sum: 0.0,
-        sum_sq: 0.0,
-        sum_abs: 0.0,
-        k: 0,
-        top: vec![],
-        bottom: vec![],
-    };
+    let mut s = Summary::empty(0);
     let mut n = 0;
     for e in &members {
         let x = &e.summary;
@@ -336,7 +330,7 @@ fn merge(by_rank: &[&SummaryEntry], layout: &Layout, mesh: &Mesh) -> MergeOutcom
     let finite = s.finite(n) as usize;
     s.top.truncate(k.min(finite));
     s.bottom.truncate(k.min(finite));
-    MergeOutcome::Merged(Merged {
+    Ok(Merged {
         shape,
         n,
         summary: s,
@@ -346,7 +340,11 @@ fn merge(by_rank: &[&SummaryEntry], layout: &Layout, mesh: &Mesh) -> MergeOutcom
 
 /// Merge, settling guessed split axes from the reference's shape: a guessed split that gives
 /// a shape other than `want` is tried as a replication.
-fn merge_settled(by_rank: &[&SummaryEntry], mesh: &Mesh, want: Option<&[usize]>) -> MergeOutcome {
+fn merge_settled(
+    by_rank: &[&SummaryEntry],
+    mesh: &Mesh,
+    want: Option<&[usize]>,
+) -> std::result::Result<Merged, Unmerged> {
     let e = by_rank[0];
     let guessed: Vec<Axis> = e
         .guessed
@@ -363,7 +361,7 @@ fn merge_settled(by_rank: &[&SummaryEntry], mesh: &Mesh, want: Option<&[usize]>)
     let (Some(want), false) = (want, guessed.is_empty()) else {
         return first;
     };
-    if matches!(&first, MergeOutcome::Merged(m) if m.shape == want) {
+    if matches!(&first, Ok(m) if m.shape == want) {
         return first;
     }
     for mask in 1u32..(1 << guessed.len()) {
@@ -374,7 +372,7 @@ fn merge_settled(by_rank: &[&SummaryEntry], mesh: &Mesh, want: Option<&[usize]>)
             }
         }
         let m = merge(by_rank, &layout, mesh);
-        if matches!(&m, MergeOutcome::Merged(x) if x.shape == want) {
+        if matches!(&m, Ok(x) if x.shape == want) {
             return m;
         }
     }
@@ -502,25 +500,21 @@ fn compare_step(
             skip(id, "not in the candidate".into());
             continue;
         };
-        let rm = match merge(&rmap[id], &rmap[id][0].layout, &rmesh) {
-            MergeOutcome::Merged(m) => m,
-            MergeOutcome::NotComparable(why) => {
+        let both = merge(&rmap[id], &rmap[id][0].layout, &rmesh)
+            .map_err(|u| (u, "reference"))
+            .and_then(|rm| {
+                merge_settled(cs, &cmesh, Some(&rm.shape))
+                    .map(|cm| (rm, cm))
+                    .map_err(|u| (u, "candidate"))
+            });
+        let (rm, cm) = match both {
+            Ok(pair) => pair,
+            Err((Unmerged::NotComparable(why), _)) => {
                 skip(id, why);
                 continue;
             }
-            MergeOutcome::Replicas { axis, rank } => {
-                bounds.push(replicas(id, "reference", axis, rank));
-                continue;
-            }
-        };
-        let cm = match merge_settled(cs, &cmesh, Some(&rm.shape)) {
-            MergeOutcome::Merged(m) => m,
-            MergeOutcome::NotComparable(why) => {
-                skip(id, why);
-                continue;
-            }
-            MergeOutcome::Replicas { axis, rank } => {
-                bounds.push(replicas(id, "candidate", axis, rank));
+            Err((Unmerged::Replicas { axis, rank }, run)) => {
+                bounds.push(replicas(id, run, axis, rank));
                 continue;
             }
         };

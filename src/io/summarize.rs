@@ -229,17 +229,7 @@ pub fn summarize(bytes: &[u8], format: Format, k: usize) -> Result<Summary> {
     // the tracer's benchmark on 2 cores: 96 ms per step on the calling thread, 170 ms on two
     // threads for the same 367 MB).
     let parts = bytes.chunks(CHUNK * w).map(|c| part(c, format, k));
-    let mut s = Summary {
-        nan: 0,
-        pinf: 0,
-        ninf: 0,
-        sum: 0.0,
-        sum_sq: 0.0,
-        sum_abs: 0.0,
-        k,
-        top: Vec::with_capacity(k),
-        bottom: Vec::with_capacity(k),
-    };
+    let mut s = Summary::empty(k);
     for p in parts {
         let sums = p.sums();
         s.nan += p.counts[0];

@@ -197,6 +197,21 @@ impl SummaryStep {
 }
 
 impl Summary {
+    /// The statistics of no element, for `k` extremes per side (what merges start from).
+    pub fn empty(k: usize) -> Summary {
+        Summary {
+            nan: 0,
+            pinf: 0,
+            ninf: 0,
+            sum: 0.0,
+            sum_sq: 0.0,
+            sum_abs: 0.0,
+            k,
+            top: Vec::with_capacity(k),
+            bottom: Vec::with_capacity(k),
+        }
+    }
+
     /// Elements counted as finite, of `n`.
     pub fn finite(&self, n: u64) -> u64 {
         n - self.nan - self.pinf - self.ninf
