@@ -199,3 +199,59 @@ def test_device_path_matches_the_rust_pass(dtype):
     assert rust[6:] == torch_path[6:]
     for a, b in zip(rust[3:6], torch_path[3:6]):
         assert abs(a - b) <= 1e-12 * max(abs(a), abs(b), 1.0)
+
+
+def test_a_disk_that_fills_leaves_only_whole_lines(tmp_path):
+    # A file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored) stands in for a full disk: the writes
+    # beyond it fail; the step's error reaches close() and the file ends with a whole line.
+    script = f"""
+import resource, signal, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))
+import torch, ttrace
+from models import Mlp
+net = Mlp(8, 16)
+tracer = ttrace.Tracer(net, {str(tmp_path / "s")!r}, summaries=True)
+try:
+    for _ in range(6):
+        with tracer.step():
+            net(torch.randn(4, 8)).sum().backward()
+    tracer.close()
+except ttrace.TtraceError as e:
+    print("ERROR", e)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert "ERROR" in out.stdout and "cannot append" in out.stdout, out
+    data = (tmp_path / "s" / "summaries.rank0.jsonl").read_bytes()
+    assert 0 < len(data) <= 20000 and data.endswith(b"\n")
+    steps = [json.loads(line)["step"] for line in data.decode().splitlines()]
+    assert steps == list(range(len(steps))) and len(steps) < 6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_summaries_on_a_cuda_device_never_synchronize(tmp_path):
+    # PyTorch's sync debug mode raises on any operation that makes the host wait for the
+    # device: a whole summarized step (hooks, reductions, the step's one transfer) must not.
+    # The statistics are those the Rust pass computes from the same values on the CPU.
+    from ttrace._summaries import Summarizer
+
+    torch.manual_seed(0)
+    net = Mlp(16, 32).cuda()
+    x = torch.randn(8, 16, device="cuda")
+    tracer = ttrace.Tracer(net, tmp_path, summaries=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with tracer.step():
+            out = net(x)
+            out.square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    tracer.close()
+    entry = {e["id"]: e for e in _lines(tmp_path)[0]["tensors"]}["fc2|fwd.output.0"]
+    cpu = Summarizer().summarize(out.detach().cpu(), "f32").values.tolist()
+    assert (entry["nan"], entry["pinf"], entry["ninf"]) == tuple(int(v) for v in cpu[:3])
+    assert entry["top"] == cpu[6:14] and entry["bottom"] == cpu[14:22]
+    for key, v in zip(("sum", "sum_sq", "sum_abs"), cpu[3:6]):
+        assert abs(entry[key] - v) <= 1e-12 * max(abs(v), 1.0)
