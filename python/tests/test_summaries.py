@@ -255,3 +255,28 @@ def test_summaries_on_a_cuda_device_never_synchronize(tmp_path):
     assert entry["top"] == cpu[6:14] and entry["bottom"] == cpu[14:22]
     for key, v in zip(("sum", "sum_sq", "sum_abs"), cpu[3:6]):
         assert abs(entry[key] - v) <= 1e-12 * max(abs(v), 1.0)
+
+
+def test_summaries_every_step_beside_a_full_trace_every_other_step(tmp_path):
+    # The continuous-use setup: two tracers on one model, summaries every step and a full
+    # trace one step in two; the full steps' tensors have the summaries' statistics.
+    torch.manual_seed(0)
+    net = Mlp(8, 16)
+    summaries = ttrace.Tracer(net, tmp_path / "sum", summaries=True)
+    full = ttrace.Tracer(net, tmp_path / "full", every=2)
+    for _ in range(4):
+        with summaries.step(), full.step():
+            net(torch.randn(4, 8)).sum().backward()
+    summaries.close()
+    full.close()
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["step0", "step2"]
+    lines = _lines(tmp_path / "sum")
+    assert [line["step"] for line in lines] == [0, 1, 2, 3]
+    for step in (0, 2):
+        stored = ttrace.load_all(tmp_path / "full" / f"step{step}")
+        entries = {e["id"]: e for e in lines[step]["tensors"]}
+        assert set(stored) == set(entries)
+        for tid, x in stored.items():
+            assert entries[tid]["top"][0] == x.max() and entries[tid]["bottom"][0] == x.min()
+            assert abs(entries[tid]["sum_sq"] - math.fsum((x * x).reshape(-1))) <= (
+                1e-12 * entries[tid]["sum_sq"])
