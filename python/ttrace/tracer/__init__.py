@@ -62,10 +62,13 @@ attention), ``every=N`` traces one step in N (hooks are attached
 only during traced steps), and a background thread writes the files so the step does not wait
 on the disk; ``tracer.bytes_written`` counts what it wrote. On a CUDA device the copies are
 made on a side stream into pinned, reused host buffers (``pool_bytes``, see
-:mod:`ttrace._copies`): recording never waits for the device.
+:mod:`ttrace._copies`): recording never waits for the device. ``summaries=True`` records a
+few statistics per tensor instead, every traced step (:mod:`ttrace._summaries`,
+``papers/summaries.md``), compared with :func:`ttrace.check_summaries`.
 
 The package, one concern per module: :mod:`~ttrace.tracer.core` (the hooks),
-:mod:`~ttrace.tracer.record` (what a step records), :mod:`~ttrace.tracer.placements`,
+:mod:`~ttrace.tracer.record` (what a step records), :mod:`~ttrace.tracer.keep` (what a
+recorded tensor becomes: a host copy or its statistics), :mod:`~ttrace.tracer.placements`,
 :mod:`~ttrace.tracer.dtensor` and :mod:`~ttrace.tracer.megatron` (layouts per engine),
 :mod:`~ttrace.tracer.kinds`, :mod:`~ttrace.tracer.sites` (functional attention) and
 :mod:`~ttrace.tracer.writing` (through the Rust core). The helpers for tests that build a

@@ -16,16 +16,17 @@ from .._summaries import ShardStats, Summarizer
 from ..errors import InvalidInputError, TtraceError, UnsupportedLayoutError
 from .dtensor import (_MeshMap, _dtensor_type, _expressible, _gather_param, _is_dtensor,
                       _local_version, _placement_layout)
+from .keep import host_copy, statistics
 from .kinds import _kind_of
 from .megatron import _megatron_layout
 from .mesh import find_mesh
 from .placements import (Layout, Mesh, ModuleLayout, partial,
                          replicate, split)
-from .record import (_DTYPES, _StepRecord, _Tap, _alias_key, _base, _bits, _device_type,
+from .record import (_DTYPES, _StepRecord, _Tap, _alias_key, _base, _device_type,
                      _in_backward, _owns, _param_grad)
 from .selection import ModuleSelector, select_modules
 from .sites import _SiteState, _site_state
-from .writing import StepJob, StepWriter, SummaryJob, finish
+from .writing import StepWriter, finish, step_job, summary_job
 
 
 class Tracer:
@@ -484,12 +485,19 @@ class Tracer:
         # are bitwise equal, checked: torch can free a live tensor's storage and reuse the
         # memory (DTensor's collectives do), which no address or version test sees.
         copy: Any
+        scale = 1.0 / data if scaled else None
         if self._summarizer is not None:
-            copy = self._summary(t, local, scaled, data)
+            copy = statistics(self._s, self._summarizer, t, local, scale)
         else:
-            copy = self._host_copy(tid, t, local, scaled, data)
-            if copy is None:
-                return None
+            try:
+                copy = host_copy(self._s, self._copier, t, local, scale)
+            except RuntimeError as e:
+                # A tensor whose storage torch already released cannot be read.
+                why = f"tensor {tid!r} cannot be read ({e})"
+                if self.unsupported == "skip":
+                    self.skipped.append((tid, why))
+                    return None
+                raise TtraceError(why, "Storage") from None
         if tid not in self._s.records:
             self._s.order.append(tid)
         self._s.records[tid] = copy
@@ -511,55 +519,6 @@ class Tracer:
             if guessed:
                 self._s.guesses[(name, role, i)] = guessed
         return derived
-
-    def _summary(self, t: Any, local: torch.Tensor, scaled: bool, data: int) -> ShardStats:
-        """Summaries only: the statistics of a recorded tensor, computed where it lives —
-        or those of the same memory recorded earlier in the step (an input that is the
-        previous module's output), when its first holder still owns that memory and nothing
-        wrote to it since (the version counter its views share). No contents are compared,
-        so nothing waits for the device."""
-        assert self._summarizer is not None
-        owner = t._local_tensor if local is not t and hasattr(t, "_local_tensor") else local
-        key = _alias_key(local)
-        same = (key, local._version, scaled)
-        hit = self._s.copies.get(same) if key is not None else None
-        if hit is not None and isinstance(hit[1], ShardStats) and _owns(hit[0](), local):
-            return hit[1]
-        stats = self._summarizer.summarize(local, _DTYPES[local.dtype],
-                                           1.0 / data if scaled else None)
-        if key is not None:
-            self._s.copies[same] = (weakref.ref(owner), stats)
-        return stats
-
-    def _host_copy(self, tid: str, t: Any, local: torch.Tensor, scaled: bool,
-                   data: int) -> Optional[HostCopy]:
-        """The host copy of a recorded tensor, shared with an earlier id whose contents are the
-        same tensor's (``None``: unreadable, and skipped)."""
-        owner = t._local_tensor if local is not t and hasattr(t, "_local_tensor") else local
-        key = _alias_key(local)
-        same = (key, local._version, scaled)
-        hit = self._s.copies.get(same) if key is not None else None
-        copy: Optional[HostCopy] = None
-        if hit is not None and hit[0]() is not None and not scaled and local.device.type == "cpu":
-            # (On a CUDA device the comparison would wait for the device: the tensor is
-            # copied again, asynchronously, and the writer stores equal contents once.)
-            candidate = cast(HostCopy, hit[1])
-            if torch.equal(_bits(candidate.tensor), _bits(local.detach())):
-                copy = candidate
-        if copy is None:
-            try:
-                copy = self._copier.copy(local, 1.0 / data if scaled else None)
-            except RuntimeError as e:
-                # A tensor whose storage torch already released cannot be read.
-                why = f"tensor {tid!r} cannot be read ({e})"
-                if self.unsupported == "skip":
-                    self.skipped.append((tid, why))
-                    return None
-                raise TtraceError(why, "Storage") from None
-            self._s.made.append(copy)
-            if key is not None:
-                self._s.copies[same] = (weakref.ref(owner), copy)
-        return copy
 
     def _kind(self, name: str) -> Optional[str]:
         if name in self.kinds:
@@ -756,27 +715,9 @@ class Tracer:
             raise InvalidInputError("a summaries-only tracer writes its steps from step()",
                                     "InvalidParameter")
         directory = os.fspath(directory)
-        order = self._ordered()
-        fname = f"rank{self.rank}.safetensors"
-        tensors, entries = [], []
-        keys: Dict[int, str] = {}
-        for tid in order:
-            t = cast(HostCopy, self._s.records[tid])
-            key = keys.get(id(t))
-            if key is None:
-                key = keys[id(t)] = tid
-                tensors.append((tid, _DTYPES[t.dtype], list(t.shape), t))
-            e = {"rank": self.rank, "file": fname, "key": key, **self._entry(tid, t)}
-            entries.append(e)
-        # The step's header and entries: the Rust core adds the format and version, builds
-        # the manifest, validates it as every reader does, and writes it (one writer).
-        manifest: Dict[str, Any] = {"mesh": self.mesh.to_json(), "run": _arith.run_settings(),
-                                    "tensors": entries}
-        if self.recipe:
-            manifest["recipe"] = self.recipe
-        if self.local_mean_loss is None and self.mesh.dp * self.mesh.cp > 1:
-            manifest["dp_loss"] = "auto"
-        job = StepJob(directory, fname, tensors, manifest, self._s.made)
+        dp_loss_auto = self.local_mean_loss is None and self.mesh.dp * self.mesh.cp > 1
+        job = step_job(directory, self._ordered(), self._s, self.rank, self.mesh.to_json(),
+                       self.recipe, dp_loss_auto)
         self._s = _StepRecord()
         self.last_directory = directory
         self._writer.hand(job)
@@ -808,34 +749,12 @@ class Tracer:
                 order.append(item)
         return order
 
-    def _entry(self, tid: str, t: Any) -> Dict[str, Any]:
-        """The manifest fields of a recorded tensor that summaries share: id, dtype, layout,
-        module, guessed axes."""
-        e: Dict[str, Any] = {"id": tid, "dtype": _DTYPES[t.dtype],
-                             "layout": self._s.meta[tid]["layout"].to_json()}
-        if self._s.meta[tid]["module"] is not None:
-            e["module"] = self._s.meta[tid]["module"]
-        if self._s.meta[tid]["guessed"]:
-            e["guessed"] = self._s.meta[tid]["guessed"]
-        return e
-
     def _hand_summaries(self, step: int) -> None:
         """Hand the step's statistics to the writer: one line of
         ``summaries.rank{r}.jsonl`` in the tracer's directory."""
         assert self._summarizer is not None and self.directory is not None
-        order = self._ordered()
-        stats = [cast(ShardStats, self._s.records[tid]) for tid in order]
-        entries = []
-        for tid, st in zip(order, stats):
-            e = self._entry(tid, st)
-            e["shape"] = list(st.shape)
-            entries.append(e)
-        line: Dict[str, Any] = {"format": "ttrace-summaries", "version": 1, "step": step,
-                                "rank": self.rank, "mesh": self.mesh.to_json(),
-                                "tensors": entries}
-        pending = self._summarizer.gather(stats)
-        job = SummaryJob(self.directory, line, [st.kept for st in stats], self._summarizer.k,
-                         pending, self.skipped)
+        job = summary_job(self.directory, step, self._ordered(), self._s, self.rank,
+                          self.mesh.to_json(), self._summarizer, self.skipped)
         self._s = _StepRecord()
         self.last_directory = self.directory
         self._writer.hand(job)

@@ -10,14 +10,16 @@ import os
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union, cast
 
 import torch
 
 from .. import _ttrace
+from .. import arith as _arith
 from .._copies import HostCopy
-from .._summaries import Pending, entry_stats
+from .._summaries import Pending, ShardStats, Summarizer, entry_stats
 from ..errors import TtraceError
+from .record import _DTYPES, _StepRecord
 
 
 @dataclass
@@ -52,6 +54,56 @@ class SummaryJob:
     pending: Pending
     #: Where a tensor that cannot be summarized is reported: (id, reason).
     skipped: List[Tuple[str, str]]
+
+
+def entry_fields(tid: str, t: Any, meta: Dict[str, Any]) -> Dict[str, Any]:
+    """The manifest fields of a recorded tensor that summary lines share: id, dtype, layout,
+    module, guessed axes (``meta``: what the step recorded about it)."""
+    e: Dict[str, Any] = {"id": tid, "dtype": _DTYPES[t.dtype], "layout": meta["layout"].to_json()}
+    if meta["module"] is not None:
+        e["module"] = meta["module"]
+    if meta["guessed"]:
+        e["guessed"] = meta["guessed"]
+    return e
+
+
+def step_job(directory: str, order: List[str], record: _StepRecord, rank: int,
+             mesh: Dict[str, Any], recipe: Optional[str], dp_loss_auto: bool) -> StepJob:
+    """One rank's step for the writer: its stored tensors (a host copy that several ids name
+    stored once, under the first id) and the manifest's header and entries — to which the
+    Rust core adds the format and version, building the manifest and validating it as every
+    reader does (one writer)."""
+    fname = f"rank{rank}.safetensors"
+    tensors, entries = [], []
+    keys: Dict[int, str] = {}
+    for tid in order:
+        t = cast(HostCopy, record.records[tid])
+        key = keys.get(id(t))
+        if key is None:
+            key = keys[id(t)] = tid
+            tensors.append((tid, _DTYPES[t.dtype], list(t.shape), t))
+        entries.append({"rank": rank, "file": fname, "key": key,
+                        **entry_fields(tid, t, record.meta[tid])})
+    manifest: Dict[str, Any] = {"mesh": mesh, "run": _arith.run_settings(), "tensors": entries}
+    if recipe:
+        manifest["recipe"] = recipe
+    if dp_loss_auto:
+        manifest["dp_loss"] = "auto"
+    return StepJob(directory, fname, tensors, manifest, record.made)
+
+
+def summary_job(directory: str, step: int, order: List[str], record: _StepRecord, rank: int,
+                mesh: Dict[str, Any], summarizer: Summarizer,
+                skipped: List[Tuple[str, str]]) -> "SummaryJob":
+    """One rank's step of statistics for the writer: the line's header and entries, and the
+    statistics set moving to the host."""
+    stats = [cast(ShardStats, record.records[tid]) for tid in order]
+    entries = [{**entry_fields(tid, st, record.meta[tid]), "shape": list(st.shape)}
+               for tid, st in zip(order, stats)]
+    line: Dict[str, Any] = {"format": "ttrace-summaries", "version": 1, "step": step,
+                            "rank": rank, "mesh": mesh, "tensors": entries}
+    return SummaryJob(directory, line, [st.kept for st in stats], summarizer.k,
+                      summarizer.gather(stats), skipped)
 
 
 class StepWriter:
