@@ -398,15 +398,18 @@ fn torn_lines_step_order_and_malformed_lines() {
 #[test]
 fn thresholds_from_a_check_report() {
     let t = SummaryThresholds::from_check_report(
-        r#"{"report": {"verdicts": [{"id": "a", "threshold": 0.5}, {"id": "b", "threshold": 0.0}]}}"#,
+        r#"{"report": {"verdicts": [{"id": "a", "threshold": 0.5}, {"id": "b", "threshold": 0.0},
+                                    {"id": "c", "threshold": null}]}}"#,
     )
     .unwrap();
     assert_eq!(t.per_id.get("a"), Some(&0.5));
-    assert_eq!(t.per_id.len(), 2);
+    assert_eq!(t.per_id.len(), 2, "a null threshold gives none");
     for bad in [
         r#"{"verdicts": []}"#,
         r#"{"report": {"verdicts": [{"id": "a", "threshold": -1}]}}"#,
         r#"{"report": {"verdicts": [{"id": "a", "id": "b", "threshold": 1}]}}"#,
+        r#"{"report": {"verdicts": [{"id": "a", "threshold": "1"}]}}"#,
+        r#"{"report": {"verdicts": [{"threshold": 1}]}}"#,
     ] {
         assert!(matches!(
             SummaryThresholds::from_check_report(bad).unwrap_err(),

@@ -37,17 +37,25 @@ pub fn is_summary_dir(directory: std::path::PathBuf) -> bool {
 }
 
 /// Compare two summary traces: (report as JSON, report as the CLI's text). `rtol` is the
-/// relative threshold for every tensor without one in `per_id`.
+/// relative threshold for every tensor without one in `per_id` or in `report`, the text of a
+/// full check's JSON report (parsed as the command line parses `--thresholds`: strictly).
 #[pyfunction]
-#[pyo3(signature = (reference, candidate, rtol = None, per_id = None))]
+#[pyo3(signature = (reference, candidate, rtol = None, per_id = None, report = None))]
 pub fn check_summaries(
     py: Python<'_>,
     reference: std::path::PathBuf,
     candidate: std::path::PathBuf,
     rtol: Option<f64>,
     per_id: Option<HashMap<String, f64>>,
+    report: Option<String>,
 ) -> PyResult<(String, String)> {
-    let per_id = per_id.unwrap_or_default();
+    let mut per_id = per_id.unwrap_or_default();
+    if let Some(text) = report {
+        let from = crate::guard(py, || {
+            ttrace::check::SummaryThresholds::from_check_report(&text)
+        })?;
+        per_id.extend(from.per_id);
+    }
     let bad = rtol
         .into_iter()
         .chain(per_id.values().copied())

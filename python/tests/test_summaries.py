@@ -280,3 +280,18 @@ def test_summaries_every_step_beside_a_full_trace_every_other_step(tmp_path):
             assert entries[tid]["top"][0] == x.max() and entries[tid]["bottom"][0] == x.min()
             assert abs(entries[tid]["sum_sq"] - math.fsum((x * x).reshape(-1))) <= (
                 1e-12 * entries[tid]["sum_sq"])
+
+
+def test_thresholds_from_a_report_file_are_parsed_as_the_command_line_parses_them(tmp_path):
+    _steps(tmp_path / "ref", summaries=True)
+    _steps(tmp_path / "bug", summaries=True, bug=True)
+    report = tmp_path / "check.json"
+    report.write_text('{"report": {"verdicts": [{"id": "a", "id": "b", "threshold": 1}]}}')
+    with pytest.raises(InvalidInputError, match="thresholds"):
+        ttrace.check_summaries(tmp_path / "ref", tmp_path / "bug", thresholds=report)
+    # A threshold of 0 for fc2's output only (null: none priced, so none given).
+    report.write_text('{"report": {"verdicts": [{"id": "fc2|fwd.output.0", "threshold": 0},'
+                      ' {"id": "fc1|fwd.output.0", "threshold": null}]}}')
+    out = ttrace.check_summaries(tmp_path / "ref", tmp_path / "bug", thresholds=report)
+    assert [b["id"] for s in out.steps for b in s["proven"]] == ["fc2|fwd.output.0"]
+    assert out.first_proven == (1, "fc2|fwd.output.0")

@@ -53,26 +53,25 @@ class SummaryReport:
         return self.proven == 0
 
 
-def _thresholds(thresholds: Any) -> Dict[str, float]:
+def _thresholds(thresholds: Any) -> Tuple[Dict[str, float], Optional[str]]:
+    """(per-id thresholds, the text of a check report) from what :func:`check_summaries`
+    takes; a report is parsed by the Rust core, as the command line parses it."""
     if thresholds is None:
-        return {}
+        return {}, None
     if isinstance(thresholds, Mapping):
-        return {str(k): float(v) for k, v in thresholds.items()}
+        return {str(k): float(v) for k, v in thresholds.items()}, None
     raw = getattr(thresholds, "raw", None)  # a CheckReport
     if isinstance(raw, dict):
-        data = raw
-    else:
-        with open(os.fspath(thresholds), encoding="utf-8") as f:
-            data = json.load(f)
-    verdicts = data.get("report", {}).get("verdicts") if isinstance(data, dict) else None
-    if not isinstance(verdicts, list):
+        return {}, json.dumps(raw)
+    with open(os.fspath(thresholds), "rb") as f:
+        data = f.read()
+    try:
+        return {}, data.decode("utf-8")
+    except UnicodeDecodeError:
         from .errors import InvalidInputError
 
-        raise InvalidInputError("thresholds: not a ttrace check report (no report.verdicts)",
-                                "InvalidParameter")
-    # A verdict without a finite threshold (null in JSON: none could be priced) gives none.
-    return {str(v["id"]): float(v["threshold"]) for v in verdicts
-            if v.get("threshold") is not None}
+        raise InvalidInputError(f"{os.fspath(thresholds)}: not UTF-8 text",
+                                "InvalidParameter") from None
 
 
 def check_summaries(reference: PathLike, candidate: PathLike, *, rtol: Optional[float] = None,
@@ -87,9 +86,9 @@ def check_summaries(reference: PathLike, candidate: PathLike, *, rtol: Optional[
     summary files and :class:`ttrace.InvalidInputError` when no step or no tensor could be
     compared (never an empty report).
     """
-    per_id = _thresholds(thresholds)
+    per_id, report = _thresholds(thresholds)
     raw_json, text = _ttrace.check_summaries(os.fspath(reference), os.fspath(candidate), rtol,
-                                             per_id or None)
+                                             per_id or None, report)
     raw = json.loads(raw_json)
     first = None
     for s in raw["steps"]:

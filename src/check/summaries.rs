@@ -45,7 +45,8 @@ pub struct SummaryThresholds {
 
 impl SummaryThresholds {
     /// The relative thresholds of a full check's JSON report (`ttrace check --json`): its
-    /// `report.verdicts[*].{id, threshold}`.
+    /// `report.verdicts[*].{id, threshold}` (a null threshold, one the check could not price,
+    /// gives none).
     pub fn from_check_report(text: &str) -> Result<SummaryThresholds> {
         let bad = |reason: String| Error::InvalidParameter {
             name: "thresholds",
@@ -60,14 +61,22 @@ impl SummaryThresholds {
         let mut per_id = HashMap::new();
         for x in verdicts {
             let id = x.get("id").and_then(|i| i.as_str());
-            let t = x.get("threshold").and_then(|t| t.as_f64());
+            // JSON has no infinity: a threshold the check could not price is null, and gives
+            // the tensor none here.
+            let t = x
+                .get("threshold")
+                .filter(|t| !t.is_null())
+                .map(|t| t.as_f64());
             match (id, t) {
-                (Some(id), Some(t)) if t.is_finite() && t >= 0.0 => {
+                (Some(_), None) => {}
+                (Some(id), Some(Some(t))) if t.is_finite() && t >= 0.0 => {
                     per_id.insert(id.to_string(), t);
                 }
                 _ => {
                     return Err(bad(
-                        "a verdict without an id and a finite non-negative threshold".into(),
+                        "a verdict without an id, or whose threshold is not a non-negative \
+                         number (or null)"
+                            .into(),
                     ))
                 }
             }
