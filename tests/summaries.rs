@@ -540,3 +540,41 @@ fn one_pass_statistics_match_the_oracle_in_every_format() {
         Error::InvalidParameter { name: "k", .. }
     ));
 }
+
+/// Shapes no tensor could have (a hostile file): a merged shape or element count that
+/// overflows is not compared, and a claimed 2⁶⁰ elements proves nothing from identical
+/// statistics — never a panic, never a difference that is not there.
+#[test]
+fn impossible_shapes_are_not_compared_and_prove_nothing() {
+    let dir = Scratch::new();
+    let x = values(4, 16, 1.0, 0.0);
+    let huge = |shape: Vec<usize>, layout: Layout| {
+        let mut e = entry("a", shape, layout, &x, 4);
+        e.id = "a".into();
+        e
+    };
+    let rd = dir.path().join("r");
+    let big = 1usize << 60;
+    append_summary(
+        &rd,
+        &line(
+            0,
+            0,
+            Mesh::single(),
+            vec![huge(vec![big], Layout::replicated())],
+        ),
+        false,
+    )
+    .unwrap();
+    let same = compare(&rd, &rd, Some(0.0)).unwrap();
+    assert_eq!(same.proven(), 0, "{same:?}");
+    let cd = dir.path().join("c");
+    let mesh = Mesh::new(2, 1, 1, false).unwrap();
+    let split = Layout::replicated().with(ttrace::shard::Axis::Tp, Placement::split(0));
+    for rank in 0..2 {
+        let e = huge(vec![usize::MAX / 2 + 1], split);
+        append_summary(&cd, &line(0, rank, mesh, vec![e]), false).unwrap();
+    }
+    let e = compare(&rd, &cd, Some(0.0)).unwrap_err();
+    assert!(e.to_string().contains("overflows"), "{e}");
+}

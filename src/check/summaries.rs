@@ -219,8 +219,13 @@ impl Merged {
     }
     /// γ for the sums: n elements, `shards` partial sums, one more rounding of the squares.
     fn gamma(&self) -> f64 {
-        let k = (self.n + self.shards + 2) as f64 * U;
-        k / (1.0 - k)
+        let k = self.n.saturating_add(self.shards).saturating_add(2) as f64 * U;
+        // Beyond 2⁵² elements (only a hostile file claims that many) no bound holds.
+        if k < 0.5 {
+            k / (1.0 - k)
+        } else {
+            f64::INFINITY
+        }
     }
     fn s1(&self) -> Iv {
         let g = self.gamma();
@@ -284,7 +289,16 @@ fn merge(
                         "its layout splits dimension {dim} of a shard of shape {shape:?}"
                     )));
                 }
-                shape[dim] *= mesh.size(a);
+                // A shape no tensor could have (a hostile file) is not compared.
+                shape[dim] = match shape[dim].checked_mul(mesh.size(a)) {
+                    Some(d) => d,
+                    None => {
+                        return Err(Unmerged::NotComparable(format!(
+                            "its merged shape overflows (dimension {dim} of {shape:?} times {})",
+                            mesh.size(a)
+                        )))
+                    }
+                };
             }
             Placement::Replicate => {}
         }
@@ -317,9 +331,13 @@ fn merge(
         }
     }
     let mut s = Summary::empty(0);
-    let mut n = 0;
+    let mut n: u64 = 0;
+    let overflow = || Unmerged::NotComparable("its merged element count overflows".into());
     for e in &members {
         let x = &e.summary;
+        // Each shard's counts are at most its elements, so they cannot overflow where the
+        // element count does not.
+        n = n.checked_add(e.elements()).ok_or_else(overflow)?;
         s.nan += x.nan;
         s.pinf += x.pinf;
         s.ninf += x.ninf;
@@ -328,7 +346,11 @@ fn merge(
         s.sum_abs += x.sum_abs;
         s.top.extend_from_slice(&x.top);
         s.bottom.extend_from_slice(&x.bottom);
-        n += e.elements();
+    }
+    if !(s.sum.is_finite() && s.sum_sq.is_finite() && s.sum_abs.is_finite()) {
+        return Err(Unmerged::NotComparable(
+            "its merged sums overflow f64".into(),
+        ));
     }
     // The union's min(k, finite) largest values are among the shards' min(kᵢ, finiteᵢ)
     // largest when k ≤ every kᵢ (and the smallest likewise).
