@@ -566,8 +566,28 @@ fn impossible_shapes_are_not_compared_and_prove_nothing() {
         false,
     )
     .unwrap();
-    let same = compare(&rd, &rd, Some(0.0)).unwrap();
+    let rd2 = dir.path().join("r2");
+    append_summary(
+        &rd2,
+        &line(
+            0,
+            0,
+            Mesh::single(),
+            vec![huge(vec![big], Layout::replicated())],
+        ),
+        false,
+    )
+    .unwrap();
+    let same = compare(&rd, &rd2, Some(0.0)).unwrap();
     assert_eq!(same.proven(), 0, "{same:?}");
+    // One directory twice: refused, as a full check refuses it.
+    assert!(matches!(
+        compare(&rd, &rd, None).unwrap_err(),
+        Error::InvalidParameter {
+            name: "candidate",
+            ..
+        }
+    ));
     let cd = dir.path().join("c");
     let mesh = Mesh::new(2, 1, 1, false).unwrap();
     let split = Layout::replicated().with(ttrace::shard::Axis::Tp, Placement::split(0));

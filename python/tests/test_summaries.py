@@ -108,6 +108,7 @@ def test_a_bug_is_proven_from_summaries_and_the_same_run_proves_nothing(tmp_path
 
 def test_command_line_on_summaries_exit_codes(tmp_path):
     _steps(tmp_path / "ref", summaries=True)
+    _steps(tmp_path / "same", summaries=True)
     _steps(tmp_path / "bug", summaries=True, bug=True)
     (tmp_path / "full").mkdir()
 
@@ -116,8 +117,10 @@ def test_command_line_on_summaries_exit_codes(tmp_path):
                               capture_output=True, text=True, timeout=120)
 
     ref, bug = str(tmp_path / "ref"), str(tmp_path / "bug")
-    same = run(ref, ref, "--rtol", "1e-6")
+    same = run(ref, str(tmp_path / "same"), "--rtol", "1e-6")
     assert same.returncode == 0 and "not a pass" in same.stdout, same
+    itself = run(ref, ref, "--rtol", "1e-6")
+    assert itself.returncode == 2 and "compared with itself" in itself.stderr, itself
     out = run(ref, bug, "--rtol", "1e-6", "--json", str(tmp_path / "r.json"))
     assert out.returncode == 1 and "DIFFERENCE PROVEN" in out.stdout, out
     assert json.loads((tmp_path / "r.json").read_text())["steps"][1]["proven"]

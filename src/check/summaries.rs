@@ -627,8 +627,8 @@ fn replicas(id: &str, run: &'static str, axis: &'static str, rank: usize) -> Ten
 /// # Errors
 /// A malformed summary file ([`Error::File`]), ranks that disagree on a step or a mesh, a
 /// tensor not summarized by every rank of one run ([`Error::UnknownName`]), and no step or
-/// no tensor in common ([`Error::InvalidParameter`]: a comparison of nothing is never
-/// reported).
+/// no tensor in common, or one directory given twice ([`Error::InvalidParameter`]: a
+/// comparison of nothing is never reported).
 ///
 /// # Examples
 /// ```no_run
@@ -646,6 +646,26 @@ pub fn compare_summaries(
     candidate: &mut SummaryRun,
     thresholds: &SummaryThresholds,
 ) -> Result<SummaryCheck> {
+    // One directory under two names (or a link to it) holds the same statistics whatever
+    // they are: nothing can be proven, so the comparison is refused (as a full check's is).
+    let same = match (
+        reference.path().canonicalize(),
+        candidate.path().canonicalize(),
+    ) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => reference.path() == candidate.path(),
+    };
+    if same {
+        return Err(Error::InvalidParameter {
+            name: "candidate",
+            reason: format!(
+                "the candidate {} is the reference {} itself: a summary trace compared with \
+                 itself proves nothing — give the other run's",
+                printable(&candidate.path().display().to_string()),
+                printable(&reference.path().display().to_string())
+            ),
+        });
+    }
     let mut steps = vec![];
     let (mut only_r, mut only_c) = (0, 0);
     let mut r = reference.next_step()?;
