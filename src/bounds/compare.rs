@@ -354,13 +354,23 @@ pub(crate) fn row_classes(values: &[f64], n: usize) -> (Vec<usize>, Vec<(usize, 
     use std::hash::BuildHasher;
     let rows = values.len().checked_div(n).unwrap_or(0);
     let seed = std::collections::hash_map::RandomState::new().hash_one(0x7474_7261_6365u64);
+    // Four independent chains (a multiply's latency each), folded at the end.
     let digest = |row: &[f64]| {
-        let mut h = seed;
-        for v in row {
-            h = (h ^ v.to_bits()).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            h ^= h >> 29;
+        let step = |h: u64, v: f64| {
+            let h = (h ^ v.to_bits()).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            h ^ (h >> 29)
+        };
+        let mut h = [seed, seed ^ 1, seed ^ 2, seed ^ 3];
+        let mut quads = row.chunks_exact(4);
+        for q in &mut quads {
+            for l in 0..4 {
+                h[l] = step(h[l], q[l]);
+            }
         }
-        h
+        let tail = quads.remainder().iter().fold(h[0], |a, &v| step(a, v));
+        [h[1], h[2], h[3]]
+            .iter()
+            .fold(tail, |a, &x| step(a, f64::from_bits(x)))
     };
     let same = |a: &[f64], b: &[f64]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
     let mut buckets: crate::bounds::keyed::DataMap<u64, Vec<usize>> = Default::default();

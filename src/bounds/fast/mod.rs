@@ -40,6 +40,7 @@
 //! Everything else, and any non-finite or out-of-range value, stays on the walk.
 
 mod kernel;
+mod pack;
 mod program;
 
 use crate::bounds::compare::{row_classes, Confidence, ElementDiff, Threshold, ThresholdSums};
@@ -49,7 +50,8 @@ use crate::error::Result;
 use crate::format::Format;
 use crate::order::{Accumulation, Products};
 use crate::policy::Policy;
-use kernel::{Determine, Packed, OUT, W};
+use kernel::{Determine, OUT, W};
+use pack::pack;
 #[cfg(test)]
 use program::program;
 use program::programs;
@@ -288,111 +290,6 @@ fn classes(
     }
     let (_, cols) = row_classes(&cols_key, width);
     (rows, cols)
-}
-
-/// The power of two e with max·2^e in [1, 2) (0 for 0).
-fn unit_exponent(max: f64) -> i32 {
-    if max == 0.0 {
-        0
-    } else {
-        -(max.log2().floor() as i32)
-    }
-}
-
-/// Pack A (rows scaled) and B (columns scaled) for the kernel, with the guaranteed bound's
-/// weights folded into |A|; `None` when a scaled non-zero value would leave [2^-62, 2) (its
-/// products could underflow `f32`), when the unscaled products could round below FP32's
-/// normal range, or when a value is not finite.
-fn pack(
-    a: &[f64],
-    b: Right,
-    m: usize,
-    k: usize,
-    n: usize,
-    w: &[f64],
-) -> Option<(Packed, Vec<i32>, Vec<i32>)> {
-    let lo = 2f64.powi(-62);
-    let fits = |x: f64, e: i32| x == 0.0 || (x.abs() * 2f64.powi(e) >= lo);
-    let mut row_exp = Vec::with_capacity(m);
-    for i in 0..m {
-        let row = &a[i * k..(i + 1) * k];
-        if row.iter().any(|x| !x.is_finite()) {
-            return None;
-        }
-        let e = unit_exponent(row.iter().fold(0.0f64, |s, x| s.max(x.abs())));
-        if !row.iter().all(|&x| fits(x, e)) {
-            return None;
-        }
-        row_exp.push(e);
-    }
-    let mut col_exp = Vec::with_capacity(n);
-    for j in 0..n {
-        let mut max = 0.0f64;
-        for x in b.column(j, k, n) {
-            if !x.is_finite() {
-                return None;
-            }
-            max = max.max(x.abs());
-        }
-        let e = unit_exponent(max);
-        if !b.column(j, k, n).all(|x| fits(x, e)) {
-            return None;
-        }
-        col_exp.push(e);
-    }
-    let lowest = crate::bounds::reduction::lowest_bit;
-    // The kernel computes on scaled values; the engine on the values themselves, where a
-    // rounding below FP32's normal range (2^-126) falls on the subnormal grid 2^-149 rather
-    // than the scaled one. Every partial sum lies on its terms' grid, so when each product's
-    // lowest bit is at least 2^-149 (the products of the lowest bits of A and of B, unscaled)
-    // a value below 2^-126 is exact in FP32 and the two computations agree; otherwise the
-    // walk decides.
-    let (mut low_a, mut low_b) = (f64::INFINITY, f64::INFINITY);
-    let mut pa = Vec::with_capacity(m * k);
-    let mut la = Vec::with_capacity(m * k);
-    let mut aw = Vec::with_capacity(m * k);
-    for i in 0..m {
-        let s = 2f64.powi(row_exp[i]);
-        for p in 0..k {
-            let x = a[i * k + p] * s;
-            let bit = lowest(x);
-            low_a = low_a.min(bit / s);
-            pa.push(x as f32);
-            la.push(bit as f32 * 2f32.powi(23));
-            aw.push((x.abs() * w[p]) as f32);
-        }
-    }
-    let blocks = n.div_ceil(W);
-    let mut pb = vec![0.0f32; blocks * k * W];
-    let mut lb = vec![f32::INFINITY; blocks * k * W];
-    for (j, &e) in col_exp.iter().enumerate() {
-        let (jb, l) = (j / W, j % W);
-        let s = 2f64.powi(e);
-        for (p, x) in b.column(j, k, n).enumerate() {
-            let x = x * s;
-            let bit = lowest(x);
-            low_b = low_b.min(bit / s);
-            pb[(jb * k + p) * W + l] = x as f32;
-            lb[(jb * k + p) * W + l] = bit as f32;
-        }
-    }
-    if low_a * low_b < 2f64.powi(-149) {
-        return None;
-    }
-    Some((
-        Packed {
-            m,
-            k,
-            blocks,
-            a: pa,
-            la,
-            aw,
-            b: pb,
-            lb,
-        },
-        row_exp,
-        col_exp,
-    ))
 }
 
 #[cfg(test)]

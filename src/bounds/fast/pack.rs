@@ -1,0 +1,262 @@
+//! A and B packed for the kernel: each row of A and column of B scaled by a power of two
+//! into [2^-62, 2) (exact), converted to `f32` with its lowest set bit, B in blocks of `W`
+//! columns step-major, and the guaranteed bound's weights folded into |A|.
+
+use super::kernel::{Packed, W};
+use super::Right;
+
+/// Pack A (rows scaled) and B (columns scaled) for the kernel, with the guaranteed bound's
+/// weights folded into |A|; `None` when a scaled non-zero value would leave [2^-62, 2) (its
+/// products could underflow `f32`), when the unscaled products could round below FP32's
+/// normal range, or when a value is not finite.
+pub(super) fn pack(
+    a: &[f64],
+    b: Right,
+    m: usize,
+    k: usize,
+    n: usize,
+    w: &[f64],
+) -> Option<(Packed, Vec<i32>, Vec<i32>)> {
+    // The kernel computes on scaled values; the engine on the values themselves, where a
+    // rounding below FP32's normal range (2^-126) falls on the subnormal grid 2^-149 rather
+    // than the scaled one. Every partial sum lies on its terms' grid, so when each product's
+    // lowest bit is at least 2^-149 (the products of the lowest bits of A and of B, unscaled)
+    // a value below 2^-126 is exact in FP32 and the two computations agree; otherwise the
+    // walk decides. Scaling by a power of two is exact, so the least lowest bit unscaled is
+    // the least scaled one divided by the scale.
+    let (mut low_a, mut low_b) = (f64::INFINITY, f64::INFINITY);
+    let mut row_exp = Vec::with_capacity(m);
+    let mut pa = Vec::with_capacity(m * k);
+    let mut la = Vec::with_capacity(m * k);
+    let mut aw = Vec::with_capacity(m * k);
+    for row in a[..m * k].chunks_exact(k) {
+        let e = Extent::of(row.iter().copied()).exponent()?;
+        let s = 2f64.powi(e);
+        let mut low = u64::MAX;
+        for (&x, &wp) in row.iter().zip(w) {
+            let x = x * s;
+            let bit = lowest_scaled(x);
+            low = low.min(bit.to_bits());
+            pa.push(x as f32);
+            la.push(bit as f32 * 2f32.powi(23));
+            aw.push((x.abs() * wp) as f32);
+        }
+        low_a = low_a.min(f64::from_bits(low) / s);
+        row_exp.push(e);
+    }
+    // B's column scales first (in its storage order), then B packed a block of `W` columns
+    // at a time, step-major, as the kernel reads it.
+    let col_exp: Vec<i32> = match b {
+        Right::Columns(x) => x[..n * k]
+            .chunks_exact(k)
+            .map(|col| Extent::of(col.iter().copied()).exponent())
+            .collect::<Option<_>>()?,
+        Right::Rows(x) => {
+            let mut cols = vec![Extent::default(); n];
+            for row in x[..k * n].chunks_exact(n) {
+                cols.iter_mut().zip(row).for_each(|(c, &v)| c.add(v));
+            }
+            cols.iter().map(Extent::exponent).collect::<Option<_>>()?
+        }
+    };
+    let scales: Vec<f64> = col_exp.iter().map(|&e| 2f64.powi(e)).collect();
+    let blocks = n.div_ceil(W);
+    let mut pb = vec![0.0f32; blocks * k * W];
+    let mut lb = vec![f32::INFINITY; blocks * k * W];
+    let mut low = vec![u64::MAX; n];
+    for jb in 0..blocks {
+        let width = W.min(n - jb * W);
+        let base = jb * k * W;
+        for p in 0..k {
+            for l in 0..width {
+                let j = jb * W + l;
+                let v = match b {
+                    Right::Columns(x) => x[j * k + p],
+                    Right::Rows(x) => x[p * n + j],
+                };
+                let x = v * scales[j];
+                let bit = lowest_scaled(x);
+                low[j] = low[j].min(bit.to_bits());
+                pb[base + p * W + l] = x as f32;
+                lb[base + p * W + l] = bit as f32;
+            }
+        }
+    }
+    for (&bits, &s) in low.iter().zip(&scales) {
+        low_b = low_b.min(f64::from_bits(bits) / s);
+    }
+    if low_a * low_b < 2f64.powi(-149) {
+        return None;
+    }
+    Some((
+        Packed {
+            m,
+            k,
+            blocks,
+            a: pa,
+            la,
+            aw,
+            b: pb,
+            lb,
+        },
+        row_exp,
+        col_exp,
+    ))
+}
+
+/// The lowest set bit of a scaled value (∞ for 0), without branches: scaled values are
+/// finite and zero or normal (in [2^-62, 2) by [`Extent::exponent`]), so the bit is
+/// 2^(exponent + trailing zeros of the significand) and normal too. Agrees with
+/// `reduction::lowest_bit` there.
+#[inline(always)]
+fn lowest_scaled(x: f64) -> f64 {
+    let bits = x.to_bits() & !(1u64 << 63);
+    let field = bits >> 52;
+    let tz = u64::from((bits | (1u64 << 52)).trailing_zeros());
+    if bits == 0 {
+        f64::INFINITY
+    } else {
+        f64::from_bits((field + tz - 52) << 52)
+    }
+}
+
+/// The magnitudes of one row of A or column of B, as far as its scale needs them: the
+/// largest and the least non-zero, on their bits (which order as the magnitudes do, ∞ and NaN
+/// above every finite value; zero wraps to the top in the least non-zero one).
+#[derive(Clone, Copy)]
+struct Extent {
+    max: u64,
+    least: u64,
+}
+
+impl Default for Extent {
+    fn default() -> Self {
+        Extent {
+            max: 0,
+            least: u64::MAX,
+        }
+    }
+}
+
+impl Extent {
+    fn of(values: impl Iterator<Item = f64>) -> Extent {
+        let mut e = Extent::default();
+        values.for_each(|x| e.add(x));
+        e
+    }
+
+    fn add(&mut self, x: f64) {
+        let bits = x.to_bits() & !(1u64 << 63);
+        self.max = self.max.max(bits);
+        self.least = self.least.min(bits.wrapping_sub(1));
+    }
+
+    /// The scale exponent e (the largest magnitude times 2^e in [1, 2); 0 when every value
+    /// is zero); `None` when a value is not finite, when |e| > 1000 (far outside the formats
+    /// the fast path takes), or when a non-zero value scaled would fall below 2^-62 (its
+    /// products could underflow `f32`). Scaling by 2^e is then exact and monotone, so the
+    /// least non-zero magnitude decides for all.
+    fn exponent(&self) -> Option<i32> {
+        if self.max >= f64::INFINITY.to_bits() {
+            return None;
+        }
+        // ⌊log₂ max⌋ from the bits: the unbiased exponent of a normal value, the position of
+        // the leading bit of a subnormal one.
+        let e = match (self.max >> 52) as i32 {
+            _ if self.max == 0 => 0,
+            0 => 1074 - (63 - self.max.leading_zeros() as i32),
+            field => 1023 - field,
+        };
+        if e.abs() > 1000 {
+            return None;
+        }
+        (self.least == u64::MAX || f64::from_bits(self.least + 1) * 2f64.powi(e) >= 2f64.powi(-62))
+            .then_some(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bounds::reduction::lowest_bit;
+    use crate::engine::SplitMix64;
+
+    #[test]
+    fn the_branchless_lowest_bit_is_the_lowest_bit_on_scaled_values() {
+        let mut g = SplitMix64::for_name("lowest_scaled", 0);
+        assert_eq!(lowest_scaled(0.0), f64::INFINITY);
+        assert_eq!(lowest_scaled(-0.0), f64::INFINITY);
+        for _ in 0..100_000 {
+            // Any sign and significand, exponents across [2^-62, 2), significands with
+            // trailing zeros of every length.
+            let e = (g.next_u64() % 64) as i32 - 62;
+            let frac = g.next_u64() & ((1u64 << 52) - 1);
+            let frac = frac & !((1u64 << (g.next_u64() % 53)) - 1);
+            let sign = (g.next_u64() & 1) << 63;
+            let x = f64::from_bits(sign | (((e + 1023) as u64) << 52) | frac);
+            assert_eq!(lowest_scaled(x), lowest_bit(x), "{x:e}");
+        }
+    }
+
+    /// The definition: every value finite, the largest magnitude times 2^e in [1, 2) with
+    /// |e| ≤ 1000, every non-zero magnitude times 2^e at least 2^-62.
+    fn exponent_oracle(values: &[f64]) -> Option<i32> {
+        if values.iter().any(|x| !x.is_finite()) {
+            return None;
+        }
+        let max = values.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+        let e = if max == 0.0 {
+            0
+        } else {
+            // max·2^e in [1, 2), by exact halvings and doublings.
+            let (mut e, mut v) = (0i32, max);
+            while v >= 2.0 {
+                v /= 2.0;
+                e -= 1;
+            }
+            while v < 1.0 {
+                v *= 2.0;
+                e += 1;
+            }
+            e
+        };
+        if e.abs() > 1000 {
+            return None;
+        }
+        values
+            .iter()
+            .all(|&x| x == 0.0 || x.abs() * 2f64.powi(e) >= 2f64.powi(-62))
+            .then_some(e)
+    }
+
+    #[test]
+    fn the_scale_exponent_matches_its_definition() {
+        let mut g = SplitMix64::for_name("extent", 0);
+        let specials = [
+            0.0,
+            -0.0,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            f64::NAN,
+            f64::MIN_POSITIVE,
+            5e-324,
+            f64::MAX,
+            1.0,
+        ];
+        for case in 0..20_000 {
+            let n = 1 + (g.next_u64() % 6) as usize;
+            let row: Vec<f64> = (0..n)
+                .map(|_| match g.next_u64() % 4 {
+                    0 => specials[(g.next_u64() % specials.len() as u64) as usize],
+                    1 => g.normal() * 2f64.powi((g.next_u64() % 200) as i32 - 100),
+                    _ => g.normal() * 2f64.powi((g.next_u64() % 140) as i32 - 70),
+                })
+                .collect();
+            assert_eq!(
+                Extent::of(row.iter().copied()).exponent(),
+                exponent_oracle(&row),
+                "case {case}: {row:?}"
+            );
+        }
+    }
+}
