@@ -193,16 +193,40 @@ impl ElementDiff {
         self.guaranteed += ulp / 2.0;
     }
 
-    /// Bound on |R| that fails with probability at most `delta`.
-    fn rounding_part_bound(&self, delta: f64) -> f64 {
-        self.rounding_bound + (2.0 * self.rounding_bound_proxy * (2.0 / delta).ln()).sqrt()
+    /// Bound on |R| that fails with probability at most δ, given ln(2/δ).
+    fn rounding_part_bound(&self, ln_2_delta: f64) -> f64 {
+        self.rounding_bound + (2.0 * self.rounding_bound_proxy * ln_2_delta).sqrt()
     }
 
     /// |D| ≤ this with probability ≥ 1 − δ, never more than the guaranteed bound.
     pub fn probabilistic_bound(&self, delta: f64) -> f64 {
-        let x = (2.0 * (self.proxy + self.shared_proxy) * (4.0 / delta).ln()).sqrt();
-        (self.offset.abs() + self.bias_bound + x + self.rounding_part_bound(delta / 2.0))
+        self.probabilistic_bound_at(&Logs::at(delta))
+    }
+
+    /// [`probabilistic_bound`](Self::probabilistic_bound) with its logarithms computed.
+    fn probabilistic_bound_at(&self, logs: &Logs) -> f64 {
+        let x = (2.0 * (self.proxy + self.shared_proxy) * logs.four).sqrt();
+        (self.offset.abs() + self.bias_bound + x + self.rounding_part_bound(logs.half))
             .min(self.guaranteed)
+    }
+}
+
+/// The logarithms a per-element probabilistic bound at δ takes, computed once per tensor
+/// rather than once per element.
+#[derive(Debug, Clone, Copy)]
+struct Logs {
+    /// ln(4/δ).
+    four: f64,
+    /// ln(2/(δ/2)), the rounding part's at δ/2.
+    half: f64,
+}
+
+impl Logs {
+    fn at(delta: f64) -> Logs {
+        Logs {
+            four: (4.0 / delta).ln(),
+            half: (2.0 / (delta / 2.0)).ln(),
+        }
     }
 }
 
@@ -465,11 +489,22 @@ pub(crate) struct ThresholdSums {
     b: f64,
     e_r: f64,
     per: f64,
+    /// ln(2/δ_b) of the rounding part's truncation at δ_b = δ/(5N), and the per-element
+    /// bound's logarithms at δ/N (probabilistic only).
+    ln_b: f64,
+    per_logs: Logs,
 }
 
 impl ThresholdSums {
     /// Empty sums for a tensor of `elements` elements.
     pub(crate) fn new(confidence: Confidence, elements: usize) -> ThresholdSums {
+        let nf = elements.max(1) as f64;
+        let delta = match confidence {
+            Confidence::Probabilistic { delta } => delta,
+            Confidence::Guaranteed => 1.0,
+        };
+        let ln_b = (2.0 / (delta / (5.0 * nf))).ln();
+        let per_logs = Logs::at(delta / nf);
         ThresholdSums {
             confidence,
             elements,
@@ -482,6 +517,8 @@ impl ThresholdSums {
             b: 0.0,
             e_r: 0.0,
             per: 0.0,
+            ln_b,
+            per_logs,
         }
     }
 
@@ -491,8 +528,7 @@ impl ThresholdSums {
         self.g2 += d.guaranteed * d.guaranteed * w;
         self.g_max = self.g_max.max(d.guaranteed);
         self.expected += d.mean_square() * w;
-        if let Confidence::Probabilistic { delta } = self.confidence {
-            let nf = self.elements.max(1) as f64;
+        if let Confidence::Probabilistic { .. } = self.confidence {
             // Offsets: deterministic (the tie part, of unknown sign, at its bound).
             let off = d.offset.abs() + d.bias_bound;
             self.o2 += off * off * w;
@@ -503,9 +539,9 @@ impl ThresholdSums {
             if !d.spread {
                 self.o2h += off * off * d.proxy * w;
             }
-            self.b = self.b.max(d.rounding_part_bound(delta / (5.0 * nf)));
+            self.b = self.b.max(d.rounding_part_bound(self.ln_b));
             self.e_r += d.rounding_mean_square * w;
-            self.per = self.per.max(d.probabilistic_bound(delta / nf));
+            self.per = self.per.max(d.probabilistic_bound_at(&self.per_logs));
         }
     }
 
@@ -518,8 +554,8 @@ impl ThresholdSums {
         let (per, g_max) = (self.per, self.g_max);
         self.add(&w, 1);
         self.g_max = g_max.max(d.guaranteed);
-        if let Confidence::Probabilistic { delta } = self.confidence {
-            self.per = per.max(d.probabilistic_bound(delta / self.elements.max(1) as f64));
+        if let Confidence::Probabilistic { .. } = self.confidence {
+            self.per = per.max(d.probabilistic_bound_at(&self.per_logs));
         }
     }
 
@@ -546,8 +582,8 @@ impl ThresholdSums {
             let (per, g_max) = (self.per, self.g_max);
             self.add(&own, 1);
             self.g_max = g_max.max(d.guaranteed);
-            if let Confidence::Probabilistic { delta } = self.confidence {
-                self.per = per.max(d.probabilistic_bound(delta / self.elements.max(1) as f64));
+            if let Confidence::Probabilistic { .. } = self.confidence {
+                self.per = per.max(d.probabilistic_bound_at(&self.per_logs));
             }
         }
         self.expected += h_c;
