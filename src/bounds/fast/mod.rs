@@ -41,20 +41,21 @@
 
 mod kernel;
 mod pack;
+mod prepared;
 mod program;
 
 use crate::bounds::compare::{row_classes, Confidence, ElementDiff, Threshold, ThresholdSums};
 use crate::bounds::ops::{check_output, round_sides};
-use crate::bounds::reduction::{dot_guaranteed_weights, ReductionError};
+use crate::bounds::reduction::ReductionError;
 use crate::error::Result;
 use crate::format::Format;
 use crate::order::{Accumulation, Products};
 use crate::policy::Policy;
 use kernel::{Determine, OUT, W};
 use pack::pack;
+use prepared::prepared;
 #[cfg(test)]
 use program::program;
-use program::programs;
 
 /// The failure probability of the structure test.
 const STRUCTURE_DELTA: f64 = 1e-3;
@@ -127,13 +128,12 @@ pub(crate) fn matmul_threshold_fast(
             return Ok(None);
         }
     }
-    let Some((pr, pc)) = programs(&r.acc.order, &c.acc.order, k) else {
+    let Some(prepared) = prepared(r.acc, c.acc, k)? else {
         return Ok(None);
     };
-    let (wr, cr) = dot_guaranteed_weights(r.acc, k)?;
-    let (wc, cc) = dot_guaranteed_weights(c.acc, k)?;
-    let w: Vec<f64> = wr.iter().zip(&wc).map(|(x, y)| x + y).collect();
-    let Some((packed, row_exp, col_exp)) = pack(a, b, m, k, n, &w) else {
+    let (pr, pc) = &prepared.programs;
+    let (cr, cc) = prepared.constants;
+    let Some((packed, row_exp, col_exp)) = pack(a, b, m, k, n, &prepared.weights) else {
         return Ok(None);
     };
     // Products exact in f32 (inputs of at most 12 significant bits): roundings are
@@ -150,8 +150,8 @@ pub(crate) fn matmul_threshold_fast(
     } else {
         Determine::Grid
     };
-    let out_r = kernel::run(&pr, &packed, true, det);
-    let out_c = kernel::run(&pc, &packed, false, det);
+    let out_r = kernel::run(pr, &packed, true, det);
+    let out_c = kernel::run(pc, &packed, false, det);
     // The f32 sums of non-negative terms (the guaranteed sum, the variances) err by at most
     // (1 + 2^-24)^(k+2) − 1 relative (the weights' rounding included).
     let inflate = (((k + 2) as f64) * (2f64.powi(-24)).ln_1p()).exp_m1() * (1.0 + 1e-9) + 1.0;
