@@ -21,7 +21,7 @@
 
 use crate::bounds::compare::{grouped_threshold, row_classes, Confidence, ElementDiff, Threshold};
 use crate::bounds::ops::round_sides;
-use crate::bounds::reduction::reduction_error;
+use crate::bounds::reduction::{reduction_error, ReductionError};
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::order::{Accumulation, Order};
@@ -62,12 +62,41 @@ fn rounding_stats(f: Format, v: f64) -> (f64, f64) {
     (ulp * ulp / 12.0, ulp / 2.0)
 }
 
-fn side_row(row: &[f64], policy: &Policy, imp: AttentionImpl) -> Result<SideRow> {
+/// The numerators ra(exp(ra(x − m))) of one block (or of a whole row, standard form) with
+/// maximum `m`, as a side computes them: the terms its sum really adds (−∞, a mask, gives 0).
+fn computed_numerators(chunk: &[f64], m: f64, policy: &Policy) -> Vec<f64> {
+    let (a, ov) = (policy.accumulator(), policy.accumulation.overflow);
+    chunk
+        .iter()
+        .map(|&x| {
+            if x == f64::NEG_INFINITY {
+                0.0
+            } else {
+                a.round(a.add_rounded(x, -m, ov).exp(), ov)
+            }
+        })
+        .collect()
+}
+
+/// The accumulation of a side's denominator: its order, on values of the accumulator format.
+fn denominator_accumulation(policy: &Policy) -> Accumulation {
+    let mut acc = policy.accumulation.clone();
+    acc.input = policy.accumulator();
+    acc
+}
+
+/// One side's statistics of one row; `den`, when given, is the standard form's denominator
+/// error already priced (by the fast path, for every row at once).
+fn side_row(
+    row: &[f64],
+    policy: &Policy,
+    imp: AttentionImpl,
+    den: Option<ReductionError>,
+) -> Result<SideRow> {
     let a = policy.accumulator();
     let n = row.len();
     let m = row.iter().fold(f64::NEG_INFINITY, |x, &y| x.max(y));
-    let mut acc = policy.accumulation.clone();
-    acc.input = a;
+    let acc = denominator_accumulation(policy);
     let block = match imp {
         AttentionImpl::Standard => n,
         AttentionImpl::Online { block } => block.max(1),
@@ -104,19 +133,9 @@ fn side_row(row: &[f64], policy: &Policy, imp: AttentionImpl) -> Result<SideRow>
         };
         let fb = (mb - m).exp();
         let mut block_e = Vec::with_capacity(chunk.len());
-        // The numerators as the side computes them, ra(exp(ra(x − m_B))): the terms its sum
-        // really adds (their own errors are the nᵢ above).
+        // The numerators as the side computes them (their own errors are the nᵢ above).
         let ov = policy.accumulation.overflow;
-        let computed: Vec<f64> = chunk
-            .iter()
-            .map(|&x| {
-                if x == f64::NEG_INFINITY {
-                    0.0
-                } else {
-                    a.round(a.add_rounded(x, -mb, ov).exp(), ov)
-                }
-            })
-            .collect();
+        let computed = computed_numerators(chunk, mb, policy);
         for (j, &x) in chunk.iter().enumerate() {
             let i = base + j;
             let dlocal = x - mb;
@@ -180,7 +199,10 @@ fn side_row(row: &[f64], policy: &Policy, imp: AttentionImpl) -> Result<SideRow>
         den_tie_abs += eo.tie_bound;
         den_max_abs += eo.guaranteed + prod_max;
     } else {
-        let es = reduction_error(&standard_terms, &acc, false)?;
+        let es = match den {
+            Some(es) => es,
+            None => reduction_error(&standard_terms, &acc, false)?,
+        };
         den_var_abs += es.variance;
         den_mean_abs += es.mean;
         den_tie_abs += es.tie_bound;
@@ -304,14 +326,27 @@ pub fn softmax_threshold(
             .collect()
     };
     let (_, classes) = row_classes(xi.values(), n);
+    let dens = fast_denominators(
+        &xi,
+        n,
+        &classes,
+        reference,
+        candidate,
+        (ref_impl, cand_impl),
+        confidence,
+    )?;
     // Each class of rows priced alone (in parallel; folded in order below, so that the
     // threshold does not depend on the number of threads): its Σ p² and its components.
     type Priced = (f64, Vec<(ElementDiff, usize)>);
-    let priced = crate::parallel::map(&classes, |&(r, count)| -> Result<Priced> {
+    let indexed: Vec<(usize, (usize, usize))> = classes.iter().copied().enumerate().collect();
+    let priced = crate::parallel::map(&indexed, |&(class, (r, count))| -> Result<Priced> {
         let mut groups: Vec<(ElementDiff, usize)> = Vec::new();
         let row = &xi.values()[r * n..(r + 1) * n];
-        let sr = side_row(row, reference, ref_impl)?;
-        let sc = side_row(row, candidate, cand_impl)?;
+        let (den_r, den_c) = dens
+            .as_ref()
+            .map_or((None, None), |d| (Some(d[class].0), Some(d[class].1)));
+        let sr = side_row(row, reference, ref_impl, den_r)?;
+        let sc = side_row(row, candidate, cand_impl, den_c)?;
         let p_sq: f64 = sr.p.iter().map(|p| p * p).sum();
         if identical {
             return Ok((p_sq, groups));
@@ -415,4 +450,45 @@ pub fn softmax_threshold(
         confidence,
         rows * n,
     ))
+}
+
+/// The standard form's denominators of every class of rows priced at once by the fast path
+/// (papers/bounds-reductions.md §5.1), when both sides compute the same numerators (the
+/// standard form on both, the same accumulator) and sum them in FP32: per class, the
+/// reference's and the candidate's reduction errors. `None` — each row then priced by the
+/// walk — when the sides are not of that kind, when the fast path does not apply, or when the
+/// sums of these data fail its structure test.
+fn fast_denominators(
+    x: &Tensor,
+    n: usize,
+    classes: &[(usize, usize)],
+    reference: &Policy,
+    candidate: &Policy,
+    imps: (AttentionImpl, AttentionImpl),
+    confidence: Confidence,
+) -> Result<Option<Vec<(ReductionError, ReductionError)>>> {
+    let standard = imps == (AttentionImpl::Standard, AttentionImpl::Standard);
+    if !standard || reference.same_execution(candidate) {
+        return Ok(None);
+    }
+    let mut terms = Vec::with_capacity(classes.len() * n);
+    for &(r, _) in classes {
+        let row = &x.values()[r * n..(r + 1) * n];
+        let m = row.iter().fold(f64::NEG_INFINITY, |x, &y| x.max(y));
+        let tr = computed_numerators(row, m, reference);
+        if computed_numerators(row, m, candidate) != tr {
+            return Ok(None);
+        }
+        terms.extend(tr);
+    }
+    let probabilistic = matches!(confidence, Confidence::Probabilistic { .. });
+    crate::bounds::fast::sum_rows(
+        &terms,
+        n,
+        (
+            &denominator_accumulation(reference),
+            &denominator_accumulation(candidate),
+        ),
+        probabilistic,
+    )
 }

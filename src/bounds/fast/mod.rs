@@ -102,7 +102,6 @@ pub(crate) enum Epilogue<'a> {
 /// The threshold for C = A·B (+ bias, or / k for a mean) with the same quantized operands on
 /// both sides, or `None` when the fast path does not apply or the structure test sends the
 /// data to the walk. `a` is [m, k], row-major.
-#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 pub(crate) fn matmul_threshold_fast(
     a: &[f64],
     b: Right,
@@ -116,11 +115,110 @@ pub(crate) fn matmul_threshold_fast(
         Epilogue::Bias(bias) => bias,
         Epilogue::Mean(_) => None,
     };
+    let probabilistic = matches!(confidence, Confidence::Probabilistic { .. });
+    let Some(reduced) = reduce(a, b, bias, (m, k, n), (r.acc, c.acc), probabilistic)? else {
+        return Ok(None);
+    };
+    let mut sums = ThresholdSums::new(confidence, m * n);
+    let mut norm_sq = 0.0;
+    let (ar, ac) = (r.policy.accumulator(), c.policy.accumulator());
+    for x in reduced {
+        let (v, g_out) = match epilogue {
+            Epilogue::Bias(bias) => (x.value + bias.map_or(0.0, |b| b[x.column]), x.er.guaranteed),
+            Epilogue::Mean(inv) => (x.value * inv, x.er.guaranteed * inv),
+        };
+        norm_sq += v * v * x.count as f64;
+        // |exact − vr| ≤ the reference's guaranteed error ≤ g.
+        let magnitude = v.abs() + g_out;
+        let mut e = ElementDiff::from_reductions(x.er, x.ec, 0.0);
+        let mut cur = (r.acc.order.result_format(ar), c.acc.order.result_format(ac));
+        if let Epilogue::Mean(inv) = epilogue {
+            e.scale(inv);
+        }
+        if !matches!(epilogue, Epilogue::Bias(None)) {
+            // The bias added, or the mean divided, in the accumulator format.
+            round_sides(&mut e, (Format::F64, Format::F64), (ar, ac), magnitude);
+            cur = (ar, ac);
+        }
+        if check_output(&e, magnitude, (r.policy.output, c.policy.output)).is_err() {
+            // The walk decides, from the exact values.
+            return Ok(None);
+        }
+        round_sides(&mut e, cur, (r.policy.output, c.policy.output), magnitude);
+        sums.add_group(&e, x.count);
+    }
+    Ok(Some(sums.threshold(norm_sq.sqrt())))
+}
+
+/// The sums of each row of `terms` ([rows, k], row-major) in the two accumulations' orders
+/// (both FP32 with every rounding in FP32, the same terms on both sides): per row, the
+/// reference's and the candidate's reduction errors as the fast model prices them — the
+/// reference's carrying the guaranteed bound of the difference and the determined errors'
+/// own rounding (`tie_bound`), each side its determined errors (`mean`) and the variance of
+/// its independent roundings outside the prefix both orders share (so that only their sums
+/// and differences mean anything). `None` when the fast path does not apply or the data fail
+/// the structure test (`probabilistic`; a guaranteed bound does not rest on the model).
+pub(crate) fn sum_rows(
+    terms: &[f64],
+    k: usize,
+    (r, c): (&Accumulation, &Accumulation),
+    probabilistic: bool,
+) -> Result<Option<Vec<(ReductionError, ReductionError)>>> {
+    let rows = terms.len().checked_div(k).unwrap_or(0);
+    let exact = |acc: &Accumulation| Accumulation {
+        products: Products::Exact,
+        ..acc.clone()
+    };
+    let (r, c) = (exact(r), exact(c));
+    let Some(reduced) = reduce(
+        &vec![1.0; k],
+        Right::Columns(terms),
+        None,
+        (1, k, rows),
+        (&r, &c),
+        probabilistic,
+    )?
+    else {
+        return Ok(None);
+    };
+    let (class, _) = row_classes(&terms[..rows * k], k);
+    let mut by_class = vec![None; rows];
+    for x in reduced {
+        by_class[class[x.column]] = Some((x.er, x.ec));
+    }
+    Ok(class.iter().map(|&c| by_class[c]).collect())
+}
+
+/// One class of identical outputs of [`reduce`].
+struct Reduced {
+    /// A member's column (its row of A is a class's first member).
+    column: usize,
+    /// Outputs in the class.
+    count: usize,
+    /// The reference's computed value.
+    value: f64,
+    /// The two sides' reduction errors (see [`sum_rows`]).
+    er: ReductionError,
+    ec: ReductionError,
+}
+
+/// The fast model of C = A·B under two accumulations, one entry per pair of classes of
+/// identical rows of A and identical columns of B (with their bias): both executions run by
+/// the kernel, their statistics, and the structure test (per element and for the tensor)
+/// when `probabilistic`. `None` when the fast path does not apply or the test fails.
+#[allow(clippy::needless_range_loop)]
+fn reduce(
+    a: &[f64],
+    b: Right,
+    bias: Option<&[f64]>,
+    (m, k, n): (usize, usize, usize),
+    (r, c): (&Accumulation, &Accumulation),
+    probabilistic: bool,
+) -> Result<Option<Vec<Reduced>>> {
     if m == 0 || n == 0 || k == 0 || k > 1 << 24 {
         return Ok(None);
     }
-    for s in [&r, &c] {
-        let acc = s.acc;
+    for acc in [r, c] {
         if acc.accumulator != Format::F32
             || acc.products != Products::Exact
             || !acc.input.is_subset_of(Format::F32)
@@ -128,7 +226,7 @@ pub(crate) fn matmul_threshold_fast(
             return Ok(None);
         }
     }
-    let Some(prepared) = prepared(r.acc, c.acc, k)? else {
+    let Some(prepared) = prepared(r, c, k)? else {
         return Ok(None);
     };
     let (pr, pc) = &prepared.programs;
@@ -136,14 +234,21 @@ pub(crate) fn matmul_threshold_fast(
     let Some((packed, row_exp, col_exp)) = pack(a, b, m, k, n, &prepared.weights) else {
         return Ok(None);
     };
-    // Products exact in f32 (inputs of at most 12 significant bits): roundings are
-    // determined as the walk determines them. Following exact values and parities too
+    // Products exact in f32 (inputs of at most 12 significant bits, or every value of A
+    // zero or a power of two — a sum's ones —, its products B's values scaled): roundings
+    // are determined as the walk determines them. Following exact values and parities too
     // (twice the work per rounding) brings the threshold from 1.3–1.5× the walk's to about
     // 1.0× where the tail margins weigh most, with fewer than 4,096 outputs (at 4,096, 1.13×
     // without it), and on sums, whose terms times one leave nearly every rounding
     // determined (up to 5× without it; papers/bounds-reductions.md §5.1).
     let track = matches!(b, Right::Columns(_)) || m * n < 4096;
-    let det = if r.acc.input.precision() > 12 || c.acc.input.precision() > 12 {
+    let narrow = r.input.precision() <= 12 && c.input.precision() <= 12;
+    let powers_of_two = || {
+        a[..m * k]
+            .iter()
+            .all(|&x| x == 0.0 || crate::bounds::reduction::lowest_bit(x) == x.abs())
+    };
+    let det = if !narrow && !powers_of_two() {
         Determine::Nothing
     } else if track {
         Determine::Track
@@ -156,16 +261,13 @@ pub(crate) fn matmul_threshold_fast(
     // (1 + 2^-24)^(k+2) − 1 relative (the weights' rounding included).
     let inflate = (((k + 2) as f64) * (2f64.powi(-24)).ln_1p()).exp_m1() * (1.0 + 1e-9) + 1.0;
     let n_el = m * n;
-    let mut sums = ThresholdSums::new(confidence, n_el);
-    let mut norm_sq = 0.0;
     let (mut sum_d2, mut sum_h, mut sum_h2, mut max_h) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
-    let probabilistic = matches!(confidence, Confidence::Probabilistic { .. });
     let t_s = (1.0 / STRUCTURE_DELTA).ln();
     let z2 = 2.0 * (2.0 * n_el as f64 / STRUCTURE_DELTA).ln();
-    let (ar, ac) = (r.policy.accumulator(), c.policy.accumulator());
     // Identical rows of A and identical columns of B (with their bias) give identical
     // differences: one component per pair of classes, as the walk prices them.
     let (rows, cols) = classes(a, b, bias, m, k, n);
+    let mut reduced = Vec::with_capacity(rows.len() * cols.len());
     for &(i, count_i) in &rows {
         for &(j, count_j) in &cols {
             let weight = (count_i * count_j) as f64;
@@ -219,47 +321,29 @@ pub(crate) fn matmul_threshold_fast(
             sum_h += h * weight;
             sum_h2 += h * h * weight * weight;
             max_h = max_h.max(h * weight);
-            let (v, g_out) = match epilogue {
-                Epilogue::Bias(bias) => (vr + bias.map_or(0.0, |b| b[j]), g),
-                Epilogue::Mean(inv) => (vr * inv, g * inv),
-            };
-            norm_sq += v * v * weight;
-            // |exact − vr| ≤ the reference's guaranteed error ≤ g.
-            let magnitude = v.abs() + g_out;
-            let er = ReductionError {
-                guaranteed: g,
-                mean: det_r,
-                variance: hr,
-                tie_bound: det_err,
-            };
-            let ec = ReductionError {
-                mean: det_c,
-                variance: hc,
-                ..ReductionError::default()
-            };
-            let mut e = ElementDiff::from_reductions(er, ec, 0.0);
-            let mut cur = (r.acc.order.result_format(ar), c.acc.order.result_format(ac));
-            if let Epilogue::Mean(inv) = epilogue {
-                e.scale(inv);
-            }
-            if !matches!(epilogue, Epilogue::Bias(None)) {
-                // The bias added, or the mean divided, in the accumulator format.
-                round_sides(&mut e, (Format::F64, Format::F64), (ar, ac), magnitude);
-                cur = (ar, ac);
-            }
-            if check_output(&e, magnitude, (r.policy.output, c.policy.output)).is_err() {
-                // The walk decides, from the exact values.
-                return Ok(None);
-            }
-            round_sides(&mut e, cur, (r.policy.output, c.policy.output), magnitude);
-            sums.add_group(&e, count_i * count_j);
+            reduced.push(Reduced {
+                column: j,
+                count: count_i * count_j,
+                value: vr,
+                er: ReductionError {
+                    guaranteed: g,
+                    mean: det_r,
+                    variance: hr,
+                    tie_bound: det_err,
+                },
+                ec: ReductionError {
+                    mean: det_c,
+                    variance: hc,
+                    ..ReductionError::default()
+                },
+            });
         }
     }
     // The structure test, for the tensor (Hsu, Kakade & Zhang 2012, Thm 1).
     if probabilistic && sum_d2 > sum_h + 2.0 * (t_s * sum_h2).sqrt() + 2.0 * t_s * max_h {
         return Ok(None);
     }
-    Ok(Some(sums.threshold(norm_sq.sqrt())))
+    Ok(Some(reduced))
 }
 
 /// Classes of identical lines: (first member, size) each.
