@@ -19,7 +19,7 @@
 //! Guaranteed: |ρ| ≤ max|n| + max|σ| + O(u²) with |n| ≤ u·(|d| + 1) (+ the online factor
 //! terms) and |σ| ≤ G_S/S + Σ pⱼ|nⱼ|, inflated by 1/(1 − |σ|).
 
-use crate::bounds::compare::{grouped_threshold, row_classes, Confidence, ElementDiff, Threshold};
+use crate::bounds::compare::{row_classes, Confidence, ElementDiff, Threshold, ThresholdSums};
 use crate::bounds::ops::round_sides;
 use crate::bounds::reduction::{reduction_error, ReductionError};
 use crate::error::{Error, Result};
@@ -434,22 +434,20 @@ pub fn softmax_threshold(
         }
         Ok((p_sq, groups))
     });
-    let mut groups: Vec<(ElementDiff, usize)> = Vec::new();
+    // Folded class by class in order (as `grouped_threshold` folds one list of groups).
+    let mut sums = ThresholdSums::new(confidence, rows * n);
     let mut norm_sq = 0.0;
     for (item, &(_, count)) in priced.into_iter().zip(&classes) {
-        let (p_sq, g) = item?;
+        let (p_sq, groups) = item?;
         norm_sq += p_sq * count as f64;
-        groups.extend(g);
+        for (d, c) in &groups {
+            sums.add_group(d, *c);
+        }
     }
     if identical {
         return Ok(Threshold::identical(confidence, norm_sq.sqrt(), rows * n));
     }
-    Ok(grouped_threshold(
-        &groups,
-        norm_sq.sqrt(),
-        confidence,
-        rows * n,
-    ))
+    Ok(sums.threshold(norm_sq.sqrt()))
 }
 
 /// The standard form's denominators of every class of rows priced at once by the fast path
