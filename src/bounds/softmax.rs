@@ -50,6 +50,29 @@ struct SideRow {
     /// by their part of the denominator, (variance, that part's weight l_B·f_B / l, and the
     /// elements' Σ p²).
     factors: std::collections::BTreeMap<u64, (f64, f64, f64)>,
+    /// The exact-model denominator s = Σ exp(xᵢ − m).
+    sum: f64,
+}
+
+impl SideRow {
+    /// The same row on a side that computes the same numerators (the standard form, the same
+    /// accumulator and overflow) and whose standard-form denominator errs by `es`: what
+    /// [`side_row`] computes for that side, without computing the numerators again.
+    fn with_denominator(&self, es: ReductionError) -> SideRow {
+        let s = self.sum;
+        SideRow {
+            p: self.p.clone(),
+            num_var: self.num_var.clone(),
+            num_max: self.num_max.clone(),
+            // As `side_row` accumulates them from zero.
+            den_var: (0.0 + es.variance) / (s * s),
+            den_max: (0.0 + es.guaranteed) / s,
+            den_mean: (0.0 + es.mean) / s,
+            den_tie: (0.0 + es.tie_bound) / s,
+            factors: self.factors.clone(),
+            sum: s,
+        }
+    }
 }
 
 /// Variance and bound of the absolute error of rounding the exact `v` to `f` (exact when the
@@ -221,6 +244,7 @@ fn side_row(
             .into_iter()
             .map(|(k, (v, w, p2))| (k, (v, w / s, p2 / (s * s))))
             .collect(),
+        sum: s,
     })
 }
 
@@ -326,6 +350,7 @@ pub fn softmax_threshold(
             .collect()
     };
     let (_, classes) = row_classes(xi.values(), n);
+    let same_numerators = reference.accumulation.overflow == candidate.accumulation.overflow;
     let dens = fast_denominators(
         &xi,
         n,
@@ -346,7 +371,11 @@ pub fn softmax_threshold(
             .as_ref()
             .map_or((None, None), |d| (Some(d[class].0), Some(d[class].1)));
         let sr = side_row(row, reference, ref_impl, den_r)?;
-        let sc = side_row(row, candidate, cand_impl, den_c)?;
+        let sc = match den_c {
+            // Priced by the pass: the same numerators on both sides (`fast_denominators`).
+            Some(es) if same_numerators => sr.with_denominator(es),
+            _ => side_row(row, candidate, cand_impl, den_c)?,
+        };
         let p_sq: f64 = sr.p.iter().map(|p| p * p).sum();
         if identical {
             return Ok((p_sq, groups));
@@ -474,7 +503,9 @@ fn fast_denominators(
         let row = &x.values()[r * n..(r + 1) * n];
         let m = row.iter().fold(f64::NEG_INFINITY, |x, &y| x.max(y));
         let tr = computed_numerators(row, m, reference);
-        if computed_numerators(row, m, candidate) != tr {
+        // The same accumulator (required) and overflow compute the same numerators.
+        let same = reference.accumulation.overflow == candidate.accumulation.overflow;
+        if !same && computed_numerators(row, m, candidate) != tr {
             return Ok(None);
         }
         terms.extend(tr);
