@@ -381,7 +381,8 @@ pub fn softmax_threshold(
             return Ok((p_sq, groups));
         }
         // Alike elements: the same logit under the same block maximum on each side.
-        let mut alike: crate::bounds::keyed::DataMap<(u64, u64, u64), usize> = Default::default();
+        let mut alike: crate::bounds::keyed::DataMap<(u64, u64, u64), usize> =
+            crate::bounds::keyed::DataMap::with_capacity_and_hasher(row.len(), Default::default());
         let mut order = vec![];
         let (max_r, max_c) = (block_maxima(row, ref_impl), block_maxima(row, cand_impl));
         for (j, &xj) in row.iter().enumerate() {
