@@ -4,7 +4,7 @@
 //!
 //! # Model (papers/bounds-reductions.md §2 and §5.1)
 //! * **Guaranteed**: the walk's own bound, Σₚ |aᵢₚ||bₚⱼ|·(w_ref,p + w_cand,p) + c
-//!   ([`dot_guaranteed_weights`]: Higham's depths, growth factor and underflow terms),
+//!   ([`dot_guaranteed_weights`](crate::bounds::reduction::dot_guaranteed_weights): Higham's depths, growth factor and underflow terms),
 //!   summed in `f32` over scaled values and inflated by the sum's own rounding error
 //!   ((1 + 2⁻²⁴)^(k+2)) and its underflow (2⁻¹⁴⁹ per term).
 //! * **Probabilistic**: the walk's split, on the values the two declared executions actually
