@@ -42,7 +42,9 @@ pub mod limits {
     pub const SWEEP_RUNS: u64 = 10_000_000;
 }
 
-fn ferr(path: &Path, reason: impl Into<String>) -> Error {
+/// A file error without an I/O cause: `path` and what is wrong with it (the readers' and
+/// writers' one constructor of [`Error::File`] for bad contents).
+pub(crate) fn ferr(path: &Path, reason: impl Into<String>) -> Error {
     Error::File {
         path: path.display().to_string(),
         reason: reason.into(),

@@ -33,7 +33,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::format::Format;
-use crate::io::guard::{printable, TrustedDir};
+use crate::io::guard::{ferr, printable, TrustedDir};
 use crate::io::manifest::ModuleInfo;
 use crate::shard::layout::{Axis, Layout, Mesh};
 
@@ -115,14 +115,6 @@ pub struct SummaryStep {
     pub mesh: Mesh,
     /// The tensors, in execution order.
     pub tensors: Vec<SummaryEntry>,
-}
-
-fn ferr(path: &Path, reason: impl Into<String>) -> Error {
-    Error::File {
-        path: path.display().to_string(),
-        reason: reason.into(),
-        io: None,
-    }
 }
 
 impl SummaryStep {

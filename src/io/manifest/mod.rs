@@ -1,0 +1,214 @@
+//! The trace manifest (`manifest.json`, schema version 1) and trace directories.
+//!
+//! A trace directory holds one safetensors file per rank (or `.npy` files) and a manifest:
+//!
+//! ```json
+//! {"format": "ttrace-trace", "version": 1, "recipe": "bf16",
+//!  "mesh": {"tp": 2, "cp": 1, "dp": 1, "sp": false},
+//!  "tensors": [
+//!    {"id": "layers.0.mlp.fc1|fwd.output.0", "rank": 0, "file": "rank0.safetensors",
+//!     "key": "layers.0.mlp.fc1|fwd.output.0", "dtype": "bf16",
+//!     "layout": {"dp": {"kind": "split", "dim": 0, "groups": 1},
+//!                "cp": {"kind": "cp_chunks", "dim": 1},
+//!                "tp": {"kind": "split", "dim": 2, "groups": 1}},
+//!     "module": {"kind": "linear"}}]}
+//! ```
+//!
+//! Required per tensor: `id`, `rank`, `file`, `dtype`, `layout`; `key` defaults to the id (for
+//! `.npy` files it is ignored); `module` is optional (what produced the tensor, for pricing).
+//! Unknown fields are ignored; a missing required field is an error naming the tensor and the
+//! field. Every id must be present once on every rank of the mesh.
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::engine::model::ModuleKind;
+use crate::error::{Error, Result};
+use crate::format::Format;
+use crate::io::guard::ferr;
+use crate::io::guard::{limits, printable, TrustedDir};
+use crate::io::stored::Stored;
+use crate::io::{npy, safetensors};
+use crate::shard::layout::{Axis, Layout, Mesh, Placement};
+use crate::shard::merge::{keep, merge_fetched, sum_group, take_spare, Joinable};
+use crate::tensor::Tensor;
+
+mod parse;
+#[cfg(test)]
+mod tests;
+mod trace_dir;
+mod write;
+
+pub use parse::read_manifest;
+use parse::*;
+pub use trace_dir::{InferredLayout, TraceDir};
+pub use write::{merge_fragments, write_manifest, write_trace_dir};
+
+/// The schema version this library writes and reads.
+pub const VERSION: u64 = 1;
+
+/// What produced a tensor, for pricing its threshold (see `papers/trace-format.md` and
+/// [`price_local`](crate::check::price_local)). Every field is optional: without `kind` the
+/// tensor is priced by the generic local model (with its gain allowance); the formats default
+/// to the recipe's policy when the manifest names a ttrace recipe, else to "no quantization,
+/// FP32 accumulation (FP64 for FP64 tensors), cross-rank combination in the tensor's own
+/// dtype".
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModuleInfo {
+    /// Module kind, if known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<ModuleKind>,
+    /// Format the module's inputs are quantized to before its reductions (e.g. `e4m3`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantize: Option<Format>,
+    /// Format its reductions accumulate in (e.g. `f32`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accumulate: Option<Format>,
+    /// Format in which partial results of a reduction split across ranks are combined (the
+    /// all-reduce dtype, e.g. `bf16` for Megatron's row-parallel output).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub combine: Option<Format>,
+    /// The arithmetic in force when the module ran, as the tracer found it
+    /// (`papers/trace-format.md`): the autocast dtype, the precision of FP32 matmuls and
+    /// convolutions, the device.
+    #[serde(default, flatten)]
+    pub arith: ModuleArith,
+    /// The axes along which the module handed its caller a partial sum as a plain tensor (a
+    /// DTensor `Partial()` made local with no reduction): merged as the sum it is, so the
+    /// output itself passes — but the caller's plain code uses one rank's addend. When a tensor
+    /// it feeds is the first to fail, the check names this module: a missing reduction.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unreduced: Vec<crate::shard::Axis>,
+}
+
+/// The arithmetic settings in force for one module call (PyTorch's `torch.autocast`,
+/// `torch.backends.cuda.matmul.allow_tf32` / `fp32_precision`, cuDNN's `allow_tf32`, oneDNN's
+/// `fp32_precision`). Absent fields: full precision, no autocast.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModuleArith {
+    /// The autocast dtype (`f16`, `bf16`): the module's matmuls and convolutions took their
+    /// inputs in it and rounded their results to it, whatever dtype stores them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autocast: Option<Format>,
+    /// The format FP32 matmul inputs are rounded to on the module's device: `tf32` (TF32 tensor
+    /// cores), `bf16` (oneDNN's reduced precision); `f32` or absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp32_matmul: Option<Format>,
+    /// The same for convolutions (cuDNN's `allow_tf32`, on by default in PyTorch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp32_conv: Option<Format>,
+    /// The device type the module ran on (`cuda`, `cpu`, …); informational.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+}
+
+impl ModuleArith {
+    /// Refuse settings ttrace has no model for ([`Error::UnpricedArithmetic`] naming `id`):
+    /// an autocast dtype other than F16, BF16 (or F32, no change); an FP32 matmul or
+    /// convolution precision other than F32, TF32, BF16.
+    pub fn check(&self, id: &str) -> Result<()> {
+        let bad = |name: &str, f: Format| Error::UnpricedArithmetic {
+            id: id.to_string(),
+            setting: format!("{name}={f}"),
+        };
+        if let Some(f) = self.autocast {
+            if !matches!(f, Format::F16 | Format::BF16 | Format::F32) {
+                return Err(bad("autocast", f));
+            }
+        }
+        for (name, v) in [
+            ("fp32_matmul", self.fp32_matmul),
+            ("fp32_conv", self.fp32_conv),
+        ] {
+            if let Some(f) = v {
+                if !matches!(f, Format::F32 | Format::TF32 | Format::BF16) {
+                    return Err(bad(name, f));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl ModuleInfo {
+    /// Only the kind; formats from the recipe or the defaults.
+    pub fn of(kind: ModuleKind) -> ModuleInfo {
+        ModuleInfo {
+            kind: Some(kind),
+            quantize: None,
+            accumulate: None,
+            combine: None,
+            arith: ModuleArith::default(),
+            unreduced: vec![],
+        }
+    }
+}
+
+/// One stored shard.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ManifestEntry {
+    /// Canonical id.
+    pub id: String,
+    /// Global rank.
+    pub rank: usize,
+    /// File, relative to the trace directory.
+    pub file: String,
+    /// Name inside a safetensors file.
+    pub key: String,
+    /// Stored dtype (`f64`, `f32`, `f16`, `bf16`, `e4m3`, `e5m2`).
+    pub dtype: Format,
+    /// How the ranks' shards merge.
+    pub layout: Layout,
+    /// What produced it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub module: Option<ModuleInfo>,
+    /// A threshold on ‖cand − ref‖_F of the logical tensor priced by the producer (ttrace's
+    /// composed threshold when `ttrace simulate --dump` writes a reference), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub threshold: Option<f64>,
+    /// The axes along which the writer did not know the placement and `layout` holds its
+    /// guess (a plain tensor of code it cannot see into; the batch dimension under data
+    /// parallelism): the checker infers them from the shards' and the reference's shapes (see
+    /// [`TraceDir::infer_guessed`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub guessed: Vec<Axis>,
+}
+
+/// How each data-parallel rank normalized its loss, where the writer did not know (see
+/// `papers/trace-format.md`, "Loss normalization under data parallelism").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DpLoss {
+    /// Not known to the writer: the gradients of activations split along dp, and the scalars
+    /// summed over dp (a loss), are stored as each rank computed them. Each rank's loss either
+    /// averaged its own share of the batch — they are then dp times the reference's — or was
+    /// normalized by the global count; the checker settles which from the reference.
+    Auto,
+}
+
+/// A manifest.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Manifest {
+    /// Always `ttrace-trace`.
+    pub format: String,
+    /// Schema version.
+    pub version: u64,
+    /// The recipe name, if known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recipe: Option<String>,
+    /// How the candidate's data-parallel ranks normalized their loss, where the writer did not
+    /// know.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dp_loss: Option<DpLoss>,
+    /// The mesh.
+    pub mesh: Mesh,
+    /// The run's settings as the Python tracer records them (informational: the PyTorch
+    /// version, the FP32 matmul precision, the GPU), kept as written.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub run: Option<serde_json::Value>,
+    /// Every shard.
+    pub tensors: Vec<ManifestEntry>,
+}
