@@ -1,0 +1,182 @@
+//! Comparison thresholds for whole ops: matmul / linear (with FP8 quantization), sum, mean and
+//! all-reduce, from the actual data (checking) or from summary statistics (planning).
+//!
+//! Each function prices "reference policy vs candidate policy on the same logical inputs", with
+//! the exact arithmetic the engine performs (`engine::matmul`, `engine::nn`): the reduction,
+//! then the trailing roundings (FP8 rescale in the accumulator format, bias addition, output
+//! rounding).
+
+use crate::bounds::compare::{
+    grouped_threshold, residue_clusters, row_classes, tensor_threshold_weighted, Confidence,
+    ElementDiff, Threshold, ThresholdSums,
+};
+use crate::bounds::fast::{Epilogue, FastSide, Right};
+use crate::bounds::reduction::{
+    planned_reduction_error, reduction_error, reduction_error_aligned, ReductionError, TermStats,
+};
+use crate::error::{Error, Result};
+use crate::exact::ExactAccumulator;
+use crate::format::Format;
+use crate::order::{product_exponent, Accumulation, Order, Products};
+use crate::policy::Policy;
+use crate::policy::{quantize, Quantized};
+use crate::tensor::Tensor;
+
+mod matmul;
+mod plan;
+mod sum;
+
+pub use matmul::{matmul_threshold, matmul_threshold_priced};
+pub use plan::{plan_matmul, plan_sum, MatmulPlan};
+use sum::*;
+pub use sum::{allreduce_threshold, sum_threshold, sum_threshold_priced};
+
+fn scaled(e: ReductionError, f: f64) -> ReductionError {
+    ReductionError {
+        guaranteed: e.guaranteed * f.abs(),
+        mean: e.mean * f,
+        variance: e.variance * f * f,
+        tie_bound: e.tie_bound * f.abs(),
+    }
+}
+
+/// Round each side's value, currently in format `cur.*`, to `target.*` (see `ElementDiff`):
+/// both sides rounding to the same format is the "nearly equal values" case; one side
+/// rounding onto the grid the other side's value already lies on is the "snap" case;
+/// roundings to different formats are independent errors.
+pub(crate) fn round_sides(
+    d: &mut ElementDiff,
+    cur: (Format, Format),
+    target: (Format, Format),
+    magnitude: f64,
+) {
+    let need_r = !cur.0.is_subset_of(target.0);
+    let need_c = !cur.1.is_subset_of(target.1);
+    if target.0 == target.1 {
+        match (need_r, need_c) {
+            (true, true) => d.round_both(target.0, magnitude),
+            (true, false) | (false, true) => d.round_snap(target.0, magnitude),
+            (false, false) => {}
+        }
+    } else {
+        if need_r {
+            d.round_one(target.0, magnitude);
+        }
+        if need_c {
+            d.round_one(target.1, magnitude);
+        }
+    }
+}
+
+/// Refuse an output rounding that may overflow either side's output format: the value `v`
+/// (exact) within the difference's guaranteed bound may reach the format's overflow threshold.
+pub(crate) fn check_output(d: &ElementDiff, v: f64, outputs: (Format, Format)) -> Result<()> {
+    let magnitude = v.abs() + d.guaranteed;
+    for f in [outputs.0, outputs.1] {
+        let limit = crate::bounds::reduction::overflow_threshold(f);
+        if magnitude >= limit {
+            return Err(crate::bounds::reduction::overflow_error(
+                f,
+                magnitude,
+                "an output element",
+            ));
+        }
+    }
+    Ok(())
+}
+/// The most multiply-adds (over classes of identical rows of A and columns of B) that
+/// [`Pricing::Auto`] and [`Pricing::Fast`] hand to the walk when the pass declines a
+/// probabilistic threshold (structured data): 2²⁵, about 20 s on one thread at the walk's
+/// 250 ns per multiply-add and side. Beyond it the pass's guaranteed threshold is returned
+/// (`Threshold::confidence` is then [`Confidence::Guaranteed`]): an op of 4096³ would take
+/// the walk about ten hours.
+pub const WALK_BUDGET: u128 = 1 << 25;
+
+/// The failure probability at which the engine's executions of the two declared orders test
+/// the model behind a probabilistic threshold (`checked_by_executions`).
+pub const MODEL_CHECK_DELTA: f64 = 1e-3;
+
+/// Whether an order is a family (its executions are not one order).
+fn is_family(order: &Order) -> bool {
+    match order {
+        Order::AnyOf(_) => true,
+        Order::SplitK { inner, .. } => is_family(inner),
+        _ => false,
+    }
+}
+
+/// A probabilistic threshold that the engine's own executions of the two declared orders
+/// (`executions`: both sides' outputs, or `None` where they cannot be run) check first. Under
+/// the random-rounding model their difference stays within the model's threshold at
+/// δ_s = min(δ, [`MODEL_CHECK_DELTA`]) but with probability δ_s; where it does not (the tensor
+/// norm or one element), these data are structured in a way the model does not capture —
+/// undetermined roundings that move together across elements, as near-constant products do —
+/// and the guaranteed threshold is returned instead, marked [`Confidence::Guaranteed`]. A
+/// threshold at δ therefore never falls below the difference of the declared executions, and
+/// on data the model fits it is the model's (a spurious fallback has probability δ_s).
+fn checked_by_executions(
+    confidence: Confidence,
+    build: &dyn Fn(Confidence) -> Threshold,
+    executions: &dyn Fn() -> Option<(Vec<f64>, Vec<f64>)>,
+) -> Threshold {
+    let Confidence::Probabilistic { delta } = confidence else {
+        return build(confidence);
+    };
+    let threshold = build(confidence);
+    let Some((r, c)) = executions() else {
+        return threshold;
+    };
+    if r.len() != c.len() || !r.iter().chain(&c).all(|v| v.is_finite()) {
+        return threshold;
+    }
+    let (mut sq, mut max) = (0.0f64, 0.0f64);
+    for (x, y) in r.iter().zip(&c) {
+        let d = (y - x).abs();
+        sq += d * d;
+        max = max.max(d);
+    }
+    let check = build(Confidence::Probabilistic {
+        delta: delta.min(MODEL_CHECK_DELTA),
+    });
+    if sq.sqrt() > check.abs_frobenius || max > check.per_element {
+        build(Confidence::Guaranteed)
+    } else {
+        threshold
+    }
+}
+
+/// How [`matmul_threshold_priced`] prices a matmul from its data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Pricing {
+    /// [`Pricing::Fast`] for products of at least 2²² multiply-adds, or 2²⁰ with at least
+    /// 4,096 outputs (for sums: summed values, rows); [`Pricing::Walk`] below, where the walk
+    /// takes at most a second or two.
+    #[default]
+    Auto,
+    /// Every rounding visited by the determined-rounding walk (papers/bounds-reductions.md
+    /// §2): the tightest threshold, at about 250 ns per multiply-add and side.
+    Walk,
+    /// The model's statistics gathered while a vectorized pass executes both declared orders
+    /// (papers/bounds-reductions.md §5.1), tens of times the cost of one GEMM (a hundred with
+    /// fewer than 4,096 outputs, and for sums): the roundings the walk determines carried
+    /// exactly as it carries them — with fewer than 4,096 outputs, and for sums, following
+    /// exact values and parities too (about 1.0× the walk's threshold on plain data; from
+    /// 4,096 outputs the grid rule alone, about 1.1×) — and the rest as random. Data whose
+    /// executions differ systematically from the model, products that could round below
+    /// FP32's normal range, and what the pass does not cover (FP8 rescales, rounded products,
+    /// narrow accumulators, tensor-core orders, families, Kahan), are priced by the walk —
+    /// structured data within [`WALK_BUDGET`], and by the pass's guaranteed threshold beyond.
+    Fast,
+}
+
+impl Pricing {
+    /// Whether the fast pass prices an op of `work` multiply-adds (summed values) into
+    /// `outputs` elements.
+    fn takes_fast(self, work: u128, outputs: usize) -> bool {
+        match self {
+            Pricing::Auto => work >= 1 << 22 || (work >= 1 << 20 && outputs >= 4096),
+            Pricing::Walk => false,
+            Pricing::Fast => true,
+        }
+    }
+}

@@ -1,0 +1,331 @@
+//! Checking two trace directories (`ttrace check REF_DIR CAND_DIR`): the candidate's shards are
+//! merged into logical tensors one at a time and compared with the reference's.
+//!
+//! Two passes. The first reads every traced id of both runs once (tensors are streamed: one
+//! tensor pair per worker in memory, kept in its stored format — an FP8 element is one byte —
+//! from the file through the merge to the comparison, which decodes a piece at a time) and
+//! keeps per-id statistics — norms of the reference and of
+//! the difference, the candidate's layout, the norm gain of norm inputs — and the verdict's
+//! error columns. The second prices each produced tensor's threshold without touching the
+//! files:
+//!
+//! 1. the reference manifest's `threshold` when the producer priced one (`ttrace simulate
+//!    --dump` records ttrace's composed thresholds there), unless [`PricingMode::Local`];
+//! 2. else the local model of [`crate::check::price`] from the manifest's metadata (module
+//!    kind and formats; the recipe) and the measured differences of the module's inputs — with
+//!    the generic gain allowance when the manifest gives no module kind;
+//! 3. else (an id outside the `{module}|…` naming convention, so its inputs are unknown)
+//!    Megatron's 4·1.03^(L+1)·ε·‖ref‖ with L the number of layers seen in the ids.
+//!
+//! The report says which rule priced each tensor. The manifest's order is taken as execution
+//! order; the first failing tensor names the module the failure is localized to (under the
+//! local model a tensor fails only when its own inputs do not explain its difference).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::check::price::{
+    gain_allowance, norm_gain_by, price_local, role, InputIndex, PriceContext, Pricing, TensorStat,
+};
+use crate::check::{
+    apply_threshold, compare_stored, detect::DEFAULT_DELTA, CheckReport, Detection, Localization,
+    TensorVerdict, NORM_SHARE,
+};
+use crate::engine::model::ModuleKind;
+use crate::engine::trace::{TensorId, TensorRole};
+use crate::error::{Error, Result};
+use crate::format::Format;
+use crate::io::guard::printable;
+use crate::io::stored::Window;
+use crate::io::{InferredLayout, TraceDir};
+use crate::policy::{Pass, Recipe};
+
+mod gather;
+mod verdicts;
+
+use gather::*;
+use verdicts::*;
+
+/// Which thresholds `ttrace check` uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PricingMode {
+    /// The producer's threshold where the reference manifest has one, else the local model.
+    #[default]
+    Auto,
+    /// The local model everywhere (ignore producers' thresholds).
+    Local,
+}
+
+/// The result of checking two trace directories.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DirCheck {
+    /// The verdicts.
+    pub report: CheckReport,
+    /// How each verdict's threshold was priced (same order as the verdicts).
+    pub pricing: Vec<Pricing>,
+    /// Tensors per pricing rule, with the rule in words.
+    pub pricing_summary: Vec<(Pricing, usize, String)>,
+    /// Ids whose threshold is a fallback (generic local model or Megatron's rule).
+    pub fallback: Vec<String>,
+    /// The first failure, localized.
+    pub localization: Option<Localization>,
+    /// Where code that no traced module covers made a tensor a traced module consumes, in
+    /// execution order: the gaps in what the trace sees.
+    pub untraced: Vec<UntracedGap>,
+    /// Layouts the candidate's writer could only guess (plain tensors of code it cannot see
+    /// into), as inferred from the shards' and the reference's shapes.
+    pub inferred: Vec<InferredLayout>,
+    /// The mode used.
+    pub mode: PricingMode,
+    /// The arithmetic settings the traces recorded and the checker priced (autocast, FP32
+    /// matmul and convolution precision), per run: (`reference` or `candidate`, the setting
+    /// as `name=value`, how many tensors carry it).
+    pub arithmetic: Vec<(String, String, usize)>,
+    /// How the candidate's data-parallel ranks normalized their loss, where its tracer did
+    /// not know and the checker settled it from the reference.
+    pub loss: Option<crate::check::LossNormalization>,
+}
+
+/// A tensor a traced module consumes that untraced code made (its reference content equals no
+/// earlier traced output): functional code, a module left out, autograd's gradient sums.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct UntracedGap {
+    /// The module whose traced output last precedes the tensor in its pass, if any.
+    pub after: Option<String>,
+    /// The module that consumes it.
+    pub before: String,
+    /// The consumed tensor's id.
+    pub tensor: String,
+}
+/// Check `candidate` against `reference` (see the module docs), one tensor at a time. Errors
+/// are unusable input (a tensor the candidate lacks, unreadable files, shards whose shapes do
+/// not fit their layout); replicas that disagree are a failing verdict naming the rank. `progress` is called once per traced id.
+pub fn check_dirs(
+    reference: &mut TraceDir,
+    candidate: &mut TraceDir,
+    mode: PricingMode,
+    progress: &dyn Fn(),
+) -> Result<DirCheck> {
+    let (mut resolved, inferred) = candidate.infer_guessed(reference)?;
+    let candidate = &mut resolved;
+    let loss = crate::check::loss::settle_dp_loss(reference, candidate)?;
+    let plan = plan(reference, candidate)?;
+    let mut out = Vec::with_capacity(plan.ids.len());
+    for id in &plan.ids {
+        out.push(gather(reference, candidate, id, &plan)?);
+        progress();
+    }
+    let (producer, kinds) = side_info(reference);
+    let check = DirCheck {
+        loss,
+        ..finish(
+            &plan,
+            out,
+            &producer,
+            candidate.manifest().mesh,
+            &kinds,
+            mode,
+            inferred,
+        )
+    };
+    Ok(unreduced_producer(candidate, check))
+}
+
+/// A first failure in a tensor consumed after module `m` (untraced code between), where `m`
+/// handed its output to plain code as a partial sum ([`ModuleInfo::unreduced`]
+/// (crate::io::ModuleInfo::unreduced)): the difference was born at `m`, whose missing
+/// reduction its own output — merged as the sum it is — cannot show. The localization names
+/// `m` and its output, and says why.
+fn unreduced_producer(candidate: &TraceDir, mut check: DirCheck) -> DirCheck {
+    let Some(loc) = check.localization.as_mut() else {
+        return check;
+    };
+    let (Some(after), Some(Pass::Forward)) = (loc.born_after.clone(), loc.pass) else {
+        return check;
+    };
+    let prefix = format!("{after}|fwd.output.");
+    let hit = candidate.manifest().tensors.iter().find_map(|e| {
+        let m = e.module.as_ref()?;
+        (e.id.starts_with(&prefix) && !m.unreduced.is_empty()).then_some((e, m))
+    });
+    if let Some((e, m)) = hit {
+        let axes: Vec<&str> = m.unreduced.iter().map(|a| a.name()).collect();
+        loc.detail = format!(
+            "module {} handed its output {} to plain code as a partial sum over {} (a DTensor \
+             Partial() made local without its reduction): a missing all-reduce, seen where the \
+             sum is used, in {}: {}",
+            printable(&after),
+            printable(&e.id),
+            axes.join(" and "),
+            printable(&loc.tensor),
+            loc.detail
+        );
+        loc.tensor = e.id.clone();
+        loc.kind = m.kind.or(loc.kind);
+        loc.module = after;
+        loc.born_after = None;
+        // Every rank skipped it: the consumer's differing replica names no culprit.
+        loc.rank = None;
+        loc.ratio = f64::INFINITY;
+    }
+    check
+}
+
+/// The trace directories to compare for `reference` and `candidate` as a user names them: the
+/// directories themselves when they hold a manifest, else the one traced step (`step{n}`, as
+/// the Python tracer writes them) both hold. Several common steps are refused with the list
+/// and the command to pick one; no manifest and no step is left to the reader's error.
+///
+/// # Examples
+///
+/// ```no_run
+/// let (r, c) = ttrace::check::resolve_steps("traces/reference".as_ref(), "traces/candidate".as_ref())?;
+/// # Ok::<(), ttrace::Error>(())
+/// ```
+///
+/// # Errors
+///
+/// [`Error::File`] naming the common steps when there are several, or the steps of each side
+/// when they have none in common.
+pub fn resolve_steps(reference: &Path, candidate: &Path) -> Result<(PathBuf, PathBuf)> {
+    let has_manifest = |d: &Path| {
+        d.join("manifest.json").exists()
+            || std::fs::read_dir(d).is_ok_and(|it| {
+                it.filter_map(|e| e.ok()).any(|e| {
+                    let n = e.file_name();
+                    let n = n.to_string_lossy();
+                    n.starts_with("manifest.rank") && n.ends_with(".json")
+                })
+            })
+    };
+    let steps = |d: &Path| -> Vec<(u64, String)> {
+        let mut v: Vec<(u64, String)> = std::fs::read_dir(d)
+            .map(|it| {
+                it.filter_map(|e| e.ok())
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                    .filter_map(|e| {
+                        let n = e.file_name().to_string_lossy().to_string();
+                        let k = n.strip_prefix("step")?.parse::<u64>().ok()?;
+                        has_manifest(&e.path()).then_some((k, n))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    };
+    if has_manifest(reference) || has_manifest(candidate) {
+        return Ok((reference.to_path_buf(), candidate.to_path_buf()));
+    }
+    let (rs, cs) = (steps(reference), steps(candidate));
+    if rs.is_empty() && cs.is_empty() {
+        return Ok((reference.to_path_buf(), candidate.to_path_buf()));
+    }
+    let common: Vec<&String> = rs
+        .iter()
+        .filter(|s| cs.contains(s))
+        .map(|(_, n)| n)
+        .collect();
+    let list = |v: &[(u64, String)]| {
+        v.iter()
+            .map(|(_, n)| n.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match common.as_slice() {
+        [one] => Ok((reference.join(one), candidate.join(one))),
+        [] => Err(Error::File {
+            path: reference.display().to_string(),
+            reason: format!(
+                "holds traced steps ({}) and the candidate {} ({}): none in common",
+                list(&rs),
+                candidate.display(),
+                list(&cs)
+            ),
+            io: None,
+        }),
+        many => Err(Error::File {
+            path: reference.display().to_string(),
+            reason: format!(
+                "holds {} traced steps ({}): name one, e.g. ttrace check {} {}",
+                many.len(),
+                many.iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                reference.join(many[0]).display(),
+                candidate.join(many[0]).display()
+            ),
+            io: None,
+        }),
+    }
+}
+
+/// [`check_dirs`] on directory paths, spread over the rayon thread pool: every worker reads a
+/// contiguous run of tensors through its own reader (sharing the validated headers); the verdicts come back in the
+/// reference's order, identical for any number of threads. Memory: one tensor pair per
+/// worker.
+pub fn check_dir_paths(
+    reference: &Path,
+    candidate: &Path,
+    mode: PricingMode,
+    progress: &(dyn Fn() + Sync),
+) -> Result<DirCheck> {
+    let (reference, candidate) = resolve_steps(reference, candidate)?;
+    check_dir_traces(
+        &TraceDir::open(&reference)?,
+        &TraceDir::open(&candidate)?,
+        mode,
+        progress,
+    )
+}
+
+/// [`check_dir_paths`] on traces already opened (their headers validated once; every worker
+/// reads through its own [`TraceDir::share`]).
+pub fn check_dir_traces(
+    r0: &TraceDir,
+    c0: &TraceDir,
+    mode: PricingMode,
+    progress: &(dyn Fn() + Sync),
+) -> Result<DirCheck> {
+    let (mut resolved, inferred) = c0.infer_guessed(r0)?;
+    let loss = crate::check::loss::settle_dp_loss(&mut r0.share(), &mut resolved)?;
+    let c0 = &resolved;
+    let plan = plan(r0, c0)?;
+    let (producer, kinds) = side_info(r0);
+    let mesh = c0.manifest().mesh;
+    let workers = crate::parallel::threads();
+    // One run of tensors per worker: each opens its handles once and reuses their read and
+    // value buffers for every tensor (smaller runs balanced load better but paid fresh pages
+    // for every run's first tensors).
+    let chunk = plan.ids.len().div_ceil(workers).max(1);
+    let parts: Vec<Vec<Gathered>> = crate::parallel::map_chunks(&plan.ids, chunk, |part| {
+        // Readers sharing the validated headers: memory for the metadata once.
+        let (mut r, mut c) = (r0.share(), c0.share());
+        part.iter()
+            .map(|id| {
+                let g = gather(&mut r, &mut c, id, &plan);
+                progress();
+                g
+            })
+            .collect::<Result<Vec<_>>>()
+    })
+    .into_iter()
+    .collect::<Result<_>>()?;
+    let check = DirCheck {
+        loss,
+        ..finish(
+            &plan,
+            parts.into_iter().flatten().collect(),
+            &producer,
+            mesh,
+            &kinds,
+            mode,
+            inferred,
+        )
+    };
+    Ok(unreduced_producer(c0, check))
+}
