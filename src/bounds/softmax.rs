@@ -367,9 +367,7 @@ pub fn softmax_threshold(
     let priced = crate::parallel::map(&indexed, |&(class, (r, count))| -> Result<Priced> {
         let mut groups: Vec<(ElementDiff, usize)> = Vec::new();
         let row = &xi.values()[r * n..(r + 1) * n];
-        let (den_r, den_c) = dens
-            .as_ref()
-            .map_or((None, None), |d| (Some(d[class].0), Some(d[class].1)));
+        let (den_r, den_c) = dens[class].map_or((None, None), |(r, c)| (Some(r), Some(c)));
         let sr = side_row(row, reference, ref_impl, den_r)?;
         let sc = match den_c {
             // Priced by the pass: the same numerators on both sides (`fast_denominators`).
@@ -480,12 +478,17 @@ pub fn softmax_threshold(
     Ok(sums.threshold(norm_sq.sqrt()))
 }
 
-/// The standard form's denominators of every class of rows priced at once by the fast path
+/// Elements whose numerators [`fast_denominators`] holds at once (8 bytes each, and about as
+/// much again in the pass's packed copy): larger tensors are priced in chunks of rows.
+const FAST_CHUNK: usize = 1 << 22;
+
+/// The standard form's denominators of the classes of rows priced by the fast path
 /// (papers/bounds-reductions.md §5.1), when both sides compute the same numerators (the
 /// standard form on both, the same accumulator) and sum them in FP32: per class, the
-/// reference's and the candidate's reduction errors. `None` — each row then priced by the
-/// walk — when the sides are not of that kind, when the fast path does not apply, or when the
-/// sums of these data fail its structure test.
+/// reference's and the candidate's reduction errors, or `None` for a class the walk prices —
+/// every class when the sides are not of that kind, the classes of a chunk of rows (at most
+/// [`FAST_CHUNK`] elements, or one row) when the fast path does not apply to them or their
+/// sums fail its structure test.
 fn fast_denominators(
     x: &Tensor,
     n: usize,
@@ -494,31 +497,95 @@ fn fast_denominators(
     candidate: &Policy,
     imps: (AttentionImpl, AttentionImpl),
     confidence: Confidence,
-) -> Result<Option<Vec<(ReductionError, ReductionError)>>> {
+) -> Result<Vec<Option<(ReductionError, ReductionError)>>> {
+    let sides = (reference, candidate);
+    fast_denominators_in(x, n, classes, sides, imps, confidence, FAST_CHUNK)
+}
+
+/// [`fast_denominators`] in chunks of at most `chunk` elements (or one row).
+fn fast_denominators_in(
+    x: &Tensor,
+    n: usize,
+    classes: &[(usize, usize)],
+    (reference, candidate): (&Policy, &Policy),
+    imps: (AttentionImpl, AttentionImpl),
+    confidence: Confidence,
+    chunk: usize,
+) -> Result<Vec<Option<(ReductionError, ReductionError)>>> {
+    let mut dens = vec![None; classes.len()];
     let standard = imps == (AttentionImpl::Standard, AttentionImpl::Standard);
-    if !standard || reference.same_execution(candidate) {
-        return Ok(None);
-    }
-    let mut terms = Vec::with_capacity(classes.len() * n);
-    for &(r, _) in classes {
-        let row = &x.values()[r * n..(r + 1) * n];
-        let m = row.iter().fold(f64::NEG_INFINITY, |x, &y| x.max(y));
-        let tr = computed_numerators(row, m, reference);
-        // The same accumulator (required) and overflow compute the same numerators.
-        let same = reference.accumulation.overflow == candidate.accumulation.overflow;
-        if !same && computed_numerators(row, m, candidate) != tr {
-            return Ok(None);
-        }
-        terms.extend(tr);
+    if !standard || reference.same_execution(candidate) || n == 0 {
+        return Ok(dens);
     }
     let probabilistic = matches!(confidence, Confidence::Probabilistic { .. });
-    crate::bounds::fast::sum_rows(
-        &terms,
-        n,
-        (
-            &denominator_accumulation(reference),
-            &denominator_accumulation(candidate),
-        ),
-        probabilistic,
-    )
+    let accs = (
+        &denominator_accumulation(reference),
+        &denominator_accumulation(candidate),
+    );
+    // The same accumulator (required) and overflow compute the same numerators.
+    let same = reference.accumulation.overflow == candidate.accumulation.overflow;
+    let per_chunk = (chunk / n).max(1);
+    'chunks: for (c, chunk) in classes.chunks(per_chunk).enumerate() {
+        let mut terms = Vec::with_capacity(chunk.len() * n);
+        for &(r, _) in chunk {
+            let row = &x.values()[r * n..(r + 1) * n];
+            let m = row.iter().fold(f64::NEG_INFINITY, |x, &y| x.max(y));
+            let tr = computed_numerators(row, m, reference);
+            if !same && computed_numerators(row, m, candidate) != tr {
+                continue 'chunks;
+            }
+            terms.extend(tr);
+        }
+        if let Some(priced) = crate::bounds::fast::sum_rows(&terms, n, accs, probabilistic)? {
+            for (slot, p) in dens[c * per_chunk..].iter_mut().zip(priced) {
+                *slot = Some(p);
+            }
+        }
+    }
+    Ok(dens)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::SplitMix64;
+
+    /// Each row's denominators are priced on their own, so a tensor priced in chunks of rows
+    /// gets, class by class, what it gets priced whole (the chunks' bookkeeping), on rows
+    /// where no chunk falls back to the walk; and every class is priced.
+    #[test]
+    fn denominators_priced_in_chunks_are_those_priced_whole() {
+        let (rows, n) = (23, 256);
+        let mut g = SplitMix64::for_name("softmax_chunks", 0);
+        let mut v: Vec<f64> = (0..rows * n)
+            .map(|_| Format::BF16.round(2.0 * g.normal(), Overflow::Saturating))
+            .collect();
+        // Two repeated rows: classes, not rows, are priced.
+        v.copy_within(0..n, 5 * n);
+        v.copy_within(n..2 * n, 17 * n);
+        let x = Tensor::from_vec(&[rows, n], v, Format::BF16).unwrap();
+        let (_, classes) = row_classes(x.values(), n);
+        assert_eq!(classes.len(), rows - 2);
+        let r = Policy::new(Format::BF16, Format::F32, Format::F32);
+        let c = r.clone().with_order(Order::Pairwise { base: 8 });
+        let std = (AttentionImpl::Standard, AttentionImpl::Standard);
+        let conf = Confidence::default_probabilistic();
+        let price = |chunk| fast_denominators_in(&x, n, &classes, (&r, &c), std, conf, chunk);
+        let whole = price(usize::MAX).unwrap();
+        assert!(whole.iter().all(Option::is_some));
+        for chunk in [1, n, 3 * n, 7 * n + 5] {
+            let parts = price(chunk).unwrap();
+            for (a, b) in whole.iter().zip(&parts) {
+                let (a, b) = (a.unwrap(), b.unwrap());
+                let bits = |e: ReductionError| {
+                    [e.guaranteed, e.mean, e.variance, e.tie_bound].map(f64::to_bits)
+                };
+                assert_eq!(
+                    (bits(a.0), bits(a.1)),
+                    (bits(b.0), bits(b.1)),
+                    "chunk {chunk}"
+                );
+            }
+        }
+    }
 }
