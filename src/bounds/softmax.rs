@@ -156,9 +156,14 @@ fn side_row(
         };
         let fb = (mb - m).exp();
         let mut block_e = Vec::with_capacity(chunk.len());
-        // The numerators as the side computes them (their own errors are the nᵢ above).
+        // The numerators as the side computes them (their own errors are the nᵢ above): the
+        // terms its sums add, unless the standard form's one sum is priced already.
         let ov = policy.accumulation.overflow;
-        let computed = computed_numerators(chunk, mb, policy);
+        let computed = if online || den.is_none() {
+            computed_numerators(chunk, mb, policy)
+        } else {
+            vec![]
+        };
         for (j, &x) in chunk.iter().enumerate() {
             let i = base + j;
             let dlocal = x - mb;
@@ -186,9 +191,6 @@ fn side_row(
             e[i] = el * fb;
             block_e.push(el);
         }
-        if !online {
-            standard_terms = computed.clone();
-        }
         if online {
             // The block sum in the side's order, then the product l_B·f_B (rounded) is added.
             let eb = reduction_error(&computed, &acc, false)?;
@@ -204,6 +206,8 @@ fn side_row(
             block_terms.push(lb * fb);
             let f_hat = a.round(a.add_rounded(mb, -m, ov).exp(), ov);
             computed_terms.push(a.round(crate::order::sum(&computed, &acc)? * f_hat, ov));
+        } else {
+            standard_terms = computed;
         }
     }
     let s: f64 = e.iter().sum();
