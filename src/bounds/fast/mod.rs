@@ -9,8 +9,8 @@
 //!   ((1 + 2⁻²⁴)^(k+2)) and its underflow (2⁻¹⁴⁹ per term).
 //! * **Probabilistic**: the walk's split, on the values the two declared executions actually
 //!   compute ([`kernel`]). The roundings the walk determines are determined here too, their
-//!   errors summed exactly into the offset (for products exact in `f32`, inputs of at most 12
-//!   significant bits): those of exact operands (every rounding behind them exact); a product
+//!   errors summed exactly into the offset (for products exact in `f32`: inputs of at most 12
+//!   significant bits, or A all zeros and powers of two, as a sum's ones): those of exact operands (every rounding behind them exact); a product
 //!   added to a running value that lies on the result's grid (known from the grids the model
 //!   tracks: a product's lowest bit, a rounded value's spacing, an exact sum's common grid),
 //!   which errs by RN_U(t) − t whatever that value is, ties included when the value's parity
@@ -116,7 +116,7 @@ pub(crate) fn matmul_threshold_fast(
         Epilogue::Mean(_) => None,
     };
     let probabilistic = matches!(confidence, Confidence::Probabilistic { .. });
-    let Some(reduced) = reduce(a, b, bias, (m, k, n), (r.acc, c.acc), probabilistic)? else {
+    let Some((reduced, _)) = reduce(a, b, bias, (m, k, n), (r.acc, c.acc), probabilistic)? else {
         return Ok(None);
     };
     let mut sums = ThresholdSums::new(confidence, m * n);
@@ -170,7 +170,7 @@ pub(crate) fn sum_rows(
         ..acc.clone()
     };
     let (r, c) = (exact(r), exact(c));
-    let Some(reduced) = reduce(
+    let Some((reduced, class)) = reduce(
         &vec![1.0; k],
         Right::Columns(terms),
         None,
@@ -181,7 +181,6 @@ pub(crate) fn sum_rows(
     else {
         return Ok(None);
     };
-    let (class, _) = row_classes(&terms[..rows * k], k);
     let mut by_class = vec![None; rows];
     for x in reduced {
         by_class[class[x.column]] = Some((x.er, x.ec));
@@ -205,7 +204,8 @@ struct Reduced {
 /// The fast model of C = A·B under two accumulations, one entry per pair of classes of
 /// identical rows of A and identical columns of B (with their bias): both executions run by
 /// the kernel, their statistics, and the structure test (per element and for the tensor)
-/// when `probabilistic`. `None` when the fast path does not apply or the test fails.
+/// when `probabilistic`; with each column's class. `None` when the fast path does not apply
+/// or the test fails.
 #[allow(clippy::needless_range_loop)]
 fn reduce(
     a: &[f64],
@@ -214,7 +214,7 @@ fn reduce(
     (m, k, n): (usize, usize, usize),
     (r, c): (&Accumulation, &Accumulation),
     probabilistic: bool,
-) -> Result<Option<Vec<Reduced>>> {
+) -> Result<Option<(Vec<Reduced>, Vec<usize>)>> {
     if m == 0 || n == 0 || k == 0 || k > 1 << 24 {
         return Ok(None);
     }
@@ -266,7 +266,7 @@ fn reduce(
     let z2 = 2.0 * (2.0 * n_el as f64 / STRUCTURE_DELTA).ln();
     // Identical rows of A and identical columns of B (with their bias) give identical
     // differences: one component per pair of classes, as the walk prices them.
-    let (rows, cols) = classes(a, b, bias, m, k, n);
+    let (rows, (column_class, cols)) = classes(a, b, bias, m, k, n);
     let mut reduced = Vec::with_capacity(rows.len() * cols.len());
     for &(i, count_i) in &rows {
         for &(j, count_j) in &cols {
@@ -343,14 +343,14 @@ fn reduce(
     if probabilistic && sum_d2 > sum_h + 2.0 * (t_s * sum_h2).sqrt() + 2.0 * t_s * max_h {
         return Ok(None);
     }
-    Ok(Some(reduced))
+    Ok(Some((reduced, column_class)))
 }
 
 /// Classes of identical lines: (first member, size) each.
 type Classes = Vec<(usize, usize)>;
 
 /// Classes of identical rows of A and of identical columns of B (each with its bias value):
-/// (first member, size) per class.
+/// (first member, size) per class, and each column's class.
 fn classes(
     a: &[f64],
     b: Right,
@@ -358,11 +358,11 @@ fn classes(
     m: usize,
     k: usize,
     n: usize,
-) -> (Classes, Classes) {
+) -> (Classes, (Vec<usize>, Classes)) {
     let (_, rows) = row_classes(&a[..m * k], k);
     if let (Right::Columns(x), None) = (b, bias) {
         // B's columns are stored as rows already.
-        return (rows, row_classes(&x[..n * k], k).1);
+        return (rows, row_classes(&x[..n * k], k));
     }
     let width = k + usize::from(bias.is_some());
     let mut cols_key = Vec::with_capacity(n * width);
@@ -372,8 +372,7 @@ fn classes(
             cols_key.push(bias[j]);
         }
     }
-    let (_, cols) = row_classes(&cols_key, width);
-    (rows, cols)
+    (rows, row_classes(&cols_key, width))
 }
 
 #[cfg(test)]

@@ -30,7 +30,7 @@ pub(super) fn pack(
     let mut la = Vec::with_capacity(m * k);
     let mut aw = Vec::with_capacity(m * k);
     for row in a[..m * k].chunks_exact(k) {
-        let e = Extent::of_slice(row).exponent()?;
+        let e = Extent::of(row.iter().copied()).exponent()?;
         let s = 2f64.powi(e);
         let mut low = u64::MAX;
         for (&x, &wp) in row.iter().zip(w) {
@@ -49,7 +49,7 @@ pub(super) fn pack(
     let col_exp: Vec<i32> = match b {
         Right::Columns(x) => x[..n * k]
             .chunks_exact(k)
-            .map(|col| Extent::of_slice(col).exponent())
+            .map(|col| Extent::of(col.iter().copied()).exponent())
             .collect::<Option<_>>()?,
         Right::Rows(x) => {
             let mut cols = vec![Extent::default(); n];
@@ -142,23 +142,6 @@ impl Extent {
     fn of(values: impl Iterator<Item = f64>) -> Extent {
         let mut e = Extent::default();
         values.for_each(|x| e.add(x));
-        e
-    }
-
-    /// [`of`](Self::of) a slice, in four independent chains.
-    fn of_slice(values: &[f64]) -> Extent {
-        let mut lanes = [Extent::default(); 4];
-        let mut quads = values.chunks_exact(4);
-        for q in &mut quads {
-            for (e, &x) in lanes.iter_mut().zip(q) {
-                e.add(x);
-            }
-        }
-        let mut e = Extent::of(quads.remainder().iter().copied());
-        for l in lanes {
-            e.max = e.max.max(l.max);
-            e.least = e.least.min(l.least);
-        }
         e
     }
 
@@ -271,11 +254,6 @@ mod tests {
                 .collect();
             assert_eq!(
                 Extent::of(row.iter().copied()).exponent(),
-                exponent_oracle(&row),
-                "case {case}: {row:?}"
-            );
-            assert_eq!(
-                Extent::of_slice(&row).exponent(),
                 exponent_oracle(&row),
                 "case {case}: {row:?}"
             );
