@@ -309,6 +309,50 @@ fn the_guaranteed_bound_holds_on_adversarial_sums() {
     assert!((exact - precise).abs() / exact < 1e-6, "{precise} {exact}");
 }
 
+/// An accumulator of very few bits over many blocks: the step-by-step bound alone grows by
+/// (1 + 2^(1−P)) per block and would pass the format's range long before the sum does
+/// (CI found 300 F16 products, P = 3, block 1, refused as an overflow). The bound holds
+/// against the exact sum, no overflow is claimed for a sum far from the range, and when
+/// truncating the bound stays within what magnitudes allow (|c − S| ≤ |c| + |S| ≤ 2Σ|t|).
+#[test]
+fn a_narrow_accumulator_over_many_blocks_is_priced() {
+    let f16 = |v: f64| Format::F16.round(v, Overflow::Saturating);
+    let x: Vec<f64> = (0..300)
+        .map(|i| f16(((i * 37 % 101) as f64 - 50.0) * 13.25 + 0.5))
+        .collect();
+    let y: Vec<f64> = (0..300)
+        .map(|i| f16(((i * 53 % 89) as f64 - 44.0) * 7.125 - 0.25))
+        .collect();
+    let terms: Vec<f64> = x.iter().zip(&y).map(|(a, b)| a * b).collect();
+    let abs: f64 = terms.iter().map(|t| t.abs()).sum();
+    let exact: f64 = common::exact(&terms).round(spec("f64"), false);
+    for rounding in [AccRounding::Truncate, AccRounding::Nearest] {
+        for block in [1, 2, 7] {
+            let tc = TensorCoreSum {
+                block,
+                align_bits: 3,
+                acc_bits: 3,
+                rounding,
+                promote: None,
+            };
+            let acc = Accumulation::new(Format::F16, Format::F32, Order::TensorCore(tc));
+            let e = reduction_error(&terms, &acc, true).unwrap();
+            let got = dot(&x, &y, &acc).unwrap();
+            assert_eq!(got, reference_tc(&x, &y, &tc), "{tc:?}");
+            assert!((got - exact).abs() <= e.guaranteed, "{tc:?}");
+            // Truncation never grows |c| beyond Σ|t|; rounding to nearest may (by 2^−P per
+            // block at worst), so there only validity and the absence of a false overflow.
+            if rounding == AccRounding::Truncate {
+                assert!(
+                    e.guaranteed <= 2.0 * abs,
+                    "{tc:?}: {:e} vs Σ|t| {abs:e}",
+                    e.guaranteed
+                );
+            }
+        }
+    }
+}
+
 /// The text forms read back, presets expand to what they name, and bad text is refused with
 /// the reason.
 #[test]

@@ -20,7 +20,13 @@
 //!   `acc_bits` bits when |T| < 2^acc_bits·q_, else loses less than 2^(1 − acc_bits)·|T|
 //!   truncating (half that rounding to nearest), plus the accumulator's smallest spacing;
 //! * promotion and split combinations round to nearest in their format: u·|value| each, the
-//!   value bounded by the exact partial sums plus the errors so far (Higham 2002, Thm 2.2).
+//!   value bounded by the exact partial sums plus the errors so far (Higham 2002, Thm 2.2);
+//! * independently of G, |c| ≤ M with M' = |T|max·(1 + r) + r_, |T|max ≤ M + Σ|tᵢ| of the
+//!   block (truncation toward zero never grows a magnitude: r = r_ = 0; to nearest r = 2^−P
+//!   and r_ half the smallest spacing). G is capped at M + |S| (|c − S| ≤ |c| + |S|), and the
+//!   range check uses the smaller bound on |T|: with few accumulator bits the step-by-step
+//!   bound grows by (1 + 2^(1−P)) per block and would otherwise report an overflow the sum
+//!   cannot reach.
 
 use crate::bounds::reduction::walk::two_sum;
 use crate::bounds::reduction::{
@@ -195,13 +201,20 @@ fn run_bound(
         crate::order::AccRounding::Nearest => crate::format::pow2(-p),
     };
     let spacing = f.min_subnormal();
+    // How much larger than |T| the accumulator can be after rounding T (module docs).
+    let (grow, grow_floor) = match tc.rounding {
+        crate::order::AccRounding::Truncate => (0.0, 0.0),
+        crate::order::AccRounding::Nearest => (crate::format::pow2(-p), spacing / 2.0),
+    };
     let mut s = (0.0f64, 0.0f64);
     let mut g = 0.0f64;
+    // A bound on |c| from magnitudes alone, independent of g.
+    let mut m = 0.0f64;
     let mut processed = 0usize;
     for (ts, es) in terms.chunks(tc.block).zip(exps.chunks(tc.block)) {
         let a_blk = es.iter().copied().fold(None, max_opt);
         let s_abs = (s.0 + s.1).abs();
-        let (c_hi, c_lo) = (s_abs + g, s_abs - g);
+        let (c_hi, c_lo) = ((s_abs + g).min(m), s_abs - g);
         let e_hi = max_opt(a_blk, exponent(c_hi));
         let Some(e_hi) = e_hi else {
             // No addend and a zero accumulator: nothing happens.
@@ -223,14 +236,18 @@ fn run_bound(
         };
         let block = exact_sum(ts);
         let next = add_pair(s, block);
-        let t_max = (next.0 + next.1).abs() + g + lost + c_err;
+        let abs: f64 =
+            ts.iter().map(|t| t.abs()).sum::<f64>() * (1.0 + ts.len() as f64 * f64::EPSILON);
+        let t_max = ((next.0 + next.1).abs() + g + lost + c_err).min(m + abs);
         check_range(f, t_max)?;
         let e_lo = max_opt(a_blk, exponent(c_lo));
         let q_lo = e_lo.map_or(spacing, |e| tc.quantum(e));
         let fits = t_max < q_lo * crate::format::pow2(p);
         let final_err = if fits { 0.0 } else { eps * t_max } + spacing;
-        g += lost + c_err + final_err;
+        m = (t_max * (1.0 + grow) + grow_floor) * (1.0 + 2.0 * f64::EPSILON);
         s = next;
+        // |c − S| ≤ |c| + |S|: the step-by-step bound never exceeds what magnitudes allow.
+        g = (g + lost + c_err + final_err).min(m + (s.0 + s.1).abs() * (1.0 + f64::EPSILON));
         processed += 1;
     }
     // Every step's bound was summed in f64 (one rounding each).
