@@ -210,8 +210,9 @@ impl Format {
         let bad = || Error::InvalidParameter {
             name: "number",
             reason: format!(
-                "{} is not a decimal number",
-                crate::io::guard::escape(&shown.chars().take(80).collect::<String>())
+                // Quoted and escaped as `io::guard::escape` does.
+                "{:?} is not a decimal number",
+                shown.chars().take(80).collect::<String>()
             ),
         };
         let canon = canonical(shown);

@@ -133,6 +133,7 @@ pub(crate) mod error;
 pub(crate) mod exact;
 pub(crate) mod format;
 pub mod io;
+mod limits;
 pub(crate) mod order;
 mod parallel;
 pub(crate) mod policy;

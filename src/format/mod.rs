@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 
 mod bulk;
+pub(crate) mod codec;
 use bulk::{bulk_16bit, round_slice_const};
 
 /// A binary floating-point format whose values are all exactly representable in `f64`.

@@ -12,8 +12,8 @@ use std::io::Read;
 use std::path::Path;
 
 use crate::error::{Error, Result};
+use crate::format::codec::{element_size, encode_values};
 use crate::format::Format;
-use crate::io::safetensors::{element_size, encode_values};
 use crate::io::stored::Stored;
 use crate::tensor::Tensor;
 

@@ -6,9 +6,9 @@
 #[cfg(test)]
 use crate::error::Error;
 use crate::error::Result;
+use crate::format::codec::encode_values;
+use crate::format::codec::{decode_values_into, element_size};
 use crate::format::Format;
-use crate::io::safetensors::encode_values;
-use crate::io::safetensors::{decode_values_into, element_size};
 use crate::tensor::{element_count, Tensor};
 
 /// A tensor as stored: format, shape and the elements' little-endian bit patterns

@@ -3,8 +3,8 @@
 //! reductions.
 
 use crate::error::{Error, Result};
+use crate::format::codec::{decode_values_into, element_size};
 use crate::format::Format;
-use crate::io::safetensors::{decode_values_into, element_size};
 use crate::io::summary::{Summary, MAX_K};
 
 /// Elements per chunk: the unit of the summation order (8 lanes each, folded in order).

@@ -608,7 +608,7 @@ fn validate_order(order: &Order) -> Result<()> {
             ..
         } => {
             positive("parts", *parts)?;
-            let most = crate::io::guard::limits::SPLIT_PARTS;
+            let most = crate::limits::SPLIT_PARTS;
             if *parts > most {
                 return Err(Error::InvalidParameter {
                     name: "parts",

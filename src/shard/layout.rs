@@ -91,7 +91,7 @@ impl Axis {
 
 /// The largest mesh accepted (2^20 ranks): far beyond any training run, small enough that
 /// rank arithmetic cannot overflow.
-pub const MAX_WORLD: usize = crate::io::guard::limits::RANKS;
+pub const MAX_WORLD: usize = crate::limits::RANKS;
 
 impl Mesh {
     /// A mesh, checking that every size is at least 1 and the world at most 2^20 ranks ([`limits::RANKS`](crate::io::limits::RANKS)).
@@ -247,7 +247,7 @@ impl Layout {
 /// dimension. Checked on every axis, an axis of size 1 too (it cuts nothing, but a placement
 /// no mesh could use is a broken writer's).
 pub(crate) fn layout_problem(layout: &Layout) -> Option<(Axis, String)> {
-    use crate::io::limits;
+    use crate::limits;
     Axis::ALL.into_iter().find_map(|axis| {
         let bad = match layout.along(axis) {
             Placement::Split { dim, groups } => {

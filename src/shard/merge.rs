@@ -7,8 +7,8 @@ use std::borrow::Cow;
 
 use crate::error::{Error, Result};
 use crate::exact::ExactAccumulator;
+use crate::format::codec::encode_values;
 use crate::format::{Format, Overflow};
-use crate::io::safetensors::encode_values;
 use crate::io::stored::Stored;
 use crate::shard::layout::{
     check_dim, dim_of, layout_err, part_ranges, Axis, Coords, Layout, Mesh, Placement,
