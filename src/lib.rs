@@ -137,6 +137,7 @@ mod limits;
 pub(crate) mod order;
 mod parallel;
 pub(crate) mod policy;
+pub(crate) mod random;
 pub mod shard;
 pub(crate) mod tensor;
 pub mod validate;

@@ -435,7 +435,7 @@ mod pass_tests {
         {
             let f = [Format::F64, Format::F32, Format::F16, Format::BF16, Format::E4M3,
                 Format::E5M2][pick];
-            let mut g = crate::engine::init::SplitMix64::for_name("stored-compare", seed);
+            let mut g = crate::random::SplitMix64::for_name("stored-compare", seed);
             let w = crate::io::safetensors::element_size(f);
             let rb: Vec<u8> = (0..n * w).map(|_| g.next_u64() as u8).collect();
             let mut cb = rb.clone();

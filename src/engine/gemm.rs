@@ -435,7 +435,7 @@ mod tests {
     use super::*;
 
     fn values(len: usize, seed: u64) -> Vec<f32> {
-        let mut g = crate::engine::init::SplitMix64::for_name("gemm", seed);
+        let mut g = crate::random::SplitMix64::for_name("gemm", seed);
         (0..len)
             .map(|_| {
                 let x = (2.0 * g.uniform() - 1.0) as f32;

@@ -9,15 +9,14 @@
 
 pub(crate) mod attention;
 pub(crate) mod gemm;
-pub(crate) mod init;
 mod lanes32;
 pub(crate) mod matmul;
 pub(crate) mod model;
 pub(crate) mod nn;
 pub(crate) mod trace;
 
+pub use crate::random::{fnv1a64, normal_values, uniform_ints, SplitMix64};
 pub use attention::{attention, attention_backward, AttentionSaved};
-pub use init::{fnv1a64, normal_values, uniform_ints, SplitMix64};
 pub use matmul::{
     column_sums, linear, linear_backward, linear_scaled, matmul, matmul_scaled, transpose,
 };

@@ -17,7 +17,6 @@ use std::collections::{BTreeMap, HashMap};
 use serde::{Deserialize, Serialize};
 
 use crate::engine::attention::{attention, attention_backward, AttentionSaved};
-use crate::engine::init::{normal_values, uniform_ints};
 use crate::engine::matmul::{column_sums, matmul_scaled, transpose};
 use crate::engine::nn::{
     self, cross_entropy, cross_entropy_backward, embedding, embedding_backward, gelu,
@@ -29,6 +28,7 @@ use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::policy::{delayed_scale, per_tensor_scale, OpClass, Pass, Policy, Recipe, Scaling};
 use crate::policy::{AttentionImpl, Variance};
+use crate::random::{normal_values, uniform_ints};
 use crate::tensor::Tensor;
 
 /// Which normalization the blocks use.

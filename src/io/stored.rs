@@ -241,7 +241,7 @@ mod tests {
     #[test]
     fn windowed_rows_give_the_norm_gain_of_the_values() {
         use crate::check::price::{norm_gain, norm_gain_by};
-        let mut g = crate::engine::init::SplitMix64::for_name("window", 1);
+        let mut g = crate::random::SplitMix64::for_name("window", 1);
         for (row, rows) in [
             (2, 5000),
             (3, 9000),

@@ -463,11 +463,7 @@ mod tests {
         assert_eq!(s[1].values(), &[1.0, 3.0, 5.0]);
     }
 
-    fn random_stored(
-        shape: &[usize],
-        f: Format,
-        g: &mut crate::engine::init::SplitMix64,
-    ) -> Stored {
+    fn random_stored(shape: &[usize], f: Format, g: &mut crate::random::SplitMix64) -> Stored {
         let n: usize = shape.iter().product();
         let bytes = (0..n * f.bit_width().div_ceil(8) as usize)
             .map(|_| g.next_u64() as u8)
@@ -481,7 +477,7 @@ mod tests {
     /// arbitrary patterns, NaN and infinities included; replicas that differ).
     #[test]
     fn stored_merge_is_the_value_merge() {
-        use crate::engine::init::SplitMix64;
+        use crate::random::SplitMix64;
         let mesh = Mesh::new(2, 2, 2, false).unwrap();
         let placements = [
             Placement::Replicate,

@@ -42,12 +42,12 @@ use serde::Serialize;
 use statrs::distribution::{ChiSquared, ContinuousCDF};
 
 use crate::check::NORM_SHARE;
-use crate::engine::init::SplitMix64;
 use crate::engine::model::Gpt;
 use crate::engine::trace::Trace;
 use crate::engine::trace::{TensorId, TensorRole};
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
+use crate::random::SplitMix64;
 use crate::tensor::Tensor;
 use crate::validate::fresh::FreshSites;
 

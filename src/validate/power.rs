@@ -20,8 +20,8 @@
 use serde::Serialize;
 
 use crate::check::Detection;
-use crate::engine::init::SplitMix64;
 use crate::format::{Format, Overflow};
+use crate::random::SplitMix64;
 use crate::tensor::Tensor;
 use crate::validate::sensitivity::{sensitivity, Perturbation, RuleFigures, Subject};
 

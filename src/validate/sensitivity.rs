@@ -38,8 +38,8 @@ use serde::Serialize;
 use crate::bounds::baselines::{megatron_ttrace, torch_assert_close};
 use crate::check::detect::detect;
 use crate::check::{detection_for, Detection};
-use crate::engine::init::SplitMix64;
 use crate::format::Format;
+use crate::random::SplitMix64;
 use crate::tensor::Tensor;
 use crate::validate::compose::OffsetBounds;
 

@@ -388,7 +388,7 @@ mod tests {
     }
 
     fn values(shape: &[usize], seed: u64, mean: f64, f: Format) -> Tensor {
-        let mut g = crate::engine::init::SplitMix64::for_name("fast", seed);
+        let mut g = crate::random::SplitMix64::for_name("fast", seed);
         let n: usize = shape.iter().product();
         let v = (0..n)
             .map(|_| mean + (g.uniform() - 0.5) * 2.0 * (1.0 + 3.0 * g.uniform()))

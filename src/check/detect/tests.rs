@@ -3,8 +3,8 @@
 #![cfg(test)]
 
 use super::*;
-use crate::engine::init::SplitMix64;
 use crate::format::Overflow;
+use crate::random::SplitMix64;
 
 const EPS: f64 = 1.0 / 128.0;
 

@@ -8,6 +8,9 @@
 //! times 2^-53; a "normal" value is the Irwin–Hall sum of 12 uniforms minus 6 (mean 0,
 //! variance 1, support [−6, 6]), which uses only IEEE additions and is therefore bit-exact on
 //! every platform.
+//!
+//! Published as [`ttrace::engine`](crate::engine)'s generators; it sits on the bottom floor
+//! because the checker's sampled comparisons use the same stream.
 
 /// FNV-1a, 64-bit.
 pub fn fnv1a64(name: &str) -> u64 {
