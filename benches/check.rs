@@ -21,9 +21,9 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use ttrace::bounds::{plan_matmul, Confidence, MatmulPlan, TermStats};
 use ttrace::check::{check_dir_paths, compare_tensor, compare_tensor_with, Detection, PricingMode};
 use ttrace::check::{price_local, InputIndex, PriceContext, TensorStat};
-use ttrace::engine::ModuleKind;
 use ttrace::io::{write_trace_dir, ModuleInfo};
-use ttrace::shard::{Layout, Mesh, Placement};
+use ttrace::trace::ModuleKind;
+use ttrace::trace::{Layout, Mesh, Placement};
 use ttrace::{Format, Overflow};
 use ttrace::{Policy, Tensor};
 
@@ -202,7 +202,7 @@ fn write_trace(dir: &Path) -> u64 {
         for (role, v) in [("fwd.input.0", &x), ("fwd.output.0", &y)] {
             let id = format!("m{m}|{role}");
             let t = Tensor::from_vec(&[1024, n / 1024], v.clone(), Format::BF16).unwrap();
-            let shards = ttrace::shard::shard(&t, &split, &mesh2, &id).unwrap();
+            let shards = ttrace::trace::shard(&t, &split, &mesh2, &id).unwrap();
             modules.insert(id.clone(), ModuleKind::Activation);
             re.push((id.clone(), Layout::replicated(), vec![t]));
             ce.push((id, split, shards));
@@ -259,7 +259,7 @@ fn write_many(dir: &Path, count: usize) {
         for role in ["fwd.input.0", "fwd.output.0"] {
             let id = format!("layers.{}.m{}|{role}", m / 8, m % 8);
             let t = Tensor::from_vec(&[8, 8], x.clone(), Format::BF16).unwrap();
-            let shards = ttrace::shard::shard(&t, &split, &mesh2, &id).unwrap();
+            let shards = ttrace::trace::shard(&t, &split, &mesh2, &id).unwrap();
             modules.insert(id.clone(), ModuleKind::Linear);
             re.push((id.clone(), Layout::replicated(), vec![t]));
             ce.push((id, split, shards));

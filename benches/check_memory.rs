@@ -21,7 +21,7 @@ use std::process::Command;
 
 use ttrace::engine::SplitMix64;
 use ttrace::io::write_trace_dir;
-use ttrace::shard::{shard, Layout, Mesh, Placement};
+use ttrace::trace::{shard, Layout, Mesh, Placement};
 use ttrace::Tensor;
 use ttrace::{Format, Overflow};
 

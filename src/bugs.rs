@@ -6,9 +6,9 @@
 
 use serde::Serialize;
 
-use crate::engine::model::ModuleKind;
 use crate::error::{Error, Result};
 use crate::policy::Pass;
+use crate::trace::ModuleKind;
 
 /// An injectable bug (serialized as its catalog name).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -16,13 +16,14 @@
 //! * [`ExactAccumulator`], [`exact_sum`], [`exact_dot`]: exact arithmetic for oracles.
 //! * [`engine`]: tensors of exact emulated values, ops forward and backward under an arithmetic
 //!   [`Policy`] (which embeds the same [`Accumulation`]), a tiny GPT
-//!   ([`engine::Gpt`]) whose training step records a [`engine::Trace`] of every intermediate
+//!   ([`engine::Gpt`]) whose training step records a [`trace::Trace`] of every intermediate
 //!   tensor under canonical ids, and replay of any module on substituted inputs.
+//! * [`trace`]: what a trace is — canonical tensor ids, module kinds, the device mesh and
+//!   tensor layouts (TP, SP, CP, DP), cutting a tensor into shards and the canonical merge.
 //! * [`bounds`]: comparison thresholds (guaranteed and probabilistic) for "reference order vs
 //!   candidate order" of reductions, matmuls, softmax, norms and elementwise ops.
-//! * [`shard`]: a device mesh (TP, SP, CP, DP), tensor layouts and the canonical merge,
-//!   collectives with explicit order and format, ring attention, and the tiny GPT executed the
-//!   Megatron-LM way ([`shard::ShardedGpt`]), bit-identical to the reference on one device.
+//! * [`shard`]: collectives with explicit order and format, ring attention, and the tiny GPT
+//!   executed on a [`trace::Mesh`] the Megatron-LM way ([`shard::ShardedGpt`]), bit-identical to the reference on one device.
 //! * [`validate`]: where a sharded run's arithmetic differs from the reference's, end-to-end
 //!   thresholds by difference simulation, TTrace's perturbation estimate, sensitivity, and the
 //!   sweep that `ttrace validate` runs.
@@ -93,7 +94,8 @@
 //! ```
 //! use ttrace::engine::{AttentionImpl, Gpt, GptConfig};
 //! use ttrace::{Recipe};
-//! use ttrace::shard::{Algorithm, Mesh, ShardedGpt};
+//! use ttrace::shard::{Algorithm, ShardedGpt};
+//! use ttrace::trace::Mesh;
 //!
 //! # fn main() -> ttrace::Result<()> {
 //! let config = GptConfig { layers: 1, hidden: 16, heads: 2, seq: 8, batch: 2, vocab: 16,
@@ -140,6 +142,7 @@ pub(crate) mod policy;
 pub(crate) mod random;
 pub mod shard;
 pub(crate) mod tensor;
+pub mod trace;
 pub mod validate;
 
 pub use error::{Error, IoError, Result};

@@ -150,7 +150,7 @@ impl Tensor {
     }
 
     /// Take the elements out, in row-major order (the buffer can be reused, e.g. in the spare
-    /// pool of [`merge_reusing`](crate::shard::merge_reusing)).
+    /// pool of [`merge_reusing`](crate::trace::merge_reusing)).
     pub fn into_values(self) -> Vec<f64> {
         self.values
     }

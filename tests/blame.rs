@@ -1,5 +1,5 @@
 //! A failing tensor whose difference lies in one rank's shard names that rank. Oracle: the
-//! candidate's shards are cut from the reference (`ttrace::shard::shard`) and one chosen
+//! candidate's shards are cut from the reference (`ttrace::trace::shard`) and one chosen
 //! shard is corrupted by hand.
 
 use std::collections::HashMap;
@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use ttrace::check::{check_dir_paths, PricingMode};
 use ttrace::io::write_trace_dir;
-use ttrace::shard::{Layout, Mesh, Placement};
+use ttrace::trace::{Layout, Mesh, Placement};
 use ttrace::{Format, Tensor};
 
 const ID: &str = "m|fwd.output.0";
@@ -27,7 +27,7 @@ fn check(dir: &Path, mesh: Mesh, bad: &[usize], factor: f64) -> (Option<usize>, 
     let x = reference();
     let mut layout = Layout::replicated();
     layout.tp = Placement::split(1);
-    let mut shards = ttrace::shard::shard(&x, &layout, &mesh, ID).unwrap();
+    let mut shards = ttrace::trace::shard(&x, &layout, &mesh, ID).unwrap();
     for &r in bad {
         let v = shards[r]
             .values()

@@ -3,7 +3,8 @@
 //! without the bug raise no alarm (end-to-end or localizer).
 
 use ttrace::bugs::Bug;
-use ttrace::shard::{Algorithm, Mesh};
+use ttrace::shard::Algorithm;
+use ttrace::trace::Mesh;
 use ttrace::validate::{run_sweep, SweepOptions};
 
 #[test]

@@ -388,7 +388,7 @@ fn recipe_names_read_back() {
 /// pass and role agree with the naming convention.
 #[test]
 fn traced_ids_read_back_through_tensor_id() {
-    use ttrace::engine::{TensorId, TensorRole};
+    use ttrace::trace::{TensorId, TensorRole};
     let step = Gpt::new(GptConfig::default(), Recipe::bf16())
         .unwrap()
         .step()

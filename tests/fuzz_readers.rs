@@ -31,7 +31,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use ttrace::check::{check_dirs, PricingMode};
 use ttrace::io::{npy, safetensors, write_trace_dir, TraceDir};
-use ttrace::shard::{Layout, Mesh, Placement};
+use ttrace::trace::{Layout, Mesh, Placement};
 use ttrace::Format;
 use ttrace::Tensor;
 
@@ -130,13 +130,13 @@ fn trace_seed(dir: &Path) -> (PathBuf, PathBuf) {
     split.tp = Placement::split(1);
     let x = tensor(&[4, 6], Format::BF16, 10);
     let y = tensor(&[4, 6], Format::BF16, 11);
-    let shards = ttrace::shard::shard(&x, &split, &tp2, "m0|fwd.output.0").unwrap();
+    let shards = ttrace::trace::shard(&x, &split, &tp2, "m0|fwd.output.0").unwrap();
     // An FP8 tensor whose candidate is a partial sum (summed a block at a time from the
     // files), and a consumed tensor equal to a produced one (judged against it).
     let mut partial = Layout::replicated();
     partial.tp = Placement::Partial;
     let z = tensor(&[3, 5], Format::E4M3, 12);
-    let addends = ttrace::shard::shard(&z, &partial, &tp2, "m2|fwd.output.0").unwrap();
+    let addends = ttrace::trace::shard(&z, &partial, &tp2, "m2|fwd.output.0").unwrap();
     let kinds = HashMap::new();
     let none = HashMap::new();
     let r = dir.join("reference");

@@ -303,7 +303,7 @@ fn sizes_from_arguments_are_bounded() {
         assert!(err.contains(arg), "{err}");
     }
     // Groups × parts that overflow: a typed error from the library, not a panic.
-    use ttrace::shard::{Layout, Mesh, Placement};
+    use ttrace::trace::{Layout, Mesh, Placement};
     let mesh = Mesh::new(2, 1, 1, false).unwrap();
     let t = ttrace::Tensor::zeros(&[4, 4], ttrace::Format::F32);
     let mut layout = Layout::replicated();
@@ -312,7 +312,7 @@ fn sizes_from_arguments_are_bounded() {
         groups: usize::MAX,
     };
     assert!(matches!(
-        ttrace::shard::shard(&t, &layout, &mesh, "t"),
+        ttrace::trace::shard(&t, &layout, &mesh, "t"),
         Err(ttrace::Error::InvalidParameter { .. })
     ));
 }
@@ -581,7 +581,7 @@ fn consumed_tensors_cannot_widen_thresholds() {
 
 /// Write a one-rank trace of `(id, values)` in F32 (module kinds where given) under `dir`.
 fn write_f32_trace(dir: &Path, tensors: &[(&str, Vec<f64>)], kinds: &[(&str, &str)]) {
-    use ttrace::shard::{Layout, Mesh};
+    use ttrace::trace::{Layout, Mesh};
     use ttrace::Tensor;
     let entries: Vec<(String, Layout, Vec<Tensor>)> = tensors
         .iter()
@@ -690,7 +690,7 @@ fn fallback_thresholds_and_zero_inputs_never_pass_vacuously() {
 /// rank and id.
 #[test]
 fn overflowing_shapes_and_huge_meshes_are_refused() {
-    use ttrace::shard::{merge, Layout, Mesh, Placement};
+    use ttrace::trace::{merge, Layout, Mesh, Placement};
     let mesh = Mesh::new(4, 1, 1, false).unwrap();
     let t = ttrace::Tensor::zeros(&[1 << 62, 0], ttrace::Format::F32);
     let layout = Layout {

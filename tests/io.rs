@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use proptest::prelude::*;
 use ttrace::engine::Gpt;
 use ttrace::io::{npy, safetensors, write_trace_dir, TraceDir};
-use ttrace::shard::{Algorithm, Layout, Mesh, ShardedGpt};
+use ttrace::shard::{Algorithm, ShardedGpt};
+use ttrace::trace::{Layout, Mesh};
 use ttrace::validate::SweepOptions;
 use ttrace::{Error, Format};
 use ttrace::{Recipe, Tensor};
@@ -425,7 +426,7 @@ fn parallel_check_equals_sequential_check() {
 fn partial_shards_sum_exactly_block_by_block() {
     let mesh = Mesh::new(4, 1, 1, false).unwrap();
     let layout = Layout {
-        tp: ttrace::shard::Placement::Partial,
+        tp: ttrace::trace::Placement::Partial,
         ..Layout::replicated()
     };
     let n = 70_001;

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use ttrace::check::{check_dir_paths, PricingMode};
 use ttrace::io::write_trace_dir;
-use ttrace::shard::{Layout, Mesh, Placement};
+use ttrace::trace::{Layout, Mesh, Placement};
 use ttrace::{Format, Tensor};
 
 fn tensor(shape: &[usize], seed: u64) -> Tensor {
@@ -56,7 +56,7 @@ fn traces_on(dir: &Path, factor: f64, auto: bool, mesh: Mesh) -> (PathBuf, PathB
         .iter()
         .zip([x, scaled(&g1, factor), scaled(&g2, factor)])
         .map(|(id, t)| {
-            let shards = ttrace::shard::shard(&t, &split, &mesh, id).unwrap();
+            let shards = ttrace::trace::shard(&t, &split, &mesh, id).unwrap();
             (id.to_string(), split, shards)
         })
         .collect();

@@ -11,7 +11,7 @@ use ttrace::check::{price_local, InputIndex, PriceContext, TensorStat};
 use ttrace::check::{Detection, Detector};
 use ttrace::engine::matmul;
 use ttrace::io::{safetensors, write_atomic, write_trace_dir, ModuleInfo};
-use ttrace::shard::{Layout, Mesh};
+use ttrace::trace::{Layout, Mesh};
 use ttrace::{sum, Accumulation, Error, Format, Overflow};
 use ttrace::{Policy, Tensor};
 
@@ -107,7 +107,7 @@ fn near_zero_references_keep_finite_relative_errors() {
     assert_eq!(v.max_ulp, 1);
 }
 
-fn stat(ref_norm: f64, diff_norm: f64, kind: Option<ttrace::engine::ModuleKind>) -> TensorStat {
+fn stat(ref_norm: f64, diff_norm: f64, kind: Option<ttrace::trace::ModuleKind>) -> TensorStat {
     TensorStat {
         ref_norm,
         ref_max_abs: ref_norm,
@@ -128,7 +128,7 @@ fn stat(ref_norm: f64, diff_norm: f64, kind: Option<ttrace::engine::ModuleKind>)
 /// alarm) and never ∞ (a blind spot).
 #[test]
 fn a_zero_residual_output_gets_an_absolute_floor() {
-    use ttrace::engine::ModuleKind;
+    use ttrace::trace::ModuleKind;
     let ids: Vec<String> = ["r|fwd.input.0", "r|fwd.input.1", "r|fwd.output.0"]
         .iter()
         .map(|s| s.to_string())
@@ -306,7 +306,7 @@ fn check_reports_are_identical_across_runs_and_thread_counts() {
     let single = Mesh::single();
     let tp2 = Mesh::new(2, 1, 1, false).unwrap();
     let mut split = Layout::replicated();
-    split.tp = ttrace::shard::Placement::split(1);
+    split.tp = ttrace::trace::Placement::split(1);
     let mut re = vec![];
     let mut ce = vec![];
     let mut g = ttrace::engine::SplitMix64::for_name("robust", 3);
@@ -322,7 +322,7 @@ fn check_reports_are_identical_across_runs_and_thread_counts() {
         let rt = Tensor::from_vec(&[8, 8], v, Format::BF16).unwrap();
         let ct = Tensor::from_vec(&[8, 8], c, Format::BF16).unwrap();
         re.push((id.clone(), Layout::replicated(), vec![rt]));
-        let shards = ttrace::shard::shard(&ct, &split, &tp2, &id).unwrap();
+        let shards = ttrace::trace::shard(&ct, &split, &tp2, &id).unwrap();
         ce.push((id, split, shards));
     }
     let none = HashMap::new();
@@ -566,7 +566,7 @@ fn a_guessed_layout_is_inferred_from_the_shapes() {
     assert_eq!(out.inferred.len(), 1);
     assert_eq!(
         out.inferred[0].layout.tp,
-        ttrace::shard::Placement::split(1)
+        ttrace::trace::Placement::split(1)
     );
     assert_eq!(out.inferred[0].fitting, 1);
     assert!(ttrace::check::render_dir_check(&out).contains("layouts inferred from shapes: 1"));
@@ -605,8 +605,8 @@ fn an_ambiguous_guess_is_settled_by_the_values() {
         assert_eq!(
             (l.dp, l.tp),
             (
-                ttrace::shard::Placement::split(want.0),
-                ttrace::shard::Placement::split(want.1)
+                ttrace::trace::Placement::split(want.0),
+                ttrace::trace::Placement::split(want.1)
             ),
             "{name}"
         );
@@ -624,7 +624,7 @@ fn a_rank_that_knew_the_layout_settles_the_others_guess() {
     write_whole(&d.join("r"), &id, &v, 4, 8);
     let mesh = Mesh::new(2, 1, 1, false).unwrap();
     let split = Layout {
-        tp: ttrace::shard::Placement::split(1),
+        tp: ttrace::trace::Placement::split(1),
         ..Layout::replicated()
     };
     let shards = vec![
@@ -692,7 +692,7 @@ fn differing_replicas_along_a_guessed_axis_are_partial_sums_but_not_for_paramete
             ttrace::check::render_dir_check(&out)
         );
         if passes {
-            assert_eq!(out.inferred[0].layout.cp, ttrace::shard::Placement::Partial);
+            assert_eq!(out.inferred[0].layout.cp, ttrace::trace::Placement::Partial);
         } else {
             let problem = out.report.verdicts[0].problem.as_deref().unwrap_or("");
             assert!(
@@ -716,7 +716,7 @@ fn module_information_without_a_kind_is_read() {
     let module = e.module.as_ref().unwrap();
     assert_eq!(module.kind, None);
     assert_eq!(module.combine, Some(Format::BF16));
-    assert_eq!(e.guessed, vec![ttrace::shard::Axis::Tp]);
+    assert_eq!(e.guessed, vec![ttrace::trace::Axis::Tp]);
     let bad = text.replace(r#""guessed": ["tp"]"#, r#""guessed": ["xp"]"#);
     assert!(matches!(
         ttrace::io::Manifest::parse(&bad, std::path::Path::new("manifest.json")),
@@ -892,8 +892,8 @@ fn accumulation_below_fp32_rounds_one_way_and_has_no_systematic_test() {
 fn a_trace_that_declares_an_accumulation_below_fp32_is_checked_without_systematic_tests() {
     let id = "layers.0.fc1|fwd.output.0".to_string();
     let (r, c) = positive_matmul(Format::BF16, Format::BF16);
-    let kinds: HashMap<String, ttrace::engine::ModuleKind> =
-        [(id.clone(), ttrace::engine::ModuleKind::Linear)].into();
+    let kinds: HashMap<String, ttrace::trace::ModuleKind> =
+        [(id.clone(), ttrace::trace::ModuleKind::Linear)].into();
     // A producer threshold far above the difference (2.8%) but below the reference's norm:
     // only the tests beyond the norm can fire.
     let rn = r.values().iter().map(|x| x * x).sum::<f64>().sqrt();

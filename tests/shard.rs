@@ -2,10 +2,8 @@
 
 use proptest::prelude::*;
 use ttrace::engine::{AttentionImpl, Gpt, GptConfig};
-use ttrace::shard::{
-    all_gather, all_reduce, merge, reduce_scatter, shard, Algorithm, Layout, Mesh, Placement,
-    ShardedGpt,
-};
+use ttrace::shard::{all_gather, all_reduce, reduce_scatter, Algorithm, ShardedGpt};
+use ttrace::trace::{merge, shard, Layout, Mesh, Placement};
 use ttrace::{exact_sum, Error, Format};
 use ttrace::{Recipe, Tensor};
 
@@ -22,7 +20,7 @@ fn config() -> GptConfig {
     }
 }
 
-fn run_pair(recipe: &str, mesh: Mesh) -> (ttrace::engine::Trace, ttrace::engine::Trace) {
+fn run_pair(recipe: &str, mesh: Mesh) -> (ttrace::trace::Trace, ttrace::trace::Trace) {
     let r = Recipe::by_name(recipe).unwrap();
     let steps = if recipe.starts_with("fp8") { 2 } else { 1 };
     let mut reference = Gpt::new(config(), r.clone()).unwrap();
@@ -229,7 +227,8 @@ proptest! {
 
 mod ring {
     use ttrace::engine::{attention, attention_backward, AttentionImpl};
-    use ttrace::shard::{ring_attention, ring_attention_backward, shard, Layout, Mesh, Placement};
+    use ttrace::shard::{ring_attention, ring_attention_backward};
+    use ttrace::trace::{shard, Layout, Mesh, Placement};
     use ttrace::{Format, Overflow};
     use ttrace::{Policy, Tensor};
 
@@ -283,7 +282,7 @@ mod ring {
                 let (xs, layout, mesh) = cp_shards(&x, cp);
                 let (outs, rs) = ring_attention(&xs, 2, 16 / (2 * cp), &p).unwrap();
                 let merged =
-                    ttrace::shard::merge(&outs, &layout, &mesh, "out", Some(r.shape())).unwrap();
+                    ttrace::trace::merge(&outs, &layout, &mesh, "out", Some(r.shape())).unwrap();
                 assert!(
                     rel(&merged, &r) < tol,
                     "{fmt} cp {cp} forward {}",
@@ -292,7 +291,7 @@ mod ring {
                 let (ds, _, _) = cp_shards(&dout, cp);
                 let g = ring_attention_backward(&rs, &ds, &p).unwrap();
                 let gm =
-                    ttrace::shard::merge(&g, &layout, &mesh, "dqkv", Some(dref.shape())).unwrap();
+                    ttrace::trace::merge(&g, &layout, &mesh, "dqkv", Some(dref.shape())).unwrap();
                 assert!(
                     rel(&gm, &dref) < tol,
                     "{fmt} cp {cp} backward {}",
@@ -323,7 +322,8 @@ mod ring {
 }
 
 mod validation {
-    use ttrace::shard::{Algorithm, Mesh};
+    use ttrace::shard::Algorithm;
+    use ttrace::trace::Mesh;
     use ttrace::validate::{run_config, RunConfig, SweepOptions};
 
     /// Zero false alarms on correct sharded runs; tensors with no differing arithmetic upstream
@@ -457,9 +457,9 @@ fn sweep_results_do_not_depend_on_the_thread_count() {
 /// do differ (the sensitivity study's localizer column rests on both).
 #[test]
 fn replays_cover_every_produced_tensor_and_are_exact_off_the_fresh_sites() {
-    use ttrace::check::replayed_outputs;
-    use ttrace::engine::TensorId;
+    use ttrace::trace::TensorId;
     use ttrace::validate::fresh_sites;
+    use ttrace::validate::replayed_outputs;
     let mesh = Mesh {
         tp: 2,
         cp: 2,

@@ -7,7 +7,7 @@ use std::path::Path;
 use proptest::prelude::*;
 use ttrace::check::{compare_summaries, Proof, SummaryThresholds};
 use ttrace::io::summary::{append_summary, Summary, SummaryEntry, SummaryRun, SummaryStep};
-use ttrace::shard::{Layout, Mesh, Placement};
+use ttrace::trace::{Layout, Mesh, Placement};
 use ttrace::{Error, Format};
 
 /// A fresh directory, removed when dropped.
@@ -207,7 +207,7 @@ fn shards_merge_into_the_logical_tensor() {
         append_summary(&rd, &line(step, 0, Mesh::single(), vec![e]), false).unwrap();
     }
     let mesh = Mesh::new(2, 1, 2, false).unwrap();
-    let layout = Layout::replicated().with(ttrace::shard::Axis::Tp, Placement::split(1));
+    let layout = Layout::replicated().with(ttrace::trace::Axis::Tp, Placement::split(1));
     let shard = |x: &[f64], tp: usize| -> Vec<f64> {
         (0..4)
             .flat_map(|row| x[row * 6 + tp * 3..row * 6 + tp * 3 + 3].to_vec())
@@ -253,7 +253,7 @@ fn replicas_nonfinite_and_partial_sums() {
     single(&rd, &[0], &[("a", x.clone()), ("p", x.clone())], 2);
     let cd = dir.path().join("c");
     let mesh = Mesh::new(2, 1, 1, false).unwrap();
-    let partial = Layout::replicated().with(ttrace::shard::Axis::Tp, Placement::Partial);
+    let partial = Layout::replicated().with(ttrace::trace::Axis::Tp, Placement::Partial);
     for rank in 0..2 {
         let mut a = x.clone();
         if rank == 1 {
@@ -590,7 +590,7 @@ fn impossible_shapes_are_not_compared_and_prove_nothing() {
     ));
     let cd = dir.path().join("c");
     let mesh = Mesh::new(2, 1, 1, false).unwrap();
-    let split = Layout::replicated().with(ttrace::shard::Axis::Tp, Placement::split(0));
+    let split = Layout::replicated().with(ttrace::trace::Axis::Tp, Placement::split(0));
     for rank in 0..2 {
         let e = huge(vec![usize::MAX / 2 + 1], split);
         append_summary(&cd, &line(0, rank, mesh, vec![e]), false).unwrap();

@@ -8,9 +8,9 @@
 //! tensor split in two gives each about half), and a difference carried through a reduction
 //! over the ranks spreads too: no rank is named then.
 
-use crate::io::stored::Stored;
-use crate::shard::merge::{axes, dim_maps, runs};
-use crate::shard::{Layout, Mesh, Placement};
+use crate::trace::merge::{axes, dim_maps, runs};
+use crate::trace::stored::Stored;
+use crate::trace::{Layout, Mesh, Placement};
 
 /// The share of the squared difference one shard must hold to be named.
 pub(crate) const SHARE: f64 = 0.9;

@@ -124,7 +124,7 @@ pub(crate) fn settle_dp_loss(
         .ids()
         .iter()
         .filter(|id| {
-            crate::engine::TensorId::parse(id)
+            crate::trace::TensorId::parse(id)
                 .is_some_and(|t| t.pass() == crate::policy::Pass::Backward)
                 && candidate
                     .layout(id)

@@ -13,7 +13,7 @@
 mod blame;
 pub(crate) mod detect;
 pub(crate) mod dirs;
-pub(crate) mod localize;
+mod localization;
 pub(crate) mod loss;
 pub(crate) mod pass;
 pub(crate) mod price;
@@ -24,11 +24,11 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use crate::engine::trace::{TensorId, Trace};
 use crate::error::Error;
 use crate::format::Format;
-use crate::io::stored::Stored;
 use crate::tensor::Tensor;
+use crate::trace::id::{TensorId, Trace};
+use crate::trace::stored::Stored;
 use pass::Pass;
 
 pub use crate::io::InferredLayout;
@@ -37,7 +37,7 @@ pub use dirs::{
     check_dir_paths, check_dir_traces, check_dirs, resolve_steps, DirCheck, PricingMode,
     UntracedGap,
 };
-pub use localize::{localize, replayed_outputs, Localization};
+pub use localization::Localization;
 pub use loss::LossNormalization;
 pub use price::{price_local, InputIndex, PriceContext, Priced, Pricing, TensorStat};
 pub use summaries::{
@@ -192,7 +192,7 @@ pub fn compare_tensor_with(
 /// systematic tests ([`detect`](crate::check::Detector)).
 pub(crate) fn detection_for(id: &str, detection: Detection) -> Detection {
     let param_grad = TensorId::parse(id)
-        .is_some_and(|t| matches!(t.role, crate::engine::trace::TensorRole::ParamGrad { .. }));
+        .is_some_and(|t| matches!(t.role, crate::trace::id::TensorRole::ParamGrad { .. }));
     Detection {
         sparse: detection.sparse && !param_grad,
         systematic: detection.systematic && !param_grad,

@@ -362,7 +362,7 @@ fn lanes_plain(acc: &mut Lanes, r: &[f64], c: &[f64], rf: Format, cf: Format) ->
 mod pass_tests {
     use super::*;
     use crate::check::{compare_stored, compare_with_sums, Detection, PIECE};
-    use crate::io::stored::Stored;
+    use crate::trace::stored::Stored;
     use proptest::prelude::*;
 
     fn value(pick: u8, x: f64) -> f64 {

@@ -61,12 +61,12 @@
 
 use serde::Serialize;
 
-use crate::engine::model::ModuleKind;
-use crate::engine::trace::{TensorId, TensorRole};
 use crate::format::Format;
 use crate::io::ModuleInfo;
 use crate::policy::{OpClass, Pass, Recipe};
-use crate::shard::layout::{Layout, Mesh, Placement};
+use crate::trace::id::{TensorId, TensorRole};
+use crate::trace::mesh::{Layout, Mesh, Placement};
+use crate::trace::ModuleKind;
 
 /// How a tensor's threshold was priced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]

@@ -30,7 +30,7 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::io::guard::printable;
 use crate::io::summary::{Summary, SummaryEntry, SummaryRun, SummaryStep};
-use crate::shard::layout::{Axis, Coords, Layout, Mesh, Placement};
+use crate::trace::mesh::{Axis, Coords, Layout, Mesh, Placement};
 
 const U: f64 = f64::EPSILON / 2.0;
 

@@ -13,16 +13,13 @@ mod lanes32;
 pub(crate) mod matmul;
 pub(crate) mod model;
 pub(crate) mod nn;
-pub(crate) mod trace;
 
 pub use crate::random::{fnv1a64, normal_values, uniform_ints, SplitMix64};
 pub use attention::{attention, attention_backward, AttentionSaved};
 pub use matmul::{
     column_sums, linear, linear_backward, linear_scaled, matmul, matmul_scaled, transpose,
 };
-pub use model::{
-    Activation, Gpt, GptConfig, Module, ModuleGrads, ModuleKind, NormKind, StepHook, StepResult,
-};
+pub use model::{Activation, Gpt, GptConfig, Module, ModuleGrads, NormKind, StepHook, StepResult};
 pub use nn::{
     add, cross_entropy, cross_entropy_backward, embedding, embedding_backward, gelu, gelu_backward,
     layer_norm, norm_backward, online_softmax, rms_norm, scale, silu, silu_backward, softmax,
@@ -33,4 +30,3 @@ pub use nn::{
 pub use crate::policy::{
     delayed_scale, per_tensor_scale, quantize, AttentionImpl, OpClass, Pass, Quantized, Variance,
 };
-pub use trace::{TensorId, TensorRole, Trace, TraceEntry};

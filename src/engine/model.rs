@@ -22,14 +22,15 @@ use crate::engine::nn::{
     self, cross_entropy, cross_entropy_backward, embedding, embedding_backward, gelu,
     gelu_backward, layer_norm, norm_backward, rms_norm, silu, silu_backward, NormSaved,
 };
-use crate::engine::trace::TensorId;
-use crate::engine::trace::Trace;
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::policy::{delayed_scale, per_tensor_scale, OpClass, Pass, Policy, Recipe, Scaling};
 use crate::policy::{AttentionImpl, Variance};
 use crate::random::{normal_values, uniform_ints};
 use crate::tensor::Tensor;
+use crate::trace::id::TensorId;
+use crate::trace::id::Trace;
+use crate::trace::ModuleKind;
 
 /// Which normalization the blocks use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -141,26 +142,6 @@ impl GptConfig {
         }
         Ok(())
     }
-}
-
-/// What a module computes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ModuleKind {
-    /// Token + position embedding (no tensor input; reads the token ids).
-    Embedding,
-    /// LayerNorm or RMSNorm.
-    Norm,
-    /// Linear layer (with or without bias).
-    Linear,
-    /// Causal attention core on the QKV projection.
-    Attention,
-    /// MLP activation.
-    Activation,
-    /// Residual addition of two inputs.
-    Residual,
-    /// Mean cross-entropy against the targets.
-    Loss,
 }
 
 /// One module invocation in the model's execution order.

@@ -5,7 +5,6 @@ pub(crate) mod guard;
 pub(crate) mod manifest;
 pub mod npy;
 pub mod safetensors;
-pub(crate) mod stored;
 mod summarize;
 pub mod summary;
 

@@ -14,8 +14,8 @@ use std::path::Path;
 use crate::error::{Error, Result};
 use crate::format::codec::{element_size, encode_values};
 use crate::format::Format;
-use crate::io::stored::Stored;
 use crate::tensor::Tensor;
+use crate::trace::stored::Stored;
 
 fn err(path: &Path, reason: impl Into<String>) -> Error {
     Error::File {

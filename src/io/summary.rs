@@ -35,7 +35,7 @@ use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::io::guard::{ferr, printable, TrustedDir};
 use crate::io::manifest::ModuleInfo;
-use crate::shard::layout::{Axis, Layout, Mesh};
+use crate::trace::mesh::{Axis, Layout, Mesh};
 
 pub use crate::io::summarize::summarize;
 
@@ -174,7 +174,7 @@ impl SummaryStep {
                     .checked_mul(d as u64)
                     .ok_or_else(|| format!("{who}: shape {:?} overflows", e.shape))?;
             }
-            if let Some((axis, what)) = crate::shard::layout::layout_problem(&e.layout) {
+            if let Some((axis, what)) = crate::trace::mesh::layout_problem(&e.layout) {
                 return Err(format!("{who}: layout along {}: {what}", axis.name()));
             }
             if let Some(m) = &e.module {

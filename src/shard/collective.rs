@@ -19,9 +19,9 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::order::Combine;
-use crate::shard::layout::{Layout, Mesh, Placement};
-use crate::shard::merge::merge;
 use crate::tensor::Tensor;
+use crate::trace::merge::merge;
+use crate::trace::mesh::{Layout, Mesh, Placement};
 
 /// The algorithm of an all-reduce.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -137,7 +137,7 @@ pub fn reduce_scatter(inputs: &[Tensor], dim: usize, r: Format) -> Result<Vec<Te
     // Each rank's tensor cut into the p slices.
     let cuts: Vec<Vec<Tensor>> = inputs
         .iter()
-        .map(|t| crate::shard::layout::shard(t, &layout, &mesh, "reduce-scatter input"))
+        .map(|t| crate::trace::mesh::shard(t, &layout, &mesh, "reduce-scatter input"))
         .collect::<Result<_>>()?;
     let mut out = Vec::with_capacity(p);
     let mut vals = vec![0.0; p];

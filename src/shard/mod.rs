@@ -3,15 +3,10 @@
 //! GPT executed the Megatron-LM way (see `papers/sharding.md`).
 
 pub(crate) mod collective;
-pub(crate) mod infer;
-pub(crate) mod layout;
-pub(crate) mod merge;
 pub(crate) mod model;
 pub(crate) mod ring;
 
 pub use collective::{all_gather, all_reduce, all_reduce_max, reduce_scatter, Algorithm};
-pub use layout::{shard, Axis, Coords, Layout, Mesh, Placement};
-pub use merge::{merge, merge_owned, merge_reusing};
 pub use model::{ShardedEntry, ShardedGpt, ShardedStep};
 pub use ring::{
     ring_attention, ring_attention_backward, ring_attention_with, RingOptions, RingSaved,

@@ -43,12 +43,12 @@ use statrs::distribution::{ChiSquared, ContinuousCDF};
 
 use crate::check::NORM_SHARE;
 use crate::engine::model::Gpt;
-use crate::engine::trace::Trace;
-use crate::engine::trace::{TensorId, TensorRole};
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::random::SplitMix64;
 use crate::tensor::Tensor;
+use crate::trace::id::Trace;
+use crate::trace::id::{TensorId, TensorRole};
 use crate::validate::fresh::FreshSites;
 
 /// Settings of the difference simulation.

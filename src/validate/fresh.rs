@@ -24,15 +24,16 @@ use std::collections::HashMap;
 
 use crate::bounds::reduction::{random_rounding_error as reduction_error, ReductionError};
 use crate::engine::attention::widest_of;
-use crate::engine::model::{Gpt, ModuleKind, NormKind};
-use crate::engine::trace::TensorId;
-use crate::engine::trace::Trace;
+use crate::engine::model::{Gpt, NormKind};
 use crate::error::Result;
 use crate::format::Format;
 use crate::order::{Accumulation, Order};
 use crate::policy::{OpClass, Pass, Policy};
 use crate::shard::collective::Algorithm;
-use crate::shard::layout::Mesh;
+use crate::trace::id::TensorId;
+use crate::trace::id::Trace;
+use crate::trace::mesh::Mesh;
+use crate::trace::ModuleKind;
 
 /// E ε² per element, by canonical id of the traced tensor.
 pub type FreshSites = HashMap<String, Vec<f64>>;

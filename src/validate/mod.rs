@@ -11,6 +11,7 @@
 
 pub(crate) mod compose;
 pub(crate) mod fresh;
+pub(crate) mod localize;
 pub(crate) mod power;
 pub(crate) mod sensitivity;
 pub(crate) mod sweep;
@@ -20,6 +21,7 @@ pub use compose::{
     OFFSET_SHARE,
 };
 pub use fresh::{fresh_sites, local_thresholds, FreshSites};
+pub use localize::{localize, replayed_outputs};
 pub use power::{power_study, synthetic_pair, PowerRow, SyntheticClass};
 pub use sensitivity::{sensitivity, Perturbation, Replayed, RuleFigures, Sensitivity, Subject};
 pub use sweep::{

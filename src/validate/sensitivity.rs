@@ -26,7 +26,7 @@
 //! [`crate::check::Detector`]), the norm alone, Megatron's 4·1.03^(L+1)·ε, PyTorch's
 //! `assert_close` defaults, and the perturbation estimate — all end to end, on the candidate
 //! as the sharded step produced it, carrying every earlier module's round-off — and the
-//! **replaying localizer** ([`crate::check::localize`]): the same perturbation added to the
+//! **replaying localizer** ([`crate::validate::localize`]): the same perturbation added to the
 //! module's own output replayed on the reference's inputs, judged against its local threshold
 //! (the difference the module's own arithmetic may add; zero where the sharded arithmetic is
 //! the reference's) and the same tests. That is a bug born in that module as the localizer
@@ -171,7 +171,7 @@ struct Case<'a> {
 }
 
 /// What the replaying localizer sees of a tensor: the module's own output on the reference's
-/// inputs ([`crate::check::replayed_outputs`]) and its local threshold on ‖output − r‖.
+/// inputs ([`crate::validate::replayed_outputs`]) and its local threshold on ‖output − r‖.
 #[derive(Debug, Clone, Copy)]
 pub struct Replayed<'a> {
     /// The replayed output, merged.

@@ -75,7 +75,7 @@ pub fn run(a: Args) -> Result<Outcome, String> {
         Algorithm::Ring => ttrace::shard::Algorithm::Ring,
         Algorithm::Tree => ttrace::shard::Algorithm::Tree,
     };
-    let mesh = ttrace::shard::Mesh::new(tp, cp, dp, sp).map_err(|e| e.to_string())?;
+    let mesh = ttrace::trace::Mesh::new(tp, cp, dp, sp).map_err(|e| e.to_string())?;
     let options = SweepOptions::default_sweep(1);
     let run = RunConfig {
         mesh,

@@ -66,7 +66,7 @@ pub(super) struct Gathered {
     /// The reference's shape.
     pub(super) shape: Vec<usize>,
     /// A layout read as partial sums along a guessed axis (see `partial_instead`).
-    pub(super) inferred: Option<crate::shard::Layout>,
+    pub(super) inferred: Option<crate::trace::Layout>,
     /// The two runs store the tensor in different dtypes: said when it fails.
     pub(super) dtype_change: Option<String>,
 }
@@ -93,8 +93,8 @@ pub(super) fn partial_instead(
     candidate: &mut TraceDir,
     id: &str,
     first: &Error,
-) -> Result<Option<(crate::io::stored::Stored, crate::shard::Layout)>> {
-    use crate::shard::{Axis, Placement};
+) -> Result<Option<(crate::trace::stored::Stored, crate::trace::Layout)>> {
+    use crate::trace::{Axis, Placement};
     if role(id).is_none_or(|r| r.param_grad) {
         return Ok(None);
     }
@@ -146,7 +146,7 @@ pub(super) fn underflow_format(
 /// shrinkage toward zero that the scale test reads as a scale (it fired at 0.44 against 0.40
 /// on the FP16-autocast input gradient of a clean tensor-parallel step, TP 8, whose elements
 /// are about 10⁻⁵). Such tensors are tested by the norm and the sparse test alone.
-pub(super) fn in_subnormal_range(t: &crate::io::stored::Stored, f: Format) -> bool {
+pub(super) fn in_subnormal_range(t: &crate::trace::stored::Stored, f: Format) -> bool {
     let n = t.len();
     if n == 0 {
         return false;
@@ -177,7 +177,7 @@ pub(super) fn gather(
     let cand_module = candidate.module(id).cloned();
     let mut layout = candidate
         .layout(id)
-        .unwrap_or_else(crate::shard::Layout::replicated);
+        .unwrap_or_else(crate::trace::Layout::replicated);
     let mut inferred = None;
     let mut replicas: Option<(String, usize)> = None;
     let missing = candidate.missing_ranks(id).map(<[usize]>::to_vec);
@@ -233,7 +233,7 @@ pub(super) fn gather(
         if sums.dn.is_nan() || sums.dn > 0.5 * sums.rn {
             layout = candidate
                 .layout(id)
-                .unwrap_or_else(crate::shard::Layout::replicated);
+                .unwrap_or_else(crate::trace::Layout::replicated);
             inferred = None;
             if let Some(c) = c.take() {
                 candidate.recycle(c);

@@ -33,14 +33,14 @@ use crate::check::{
     apply_threshold, compare_stored, detect::DEFAULT_DELTA, CheckReport, Detection, Localization,
     TensorVerdict, NORM_SHARE,
 };
-use crate::engine::model::ModuleKind;
-use crate::engine::trace::{TensorId, TensorRole};
 use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::io::guard::printable;
-use crate::io::stored::Window;
 use crate::io::{InferredLayout, TraceDir};
 use crate::policy::{Pass, Recipe};
+use crate::trace::id::{TensorId, TensorRole};
+use crate::trace::stored::Window;
+use crate::trace::ModuleKind;
 
 mod gather;
 mod verdicts;

@@ -112,7 +112,7 @@ pub(super) fn finish(
     plan: &Plan,
     gathered: Vec<Gathered>,
     producer: &HashMap<String, f64>,
-    mesh: crate::shard::Mesh,
+    mesh: crate::trace::Mesh,
     kinds: &HashMap<String, ModuleKind>,
     mode: PricingMode,
     mut inferred: Vec<InferredLayout>,

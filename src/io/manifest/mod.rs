@@ -25,16 +25,16 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::engine::model::ModuleKind;
 use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::io::guard::ferr;
 use crate::io::guard::{limits, printable, TrustedDir};
-use crate::io::stored::Stored;
 use crate::io::{npy, safetensors};
-use crate::shard::layout::{Axis, Layout, Mesh, Placement};
-use crate::shard::merge::{keep, merge_fetched, sum_group, take_spare, Joinable};
 use crate::tensor::Tensor;
+use crate::trace::merge::{keep, merge_fetched, sum_group, take_spare, Joinable};
+use crate::trace::mesh::{Axis, Layout, Mesh, Placement};
+use crate::trace::stored::Stored;
+use crate::trace::ModuleKind;
 
 mod parse;
 #[cfg(test)]
@@ -81,7 +81,7 @@ pub struct ModuleInfo {
     /// output itself passes — but the caller's plain code uses one rank's addend. When a tensor
     /// it feeds is the first to fail, the check names this module: a missing reduction.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub unreduced: Vec<crate::shard::Axis>,
+    pub unreduced: Vec<crate::trace::Axis>,
 }
 
 /// The arithmetic settings in force for one module call (PyTorch's `torch.autocast`,

@@ -96,7 +96,7 @@ pub(super) fn entry(
     }
     // Every axis's placement is checked, an axis of size 1 too (it cuts nothing, but a
     // placement no mesh could use is a broken writer, refused the same at any size).
-    if let Some((axis, what)) = crate::shard::layout::layout_problem(&layout) {
+    if let Some((axis, what)) = crate::trace::mesh::layout_problem(&layout) {
         return Err(ferr(
             path,
             format!("{who}: layout along {}: {what}", axis.name()),

@@ -329,7 +329,7 @@ impl TraceDir {
     pub fn logical_shape(&self, id: &str) -> Option<Vec<usize>> {
         let ks = self.by_id.get(id)?;
         let e = &self.manifest.tensors[ks[0]];
-        crate::shard::infer::logical_shape(&e.layout, self.entry_shape(ks[0])?, &self.manifest.mesh)
+        crate::trace::infer::logical_shape(&e.layout, self.entry_shape(ks[0])?, &self.manifest.mesh)
     }
 
     /// This trace with the layouts its writer guessed (the axes an entry lists as `guessed`)
@@ -362,7 +362,7 @@ impl TraceDir {
             if shapes.windows(2).any(|w| w[0] != w[1]) {
                 continue;
             }
-            let fits = crate::shard::infer::fitting_layouts(
+            let fits = crate::trace::infer::fitting_layouts(
                 first.layout,
                 &first.guessed,
                 &logical,
@@ -410,7 +410,7 @@ impl TraceDir {
         Ok((out, changed))
     }
 
-    /// The merged logical tensor of an id (see [`crate::shard::merge`]).
+    /// The merged logical tensor of an id (see [`crate::trace::merge()`]).
     pub fn logical(&mut self, id: &str) -> Result<Tensor> {
         let stored = self.logical_stored(id)?;
         let t = stored.decode();
@@ -447,14 +447,14 @@ impl TraceDir {
     /// — a parameter's is reduced by the engine, which knows), or a forward tensor summed over
     /// dp or cp (a scalar loss).
     pub(crate) fn loss_dependent(id: &str, layout: &Layout) -> bool {
-        let Some(t) = crate::engine::TensorId::parse(id) else {
+        let Some(t) = crate::trace::TensorId::parse(id) else {
             return false;
         };
         let data = [layout.along(Axis::Dp), layout.along(Axis::Cp)];
         match t.pass() {
             crate::policy::Pass::Forward => data.contains(&Placement::Partial),
             crate::policy::Pass::Backward => {
-                !matches!(t.role, crate::engine::TensorRole::ParamGrad { .. })
+                !matches!(t.role, crate::trace::TensorRole::ParamGrad { .. })
                     && data.iter().any(|&p| p != Placement::Replicate)
             }
         }
@@ -465,7 +465,7 @@ impl TraceDir {
         let stored = self.merged_as(id, layout)?;
         match self.dp_divisor {
             Some(d) if d > 1 && TraceDir::loss_dependent(id, &layout) => {
-                crate::io::stored::divided(&stored, d as f64)
+                crate::trace::stored::divided(&stored, d as f64)
             }
             _ => Ok(stored),
         }

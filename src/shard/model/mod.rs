@@ -33,13 +33,11 @@ use std::collections::HashMap;
 use crate::bugs::Bug;
 use crate::engine::attention::{attention_backward, attention_with_scale, AttentionSaved};
 use crate::engine::matmul::{column_sums, linear_scaled, matmul_scaled, transpose};
-use crate::engine::model::{Activation, Gpt, Module, ModuleKind, NormKind};
+use crate::engine::model::{Activation, Gpt, Module, NormKind};
 use crate::engine::nn::{
     self, cross_entropy, cross_entropy_backward, embedding, embedding_backward, gelu,
     gelu_backward, layer_norm, norm_backward, rms_norm, silu, silu_backward, NormSaved,
 };
-use crate::engine::trace::TensorId;
-use crate::engine::trace::Trace;
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::policy::arith::Arith;
@@ -47,10 +45,13 @@ use crate::policy::{
     delayed_scale, per_tensor_scale, AttentionImpl, OpClass, Pass, Policy, Scaling,
 };
 use crate::shard::collective::{all_gather, all_reduce, reduce_scatter, Algorithm};
-use crate::shard::layout::{shard, Coords, Layout, Mesh, Placement};
-use crate::shard::merge::merge;
 use crate::shard::ring::{ring_attention_backward, ring_attention_with, RingOptions, RingSaved};
 use crate::tensor::Tensor;
+use crate::trace::id::TensorId;
+use crate::trace::id::Trace;
+use crate::trace::merge::merge;
+use crate::trace::mesh::{shard, Coords, Layout, Mesh, Placement};
+use crate::trace::ModuleKind;
 
 mod passes;
 

@@ -46,7 +46,7 @@ pub(super) fn write_dump(
         .map(|e| {
             (
                 e.id.clone(),
-                crate::shard::Layout::replicated(),
+                crate::trace::Layout::replicated(),
                 vec![e.tensor.clone()],
             )
         })

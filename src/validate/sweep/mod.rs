@@ -12,24 +12,24 @@ use crate::bounds::baselines::{megatron_ttrace, torch_assert_close};
 use crate::bounds::Confidence;
 use crate::bugs::Bug;
 use crate::check::{
-    check, compare_with_sums, localize, replayed_outputs, CheckReport, Detection, Detector,
-    Finding, Localization, NORM_SHARE,
+    check, compare_with_sums, CheckReport, Detection, Detector, Finding, Localization, NORM_SHARE,
 };
+use crate::validate::localize::{localize, replayed_outputs};
 
 mod bugs;
 mod dump;
 mod report;
 
 use crate::engine::model::{Gpt, GptConfig};
-use crate::engine::trace::{TensorId, TensorRole, Trace};
 use crate::error::Result;
 use crate::io::write_trace_dir;
 use crate::policy::AttentionImpl;
 use crate::policy::{Recipe, Scaling};
 use crate::shard::collective::Algorithm;
-use crate::shard::layout::Mesh;
 use crate::shard::model::{ShardedGpt, ShardedStep};
 use crate::tensor::Tensor;
+use crate::trace::id::{TensorId, TensorRole, Trace};
+use crate::trace::mesh::Mesh;
 use crate::validate::compose::{
     composed_thresholds, perturbation_estimate, OffsetBounds, SimulationConfig,
 };
