@@ -5,7 +5,7 @@
 
 use std::fmt;
 
-use crate::format::Format;
+use crate::format::kind::Format;
 
 /// Everything that can go wrong in `ttrace`.
 #[derive(Debug, Clone, PartialEq)]

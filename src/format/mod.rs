@@ -17,7 +17,6 @@
 //!
 //! There is deliberately no method called `eps`.
 
-use std::fmt;
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
@@ -26,48 +25,9 @@ use crate::error::{Error, Result};
 
 mod bulk;
 pub(crate) mod codec;
+pub(crate) mod kind;
 use bulk::{bulk_16bit, round_slice_const};
-
-/// A binary floating-point format whose values are all exactly representable in `f64`.
-///
-/// | format | p | exponent bits | bias | max finite | min normal | min subnormal | ±inf |
-/// |---|---|---|---|---|---|---|---|
-/// | `F64` | 53 | 11 | 1023 | ≈1.80e308 | 2^-1022 | 2^-1074 | yes |
-/// | `F32` | 24 | 8 | 127 | ≈3.40e38 | 2^-126 | 2^-149 | yes |
-/// | `TF32` | 11 | 8 | 127 | ≈3.40e38 | 2^-126 | 2^-136 | yes |
-/// | `F16` | 11 | 5 | 15 | 65504 | 2^-14 | 2^-24 | yes |
-/// | `BF16` | 8 | 8 | 127 | ≈3.39e38 | 2^-126 | 2^-133 | yes |
-/// | `E4M3` | 4 | 4 | 7 | 448 | 2^-6 | 2^-9 | no |
-/// | `E5M2` | 3 | 5 | 15 | 57344 | 2^-14 | 2^-16 | yes |
-///
-/// p is the significand precision *including* the hidden bit. Sources: IEEE 754-2019 Table 3.5
-/// (binary16/32/64); bfloat16 and TF32 share binary32's exponent range with 8 and 11 significand
-/// bits; OCP 8-bit Floating Point Specification (OFP8) rev. 1.0, 2023, Table 1 (E4M3 in its "FN"
-/// encoding: no infinities, NaN only at S.1111.111, so the all-ones exponent still holds normal
-/// values up to 448 = S.1111.110; E5M2 follows IEEE conventions).
-///
-/// TF32 is NVIDIA's tensor-core input format (19 bits: 1 sign, 8 exponent, 10 fraction); its bit
-/// patterns here are those 19 bits, right-aligned in the `u64`.
-#[allow(clippy::upper_case_acronyms)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-#[non_exhaustive]
-pub enum Format {
-    /// IEEE 754 binary64 (double precision).
-    F64,
-    /// IEEE 754 binary32 (single precision).
-    F32,
-    /// NVIDIA TensorFloat-32: binary32's exponent range with binary16's precision.
-    TF32,
-    /// IEEE 754 binary16 (half precision).
-    F16,
-    /// bfloat16: binary32's exponent range with 8 bits of precision.
-    BF16,
-    /// OCP OFP8 E4M3 ("E4M3FN"): bias 7, max 448, no infinities, NaN = S.1111.111.
-    E4M3,
-    /// OCP OFP8 E5M2: bias 15, max 57344, ±infinity, NaN = S.11111.{01,10,11}.
-    E5M2,
-}
+pub use kind::Format;
 
 /// What [`Format::round`] does with a value too large for the format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -94,7 +54,6 @@ enum Specials {
 
 #[derive(Debug, Clone, Copy)]
 struct Params {
-    name: &'static str,
     /// Significand precision including the hidden bit.
     p: u32,
     exp_bits: u32,
@@ -121,21 +80,9 @@ pub(crate) fn pow2(k: i32) -> f64 {
 }
 
 impl Format {
-    /// Every supported format, widest first.
-    pub const ALL: [Format; 7] = [
-        Format::F64,
-        Format::F32,
-        Format::TF32,
-        Format::F16,
-        Format::BF16,
-        Format::E4M3,
-        Format::E5M2,
-    ];
-
     const fn params(self) -> Params {
         match self {
             Format::F64 => Params {
-                name: "f64",
                 p: 53,
                 exp_bits: 11,
                 bias: 1023,
@@ -144,7 +91,6 @@ impl Format {
                 specials: Specials::Ieee,
             },
             Format::F32 => Params {
-                name: "f32",
                 p: 24,
                 exp_bits: 8,
                 bias: 127,
@@ -153,7 +99,6 @@ impl Format {
                 specials: Specials::Ieee,
             },
             Format::TF32 => Params {
-                name: "tf32",
                 p: 11,
                 exp_bits: 8,
                 bias: 127,
@@ -163,7 +108,6 @@ impl Format {
                 specials: Specials::Ieee,
             },
             Format::F16 => Params {
-                name: "f16",
                 p: 11,
                 exp_bits: 5,
                 bias: 15,
@@ -172,7 +116,6 @@ impl Format {
                 specials: Specials::Ieee,
             },
             Format::BF16 => Params {
-                name: "bf16",
                 p: 8,
                 exp_bits: 8,
                 bias: 127,
@@ -182,7 +125,6 @@ impl Format {
                 specials: Specials::Ieee,
             },
             Format::E4M3 => Params {
-                name: "e4m3",
                 p: 4,
                 exp_bits: 4,
                 bias: 7,
@@ -191,7 +133,6 @@ impl Format {
                 specials: Specials::FiniteNanOnly,
             },
             Format::E5M2 => Params {
-                name: "e5m2",
                 p: 3,
                 exp_bits: 5,
                 bias: 15,
@@ -200,11 +141,6 @@ impl Format {
                 specials: Specials::Ieee,
             },
         }
-    }
-
-    /// Short lower-case name (`"f32"`, `"bf16"`, `"e4m3"`, ...), accepted by [`FromStr`].
-    pub const fn name(self) -> &'static str {
-        self.params().name
     }
 
     /// Significand precision p in bits, **including** the hidden bit (53 for F64, 24 for F32,
@@ -734,12 +670,6 @@ pub(crate) fn round_to_precision(x: f64, p: u32, emin: i32) -> f64 {
     }
     let magnitude = q as f64 * pow2(emin - p as i32 + 1);
     f64::from_bits(sign | magnitude.to_bits())
-}
-
-impl fmt::Display for Format {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
 }
 
 impl FromStr for Format {

@@ -5,7 +5,7 @@ pub(crate) mod guard;
 pub(crate) mod manifest;
 pub mod npy;
 pub mod safetensors;
-mod summarize;
+
 pub mod summary;
 
 pub use guard::{limits, printable, read_limited, sanitize};

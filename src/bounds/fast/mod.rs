@@ -45,7 +45,7 @@ mod prepared;
 mod program;
 
 use crate::bounds::compare::{row_classes, Confidence, ElementDiff, Threshold, ThresholdSums};
-use crate::bounds::ops::{check_output, round_sides};
+use crate::bounds::ops::output::{check_output, round_sides};
 use crate::bounds::reduction::ReductionError;
 use crate::error::Result;
 use crate::format::Format;

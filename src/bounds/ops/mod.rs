@@ -23,10 +23,12 @@ use crate::policy::{quantize, Quantized};
 use crate::tensor::Tensor;
 
 mod matmul;
+pub(crate) mod output;
 mod plan;
 mod sum;
 
 pub use matmul::{matmul_threshold, matmul_threshold_priced};
+pub(crate) use output::{check_output, round_sides};
 pub use plan::{plan_matmul, plan_sum, MatmulPlan};
 use sum::*;
 pub use sum::{allreduce_threshold, sum_threshold, sum_threshold_priced};
@@ -40,50 +42,6 @@ fn scaled(e: ReductionError, f: f64) -> ReductionError {
     }
 }
 
-/// Round each side's value, currently in format `cur.*`, to `target.*` (see `ElementDiff`):
-/// both sides rounding to the same format is the "nearly equal values" case; one side
-/// rounding onto the grid the other side's value already lies on is the "snap" case;
-/// roundings to different formats are independent errors.
-pub(crate) fn round_sides(
-    d: &mut ElementDiff,
-    cur: (Format, Format),
-    target: (Format, Format),
-    magnitude: f64,
-) {
-    let need_r = !cur.0.is_subset_of(target.0);
-    let need_c = !cur.1.is_subset_of(target.1);
-    if target.0 == target.1 {
-        match (need_r, need_c) {
-            (true, true) => d.round_both(target.0, magnitude),
-            (true, false) | (false, true) => d.round_snap(target.0, magnitude),
-            (false, false) => {}
-        }
-    } else {
-        if need_r {
-            d.round_one(target.0, magnitude);
-        }
-        if need_c {
-            d.round_one(target.1, magnitude);
-        }
-    }
-}
-
-/// Refuse an output rounding that may overflow either side's output format: the value `v`
-/// (exact) within the difference's guaranteed bound may reach the format's overflow threshold.
-pub(crate) fn check_output(d: &ElementDiff, v: f64, outputs: (Format, Format)) -> Result<()> {
-    let magnitude = v.abs() + d.guaranteed;
-    for f in [outputs.0, outputs.1] {
-        let limit = crate::bounds::reduction::overflow_threshold(f);
-        if magnitude >= limit {
-            return Err(crate::bounds::reduction::overflow_error(
-                f,
-                magnitude,
-                "an output element",
-            ));
-        }
-    }
-    Ok(())
-}
 /// The most multiply-adds (over classes of identical rows of A and columns of B) that
 /// [`Pricing::Auto`] and [`Pricing::Fast`] hand to the walk when the pass declines a
 /// probabilistic threshold (structured data): 2²⁵, about 20 s on one thread at the walk's

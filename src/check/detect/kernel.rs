@@ -1,7 +1,7 @@
 //! The first pass's per-element work on a row of finite pairs, in lanes (AVX2 where the CPU
 //! has it).
 
-use super::rows::{Columns, RowSums};
+use super::rows::{Columns, Element, RowSums};
 
 /// The first pass's per-element work on a row of finite pairs, in lanes. One unit in the last
 /// place of the stored format at m = max(|a|, |b|) is 2^⌊log₂ m⌋ (m's exponent bits), at least
@@ -323,14 +323,4 @@ impl Acc {
             m3d: sum(&self.m3d),
         }
     }
-}
-
-/// One element's terms that its column adds.
-pub(super) struct Element {
-    pub(super) d: f64,
-    /// D·m, m = (r + c)/2.
-    pub(super) da: f64,
-    /// m².
-    pub(super) mm: f64,
-    pub(super) q: f64,
 }

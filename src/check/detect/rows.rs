@@ -2,8 +2,6 @@
 //! of their reference values, the cluster sums of one linear statistic, the sparse test's row
 //! records and the column pools.
 
-use super::kernel::Element;
-
 /// One row's systematic sums and the key of its reference values.
 ///
 /// Rows equal in the reference (a token repeated in a batch, before attention mixes positions;
@@ -200,4 +198,14 @@ pub(super) struct RowSums {
     pub(super) m2d: f64,
     pub(super) m3: f64,
     pub(super) m3d: f64,
+}
+
+/// One element's terms that its column adds.
+pub(super) struct Element {
+    pub(super) d: f64,
+    /// D·m, m = (r + c)/2.
+    pub(super) da: f64,
+    /// m².
+    pub(super) mm: f64,
+    pub(super) q: f64,
 }

@@ -2,10 +2,10 @@
 //! patterns in one pass: what the tracer runs for a CPU tensor instead of a dozen torch
 //! reductions.
 
+use super::{Summary, MAX_K};
 use crate::error::{Error, Result};
 use crate::format::codec::{decode_values_into, element_size};
 use crate::format::Format;
-use crate::io::summary::{Summary, MAX_K};
 
 /// Elements per chunk: the unit of the summation order (8 lanes each, folded in order).
 const CHUNK: usize = 1 << 16;

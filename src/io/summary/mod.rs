@@ -37,7 +37,8 @@ use crate::io::guard::{ferr, printable, TrustedDir};
 use crate::io::manifest::ModuleInfo;
 use crate::trace::mesh::{Axis, Layout, Mesh};
 
-pub use crate::io::summarize::summarize;
+mod summarize;
+pub use summarize::summarize;
 
 /// The `format` field of a summary line.
 pub const SUMMARY_FORMAT: &str = "ttrace-summaries";
