@@ -258,12 +258,15 @@ proptest! {
 
     #[test]
     fn error_is_within_the_depth_bound(
-        (input, xs) in bounded_inputs(1..64), acc in formats(), order in orders()
+        (input, xs) in bounded_inputs(1..64),
+        acc in formats(),
+        // Kahan's order has no depth bound; filtered here (a local reject) rather than assumed
+        // in the body: a quarter of the orders hold it, and global rejects are capped at 1024.
+        order in orders().prop_filter("no depth bound for Kahan", |o| !has_kahan(o)),
     ) {
         let policy = Accumulation::new(input, acc, order.clone());
         let n = xs.len();
         let depths = policy.sum_depths(n).unwrap();
-        prop_assume!(!has_kahan(&order));
         let computed = sum(&xs, &policy).unwrap();
         let err = Dy::from_f64(computed).add(&exact(&xs).neg()).abs();
         // Higham's bound: sum_i |x_i| * (prod_f (1 + gamma_{k_f}) - 1), gamma_k = k u / (1 - k u),
