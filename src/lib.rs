@@ -144,6 +144,7 @@ pub mod shard;
 pub(crate) mod tensor;
 pub mod trace;
 pub mod validate;
+pub(crate) mod verdict;
 
 pub use error::{Error, IoError, Result};
 pub use exact::{exact_dot, exact_sum, exact_sum_abs, ExactAccumulator};

@@ -36,10 +36,10 @@
 use serde::Serialize;
 
 use crate::bounds::reduction::ReductionError;
-use crate::check::TensorVerdict;
 use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::tensor::Tensor;
+use crate::verdict::TensorVerdict;
 
 /// Which kind of threshold.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -301,7 +301,7 @@ impl Threshold {
     /// # }
     /// ```
     pub fn check(&self, reference: &Tensor, candidate: &Tensor) -> TensorVerdict {
-        crate::check::compare_tensor(
+        crate::verdict::compare_tensor(
             "tensor",
             reference,
             candidate,

@@ -3,9 +3,10 @@
 //! pricing rules. Ids, notes and messages come from files: control and bidirectional
 //! characters in them are escaped ([`printable`], [`sanitize`]).
 
-use crate::check::{CheckReport, Detector, DirCheck, Localization, TensorVerdict};
+use crate::check::{CheckReport, DirCheck, Localization};
 use crate::io::{printable, sanitize};
 use crate::policy::Pass;
+use crate::verdict::findings_note;
 
 /// The report of [`check_dir_traces`](crate::check::check_dir_traces) as text: the verdict,
 /// the failing tensors (all of them) with error and threshold in ε, the localization of the
@@ -112,27 +113,6 @@ pub fn render_check(report: &CheckReport) -> String {
         ));
     }
     out
-}
-
-/// What the tests beyond the norm that fired measured, in ε: "scale 0.31 > 0.05; sparse: 4
-/// elements, worst at 1234: 7.1 > 2.3".
-pub(crate) fn findings_note(v: &TensorVerdict) -> String {
-    v.findings
-        .iter()
-        .filter(|f| f.fired)
-        .map(|f| match f.detector {
-            Detector::Sparse => format!(
-                "sparse: {} element{}, worst at {}: {:.3} > {:.3}",
-                f.count,
-                if f.count == 1 { "" } else { "s" },
-                f.at.map_or("-".to_string(), |i| i.to_string()),
-                f.estimate,
-                f.threshold
-            ),
-            d => format!("{} {:.3} > {:.3}", d.name(), f.estimate, f.threshold),
-        })
-        .collect::<Vec<_>>()
-        .join("; ")
 }
 
 /// The one line that says where the first failure was localized (by `ttrace check` or the

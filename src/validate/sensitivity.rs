@@ -36,12 +36,13 @@
 use serde::Serialize;
 
 use crate::bounds::baselines::{megatron_ttrace, torch_assert_close};
-use crate::check::detect::detect;
-use crate::check::{detection_for, Detection};
+use crate::check::Detection;
 use crate::format::Format;
 use crate::random::SplitMix64;
 use crate::tensor::Tensor;
 use crate::validate::compose::OffsetBounds;
+use crate::verdict::detect::detect;
+use crate::verdict::detection_for;
 
 /// The shape of an injected perturbation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]

@@ -361,8 +361,8 @@ fn lanes_plain(acc: &mut Lanes, r: &[f64], c: &[f64], rf: Format, cf: Format) ->
 #[cfg(test)]
 mod pass_tests {
     use super::*;
-    use crate::check::{compare_stored, compare_with_sums, Detection, PIECE};
     use crate::trace::stored::Stored;
+    use crate::verdict::{compare_stored, compare_with_sums, Detection, PIECE};
     use proptest::prelude::*;
 
     fn value(pick: u8, x: f64) -> f64 {
@@ -436,7 +436,7 @@ mod pass_tests {
             let f = [Format::F64, Format::F32, Format::F16, Format::BF16, Format::E4M3,
                 Format::E5M2][pick];
             let mut g = crate::random::SplitMix64::for_name("stored-compare", seed);
-            let w = crate::io::safetensors::element_size(f);
+            let w = crate::format::codec::element_size(f);
             let rb: Vec<u8> = (0..n * w).map(|_| g.next_u64() as u8).collect();
             let mut cb = rb.clone();
             // None, a few low bits, many bytes, every byte.

@@ -29,10 +29,7 @@ use serde::Serialize;
 use crate::check::price::{
     gain_allowance, norm_gain_by, price_local, role, InputIndex, PriceContext, Pricing, TensorStat,
 };
-use crate::check::{
-    apply_threshold, compare_stored, detect::DEFAULT_DELTA, CheckReport, Detection, Localization,
-    TensorVerdict, NORM_SHARE,
-};
+use crate::check::{CheckReport, Localization};
 use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::io::guard::printable;
@@ -41,6 +38,9 @@ use crate::policy::{Pass, Recipe};
 use crate::trace::id::{TensorId, TensorRole};
 use crate::trace::stored::Window;
 use crate::trace::ModuleKind;
+use crate::verdict::{
+    apply_threshold, compare_stored, detect::DEFAULT_DELTA, Detection, TensorVerdict, NORM_SHARE,
+};
 
 mod gather;
 mod verdicts;

@@ -118,7 +118,7 @@ fn zero_reference_inputs_are_not_failures() {
     let ctx = PriceContext {
         mesh: Mesh::single(),
         recipe: None,
-        log_inv_delta: (1.0 / (crate::check::detect::DEFAULT_DELTA * crate::check::NORM_SHARE))
+        log_inv_delta: (1.0 / (crate::verdict::detect::DEFAULT_DELTA * crate::check::NORM_SHARE))
             .ln(),
     };
     let out = stat(1.0, 0.01);

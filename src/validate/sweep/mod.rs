@@ -11,10 +11,9 @@ use std::path::Path;
 use crate::bounds::baselines::{megatron_ttrace, torch_assert_close};
 use crate::bounds::Confidence;
 use crate::bugs::Bug;
-use crate::check::{
-    check, compare_with_sums, CheckReport, Detection, Detector, Finding, Localization, NORM_SHARE,
-};
+use crate::check::{check, CheckReport, Detection, Detector, Finding, Localization, NORM_SHARE};
 use crate::validate::localize::{localize, replayed_outputs};
+use crate::verdict::compare_with_sums;
 
 mod bugs;
 mod dump;
