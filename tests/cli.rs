@@ -251,6 +251,17 @@ fn threshold_prices_every_supported_op() {
             "in=tf32,out=f32,order=any",
         ),
         ("rmsnorm", "", "order=any"),
+        // The rest of the op registry, on synthetic operands.
+        ("linear", "", "order=pairwise:8"),
+        ("mean", "", "order=splitk:4:bf16:tree"),
+        (
+            "allreduce",
+            "in=f32,out=f32",
+            "in=f32,out=f32,order=splitk:8:bf16:ring",
+        ),
+        ("add", "", "out=f32"),
+        ("scale:0.3", "", "out=f32"),
+        ("exp", "", "out=f32"),
     ] {
         let o = ttrace(
             &[
@@ -276,6 +287,7 @@ fn threshold_prices_every_supported_op() {
             String::from_utf8_lossy(&o.stderr)
         );
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["op"], op);
         let rel = v["threshold"]["relative"].as_f64().unwrap();
         assert!(rel.is_finite() && rel > 0.0, "{op}: {rel}");
         assert!(rel <= v["threshold"]["guaranteed_relative"].as_f64().unwrap());
@@ -320,6 +332,12 @@ fn threshold_prices_every_supported_op() {
     );
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("no finite threshold"));
+    // An op the registry does not know, and a scale without a number.
+    for (op, says) in [("conv", "unknown op 'conv'"), ("scale:x", "scale:C needs")] {
+        let o = ttrace(&["threshold", op], "");
+        assert_eq!(o.status.code(), Some(2), "{op}");
+        assert!(String::from_utf8_lossy(&o.stderr).contains(says), "{op}");
+    }
 }
 
 #[test]

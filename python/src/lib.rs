@@ -21,8 +21,7 @@ use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use ttrace::bounds::{self, Confidence, Elementwise, NormData, NormOp, NormSide};
-use ttrace::engine::{AttentionImpl, Variance};
+use ttrace::bounds::{self, Confidence, Op, OpOptions, OpSide};
 use ttrace::{Error, Format, Policy, Tensor};
 
 /// The exception class of `ttrace.errors` that stands for a library error.
@@ -186,18 +185,17 @@ fn policy(py: Python<'_>, text: &str, what: &str) -> PyResult<Policy> {
     }
 }
 
-/// Both sides' policies and the confidence of a threshold.
-fn sides(
-    py: Python<'_>,
-    reference: &str,
-    candidate: &str,
-    delta: Option<f64>,
-) -> PyResult<(Policy, Policy, Confidence)> {
-    Ok((
-        policy(py, reference, "reference")?,
-        policy(py, candidate, "candidate")?,
-        confidence(py, delta)?,
-    ))
+/// One side of an op from its text (`what` names it in errors).
+fn side(py: Python<'_>, text: &str, what: &str) -> PyResult<OpSide> {
+    match guard(py, || Ok(text.parse::<OpSide>()))? {
+        Ok(s) => Ok(s),
+        Err(e) => Err(raise(
+            py,
+            error_class(&e),
+            &kind_of(&e),
+            format!("{what} policy '{text}': {e}"),
+        )),
+    }
 }
 
 fn confidence(py: Python<'_>, delta: Option<f64>) -> PyResult<Confidence> {
@@ -329,198 +327,61 @@ fn parse_pricing(py: Python<'_>, pricing: &str) -> PyResult<bounds::Pricing> {
     }
 }
 
+/// The threshold of `op` (the library's op registry, [`bounds::Op`]) on `inputs` (arrays with
+/// their format names, in the op's operand order), between two sides given as text (a
+/// policy with the keys `form=` and `variance=`; [`bounds::OpSide`]).
 #[pyfunction]
-#[pyo3(signature = (a, a_format, b, b_format, bias, bias_format, reference, candidate, delta, pricing = "auto"))]
+#[pyo3(signature = (op, inputs, reference, candidate, delta, pricing = "auto", norm_eps = 1e-5))]
 #[allow(clippy::too_many_arguments)]
-fn matmul_threshold(
+fn threshold(
     py: Python<'_>,
-    a: &Bound<'_, PyAny>,
-    a_format: &str,
-    b: &Bound<'_, PyAny>,
-    b_format: &str,
-    bias: Option<&Bound<'_, PyAny>>,
-    bias_format: &str,
+    op: &str,
+    inputs: Vec<(Bound<'_, PyAny>, String)>,
     reference: &str,
     candidate: &str,
     delta: Option<f64>,
     pricing: &str,
+    norm_eps: f64,
 ) -> PyResult<Threshold> {
-    let pricing = parse_pricing(py, pricing)?;
-    let a = tensor(py, a, a_format, "a")?;
-    let b = tensor(py, b, b_format, "b")?;
-    let bias = bias
-        .map(|x| tensor(py, x, bias_format, "bias"))
-        .transpose()?;
-    let (rp, cp, conf) = sides(py, reference, candidate, delta)?;
-    let inner = guard(py, || {
-        bounds::matmul_threshold_priced(&a, &b, bias.as_ref(), &rp, &cp, conf, pricing)
-    })?;
-    Ok(Threshold { inner })
-}
-
-#[pyfunction]
-#[pyo3(signature = (x, x_format, reference, candidate, mean, delta, pricing = "auto"))]
-#[allow(clippy::too_many_arguments)]
-fn sum_threshold(
-    py: Python<'_>,
-    x: &Bound<'_, PyAny>,
-    x_format: &str,
-    reference: &str,
-    candidate: &str,
-    mean: bool,
-    delta: Option<f64>,
-    pricing: &str,
-) -> PyResult<Threshold> {
-    let pricing = parse_pricing(py, pricing)?;
-    let x = tensor(py, x, x_format, "x")?;
-    let (rp, cp, conf) = sides(py, reference, candidate, delta)?;
-    let inner = guard(py, || {
-        bounds::sum_threshold_priced(&x, &rp, &cp, mean, conf, pricing)
-    })?;
-    Ok(Threshold { inner })
-}
-
-#[pyfunction]
-#[pyo3(signature = (x, x_format, reference, reference_form, candidate, candidate_form, delta))]
-#[allow(clippy::too_many_arguments)]
-fn softmax_threshold(
-    py: Python<'_>,
-    x: &Bound<'_, PyAny>,
-    x_format: &str,
-    reference: &str,
-    reference_form: &str,
-    candidate: &str,
-    candidate_form: &str,
-    delta: Option<f64>,
-) -> PyResult<Threshold> {
-    let x = tensor(py, x, x_format, "x")?;
-    let (rp, cp, conf) = sides(py, reference, candidate, delta)?;
-    let rf: AttentionImpl = guard(py, || reference_form.parse())?;
-    let cf: AttentionImpl = guard(py, || candidate_form.parse())?;
-    let inner = guard(py, || bounds::softmax_threshold(&x, &rp, rf, &cp, cf, conf))?;
-    Ok(Threshold { inner })
-}
-
-#[pyfunction]
-#[pyo3(signature = (op, x, x_format, weight, weight_format, bias, bias_format, eps,
-                    reference, reference_variance, candidate, candidate_variance, delta))]
-#[allow(clippy::too_many_arguments)]
-fn norm_threshold(
-    py: Python<'_>,
-    op: &str,
-    x: &Bound<'_, PyAny>,
-    x_format: &str,
-    weight: &Bound<'_, PyAny>,
-    weight_format: &str,
-    bias: Option<&Bound<'_, PyAny>>,
-    bias_format: &str,
-    eps: f64,
-    reference: &str,
-    reference_variance: &str,
-    candidate: &str,
-    candidate_variance: &str,
-    delta: Option<f64>,
-) -> PyResult<Threshold> {
-    let x = tensor(py, x, x_format, "x")?;
-    let weight = tensor(py, weight, weight_format, "weight")?;
-    let bias = bias
-        .map(|b| tensor(py, b, bias_format, "bias"))
-        .transpose()?;
-    let (rp, cp, conf) = sides(py, reference, candidate, delta)?;
-    let side_op = |v: &str| -> PyResult<NormOp> {
-        match op {
-            "layernorm" => Ok(NormOp::LayerNorm(guard(py, || v.parse::<Variance>())?)),
-            "rmsnorm" => Ok(NormOp::RmsNorm),
-            other => Err(invalid(
-                py,
-                "op",
-                format!("unknown normalization '{other}' (layernorm, rmsnorm)"),
-            )),
-        }
-    };
-    let (ro, co) = (side_op(reference_variance)?, side_op(candidate_variance)?);
-    let data = NormData {
-        x: &x,
-        weight: &weight,
-        bias: bias.as_ref(),
-        eps,
-    };
-    let inner = guard(py, || {
-        bounds::norm_threshold(
-            &data,
-            NormSide {
-                op: ro,
-                policy: &rp,
-            },
-            NormSide {
-                op: co,
-                policy: &cp,
-            },
-            conf,
-        )
-    })?;
-    Ok(Threshold { inner })
-}
-
-#[pyfunction]
-#[pyo3(signature = (op, x, x_format, y, y_format, reference, candidate, delta))]
-#[allow(clippy::too_many_arguments)]
-fn elementwise_threshold(
-    py: Python<'_>,
-    op: &str,
-    x: &Bound<'_, PyAny>,
-    x_format: &str,
-    y: Option<&Bound<'_, PyAny>>,
-    y_format: &str,
-    reference: &str,
-    candidate: &str,
-    delta: Option<f64>,
-) -> PyResult<Threshold> {
-    let op = match op {
-        "add" => Elementwise::Add,
-        "gelu" => Elementwise::Gelu,
-        "silu" => Elementwise::Silu,
-        "exp" => Elementwise::Exp,
-        s if s.starts_with("scale:") => Elementwise::Scale {
-            c: s[6..]
-                .trim()
-                .parse::<f64>()
-                .map_err(|_| invalid(py, "op", format!("'{s}': scale:C needs a number C")))?,
-        },
-        other => {
-            return Err(invalid(
-                py,
-                "op",
-                format!("unknown elementwise op '{other}' (add, scale:C, gelu, silu, exp)"),
-            ))
-        }
-    };
-    let x = tensor(py, x, x_format, "x")?;
-    let y = y.map(|v| tensor(py, v, y_format, "y")).transpose()?;
-    let (rp, cp, conf) = sides(py, reference, candidate, delta)?;
-    let inner = guard(py, || {
-        bounds::elementwise_threshold(op, &x, y.as_ref(), &rp, &cp, conf)
-    })?;
-    Ok(Threshold { inner })
-}
-
-#[pyfunction]
-#[pyo3(signature = (partials, reference, candidate, delta))]
-fn allreduce_threshold(
-    py: Python<'_>,
-    partials: Vec<(Bound<'_, PyAny>, String)>,
-    reference: &str,
-    candidate: &str,
-    delta: Option<f64>,
-) -> PyResult<Threshold> {
-    let parts = partials
+    let op: Op = guard(py, || op.parse())?;
+    let names = op.operand_names();
+    let tensors = inputs
         .iter()
         .enumerate()
-        .map(|(i, (a, f))| tensor(py, a, f, &format!("partial {i}")))
+        .map(|(i, (a, f))| {
+            let what = names
+                .get(i)
+                .map_or(format!("operand {i}"), |n| n.to_string());
+            tensor(py, a, f, &what)
+        })
         .collect::<PyResult<Vec<_>>>()?;
-    let (rp, cp, conf) = sides(py, reference, candidate, delta)?;
-    let inner = guard(py, || bounds::allreduce_threshold(&parts, &rp, &cp, conf))?;
+    let refs: Vec<&Tensor> = tensors.iter().collect();
+    let rs = side(py, reference, "reference")?;
+    let cs = side(py, candidate, "candidate")?;
+    let conf = confidence(py, delta)?;
+    let options = OpOptions {
+        norm_eps,
+        pricing: parse_pricing(py, pricing)?,
+    };
+    let inner = guard(py, || {
+        bounds::op_threshold(op, &refs, &rs, &cs, &options, conf)
+    })?;
     Ok(Threshold { inner })
+}
+
+/// Every op's text, from the library's registry.
+#[pyfunction]
+fn ops() -> Vec<&'static str> {
+    Op::NAMES.to_vec()
+}
+
+/// The canonical text of a side (a policy with `form=` and `variance=`), validated.
+#[pyfunction]
+#[pyo3(signature = (text, which = "the"))]
+fn parse_side(py: Python<'_>, text: &str, which: &str) -> PyResult<String> {
+    let s = side(py, text, which)?;
+    guard(py, || s.policy.validate())?;
+    Ok(s.to_string())
 }
 
 /// Check a candidate trace directory against a reference one: (report as JSON, report as
@@ -646,12 +507,9 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 fn _ttrace(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Threshold>()?;
     m.add_function(wrap_pyfunction!(parse_policy, m)?)?;
-    m.add_function(wrap_pyfunction!(matmul_threshold, m)?)?;
-    m.add_function(wrap_pyfunction!(sum_threshold, m)?)?;
-    m.add_function(wrap_pyfunction!(softmax_threshold, m)?)?;
-    m.add_function(wrap_pyfunction!(norm_threshold, m)?)?;
-    m.add_function(wrap_pyfunction!(elementwise_threshold, m)?)?;
-    m.add_function(wrap_pyfunction!(allreduce_threshold, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_side, m)?)?;
+    m.add_function(wrap_pyfunction!(threshold, m)?)?;
+    m.add_function(wrap_pyfunction!(ops, m)?)?;
     m.add_function(wrap_pyfunction!(check_dirs, m)?)?;
     m.add_function(wrap_pyfunction!(load_logical, m)?)?;
     m.add_function(wrap_pyfunction!(writing::write_step, m)?)?;

@@ -205,3 +205,58 @@ def test_sum_pricing_fast_holds_and_stays_near_the_walk(mean):
     assert fast.check(seq, tree).passed and walk.check(seq, tree).passed
     with pytest.raises(ValueError, match="pricing"):
         ttrace.sum_threshold(x, reference=ref, candidate=cand, pricing="quick")
+
+
+def test_every_op_of_the_registry_prices_through_one_entry_point():
+    """``ttrace.threshold`` reaches every op of the library's registry: each gives the
+    threshold of its named function (the same model, bit for bit), and the generic entry's
+    sum holds on emulated orders and catches a dropped term."""
+    names = ttrace.thresholds.ops()
+    assert {"matmul", "linear", "allreduce", "layernorm", "scale:C", "exp"} <= set(names)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    y = rng.standard_normal((4, 64)).astype(np.float32)
+    w = rng.standard_normal((64, 8)).astype(np.float32)
+    g = (1 + 0.1 * rng.standard_normal(64)).astype(np.float32)
+    b = (0.1 * rng.standard_normal(64)).astype(np.float32)
+    p, c = "in=f32,acc=f32,out=f32", "in=f32,acc=f32,out=f32,order=pairwise:4"
+    named = {
+        "matmul": ((x, w), lambda: ttrace.matmul_threshold(x, w, reference=p, candidate=c)),
+        "linear": ((x, w.T), lambda: ttrace.linear_threshold(x, w.T, reference=p, candidate=c)),
+        "sum": ((x,), lambda: ttrace.sum_threshold(x, reference=p, candidate=c)),
+        "mean": ((x,), lambda: ttrace.sum_threshold(x, reference=p, candidate=c, mean=True)),
+        "allreduce": ((x, y), lambda: ttrace.allreduce_threshold([x, y], reference=p,
+                                                                 candidate=c)),
+        "softmax": ((x,), lambda: ttrace.softmax_threshold(x, reference=p, candidate=c)),
+        "layernorm": ((x, g, b), lambda: ttrace.norm_threshold(x, g, b, reference=p,
+                                                               candidate=c)),
+        "rmsnorm": ((x, g), lambda: ttrace.norm_threshold(x, g, op="rmsnorm", reference=p,
+                                                          candidate=c)),
+        "add": ((x, y), lambda: ttrace.elementwise_threshold("add", x, y, reference=p,
+                                                             candidate=c)),
+        "scale:C": ((x,), lambda: ttrace.elementwise_threshold("scale:0.3", x, reference=p,
+                                                               candidate=c)),
+    }
+    for op in names:
+        inputs, direct = named.get(op, ((x,), None))
+        text = op.replace("scale:C", "scale:0.3")
+        t = ttrace.threshold(text, inputs, reference=p, candidate=c)
+        assert t.op == text and t.elements > 0 and t.abs_frobenius == t.abs_frobenius, op
+        if direct is not None:
+            assert t.to_dict()["abs_frobenius"] == direct().to_dict()["abs_frobenius"], op
+    # Softmax's form through the side text.
+    on = ttrace.threshold("softmax", (x,), reference=p, candidate=p + ",form=online:16")
+    assert on.candidate.endswith("form=online:16")
+    assert on.abs_frobenius == ttrace.softmax_threshold(
+        x, reference=p, candidate_form="online:16").abs_frobenius
+    # The sum against NumPy's emulation of both orders.
+    s = ttrace.threshold("sum", (x,), reference=REF, candidate=CAND)
+    ref, cand = rows(x, seq_sum), rows(x, lambda r: splitk_sum(r, 4))
+    assert s.check(ref, cand).passed
+    bad = cand.copy()
+    bad[1] = splitk_sum(list(x[1, 1:]), 4)
+    assert not s.check(ref, bad).passed
+    with pytest.raises(ttrace.InvalidInputError, match="unknown op 'conv'"):
+        ttrace.threshold("conv", (x,), reference=p)
+    with pytest.raises(ttrace.InvalidInputError, match="takes 2 to 3 operands"):
+        ttrace.threshold("matmul", (x,), reference=p)

@@ -7,7 +7,8 @@ tensor, whether the difference is round-off or a bug — and where the bug was b
 * Check two traces: :func:`check` returns a :class:`CheckReport`
   (also ``python -m ttrace check REFERENCE CANDIDATE``); two summary traces
   (``Tracer(..., summaries=True)``): :func:`check_summaries`.
-* Price one op's tolerance: :func:`matmul_threshold`, :func:`linear_threshold`,
+* Price one op's tolerance: :func:`threshold` for any op of the registry
+  (:func:`ttrace.thresholds.ops`), or :func:`matmul_threshold`, :func:`linear_threshold`,
   :func:`sum_threshold`, :func:`softmax_threshold`, :func:`norm_threshold`,
   :func:`elementwise_threshold`, :func:`allreduce_threshold`.
 * In tests: :func:`ttrace.testing.assert_close`, a drop-in for
@@ -43,6 +44,7 @@ from .thresholds import (
     parse_policy,
     softmax_threshold,
     sum_threshold,
+    threshold,
 )
 
 __all__ = [
@@ -68,6 +70,7 @@ __all__ = [
     "parse_policy",
     "softmax_threshold",
     "sum_threshold",
+    "threshold",
     "TtraceError",
     "InvalidInputError",
     "TraceError",

@@ -36,32 +36,12 @@ class Threshold:
     def to_dict(self) -> Dict[str, Any]: ...
 
 def parse_policy(text: str, side: str = "the") -> str: ...
-def matmul_threshold(
-    a: np.ndarray, a_format: str, b: np.ndarray, b_format: str, bias: Optional[np.ndarray],
-    bias_format: str, reference: str, candidate: str, delta: Optional[float],
-    pricing: str = "auto",
+def parse_side(text: str, which: str = "the") -> str: ...
+def threshold(
+    op: str, inputs: List[Tuple[np.ndarray, str]], reference: str, candidate: str,
+    delta: Optional[float], pricing: str = "auto", norm_eps: float = 1e-5,
 ) -> Threshold: ...
-def sum_threshold(
-    x: np.ndarray, x_format: str, reference: str, candidate: str, mean: bool,
-    delta: Optional[float], pricing: str = "auto",
-) -> Threshold: ...
-def softmax_threshold(
-    x: np.ndarray, x_format: str, reference: str, reference_form: str, candidate: str,
-    candidate_form: str, delta: Optional[float],
-) -> Threshold: ...
-def norm_threshold(
-    op: str, x: np.ndarray, x_format: str, weight: np.ndarray, weight_format: str,
-    bias: Optional[np.ndarray], bias_format: str, eps: float, reference: str,
-    reference_variance: str, candidate: str, candidate_variance: str, delta: Optional[float],
-) -> Threshold: ...
-def elementwise_threshold(
-    op: str, x: np.ndarray, x_format: str, y: Optional[np.ndarray], y_format: str,
-    reference: str, candidate: str, delta: Optional[float],
-) -> Threshold: ...
-def allreduce_threshold(
-    partials: Sequence[Tuple[np.ndarray, str]], reference: str, candidate: str,
-    delta: Optional[float],
-) -> Threshold: ...
+def ops() -> List[str]: ...
 def check_dirs(reference: _Path, candidate: _Path, pricing: str) -> Tuple[str, str]: ...
 def load_logical(
     directory: _Path, ids: Optional[List[str]] = None, reference: Optional[_Path] = None

@@ -37,10 +37,6 @@ if TYPE_CHECKING:
 
 __all__ = ["assert_close", "copy_sharded", "seed_everything", "threshold_for"]
 
-_OPS = ("matmul", "linear", "sum", "mean", "softmax", "layernorm", "rmsnorm", "add", "gelu",
-        "silu", "exp", "allreduce")
-
-
 def _default_policy(x: Any) -> str:
     fmt = as_core(x)[1]
     acc = "f64" if fmt == "f64" else "f32"
@@ -58,31 +54,25 @@ def threshold_for(
     guaranteed: bool = False,
     **options: Any,
 ) -> "_th.Threshold":
-    """The threshold of ``op`` on ``inputs`` (see :func:`assert_close` for the ops)."""
-    ref, cand, d, g = reference, candidate, delta, guaranteed
-    if op == "matmul":
-        return _th.matmul_threshold(inputs[0], inputs[1], bias=inputs[2] if len(inputs) > 2 else None,
-                                    reference=ref, candidate=cand, delta=d, guaranteed=g)
-    if op == "linear":
-        return _th.linear_threshold(inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None,
-                                    reference=ref, candidate=cand, delta=d, guaranteed=g)
-    if op in ("sum", "mean"):
-        return _th.sum_threshold(inputs[0], mean=(op == "mean"), reference=ref, candidate=cand,
-                                 delta=d, guaranteed=g)
-    if op == "softmax":
-        return _th.softmax_threshold(inputs[0], reference=ref, candidate=cand, delta=d,
-                                     guaranteed=g, **options)
-    if op in ("layernorm", "rmsnorm"):
-        return _th.norm_threshold(inputs[0], inputs[1], inputs[2] if len(inputs) > 2 else None,
-                                  op=op, reference=ref, candidate=cand, delta=d, guaranteed=g,
-                                  **options)
-    if op in ("add", "gelu", "silu", "exp") or op.startswith("scale:"):
-        return _th.elementwise_threshold(op, inputs[0], inputs[1] if len(inputs) > 1 else None,
-                                         reference=ref, candidate=cand, delta=d, guaranteed=g)
-    if op == "allreduce":
-        return _th.allreduce_threshold(inputs, reference=ref, candidate=cand, delta=d,
-                                       guaranteed=g)
-    raise ValueError(f"unknown op {op!r}; one of {', '.join(_OPS)}, scale:C")
+    """The threshold of ``op`` on ``inputs`` (see :func:`assert_close` for the ops), through
+    the library's op registry (:func:`ttrace.thresholds.threshold`)."""
+    known = {"reference_form", "candidate_form", "reference_variance", "candidate_variance",
+             "eps", "pricing"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"threshold_for() got unexpected options {', '.join(unknown)}")
+
+    def side(policy: str, who: str) -> str:
+        keys = {k: str(options[f"{who}_{k}"]) for k in ("form", "variance")
+                if f"{who}_{k}" in options}
+        return ",".join([policy] + [f"{k}={v}" for k, v in keys.items()])
+
+    cand = candidate if candidate is not None else reference
+    return _th.threshold(
+        op, inputs, reference=side(reference, "reference"), candidate=side(cand, "candidate"),
+        delta=delta, guaranteed=guaranteed, pricing=str(options.get("pricing", "auto")),
+        eps=float(options.get("eps", 1e-5)),
+    )
 
 
 def assert_close(

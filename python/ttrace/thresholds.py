@@ -19,15 +19,18 @@ Derivations: ``papers/`` in the repository.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import _ttrace
 from ._arrays import as_core
+from .errors import InvalidInputError
 
 __all__ = [
     "Threshold",
     "Verdict",
     "parse_policy",
+    "ops",
+    "threshold",
     "matmul_threshold",
     "linear_threshold",
     "sum_threshold",
@@ -182,6 +185,53 @@ def _policies(reference: str, candidate: Optional[str]) -> "tuple[str, str]":
     return ref, _ttrace.parse_policy(candidate, "candidate") if candidate is not None else ref
 
 
+def _operands(names: Sequence[str], values: Sequence[Any]) -> List[Tuple[Any, str]]:
+    return [as_core(v, n) for n, v in zip(names, values)]
+
+
+def _with(policy: str, **keys: str) -> str:
+    """A side's text: the policy with the op's algorithm keys (``form=``, ``variance=``)."""
+    return ",".join([policy] + [f"{k}={v}" for k, v in keys.items()])
+
+
+def ops() -> List[str]:
+    """Every op :func:`threshold` prices (``scale:C`` stands for ``scale:`` and a number)."""
+    return list(_ttrace.ops())
+
+
+def threshold(
+    op: str,
+    inputs: Sequence[Any],
+    *,
+    reference: str,
+    candidate: Optional[str] = None,
+    delta: float = 1e-6,
+    guaranteed: bool = False,
+    pricing: str = "auto",
+    eps: float = 1e-5,
+) -> Threshold:
+    """The threshold of any op (:func:`ops`) on its operands, in the op's order:
+
+    ``matmul`` ``(a, b[, bias])``; ``linear`` ``(x, weight[, bias])`` as
+    ``torch.nn.functional.linear``; ``sum`` / ``mean`` ``(x,)`` along the last dimension;
+    ``allreduce`` (one partial tensor per rank); ``softmax`` ``(x,)``; ``layernorm``
+    ``(x, weight[, bias])``; ``rmsnorm`` ``(x, weight)``; ``add`` ``(x, y)``; ``scale:C``,
+    ``gelu``, ``silu``, ``exp`` ``(x,)``.
+
+    ``reference`` / ``candidate`` (default: the reference) are policy texts with two more
+    keys the policy does not hold: ``form=standard|online:B`` (softmax) and
+    ``variance=twopass|welford|onepass`` (LayerNorm). ``eps``: the normalizations' ε;
+    ``pricing`` as for :func:`matmul_threshold`. Every op goes through the library's one op
+    registry, as ``ttrace threshold OP`` does.
+    """
+    ref = _ttrace.parse_side(reference, "reference")
+    cand = _ttrace.parse_side(candidate, "candidate") if candidate is not None else ref
+    parts = [as_core(v, f"operand {i}") for i, v in enumerate(inputs)]
+    core = _ttrace.threshold(op, parts, ref, cand, _delta(delta, guaranteed), pricing,
+                             float(eps))
+    return Threshold(core, op, ref, cand)
+
+
 def matmul_threshold(
     a: Any,
     b: Any,
@@ -204,11 +254,9 @@ def matmul_threshold(
     beyond that the threshold returned is the guaranteed one (its ``delta`` is ``None``).
     """
     ref, cand = _policies(reference, candidate)
-    (a_, af), (b_, bf) = as_core(a, "a"), as_core(b, "b")
-    bias_, biasf = as_core(bias, "bias") if bias is not None else (None, "f64")
-    core = _ttrace.matmul_threshold(
-        a_, af, b_, bf, bias_, biasf, ref, cand, _delta(delta, guaranteed), pricing
-    )
+    values = [a, b] + ([bias] if bias is not None else [])
+    core = _ttrace.threshold("matmul", _operands(["a", "b", "bias"], values), ref, cand,
+                             _delta(delta, guaranteed), pricing)
     return Threshold(core, "matmul", ref, cand)
 
 
@@ -225,13 +273,10 @@ def linear_threshold(
 ) -> Threshold:
     """``torch.nn.functional.linear``: y = x·weightᵀ + bias, with ``x`` [m, k] and ``weight``
     [n, k] as PyTorch stores it (``pricing`` as for :func:`matmul_threshold`)."""
-    w, wf = as_core(weight, "weight")
     ref, cand = _policies(reference, candidate)
-    (x_, xf) = as_core(x, "x")
-    bias_, biasf = as_core(bias, "bias") if bias is not None else (None, "f64")
-    core = _ttrace.matmul_threshold(
-        x_, xf, w.T, wf, bias_, biasf, ref, cand, _delta(delta, guaranteed), pricing
-    )
+    values = [x, weight] + ([bias] if bias is not None else [])
+    core = _ttrace.threshold("linear", _operands(["x", "weight", "bias"], values), ref, cand,
+                             _delta(delta, guaranteed), pricing)
     return Threshold(core, "linear", ref, cand)
 
 
@@ -249,11 +294,10 @@ def sum_threshold(
     :func:`matmul_threshold`: a sum is priced as the product of a row of ones and ``x``
     transposed)."""
     ref, cand = _policies(reference, candidate)
-    x_, xf = as_core(x, "x")
-    core = _ttrace.sum_threshold(
-        x_, xf, ref, cand, bool(mean), _delta(delta, guaranteed), pricing
-    )
-    return Threshold(core, "mean" if mean else "sum", ref, cand)
+    op = "mean" if mean else "sum"
+    core = _ttrace.threshold(op, _operands(["x"], [x]), ref, cand, _delta(delta, guaranteed),
+                             pricing)
+    return Threshold(core, op, ref, cand)
 
 
 def softmax_threshold(
@@ -269,10 +313,8 @@ def softmax_threshold(
     """Softmax along the last dimension. A form is ``standard`` or ``online:B`` (blockwise
     over B keys with online rescaling, as flash and ring attention do)."""
     ref, cand = _policies(reference, candidate)
-    x_, xf = as_core(x, "x")
-    core = _ttrace.softmax_threshold(
-        x_, xf, ref, reference_form, cand, candidate_form, _delta(delta, guaranteed)
-    )
+    core = _ttrace.threshold("softmax", _operands(["x"], [x]), _with(ref, form=reference_form),
+                             _with(cand, form=candidate_form), _delta(delta, guaranteed))
     return Threshold(core, "softmax", ref, cand)
 
 
@@ -292,13 +334,15 @@ def norm_threshold(
 ) -> Threshold:
     """LayerNorm (``op="layernorm"``, variance ``twopass``, ``welford`` or ``onepass``) or
     RMSNorm (``op="rmsnorm"``) over the last dimension of ``x``."""
+    if op not in ("layernorm", "rmsnorm"):
+        raise InvalidInputError(
+            f"invalid op: unknown normalization '{op}' (layernorm, rmsnorm)", "InvalidParameter"
+        )
     ref, cand = _policies(reference, candidate)
-    x_, xf = as_core(x, "x")
-    w_, wf = as_core(weight, "weight")
-    b_, bf = as_core(bias, "bias") if bias is not None else (None, "f64")
-    core = _ttrace.norm_threshold(
-        op, x_, xf, w_, wf, b_, bf, float(eps), ref, reference_variance, cand,
-        candidate_variance, _delta(delta, guaranteed),
+    values = [x, weight] + ([bias] if bias is not None else [])
+    core = _ttrace.threshold(
+        op, _operands(["x", "weight", "bias"], values), _with(ref, variance=reference_variance),
+        _with(cand, variance=candidate_variance), _delta(delta, guaranteed), "auto", float(eps),
     )
     return Threshold(core, op, ref, cand)
 
@@ -315,10 +359,15 @@ def elementwise_threshold(
 ) -> Threshold:
     """An elementwise op: ``add`` (x + y), ``scale:C`` (C·x), ``gelu`` (tanh form), ``silu``,
     ``exp``."""
+    if op not in ("add", "gelu", "silu", "exp") and not op.startswith("scale:"):
+        raise InvalidInputError(
+            f"invalid op: unknown elementwise op '{op}' (add, scale:C, gelu, silu, exp)",
+            "InvalidParameter",
+        )
     ref, cand = _policies(reference, candidate)
-    x_, xf = as_core(x, "x")
-    y_, yf = as_core(y, "y") if y is not None else (None, "f64")
-    core = _ttrace.elementwise_threshold(op, x_, xf, y_, yf, ref, cand, _delta(delta, guaranteed))
+    values = [x] + ([y] if y is not None else [])
+    core = _ttrace.threshold(op, _operands(["x", "y"], values), ref, cand,
+                             _delta(delta, guaranteed))
     return Threshold(core, op, ref, cand)
 
 
@@ -334,5 +383,5 @@ def allreduce_threshold(
     against the candidate's (say ``order=ring``, BF16 partials)."""
     ref, cand = _policies(reference, candidate)
     parts = [as_core(p, f"partial {i}") for i, p in enumerate(partials)]
-    core = _ttrace.allreduce_threshold(parts, ref, cand, _delta(delta, guaranteed))
+    core = _ttrace.threshold("allreduce", parts, ref, cand, _delta(delta, guaranteed))
     return Threshold(core, "allreduce", ref, cand)

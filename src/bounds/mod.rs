@@ -19,6 +19,10 @@
 //! * [`baselines_for`]: PyTorch, TransformerEngine and Megatron tolerances for side-by-side
 //!   reports.
 //!
+//! * The op registry ([`Op`], [`OpSide`], [`op_threshold`]): the one list of ops, their text
+//!   and operands, and one entry point that dispatches to each op's model — what the command
+//!   line, the Python bindings and `assert_close` call.
+//!
 //! Conventions: u = 2^-p is the unit roundoff everywhere; δ is the failure probability of a
 //! probabilistic threshold. Derivations and sources: `papers/bounds-reductions.md`.
 
@@ -28,6 +32,7 @@ pub(crate) mod elementwise;
 pub(crate) mod fast;
 pub(crate) mod keyed;
 pub(crate) mod norm;
+pub(crate) mod op;
 pub(crate) mod ops;
 pub(crate) mod reduction;
 pub(crate) mod softmax;
@@ -42,6 +47,7 @@ pub use elementwise::{
     softmax_gain, Elementwise, Gain, QuantizationError,
 };
 pub use norm::{norm_threshold, NormData, NormOp, NormSide};
+pub use op::{op_threshold, Op, OpOptions, OpSide, Operand, OperandRole};
 pub use ops::{
     allreduce_threshold, matmul_threshold, matmul_threshold_priced, plan_matmul, plan_sum,
     sum_threshold, sum_threshold_priced, MatmulPlan, Pricing, MODEL_CHECK_DELTA, WALK_BUDGET,

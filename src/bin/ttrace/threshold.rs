@@ -2,14 +2,9 @@
 
 use std::io::{self, Write};
 
-use clap::ValueEnum;
 use serde::Serialize;
-use ttrace::bounds::{baselines_for, Baseline, MatmulPlan, NormData, NormSide};
-use ttrace::bounds::{
-    elementwise_threshold, matmul_threshold, norm_threshold, plan_matmul, plan_sum,
-    softmax_threshold, Confidence, Elementwise, NormOp, TermStats, Threshold,
-};
-use ttrace::engine::{AttentionImpl, Variance};
+use ttrace::bounds::{baselines_for, Baseline, MatmulPlan, Op, OpOptions, OpSide, OperandRole};
+use ttrace::bounds::{op_threshold, plan_matmul, plan_sum, Confidence, TermStats, Threshold};
 use ttrace::{Format, Overflow, Policy, Scaling, Tensor};
 
 use crate::out::stdout_error;
@@ -18,16 +13,19 @@ use crate::Outcome;
 /// The options of `ttrace threshold`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// The op.
-    #[arg(value_enum)]
+    /// The op: matmul, linear, sum, mean, allreduce, softmax, layernorm, rmsnorm, add,
+    /// scale:C, gelu, silu, exp. Matmul and sum are priced by a closed-form plan (matmul on
+    /// synthetic data when a side uses FP8 scaling, a tensor core or an order of unknown
+    /// kernel); every other op on synthetic data.
+    #[arg(value_parser = parse_op)]
     pub op: Op,
     /// Rows of the output (matmul: m; sum: number of sums).
     #[arg(long, default_value_t = 1024)]
     pub m: usize,
-    /// Reduction length (matmul: k; sum: n).
+    /// Reduction or row length (matmul: k; sum: n; softmax and norms: the row).
     #[arg(long, default_value_t = 4096)]
     pub k: usize,
-    /// Columns of the output (matmul only).
+    /// Columns of the output (matmul and linear); ranks (allreduce).
     #[arg(long, default_value_t = 1024)]
     pub n: usize,
     /// Reference policy.
@@ -59,59 +57,9 @@ pub struct Args {
     pub json: bool,
 }
 
-#[derive(Clone, Copy, ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Op {
-    /// C = A·B (closed-form plan; priced on synthetic data when a side uses FP8 scaling, a
-    /// tensor core or an order of unknown kernel).
-    Matmul,
-    /// Row sums (closed-form plan).
-    Sum,
-    /// Softmax along rows of length k (synthetic data).
-    Softmax,
-    /// LayerNorm over rows of length k (synthetic data).
-    Layernorm,
-    /// RMSNorm over rows of length k (synthetic data).
-    Rmsnorm,
-    /// GELU, elementwise on an m×k tensor (synthetic data).
-    Gelu,
-    /// SiLU, elementwise (synthetic data).
-    Silu,
-}
-
-/// Options of a policy spec that are not part of `Policy`: the softmax form and the LayerNorm
-/// variance algorithm.
-#[derive(Clone, Copy)]
-struct SpecExtras {
-    form: AttentionImpl,
-    variance: Variance,
-}
-
-/// A policy spec: the library's policy text (`Policy`'s `FromStr`, which refuses unknown
-/// keys) plus the keys `form=standard|online:B` and `variance=twopass|onepass|welford` that
-/// only the softmax and norm thresholds read — one parser, every key accounted for.
-fn parse_spec(s: &str) -> Result<(Policy, SpecExtras), String> {
-    let mut extras = SpecExtras {
-        form: AttentionImpl::Standard,
-        variance: Variance::TwoPass,
-    };
-    let mut policy = vec![];
-    for item in s.split(',').filter(|x| !x.trim().is_empty()) {
-        match item.split_once('=').map(|(k, v)| (k.trim(), v.trim())) {
-            Some(("form", v)) => {
-                extras.form = v.parse().map_err(|e: ttrace::Error| e.to_string())?
-            }
-            Some(("variance", v)) => {
-                extras.variance = v.parse().map_err(|e: ttrace::Error| e.to_string())?
-            }
-            _ => policy.push(item),
-        }
-    }
-    let policy = policy
-        .join(",")
-        .parse::<Policy>()
-        .map_err(|e| e.to_string())?;
-    Ok((policy, extras))
+/// The op's text, read by the library's registry ([`Op`]'s `FromStr`).
+fn parse_op(s: &str) -> Result<Op, String> {
+    s.parse().map_err(|e: ttrace::Error| e.to_string())
 }
 
 /// A synthetic tensor with entries mean + std·N(0, 1), rounded to `format`.
@@ -153,7 +101,6 @@ struct BaselineReport {
     nominal_relative: f64,
 }
 
-#[allow(clippy::too_many_arguments)]
 /// Price the threshold and print it.
 pub fn run(a: Args) -> Result<Outcome, String> {
     let Args {
@@ -170,8 +117,9 @@ pub fn run(a: Args) -> Result<Outcome, String> {
         json,
     } = a;
     let (reference, candidate) = (reference.as_str(), candidate.as_str());
-    let (rp, er) = parse_spec(reference)?;
-    let (cp, ec) = parse_spec(candidate)?;
+    let side = |t: &str| t.parse::<OpSide>().map_err(|e| e.to_string());
+    let (rs, cs) = (side(reference)?, side(candidate)?);
+    let (rp, cp) = (rs.policy.clone(), cs.policy.clone());
     if !(std >= 0.0 && std.is_finite() && mean.is_finite()) {
         return Err(format!(
             "--mean and --std must be finite and --std non-negative (got {mean}, {std})"
@@ -183,7 +131,6 @@ pub fn run(a: Args) -> Result<Outcome, String> {
         Confidence::probabilistic(delta).map_err(|e| e.to_string())?
     };
     let stats = TermStats::normal(mean, std);
-    let fmt = rp.input();
     let e = |r: ttrace::Result<Threshold>| r.map_err(|e| e.to_string());
     // FP8 scaling, tensor cores and orders of unknown kernel are priced from data: on
     // synthetic operands.
@@ -192,13 +139,9 @@ pub fn run(a: Args) -> Result<Outcome, String> {
         p.scaling != Scaling::None || o.has_tensor_core() || o.has_family()
     };
     let fp8 = data_only(&rp) || data_only(&cp);
+    let planned = matches!(op, Op::Sum) || (matches!(op, Op::Matmul) && !fp8);
     let th = match op {
-        Op::Matmul if fp8 => {
-            let a = synthetic(&[m, k], mean, std, "cli.a", Format::F32)?;
-            let b = synthetic(&[k, n], mean, std, "cli.b", Format::F32)?;
-            e(matmul_threshold(&a, &b, None, &rp, &cp, confidence))?
-        }
-        Op::Matmul => e(plan_matmul(
+        Op::Matmul if !fp8 => e(plan_matmul(
             &MatmulPlan {
                 m,
                 k,
@@ -211,51 +154,47 @@ pub fn run(a: Args) -> Result<Outcome, String> {
             confidence,
         ))?,
         Op::Sum => e(plan_sum(m, k, stats, &rp, &cp, confidence))?,
-        Op::Softmax => {
-            let x = synthetic(&[m, k], mean, std, "cli.x", fmt)?;
-            e(softmax_threshold(
-                &x, &rp, er.form, &cp, ec.form, confidence,
-            ))?
-        }
-        Op::Layernorm | Op::Rmsnorm => {
-            let x = synthetic(&[m, k], mean, std, "cli.x", fmt)?;
-            let w = synthetic(&[k], 1.0, 0.1, "cli.w", fmt)?;
-            let b = synthetic(&[k], 0.0, 0.1, "cli.b", fmt)?;
-            let (ro, co, bias) = if matches!(op, Op::Rmsnorm) {
-                (NormOp::RmsNorm, NormOp::RmsNorm, None)
+        _ => {
+            // Every other op on synthetic operands, through the library's op registry. A
+            // matmul's operands are drawn in FP32 (FP8 scaling quantizes them itself).
+            let fmt = if matches!(op, Op::Matmul) {
+                Format::F32
             } else {
-                (
-                    NormOp::LayerNorm(er.variance),
-                    NormOp::LayerNorm(ec.variance),
-                    Some(&b),
-                )
+                rp.input()
             };
-            e(norm_threshold(
-                &NormData {
-                    x: &x,
-                    weight: &w,
-                    bias,
-                    eps: 1e-5,
-                },
-                NormSide {
-                    op: ro,
-                    policy: &rp,
-                },
-                NormSide {
-                    op: co,
-                    policy: &cp,
-                },
+            let operands = op.operands(m, k, n);
+            let total = operands.iter().try_fold(0usize, |t, o| {
+                o.shape
+                    .iter()
+                    .try_fold(1usize, |a, &d| a.checked_mul(d))
+                    .and_then(|x| t.checked_add(x))
+            });
+            if total.is_none_or(|t| t > 1 << 26) {
+                return Err(format!(
+                    "synthetic pricing of {op} is limited to 2^26 elements in all; use smaller \
+                     --m/--k/--n"
+                ));
+            }
+            let tensors = operands
+                .iter()
+                .map(|o| {
+                    let (mu, sd, seed) = match o.role {
+                        OperandRole::Data => (mean, std, format!("cli.{}", o.name)),
+                        OperandRole::NormWeight => (1.0, 0.1, "cli.w".to_string()),
+                        OperandRole::NormBias => (0.0, 0.1, "cli.b".to_string()),
+                    };
+                    synthetic(&o.shape, mu, sd, &seed, fmt)
+                })
+                .collect::<Result<Vec<_>, String>>()?;
+            let inputs: Vec<&Tensor> = tensors.iter().collect();
+            e(op_threshold(
+                op,
+                &inputs,
+                &rs,
+                &cs,
+                &OpOptions::default(),
                 confidence,
             ))?
-        }
-        Op::Gelu | Op::Silu => {
-            let x = synthetic(&[m, k], mean, std, "cli.x", fmt)?;
-            let f = if matches!(op, Op::Gelu) {
-                Elementwise::Gelu
-            } else {
-                Elementwise::Silu
-            };
-            e(elementwise_threshold(f, &x, None, &rp, &cp, confidence))?
         }
     };
     let out_format = rp.output;
@@ -267,7 +206,7 @@ pub fn run(a: Args) -> Result<Outcome, String> {
         })
         .collect();
     let shape = match op {
-        Op::Matmul => [m, k, n],
+        Op::Matmul | Op::Linear | Op::AllReduce => [m, k, n],
         _ => [m, k, 1],
     };
     if json {
@@ -293,14 +232,11 @@ pub fn run(a: Args) -> Result<Outcome, String> {
             format!("probabilistic, fails with probability <= {delta:e}")
         }
     };
-    let name = serde_json::to_value(op)
-        .ok()
-        .and_then(|v| v.as_str().map(str::to_string))
-        .unwrap_or_default();
-    let how = match op {
-        Op::Matmul if !fp8 => "closed-form plan",
-        Op::Sum => "closed-form plan",
-        _ => "priced on a synthetic tensor",
+    let name = op.to_string();
+    let how = if planned {
+        "closed-form plan"
+    } else {
+        "priced on a synthetic tensor"
     };
     outln!("op: {name}  shape: {shape:?}  inputs ~ N({mean}, {std}^2)  ({how})");
     outln!("reference: {reference}\ncandidate: {candidate}");

@@ -1,0 +1,217 @@
+//! The op registry: every op's threshold through `op_threshold` holds against the reference
+//! engine's two executions (an independent implementation: the engine computes the op, the
+//! bounds price it), is the threshold of the op's own model (the dispatch loses nothing:
+//! `linear` is `matmul` on the transposed weight), and bad operand counts are refused with
+//! the variant.
+
+use ttrace::bounds::{
+    elementwise_threshold, matmul_threshold, norm_threshold, op_threshold, softmax_threshold,
+    sum_threshold, Confidence, Elementwise, NormData, NormOp, NormSide, Op, OpOptions, OpSide,
+    OperandRole,
+};
+use ttrace::engine::{
+    add, gelu, layer_norm, linear, matmul, normal_values, online_softmax, rms_norm, scale, silu,
+    softmax, AttentionImpl, Variance,
+};
+use ttrace::{sum, Accumulation, Error, Format, Overflow, Policy, Tensor};
+
+fn synthetic(shape: &[usize], role: OperandRole, seed: &str, f: Format) -> Tensor {
+    let n = shape.iter().product();
+    let (mean, std) = match role {
+        OperandRole::Data => (0.3, 1.0),
+        OperandRole::NormWeight => (1.0, 0.1),
+        OperandRole::NormBias => (0.0, 0.1),
+    };
+    let v = normal_values(seed, n, mean, std, 7);
+    Tensor::rounded(shape, v, f, Overflow::Saturating).unwrap()
+}
+
+fn frobenius(a: &Tensor, b: &Tensor) -> f64 {
+    a.values()
+        .iter()
+        .zip(b.values())
+        .map(|(x, y)| (x - y) * (x - y))
+        .sum::<f64>()
+        .sqrt()
+}
+
+/// Row sums of `x` [rows, n] under `p` (the engine's reduction), divided by n for a mean.
+fn row_sums(x: &Tensor, p: &Policy, mean: bool) -> Tensor {
+    let n = *x.shape().last().unwrap();
+    let rows = x.len() / n;
+    let acc: &Accumulation = &p.accumulation;
+    let v: Vec<f64> = (0..rows)
+        .map(|r| {
+            let s = sum(&x.values()[r * n..(r + 1) * n], acc).unwrap();
+            let s = if mean {
+                p.accumulator().round(s / n as f64, Overflow::NonSaturating)
+            } else {
+                s
+            };
+            p.output.round(s, Overflow::NonSaturating)
+        })
+        .collect();
+    Tensor::from_vec(&[rows], v, p.output).unwrap()
+}
+
+/// The engine's execution of `op` on `inputs` under one side.
+fn execute(op: Op, inputs: &[&Tensor], side: &OpSide, eps: f64) -> Option<Tensor> {
+    let p = &side.policy;
+    Some(match op {
+        Op::Matmul => matmul(inputs[0], inputs[1], p).unwrap(),
+        Op::Linear => linear(inputs[0], inputs[1], inputs.get(2).copied(), p).unwrap(),
+        Op::Sum | Op::Mean => row_sums(inputs[0], p, op == Op::Mean),
+        Op::Softmax => match side.form {
+            AttentionImpl::Standard => softmax(inputs[0], p).unwrap(),
+            AttentionImpl::Online { block } => online_softmax(inputs[0], block, p).unwrap(),
+        },
+        Op::LayerNorm => {
+            layer_norm(inputs[0], inputs[1], inputs[2], eps, side.variance, p)
+                .unwrap()
+                .0
+        }
+        Op::RmsNorm => rms_norm(inputs[0], inputs[1], eps, p).unwrap().0,
+        Op::Elementwise(Elementwise::Add) => add(inputs[0], inputs[1], p).unwrap(),
+        Op::Elementwise(Elementwise::Scale { c }) => scale(inputs[0], c, p).unwrap(),
+        Op::Elementwise(Elementwise::Gelu) => gelu(inputs[0], p).unwrap(),
+        Op::Elementwise(Elementwise::Silu) => silu(inputs[0], p).unwrap(),
+        _ => return None,
+    })
+}
+
+/// Every op the engine executes: the registry's guaranteed threshold holds for the engine's
+/// two executions, and its probabilistic one is the op model's own, bit for bit.
+#[test]
+fn every_op_through_the_registry_holds_against_the_engine() {
+    let reference: OpSide = "in=bf16,acc=f32,out=bf16,order=sequential".parse().unwrap();
+    let mut candidate: OpSide = "in=bf16,acc=f32,out=bf16,order=pairwise:4,form=online:8,\
+                                 variance=welford"
+        .parse()
+        .unwrap();
+    let options = OpOptions::default();
+    let mut executed = 0;
+    for name in Op::NAMES {
+        let op: Op = name.replace("scale:C", "scale:0.37").parse().unwrap();
+        // Elementwise ops share the accumulator order; pairwise only matters to reductions.
+        candidate.policy.accumulation.order = match op {
+            Op::Elementwise(_) => reference.policy.accumulation.order.clone(),
+            _ => "pairwise:4".parse().unwrap(),
+        };
+        let operands = op.operands(6, 32, 5);
+        let tensors: Vec<Tensor> = operands
+            .iter()
+            .map(|o| synthetic(&o.shape, o.role, &format!("{op}.{}", o.name), Format::BF16))
+            .collect();
+        let inputs: Vec<&Tensor> = tensors.iter().collect();
+        let g = op_threshold(
+            op,
+            &inputs,
+            &reference,
+            &candidate,
+            &options,
+            Confidence::Guaranteed,
+        )
+        .unwrap();
+        let conf = Confidence::probabilistic(1e-6).unwrap();
+        let t = op_threshold(op, &inputs, &reference, &candidate, &options, conf).unwrap();
+        assert!(t.abs_frobenius <= g.abs_frobenius * (1.0 + 1e-12), "{op}");
+        // The op's own model, called directly.
+        let (rp, cp) = (&reference.policy, &candidate.policy);
+        let direct = match op {
+            Op::Matmul => Some(matmul_threshold(inputs[0], inputs[1], None, rp, cp, conf)),
+            Op::Linear => {
+                let w = ttrace::engine::transpose(inputs[1], "w").unwrap();
+                Some(matmul_threshold(inputs[0], &w, None, rp, cp, conf))
+            }
+            Op::Sum | Op::Mean => Some(sum_threshold(inputs[0], rp, cp, op == Op::Mean, conf)),
+            Op::Softmax => Some(softmax_threshold(
+                inputs[0],
+                rp,
+                reference.form,
+                cp,
+                candidate.form,
+                conf,
+            )),
+            Op::LayerNorm => Some(norm_threshold(
+                &NormData {
+                    x: inputs[0],
+                    weight: inputs[1],
+                    bias: Some(inputs[2]),
+                    eps: options.norm_eps,
+                },
+                NormSide {
+                    op: NormOp::LayerNorm(Variance::TwoPass),
+                    policy: rp,
+                },
+                NormSide {
+                    op: NormOp::LayerNorm(Variance::Welford),
+                    policy: cp,
+                },
+                conf,
+            )),
+            Op::Elementwise(e) => Some(elementwise_threshold(
+                e,
+                inputs[0],
+                inputs.get(1).copied(),
+                rp,
+                cp,
+                conf,
+            )),
+            _ => None,
+        };
+        if let Some(d) = direct {
+            assert_eq!(
+                d.unwrap(),
+                t,
+                "{op}: the registry's threshold is the model's"
+            );
+        }
+        if let (Some(r), Some(c)) = (
+            execute(op, &inputs, &reference, options.norm_eps),
+            execute(op, &inputs, &candidate, options.norm_eps),
+        ) {
+            let d = frobenius(&r, &c);
+            assert!(
+                d <= g.abs_frobenius,
+                "{op}: {d:e} > guaranteed {:e}",
+                g.abs_frobenius
+            );
+            executed += 1;
+        }
+    }
+    assert_eq!(executed, 11, "every op but exp and allreduce executed");
+}
+
+/// Operand counts outside an op's arity are refused with the variant, naming the operands.
+#[test]
+fn bad_operand_counts_are_refused() {
+    let side: OpSide = "in=f32,acc=f32,out=f32".parse().unwrap();
+    let x = Tensor::from_vec(&[2, 2], vec![1.0, 2.0, 3.0, 4.0], Format::F32).unwrap();
+    let o = OpOptions::default();
+    for (op, n) in [
+        (Op::Matmul, 1),
+        (Op::Matmul, 4),
+        (Op::RmsNorm, 3),
+        (Op::Softmax, 2),
+        (Op::AllReduce, 0),
+    ] {
+        let inputs = vec![&x; n];
+        match op_threshold(op, &inputs, &side, &side, &o, Confidence::Guaranteed) {
+            Err(Error::InvalidParameter {
+                name: "inputs",
+                reason,
+            }) => {
+                assert!(reason.contains(op.operand_names()[0]), "{reason}")
+            }
+            other => panic!("{op} with {n}: {other:?}"),
+        }
+    }
+    assert!(matches!(
+        "form=flash".parse::<OpSide>(),
+        Err(Error::UnknownName { .. })
+    ));
+    assert!(matches!(
+        "in=bf16,colour=red".parse::<OpSide>(),
+        Err(Error::UnknownName { .. } | Error::InvalidParameter { .. })
+    ));
+}
