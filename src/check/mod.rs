@@ -26,7 +26,6 @@ use serde::Serialize;
 use crate::error::Error;
 use crate::trace::id::Trace;
 
-pub use crate::io::InferredLayout;
 use crate::verdict::failed;
 pub use crate::verdict::{
     apply_threshold, compare_tensor, compare_tensor_with, Detection, Detector, Finding,

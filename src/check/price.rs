@@ -174,7 +174,7 @@ impl TensorStat {
 /// The norm gain g = sqrt(mean_rows ‖x_r‖² / ‖x_r − x̄_r‖²) of a tensor viewed as rows of
 /// its last dimension (rows with zero spread are skipped; 1 for an empty tensor).
 #[cfg(test)]
-pub(crate) fn norm_gain(values: &[f64], row: usize) -> f64 {
+pub(crate) fn measured_norm_gain(values: &[f64], row: usize) -> f64 {
     norm_gain_by(values.len(), row, &mut |s, e, f| f(&values[s..e]))
 }
 

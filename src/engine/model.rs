@@ -753,7 +753,7 @@ impl Gpt {
             }
         }
         for (name, mut t) in param_grads {
-            let id = format!("{name}|param_grad");
+            let id = TensorId::param_grad(&name).to_string();
             hook(&id, &mut t)?;
             trace.push(id, t)?;
         }

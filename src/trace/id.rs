@@ -42,6 +42,7 @@ pub enum TensorRole {
 /// assert_eq!(id.role, TensorRole::ParamGrad { param: "weight".into() });
 /// assert_eq!(id.to_string(), "layers.0.mlp.fc1.weight|param_grad");
 /// assert_eq!(TensorId::fwd_output("ln1", 0).to_string(), "ln1|fwd.output.0");
+/// assert_eq!(TensorId::param_grad("layers.0.mlp.fc1.weight"), id);
 /// assert!(TensorId::parse("ln1|fwd.output").is_none());
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -71,6 +72,19 @@ impl TensorId {
     /// `{module}|grad.input.{i}`.
     pub fn grad_input(module: &str, i: usize) -> TensorId {
         TensorId::of(module, TensorRole::GradInput(i))
+    }
+
+    /// `{parameter}|param_grad`: the gradient of the parameter with the full name `parameter`
+    /// (`layers.0.mlp.fc1.weight`; its module is everything before the last `.`, as
+    /// [`parse`](Self::parse) reads it).
+    pub fn param_grad(parameter: &str) -> TensorId {
+        let (module, param) = parameter.rsplit_once('.').unwrap_or((parameter, ""));
+        TensorId::of(
+            module,
+            TensorRole::ParamGrad {
+                param: param.to_string(),
+            },
+        )
     }
 
     fn of(module: &str, role: TensorRole) -> TensorId {

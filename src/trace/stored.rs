@@ -240,7 +240,7 @@ mod tests {
     /// the norm gain of the decoded values bit for bit.
     #[test]
     fn windowed_rows_give_the_norm_gain_of_the_values() {
-        use crate::check::price::{norm_gain, norm_gain_by};
+        use crate::check::price::{measured_norm_gain, norm_gain_by};
         let mut g = crate::random::SplitMix64::for_name("window", 1);
         for (row, rows) in [
             (2, 5000),
@@ -254,7 +254,7 @@ mod tests {
             let s = Stored::new(&[rows, row], Format::BF16, bytes).unwrap();
             let mut window = Window::new(&s);
             let by_window = norm_gain_by(n, row, &mut |a, b, f| window.visit(a, b, f));
-            let whole = norm_gain(s.decode().values(), row);
+            let whole = measured_norm_gain(s.decode().values(), row);
             assert_eq!(by_window.to_bits(), whole.to_bits(), "row {row}");
             assert!(whole > 1.0);
         }

@@ -338,7 +338,7 @@ pub fn fresh_sites(
                             )?);
                         }
                     }
-                    sites.insert(format!("{}|param_grad", m.params[0]), v);
+                    sites.insert(TensorId::param_grad(&m.params[0]).to_string(), v);
                 }
                 if let Some(bias) = m.params.get(1) {
                     let (owners, parts) = replicated_groups(row);
@@ -361,7 +361,7 @@ pub fn fresh_sites(
                                 ring(1),
                             )?);
                         }
-                        sites.insert(format!("{bias}|param_grad"), v);
+                        sites.insert(TensorId::param_grad(bias).to_string(), v);
                     }
                 }
             }
@@ -403,9 +403,9 @@ pub fn fresh_sites(
                     vw.push(element(&tw, &acc, owners, parts, false, gf, gf, ring(1))?);
                     vb.push(element(&tb, &acc, owners, parts, false, gf, gf, ring(1))?);
                 }
-                sites.insert(format!("{}|param_grad", m.params[0]), vw);
+                sites.insert(TensorId::param_grad(&m.params[0]).to_string(), vw);
                 if let Some(b) = m.params.get(1) {
-                    sites.insert(format!("{b}|param_grad"), vb);
+                    sites.insert(TensorId::param_grad(b).to_string(), vb);
                 }
             }
             ModuleKind::Embedding => {
@@ -431,7 +431,7 @@ pub fn fresh_sites(
                             element(&terms, &acc, &own, parts, false, gf, gf, ring(1))?;
                     }
                 }
-                sites.insert(format!("{}|param_grad", m.params[0]), vte);
+                sites.insert(TensorId::param_grad(&m.params[0]).to_string(), vte);
                 let mut vpe = vec![0.0; cfg.seq * h];
                 for s in 0..cfg.seq {
                     let pos: Vec<usize> = (0..cfg.batch).map(|b| b * cfg.seq + s).collect();
@@ -442,7 +442,7 @@ pub fn fresh_sites(
                             element(&terms, &acc, &own, parts, false, gf, gf, ring(1))?;
                     }
                 }
-                sites.insert(format!("{}|param_grad", m.params[1]), vpe);
+                sites.insert(TensorId::param_grad(&m.params[1]).to_string(), vpe);
             }
             ModuleKind::Loss if n_dpcp > 1 => {
                 let z = reference.require(&TensorId::fwd_input(name, 0).to_string())?;

@@ -20,7 +20,7 @@ use crate::format::Format;
 use crate::tensor::Tensor;
 use crate::trace::id::TensorId;
 use crate::trace::stored::Stored;
-use pass::Pass;
+use pass::ComparePass;
 
 pub use detect::{Detection, Detector, Finding, NORM_SHARE};
 
@@ -289,7 +289,7 @@ fn compare_pair(
         return (verdict, Sums::default());
     }
     let (rf, cf) = pair.formats;
-    let mut pass = Pass::new(rf, cf);
+    let mut pass = ComparePass::new(rf, cf);
     let stored = coarser(rf, cf);
     let mut detection = detection_for(id, detection);
     // One side stored in a coarser format was rounded once more, onto a grid whose rounding

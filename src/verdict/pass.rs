@@ -84,7 +84,7 @@ pub(crate) fn pass_simple(r: &[f64], c: &[f64], rf: Format, cf: Format) -> PassS
 /// and conversions give identical results on any instruction set).
 #[cfg(test)]
 pub(crate) fn pass_fast(r: &[f64], c: &[f64], rf: Format, cf: Format) -> PassStats {
-    let mut pass = Pass::new(rf, cf);
+    let mut pass = ComparePass::new(rf, cf);
     pass.feed(r, c);
     pass.finish()
 }
@@ -93,7 +93,7 @@ pub(crate) fn pass_fast(r: &[f64], c: &[f64], rf: Format, cf: Format) -> PassSta
 /// last must hold a multiple of 8 pairs, so each lane keeps summing its elements in index
 /// order across pieces and the result is that of one piece, bit for bit (see [`pass_fast`]).
 /// A stored tensor is compared this way a decoded block at a time.
-pub(crate) struct Pass {
+pub(crate) struct ComparePass {
     acc: Lanes,
     rf: Format,
     cf: Format,
@@ -105,10 +105,10 @@ pub(crate) struct Pass {
     scanned: PassStats,
 }
 
-impl Pass {
+impl ComparePass {
     /// A pass comparing values of `rf` (reference) with values of `cf` (candidate).
-    pub(crate) fn new(rf: Format, cf: Format) -> Pass {
-        Pass {
+    pub(crate) fn new(rf: Format, cf: Format) -> ComparePass {
+        ComparePass {
             acc: Lanes::default(),
             rf,
             cf,
@@ -344,7 +344,7 @@ fn lanes_over<const ULP: bool, const SH: u32>(r: &[f64], c: &[f64], acc: &mut La
 /// The lane loop written for the compiler to vectorize (element i into lane i mod 8, branch-free
 /// selects), continuing `acc`; whether the piece holds a non-finite value. F32 and BF16
 /// ordinals are cheap bit operations on the f32 pattern and are computed here (0 for equal or
-/// non-finite pairs); other formats get the scalar scan of [`Pass::feed`].
+/// non-finite pairs); other formats get the scalar scan of [`ComparePass::feed`].
 #[inline(always)]
 fn lanes_plain(acc: &mut Lanes, r: &[f64], c: &[f64], rf: Format, cf: Format) -> bool {
     let n = r.len().min(c.len());
@@ -404,7 +404,7 @@ mod pass_tests {
             }).collect();
             let s = pass_simple(&r, &c, f, f);
             // In one piece, and fed in pieces of 8k pairs.
-            let mut pieces = Pass::new(f, f);
+            let mut pieces = ComparePass::new(f, f);
             let mut at = 0usize;
             for k in cuts.iter().chain([&usize::MAX]) {
                 let to = at.saturating_add(k.saturating_mul(8)).min(r.len());

@@ -169,10 +169,10 @@ fn roles_follow_the_naming_convention() {
 #[test]
 fn norm_gain_measures_the_row_spread() {
     // Centred rows: gain 1; a row with mean 3 and spread 1 per element: sqrt(10).
-    assert!((norm_gain(&[1.0, -1.0, 2.0, -2.0], 2) - 1.0).abs() < 1e-15);
-    let g = norm_gain(&[4.0, 2.0], 2);
+    assert!((measured_norm_gain(&[1.0, -1.0, 2.0, -2.0], 2) - 1.0).abs() < 1e-15);
+    let g = measured_norm_gain(&[4.0, 2.0], 2);
     assert!((g - 10f64.sqrt()).abs() < 1e-12);
-    assert_eq!(norm_gain(&[5.0, 5.0], 2), 1.0);
+    assert_eq!(measured_norm_gain(&[5.0, 5.0], 2), 1.0);
 }
 
 #[test]

@@ -644,7 +644,7 @@ impl ShardedGpt {
             for (p, mut shards) in pg {
                 let layout = self.reduce_param_grad(&p, &mut shards)?;
                 out.push(ShardedEntry {
-                    id: format!("{p}|param_grad"),
+                    id: TensorId::param_grad(&p).to_string(),
                     layout,
                     shards,
                 });
@@ -742,7 +742,7 @@ impl ShardedGpt {
         for (name, mut shards) in param_grads {
             let layout = self.reduce_param_grad(&name, &mut shards)?;
             entries.push(ShardedEntry {
-                id: format!("{name}|param_grad"),
+                id: TensorId::param_grad(&name).to_string(),
                 layout,
                 shards,
             });
