@@ -1,7 +1,7 @@
 //! The bulk rounding kernels behind [`Format::round_slice`] and
 //! [`Format::round_f32_to_bits`]: blocks of 8 rounded branch-free on their bit patterns (AVX2
 //! and F16C where the CPU has them), every other element through the scalar path —
-//! bit-identical to [`Format::round`] per element (`tests/formats.rs`).
+//! bit-identical to [`Format::round`] per element (`tests/formats/`).
 
 use super::*;
 
@@ -14,7 +14,7 @@ use super::*;
 /// exactly the cases where [`round_to_precision`] takes that formula and no overflow policy
 /// applies. Otherwise (subnormal results, overflow, NaN, infinities) the block goes through
 /// the element-wise path. Bit-identical to [`Format::round`] per element
-/// (`tests/formats.rs`, `round_slice_is_round_per_element`).
+/// (`tests/formats/`, `round_slice_is_round_per_element`).
 pub(super) fn round_slice_const<const P: u32, const EMIN: i32>(
     format: Format,
     xs: &mut [f64],
