@@ -475,7 +475,7 @@ fn replays_cover_every_produced_tensor_and_are_exact_off_the_fresh_sites() {
         let rt = reference.step().unwrap().trace;
         let step = sharded.step().unwrap();
         let replayed = replayed_outputs(&mut sharded, &step, &rt).unwrap();
-        let sites = fresh_sites(&before, &rt, &mesh, Algorithm::Ring).unwrap();
+        let sites = fresh_sites(&before, &rt, &mesh, sharded.plan(), Algorithm::Ring).unwrap();
         let (mut exact, mut fresh_differing) = (0, 0);
         for e in rt.entries() {
             if !TensorId::parse(&e.id).is_some_and(|t| t.produced()) {

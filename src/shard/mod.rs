@@ -4,10 +4,12 @@
 
 pub(crate) mod collective;
 pub(crate) mod model;
+pub(crate) mod plan;
 pub(crate) mod ring;
 
 pub use collective::{all_gather, all_reduce, all_reduce_max, reduce_scatter, Algorithm};
 pub use model::{ShardedEntry, ShardedGpt, ShardedStep};
+pub use plan::{ParallelStyle, ShardingPlan};
 pub use ring::{
     ring_attention, ring_attention_backward, ring_attention_with, RingOptions, RingSaved,
 };

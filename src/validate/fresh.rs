@@ -20,6 +20,7 @@
 //! combined in ring order in the combine format) are independent executions, so
 //! E ε² = Var_r + Var_c + (mean_c − mean_r)² + (tie bounds)². The result is E ε² per element.
 
+use crate::shard::{ParallelStyle, ShardingPlan};
 use std::collections::HashMap;
 
 use crate::bounds::reduction::{random_rounding_error as reduction_error, ReductionError};
@@ -211,29 +212,20 @@ fn group_terms(owners: &[usize], terms: &[f64], parts: usize) -> Vec<Vec<f64>> {
     g
 }
 
-fn linear_name(m: &str) -> Option<bool> {
-    // Some(true): row-parallel; Some(false): column-parallel.
-    if m.ends_with("attn.proj") || m.ends_with("mlp.fc2") {
-        Some(true)
-    } else if m.ends_with("attn.qkv") || m.ends_with("mlp.fc1") || m == "lm_head" {
-        Some(false)
-    } else {
-        None
-    }
-}
-
-/// The TP rank that owns output feature k of a column-parallel layer with `out` features.
-fn column_owner(name: &str, k: usize, out: usize, tp: usize) -> usize {
-    let groups = if name.ends_with("attn.qkv") { 3 } else { 1 };
+/// The TP rank that owns output feature k of a column-parallel layer with `out` features in
+/// `groups` interleaved groups.
+fn column_owner(groups: usize, k: usize, out: usize, tp: usize) -> usize {
     let len = out / (groups * tp);
     (k % (out / groups)) / len
 }
 
-/// Every fresh site of `model` (its last step traced in `reference`) on `mesh`.
+/// Every fresh site of `model` (its last step traced in `reference`) on `mesh`, its linears
+/// split by `plan` ([`ShardedGpt::plan`](crate::shard::ShardedGpt::plan)).
 pub fn fresh_sites(
     model: &Gpt,
     reference: &Trace,
     mesh: &Mesh,
+    plan: &ShardingPlan,
     algorithm: Algorithm,
 ) -> Result<FreshSites> {
     let tree = algorithm == Algorithm::Tree;
@@ -259,7 +251,14 @@ pub fn fresh_sites(
         };
         match m.kind {
             ModuleKind::Linear => {
-                let row = linear_name(name) == Some(true);
+                let style = plan
+                    .style(name)
+                    .unwrap_or(ParallelStyle::Colwise { groups: 1 });
+                let row = style == ParallelStyle::Rowwise;
+                let groups = match style {
+                    ParallelStyle::Colwise { groups } => groups,
+                    ParallelStyle::Rowwise => 1,
+                };
                 let x = reference.require(&TensorId::fwd_input(name, 0).to_string())?;
                 let g = reference.require(&TensorId::grad_output(name, 0).to_string())?;
                 let w = model.param(&m.params[0])?;
@@ -303,7 +302,7 @@ pub fn fresh_sites(
                 if tp > 1 && !row {
                     // dx_tk = Σ_j g_tj W_jk, the out features split over TP.
                     let owners: Vec<usize> =
-                        (0..out).map(|j| column_owner(name, j, out, tp)).collect();
+                        (0..out).map(|j| column_owner(groups, j, out, tp)).collect();
                     let v = split_k_site(
                         (rows, inp, out),
                         |t, j| gv[t * out + j],

@@ -45,6 +45,7 @@ use crate::policy::{
     delayed_scale, per_tensor_scale, AttentionImpl, OpClass, Pass, Policy, Scaling,
 };
 use crate::shard::collective::{all_gather, all_reduce, reduce_scatter, Algorithm};
+use crate::shard::plan::{ParallelStyle, ShardingPlan};
 use crate::shard::ring::{ring_attention_backward, ring_attention_with, RingOptions, RingSaved};
 use crate::tensor::Tensor;
 use crate::trace::id::TensorId;
@@ -147,23 +148,6 @@ impl Dist {
     }
 }
 
-/// How a linear layer is parallelized.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Parallel {
-    Column { groups: usize },
-    Row,
-}
-
-fn parallel_of(name: &str) -> Parallel {
-    if name.ends_with("attn.qkv") {
-        Parallel::Column { groups: 3 }
-    } else if name.ends_with("attn.proj") || name.ends_with("mlp.fc2") {
-        Parallel::Row
-    } else {
-        Parallel::Column { groups: 1 }
-    }
-}
-
 enum Saved {
     None,
     Norm(Vec<NormSaved>),
@@ -191,6 +175,8 @@ pub struct ShardedGpt {
     /// Every rank's scale per operand (equal across ranks unless a bug makes them differ).
     rank_scales: HashMap<String, Vec<f64>>,
     bug: Option<Bug>,
+    /// Which linears are split over the tensor-parallel ranks, and how.
+    plan: ShardingPlan,
     /// Replaying single modules: reuse the last step's FP8 scales, record nothing.
     replay: bool,
 }
@@ -251,8 +237,23 @@ impl ShardedGpt {
             scales_used: HashMap::new(),
             rank_scales: HashMap::new(),
             bug: None,
+            plan: ShardingPlan::megatron_gpt(),
             replay: false,
         })
+    }
+
+    /// The tensor-parallel plan the model is sharded by (Megatron-LM's GPT plan, which the
+    /// attention's head split and the vocabulary-parallel loss assume).
+    pub fn plan(&self) -> &ShardingPlan {
+        &self.plan
+    }
+
+    /// The style of the linear `module` under the plan; a linear the plan does not name is
+    /// column-parallel (the simulator splits every linear of the model).
+    fn style(&self, module: &str) -> ParallelStyle {
+        self.plan
+            .style(module)
+            .unwrap_or(ParallelStyle::Colwise { groups: 1 })
     }
 
     /// The per-tensor FP8 scales of the last step (rank 0's; identical on every rank unless a
@@ -318,16 +319,11 @@ impl ShardedGpt {
             .strip_suffix(".weight")
             .or_else(|| name.strip_suffix(".bias"))
         {
-            let is_linear = module.ends_with("attn.qkv")
-                || module.ends_with("attn.proj")
-                || module.ends_with("mlp.fc1")
-                || module.ends_with("mlp.fc2")
-                || module == "lm_head";
-            match (is_linear, parallel_of(module), name.ends_with(".weight")) {
-                (false, _, _) => Placement::Replicate,
-                (true, Parallel::Column { groups }, _) => Placement::Split { dim: 0, groups },
-                (true, Parallel::Row, true) => Placement::split(1),
-                (true, Parallel::Row, false) => Placement::Replicate,
+            match (self.plan.style(module), name.ends_with(".weight")) {
+                (None, _) => Placement::Replicate,
+                (Some(ParallelStyle::Colwise { groups }), _) => Placement::Split { dim: 0, groups },
+                (Some(ParallelStyle::Rowwise), true) => Placement::split(1),
+                (Some(ParallelStyle::Rowwise), false) => Placement::Replicate,
             }
         } else {
             Placement::Replicate
@@ -342,8 +338,13 @@ impl ShardedGpt {
     /// Every rank's shard of a parameter.
     fn param_shards(&self, name: &str) -> Result<Vec<Tensor>> {
         let mut layout = self.param_layout(name);
-        if self.bug == Some(Bug::QkvWrongInterleave) && name.contains("attn.qkv") {
-            // The bug: a contiguous split of [Q | K | V] (the declared layout stays grouped).
+        let grouped = matches!(
+            self.plan.style_of_param(name),
+            Some(ParallelStyle::Colwise { groups }) if groups > 1
+        );
+        if self.bug == Some(Bug::QkvWrongInterleave) && grouped {
+            // The bug: a contiguous split of a grouped weight, [Q | K | V] (the declared
+            // layout stays grouped).
             layout.tp = Placement::split(0);
         }
         shard(self.model.param(name)?, &layout, &self.mesh, name)

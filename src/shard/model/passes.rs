@@ -184,14 +184,14 @@ impl ShardedGpt {
 
     pub(super) fn linear_forward(&mut self, m: &Module, x: &Dist) -> Result<(Dist, Saved)> {
         let p = self.policy(OpClass::Matmul, Pass::Forward);
-        let par = parallel_of(&m.name);
+        let par = self.style(&m.name);
         let w = self.param_shards(&m.params[0])?;
         let bias = match m.params.get(1) {
             Some(n) => Some(self.param_shards(n)?),
             None => None,
         };
         let xs = match par {
-            Parallel::Column { .. } if self.mesh.sequence_parallel() => {
+            ParallelStyle::Colwise { .. } if self.mesh.sequence_parallel() => {
                 self.gather_tp(&x.shards, 1, &m.name)?
             }
             _ => x.shards.clone(),
@@ -201,8 +201,9 @@ impl ShardedGpt {
         let sw = self.scale_for(format!("{}.weight", m.name), &w, &p, p.rhs(), true);
         let world = self.mesh.world();
         let mut out = Vec::with_capacity(world);
-        let bias_here =
-            par != Parallel::Row || self.mesh.tp == 1 || self.bug == Some(Bug::RowBiasOnEveryRank);
+        let bias_here = par != ParallelStyle::Rowwise
+            || self.mesh.tp == 1
+            || self.bug == Some(Bug::RowBiasOnEveryRank);
         for r in 0..world {
             let b = if bias_here {
                 bias.as_ref().map(|b| &b[r])
@@ -216,8 +217,8 @@ impl ShardedGpt {
             out.push(y.reshape(&shape)?);
         }
         let layout = match par {
-            Parallel::Column { groups } => self.act(Placement::Split { dim: 2, groups }),
-            Parallel::Row => {
+            ParallelStyle::Colwise { groups } => self.act(Placement::Split { dim: 2, groups }),
+            ParallelStyle::Rowwise => {
                 if self.mesh.tp > 1 {
                     let act = self.model.recipe().activation_format;
                     if self.bug == Some(Bug::ReduceScatterWrongDim) && self.mesh.sequence_parallel()
@@ -411,12 +412,12 @@ impl ShardedGpt {
         let dg = self.policy(OpClass::MatmulGradInput, Pass::Backward);
         let wg = self.policy(OpClass::MatmulGradWeight, Pass::Backward);
         let gf = self.model.recipe().grad_format;
-        let par = parallel_of(&m.name);
+        let par = self.style(&m.name);
         let w = self.param_shards(&m.params[0])?;
         let world = self.mesh.world();
         // Row-parallel layers under SP gather the output gradient along the sequence.
         let gs = match par {
-            Parallel::Row if self.mesh.sequence_parallel() => {
+            ParallelStyle::Rowwise if self.mesh.sequence_parallel() => {
                 self.gather_tp(&g.shards, 1, &m.name)?
             }
             _ => g.shards.clone(),
@@ -442,7 +443,7 @@ impl ShardedGpt {
                 let mut bp = wg.clone();
                 bp.output = gf;
                 // Under SP a row-parallel bias sums the rank's own sequence piece.
-                let src = if par == Parallel::Row && self.mesh.sequence_parallel() {
+                let src = if par == ParallelStyle::Rowwise && self.mesh.sequence_parallel() {
                     Self::flatten(&g.shards[r])?
                 } else {
                     g2[r].clone()
@@ -451,11 +452,11 @@ impl ShardedGpt {
             }
         }
         let layout = match par {
-            Parallel::Column { .. } => {
+            ParallelStyle::Colwise { .. } => {
                 self.reduce_tp(&mut dx, self.model.recipe().activation_format)?;
                 self.region()
             }
-            Parallel::Row => self.act(Placement::split(2)),
+            ParallelStyle::Rowwise => self.act(Placement::split(2)),
         };
         debug_assert_eq!(layout, inputs[0].layout);
         let mut pg = vec![(m.params[0].clone(), dw)];
@@ -473,8 +474,8 @@ impl ShardedGpt {
         let is_norm = [".ln1.", ".ln2.", "final_ln."]
             .iter()
             .any(|n| name.contains(n));
-        let is_row_bias =
-            name.ends_with(".bias") && (name.contains("attn.proj") || name.contains("mlp.fc2"));
+        let is_row_bias = name.ends_with(".bias")
+            && self.plan.style_of_param(name) == Some(ParallelStyle::Rowwise);
         let is_embedding = name.starts_with("embedding.");
         // The reduction format: FP32 gradients all-reduced in BF16 under the bug, then kept
         // in the gradient format.

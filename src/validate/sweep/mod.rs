@@ -411,7 +411,13 @@ pub fn run_config_with_thresholds(
         before.clone().step()?.trace
     };
     let cand = cand_step.merge(Some(&ref_trace))?;
-    let sites = fresh_sites(&before, &ref_trace, &run.mesh, run.algorithm)?;
+    let sites = fresh_sites(
+        &before,
+        &ref_trace,
+        &run.mesh,
+        sharded.plan(),
+        run.algorithm,
+    )?;
     let mut sim = options.simulation;
     sim.seed ^= run.seed;
     let composed = composed_thresholds(&before, &ref_trace, &sites, sim)?;
