@@ -22,15 +22,9 @@
 //!   tensor layouts (TP, SP, CP, DP), cutting a tensor into shards and the canonical merge.
 //! * [`bounds`]: comparison thresholds (guaranteed and probabilistic) for "reference order vs
 //!   candidate order" of reductions, matmuls, softmax, norms and elementwise ops.
-//! * [`shard`]: collectives with explicit order and format, ring attention, and the tiny GPT
-//!   executed on a [`trace::Mesh`] the Megatron-LM way ([`shard::ShardedGpt`]), bit-identical to the reference on one device.
-//! * [`validate`]: where a sharded run's arithmetic differs from the reference's, end-to-end
-//!   thresholds by difference simulation, TTrace's perturbation estimate, sensitivity, and the
-//!   sweep that `ttrace validate` runs.
-//! * [`bugs`]: fifteen injectable silent bugs, each modelling a real one; [`check`]: per-tensor
-//!   verdicts, the localizer that names the first module whose own output is wrong, and the
-//!   checking of two trace directories ([`check::check_dir_paths`]) with thresholds priced
-//!   from the manifest and the data ([`check::price_local`]).
+//! * [`check`]: per-tensor verdicts, the localizer that names the first module whose own output
+//!   is wrong, and the checking of two trace directories ([`check::check_dir_paths`]) with
+//!   thresholds priced from the manifest and the data ([`check::price_local`]).
 //! * [`io`]: trace directories — safetensors / `.npy` tensors (BF16 and FP8 read as stored)
 //!   and a versioned manifest of ids, ranks, dtypes and layouts (`papers/trace-format.md`).
 //!
@@ -38,12 +32,15 @@
 //!
 //! | feature | default | what it adds |
 //! |---|---|---|
-//! | `cli` | yes | the `ttrace` binary (clap, indicatif); implies `parallel` |
 //! | `parallel` | yes | checking trace directories, the validation sweep and large emulated matmuls on rayon's thread pool; without it they run on the calling thread with the same results |
 //!
 //! `default-features = false` gives the thresholds, the engine, the checker and the readers
 //! with 15 crates in the dependency tree (serde, serde_json, statrs without its defaults, libc
 //! and theirs).
+//!
+//! The validation lab — the sharded simulator, the silent-bug catalog, the validation sweep —
+//! and the `ttrace` command are the workspace crate `ttrace-lab` (`lab/`), which builds on
+//! this library and is not published with it (`docs/architecture.md`).
 //!
 //! The derivations and sources are in `papers/` (`formats-and-orders.md`,
 //! `bounds-*.md`, `sharding.md`, `checking.md`, `trace-format.md`); measured speeds against
@@ -88,29 +85,7 @@
 //! # Ok(())
 //! # }
 //! ```
-//!
-//! ## Example: a sharded training step, merged back and compared
-//!
-//! ```
-//! use ttrace::engine::{AttentionImpl, Gpt, GptConfig};
-//! use ttrace::{Recipe};
-//! use ttrace::shard::{Algorithm, ShardedGpt};
-//! use ttrace::trace::Mesh;
-//!
-//! # fn main() -> ttrace::Result<()> {
-//! let config = GptConfig { layers: 1, hidden: 16, heads: 2, seq: 8, batch: 2, vocab: 16,
-//!     attention: AttentionImpl::Online { block: 2 }, ..GptConfig::default() };
-//! let reference = Gpt::new(config.clone(), Recipe::bf16())?.step()?.trace;
-//! // Tensor parallel 2 with sequence parallelism, context parallel 2, data parallel 2.
-//! let mesh = Mesh::new(2, 2, 2, true)?;
-//! let mut sharded = ShardedGpt::new(Gpt::new(config, Recipe::bf16())?, mesh, Algorithm::Ring)?;
-//! let merged = sharded.step()?.merge(Some(&reference))?;
-//! // Same tensors under the same canonical ids; the embedding is computed identically.
-//! assert_eq!(merged.len(), reference.len());
-//! assert_eq!(merged.require("embedding|fwd.output.0")?, reference.require("embedding|fwd.output.0")?);
-//! # Ok(())
-//! # }
-//! ```
+
 #![warn(missing_docs)]
 // Library code reports bad input as errors: no unwrap/expect/panic outside tests (CI runs
 // clippy with -D warnings; `assert!` remains for internal invariants guarding unsafe code).
@@ -127,7 +102,7 @@
 )]
 
 pub mod bounds;
-pub mod bugs;
+
 pub mod check;
 mod decimal;
 pub mod engine;
@@ -140,10 +115,10 @@ pub(crate) mod order;
 mod parallel;
 pub(crate) mod policy;
 pub(crate) mod random;
-pub mod shard;
+
 pub(crate) mod tensor;
 pub mod trace;
-pub mod validate;
+
 pub(crate) mod verdict;
 
 pub use error::{Error, IoError, Result};
@@ -155,6 +130,22 @@ pub use order::{
 };
 pub use policy::{Policy, Recipe, Scaling};
 pub use tensor::Tensor;
+
+/// The library's internals that the validation lab (`lab/`, the `ttrace-lab` crate: the
+/// sharded simulator, the bug catalog, the validation sweep) builds on. Not part of the
+/// public API: no stability, no documentation beyond the items' own.
+#[doc(hidden)]
+pub mod __lab {
+    pub use crate::bounds::reduction::random_rounding_error;
+    pub use crate::engine::attention::{
+        attention_with_scale, forward_arith, split_heads, widest_of, Heads, OnlineArith, OnlineRow,
+    };
+    pub use crate::order::exec::dot_unchecked;
+    pub use crate::parallel::map;
+    pub use crate::policy::arith::Arith;
+    pub use crate::verdict::detect::detect;
+    pub use crate::verdict::{compare_with_sums, detection_for, Sums};
+}
 
 /// The README's Rust example, compiled and run as a doctest so the README stays true.
 #[cfg(doctest)]

@@ -35,7 +35,7 @@ pub(crate) fn for_each_chunk_mut<T: Send>(
 }
 
 /// `[f(item) for item in items]`, in order.
-pub(crate) fn map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync + Send) -> Vec<R> {
+pub fn map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync + Send) -> Vec<R> {
     #[cfg(feature = "parallel")]
     return items.par_iter().map(f).collect();
     #[cfg(not(feature = "parallel"))]

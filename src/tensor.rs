@@ -98,15 +98,10 @@ impl Tensor {
     }
 
     /// Internal constructor for values already known to be in `format`, with `shape` holding
-    /// exactly `values.len()` elements (callers guarantee it; readers validate shapes with
-    /// [`element_count`] first). Should the guarantee ever fail, the result is poisoned rather
+    /// exactly `values.len()` elements (callers guarantee it; readers validate shapes first). Should the guarantee ever fail, the result is poisoned rather
     /// than plausible: a flat tensor of NaNs, which no comparison accepts (its shape and
     /// values both mismatch), instead of silently wrong data.
-    pub(crate) fn from_parts_unchecked(
-        shape: &[usize],
-        values: Vec<f64>,
-        format: Format,
-    ) -> Tensor {
+    pub fn from_parts_unchecked(shape: &[usize], values: Vec<f64>, format: Format) -> Tensor {
         debug_assert_eq!(shape.iter().product::<usize>(), values.len());
         debug_assert!(format.first_unrepresentable(&values).is_none());
         if element_count(shape) != Some(values.len()) {

@@ -6,7 +6,7 @@ use crate::policy::Pass;
 use crate::trace::ModuleKind;
 
 /// Where the first wrong result was found — by the replaying localizer of the
-/// validation lab ([`validate::localize`](crate::validate::localize)) or by
+/// validation lab (`ttrace_lab::validate::localize`) or by
 /// the checker of trace directories ([`check_dirs`](crate::check::check_dirs)).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Localization {

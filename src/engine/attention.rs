@@ -50,16 +50,24 @@ pub struct AttentionSaved {
 }
 
 /// Q, K, V split per (batch, head), each [seq, d] row-major.
-pub(crate) struct Heads {
-    pub(crate) batch: usize,
-    pub(crate) seq: usize,
-    pub(crate) d: usize,
-    pub(crate) q: Vec<Vec<f64>>,
-    pub(crate) k: Vec<Vec<f64>>,
-    pub(crate) v: Vec<Vec<f64>>,
+pub struct Heads {
+    /// Batch size.
+    pub batch: usize,
+    /// Sequence length.
+    pub seq: usize,
+    /// Head dimension.
+    pub d: usize,
+    /// Per (batch, head): Q.
+    pub q: Vec<Vec<f64>>,
+    /// Per (batch, head): K.
+    pub k: Vec<Vec<f64>>,
+    /// Per (batch, head): V.
+    pub v: Vec<Vec<f64>>,
 }
 
-pub(crate) fn split_heads(
+/// The QKV projection [batch, seq, 3·hidden] split into Q, K and V per (batch, head), each
+/// rounded to `input`.
+pub fn split_heads(
     qkv: &Tensor,
     heads: usize,
     input: Format,
@@ -130,7 +138,7 @@ pub fn attention(
 
 /// [`attention`] with the score scale given (`None`: ra(1/√d)); the bug catalog uses it to
 /// model a scale computed from the wrong width.
-pub(crate) fn attention_with_scale(
+pub fn attention_with_scale(
     qkv: &Tensor,
     heads: usize,
     causal: bool,
@@ -199,7 +207,7 @@ pub(crate) fn attention_with_scale(
 
 /// The forward pass's rounding context, the accumulation of Q·Kᵀ and P·V (input format
 /// I) and of the block sums (accumulator format A).
-pub(crate) fn forward_arith(policy: &Policy) -> (Arith, crate::Accumulation, crate::Accumulation) {
+pub fn forward_arith(policy: &Policy) -> (Arith, crate::Accumulation, crate::Accumulation) {
     let ar = Arith::new(
         policy.accumulator(),
         policy.output,
@@ -269,7 +277,7 @@ fn standard_rows(
 /// m, denominator l and unnormalized output o, all in the accumulator format. Shared by the
 /// engine's online attention and the context-parallel ring attention, so that both compute
 /// every block exactly alike.
-pub(crate) struct OnlineRow {
+pub struct OnlineRow {
     m: f64,
     l: f64,
     o: Vec<f64>,
@@ -277,16 +285,20 @@ pub(crate) struct OnlineRow {
 
 /// The arithmetic of an online-attention row: rounding context, the input format P is rounded
 /// to, the accumulation of P·V (`acc`) and of the block sums (`acc_a`).
-pub(crate) struct OnlineArith<'a> {
+pub struct OnlineArith<'a> {
+    /// The rounding context of the scores and the running statistics.
     pub ar: &'a Arith,
+    /// The format the probabilities are rounded to before P·V.
     pub input: Format,
+    /// The accumulation of the row sums.
     pub acc: &'a crate::Accumulation,
+    /// The accumulation of P·V.
     pub acc_a: &'a crate::Accumulation,
 }
 
 impl OnlineRow {
     /// An empty row with head dimension `d`.
-    pub(crate) fn new(d: usize) -> OnlineRow {
+    pub fn new(d: usize) -> OnlineRow {
         OnlineRow {
             m: f64::NEG_INFINITY,
             l: 0.0,
@@ -298,7 +310,7 @@ impl OnlineRow {
     /// block's value row t. m_B = max, e = ra(exp(ra(S − m_B))), l_B = Σ e, O_B = dot(fl_I(e),
     /// V) per column; merged with α = ra(exp(ra(m − m_new))), β = ra(exp(ra(m_B − m_new))),
     /// l = add(mul(l, α), mul(l_B, β)), o likewise. A fully masked block is skipped.
-    pub(crate) fn absorb(
+    pub fn absorb(
         &mut self,
         scores: &[f64],
         value: impl Fn(usize, usize) -> f64,
@@ -340,7 +352,7 @@ impl OnlineRow {
     }
 
     /// (lse = ra(m + ra(ln l)), the outputs div(o, l) in the accumulator format).
-    pub(crate) fn finish(&self, ar: &Arith) -> (f64, Vec<f64>) {
+    pub fn finish(&self, ar: &Arith) -> (f64, Vec<f64>) {
         (
             ar.add(self.m, ar.ln(self.l)),
             self.o.iter().map(|&o| ar.div(o, self.l)).collect(),
@@ -477,7 +489,8 @@ pub fn attention_backward(
     ))
 }
 
-pub(crate) fn widest_of(a: Format, b: Format) -> Format {
+/// The wider of two formats (the one that holds the other; F64 when neither does).
+pub fn widest_of(a: Format, b: Format) -> Format {
     if a.is_subset_of(b) {
         b
     } else if b.is_subset_of(a) {

@@ -381,7 +381,7 @@ pub fn dot(x: &[f64], y: &[f64], policy: &Accumulation) -> Result<f64> {
 }
 
 /// [`dot`] without validating the policy, the lengths or the inputs (the caller has).
-pub(crate) fn dot_unchecked(x: &[f64], y: &[f64], policy: &Accumulation) -> f64 {
+pub fn dot_unchecked(x: &[f64], y: &[f64], policy: &Accumulation) -> f64 {
     debug_assert_eq!(x.len(), y.len());
     let ctx = Ctx {
         acc: policy.accumulator,

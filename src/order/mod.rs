@@ -24,7 +24,7 @@ use crate::exact::ExactAccumulator;
 use crate::format::{Format, Overflow};
 
 mod depth;
-mod exec;
+pub(crate) mod exec;
 mod tensorcore;
 
 pub use depth::TermDepth;

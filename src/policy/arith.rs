@@ -17,37 +17,46 @@ use crate::format::{Format, Overflow};
 
 /// Rounding context of one op.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Arith {
+pub struct Arith {
+    /// The accumulator format every intermediate is rounded to.
     pub acc: Format,
+    /// The output format.
     pub out: Format,
+    /// What a rounding does beyond the format's range.
     pub ov: Overflow,
 }
 
 impl Arith {
+    /// The context of accumulator `acc`, output `out` and overflow policy `ov`.
     pub fn new(acc: Format, out: Format, ov: Overflow) -> Arith {
         Arith { acc, out, ov }
     }
 
+    /// `x` rounded to the accumulator.
     #[inline]
     pub fn ra(&self, x: f64) -> f64 {
         self.acc.round(x, self.ov)
     }
 
+    /// `x` rounded to the output format.
     #[inline]
     pub fn ro(&self, x: f64) -> f64 {
         self.out.round(x, self.ov)
     }
 
+    /// a + b, rounded once to the accumulator.
     #[inline]
     pub fn add(&self, a: f64, b: f64) -> f64 {
         self.acc.add_rounded(a, b, self.ov)
     }
 
+    /// a − b, rounded once to the accumulator.
     #[inline]
     pub fn sub(&self, a: f64, b: f64) -> f64 {
         self.acc.add_rounded(a, -b, self.ov)
     }
 
+    /// a·b, rounded once to the accumulator (exactly computed first).
     #[inline]
     pub fn mul(&self, a: f64, b: f64) -> f64 {
         let p = a * b;
@@ -63,16 +72,19 @@ impl Arith {
         }
     }
 
+    /// a / b: the `f64` quotient rounded to the accumulator.
     #[inline]
     pub fn div(&self, a: f64, b: f64) -> f64 {
         self.ra(a / b)
     }
 
+    /// exp(a) in `f64`, rounded to the accumulator.
     #[inline]
     pub fn exp(&self, a: f64) -> f64 {
         self.ra(a.exp())
     }
 
+    /// ln(a) in `f64`, rounded to the accumulator.
     #[inline]
     pub fn ln(&self, a: f64) -> f64 {
         self.ra(a.ln())

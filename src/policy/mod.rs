@@ -143,7 +143,7 @@ impl Policy {
 
     /// Overflow policy used when quantizing inputs: saturating for FP8 (as FP8 training
     /// kernels do), the accumulation's policy otherwise.
-    pub(crate) fn input_overflow(&self, format: Format) -> Overflow {
+    pub fn input_overflow(&self, format: Format) -> Overflow {
         if matches!(format, Format::E4M3 | Format::E5M2) {
             Overflow::Saturating
         } else {

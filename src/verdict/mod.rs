@@ -149,7 +149,7 @@ pub fn compare_tensor_with(
 
 /// The tests to run on the tensor `id`: parameter gradients have neither the sparse nor the
 /// systematic tests ([`detect`](crate::check::Detector)).
-pub(crate) fn detection_for(id: &str, detection: Detection) -> Detection {
+pub fn detection_for(id: &str, detection: Detection) -> Detection {
     let param_grad = TensorId::parse(id)
         .is_some_and(|t| matches!(t.role, crate::trace::id::TensorRole::ParamGrad { .. }));
     Detection {
@@ -171,7 +171,7 @@ pub(crate) fn coarser(a: Format, b: Format) -> Format {
 
 /// Sums gathered by one comparison pass over the finite pairs.
 #[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct Sums {
+pub struct Sums {
     /// ‖c − r‖_F over the finite pairs (+∞ only when it exceeds the largest `f64`).
     pub dn: f64,
     /// ‖r‖_F over the finite pairs (likewise).
@@ -202,7 +202,7 @@ type Pieces<'a> = dyn Fn(&mut dyn FnMut(&[f64], &[f64])) + 'a;
 pub(crate) const PIECE: usize = 1 << 14;
 
 /// [`compare_tensor`], also returning its sums (one pass over the data).
-pub(crate) fn compare_with_sums(
+pub fn compare_with_sums(
     id: &str,
     reference: &Tensor,
     candidate: &Tensor,

@@ -451,7 +451,7 @@ pub(crate) fn overflow_error(f: Format, magnitude: f64, what: &str) -> Error {
 /// candidate's order is only approximated (`validate::fresh`): every inexact rounding is an
 /// independent zero-mean error (absorption and ties aside), none is computed from the data.
 /// [`reduction_error`] determines what the data determine instead.
-pub(crate) fn random_rounding_error(
+pub fn random_rounding_error(
     terms: &[f64],
     acc: &Accumulation,
     is_dot: bool,

@@ -689,7 +689,7 @@ impl Detect {
 }
 
 /// The tests on tensors in memory (`shape` gives the rows: its last dimension).
-pub(crate) fn detect(
+pub fn detect(
     shape: &[usize],
     r: &[f64],
     c: &[f64],

@@ -183,9 +183,9 @@ impl SweepReport {
 /// each one. Results are in configuration order, identical for any number of threads (each
 /// configuration is deterministic and independent).
 pub fn run_sweep(options: &SweepOptions, progress: &(dyn Fn() + Sync)) -> Result<SweepReport> {
-    let most = crate::io::guard::limits::SWEEP_RUNS;
+    let most = ttrace::io::limits::SWEEP_RUNS;
     if options.simulation.samples as u64 > most {
-        return Err(crate::error::Error::InvalidParameter {
+        return Err(ttrace::Error::InvalidParameter {
             name: "samples",
             reason: format!(
                 "{} samples exceed the limit of {most}",
@@ -194,7 +194,7 @@ pub fn run_sweep(options: &SweepOptions, progress: &(dyn Fn() + Sync)) -> Result
         });
     }
     let start = std::time::Instant::now();
-    let done: Vec<(RunResult, Thresholds)> = crate::parallel::map(&options.runs, |r| {
+    let done: Vec<(RunResult, Thresholds)> = ttrace::__lab::map(&options.runs, |r| {
         let out = run_config_with_thresholds(options, r);
         progress();
         out
@@ -202,7 +202,7 @@ pub fn run_sweep(options: &SweepOptions, progress: &(dyn Fn() + Sync)) -> Result
     .into_iter()
     .collect::<Result<Vec<_>>>()?;
     let bug_runs = options.bug_runs();
-    let bugs = crate::parallel::map(&bug_runs, |(bug, idx)| {
+    let bugs = ttrace::__lab::map(&bug_runs, |(bug, idx)| {
         let out = run_bug(options, &options.runs[*idx], Some(*bug), &done[*idx].1);
         progress();
         out
@@ -346,8 +346,8 @@ pub(super) fn bug_rows(bugs: &[BugResult]) -> Vec<BugRow> {
                             "{} {}",
                             l.module,
                             match l.pass {
-                                Some(crate::engine::Pass::Forward) => "fwd",
-                                Some(crate::engine::Pass::Backward) => "bwd",
+                                Some(ttrace::engine::Pass::Forward) => "fwd",
+                                Some(ttrace::engine::Pass::Backward) => "bwd",
                                 None => "?",
                             }
                         )

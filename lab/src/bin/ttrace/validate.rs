@@ -54,7 +54,7 @@ pub fn run(a: Args) -> Result<Outcome, String> {
         large,
     } = a;
     let (recipes, json) = (recipes.as_slice(), json.as_deref());
-    use ttrace::validate::{run_sweep, SweepOptions};
+    use ttrace_lab::validate::{run_sweep, SweepOptions};
     let seeds = seeds.unwrap_or(if full { 6 } else { 2 });
     let most = ttrace::io::limits::SWEEP_RUNS;
     if seeds == 0 || seeds > most {

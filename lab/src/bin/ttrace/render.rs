@@ -3,7 +3,7 @@
 //! observed differences.
 
 use ttrace::check::Detector;
-use ttrace::validate::SweepReport;
+use ttrace_lab::validate::SweepReport;
 
 /// The sensitivity tables (one per perturbation shape), as text.
 pub fn render_sensitivity(report: &SweepReport) -> String {

@@ -10,8 +10,8 @@
 //!
 //! `cargo run --release --example power` (a few minutes; `-- --quick` for 10⁴ and 10⁵ only).
 
-use ttrace::validate::{power_study, synthetic_pair, Perturbation, SyntheticClass};
 use ttrace::Format;
+use ttrace_lab::validate::{power_study, synthetic_pair, Perturbation, SyntheticClass};
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");

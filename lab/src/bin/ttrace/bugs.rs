@@ -18,7 +18,7 @@ pub struct Args {
 /// Print the catalog.
 pub fn run(a: Args) -> Result<Outcome, String> {
     let json = a.json;
-    use ttrace::bugs::Bug;
+    use ttrace_lab::bugs::Bug;
     #[derive(Serialize)]
     struct Row {
         name: &'static str,

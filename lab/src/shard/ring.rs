@@ -6,7 +6,7 @@
 //! blocks of `block` within a chunk), with the causal mask evaluated on global positions.
 //!
 //! Every per-block quantity is computed exactly as the engine's online attention
-//! ([`AttentionImpl::Online`](crate::engine::AttentionImpl)) computes it for the same block —
+//! ([`AttentionImpl::Online`](ttrace::engine::AttentionImpl)) computes it for the same block —
 //! scores, block max, exponentials, block sums, block outputs — and blocks are merged with the
 //! same rescaling arithmetic, so with a reference that runs online attention with the chunk as
 //! its block, **only the order of the merges differs**.
@@ -20,13 +20,13 @@
 //!    accumulated in A as the block travels home (owner first, then the next ranks), then
 //!    rounded to the output format.
 
-use crate::engine::attention::{forward_arith, split_heads, widest_of, OnlineArith, OnlineRow};
-use crate::error::{Error, Result};
-use crate::format::Format;
-use crate::order::{dot_unchecked, Accumulation};
-use crate::policy::arith::Arith;
-use crate::policy::Policy;
-use crate::tensor::Tensor;
+use ttrace::__lab::Arith;
+use ttrace::__lab::{forward_arith, split_heads, widest_of, OnlineArith, OnlineRow};
+use ttrace::Format;
+use ttrace::Policy;
+use ttrace::Tensor;
+use ttrace::{__lab::dot_unchecked, Accumulation};
+use ttrace::{Error, Result};
 
 /// Deviations from correct ring attention, for the bug catalog ([`crate::bugs::Bug`]). The
 /// default is correct ring attention.

@@ -9,17 +9,17 @@
 
 use std::collections::HashMap;
 
-use crate::check::{compare_tensor_with, Detection, Localization};
-use crate::engine::model::Module;
-use crate::error::{Error, Result};
-use crate::policy::Pass;
 use crate::shard::model::{ShardedEntry, ShardedGpt, ShardedStep};
-use crate::tensor::Tensor;
-use crate::trace::id::TensorId;
-use crate::trace::id::Trace;
-use crate::trace::merge::merge;
+use ttrace::check::{compare_tensor_with, Detection, Localization};
+use ttrace::engine::Module;
+use ttrace::engine::Pass;
+use ttrace::trace::merge;
+use ttrace::trace::TensorId;
+use ttrace::trace::Trace;
+use ttrace::Tensor;
+use ttrace::{Error, Result};
 
-fn layout_of(step: &ShardedStep, id: &str) -> Result<crate::trace::mesh::Layout> {
+fn layout_of(step: &ShardedStep, id: &str) -> Result<ttrace::trace::Layout> {
     step.entry(id)
         .map(|e| e.layout)
         .ok_or_else(|| Error::UnknownName {
@@ -168,7 +168,7 @@ fn reference_inputs<'a>(
     step: &ShardedStep,
     reference: &'a Trace,
     m: &Module,
-) -> Result<Vec<(&'a Tensor, crate::trace::mesh::Layout)>> {
+) -> Result<Vec<(&'a Tensor, ttrace::trace::Layout)>> {
     (0..m.inputs.len())
         .map(|i| {
             let id = TensorId::fwd_input(&m.name, i).to_string();

@@ -16,12 +16,12 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
-use crate::format::{Format, Overflow};
-use crate::order::Combine;
-use crate::tensor::Tensor;
-use crate::trace::merge::merge;
-use crate::trace::mesh::{Layout, Mesh, Placement};
+use ttrace::trace::merge;
+use ttrace::trace::{Layout, Mesh, Placement};
+use ttrace::Combine;
+use ttrace::Tensor;
+use ttrace::{Error, Result};
+use ttrace::{Format, Overflow};
 
 /// The algorithm of an all-reduce.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -137,7 +137,7 @@ pub fn reduce_scatter(inputs: &[Tensor], dim: usize, r: Format) -> Result<Vec<Te
     // Each rank's tensor cut into the p slices.
     let cuts: Vec<Vec<Tensor>> = inputs
         .iter()
-        .map(|t| crate::trace::mesh::shard(t, &layout, &mesh, "reduce-scatter input"))
+        .map(|t| ttrace::trace::shard(t, &layout, &mesh, "reduce-scatter input"))
         .collect::<Result<_>>()?;
     let mut out = Vec::with_capacity(p);
     let mut vals = vec![0.0; p];
@@ -170,7 +170,7 @@ pub fn all_gather(inputs: &[Tensor], dim: usize, what: &str) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::order::{sum, Accumulation, Order};
+    use ttrace::{sum, Accumulation, Order};
 
     #[test]
     fn ring_chunk_order_matches_split_k_ring_of_the_bounds() {

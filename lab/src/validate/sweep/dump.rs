@@ -5,7 +5,7 @@ use super::*;
 /// Run `run` (with `bug`, if any) and write two trace directories under `dir`: `reference`
 /// (the single-device step — for FP8, quantized with the candidate's scales, as the checks
 /// compare) and `candidate` (every rank's shards with their layouts), in the format of
-/// [`Manifest`](crate::io::Manifest); the reference's manifest carries the clean run's composed
+/// [`Manifest`](ttrace::io::Manifest); the reference's manifest carries the clean run's composed
 /// `thresholds` so that `ttrace check` can use them.
 pub fn dump_run(
     options: &SweepOptions,
@@ -46,7 +46,7 @@ pub(super) fn write_dump(
         .map(|e| {
             (
                 e.id.clone(),
-                crate::trace::Layout::replicated(),
+                ttrace::trace::Layout::replicated(),
                 vec![e.tensor.clone()],
             )
         })

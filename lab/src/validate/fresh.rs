@@ -23,24 +23,26 @@
 use crate::shard::{ParallelStyle, ShardingPlan};
 use std::collections::HashMap;
 
-use crate::bounds::reduction::{random_rounding_error as reduction_error, ReductionError};
-use crate::engine::attention::widest_of;
-use crate::engine::model::{Gpt, NormKind};
-use crate::error::Result;
-use crate::format::Format;
-use crate::order::{Accumulation, Order};
-use crate::policy::{OpClass, Pass, Policy};
 use crate::shard::collective::Algorithm;
-use crate::trace::id::TensorId;
-use crate::trace::id::Trace;
-use crate::trace::mesh::Mesh;
-use crate::trace::ModuleKind;
+use ttrace::__lab::random_rounding_error as reduction_error;
+use ttrace::__lab::widest_of;
+use ttrace::bounds::ReductionError;
+use ttrace::engine::{Gpt, NormKind};
+use ttrace::engine::{OpClass, Pass};
+use ttrace::trace::Mesh;
+use ttrace::trace::ModuleKind;
+use ttrace::trace::TensorId;
+use ttrace::trace::Trace;
+use ttrace::Format;
+use ttrace::Policy;
+use ttrace::Result;
+use ttrace::{Accumulation, Order};
 
 /// E ε² per element, by canonical id of the traced tensor.
 pub type FreshSites = HashMap<String, Vec<f64>>;
 
 fn rounding(fmt: Format, v: f64) -> ReductionError {
-    if fmt.round(v, crate::Overflow::NonSaturating) == v {
+    if fmt.round(v, ttrace::Overflow::NonSaturating) == v {
         return ReductionError::default();
     }
     let ulp = fmt.ulp(v).unwrap_or(0.0);
@@ -693,9 +695,9 @@ fn attention_sites(
 pub fn local_thresholds(
     sites: &FreshSites,
     reference: &Trace,
-    confidence: crate::bounds::Confidence,
+    confidence: ttrace::bounds::Confidence,
 ) -> Result<HashMap<String, f64>> {
-    use crate::bounds::{tensor_threshold, ElementDiff};
+    use ttrace::bounds::{tensor_threshold, ElementDiff};
     let mut out = HashMap::new();
     for (id, var) in sites {
         let r = reference.require(id)?;

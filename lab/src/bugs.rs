@@ -6,9 +6,9 @@
 
 use serde::Serialize;
 
-use crate::error::{Error, Result};
-use crate::policy::Pass;
-use crate::trace::ModuleKind;
+use ttrace::engine::Pass;
+use ttrace::trace::ModuleKind;
+use ttrace::{Error, Result};
 
 /// An injectable bug (serialized as its catalog name).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -30,7 +30,7 @@ pub enum ParallelStyle {
 /// # Examples
 ///
 /// ```
-/// use ttrace::shard::{ParallelStyle, ShardingPlan};
+/// use ttrace_lab::shard::{ParallelStyle, ShardingPlan};
 /// let plan = ShardingPlan::megatron_gpt();
 /// assert_eq!(plan.style("layers.3.attn.qkv"), Some(ParallelStyle::Colwise { groups: 3 }));
 /// assert_eq!(plan.style("layers.0.mlp.fc2"), Some(ParallelStyle::Rowwise));

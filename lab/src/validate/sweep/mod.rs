@@ -8,27 +8,19 @@ use serde::Serialize;
 use std::collections::HashMap;
 use std::path::Path;
 
-use crate::bounds::baselines::{megatron_ttrace, torch_assert_close};
-use crate::bounds::Confidence;
 use crate::bugs::Bug;
-use crate::check::{check, CheckReport, Detection, Detector, Finding, Localization, NORM_SHARE};
 use crate::validate::localize::{localize, replayed_outputs};
-use crate::verdict::compare_with_sums;
+use ttrace::__lab::compare_with_sums;
+use ttrace::bounds::Confidence;
+use ttrace::bounds::{megatron_ttrace, torch_assert_close};
+use ttrace::check::{check, CheckReport, Detection, Detector, Finding, Localization, NORM_SHARE};
 
 mod bugs;
 mod dump;
 mod report;
 
-use crate::engine::model::{Gpt, GptConfig};
-use crate::error::Result;
-use crate::io::write_trace_dir;
-use crate::policy::AttentionImpl;
-use crate::policy::{Recipe, Scaling};
 use crate::shard::collective::Algorithm;
 use crate::shard::model::{ShardedGpt, ShardedStep};
-use crate::tensor::Tensor;
-use crate::trace::id::{TensorId, TensorRole, Trace};
-use crate::trace::mesh::Mesh;
 use crate::validate::compose::{
     composed_thresholds, perturbation_estimate, OffsetBounds, SimulationConfig,
 };
@@ -39,6 +31,14 @@ use crate::validate::sensitivity::{
 pub use bugs::{bug_meshes, run_bug, run_bug_dumping, BugResult};
 pub use dump::dump_run;
 pub use report::{run_sweep, BugRow, KindRow, SensitivityRow, SweepReport, TestColumn};
+use ttrace::engine::AttentionImpl;
+use ttrace::engine::{Gpt, GptConfig};
+use ttrace::io::write_trace_dir;
+use ttrace::trace::Mesh;
+use ttrace::trace::{TensorId, TensorRole, Trace};
+use ttrace::Result;
+use ttrace::Tensor;
+use ttrace::{Recipe, Scaling};
 
 /// One configuration of the sweep.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -307,8 +307,8 @@ fn kind_of(model: &Gpt, id: &str) -> String {
         return format!("param {}", kind.unwrap_or_else(|_| "embedding".into()));
     }
     let pass = match t.pass() {
-        crate::engine::Pass::Forward => "fwd",
-        crate::engine::Pass::Backward => "bwd",
+        ttrace::engine::Pass::Forward => "fwd",
+        ttrace::engine::Pass::Backward => "bwd",
     };
     format!("{} {pass}", kind.unwrap_or_else(|_| "other".into()))
 }
@@ -365,7 +365,10 @@ fn prepare(
     cfg.seed = run.seed;
     let warmup = usize::from(matches!(
         recipe
-            .policy(crate::engine::OpClass::Matmul, crate::engine::Pass::Forward)
+            .policy(
+                ttrace::engine::OpClass::Matmul,
+                ttrace::engine::Pass::Forward
+            )
             .scaling,
         Scaling::PerTensorDelayed { .. }
     ));

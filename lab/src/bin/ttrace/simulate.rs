@@ -25,7 +25,7 @@ pub struct Args {
     pub recipe: String,
     /// Inject this bug (see `ttrace bugs`).
     #[arg(long, value_parser = parse_bug)]
-    pub bug: Option<ttrace::bugs::Bug>,
+    pub bug: Option<ttrace_lab::bugs::Bug>,
     /// Seed of the consistent generator.
     #[arg(long, default_value_t = 1000)]
     pub seed: u64,
@@ -51,8 +51,8 @@ pub enum Algorithm {
 }
 
 /// A bug of the catalog, by name.
-fn parse_bug(s: &str) -> Result<ttrace::bugs::Bug, String> {
-    ttrace::bugs::Bug::by_name(s).map_err(|e| e.to_string())
+fn parse_bug(s: &str) -> Result<ttrace_lab::bugs::Bug, String> {
+    ttrace_lab::bugs::Bug::by_name(s).map_err(|e| e.to_string())
 }
 
 /// Simulate, check, localize and print.
@@ -69,11 +69,13 @@ pub fn run(a: Args) -> Result<Outcome, String> {
         json,
         dump,
     } = a;
-    use ttrace::validate::{run_bug_dumping, run_config_with_thresholds, RunConfig, SweepOptions};
+    use ttrace_lab::validate::{
+        run_bug_dumping, run_config_with_thresholds, RunConfig, SweepOptions,
+    };
     let (recipe, dump) = (recipe.as_str(), dump.as_deref());
     let algorithm = match algorithm {
-        Algorithm::Ring => ttrace::shard::Algorithm::Ring,
-        Algorithm::Tree => ttrace::shard::Algorithm::Tree,
+        Algorithm::Ring => ttrace_lab::shard::Algorithm::Ring,
+        Algorithm::Tree => ttrace_lab::shard::Algorithm::Tree,
     };
     let mesh = ttrace::trace::Mesh::new(tp, cp, dp, sp).map_err(|e| e.to_string())?;
     let options = SweepOptions::default_sweep(1);
@@ -106,7 +108,7 @@ pub fn run(a: Args) -> Result<Outcome, String> {
             mesh.label(),
             recipe,
             bug.map(|b| format!(", bug {b}")).unwrap_or_default(),
-            if algorithm == ttrace::shard::Algorithm::Ring {
+            if algorithm == ttrace_lab::shard::Algorithm::Ring {
                 "ring"
             } else {
                 "tree"

@@ -19,11 +19,11 @@
 
 use serde::Serialize;
 
-use crate::check::Detection;
-use crate::format::{Format, Overflow};
-use crate::random::SplitMix64;
-use crate::tensor::Tensor;
 use crate::validate::sensitivity::{sensitivity, Perturbation, RuleFigures, Subject};
+use ttrace::check::Detection;
+use ttrace::engine::SplitMix64;
+use ttrace::Tensor;
+use ttrace::{Format, Overflow};
 
 /// The reduction length of the synthetic activations (a linear's input width).
 const ACT_K: usize = 512;
@@ -168,7 +168,8 @@ pub fn power_study(
                     SyntheticClass::Activations => ACT_K,
                     SyntheticClass::ParamGrads => GRAD_T,
                 };
-                let th = split_threshold(&r, format, detection.delta * crate::check::NORM_SHARE, k);
+                let th =
+                    split_threshold(&r, format, detection.delta * ttrace::check::NORM_SHARE, k);
                 let rn = r.values().iter().map(|x| x * x).sum::<f64>().sqrt();
                 let dn = r
                     .values()

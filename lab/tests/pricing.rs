@@ -5,12 +5,12 @@
 
 use std::path::{Path, PathBuf};
 
-use ttrace::bugs::Bug;
 use ttrace::check::Pricing;
 use ttrace::check::{check_dirs, DirCheck, PricingMode};
 use ttrace::io::TraceDir;
-use ttrace::shard::Algorithm;
-use ttrace::validate::{bug_meshes, dump_run, RunConfig, SweepOptions, Thresholds};
+use ttrace_lab::bugs::Bug;
+use ttrace_lab::shard::Algorithm;
+use ttrace_lab::validate::{bug_meshes, dump_run, RunConfig, SweepOptions, Thresholds};
 
 fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("ttrace-pricing-{}-{name}", std::process::id()));

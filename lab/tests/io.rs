@@ -7,11 +7,11 @@ use std::path::PathBuf;
 use proptest::prelude::*;
 use ttrace::engine::Gpt;
 use ttrace::io::{npy, safetensors, write_trace_dir, TraceDir};
-use ttrace::shard::{Algorithm, ShardedGpt};
 use ttrace::trace::{Layout, Mesh};
-use ttrace::validate::SweepOptions;
 use ttrace::{Error, Format};
 use ttrace::{Recipe, Tensor};
+use ttrace_lab::shard::{Algorithm, ShardedGpt};
+use ttrace_lab::validate::SweepOptions;
 
 fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("ttrace-io-{}-{name}", std::process::id()));
@@ -340,9 +340,9 @@ fn quick_options(samples: usize) -> SweepOptions {
 /// from the files, fails the check; the clean dumps of the same configurations pass.
 #[test]
 fn every_catalog_bug_round_trips_through_files_and_is_found() {
-    use ttrace::bugs::Bug;
     use ttrace::check::check_dirs;
-    use ttrace::validate::{bug_meshes, dump_run, run_config_with_thresholds, RunConfig};
+    use ttrace_lab::bugs::Bug;
+    use ttrace_lab::validate::{bug_meshes, dump_run, run_config_with_thresholds, RunConfig};
     let options = quick_options(8);
     for bug in Bug::ALL {
         let recipe = if bug == Bug::Fp8AmaxNotReduced {
@@ -384,9 +384,9 @@ fn every_catalog_bug_round_trips_through_files_and_is_found() {
 /// The parallel checker gives the same report as the sequential one, for any thread count.
 #[test]
 fn parallel_check_equals_sequential_check() {
-    use ttrace::bugs::Bug;
     use ttrace::check::{check_dir_paths, check_dirs};
-    use ttrace::validate::{dump_run, run_config_with_thresholds, RunConfig};
+    use ttrace_lab::bugs::Bug;
+    use ttrace_lab::validate::{dump_run, run_config_with_thresholds, RunConfig};
     let options = quick_options(4);
     let run = RunConfig {
         mesh: Mesh::new(2, 2, 1, true).unwrap(),
@@ -480,8 +480,8 @@ fn partial_shards_sum_exactly_block_by_block() {
 /// same verdict as `run_bug`.
 #[test]
 fn dumping_from_the_checked_run_writes_the_same_traces() {
-    use ttrace::bugs::Bug;
-    use ttrace::validate::{
+    use ttrace_lab::bugs::Bug;
+    use ttrace_lab::validate::{
         dump_run, run_bug, run_bug_dumping, run_config_with_thresholds, RunConfig,
     };
     let options = quick_options(4);

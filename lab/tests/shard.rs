@@ -2,10 +2,10 @@
 
 use proptest::prelude::*;
 use ttrace::engine::{AttentionImpl, Gpt, GptConfig};
-use ttrace::shard::{all_gather, all_reduce, reduce_scatter, Algorithm, ShardedGpt};
 use ttrace::trace::{merge, shard, Layout, Mesh, Placement};
 use ttrace::{exact_sum, Error, Format};
 use ttrace::{Recipe, Tensor};
+use ttrace_lab::shard::{all_gather, all_reduce, reduce_scatter, Algorithm, ShardedGpt};
 
 fn config() -> GptConfig {
     GptConfig {
@@ -227,10 +227,10 @@ proptest! {
 
 mod ring {
     use ttrace::engine::{attention, attention_backward, AttentionImpl};
-    use ttrace::shard::{ring_attention, ring_attention_backward};
     use ttrace::trace::{shard, Layout, Mesh, Placement};
     use ttrace::{Format, Overflow};
     use ttrace::{Policy, Tensor};
+    use ttrace_lab::shard::{ring_attention, ring_attention_backward};
 
     fn qkv(batch: usize, seq: usize, hidden: usize, fmt: Format) -> Tensor {
         let n = batch * seq * 3 * hidden;
@@ -322,9 +322,9 @@ mod ring {
 }
 
 mod validation {
-    use ttrace::shard::Algorithm;
     use ttrace::trace::Mesh;
-    use ttrace::validate::{run_config, RunConfig, SweepOptions};
+    use ttrace_lab::shard::Algorithm;
+    use ttrace_lab::validate::{run_config, RunConfig, SweepOptions};
 
     /// Zero false alarms on correct sharded runs; tensors with no differing arithmetic upstream
     /// are bit-identical; the model's typical difference tracks the observed one.
@@ -414,7 +414,7 @@ mod validation {
 /// bug runs) on 1 and on 3 threads: runs are independent and merged in order.
 #[test]
 fn sweep_results_do_not_depend_on_the_thread_count() {
-    use ttrace::validate::{run_sweep, SweepOptions};
+    use ttrace_lab::validate::{run_sweep, SweepOptions};
     let mut o = SweepOptions::default_sweep(1);
     o.runs = o
         .runs
@@ -458,8 +458,8 @@ fn sweep_results_do_not_depend_on_the_thread_count() {
 #[test]
 fn replays_cover_every_produced_tensor_and_are_exact_off_the_fresh_sites() {
     use ttrace::trace::TensorId;
-    use ttrace::validate::fresh_sites;
-    use ttrace::validate::replayed_outputs;
+    use ttrace_lab::validate::fresh_sites;
+    use ttrace_lab::validate::replayed_outputs;
     let mesh = Mesh {
         tp: 2,
         cp: 2,

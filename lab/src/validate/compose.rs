@@ -41,15 +41,15 @@ use std::collections::HashMap;
 use serde::Serialize;
 use statrs::distribution::{ChiSquared, ContinuousCDF};
 
-use crate::check::NORM_SHARE;
-use crate::engine::model::Gpt;
-use crate::error::{Error, Result};
-use crate::format::{Format, Overflow};
-use crate::random::SplitMix64;
-use crate::tensor::Tensor;
-use crate::trace::id::Trace;
-use crate::trace::id::{TensorId, TensorRole};
 use crate::validate::fresh::FreshSites;
+use ttrace::check::NORM_SHARE;
+use ttrace::engine::Gpt;
+use ttrace::engine::SplitMix64;
+use ttrace::trace::Trace;
+use ttrace::trace::{TensorId, TensorRole};
+use ttrace::Tensor;
+use ttrace::{Error, Result};
+use ttrace::{Format, Overflow};
 
 /// Settings of the difference simulation.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -107,7 +107,7 @@ pub struct OffsetBounds {
 impl OffsetBounds {
     /// The per-channel and per-row offset tests on a pair: ‖means of c − r‖ against each
     /// bound, the estimate and threshold as root mean squares over the means relative to the
-    /// reference's, in units of `eps` ([`Detector::Channel`](crate::check::Detector),
+    /// reference's, in units of `eps` ([`Detector::Channel`](ttrace::check::Detector),
     /// `Row`). None for a tensor that is not a matrix, an all-zero reference, or non-finite
     /// values (judged by the norm).
     pub(crate) fn findings(
@@ -116,7 +116,7 @@ impl OffsetBounds {
         r: &[f64],
         c: &[f64],
         eps: f64,
-    ) -> Vec<crate::check::Finding> {
+    ) -> Vec<ttrace::check::Finding> {
         let tests = [(Axis::Columns, self.channel), (Axis::Rows, self.row)];
         let Some((rows, cols)) = matrix_shape(shape) else {
             return Vec::new();
@@ -142,7 +142,7 @@ impl OffsetBounds {
                 } else {
                     f64::INFINITY
                 };
-                Some(crate::check::Finding {
+                Some(ttrace::check::Finding {
                     detector: axis.detector(),
                     estimate: offset / unit,
                     threshold: bound / unit,
@@ -208,10 +208,10 @@ impl Axis {
         }
     }
 
-    fn detector(self) -> crate::check::Detector {
+    fn detector(self) -> ttrace::check::Detector {
         match self {
-            Axis::Columns => crate::check::Detector::Channel,
-            Axis::Rows => crate::check::Detector::Row,
+            Axis::Columns => ttrace::check::Detector::Channel,
+            Axis::Rows => ttrace::check::Detector::Row,
         }
     }
 }
@@ -656,8 +656,8 @@ pub fn perturbation_estimate(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::model::GptConfig;
-    use crate::policy::Recipe;
+    use ttrace::engine::GptConfig;
+    use ttrace::Recipe;
 
     #[test]
     fn column_means_and_the_bound_the_norm_implies() {
@@ -687,12 +687,12 @@ mod tests {
         };
         let f = both.findings(&[16, 4], &r, &c, 1.0);
         assert_eq!(f.len(), 2);
-        assert!(f[0].detector == crate::check::Detector::Channel);
+        assert!(f[0].detector == ttrace::check::Detector::Channel);
         assert!((f[0].estimate - 2.0).abs() < 1e-12 && f[0].fired);
         assert!((f[0].ratio - 4.0).abs() < 1e-12);
         assert!(both.findings(&[64], &r, &c, 1.0).is_empty());
         // Rows: the same offset is 2 per row; 16 rows: ‖row means‖ = 8.
-        assert!(f[1].detector == crate::check::Detector::Row);
+        assert!(f[1].detector == ttrace::check::Detector::Row);
         assert!((f[1].estimate - 2.0).abs() < 1e-12 && f[1].fired);
         assert!((f[1].ratio - 2.0).abs() < 1e-12);
         assert_eq!(Axis::Rows.means(&[1.0, 3.0, 5.0, 7.0], 2), vec![2.0, 6.0]);
@@ -781,7 +781,7 @@ mod tests {
         };
         assert!(matches!(
             composed_thresholds(&model, &reference, &FreshSites::new(), bad),
-            Err(crate::Error::InvalidParameter { .. })
+            Err(ttrace::Error::InvalidParameter { .. })
         ));
         // The perturbation estimate moves every tensor downstream of the embedding.
         let p = perturbation_estimate(&model, &reference, 2, 3).unwrap();

@@ -2,10 +2,10 @@
 //! three meshes where it applies, in the BF16 and FP8 recipes, and the same configurations
 //! without the bug raise no alarm (end-to-end or localizer).
 
-use ttrace::bugs::Bug;
-use ttrace::shard::Algorithm;
 use ttrace::trace::Mesh;
-use ttrace::validate::{run_sweep, SweepOptions};
+use ttrace_lab::bugs::Bug;
+use ttrace_lab::shard::Algorithm;
+use ttrace_lab::validate::{run_sweep, SweepOptions};
 
 #[test]
 fn every_bug_is_detected_and_localized_and_clean_runs_pass() {

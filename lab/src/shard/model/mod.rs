@@ -31,28 +31,29 @@
 use std::collections::HashMap;
 
 use crate::bugs::Bug;
-use crate::engine::attention::{attention_backward, attention_with_scale, AttentionSaved};
-use crate::engine::matmul::{column_sums, linear_scaled, matmul_scaled, transpose};
-use crate::engine::model::{Activation, Gpt, Module, NormKind};
-use crate::engine::nn::{
-    self, cross_entropy, cross_entropy_backward, embedding, embedding_backward, gelu,
-    gelu_backward, layer_norm, norm_backward, rms_norm, silu, silu_backward, NormSaved,
-};
-use crate::error::{Error, Result};
-use crate::format::{Format, Overflow};
-use crate::policy::arith::Arith;
-use crate::policy::{
-    delayed_scale, per_tensor_scale, AttentionImpl, OpClass, Pass, Policy, Scaling,
-};
 use crate::shard::collective::{all_gather, all_reduce, reduce_scatter, Algorithm};
 use crate::shard::plan::{ParallelStyle, ShardingPlan};
 use crate::shard::ring::{ring_attention_backward, ring_attention_with, RingOptions, RingSaved};
-use crate::tensor::Tensor;
-use crate::trace::id::TensorId;
-use crate::trace::id::Trace;
-use crate::trace::merge::merge;
-use crate::trace::mesh::{shard, Coords, Layout, Mesh, Placement};
-use crate::trace::ModuleKind;
+use ttrace::__lab::attention_with_scale;
+use ttrace::__lab::Arith;
+use ttrace::engine::{
+    self as nn, cross_entropy, cross_entropy_backward, embedding, embedding_backward, gelu,
+    gelu_backward, layer_norm, norm_backward, rms_norm, silu, silu_backward, NormSaved,
+};
+use ttrace::engine::{attention_backward, AttentionSaved};
+use ttrace::engine::{column_sums, transpose};
+use ttrace::engine::{delayed_scale, per_tensor_scale, AttentionImpl, OpClass, Pass};
+use ttrace::engine::{linear_scaled, matmul_scaled};
+use ttrace::engine::{Activation, Gpt, Module, NormKind};
+use ttrace::trace::merge;
+use ttrace::trace::ModuleKind;
+use ttrace::trace::TensorId;
+use ttrace::trace::Trace;
+use ttrace::trace::{shard, Coords, Layout, Mesh, Placement};
+use ttrace::Tensor;
+use ttrace::{Error, Result};
+use ttrace::{Format, Overflow};
+use ttrace::{Policy, Scaling};
 
 mod passes;
 

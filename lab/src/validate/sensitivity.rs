@@ -23,7 +23,7 @@
 //! already rejects the unperturbed correct run has no figure (it false-alarms).
 //!
 //! Rules: ours (the norm against the composed threshold and the scale, bias and sparse tests of
-//! [`crate::check::Detector`]), the norm alone, Megatron's 4·1.03^(L+1)·ε, PyTorch's
+//! [`ttrace::check::Detector`]), the norm alone, Megatron's 4·1.03^(L+1)·ε, PyTorch's
 //! `assert_close` defaults, and the perturbation estimate — all end to end, on the candidate
 //! as the sharded step produced it, carrying every earlier module's round-off — and the
 //! **replaying localizer** ([`crate::validate::localize`]): the same perturbation added to the
@@ -35,14 +35,14 @@
 
 use serde::Serialize;
 
-use crate::bounds::baselines::{megatron_ttrace, torch_assert_close};
-use crate::check::Detection;
-use crate::format::Format;
-use crate::random::SplitMix64;
-use crate::tensor::Tensor;
 use crate::validate::compose::OffsetBounds;
-use crate::verdict::detect::detect;
-use crate::verdict::detection_for;
+use ttrace::__lab::detect;
+use ttrace::__lab::detection_for;
+use ttrace::bounds::{megatron_ttrace, torch_assert_close};
+use ttrace::check::Detection;
+use ttrace::engine::SplitMix64;
+use ttrace::Format;
+use ttrace::Tensor;
 
 /// The shape of an injected perturbation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -244,7 +244,7 @@ impl<'a> Subject<'a> {
 ///
 /// ```
 /// use ttrace::{Format, Tensor};
-/// use ttrace::validate::{sensitivity, Perturbation, Subject};
+/// use ttrace_lab::validate::{sensitivity, Perturbation, Subject};
 ///
 /// // 64 × 64 values whose candidate is 1 ε of BF16 off, judged at 3 ε on the norm.
 /// let eps = Format::BF16.machine_epsilon();
