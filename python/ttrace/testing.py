@@ -63,9 +63,8 @@ def threshold_for(
         raise TypeError(f"threshold_for() got unexpected options {', '.join(unknown)}")
 
     def side(policy: str, who: str) -> str:
-        keys = {k: str(options[f"{who}_{k}"]) for k in ("form", "variance")
-                if f"{who}_{k}" in options}
-        return ",".join([policy] + [f"{k}={v}" for k, v in keys.items()])
+        return _th._with(policy, **{k: str(options[f"{who}_{k}"]) for k in ("form", "variance")
+                                    if f"{who}_{k}" in options})
 
     cand = candidate if candidate is not None else reference
     return _th.threshold(
