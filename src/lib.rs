@@ -32,7 +32,7 @@
 //!
 //! | feature | default | what it adds |
 //! |---|---|---|
-//! | `parallel` | yes | checking trace directories, the validation sweep and large emulated matmuls on rayon's thread pool; without it they run on the calling thread with the same results |
+//! | `parallel` | yes | checking trace directories and large emulated matmuls (and the lab's validation sweep) on rayon's thread pool; without it they run on the calling thread with the same results |
 //!
 //! `default-features = false` gives the thresholds, the engine, the checker and the readers
 //! with 15 crates in the dependency tree (serde, serde_json, statrs without its defaults, libc
