@@ -13,9 +13,8 @@ use serde::Serialize;
 use crate::bounds::compare::{Confidence, Threshold};
 use crate::bounds::elementwise::{elementwise_threshold, Elementwise};
 use crate::bounds::norm::{norm_threshold, NormData, NormOp, NormSide};
-use crate::bounds::ops::{
-    allreduce_threshold, matmul_threshold_priced, sum_threshold_priced, Pricing,
-};
+use crate::bounds::ops::allreduce_threshold_of;
+use crate::bounds::ops::{matmul_threshold_priced, sum_threshold_priced, Pricing};
 use crate::bounds::softmax::softmax_threshold;
 use crate::error::{Error, Result};
 use crate::policy::{AttentionImpl, Policy, Variance};
@@ -337,7 +336,7 @@ impl Default for OpOptions {
 
 /// The threshold of `op` on `inputs` (its operands in [`Op::operand_names`] order), the
 /// reference's arithmetic against the candidate's: dispatched to the op's model
-/// ([`matmul_threshold_priced`], [`sum_threshold_priced`], [`allreduce_threshold`],
+/// ([`matmul_threshold_priced`], [`sum_threshold_priced`], [`allreduce_threshold`](crate::bounds::allreduce_threshold),
 /// [`softmax_threshold`], [`norm_threshold`], [`elementwise_threshold`]), whose
 /// documentation states its assumptions and sources.
 ///
@@ -408,10 +407,8 @@ pub fn op_threshold(
             confidence,
             options.pricing,
         ),
-        Op::AllReduce => {
-            let parts: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
-            allreduce_threshold(&parts, rp, cp, confidence)
-        }
+        // The operands as they are: the all-reduce stacks them once, without a copy first.
+        Op::AllReduce => allreduce_threshold_of(inputs, rp, cp, confidence),
         Op::Softmax => softmax_threshold(
             inputs[0],
             rp,

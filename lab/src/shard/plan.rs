@@ -74,6 +74,14 @@ impl ShardingPlan {
             .map(|(_, s)| *s)
     }
 
+    /// The style of a *linear* `module` as the simulator runs it: the plan's, and
+    /// column-parallel for a linear the plan does not name (the simulator splits every
+    /// linear of its model).
+    pub fn linear_style(&self, module: &str) -> ParallelStyle {
+        self.style(module)
+            .unwrap_or(ParallelStyle::Colwise { groups: 1 })
+    }
+
     /// The style of the module that owns the parameter `parameter` (`….weight`, `….bias`).
     pub fn style_of_param(&self, parameter: &str) -> Option<ParallelStyle> {
         let module = parameter

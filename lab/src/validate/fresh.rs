@@ -253,9 +253,7 @@ pub fn fresh_sites(
         };
         match m.kind {
             ModuleKind::Linear => {
-                let style = plan
-                    .style(name)
-                    .unwrap_or(ParallelStyle::Colwise { groups: 1 });
+                let style = plan.linear_style(name);
                 let row = style == ParallelStyle::Rowwise;
                 let groups = match style {
                     ParallelStyle::Colwise { groups } => groups,

@@ -289,6 +289,17 @@ pub fn allreduce_threshold(
     candidate: &Policy,
     confidence: Confidence,
 ) -> Result<Threshold> {
+    let parts: Vec<&Tensor> = partials.iter().collect();
+    allreduce_threshold_of(&parts, reference, candidate, confidence)
+}
+
+/// [`allreduce_threshold`] on borrowed partials (the op registry's operands).
+pub(crate) fn allreduce_threshold_of(
+    partials: &[&Tensor],
+    reference: &Policy,
+    candidate: &Policy,
+    confidence: Confidence,
+) -> Result<Threshold> {
     let Some(first) = partials.first() else {
         return Err(Error::InvalidParameter {
             name: "partials",
@@ -309,7 +320,7 @@ pub fn allreduce_threshold(
     let mut stacked = Vec::with_capacity(len * p);
     let mut format = first.format();
     for i in 0..len {
-        for part in partials {
+        for part in partials.iter() {
             stacked.push(part.values()[i]);
             if !part.format().is_subset_of(format) {
                 format = part.format();

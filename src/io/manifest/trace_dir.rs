@@ -334,7 +334,7 @@ impl TraceDir {
 
     /// This trace with the layouts its writer guessed (the axes an entry lists as `guessed`)
     /// settled against `reference`'s logical shapes: among the layouts that give every rank
-    /// its shape (see `fitting_layouts` in `shard/infer.rs`), the only one, or — when several
+    /// its shape (see `fitting_layouts` in `trace/infer.rs`), the only one, or — when several
     /// fit — the one whose merged tensor is closest to the reference's (Frobenius norm; ties to
     /// the fewest changed axes). Returns it and the ids whose layout changed. A guess nothing fits (or shards of unequal shapes) is kept,
     /// so the merge that follows reports it.

@@ -249,12 +249,9 @@ impl ShardedGpt {
         &self.plan
     }
 
-    /// The style of the linear `module` under the plan; a linear the plan does not name is
-    /// column-parallel (the simulator splits every linear of the model).
+    /// The style of the linear `module` ([`ShardingPlan::linear_style`]).
     fn style(&self, module: &str) -> ParallelStyle {
-        self.plan
-            .style(module)
-            .unwrap_or(ParallelStyle::Colwise { groups: 1 })
+        self.plan.linear_style(module)
     }
 
     /// The per-tensor FP8 scales of the last step (rank 0's; identical on every rank unless a
