@@ -23,7 +23,7 @@ use ttrace::check::{check_dir_paths, compare_tensor, compare_tensor_with, Detect
 use ttrace::check::{price_local, InputIndex, PriceContext, TensorStat};
 use ttrace::io::{write_trace_dir, ModuleInfo};
 use ttrace::trace::ModuleKind;
-use ttrace::trace::{Layout, Mesh, Placement};
+use ttrace::trace::{Axis, Layout, Mesh, Placement};
 use ttrace::{Format, Overflow};
 use ttrace::{Policy, Tensor};
 
@@ -122,7 +122,7 @@ fn gpt_stats(layers: usize) -> (Vec<String>, Vec<TensorStat>) {
     let kinds: std::collections::HashMap<String, ModuleKind> =
         mods.iter().map(|(m, k, _)| (m.clone(), *k)).collect();
     let mut layout = Layout::replicated();
-    layout.tp = Placement::split(2);
+    layout.set(Axis::TP, Placement::split(2));
     let stats = ids
         .iter()
         .map(|(_, m)| TensorStat {
@@ -133,7 +133,7 @@ fn gpt_stats(layers: usize) -> (Vec<String>, Vec<TensorStat>) {
             last_dim: 4096,
             ndim: 3,
             format: Format::BF16,
-            layout,
+            layout: layout.clone(),
             norm_gain: 1.2,
             module: Some(ModuleInfo::of(kinds[m])),
             cand_module: None,
@@ -169,7 +169,7 @@ fn price(c: &mut Criterion) {
     let index: std::collections::HashMap<&str, &TensorStat> =
         ids.iter().map(String::as_str).zip(&st).collect();
     let ctx = PriceContext {
-        mesh: Mesh::new(2, 1, 1, false).unwrap(),
+        mesh: Mesh::megatron(2, 1, 1, false).unwrap(),
         recipe: None,
         log_inv_delta: 1e6f64.ln(),
     };
@@ -188,9 +188,9 @@ fn price(c: &mut Criterion) {
 
 fn write_trace(dir: &Path) -> u64 {
     let n = 1 << 21; // 2M BF16 elements: 4 MB per tensor
-    let (mesh1, mesh2) = (Mesh::single(), Mesh::new(2, 1, 1, false).unwrap());
+    let (mesh1, mesh2) = (Mesh::single(), Mesh::megatron(2, 1, 1, false).unwrap());
     let mut split = Layout::replicated();
-    split.tp = Placement::split(1);
+    split.set(Axis::TP, Placement::split(1));
     let (mut re, mut ce) = (vec![], vec![]);
     let mut modules = std::collections::HashMap::new();
     let mut x = values(n, 7, Format::BF16);
@@ -205,7 +205,7 @@ fn write_trace(dir: &Path) -> u64 {
             let shards = ttrace::trace::shard(&t, &split, &mesh2, &id).unwrap();
             modules.insert(id.clone(), ModuleKind::Activation);
             re.push((id.clone(), Layout::replicated(), vec![t]));
-            ce.push((id, split, shards));
+            ce.push((id, split.clone(), shards));
         }
         x = y;
     }
@@ -249,9 +249,9 @@ fn check_dir(c: &mut Criterion) {
 /// A GPT-like trace of `count` tensors of 64 BF16 elements (linear modules' inputs and
 /// outputs), the candidate on 2 ranks.
 fn write_many(dir: &Path, count: usize) {
-    let (mesh1, mesh2) = (Mesh::single(), Mesh::new(2, 1, 1, false).unwrap());
+    let (mesh1, mesh2) = (Mesh::single(), Mesh::megatron(2, 1, 1, false).unwrap());
     let mut split = Layout::replicated();
-    split.tp = Placement::split(1);
+    split.set(Axis::TP, Placement::split(1));
     let (mut re, mut ce) = (vec![], vec![]);
     let mut modules = std::collections::HashMap::new();
     let x = values(64, 3, Format::BF16);
@@ -262,7 +262,7 @@ fn write_many(dir: &Path, count: usize) {
             let shards = ttrace::trace::shard(&t, &split, &mesh2, &id).unwrap();
             modules.insert(id.clone(), ModuleKind::Linear);
             re.push((id.clone(), Layout::replicated(), vec![t]));
-            ce.push((id, split, shards));
+            ce.push((id, split.clone(), shards));
         }
     }
     let none = std::collections::HashMap::new();

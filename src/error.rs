@@ -74,8 +74,8 @@ pub enum Error {
     ReplicaMismatch {
         /// The tensor's canonical id.
         id: String,
-        /// The mesh axis along which the copies are replicated ("dp", "cp" or "tp").
-        axis: &'static str,
+        /// The mesh axis along which the copies are replicated (`dp`, `tp`, …).
+        axis: String,
         /// The first rank (global index) whose copy differs from its group's first copy.
         rank: usize,
         /// Flat index of the first differing element.

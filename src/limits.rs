@@ -14,6 +14,11 @@ pub const SAFETENSORS_HEADER_BYTES: u64 = 100_000_000;
 pub const NPY_HEADER_BYTES: u64 = 1 << 20;
 /// Most ranks in a mesh: 2^20.
 pub const RANKS: usize = 1 << 20;
+/// Most axes of a mesh: 16 (Megatron-LM and torchtitan use at most six: pp, dp_replicate,
+/// dp_shard, cp, tp, ep).
+pub const MESH_AXES: usize = 16;
+/// Longest mesh axis name: 32 bytes.
+pub const AXIS_NAME_BYTES: usize = 32;
 /// Most dimensions of a tensor: 64.
 pub const DIMS: usize = 64;
 /// Most parts of a split (split-K parts, groups × parts of a nested split): 2^20.

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use ttrace::check::{check_dir_paths, PricingMode};
 use ttrace::io::write_trace_dir;
-use ttrace::trace::{Layout, Mesh, Placement};
+use ttrace::trace::{Axis, Layout, Mesh, Placement};
 use ttrace::{Format, Tensor};
 
 const ID: &str = "m|fwd.output.0";
@@ -23,11 +23,10 @@ fn reference() -> Tensor {
 /// Check a candidate on `mesh` (the tensor split along dim 1 over tp, replicated elsewhere)
 /// whose shards on the ranks in `bad` are scaled by `factor`; returns the localization's
 /// rank and whether the check failed.
-fn check(dir: &Path, mesh: Mesh, bad: &[usize], factor: f64) -> (Option<usize>, bool) {
+fn check(dir: &Path, mesh: &Mesh, bad: &[usize], factor: f64) -> (Option<usize>, bool) {
     let x = reference();
-    let mut layout = Layout::replicated();
-    layout.tp = Placement::split(1);
-    let mut shards = ttrace::trace::shard(&x, &layout, &mesh, ID).unwrap();
+    let layout = Layout::replicated().with(Axis::TP, Placement::split(1));
+    let mut shards = ttrace::trace::shard(&x, &layout, mesh, ID).unwrap();
     for &r in bad {
         let v = shards[r]
             .values()
@@ -49,7 +48,7 @@ fn check(dir: &Path, mesh: Mesh, bad: &[usize], factor: f64) -> (Option<usize>, 
     .unwrap();
     write_trace_dir(
         &cd,
-        &mesh,
+        mesh,
         None,
         &[(ID.into(), layout, shards)],
         &HashMap::new(),
@@ -71,10 +70,10 @@ fn temp(name: &str) -> PathBuf {
 #[test]
 fn a_difference_in_one_shard_names_its_rank() {
     let d = temp("one");
-    let tp4 = Mesh::new(4, 1, 1, false).unwrap();
+    let tp4 = Mesh::megatron(4, 1, 1, false).unwrap();
     for bad in 0..4 {
         assert_eq!(
-            check(&d, tp4, &[bad], 1.25),
+            check(&d, &tp4, &[bad], 1.25),
             (Some(bad), true),
             "rank {bad}"
         );
@@ -86,16 +85,16 @@ fn a_difference_in_one_shard_names_its_rank() {
 fn a_shard_replicated_over_dp_names_the_lowest_rank_holding_it() {
     // tp 2 × dp 2: global rank = dp·2 + tp. The tp-1 shard is held by ranks 1 and 3.
     let d = temp("dp");
-    let mesh = Mesh::new(2, 1, 2, false).unwrap();
-    assert_eq!(check(&d, mesh, &[1, 3], 1.25), (Some(1), true));
+    let mesh = Mesh::megatron(2, 1, 2, false).unwrap();
+    assert_eq!(check(&d, &mesh, &[1, 3], 1.25), (Some(1), true));
     let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
 fn a_difference_over_every_shard_names_none() {
     let d = temp("all");
-    let tp2 = Mesh::new(2, 1, 1, false).unwrap();
-    assert_eq!(check(&d, tp2, &[0, 1], 1.25), (None, true));
+    let tp2 = Mesh::megatron(2, 1, 1, false).unwrap();
+    assert_eq!(check(&d, &tp2, &[0, 1], 1.25), (None, true));
     let _ = std::fs::remove_dir_all(&d);
 }
 
@@ -106,7 +105,7 @@ fn unreduced_parameter_gradients_say_when_they_must_be_read() {
     // named, and the message gives the other cause than a missing reduction. An activation
     // that differs the same way gets the plain message.
     let d = temp("param");
-    let tp2 = Mesh::new(2, 1, 1, false).unwrap();
+    let tp2 = Mesh::megatron(2, 1, 1, false).unwrap();
     let x = reference();
     let half = Tensor::from_vec(
         x.shape(),

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use ttrace::check::{check_dir_paths, PricingMode};
 use ttrace::io::write_trace_dir;
-use ttrace::trace::{Layout, Mesh, Placement};
+use ttrace::trace::{Axis, Layout, Mesh, Placement};
 use ttrace::{Format, Tensor};
 
 fn tensor(shape: &[usize], seed: u64) -> Tensor {
@@ -33,7 +33,7 @@ fn scaled(t: &Tensor, k: f64) -> Tensor {
 /// two activation gradients, the candidate's gradients `factor` times the reference's; `auto`
 /// marks the candidate's normalization as unknown.
 fn traces(dir: &Path, factor: f64, auto: bool) -> (PathBuf, PathBuf) {
-    traces_on(dir, factor, auto, Mesh::new(1, 1, 2, false).unwrap())
+    traces_on(dir, factor, auto, Mesh::megatron(1, 1, 2, false).unwrap())
 }
 
 /// [`traces`] on `mesh`: the batch (dim 0) split along dp, the sequence (dim 1) cut into
@@ -42,8 +42,8 @@ fn traces_on(dir: &Path, factor: f64, auto: bool, mesh: Mesh) -> (PathBuf, PathB
     let (x, g1, g2) = (tensor(&[4, 8], 1), tensor(&[4, 8], 2), tensor(&[4, 8], 3));
     let ids = ["m|fwd.output.0", "m|grad.output.0", "m|grad.input.0"];
     let mut split = Layout::replicated();
-    split.dp = Placement::split(0);
-    split.cp = Placement::CpChunks { dim: 1 };
+    split.set(Axis::DP, Placement::split(0));
+    split.set(Axis::CP, Placement::CpChunks { dim: 1 });
     let none = HashMap::new();
     let (r, c) = (dir.join("reference"), dir.join("candidate"));
     let whole: Vec<_> = ids
@@ -57,18 +57,15 @@ fn traces_on(dir: &Path, factor: f64, auto: bool, mesh: Mesh) -> (PathBuf, PathB
         .zip([x, scaled(&g1, factor), scaled(&g2, factor)])
         .map(|(id, t)| {
             let shards = ttrace::trace::shard(&t, &split, &mesh, id).unwrap();
-            (id.to_string(), split, shards)
+            (id.to_string(), split.clone(), shards)
         })
         .collect();
     write_trace_dir(&c, &mesh, None, &sharded, &HashMap::new(), &none).unwrap();
     if auto {
         let m = c.join("manifest.json");
         let text = std::fs::read_to_string(&m).unwrap();
-        let text = text.replacen(
-            "\"version\": 1,",
-            "\"version\": 1,\n  \"dp_loss\": \"auto\",",
-            1,
-        );
+        let version = format!("\"version\": {},", ttrace::io::VERSION);
+        let text = text.replacen(&version, &format!("{version}\n  \"dp_loss\": \"auto\","), 1);
         std::fs::write(&m, text).unwrap();
     }
     (r, c)
@@ -143,10 +140,10 @@ fn under_context_parallelism_the_divisor_is_the_one_that_fits_among_dp_cp_dp_and
     // dp = 2, cp = 2: each rank's own mean (torchtitan: ×4), a mean over the batch shard but a
     // global count over the sequence (×2 = dp, or ×2 = cp: the same reading), the global
     // count (×1). Halving and quartering FP32 values is exact.
-    let mesh = Mesh::new(1, 2, 2, false).unwrap();
+    let mesh = Mesh::megatron(1, 2, 2, false).unwrap();
     for (factor, divisor) in [(4.0, 4), (2.0, 2), (1.0, 1)] {
         let d = temp(&format!("cp{divisor}"));
-        let (r, c) = traces_on(&d, factor, true, mesh);
+        let (r, c) = traces_on(&d, factor, true, mesh.clone());
         let check = check_dir_paths(&r, &c, PricingMode::Auto, &|| {}).unwrap();
         let loss = check.loss.as_ref().expect("settled");
         assert_eq!(
@@ -160,7 +157,7 @@ fn under_context_parallelism_the_divisor_is_the_one_that_fits_among_dp_cp_dp_and
         let _ = std::fs::remove_dir_all(&d);
     }
     // cp alone (dp = 1) is settled too; a factor no reading explains still fails.
-    let cp2 = Mesh::new(1, 2, 1, false).unwrap();
+    let cp2 = Mesh::megatron(1, 2, 1, false).unwrap();
     let d = temp("cp-only");
     let (r, c) = traces_on(&d, 2.0, true, cp2);
     let check = check_dir_paths(&r, &c, PricingMode::Auto, &|| {}).unwrap();

@@ -21,7 +21,7 @@ use std::process::Command;
 
 use ttrace::engine::SplitMix64;
 use ttrace::io::write_trace_dir;
-use ttrace::trace::{shard, Layout, Mesh, Placement};
+use ttrace::trace::{shard, Axis, Layout, Mesh, Placement};
 use ttrace::Tensor;
 use ttrace::{Format, Overflow};
 
@@ -116,34 +116,36 @@ fn check_peak(dir: &Path) -> u64 {
 
 /// The cases: name, format, mesh, layout of the candidate.
 fn cases() -> Vec<(&'static str, Format, Mesh, Layout)> {
-    let tp2 = Mesh::new(2, 1, 1, false).unwrap();
-    let dp2_tp2 = Mesh::new(2, 1, 2, false).unwrap();
-    let split = Layout {
-        tp: Placement::split(1),
-        ..Layout::replicated()
-    };
-    let partial = Layout {
-        tp: Placement::Partial,
-        ..Layout::replicated()
-    };
+    let tp2 = Mesh::megatron(2, 1, 1, false).unwrap();
+    let dp2_tp2 = Mesh::megatron(2, 1, 2, false).unwrap();
+    let split = Layout::replicated().with(Axis::TP, Placement::split(1));
+    let partial = Layout::replicated().with(Axis::TP, Placement::Partial);
     vec![
-        ("E4M3 TP2 split", Format::E4M3, tp2, split),
-        ("E4M3 DP2xTP2 split+replica", Format::E4M3, dp2_tp2, split),
-        ("E4M3 TP2 partial", Format::E4M3, tp2, partial),
+        ("E4M3 TP2 split", Format::E4M3, tp2.clone(), split.clone()),
+        (
+            "E4M3 DP2xTP2 split+replica",
+            Format::E4M3,
+            dp2_tp2.clone(),
+            split.clone(),
+        ),
+        (
+            "E4M3 TP2 partial",
+            Format::E4M3,
+            tp2.clone(),
+            partial.clone(),
+        ),
         (
             "E4M3 DP2 split x TP2 partial",
             Format::E4M3,
-            dp2_tp2,
-            Layout {
-                dp: Placement::split(0),
-                tp: Placement::Partial,
-                ..Layout::replicated()
-            },
+            dp2_tp2.clone(),
+            Layout::replicated()
+                .with(Axis::DP, Placement::split(0))
+                .with(Axis::TP, Placement::Partial),
         ),
-        ("E5M2 TP2 split", Format::E5M2, tp2, split),
-        ("BF16 TP2 split", Format::BF16, tp2, split),
-        ("F16 TP2 split", Format::F16, tp2, split),
-        ("F32 TP2 split", Format::F32, tp2, split),
+        ("E5M2 TP2 split", Format::E5M2, tp2.clone(), split.clone()),
+        ("BF16 TP2 split", Format::BF16, tp2.clone(), split.clone()),
+        ("F16 TP2 split", Format::F16, tp2.clone(), split.clone()),
+        ("F32 TP2 split", Format::F32, tp2.clone(), split.clone()),
     ]
 }
 
@@ -152,7 +154,7 @@ fn main() {
     if let [flag, dir, n, case] = &args[..] {
         if flag == "--write" {
             let (n, case): (usize, usize) = (n.parse().unwrap(), case.parse().unwrap());
-            let (_, f, mesh, layout) = cases()[case];
+            let (_, f, mesh, layout) = cases().swap_remove(case);
             write_pair(Path::new(dir), n, f, &mesh, layout);
             return;
         }

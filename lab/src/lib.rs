@@ -30,7 +30,7 @@
 //!     attention: AttentionImpl::Online { block: 2 }, ..GptConfig::default() };
 //! let reference = Gpt::new(config.clone(), Recipe::bf16())?.step()?.trace;
 //! // Tensor parallel 2 with sequence parallelism, context parallel 2, data parallel 2.
-//! let mesh = Mesh::new(2, 2, 2, true)?;
+//! let mesh = Mesh::megatron(2, 2, 2, true)?;
 //! let mut sharded = ShardedGpt::new(Gpt::new(config, Recipe::bf16())?, mesh, Algorithm::Ring)?;
 //! let merged = sharded.step()?.merge(Some(&reference))?;
 //! // Same tensors under the same canonical ids; the embedding is computed identically.

@@ -47,7 +47,7 @@ fn every_bug_is_detected_and_localized_and_clean_runs_pass() {
                 "{bug} {recipe}: only {} configurations",
                 runs.len()
             );
-            let meshes: Vec<Mesh> = runs.iter().map(|r| r.config.mesh).collect();
+            let meshes: Vec<Mesh> = runs.iter().map(|r| r.config.mesh.clone()).collect();
             for r in &runs {
                 assert!(
                     r.detected,

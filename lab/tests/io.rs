@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use proptest::prelude::*;
 use ttrace::engine::Gpt;
 use ttrace::io::{npy, safetensors, write_trace_dir, TraceDir};
-use ttrace::trace::{Layout, Mesh};
+use ttrace::trace::{Axis, Layout, Mesh};
 use ttrace::{Error, Format};
 use ttrace::{Recipe, Tensor};
 use ttrace_lab::shard::{Algorithm, ShardedGpt};
@@ -63,10 +63,10 @@ proptest! {
 fn a_sharded_step_written_and_read_back_merges_to_the_same_tensors() {
     for recipe in ["bf16", "fp8-delayed"] {
         let cfg = SweepOptions::model();
-        let mesh = Mesh::new(2, 2, 1, true).unwrap();
+        let mesh = Mesh::megatron(2, 2, 1, true).unwrap();
         let mut sharded = ShardedGpt::new(
             Gpt::new(cfg, Recipe::by_name(recipe).unwrap()).unwrap(),
-            mesh,
+            mesh.clone(),
             Algorithm::Ring,
         )
         .unwrap();
@@ -75,7 +75,7 @@ fn a_sharded_step_written_and_read_back_merges_to_the_same_tensors() {
         let entries: Vec<_> = step
             .entries
             .iter()
-            .map(|e| (e.id.clone(), e.layout, e.shards.clone()))
+            .map(|e| (e.id.clone(), e.layout.clone(), e.shards.clone()))
             .collect();
         let d = tmp(recipe);
         write_trace_dir(
@@ -229,7 +229,7 @@ fn malformed_safetensors_and_npy_are_rejected_with_the_problem_named() {
 #[test]
 fn manifest_problems_name_the_tensor_and_field() {
     let d = tmp("manifest");
-    let mesh = Mesh::new(2, 1, 1, false).unwrap();
+    let mesh = Mesh::megatron(2, 1, 1, false).unwrap();
     let t = Tensor::from_vec(&[2], vec![1.0, 2.0], Format::F32).unwrap();
     let entries = vec![(
         "a|fwd.output.0".to_string(),
@@ -267,9 +267,9 @@ fn manifest_problems_name_the_tensor_and_field() {
     );
     expect_file_error(
         edit(&|w| {
-            w["version"] = serde_json::json!(2);
+            w["version"] = serde_json::json!(3);
         }),
-        "schema version 2",
+        "schema version 3",
     );
     expect_file_error(
         edit(&|w| {
@@ -308,6 +308,30 @@ fn manifest_problems_name_the_tensor_and_field() {
             w["mesh"]["cp"] = serde_json::json!(1u64 << 40);
         }),
         "exceeds",
+    );
+    // The same with named axes, and in a version-1 manifest.
+    expect_file_error(
+        edit(&|w| {
+            w["mesh"] = serde_json::json!({"axes": [
+                {"name": "dp", "size": 1}, {"name": "cp", "size": 1u64 << 40},
+                {"name": "tp", "size": 1u64 << 40}]});
+        }),
+        "exceeds",
+    );
+    expect_file_error(
+        edit(&|w| {
+            w["version"] = serde_json::json!(1);
+            w["mesh"]["cp"] = serde_json::json!(1u64 << 40);
+            w["mesh"]["dp"] = serde_json::json!(1u64 << 40);
+        }),
+        "exceeds",
+    );
+    // A layout along an axis the mesh does not have.
+    expect_file_error(
+        edit(&|w| {
+            w["tensors"][0]["layout"]["pp"] = serde_json::json!({"kind": "replicate"});
+        }),
+        "axis 'pp', which the mesh",
     );
     // A shard whose shape differs from the other rank's: reported when merged.
     v["tensors"][1]["file"] = serde_json::json!("rank1.safetensors");
@@ -350,9 +374,9 @@ fn every_catalog_bug_round_trips_through_files_and_is_found() {
         } else {
             "bf16"
         };
-        let mesh = bug_meshes(bug, recipe.starts_with("fp8"), options.model.batch, 1)[0];
+        let mesh = bug_meshes(bug, recipe.starts_with("fp8"), options.model.batch, 1)[0].clone();
         let run = RunConfig {
-            mesh,
+            mesh: mesh.clone(),
             recipe: recipe.into(),
             seed: 1000,
             algorithm: Algorithm::Ring,
@@ -389,7 +413,7 @@ fn parallel_check_equals_sequential_check() {
     use ttrace_lab::validate::{dump_run, run_config_with_thresholds, RunConfig};
     let options = quick_options(4);
     let run = RunConfig {
-        mesh: Mesh::new(2, 2, 1, true).unwrap(),
+        mesh: Mesh::megatron(2, 2, 1, true).unwrap(),
         recipe: "bf16".into(),
         seed: 1000,
         algorithm: Algorithm::Ring,
@@ -424,11 +448,8 @@ fn parallel_check_equals_sequential_check() {
 /// stored format; the oracle is `exact_sum` element by element.
 #[test]
 fn partial_shards_sum_exactly_block_by_block() {
-    let mesh = Mesh::new(4, 1, 1, false).unwrap();
-    let layout = Layout {
-        tp: ttrace::trace::Placement::Partial,
-        ..Layout::replicated()
-    };
+    let mesh = Mesh::megatron(4, 1, 1, false).unwrap();
+    let layout = Layout::replicated().with(Axis::TP, ttrace::trace::Placement::Partial);
     let n = 70_001;
     let mut g = ttrace::engine::SplitMix64::for_name("partial-stream", 3);
     for f in formats() {
@@ -456,7 +477,7 @@ fn partial_shards_sum_exactly_block_by_block() {
             &d,
             &mesh,
             None,
-            &[(id.clone(), layout, shards.clone())],
+            &[(id.clone(), layout.clone(), shards.clone())],
             &none.0,
             &none.1,
         )
@@ -486,7 +507,7 @@ fn dumping_from_the_checked_run_writes_the_same_traces() {
     };
     let options = quick_options(4);
     let run = RunConfig {
-        mesh: Mesh::new(2, 1, 2, false).unwrap(),
+        mesh: Mesh::megatron(2, 1, 2, false).unwrap(),
         recipe: "fp8-delayed".into(),
         seed: 1000,
         algorithm: Algorithm::Ring,
@@ -605,7 +626,7 @@ fn a_dtype_change_between_runs_is_judged_and_named() {
     )
     .unwrap();
     let f64t = Tensor::from_vec(&[64, 64], values, Format::F64).unwrap();
-    let mesh = Mesh::new(1, 1, 1, false).unwrap();
+    let mesh = Mesh::megatron(1, 1, 1, false).unwrap();
     let write = |dir: &PathBuf, t: &Tensor| {
         let _ = std::fs::remove_dir_all(dir);
         let entries = vec![(

@@ -88,9 +88,9 @@ fn every_bug_is_found_and_localized_under_local_pricing() {
     let d = tmp("bugs");
     for bug in Bug::ALL {
         let recipe = recipe_for(bug);
-        let mesh = bug_meshes(bug, recipe.starts_with("fp8"), o.model.batch, 1)[0];
+        let mesh = bug_meshes(bug, recipe.starts_with("fp8"), o.model.batch, 1)[0].clone();
         let run = RunConfig {
-            mesh,
+            mesh: mesh.clone(),
             recipe: recipe.into(),
             seed: 1000,
             algorithm: Algorithm::Ring,

@@ -2,7 +2,7 @@
 
 use proptest::prelude::*;
 use ttrace::engine::{AttentionImpl, Gpt, GptConfig};
-use ttrace::trace::{merge, shard, Layout, Mesh, Placement};
+use ttrace::trace::{merge, shard, Axis, Layout, Mesh, Placement};
 use ttrace::{exact_sum, Error, Format};
 use ttrace::{Recipe, Tensor};
 use ttrace_lab::shard::{all_gather, all_reduce, reduce_scatter, Algorithm, ShardedGpt};
@@ -81,8 +81,8 @@ fn sharded_runs_merge_to_the_reference_within_round_off() {
         (2, true, 2, 2),
         (4, true, 1, 1),
     ] {
-        let mesh = Mesh::new(tp, cp, dp, sp).unwrap();
-        let (rt, merged) = run_pair("fp32", mesh);
+        let mesh = Mesh::megatron(tp, cp, dp, sp).unwrap();
+        let (rt, merged) = run_pair("fp32", mesh.clone());
         let mut differs = 0;
         for e in rt.entries() {
             let r = rel(merged.require(&e.id).unwrap(), &e.tensor);
@@ -98,12 +98,9 @@ fn sharded_runs_merge_to_the_reference_within_round_off() {
 
 #[test]
 fn a_wrong_layout_is_an_error_not_a_silent_merge() {
-    let mesh = Mesh::new(2, 1, 1, false).unwrap();
+    let mesh = Mesh::megatron(2, 1, 1, false).unwrap();
     let t = Tensor::from_vec(&[2, 4], (0..8).map(f64::from).collect(), Format::F32).unwrap();
-    let split = Layout {
-        tp: Placement::split(1),
-        ..Layout::replicated()
-    };
+    let split = Layout::replicated().with(Axis::TP, Placement::split(1));
     let shards = shard(&t, &split, &mesh, "x").unwrap();
     // Declared replicated although the shards differ.
     let err = merge(&shards, &Layout::replicated(), &mesh, "x", Some(&[2, 4])).unwrap_err();
@@ -112,10 +109,7 @@ fn a_wrong_layout_is_an_error_not_a_silent_merge() {
         "{err}"
     );
     // Split along the wrong dimension: the shape does not come back.
-    let wrong = Layout {
-        tp: Placement::split(0),
-        ..Layout::replicated()
-    };
+    let wrong = Layout::replicated().with(Axis::TP, Placement::split(0));
     let err = merge(&shards, &wrong, &mesh, "x", Some(&[2, 4])).unwrap_err();
     assert!(matches!(err, Error::Layout { .. }), "{err}");
     // Wrong number of shards.
@@ -123,10 +117,7 @@ fn a_wrong_layout_is_an_error_not_a_silent_merge() {
     assert!(err.to_string().contains("1 shards"), "{err}");
     // A split that does not divide.
     let odd = Tensor::from_vec(&[3], vec![1.0, 2.0, 3.0], Format::F32).unwrap();
-    let l0 = Layout {
-        tp: Placement::split(0),
-        ..Layout::replicated()
-    };
+    let l0 = Layout::replicated().with(Axis::TP, Placement::split(0));
     assert!(matches!(
         shard(&odd, &l0, &mesh, "odd").unwrap_err(),
         Error::Layout { .. }
@@ -136,21 +127,15 @@ fn a_wrong_layout_is_an_error_not_a_silent_merge() {
 #[test]
 fn cp_load_balanced_order_is_inverted() {
     // Positions 0..16 on cp = 2 (chunks of 4): rank 0 holds 0-3 and 12-15, rank 1 holds 4-11.
-    let mesh = Mesh::new(1, 2, 1, false).unwrap();
+    let mesh = Mesh::megatron(1, 2, 1, false).unwrap();
     let t = Tensor::from_vec(&[1, 16], (0..16).map(f64::from).collect(), Format::F32).unwrap();
-    let l = Layout {
-        cp: Placement::CpChunks { dim: 1 },
-        ..Layout::replicated()
-    };
+    let l = Layout::replicated().with(Axis::CP, Placement::CpChunks { dim: 1 });
     let s = shard(&t, &l, &mesh, "pos").unwrap();
     assert_eq!(s[0].values(), &[0., 1., 2., 3., 12., 13., 14., 15.]);
     assert_eq!(s[1].values(), &[4., 5., 6., 7., 8., 9., 10., 11.]);
     assert_eq!(merge(&s, &l, &mesh, "pos", Some(&[1, 16])).unwrap(), t);
     // Merging the same shards as a contiguous split gives another order: not the identity.
-    let contiguous = Layout {
-        cp: Placement::split(1),
-        ..Layout::replicated()
-    };
+    let contiguous = Layout::replicated().with(Axis::CP, Placement::split(1));
     assert_ne!(merge(&s, &contiguous, &mesh, "pos", None).unwrap(), t);
 }
 
@@ -173,8 +158,8 @@ proptest! {
         l in (placements(), placements(), placements()),
         seed in any::<u64>(),
     ) {
-        let mesh = Mesh::new(tp, cp, dp, false).unwrap();
-        let layout = Layout { dp: l.0, cp: l.1, tp: l.2 };
+        let mesh = Mesh::megatron(tp, cp, dp, false).unwrap();
+        let layout = Layout::replicated().with(Axis::DP, l.0).with(Axis::CP, l.1).with(Axis::TP, l.2);
         // Dimensions divisible by every split: 2·3·2·... = 24 per dim is enough for all.
         let shape = [24usize, 12, 36];
         let n: usize = shape.iter().product();
@@ -227,7 +212,7 @@ proptest! {
 
 mod ring {
     use ttrace::engine::{attention, attention_backward, AttentionImpl};
-    use ttrace::trace::{shard, Layout, Mesh, Placement};
+    use ttrace::trace::{shard, Axis, Layout, Mesh, Placement};
     use ttrace::{Format, Overflow};
     use ttrace::{Policy, Tensor};
     use ttrace_lab::shard::{ring_attention, ring_attention_backward};
@@ -239,11 +224,8 @@ mod ring {
     }
 
     fn cp_shards(t: &Tensor, cp: usize) -> (Vec<Tensor>, Layout, Mesh) {
-        let mesh = Mesh::new(1, cp, 1, false).unwrap();
-        let layout = Layout {
-            cp: Placement::CpChunks { dim: 1 },
-            ..Layout::replicated()
-        };
+        let mesh = Mesh::megatron(1, cp, 1, false).unwrap();
+        let layout = Layout::replicated().with(Axis::CP, Placement::CpChunks { dim: 1 });
         (shard(t, &layout, &mesh, "qkv").unwrap(), layout, mesh)
     }
 
@@ -338,7 +320,7 @@ mod validation {
             ("fp32", 1, false, 1, 2, Algorithm::Ring),
         ] {
             let run = RunConfig {
-                mesh: Mesh { tp, cp, dp, sp },
+                mesh: Mesh::megatron(tp, cp, dp, sp).unwrap(),
                 recipe: recipe.into(),
                 seed: 77,
                 algorithm: alg,
@@ -390,12 +372,7 @@ mod validation {
     fn data_parallel_changes_only_token_reductions() {
         let opts = SweepOptions::default_sweep(1);
         let run = RunConfig {
-            mesh: Mesh {
-                tp: 1,
-                cp: 1,
-                dp: 2,
-                sp: false,
-            },
+            mesh: Mesh::megatron(1, 1, 2, false).unwrap(),
             recipe: "bf16".into(),
             seed: 5,
             algorithm: Algorithm::Ring,
@@ -460,18 +437,17 @@ fn replays_cover_every_produced_tensor_and_are_exact_off_the_fresh_sites() {
     use ttrace::trace::TensorId;
     use ttrace_lab::validate::fresh_sites;
     use ttrace_lab::validate::replayed_outputs;
-    let mesh = Mesh {
-        tp: 2,
-        cp: 2,
-        dp: 2,
-        sp: true,
-    };
+    let mesh = Mesh::megatron(2, 2, 2, true).unwrap();
     for recipe in ["fp32", "bf16"] {
         let r = Recipe::by_name(recipe).unwrap();
         let mut reference = Gpt::new(config(), r.clone()).unwrap();
         let before = reference.clone();
-        let mut sharded =
-            ShardedGpt::new(Gpt::new(config(), r).unwrap(), mesh, Algorithm::Ring).unwrap();
+        let mut sharded = ShardedGpt::new(
+            Gpt::new(config(), r).unwrap(),
+            mesh.clone(),
+            Algorithm::Ring,
+        )
+        .unwrap();
         let rt = reference.step().unwrap().trace;
         let step = sharded.step().unwrap();
         let replayed = replayed_outputs(&mut sharded, &step, &rt).unwrap();

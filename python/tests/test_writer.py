@@ -56,7 +56,7 @@ def test_the_core_writes_every_field_the_tracer_recorded(tmp_path, monkeypatch, 
     rank = kwargs.get("rank", 0)
     written = json.loads((tmp_path / "step0" / f"manifest.rank{rank}.json").read_text())
     assert written.pop("format") == "ttrace-trace"
-    assert written.pop("version") == 1
+    assert written.pop("version") == 2  # the trace format version 2 (named mesh axes)
     recorded = json.loads(handed[0])
     assert written == recorded
     # What the configurations put there, so that the comparison is not of empty records.

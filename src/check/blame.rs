@@ -31,7 +31,7 @@ pub(crate) fn faulty_rank(
     }
     let mut shard = logical.to_vec();
     let mut split = false;
-    for (axis, parts, _) in axes(mesh, mesh.coords(0)) {
+    for (axis, parts, _) in axes(mesh, 0) {
         match layout.along(axis) {
             Placement::Partial if parts > 1 => return None,
             Placement::Split { dim, .. } | Placement::CpChunks { dim } if parts > 1 => {
@@ -50,16 +50,14 @@ pub(crate) fn faulty_rank(
     let (mut xs, mut ys) = (Vec::new(), Vec::new());
     let mut shares: Vec<(usize, f64)> = vec![];
     for rank in 0..mesh.world() {
-        let replica = axes(mesh, mesh.coords(rank))
-            .iter()
-            .any(|&(axis, parts, i)| {
-                i > 0
-                    && parts > 1
-                    && !matches!(
-                        layout.along(axis),
-                        Placement::Split { .. } | Placement::CpChunks { .. }
-                    )
-            });
+        let replica = axes(mesh, rank).iter().any(|&(axis, parts, i)| {
+            i > 0
+                && parts > 1
+                && !matches!(
+                    layout.along(axis),
+                    Placement::Split { .. } | Placement::CpChunks { .. }
+                )
+        });
         if replica {
             continue;
         }

@@ -20,6 +20,7 @@ use serde::Serialize;
 
 use crate::error::Result;
 use crate::io::{DpLoss, TraceDir};
+use crate::trace::Axis;
 
 /// How many loss-dependent gradients settle the normalization.
 const PROBES: usize = 4;
@@ -114,8 +115,8 @@ pub(crate) fn settle_dp_loss(
     reference: &mut TraceDir,
     candidate: &mut TraceDir,
 ) -> Result<Option<LossNormalization>> {
-    let mesh = candidate.manifest().mesh;
-    let (dp, cp) = (mesh.dp, mesh.cp);
+    let mesh = &candidate.manifest().mesh;
+    let (dp, cp) = (mesh.size(&Axis::DP), mesh.size(&Axis::CP));
     if candidate.manifest().dp_loss != Some(DpLoss::Auto) || dp * cp < 2 {
         return Ok(None);
     }

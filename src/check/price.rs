@@ -65,8 +65,8 @@ use crate::format::Format;
 use crate::io::ModuleInfo;
 use crate::policy::{OpClass, Pass, Recipe};
 use crate::trace::id::{TensorId, TensorRole};
-use crate::trace::mesh::{Layout, Mesh, Placement};
 use crate::trace::ModuleKind;
+use crate::trace::{Axis, Layout, Mesh, Placement};
 
 /// How a tensor's threshold was priced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -325,14 +325,6 @@ fn class(kind: ModuleKind, role: &Role) -> OpClass {
     }
 }
 
-fn axis_size(mesh: &Mesh, axis: usize) -> usize {
-    [mesh.dp, mesh.cp, mesh.tp][axis]
-}
-
-fn placements(l: &Layout) -> [Placement; 3] {
-    [l.dp, l.cp, l.tp]
-}
-
 /// Which input dimensions a module reduces over (`None`: unknown, judge by layouts alone).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reduced {
@@ -376,11 +368,12 @@ pub fn split_factor(
     mesh: &Mesh,
     reduced: Option<Reduced>,
 ) -> usize {
-    let out = placements(output);
-    (0..3)
-        .filter(|&a| {
+    mesh.axes()
+        .iter()
+        .filter(|(a, _)| {
+            let out = output.along(a);
             inputs.iter().any(|(l, ranks)| {
-                let Some(d) = split_dim(placements(l)[a]) else {
+                let Some(d) = split_dim(l.along(a)) else {
                     return false;
                 };
                 let last = ranks.saturating_sub(1);
@@ -389,11 +382,11 @@ pub fn split_factor(
                     Some(Reduced::Last) => d == last,
                     Some(Reduced::AllButLast) => d != last,
                     Some(Reduced::All) => true,
-                    None => matches!(out[a], Placement::Replicate | Placement::Partial),
+                    None => matches!(out, Placement::Replicate | Placement::Partial),
                 }
-            }) || matches!(out[a], Placement::Partial)
+            }) || matches!(out, Placement::Partial)
         })
-        .map(|a| axis_size(mesh, a))
+        .map(|(_, n)| n)
         .product()
 }
 
@@ -420,13 +413,9 @@ pub struct Priced {
 /// Whether a tensor of `layout` is split or partial along an axis of more than one rank: its
 /// shards have other shapes than the logical tensor.
 fn sharded(layout: &Layout, mesh: &Mesh) -> bool {
-    [
-        (layout.dp, mesh.dp),
-        (layout.cp, mesh.cp),
-        (layout.tp, mesh.tp),
-    ]
-    .iter()
-    .any(|(p, n)| *n > 1 && !matches!(p, Placement::Replicate))
+    mesh.axes()
+        .iter()
+        .any(|(a, n)| *n > 1 && !matches!(layout.along(a), Placement::Replicate))
 }
 
 fn coarser(a: Format, b: Format) -> bool {
@@ -665,15 +654,18 @@ pub fn price_local<'s>(
         _ => carried,
     };
     // Order: reductions split across ranks.
-    let layouts: Vec<(Layout, usize)> = inputs.iter().map(|s| (s.layout, s.ndim)).collect();
+    let layouts: Vec<(Layout, usize)> = inputs.iter().map(|s| (s.layout.clone(), s.ndim)).collect();
     let mut s = split_factor(&me.layout, &layouts, &ctx.mesh, reduced(kind, &role));
     if kind == Some(ModuleKind::Attention)
-        && ctx.mesh.cp > 1
-        && layouts
-            .iter()
-            .any(|(l, _)| matches!(l.cp, Placement::CpChunks { .. } | Placement::Split { .. }))
+        && ctx.mesh.size(&Axis::CP) > 1
+        && layouts.iter().any(|(l, _)| {
+            matches!(
+                l.along(&Axis::CP),
+                Placement::CpChunks { .. } | Placement::Split { .. }
+            )
+        })
     {
-        s *= ctx.mesh.cp;
+        s *= ctx.mesh.size(&Axis::CP);
     }
     let spread = |f: Format| {
         let lambda = floor(f, me.elements, out_norm);

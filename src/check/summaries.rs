@@ -30,7 +30,7 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::io::guard::printable;
 use crate::io::summary::{Summary, SummaryEntry, SummaryRun, SummaryStep};
-use crate::trace::mesh::{Axis, Coords, Layout, Mesh, Placement};
+use crate::trace::{Axis, Layout, Mesh, Placement};
 
 const U: f64 = f64::EPSILON / 2.0;
 
@@ -107,7 +107,7 @@ pub enum Proof {
         /// `reference` or `candidate`.
         run: &'static str,
         /// The axis of the replication.
-        axis: &'static str,
+        axis: String,
         /// The first rank whose copy's statistics differ from its group's first copy's.
         rank: usize,
     },
@@ -244,24 +244,7 @@ impl Merged {
 /// disagree (a finding).
 enum Unmerged {
     NotComparable(String),
-    Replicas { axis: &'static str, rank: usize },
-}
-
-fn coord(c: Coords, a: Axis) -> usize {
-    match a {
-        Axis::Dp => c.dp,
-        Axis::Cp => c.cp,
-        Axis::Tp => c.tp,
-    }
-}
-
-fn with_coord(mut c: Coords, a: Axis, v: usize) -> Coords {
-    match a {
-        Axis::Dp => c.dp = v,
-        Axis::Cp => c.cp = v,
-        Axis::Tp => c.tp = v,
-    }
-    c
+    Replicas { axis: String, rank: usize },
 }
 
 /// Merge one id's shards (`by_rank[r]`, every rank's entry) under `layout`.
@@ -270,12 +253,14 @@ fn merge(
     layout: &Layout,
     mesh: &Mesh,
 ) -> std::result::Result<Merged, Unmerged> {
-    let axes: Vec<Axis> = Axis::ALL
-        .into_iter()
-        .filter(|&a| mesh.size(a) > 1)
+    // The mesh's axes of more than one rank (by position in the mesh).
+    let axes: Vec<usize> = (0..mesh.axes().len())
+        .filter(|&k| mesh.axes()[k].1 > 1)
         .collect();
+    let name = |k: usize| &mesh.axes()[k].0;
     let mut shape = by_rank[0].shape.clone();
-    for &a in &axes {
+    for &k in &axes {
+        let (a, size) = (name(k), mesh.axes()[k].1);
         match layout.along(a) {
             Placement::Partial => {
                 return Err(Unmerged::NotComparable(format!(
@@ -290,12 +275,11 @@ fn merge(
                     )));
                 }
                 // A shape no tensor could have (a hostile file) is not compared.
-                shape[dim] = match shape[dim].checked_mul(mesh.size(a)) {
+                shape[dim] = match shape[dim].checked_mul(size) {
                     Some(d) => d,
                     None => {
                         return Err(Unmerged::NotComparable(format!(
-                            "its merged shape overflows (dimension {dim} of {shape:?} times {})",
-                            mesh.size(a)
+                            "its merged shape overflows (dimension {dim} of {shape:?} times {size})"
                         )))
                     }
                 };
@@ -303,10 +287,10 @@ fn merge(
             Placement::Replicate => {}
         }
     }
-    let replicated: Vec<Axis> = axes
+    let replicated: Vec<usize> = axes
         .iter()
         .copied()
-        .filter(|&a| layout.along(a) == Placement::Replicate)
+        .filter(|&k| layout.along(name(k)) == Placement::Replicate)
         .collect();
     let mut members = vec![];
     for (r, e) in by_rank.iter().enumerate() {
@@ -317,13 +301,14 @@ fn merge(
             )));
         }
         let c = mesh.coords(r);
-        match replicated.iter().find(|&&a| coord(c, a) != 0) {
+        match replicated.iter().find(|&&k| c[k] != 0) {
             None => members.push(*e),
-            Some(&a) => {
-                let first = replicated.iter().fold(c, |c, &b| with_coord(c, b, 0));
-                if by_rank[mesh.rank(first)].summary != e.summary {
+            Some(&k) => {
+                let mut first = c.clone();
+                replicated.iter().for_each(|&b| first[b] = 0);
+                if by_rank[mesh.rank(&first)].summary != e.summary {
                     return Err(Unmerged::Replicas {
-                        axis: a.name(),
+                        axis: name(k).name().to_string(),
                         rank: r,
                     });
                 }
@@ -380,13 +365,13 @@ fn merge_settled(
     let guessed: Vec<Axis> = e
         .guessed
         .iter()
-        .copied()
-        .filter(|&a| {
+        .filter(|a| {
             matches!(
                 e.layout.along(a),
                 Placement::Split { .. } | Placement::CpChunks { .. }
             )
         })
+        .cloned()
         .collect();
     let first = merge(by_rank, &e.layout, mesh);
     let (Some(want), false) = (want, guessed.is_empty()) else {
@@ -396,10 +381,10 @@ fn merge_settled(
         return first;
     }
     for mask in 1u32..(1 << guessed.len()) {
-        let mut layout = e.layout;
-        for (i, &a) in guessed.iter().enumerate() {
+        let mut layout = e.layout.clone();
+        for (i, a) in guessed.iter().enumerate() {
             if mask & (1 << i) != 0 {
-                layout = layout.with(a, Placement::Replicate);
+                layout.set(a.clone(), Placement::Replicate);
             }
         }
         let m = merge(by_rank, &layout, mesh);
@@ -514,7 +499,7 @@ fn compare_step(
     c: &[SummaryStep],
     thresholds: &SummaryThresholds,
 ) -> Result<StepComparison> {
-    let (rmesh, cmesh) = (r[0].mesh, c[0].mesh);
+    let (rmesh, cmesh) = (r[0].mesh.clone(), c[0].mesh.clone());
     let (rorder, rmap) = by_id(r)?;
     let (corder, cmap) = by_id(c)?;
     let mut out = StepComparison {
@@ -545,7 +530,7 @@ fn compare_step(
                 continue;
             }
             Err((Unmerged::Replicas { axis, rank }, run)) => {
-                bounds.push(replicas(id, run, axis, rank));
+                bounds.push(replicas(id, run, &axis, rank));
                 continue;
             }
         };
@@ -611,14 +596,18 @@ fn compare_step(
     Ok(out)
 }
 
-fn replicas(id: &str, run: &'static str, axis: &'static str, rank: usize) -> TensorBound {
+fn replicas(id: &str, run: &'static str, axis: &str, rank: usize) -> TensorBound {
     TensorBound {
         id: id.to_string(),
         lower: 0.0,
         rel_lower: 0.0,
         by: "replicas",
         threshold: None,
-        proof: Some(Proof::ReplicasDisagree { run, axis, rank }),
+        proof: Some(Proof::ReplicasDisagree {
+            run,
+            axis: axis.to_string(),
+            rank,
+        }),
     }
 }
 

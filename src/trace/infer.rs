@@ -16,15 +16,15 @@
 //! guessed, and a wrong guess shows as
 //! replicas that differ or a large error — never as a pass.
 
-use super::mesh::{dim_of, Axis, Layout, Mesh, Placement};
+use super::layout::{dim_of, Layout, Placement};
+use super::mesh::{Axis, Mesh};
 
 /// The local shape a rank holds of a logical tensor of shape `logical` under `layout`, or
 /// `None` if the layout cannot cut it (a dimension that does not divide, or out of range).
 pub(crate) fn local_shape(layout: &Layout, logical: &[usize], mesh: &Mesh) -> Option<Vec<usize>> {
     let mut s = logical.to_vec();
-    for axis in Axis::ALL {
-        let p = layout.along(axis);
-        let parts = mesh.size(axis);
+    for (axis, parts) in mesh.axes() {
+        let (p, parts) = (layout.along(axis), *parts);
         let Some(d) = dim_of(p) else { continue };
         let whole = match p {
             Placement::Split { groups, .. } => groups.checked_mul(parts)?,
@@ -43,10 +43,10 @@ pub(crate) fn local_shape(layout: &Layout, logical: &[usize], mesh: &Mesh) -> Op
 /// The logical shape of a tensor whose rank holds `local` under `layout`.
 pub(crate) fn logical_shape(layout: &Layout, local: &[usize], mesh: &Mesh) -> Option<Vec<usize>> {
     let mut s = local.to_vec();
-    for axis in Axis::ALL {
+    for (axis, parts) in mesh.axes() {
         if let Some(d) = dim_of(layout.along(axis)) {
             let n = s.get_mut(d)?;
-            *n = n.checked_mul(mesh.size(axis))?;
+            *n = n.checked_mul(*parts)?;
         }
     }
     Some(s)
@@ -56,9 +56,9 @@ pub(crate) fn logical_shape(layout: &Layout, local: &[usize], mesh: &Mesh) -> Op
 /// changing only the axes in `free` of `guess`, fewest changes first (the guess itself first
 /// when it fits). Two axes may split one dimension (context parallelism's chunks of the
 /// sequence, cut again by sequence parallelism): the outer axis cuts first, as the merge nests
-/// them (dp, then cp, then tp).
+/// them (the mesh's axes, outermost first).
 pub(crate) fn fitting_layouts(
-    guess: Layout,
+    guess: &Layout,
     free: &[Axis],
     logical: &[usize],
     local: &[usize],
@@ -70,11 +70,11 @@ pub(crate) fn fitting_layouts(
     // The options of each axis: its guess first, then (for a guessed axis) replication and a
     // split of each dimension — for cp also its load-balanced chunks, which shapes cannot
     // tell from a contiguous split (an axis of size 1 keeps its guess: it cuts nothing).
-    let options = |axis: Axis| -> Vec<Placement> {
+    let options = |axis: &Axis| -> Vec<Placement> {
         let g = guess.along(axis);
         let mut v = vec![g];
-        if mesh.size(axis) > 1 && free.contains(&axis) {
-            let chunks = (axis == Axis::Cp)
+        if mesh.size(axis) > 1 && free.contains(axis) {
+            let chunks = (*axis == Axis::CP)
                 .then(|| (0..logical.len()).map(|dim| Placement::CpChunks { dim }))
                 .into_iter()
                 .flatten();
@@ -85,24 +85,26 @@ pub(crate) fn fitting_layouts(
         }
         v
     };
+    // Every combination of the axes' options (the mesh's axes, outermost first).
+    let mut candidates = vec![guess.clone()];
+    for (axis, _) in mesh.axes() {
+        let opts = options(axis);
+        candidates = candidates
+            .iter()
+            .flat_map(|l| opts.iter().map(|&p| l.clone().with(axis.clone(), p)))
+            .collect();
+    }
     let mut fits: Vec<(usize, Layout)> = vec![];
-    for dp in options(Axis::Dp) {
-        for cp in options(Axis::Cp) {
-            for tp in options(Axis::Tp) {
-                let l = guess
-                    .with(Axis::Dp, dp)
-                    .with(Axis::Cp, cp)
-                    .with(Axis::Tp, tp);
-                if local_shape(&l, logical, mesh).as_deref() != Some(local) {
-                    continue;
-                }
-                let changed = Axis::ALL
-                    .iter()
-                    .filter(|&&a| l.along(a) != guess.along(a))
-                    .count();
-                fits.push((changed, l));
-            }
+    for l in candidates {
+        if local_shape(&l, logical, mesh).as_deref() != Some(local) {
+            continue;
         }
+        let changed = mesh
+            .axes()
+            .iter()
+            .filter(|(a, _)| l.along(a) != guess.along(a))
+            .count();
+        fits.push((changed, l));
     }
     fits.sort_by_key(|f| f.0);
     fits.into_iter().map(|f| f.1).collect()
@@ -112,22 +114,21 @@ pub(crate) fn fitting_layouts(
 mod tests {
     use super::*;
 
-    const ALL: [Axis; 3] = Axis::ALL;
+    const ALL: [Axis; 3] = Axis::MEGATRON;
 
     fn mesh(tp: usize, dp: usize) -> Mesh {
-        Mesh::new(tp, 1, dp, false).unwrap()
+        Mesh::megatron(tp, 1, dp, false).unwrap()
     }
 
     fn lay(dp: Placement, tp: Placement) -> Layout {
-        Layout {
-            dp,
-            cp: Placement::Replicate,
-            tp,
-        }
+        Layout::replicated()
+            .with(Axis::DP, dp)
+            .with(Axis::CP, Placement::Replicate)
+            .with(Axis::TP, tp)
     }
 
     fn infer(
-        g: Layout,
+        g: &Layout,
         free: &[Axis],
         logical: &[usize],
         local: &[usize],
@@ -139,7 +140,7 @@ mod tests {
     #[test]
     fn a_guess_that_fits_comes_first() {
         let g = lay(Placement::split(1), Placement::Replicate);
-        assert_eq!(infer(g, &ALL, &[8, 4, 16], &[8, 2, 16], &mesh(2, 2))[0], g);
+        assert_eq!(infer(&g, &ALL, &[8, 4, 16], &[8, 2, 16], &mesh(2, 2))[0], g);
     }
 
     #[test]
@@ -148,7 +149,7 @@ mod tests {
         let g = lay(Placement::split(1), Placement::Replicate);
         let want = lay(Placement::split(1), Placement::split(0));
         // The one-change explanation first; the other (dp and tp swapped) after it.
-        let fits = infer(g, &ALL, &[16, 4, 8], &[8, 2, 8], &mesh(2, 2));
+        let fits = infer(&g, &ALL, &[16, 4, 8], &[8, 2, 8], &mesh(2, 2));
         assert_eq!(
             fits,
             vec![want, lay(Placement::split(0), Placement::split(1))]
@@ -157,7 +158,7 @@ mod tests {
         let g = lay(Placement::Replicate, Placement::Replicate);
         let want = lay(Placement::Replicate, Placement::split(1));
         assert_eq!(
-            infer(g, &ALL, &[2, 8, 4, 4], &[2, 2, 4, 4], &mesh(4, 1)),
+            infer(&g, &ALL, &[2, 8, 4, 4], &[2, 2, 4, 4], &mesh(4, 1)),
             vec![want]
         );
     }
@@ -167,7 +168,7 @@ mod tests {
         // tp = dp = 2 and both dims halved: which axis cut which dimension cannot be told
         // from shapes — both assignments fit, equally far from a replicated guess.
         let g = lay(Placement::Replicate, Placement::Replicate);
-        let fits = infer(g, &ALL, &[4, 4], &[2, 2], &mesh(2, 2));
+        let fits = infer(&g, &ALL, &[4, 4], &[2, 2], &mesh(2, 2));
         assert_eq!(fits.len(), 2);
         assert!(fits.contains(&lay(Placement::split(0), Placement::split(1))));
         assert!(fits.contains(&lay(Placement::split(1), Placement::split(0))));
@@ -180,33 +181,29 @@ mod tests {
         // dp alone free: one.
         let g = lay(Placement::split(1), Placement::split(1));
         assert_eq!(
-            infer(g, &ALL, &[2, 16, 8], &[1, 8, 8], &mesh(2, 2)).len(),
+            infer(&g, &ALL, &[2, 16, 8], &[1, 8, 8], &mesh(2, 2)).len(),
             2
         );
         let want = lay(Placement::split(0), Placement::split(1));
         assert_eq!(
-            infer(g, &[Axis::Dp], &[2, 16, 8], &[1, 8, 8], &mesh(2, 2)),
+            infer(&g, &[Axis::DP], &[2, 16, 8], &[1, 8, 8], &mesh(2, 2)),
             vec![want]
         );
         // A declared axis is never changed, even when nothing else fits.
         let g = lay(Placement::Replicate, Placement::split(2));
-        assert!(infer(g, &[Axis::Dp], &[4, 8], &[2, 8], &mesh(2, 1)).is_empty());
+        assert!(infer(&g, &[Axis::DP], &[4, 8], &[2, 8], &mesh(2, 1)).is_empty());
     }
 
     #[test]
     fn context_parallel_chunks_and_a_second_cut_of_the_sequence_are_candidates() {
         // torchtitan: the sequence (dim 1) in load-balanced chunks along cp, each rank's
         // chunks cut again along tp by sequence parallelism; the batch split along dp.
-        let m = Mesh::new(2, 2, 2, false).unwrap();
-        let g = Layout {
-            dp: Placement::split(0),
-            cp: Placement::Replicate,
-            tp: Placement::split(1),
-        };
-        let fits = infer(g, &[Axis::Dp, Axis::Cp], &[4, 16, 8], &[2, 4, 8], &m);
-        let chunks = g.with(Axis::Cp, Placement::CpChunks { dim: 1 });
+        let m = Mesh::megatron(2, 2, 2, false).unwrap();
+        let g = lay(Placement::split(0), Placement::split(1));
+        let fits = infer(&g, &[Axis::DP, Axis::CP], &[4, 16, 8], &[2, 4, 8], &m);
+        let chunks = g.clone().with(Axis::CP, Placement::CpChunks { dim: 1 });
         assert!(fits.contains(&chunks), "{fits:?}");
-        assert!(fits.contains(&g.with(Axis::Cp, Placement::split(1))));
+        assert!(fits.contains(&g.clone().with(Axis::CP, Placement::split(1))));
         // The nested cut is the one the merge undoes: shard then merge round-trips.
         let n = 4 * 16 * 8;
         let t = crate::tensor::Tensor::from_parts_unchecked(
@@ -214,24 +211,24 @@ mod tests {
             (0..n).map(|i| i as f64).collect(),
             crate::format::Format::F32,
         );
-        let shards = crate::trace::mesh::shard(&t, &chunks, &m, "x").unwrap();
+        let shards = crate::trace::layout::shard(&t, &chunks, &m, "x").unwrap();
         assert_eq!(shards[0].shape(), &[2, 4, 8]);
         // cp rank 0 holds chunks 0 and 3 of 4 (tokens 0..4 and 12..16); its tp rank 1 the
         // second half of those: tokens 12..16. cp rank 1, tp rank 0: tokens 4..8.
-        let at = |cp, tp| m.rank(crate::trace::mesh::Coords { dp: 0, cp, tp });
+        let at = |cp, tp| m.rank(&[0, cp, tp]);
         assert_eq!(shards[at(0, 1)].values()[0], (12 * 8) as f64);
         assert_eq!(shards[at(1, 0)].values()[0], (4 * 8) as f64);
         // A cp axis that is not free keeps its guess.
-        assert!(infer(g, &[Axis::Dp], &[4, 16, 8], &[2, 4, 8], &m).is_empty());
+        assert!(infer(&g, &[Axis::DP], &[4, 16, 8], &[2, 4, 8], &m).is_empty());
     }
 
     #[test]
     fn shapes_no_layout_explains_give_none() {
         let g = lay(Placement::Replicate, Placement::Replicate);
-        assert!(infer(g, &ALL, &[6, 4], &[5, 4], &mesh(2, 1)).is_empty());
-        assert!(infer(g, &ALL, &[6, 4], &[6, 4, 1], &mesh(2, 1)).is_empty());
+        assert!(infer(&g, &ALL, &[6, 4], &[5, 4], &mesh(2, 1)).is_empty());
+        assert!(infer(&g, &ALL, &[6, 4], &[6, 4, 1], &mesh(2, 1)).is_empty());
         // A replicated-looking guess that fits stays (shapes cannot tell partial sums).
-        assert_eq!(infer(g, &ALL, &[6, 4], &[6, 4], &mesh(2, 1)), vec![g]);
+        assert_eq!(infer(&g, &ALL, &[6, 4], &[6, 4], &mesh(2, 1)), vec![g]);
     }
 
     #[test]

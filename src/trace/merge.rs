@@ -10,9 +10,8 @@ use crate::exact::ExactAccumulator;
 use crate::format::codec::encode_values;
 use crate::format::{Format, Overflow};
 use crate::tensor::Tensor;
-use crate::trace::mesh::{
-    check_dim, dim_of, layout_err, part_ranges, Axis, Coords, Layout, Mesh, Placement,
-};
+use crate::trace::layout::{check_dim, dim_of, layout_err, part_ranges, Layout, Placement};
+use crate::trace::mesh::{Axis, Mesh};
 use crate::trace::stored::Stored;
 
 /// What a merge joins: decoded values ([`Tensor`]) or stored bit patterns
@@ -333,8 +332,8 @@ pub(crate) fn merge_fetched<'a, T: Joinable>(
     let first = fetch(&groups[0].1, spare)?;
     // A placement naming a dimension the shards lack is refused on an axis of size 1 too
     // (a one-rank trace's merge is its one shard).
-    for axis in crate::trace::mesh::Axis::ALL {
-        check_dim(layout.along(axis), first.shape(), id)?;
+    for (_, p) in layout.placements() {
+        check_dim(p, first.shape(), id)?;
     }
     let merged = if groups.len() == 1 {
         first.into_owned()
@@ -361,22 +360,20 @@ pub(crate) fn merge_fetched<'a, T: Joinable>(
 /// innermost replicated axis along which it is a copy (`None` for first copies); first
 /// copies first, each list in rank order.
 pub(crate) fn groups(layout: &Layout, mesh: &Mesh) -> Vec<(Option<Axis>, Vec<usize>)> {
-    let mut by_key: std::collections::BTreeMap<(bool, [usize; 3]), Vec<usize>> = Default::default();
+    let mut by_key: std::collections::BTreeMap<(bool, Vec<usize>), Vec<usize>> = Default::default();
     let mut copy_axis = std::collections::HashMap::new();
+    let placements: Vec<Placement> = mesh.axes().iter().map(|(a, _)| layout.along(a)).collect();
     for r in 0..mesh.world() {
-        let c = axes(mesh, mesh.coords(r));
-        let key = c.map(|(axis, _, i)| {
-            if layout.along(axis) == Placement::Partial {
-                0
-            } else {
-                i
-            }
-        });
-        let copy = c
+        let c = mesh.coords(r);
+        let key = c
             .iter()
+            .zip(&placements)
+            .map(|(&i, &p)| if p == Placement::Partial { 0 } else { i })
+            .collect();
+        let copy = (0..c.len())
             .rev()
-            .find(|&&(axis, _, i)| layout.along(axis) == Placement::Replicate && i > 0)
-            .map(|&(axis, _, _)| axis);
+            .find(|&k| placements[k] == Placement::Replicate && c[k] > 0)
+            .map(|k| mesh.axes()[k].0.clone());
         // Ranks in order: a group's key is first met at its lowest rank.
         let group = by_key.entry((copy.is_some(), key)).or_default();
         if group.is_empty() {
@@ -386,7 +383,7 @@ pub(crate) fn groups(layout: &Layout, mesh: &Mesh) -> Vec<(Option<Axis>, Vec<usi
     }
     let mut out: Vec<(Option<Axis>, Vec<usize>)> = by_key
         .into_values()
-        .map(|ranks| (copy_axis[&ranks[0]], ranks))
+        .map(|ranks| (copy_axis[&ranks[0]].clone(), ranks))
         .collect();
     out.sort_by_key(|(copy, ranks)| (copy.is_some(), ranks[0]));
     out
@@ -413,12 +410,13 @@ pub(crate) fn restrict(map: &[(usize, usize)], start: usize, len: usize) -> DimM
 }
 
 /// The mesh axes, outermost first, with their sizes and a rank's coordinate along each.
-pub(crate) fn axes(mesh: &Mesh, c: Coords) -> [(Axis, usize, usize); 3] {
-    [
-        (Axis::Dp, mesh.dp, c.dp),
-        (Axis::Cp, mesh.cp, c.cp),
-        (Axis::Tp, mesh.tp, c.tp),
-    ]
+pub(crate) fn axes(mesh: &Mesh, rank: usize) -> Vec<(&Axis, usize, usize)> {
+    let c = mesh.coords(rank);
+    mesh.axes()
+        .iter()
+        .zip(c)
+        .map(|((a, n), i)| (a, *n, i))
+        .collect()
 }
 
 /// The logical shape of shards of `shape`, checked: dimensions that exist, sizes and the
@@ -441,18 +439,11 @@ pub(crate) fn logical_shape(
         )
     };
     // A placement naming a dimension the shard lacks is refused on an axis of size 1 too.
-    for axis in crate::trace::mesh::Axis::ALL {
-        check_dim(layout.along(axis), shape, id)?;
+    for (_, p) in layout.placements() {
+        check_dim(p, shape, id)?;
     }
     let mut s = shape.to_vec();
-    for (axis, parts, _) in axes(
-        mesh,
-        Coords {
-            dp: 0,
-            cp: 0,
-            tp: 0,
-        },
-    ) {
+    for (axis, parts, _) in axes(mesh, 0) {
         let p = layout.along(axis);
         check_dim(p, shape, id)?;
         if let Some(d) = dim_of(p) {
@@ -476,7 +467,7 @@ pub(crate) fn dim_maps(
     id: &str,
 ) -> Result<Vec<DimMap>> {
     let mut maps: Vec<DimMap> = logical.iter().map(|&n| vec![(n, 0)]).collect();
-    for (axis, parts, i) in axes(mesh, mesh.coords(rank)) {
+    for (axis, parts, i) in axes(mesh, rank) {
         let p = layout.along(axis);
         if let Some(d) = dim_of(p) {
             let n = maps[d].iter().map(|s| s.0).sum();
@@ -602,7 +593,7 @@ pub(crate) fn scatter<'a, T: Joinable>(
                 if let Some((d, s)) = first_diff {
                     return Err(Error::ReplicaMismatch {
                         id: id.to_string(),
-                        axis: axis.name(),
+                        axis: axis.name().to_string(),
                         rank: r,
                         index: d,
                         values: (

@@ -4,9 +4,10 @@
 //!   (`{module}|fwd.output.0`, `{parameter}|param_grad`), and [`Trace`], tensors by id in
 //!   execution order;
 //! * [`ModuleKind`]: what a module computes;
-//! * [`Mesh`], [`Axis`], [`Coords`], [`Layout`], [`Placement`]: the device mesh and how a
-//!   tensor lies on it, [`shard`] to cut a logical tensor and [`merge`] to put the shards
-//!   back together (with the values as stored, so a checker merges without widening them).
+//! * [`Mesh`] and [`Axis`]: the device mesh, named axes of any number;
+//! * [`Layout`] and [`Placement`]: how a tensor lies on it, one placement per named axis;
+//!   [`shard`] to cut a logical tensor and [`merge`] to put the shards back together (with the
+//!   values as stored, so a checker merges without widening them).
 //!
 //! It sits just above the arithmetic (formats, orders, policies, tensors). The reference
 //! engine and the sharded simulator *produce* traces, [`io`](crate::io) reads and writes
@@ -17,11 +18,13 @@
 pub(crate) mod id;
 pub(crate) mod infer;
 pub(crate) mod kind;
+pub(crate) mod layout;
 pub(crate) mod merge;
 pub(crate) mod mesh;
 pub(crate) mod stored;
 
 pub use id::{TensorId, TensorRole, Trace, TraceEntry};
 pub use kind::ModuleKind;
+pub use layout::{shard, Layout, Placement};
 pub use merge::{merge, merge_owned, merge_reusing};
-pub use mesh::{shard, Axis, Coords, Layout, Mesh, Placement};
+pub use mesh::{Axis, Mesh};

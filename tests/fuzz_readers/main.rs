@@ -31,7 +31,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use ttrace::check::{check_dirs, PricingMode};
 use ttrace::io::{npy, safetensors, write_trace_dir, TraceDir};
-use ttrace::trace::{Layout, Mesh, Placement};
+use ttrace::trace::{Axis, Layout, Mesh, Placement};
 use ttrace::Format;
 use ttrace::Tensor;
 
@@ -128,16 +128,16 @@ fn npy_seeds(dir: &Path) -> Vec<(Vec<u8>, Format)> {
 
 /// A reference (one rank) and a candidate (TP 2: one split and one replicated tensor).
 fn trace_seed(dir: &Path) -> (PathBuf, PathBuf) {
-    let (single, tp2) = (Mesh::single(), Mesh::new(2, 1, 1, false).unwrap());
+    let (single, tp2) = (Mesh::single(), Mesh::megatron(2, 1, 1, false).unwrap());
     let mut split = Layout::replicated();
-    split.tp = Placement::split(1);
+    split.set(Axis::TP, Placement::split(1));
     let x = tensor(&[4, 6], Format::BF16, 10);
     let y = tensor(&[4, 6], Format::BF16, 11);
     let shards = ttrace::trace::shard(&x, &split, &tp2, "m0|fwd.output.0").unwrap();
     // An FP8 tensor whose candidate is a partial sum (summed a block at a time from the
     // files), and a consumed tensor equal to a produced one (judged against it).
     let mut partial = Layout::replicated();
-    partial.tp = Placement::Partial;
+    partial.set(Axis::TP, Placement::Partial);
     let z = tensor(&[3, 5], Format::E4M3, 12);
     let addends = ttrace::trace::shard(&z, &partial, &tp2, "m2|fwd.output.0").unwrap();
     let kinds = HashMap::new();

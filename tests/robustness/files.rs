@@ -32,9 +32,9 @@ fn atomic_writes_leave_the_old_file_or_the_new_one() {
 fn check_reports_are_identical_across_runs_and_thread_counts() {
     let d = tmp("determinism");
     let single = Mesh::single();
-    let tp2 = Mesh::new(2, 1, 1, false).unwrap();
+    let tp2 = Mesh::megatron(2, 1, 1, false).unwrap();
     let mut split = Layout::replicated();
-    split.tp = ttrace::trace::Placement::split(1);
+    split.set(Axis::TP, ttrace::trace::Placement::split(1));
     let mut re = vec![];
     let mut ce = vec![];
     let mut g = ttrace::engine::SplitMix64::for_name("robust", 3);
@@ -51,7 +51,7 @@ fn check_reports_are_identical_across_runs_and_thread_counts() {
         let ct = Tensor::from_vec(&[8, 8], c, Format::BF16).unwrap();
         re.push((id.clone(), Layout::replicated(), vec![rt]));
         let shards = ttrace::trace::shard(&ct, &split, &tp2, &id).unwrap();
-        ce.push((id, split, shards));
+        ce.push((id, split.clone(), shards));
     }
     let none = HashMap::new();
     write_trace_dir(&d.join("r"), &single, None, &re, &HashMap::new(), &none).unwrap();
@@ -229,7 +229,7 @@ fn mark_guessed(
         let rank = e["rank"].as_u64().unwrap() as usize;
         if e["id"] == id && ranks.contains(&rank) {
             e["guessed"] = serde_json::json!(axes);
-            if let Some(l) = layout {
+            if let Some(l) = &layout {
                 e["layout"] = serde_json::to_value(l).unwrap();
             }
         }
@@ -273,7 +273,7 @@ fn a_guessed_layout_is_inferred_from_the_shapes() {
     let v: Vec<f64> = (0..32).map(|i| f64::from(i) - 10.0).collect();
     let id = "m|fwd.output.0".to_string();
     write_whole(&d.join("r"), &id, &v, 4, 8);
-    let mesh = Mesh::new(2, 1, 1, false).unwrap();
+    let mesh = Mesh::megatron(2, 1, 1, false).unwrap();
     let shards = vec![
         block(&v, 4, 8, (0, 1), (0, 2)),
         block(&v, 4, 8, (0, 1), (1, 2)),
@@ -291,7 +291,7 @@ fn a_guessed_layout_is_inferred_from_the_shapes() {
     );
     assert_eq!(out.inferred.len(), 1);
     assert_eq!(
-        out.inferred[0].layout.tp,
+        out.inferred[0].layout.along(&Axis::TP),
         ttrace::trace::Placement::split(1)
     );
     assert_eq!(out.inferred[0].fitting, 1);
@@ -307,7 +307,7 @@ fn an_ambiguous_guess_is_settled_by_the_values() {
     let v: Vec<f64> = (0..64).map(|i| f64::from(i) * 0.5 - 7.0).collect();
     let id = "m|fwd.output.0".to_string();
     write_whole(&d.join("r"), &id, &v, 8, 8);
-    let mesh = Mesh::new(2, 1, 2, false).unwrap();
+    let mesh = Mesh::megatron(2, 1, 2, false).unwrap();
     for (name, rows_by_dp) in [("c-dp-rows", true), ("c-dp-cols", false)] {
         // Rank = dp * tp_size + tp (ttrace's rank order).
         let shards: Vec<Tensor> = (0..4)
@@ -326,10 +326,10 @@ fn an_ambiguous_guess_is_settled_by_the_values() {
             "{name}: {}",
             ttrace::check::render_dir_check(&out)
         );
-        let l = out.inferred[0].layout;
+        let l = &out.inferred[0].layout;
         let want = if rows_by_dp { (0, 1) } else { (1, 0) };
         assert_eq!(
-            (l.dp, l.tp),
+            (l.along(&Axis::DP), l.along(&Axis::TP)),
             (
                 ttrace::trace::Placement::split(want.0),
                 ttrace::trace::Placement::split(want.1)
@@ -348,11 +348,8 @@ fn a_rank_that_knew_the_layout_settles_the_others_guess() {
     let v: Vec<f64> = (0..32).map(|i| f64::from(i) / 4.0).collect();
     let id = "m|fwd.output.0".to_string();
     write_whole(&d.join("r"), &id, &v, 4, 8);
-    let mesh = Mesh::new(2, 1, 1, false).unwrap();
-    let split = Layout {
-        tp: ttrace::trace::Placement::split(1),
-        ..Layout::replicated()
-    };
+    let mesh = Mesh::megatron(2, 1, 1, false).unwrap();
+    let split = Layout::replicated().with(Axis::TP, ttrace::trace::Placement::split(1));
     let shards = vec![
         block(&v, 4, 8, (0, 1), (0, 2)),
         block(&v, 4, 8, (0, 1), (1, 2)),
@@ -394,7 +391,7 @@ fn differing_replicas_along_a_guessed_axis_are_partial_sums_but_not_for_paramete
     let half: Vec<f64> = v.iter().map(|x| (x * 0.25).floor()).collect();
     let rest: Vec<f64> = v.iter().zip(&half).map(|(x, h)| x - h).collect();
     let t = |values: &[f64]| Tensor::from_vec(&[4, 4], values.to_vec(), Format::F32).unwrap();
-    let mesh = Mesh::new(1, 2, 1, false).unwrap();
+    let mesh = Mesh::megatron(1, 2, 1, false).unwrap();
     for (id, passes) in [("m|grad.input.0", true), ("m.weight|param_grad", false)] {
         let name = if passes { "activation" } else { "param" };
         write_single(
@@ -418,7 +415,10 @@ fn differing_replicas_along_a_guessed_axis_are_partial_sums_but_not_for_paramete
             ttrace::check::render_dir_check(&out)
         );
         if passes {
-            assert_eq!(out.inferred[0].layout.cp, ttrace::trace::Placement::Partial);
+            assert_eq!(
+                out.inferred[0].layout.along(&Axis::CP),
+                ttrace::trace::Placement::Partial
+            );
         } else {
             let problem = out.report.verdicts[0].problem.as_deref().unwrap_or("");
             assert!(
@@ -442,7 +442,7 @@ fn module_information_without_a_kind_is_read() {
     let module = e.module.as_ref().unwrap();
     assert_eq!(module.kind, None);
     assert_eq!(module.combine, Some(Format::BF16));
-    assert_eq!(e.guessed, vec![ttrace::trace::Axis::Tp]);
+    assert_eq!(e.guessed, vec![ttrace::trace::Axis::TP]);
     let bad = text.replace(r#""guessed": ["tp"]"#, r#""guessed": ["xp"]"#);
     assert!(matches!(
         ttrace::io::Manifest::parse(&bad, std::path::Path::new("manifest.json")),

@@ -11,7 +11,7 @@ use ttrace::check::{price_local, InputIndex, PriceContext, TensorStat};
 use ttrace::check::{Detection, Detector};
 use ttrace::engine::matmul;
 use ttrace::io::{safetensors, write_atomic, write_trace_dir, ModuleInfo};
-use ttrace::trace::{Layout, Mesh};
+use ttrace::trace::{Axis, Layout, Mesh};
 use ttrace::{sum, Accumulation, Error, Format, Overflow};
 use ttrace::{Policy, Tensor};
 

@@ -17,7 +17,7 @@
 use serde::{Deserialize, Serialize};
 
 use ttrace::trace::merge;
-use ttrace::trace::{Layout, Mesh, Placement};
+use ttrace::trace::{Axis, Layout, Mesh, Placement};
 use ttrace::Combine;
 use ttrace::Tensor;
 use ttrace::{Error, Result};
@@ -129,11 +129,8 @@ pub fn all_reduce_max(values: &[f64]) -> f64 {
 pub fn reduce_scatter(inputs: &[Tensor], dim: usize, r: Format) -> Result<Vec<Tensor>> {
     check_same(inputs, "reduce-scatter")?;
     let p = inputs.len();
-    let mesh = Mesh::new(p, 1, 1, false)?;
-    let layout = Layout {
-        tp: Placement::split(dim),
-        ..Layout::replicated()
-    };
+    let mesh = Mesh::new([(Axis::TP, p)])?;
+    let layout = Layout::replicated().with(Axis::TP, Placement::split(dim));
     // Each rank's tensor cut into the p slices.
     let cuts: Vec<Vec<Tensor>> = inputs
         .iter()
@@ -159,11 +156,8 @@ pub fn reduce_scatter(inputs: &[Tensor], dim: usize, r: Format) -> Result<Vec<Te
 /// All-gather along `dim`: the ranks' tensors concatenated in rank order (exact).
 pub fn all_gather(inputs: &[Tensor], dim: usize, what: &str) -> Result<Tensor> {
     check_same(inputs, "all-gather")?;
-    let mesh = Mesh::new(inputs.len(), 1, 1, false)?;
-    let layout = Layout {
-        tp: Placement::split(dim),
-        ..Layout::replicated()
-    };
+    let mesh = Mesh::new([(Axis::TP, inputs.len())])?;
+    let layout = Layout::replicated().with(Axis::TP, Placement::split(dim));
     merge(inputs, &layout, &mesh, what, None)
 }
 

@@ -29,10 +29,10 @@ use ttrace::__lab::widest_of;
 use ttrace::bounds::ReductionError;
 use ttrace::engine::{Gpt, NormKind};
 use ttrace::engine::{OpClass, Pass};
-use ttrace::trace::Mesh;
 use ttrace::trace::ModuleKind;
 use ttrace::trace::TensorId;
 use ttrace::trace::Trace;
+use ttrace::trace::{Axis, Mesh};
 use ttrace::Format;
 use ttrace::Policy;
 use ttrace::Result;
@@ -170,26 +170,26 @@ struct Tokens {
 
 impl Tokens {
     fn new(batch: usize, seq: usize, mesh: &Mesh) -> Tokens {
-        let bl = batch / mesh.dp;
-        let c = seq / (2 * mesh.cp);
+        let bl = batch / mesh.size(&Axis::DP);
+        let c = seq / (2 * mesh.size(&Axis::CP));
         let mut dpcp = vec![];
         let mut all = vec![];
         for b in 0..batch {
             for s in 0..seq {
                 let chunk = s / c;
-                let (ci, local) = if chunk < mesh.cp {
+                let (ci, local) = if chunk < mesh.size(&Axis::CP) {
                     (chunk, s - chunk * c)
                 } else {
-                    (2 * mesh.cp - 1 - chunk, c + s - chunk * c)
+                    (2 * mesh.size(&Axis::CP) - 1 - chunk, c + s - chunk * c)
                 };
-                let g = (b / bl) * mesh.cp + ci;
+                let g = (b / bl) * mesh.size(&Axis::CP) + ci;
                 let t = if mesh.sequence_parallel() {
-                    local / (2 * c / mesh.tp)
+                    local / (2 * c / mesh.size(&Axis::TP))
                 } else {
                     0
                 };
                 dpcp.push(g);
-                all.push(t * mesh.dp * mesh.cp + g);
+                all.push(t * mesh.size(&Axis::DP) * mesh.size(&Axis::CP) + g);
             }
         }
         Tokens {
@@ -237,10 +237,10 @@ pub fn fresh_sites(
     let act = recipe.activation_format;
     let gf = recipe.grad_format;
     let tokens = Tokens::new(cfg.batch, cfg.seq, mesh);
-    let n_dpcp = mesh.dp * mesh.cp;
-    let n_all = n_dpcp * mesh.tp;
+    let n_dpcp = mesh.size(&Axis::DP) * mesh.size(&Axis::CP);
+    let n_all = n_dpcp * mesh.size(&Axis::TP);
     let mut sites = FreshSites::new();
-    let tp = mesh.tp;
+    let tp = mesh.size(&Axis::TP);
     for m in model.modules() {
         let name = &m.name;
         // Parameter-gradient groups: replicated parameters under SP use every rank.
@@ -472,7 +472,7 @@ pub fn fresh_sites(
                     )?],
                 );
             }
-            ModuleKind::Attention if mesh.cp > 1 => {
+            ModuleKind::Attention if mesh.size(&Axis::CP) > 1 => {
                 attention_sites(model, reference, mesh, name, &mut sites)?;
             }
             _ => {}
@@ -534,7 +534,7 @@ fn attention_sites(
     let (b_n, s_n, h) = (cfg.batch, cfg.seq, cfg.hidden);
     let heads = cfg.heads;
     let d = h / heads;
-    let cp = mesh.cp;
+    let cp = mesh.size(&Axis::CP);
     let c = s_n / (2 * cp);
     let nb = 2 * cp;
     let qrank_of = |s: usize| {

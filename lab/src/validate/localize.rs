@@ -21,7 +21,7 @@ use ttrace::{Error, Result};
 
 fn layout_of(step: &ShardedStep, id: &str) -> Result<ttrace::trace::Layout> {
     step.entry(id)
-        .map(|e| e.layout)
+        .map(|e| e.layout.clone())
         .ok_or_else(|| Error::UnknownName {
             kind: "traced tensor of the sharded step",
             name: id.to_string(),

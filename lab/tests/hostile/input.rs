@@ -16,14 +16,17 @@ fn sizes_from_arguments_are_bounded() {
         assert!(err.contains(arg), "{err}");
     }
     // Groups × parts that overflow: a typed error from the library, not a panic.
-    use ttrace::trace::{Layout, Mesh, Placement};
-    let mesh = Mesh::new(2, 1, 1, false).unwrap();
+    use ttrace::trace::{Axis, Layout, Mesh, Placement};
+    let mesh = Mesh::megatron(2, 1, 1, false).unwrap();
     let t = ttrace::Tensor::zeros(&[4, 4], ttrace::Format::F32);
     let mut layout = Layout::replicated();
-    layout.tp = Placement::Split {
-        dim: 0,
-        groups: usize::MAX,
-    };
+    layout.set(
+        Axis::TP,
+        Placement::Split {
+            dim: 0,
+            groups: usize::MAX,
+        },
+    );
     assert!(matches!(
         ttrace::trace::shard(&t, &layout, &mesh, "t"),
         Err(ttrace::Error::InvalidParameter { .. })
@@ -204,13 +207,10 @@ fn narrow_formats_stay_narrow_and_manifests_are_bounded() {
 /// rank and id.
 #[test]
 fn overflowing_shapes_and_huge_meshes_are_refused() {
-    use ttrace::trace::{merge, Layout, Mesh, Placement};
-    let mesh = Mesh::new(4, 1, 1, false).unwrap();
+    use ttrace::trace::{merge, Axis, Layout, Mesh, Placement};
+    let mesh = Mesh::megatron(4, 1, 1, false).unwrap();
     let t = ttrace::Tensor::zeros(&[1 << 62, 0], ttrace::Format::F32);
-    let layout = Layout {
-        tp: Placement::split(0),
-        ..Layout::replicated()
-    };
+    let layout = Layout::replicated().with(Axis::TP, Placement::split(0));
     let shards = vec![t.clone(), t.clone(), t.clone(), t];
     let e = merge(&shards, &layout, &mesh, "x", None).unwrap_err();
     assert!(matches!(e, ttrace::Error::Layout { .. }), "{e}");

@@ -111,11 +111,11 @@ pub(super) fn partial_instead(
         let Some(axis) = Axis::named(axis) else {
             return Ok(None);
         };
-        if !guessed.contains(&axis) || layout.along(axis) != Placement::Replicate {
+        if !guessed.contains(&axis) || layout.along(&axis) != Placement::Replicate {
             return Ok(None);
         }
-        layout = layout.with(axis, Placement::Partial);
-        match candidate.logical_stored_as(id, layout) {
+        layout.set(axis, Placement::Partial);
+        match candidate.logical_stored_as(id, &layout) {
             Ok(c) => return Ok(Some((c, layout))),
             Err(e @ Error::ReplicaMismatch { .. }) => {
                 owned = e;
@@ -211,7 +211,7 @@ pub(super) fn gather(
         // (and the reference's sums, which pricing needs) then come from the reference alone.
         Err(e @ Error::ReplicaMismatch { rank, .. }) => match partial_instead(candidate, id, &e)? {
             Some((c, l)) => {
-                layout = l;
+                layout = l.clone();
                 inferred = Some(l);
                 replicas = Some((replica_note(id, &e), rank));
                 (Some(c), None, None)

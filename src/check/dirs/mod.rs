@@ -125,7 +125,7 @@ pub fn check_dirs(
             &plan,
             out,
             &producer,
-            candidate.manifest().mesh,
+            candidate.manifest().mesh.clone(),
             &kinds,
             mode,
             inferred,
@@ -296,7 +296,7 @@ pub fn check_dir_traces(
     let c0 = &resolved;
     let plan = plan(r0, c0)?;
     let (producer, kinds) = side_info(r0);
-    let mesh = c0.manifest().mesh;
+    let mesh = c0.manifest().mesh.clone();
     let workers = crate::parallel::threads();
     // One run of tensors per worker: each opens its handles once and reuses their read and
     // value buffers for every tensor (smaller runs balanced load better but paid fresh pages

@@ -118,7 +118,7 @@ pub(super) fn finish(
     mut inferred: Vec<InferredLayout>,
 ) -> DirCheck {
     for (id, g) in plan.ids.iter().zip(&gathered) {
-        if let Some(layout) = g.inferred {
+        if let Some(layout) = g.inferred.clone() {
             inferred.retain(|x| x.tensor != *id);
             inferred.push(InferredLayout {
                 tensor: id.clone(),

@@ -177,32 +177,30 @@ fn norm_gain_measures_the_row_spread() {
 
 #[test]
 fn split_factor_counts_axes_where_a_reduced_dimension_is_split() {
-    let mesh = Mesh::new(2, 3, 1, false).unwrap();
+    let mesh = Mesh::megatron(2, 3, 1, false).unwrap();
     let rep = Layout::replicated();
-    let mut row_in = rep;
-    row_in.tp = Placement::split(2);
-    row_in.cp = Placement::CpChunks { dim: 1 };
-    let mut out = rep;
-    out.cp = Placement::CpChunks { dim: 1 };
+    let row_in = rep
+        .clone()
+        .with(Axis::TP, Placement::split(2))
+        .with(Axis::CP, Placement::CpChunks { dim: 1 });
+    let out = rep.clone().with(Axis::CP, Placement::CpChunks { dim: 1 });
     let last = Some(Reduced::Last);
+    let row = || [(row_in.clone(), 3)];
     // Row-parallel: contraction split over tp, tokens stay split over cp.
-    assert_eq!(split_factor(&out, &[(row_in, 3)], &mesh, last), 2);
+    assert_eq!(split_factor(&out, &row(), &mesh, last), 2);
     // With sequence parallelism the output is reduce-scattered: still split over tp.
-    let mut sp_out = out;
-    sp_out.tp = Placement::split(1);
-    assert_eq!(split_factor(&sp_out, &[(row_in, 3)], &mesh, last), 2);
+    let sp_out = out.clone().with(Axis::TP, Placement::split(1));
+    assert_eq!(split_factor(&sp_out, &row(), &mesh, last), 2);
     // A weight gradient reduces over the tokens (cp), not over the features (tp).
     let tokens = Some(Reduced::AllButLast);
-    assert_eq!(split_factor(&rep, &[(row_in, 3)], &mesh, tokens), 3);
+    assert_eq!(split_factor(&rep, &row(), &mesh, tokens), 3);
     // Column-parallel forward: nothing reduced across ranks.
-    let mut col_out = out;
-    col_out.tp = Placement::split(2);
-    assert_eq!(split_factor(&col_out, &[(out, 3)], &mesh, last), 1);
+    let col_out = out.clone().with(Axis::TP, Placement::split(2));
+    assert_eq!(split_factor(&col_out, &[(out.clone(), 3)], &mesh, last), 1);
     // Unknown kind: judged by the output being replicated where an input is split.
-    assert_eq!(split_factor(&rep, &[(row_in, 3)], &mesh, None), 6);
+    assert_eq!(split_factor(&rep, &row(), &mesh, None), 6);
     // A partial output is a split reduction whatever the inputs.
-    let mut partial = out;
-    partial.tp = Placement::Partial;
+    let partial = out.clone().with(Axis::TP, Placement::Partial);
     assert_eq!(
         split_factor(&partial, &[(out, 3)], &mesh, Some(Reduced::Nothing)),
         2

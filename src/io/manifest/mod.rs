@@ -1,9 +1,10 @@
-//! The trace manifest (`manifest.json`, schema version 1) and trace directories.
+//! The trace manifest (`manifest.json`, schema version 2; version 1 still read) and trace
+//! directories.
 //!
 //! A trace directory holds one safetensors file per rank (or `.npy` files) and a manifest:
 //!
 //! ```json
-//! {"format": "ttrace-trace", "version": 1, "recipe": "bf16",
+//! {"format": "ttrace-trace", "version": 2, "recipe": "bf16",
 //!  "mesh": {"tp": 2, "cp": 1, "dp": 1, "sp": false},
 //!  "tensors": [
 //!    {"id": "layers.0.mlp.fc1|fwd.output.0", "rank": 0, "file": "rank0.safetensors",
@@ -17,7 +18,11 @@
 //! Required per tensor: `id`, `rank`, `file`, `dtype`, `layout`; `key` defaults to the id (for
 //! `.npy` files it is ignored); `module` is optional (what produced the tensor, for pricing).
 //! Unknown fields are ignored; a missing required field is an error naming the tensor and the
-//! field. Every id must be present once on every rank of the mesh.
+//! field. Every id must be present once on every rank of the mesh. The mesh above is
+//! Megatron's `[dp, cp, tp]` in its short form (all version 1 could say); version 2 names axes
+//! of any number, outermost first — `"mesh": {"axes": [{"name": "dp_shard", "size": 4},
+//! {"name": "tp", "size": 2}]}` — and a layout places the tensor per named axis (an axis it
+//! does not name: replicated). `papers/trace-format.md` is the full schema.
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
@@ -32,9 +37,9 @@ use crate::io::guard::{limits, printable, TrustedDir};
 use crate::io::{npy, safetensors};
 use crate::tensor::Tensor;
 use crate::trace::merge::{keep, merge_fetched, sum_group, take_spare, Joinable};
-use crate::trace::mesh::{Axis, Layout, Mesh, Placement};
 use crate::trace::stored::Stored;
 use crate::trace::ModuleKind;
+use crate::trace::{Axis, Layout, Mesh, Placement};
 
 mod parse;
 #[cfg(test)]
@@ -47,8 +52,12 @@ use parse::*;
 pub use trace_dir::{InferredLayout, TraceDir};
 pub use write::{merge_fragments, write_manifest, write_trace_dir};
 
-/// The schema version this library writes and reads.
-pub const VERSION: u64 = 1;
+/// The schema version this library writes (it reads it and every earlier one: [`VERSIONS`]).
+pub const VERSION: u64 = 2;
+
+/// The schema versions this library reads: 1 (Megatron's `tp`, `cp`, `dp` mesh) and 2 (named
+/// mesh axes).
+pub const VERSIONS: [u64; 2] = [1, 2];
 
 /// What produced a tensor, for pricing its threshold (see `papers/trace-format.md` and
 /// [`price_local`](crate::check::price_local)). Every field is optional: without `kind` the

@@ -96,11 +96,37 @@ pub(super) fn entry(
     }
     // Every axis's placement is checked, an axis of size 1 too (it cuts nothing, but a
     // placement no mesh could use is a broken writer, refused the same at any size).
-    if let Some((axis, what)) = crate::trace::mesh::layout_problem(&layout) {
+    if let Some((axis, what)) = crate::trace::layout::layout_problem(&layout) {
         return Err(ferr(
             path,
             format!("{who}: layout along {}: {what}", axis.name()),
         ));
+    }
+    // One placement per axis of the mesh, in its order (replication where none is named).
+    let layout = layout.completed(mesh).map_err(|axis| {
+        ferr(
+            path,
+            format!(
+                "{who}: 'layout' places the tensor along axis '{axis}', which the mesh ({}) \
+                 does not have",
+                mesh.label()
+            ),
+        )
+    })?;
+    for axis in guessed
+        .iter()
+        .chain(module.iter().flat_map(|m| &m.unreduced))
+    {
+        if !mesh.has(axis) {
+            return Err(ferr(
+                path,
+                format!(
+                    "{who}: names axis '{axis}' (guessed or unreduced), which the mesh ({}) \
+                     does not have",
+                    mesh.label()
+                ),
+            ));
+        }
     }
     Ok(ManifestEntry {
         key: key.unwrap_or_else(|| id.clone()),
@@ -137,10 +163,13 @@ impl Manifest {
     }
 
     pub(super) fn check_version(version: u64, path: &Path) -> Result<()> {
-        if version != VERSION {
+        if !VERSIONS.contains(&version) {
             return Err(ferr(
                 path,
-                format!("schema version {version} is not supported (this ttrace reads {VERSION})"),
+                format!(
+                    "schema version {version} is not supported (this ttrace reads versions \
+                     {VERSIONS:?})"
+                ),
             ));
         }
         Ok(())
@@ -151,7 +180,6 @@ impl Manifest {
             .map_err(|e| ferr(path, format!("not a valid manifest: {e}")))?;
         Self::check_version(raw.version, path)?;
         let mesh = raw.mesh;
-        Mesh::new(mesh.tp, mesh.cp, mesh.dp, mesh.sp).map_err(|e| ferr(path, e.to_string()))?;
         let tensors = raw
             .tensors
             .into_iter()
@@ -209,7 +237,6 @@ impl Manifest {
                 .ok_or_else(|| ferr(path, "missing required field 'mesh'"))?,
         )
         .map_err(|e| ferr(path, format!("field 'mesh': {e}")))?;
-        Mesh::new(mesh.tp, mesh.cp, mesh.dp, mesh.sp).map_err(|e| ferr(path, e.to_string()))?;
         let list = v
             .get("tensors")
             .and_then(|x| x.as_array())

@@ -34,7 +34,7 @@ fn compact_text_is_the_manifest() {
             version: VERSION,
             recipe,
             dp_loss,
-            mesh: Mesh::new(2, 1, 1, false).unwrap(),
+            mesh: Mesh::megatron(2, 1, 1, false).unwrap(),
             run,
             tensors,
         };

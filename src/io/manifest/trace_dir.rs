@@ -40,14 +40,14 @@ pub(super) fn settle_guesses(tensors: &mut [ManifestEntry], ks: &[usize]) {
     let known: Vec<Layout> = ks
         .iter()
         .filter(|&&k| tensors[k].guessed.is_empty())
-        .map(|&k| tensors[k].layout)
+        .map(|&k| tensors[k].layout.clone())
         .collect();
-    let Some(&l) = known.first() else { return };
-    if known.len() == ks.len() || known.iter().any(|k| *k != l) {
+    let Some(l) = known.first() else { return };
+    if known.len() == ks.len() || known.iter().any(|k| k != l) {
         return;
     }
     for &k in ks {
-        tensors[k].layout = l;
+        tensors[k].layout = l.clone();
         tensors[k].guessed.clear();
     }
 }
@@ -181,8 +181,8 @@ impl TraceDir {
             }
             let ks: Vec<usize> = slots.into_iter().map(|(_, k)| k).collect();
             settle_guesses(&mut manifest.tensors, &ks);
-            let l0 = manifest.tensors[ks[0]].layout;
-            if ks.iter().any(|&k| manifest.tensors[k].layout != l0) {
+            let l0 = &manifest.tensors[ks[0]].layout;
+            if ks.iter().any(|&k| manifest.tensors[k].layout != *l0) {
                 return Err(ferr(
                     &mpath,
                     format!("tensor {}: ranks declare different layouts", printable(id)),
@@ -266,7 +266,7 @@ impl TraceDir {
                 read_entry(&mut self.files, &self.dir, e, &mut self.spare)
             })
             .collect::<Result<_>>()?;
-        Ok((out, self.manifest.tensors[ks[0]].layout))
+        Ok((out, self.manifest.tensors[ks[0]].layout.clone()))
     }
 
     /// Hand a tensor read from this directory back when it is no longer needed: its buffer is
@@ -314,7 +314,7 @@ impl TraceDir {
     pub fn layout(&self, id: &str) -> Option<Layout> {
         self.by_id
             .get(id)
-            .map(|ks| self.manifest.tensors[ks[0]].layout)
+            .map(|ks| self.manifest.tensors[ks[0]].layout.clone())
     }
 
     /// The local shape of one manifest entry, from its file's header (`None` for npy files,
@@ -363,7 +363,7 @@ impl TraceDir {
                 continue;
             }
             let fits = crate::trace::infer::fitting_layouts(
-                first.layout,
+                &first.layout,
                 &first.guessed,
                 &logical,
                 shapes[0],
@@ -371,11 +371,11 @@ impl TraceDir {
             );
             let chosen = match fits.len() {
                 0 => continue,
-                1 => fits[0],
+                1 => fits[0].clone(),
                 _ => {
                     let want = theirs.logical(id)?;
                     let mut best: Option<(f64, Layout)> = None;
-                    for &l in &fits {
+                    for l in &fits {
                         // A layout whose replicas disagree is no explanation.
                         let got = match mine.logical_as(id, l) {
                             Ok(t) => t,
@@ -384,17 +384,17 @@ impl TraceDir {
                         };
                         let d = squared_distance(got.values(), want.values());
                         // Ties keep the earlier (fewer changes).
-                        if best.is_none_or(|(bd, _)| d < bd) {
-                            best = Some((d, l));
+                        if best.as_ref().is_none_or(|(bd, _)| d < *bd) {
+                            best = Some((d, l.clone()));
                         }
                     }
-                    best.map_or(fits[0], |b| b.1)
+                    best.map_or_else(|| fits[0].clone(), |b| b.1)
                 }
             };
             if chosen != first.layout {
                 let m = manifest.get_or_insert_with(|| (*self.manifest).clone());
                 for &k in ks {
-                    m.tensors[k].layout = chosen;
+                    m.tensors[k].layout = chosen.clone();
                 }
                 changed.push(InferredLayout {
                     tensor: id.clone(),
@@ -423,12 +423,12 @@ impl TraceDir {
     /// that of the stored format.
     pub(crate) fn logical_stored(&mut self, id: &str) -> Result<Stored> {
         let ks = self.entries_of(id)?;
-        let layout = self.manifest.tensors[ks[0]].layout;
-        self.logical_stored_as(id, layout)
+        let layout = self.manifest.tensors[ks[0]].layout.clone();
+        self.logical_stored_as(id, &layout)
     }
 
     /// [`TraceDir::logical`] merged as if the layout were `layout`.
-    pub(super) fn logical_as(&mut self, id: &str, layout: Layout) -> Result<Tensor> {
+    pub(super) fn logical_as(&mut self, id: &str, layout: &Layout) -> Result<Tensor> {
         let stored = self.logical_stored_as(id, layout)?;
         let t = stored.decode();
         self.recycle(stored);
@@ -450,7 +450,7 @@ impl TraceDir {
         let Some(t) = crate::trace::TensorId::parse(id) else {
             return false;
         };
-        let data = [layout.along(Axis::Dp), layout.along(Axis::Cp)];
+        let data = [layout.along(&Axis::DP), layout.along(&Axis::CP)];
         match t.pass() {
             crate::policy::Pass::Forward => data.contains(&Placement::Partial),
             crate::policy::Pass::Backward => {
@@ -461,17 +461,17 @@ impl TraceDir {
     }
 
     /// [`TraceDir::logical_stored`] merged as if the layout were `layout`.
-    pub(crate) fn logical_stored_as(&mut self, id: &str, layout: Layout) -> Result<Stored> {
+    pub(crate) fn logical_stored_as(&mut self, id: &str, layout: &Layout) -> Result<Stored> {
         let stored = self.merged_as(id, layout)?;
         match self.dp_divisor {
-            Some(d) if d > 1 && TraceDir::loss_dependent(id, &layout) => {
+            Some(d) if d > 1 && TraceDir::loss_dependent(id, layout) => {
                 crate::trace::stored::divided(&stored, d as f64)
             }
             _ => Ok(stored),
         }
     }
 
-    pub(super) fn merged_as(&mut self, id: &str, layout: Layout) -> Result<Stored> {
+    pub(super) fn merged_as(&mut self, id: &str, layout: &Layout) -> Result<Stored> {
         let ks = self.entries_of(id)?;
         let manifest = self.manifest.clone();
         let (files, dir) = (&mut self.files, &self.dir);
@@ -493,7 +493,7 @@ impl TraceDir {
                     sum_group(pieces, ranks, id, spare)
                 }
             },
-            &layout,
+            layout,
             &manifest.mesh,
             id,
             None,

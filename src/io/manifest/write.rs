@@ -16,11 +16,24 @@ pub fn write_trace_dir(
 ) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, "cannot create", e))?;
     let world = mesh.world();
+    // One placement per mesh axis, in its order, as the reader completes them.
+    let layouts = entries
+        .iter()
+        .map(|(id, layout, _)| {
+            layout.completed(mesh).map_err(|axis| Error::Layout {
+                id: id.clone(),
+                reason: format!(
+                    "placed along axis '{axis}', which the mesh ({}) does not have",
+                    mesh.label()
+                ),
+            })
+        })
+        .collect::<Result<Vec<Layout>>>()?;
     let mut tensors = vec![];
     for r in 0..world {
         let file = format!("rank{r}.safetensors");
         let mut list = vec![];
-        for (id, layout, shards) in entries {
+        for ((id, _, shards), layout) in entries.iter().zip(&layouts) {
             let t = shards.get(r).ok_or_else(|| Error::Layout {
                 id: id.clone(),
                 reason: format!("{} shards for a mesh of {world} ranks", shards.len()),
@@ -32,7 +45,7 @@ pub fn write_trace_dir(
                 file: file.clone(),
                 key: id.clone(),
                 dtype: t.format(),
-                layout: *layout,
+                layout: layout.clone(),
                 module: modules.get(id).map(|&kind| ModuleInfo::of(kind)),
                 threshold: thresholds.get(id).copied(),
                 guessed: vec![],
@@ -47,7 +60,7 @@ pub fn write_trace_dir(
         version: VERSION,
         recipe: recipe.map(str::to_string),
         dp_loss: None,
-        mesh: *mesh,
+        mesh: mesh.clone(),
         run: None,
         tensors,
     };
@@ -83,12 +96,13 @@ pub fn merge_fragments(dir: &Path) -> Result<PathBuf> {
 
 /// A manifest as JSON: the header fields one per line, then one line per entry (compact: a
 /// trace of 100,000 tensors on 2 ranks takes about 40 MB, not the 92 MB of indented JSON).
+/// Always the current [`VERSION`] (a version-1 manifest read and written again is written in
+/// version 2's form: the mesh's named axes).
 pub(super) fn manifest_text(m: &Manifest) -> serde_json::Result<String> {
     use serde_json::to_string as json;
     let mut out = format!(
-        "{{\n  \"format\": {},\n  \"version\": {},\n",
+        "{{\n  \"format\": {},\n  \"version\": {VERSION},\n",
         json(&m.format)?,
-        m.version
     );
     if let Some(r) = &m.recipe {
         out += &format!("  \"recipe\": {},\n", json(r)?);

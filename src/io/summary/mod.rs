@@ -35,7 +35,7 @@ use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::io::guard::{ferr, printable, TrustedDir};
 use crate::io::manifest::ModuleInfo;
-use crate::trace::mesh::{Axis, Layout, Mesh};
+use crate::trace::{Axis, Layout, Mesh};
 
 mod summarize;
 pub use summarize::summarize;
@@ -148,8 +148,8 @@ impl SummaryStep {
                 self.version
             ));
         }
-        let mesh = Mesh::new(self.mesh.tp, self.mesh.cp, self.mesh.dp, self.mesh.sp)
-            .map_err(|e| e.to_string())?;
+        // The mesh was validated as it was read (`Mesh`'s deserializer).
+        let mesh = &self.mesh;
         if self.rank >= mesh.world() {
             return Err(format!(
                 "rank {} outside a mesh of {} ranks",
@@ -175,8 +175,15 @@ impl SummaryStep {
                     .checked_mul(d as u64)
                     .ok_or_else(|| format!("{who}: shape {:?} overflows", e.shape))?;
             }
-            if let Some((axis, what)) = crate::trace::mesh::layout_problem(&e.layout) {
+            if let Some((axis, what)) = crate::trace::layout::layout_problem(&e.layout) {
                 return Err(format!("{who}: layout along {}: {what}", axis.name()));
+            }
+            if let Err(axis) = e.layout.completed(mesh) {
+                return Err(format!(
+                    "{who}: layout places it along axis '{axis}', which the mesh ({}) does not \
+                     have",
+                    mesh.label()
+                ));
             }
             if let Some(m) = &e.module {
                 m.arith
@@ -450,7 +457,7 @@ impl SummaryRun {
             return Ok(None);
         }
         let first = &lines[0];
-        let mesh = *self.mesh.get_or_insert(first.mesh);
+        let mesh = self.mesh.get_or_insert_with(|| first.mesh.clone()).clone();
         if mesh.world() != self.ranks.len() {
             return Err(ferr(
                 &self.path,

@@ -77,10 +77,10 @@ pub fn run(a: Args) -> Result<Outcome, String> {
         Algorithm::Ring => ttrace_lab::shard::Algorithm::Ring,
         Algorithm::Tree => ttrace_lab::shard::Algorithm::Tree,
     };
-    let mesh = ttrace::trace::Mesh::new(tp, cp, dp, sp).map_err(|e| e.to_string())?;
+    let mesh = ttrace::trace::Mesh::megatron(tp, cp, dp, sp).map_err(|e| e.to_string())?;
     let options = SweepOptions::default_sweep(1);
     let run = RunConfig {
-        mesh,
+        mesh: mesh.clone(),
         recipe: recipe.to_string(),
         seed,
         algorithm,

@@ -49,7 +49,7 @@ use ttrace::trace::merge;
 use ttrace::trace::ModuleKind;
 use ttrace::trace::TensorId;
 use ttrace::trace::Trace;
-use ttrace::trace::{shard, Coords, Layout, Mesh, Placement};
+use ttrace::trace::{shard, Axis, Layout, Mesh, Placement};
 use ttrace::Tensor;
 use ttrace::{Error, Result};
 use ttrace::{Format, Overflow};
@@ -139,12 +139,38 @@ struct Dist {
     layout: Layout,
 }
 
+/// A rank's coordinates on the simulator's mesh, Megatron's `[dp, cp, tp]`.
+#[derive(Debug, Clone, Copy)]
+struct Coords {
+    dp: usize,
+    cp: usize,
+    tp: usize,
+}
+
+impl Coords {
+    fn of(mesh: &Mesh, r: usize) -> Coords {
+        Coords {
+            dp: mesh.coord(r, &Axis::DP),
+            cp: mesh.coord(r, &Axis::CP),
+            tp: mesh.coord(r, &Axis::TP),
+        }
+    }
+
+    fn rank(self, mesh: &Mesh) -> usize {
+        mesh.rank_at(&[
+            (&Axis::DP, self.dp),
+            (&Axis::CP, self.cp),
+            (&Axis::TP, self.tp),
+        ])
+    }
+}
+
 impl Dist {
     /// New shards with the layout of `other`.
     fn like(shards: Vec<Tensor>, other: &Dist) -> Dist {
         Dist {
             shards,
-            layout: other.layout,
+            layout: other.layout.clone(),
         }
     }
 }
@@ -190,17 +216,17 @@ impl ShardedGpt {
     pub fn new(model: Gpt, mesh: Mesh, algorithm: Algorithm) -> Result<ShardedGpt> {
         let c = model.config();
         let mut checks = vec![
-            ("batch", c.batch, mesh.dp, "dp"),
-            ("seq", c.seq, 2 * mesh.cp, "2·cp"),
-            ("heads", c.heads, mesh.tp, "tp"),
-            ("ffn", c.ffn_mult * c.hidden, mesh.tp, "tp"),
-            ("vocab", c.vocab, mesh.tp, "tp"),
+            ("batch", c.batch, mesh.size(&Axis::DP), "dp"),
+            ("seq", c.seq, 2 * mesh.size(&Axis::CP), "2·cp"),
+            ("heads", c.heads, mesh.size(&Axis::TP), "tp"),
+            ("ffn", c.ffn_mult * c.hidden, mesh.size(&Axis::TP), "tp"),
+            ("vocab", c.vocab, mesh.size(&Axis::TP), "tp"),
         ];
         if mesh.sequence_parallel() {
             checks.push((
                 "seq",
                 c.seq,
-                2 * mesh.cp * mesh.tp,
+                2 * mesh.size(&Axis::CP) * mesh.size(&Axis::TP),
                 "2·cp·tp (sequence parallel)",
             ));
         }
@@ -291,16 +317,15 @@ impl ShardedGpt {
     }
 
     fn coords(&self, r: usize) -> Coords {
-        self.mesh.coords(r)
+        Coords::of(&self.mesh, r)
     }
 
     /// The activation layout: batch over DP, CP chunks of the sequence, TP as given.
     fn act(&self, tp: Placement) -> Layout {
-        Layout {
-            dp: Placement::split(0),
-            cp: Placement::CpChunks { dim: 1 },
-            tp,
-        }
+        Layout::replicated()
+            .with(Axis::DP, Placement::split(0))
+            .with(Axis::CP, Placement::CpChunks { dim: 1 })
+            .with(Axis::TP, tp)
     }
 
     /// Layout of the regions outside tensor-parallel layers.
@@ -326,11 +351,7 @@ impl ShardedGpt {
         } else {
             Placement::Replicate
         };
-        Layout {
-            dp: Placement::Replicate,
-            cp: Placement::Replicate,
-            tp,
-        }
+        Layout::replicated().with(Axis::TP, tp)
     }
 
     /// Every rank's shard of a parameter.
@@ -343,7 +364,7 @@ impl ShardedGpt {
         if self.bug == Some(Bug::QkvWrongInterleave) && grouped {
             // The bug: a contiguous split of a grouped weight, [Q | K | V] (the declared
             // layout stays grouped).
-            layout.tp = Placement::split(0);
+            layout.set(Axis::TP, Placement::split(0));
         }
         shard(self.model.param(name)?, &layout, &self.mesh, name)
     }
@@ -352,13 +373,16 @@ impl ShardedGpt {
     fn local_tokens(&self, r: usize, sp: bool) -> (Vec<usize>, Vec<usize>, Vec<usize>, usize) {
         let cfg = self.model.config();
         let Coords { dp, cp, tp } = self.coords(r);
-        let bl = cfg.batch / self.mesh.dp;
-        let c = cfg.seq / (2 * self.mesh.cp);
+        let bl = cfg.batch / self.mesh.size(&Axis::DP);
+        let c = cfg.seq / (2 * self.mesh.size(&Axis::CP));
         let mut pos: Vec<usize> = (cp * c..(cp + 1) * c)
-            .chain((2 * self.mesh.cp - 1 - cp) * c..(2 * self.mesh.cp - cp) * c)
+            .chain(
+                (2 * self.mesh.size(&Axis::CP) - 1 - cp) * c
+                    ..(2 * self.mesh.size(&Axis::CP) - cp) * c,
+            )
             .collect();
         if sp && self.mesh.sequence_parallel() {
-            let piece = pos.len() / self.mesh.tp;
+            let piece = pos.len() / self.mesh.size(&Axis::TP);
             pos = pos[tp * piece..(tp + 1) * piece].to_vec();
         }
         let mut ids = vec![];
@@ -374,11 +398,15 @@ impl ShardedGpt {
 
     /// Ranks of each TP group (same dp, cp), in tp order.
     fn tp_groups(&self) -> Vec<Vec<usize>> {
-        let m = self.mesh;
+        let m = &self.mesh;
         let mut out = vec![];
-        for dp in 0..m.dp {
-            for cp in 0..m.cp {
-                out.push((0..m.tp).map(|tp| m.rank(Coords { dp, cp, tp })).collect());
+        for dp in 0..m.size(&Axis::DP) {
+            for cp in 0..m.size(&Axis::CP) {
+                out.push(
+                    (0..m.size(&Axis::TP))
+                        .map(|tp| Coords { dp, cp, tp }.rank(m))
+                        .collect(),
+                );
             }
         }
         out
@@ -386,13 +414,13 @@ impl ShardedGpt {
 
     /// Ranks of each DP×CP group (same tp), in (dp, cp) order.
     fn dpcp_groups(&self) -> Vec<Vec<usize>> {
-        let m = self.mesh;
-        (0..m.tp)
+        let m = &self.mesh;
+        (0..m.size(&Axis::TP))
             .map(|tp| {
                 let mut g = vec![];
-                for dp in 0..m.dp {
-                    for cp in 0..m.cp {
-                        g.push(m.rank(Coords { dp, cp, tp }));
+                for dp in 0..m.size(&Axis::DP) {
+                    for cp in 0..m.size(&Axis::CP) {
+                        g.push(Coords { dp, cp, tp }.rank(m));
                     }
                 }
                 g
@@ -402,11 +430,15 @@ impl ShardedGpt {
 
     /// Ranks of each CP group (same dp, tp), in cp order.
     fn cp_groups(&self) -> Vec<Vec<usize>> {
-        let m = self.mesh;
+        let m = &self.mesh;
         let mut out = vec![];
-        for dp in 0..m.dp {
-            for tp in 0..m.tp {
-                out.push((0..m.cp).map(|cp| m.rank(Coords { dp, cp, tp })).collect());
+        for dp in 0..m.size(&Axis::DP) {
+            for tp in 0..m.size(&Axis::TP) {
+                out.push(
+                    (0..m.size(&Axis::CP))
+                        .map(|cp| Coords { dp, cp, tp }.rank(m))
+                        .collect(),
+                );
             }
         }
         out
@@ -448,7 +480,7 @@ impl ShardedGpt {
     /// Reduce partial sums over TP: ring all-reduce, or reduce-scatter along the sequence under
     /// sequence parallelism.
     fn reduce_tp(&self, shards: &mut [Tensor], fmt: Format) -> Result<()> {
-        if self.mesh.tp == 1 {
+        if self.mesh.size(&Axis::TP) == 1 {
             return Ok(());
         }
         if self.mesh.sequence_parallel() {
@@ -473,7 +505,7 @@ impl ShardedGpt {
             let shape = parts[0].shape().to_vec();
             let out = reduce_scatter(&parts, 0, fmt)?;
             let mut want = shape.clone();
-            want[1] /= self.mesh.tp;
+            want[1] /= self.mesh.size(&Axis::TP);
             for (&r, t) in g.iter().zip(out) {
                 shards[r] = t.reshape(&want)?;
             }
@@ -483,11 +515,8 @@ impl ShardedGpt {
 
     /// Slice every rank's tensor along `dim` to its TP part (the backward of an all-gather).
     fn slice_tp(&self, shards: &[Tensor], dim: usize, what: &str) -> Result<Vec<Tensor>> {
-        let tp_only = Mesh::new(self.mesh.tp, 1, 1, false)?;
-        let layout = Layout {
-            tp: Placement::split(dim),
-            ..Layout::replicated()
-        };
+        let tp_only = Mesh::new([(Axis::TP, self.mesh.size(&Axis::TP))])?;
+        let layout = Layout::replicated().with(Axis::TP, Placement::split(dim));
         shards
             .iter()
             .enumerate()
@@ -589,7 +618,7 @@ impl ShardedGpt {
             .map(|(t, layout)| {
                 Ok(Dist {
                     shards: shard(t, layout, &self.mesh, what)?,
-                    layout: *layout,
+                    layout: layout.clone(),
                 })
             })
             .collect()
@@ -664,7 +693,7 @@ impl ShardedGpt {
         let push = |entries: &mut Vec<ShardedEntry>, id: String, d: &Dist| {
             entries.push(ShardedEntry {
                 id,
-                layout: d.layout,
+                layout: d.layout.clone(),
                 shards: d.shards.clone(),
             })
         };
@@ -747,7 +776,7 @@ impl ShardedGpt {
             });
         }
         Ok(ShardedStep {
-            mesh: self.mesh,
+            mesh: self.mesh.clone(),
             loss,
             entries,
         })

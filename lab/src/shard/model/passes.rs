@@ -65,7 +65,7 @@ impl ShardedGpt {
                 Ok((
                     Dist {
                         shards,
-                        layout: inputs[0].layout,
+                        layout: inputs[0].layout.clone(),
                     },
                     Saved::Norm(saved),
                 ))
@@ -73,7 +73,7 @@ impl ShardedGpt {
             ModuleKind::Linear => self.linear_forward(m, &inputs[0]),
             ModuleKind::Attention => {
                 let p = self.policy(OpClass::Softmax, Pass::Forward);
-                let heads = cfg.heads / self.mesh.tp;
+                let heads = cfg.heads / self.mesh.size(&Axis::TP);
                 let layout = self.act(Placement::split(2));
                 let d = cfg.hidden / cfg.heads;
                 let ar_scale = |dd: f64| {
@@ -82,8 +82,8 @@ impl ShardedGpt {
                 };
                 // The bug: the head dimension taken as the per-rank width over all heads.
                 let scale = (self.bug == Some(Bug::SoftmaxScaleFromLocalWidth))
-                    .then(|| ar_scale(d as f64 / self.mesh.tp as f64));
-                if self.mesh.cp == 1 {
+                    .then(|| ar_scale(d as f64 / self.mesh.size(&Axis::TP) as f64));
+                if self.mesh.size(&Axis::CP) == 1 {
                     let mut shards = vec![];
                     let mut saved = vec![];
                     for x in &inputs[0].shards {
@@ -94,7 +94,7 @@ impl ShardedGpt {
                     }
                     return Ok((Dist { shards, layout }, Saved::Attention(saved)));
                 }
-                let chunk = cfg.seq / (2 * self.mesh.cp);
+                let chunk = cfg.seq / (2 * self.mesh.size(&Axis::CP));
                 let block = match cfg.attention {
                     AttentionImpl::Online { block } => block,
                     AttentionImpl::Standard => chunk,
@@ -163,7 +163,7 @@ impl ShardedGpt {
                 }
                 self.all_reduce_groups(&mut locals, &self.dpcp_groups(), p.output)?;
                 let ar = Arith::new(p.accumulator(), p.output, p.accumulation.overflow);
-                let n = (self.mesh.dp * self.mesh.cp) as f64;
+                let n = (self.mesh.size(&Axis::DP) * self.mesh.size(&Axis::CP)) as f64;
                 let shards = locals
                     .iter()
                     .map(|t| {
@@ -202,7 +202,7 @@ impl ShardedGpt {
         let world = self.mesh.world();
         let mut out = Vec::with_capacity(world);
         let bias_here = par != ParallelStyle::Rowwise
-            || self.mesh.tp == 1
+            || self.mesh.size(&Axis::TP) == 1
             || self.bug == Some(Bug::RowBiasOnEveryRank);
         for r in 0..world {
             let b = if bias_here {
@@ -219,7 +219,7 @@ impl ShardedGpt {
         let layout = match par {
             ParallelStyle::Colwise { groups } => self.act(Placement::Split { dim: 2, groups }),
             ParallelStyle::Rowwise => {
-                if self.mesh.tp > 1 {
+                if self.mesh.size(&Axis::TP) > 1 {
                     let act = self.model.recipe().activation_format;
                     if self.bug == Some(Bug::ReduceScatterWrongDim) && self.mesh.sequence_parallel()
                     {
@@ -322,7 +322,7 @@ impl ShardedGpt {
                 Ok((
                     vec![Dist {
                         shards: dx,
-                        layout: inputs[0].layout,
+                        layout: inputs[0].layout.clone(),
                     }],
                     pg,
                 ))
@@ -371,13 +371,16 @@ impl ShardedGpt {
                     .collect();
                 let d = Dist {
                     shards,
-                    layout: g.layout,
+                    layout: g.layout.clone(),
                 };
                 Ok((vec![d.clone(), d], vec![]))
             }
             (ModuleKind::Loss, Saved::Loss(logits)) => {
                 let p = self.policy(OpClass::Loss, Pass::Backward);
-                let (dp, cp) = (self.mesh.dp as f64, self.mesh.cp as f64);
+                let (dp, cp) = (
+                    self.mesh.size(&Axis::DP) as f64,
+                    self.mesh.size(&Axis::CP) as f64,
+                );
                 let seed = match self.bug {
                     Some(Bug::DpGradSummedNotAveraged) => 1.0 / cp,
                     Some(Bug::MissingMicrobatchDivision) => 1.0 / dp,
@@ -492,7 +495,10 @@ impl ShardedGpt {
         }
         let skip_tp = (self.bug == Some(Bug::SpNormGradNotReduced) && is_norm)
             || (self.bug == Some(Bug::SpRowBiasGradNotReduced) && is_row_bias);
-        if layout.tp == Placement::Replicate && self.mesh.sequence_parallel() && !skip_tp {
+        if layout.along(&Axis::TP) == Placement::Replicate
+            && self.mesh.sequence_parallel()
+            && !skip_tp
+        {
             self.all_reduce_groups(shards, &self.tp_groups(), red)?;
         }
         if red != gf {

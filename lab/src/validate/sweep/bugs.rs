@@ -3,6 +3,7 @@
 
 use super::dump::write_dump;
 use super::*;
+use ttrace::trace::Axis;
 
 /// One bug injected into one configuration (or none: a clean check).
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -151,7 +152,7 @@ pub fn bug_meshes(bug: Bug, fp8: bool, batch: usize, n: usize) -> Vec<Mesh> {
     ] {
         if let Some(m) = all.get(i) {
             if !out.contains(m) && out.len() < n {
-                out.push(*m);
+                out.push(m.clone());
             }
         }
     }
@@ -167,14 +168,16 @@ pub(super) fn applies(bug: Bug, mesh: &Mesh, fp8: bool, batch: usize) -> bool {
         Bug::CpWrongLseCorrection
         | Bug::CpChunkOrderNotInverted
         | Bug::CpStaleKvBlock
-        | Bug::MissingMicrobatchDivision => mesh.cp > 1,
-        Bug::Fp8AmaxNotReduced => fp8 && mesh.tp > 1,
-        Bug::DpGradSummedNotAveraged | Bug::EmbeddingGradNotDpReduced => mesh.dp > 1,
+        | Bug::MissingMicrobatchDivision => mesh.size(&Axis::CP) > 1,
+        Bug::Fp8AmaxNotReduced => fp8 && mesh.size(&Axis::TP) > 1,
+        Bug::DpGradSummedNotAveraged | Bug::EmbeddingGradNotDpReduced => mesh.size(&Axis::DP) > 1,
         Bug::RowBiasOnEveryRank | Bug::SoftmaxScaleFromLocalWidth | Bug::QkvWrongInterleave => {
-            mesh.tp > 1
+            mesh.size(&Axis::TP) > 1
         }
-        Bug::GradAllReduceInBf16 => mesh.dp * mesh.cp > 1,
+        Bug::GradAllReduceInBf16 => mesh.size(&Axis::DP) * mesh.size(&Axis::CP) > 1,
         Bug::NormEpsMismatch => true,
-        Bug::ReduceScatterWrongDim => sp && (batch / mesh.dp) % mesh.tp == 0,
+        Bug::ReduceScatterWrongDim => {
+            sp && (batch / mesh.size(&Axis::DP)) % mesh.size(&Axis::TP) == 0
+        }
     }
 }

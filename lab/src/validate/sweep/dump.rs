@@ -62,7 +62,7 @@ pub(super) fn write_dump(
     let cand_entries: Vec<_> = cand
         .entries
         .iter()
-        .map(|e| (e.id.clone(), e.layout, e.shards.clone()))
+        .map(|e| (e.id.clone(), e.layout.clone(), e.shards.clone()))
         .collect();
     write_trace_dir(
         &dir.join("candidate"),
