@@ -101,6 +101,7 @@
     )
 )]
 
+mod arch;
 pub mod bounds;
 
 pub mod check;

@@ -231,8 +231,8 @@ fn unpack_c(tot: &[f32], cb: &mut [f64], n: usize, tn: usize) {
 fn pick_micro(fma: bool) -> MicroFn {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx2") {
-            if fma && std::arch::is_x86_feature_detected!("fma") {
+        if crate::arch::has(crate::arch::Isa::Avx2) {
+            if fma && crate::arch::has(crate::arch::Isa::Avx2Fma) {
                 return micro_avx2_fma_entry;
             }
             return micro_avx2_entry;

@@ -55,9 +55,8 @@ pub(crate) fn narrow_kernel(
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        let avx2 = std::arch::is_x86_feature_detected!("avx2");
-        let f16c = std::arch::is_x86_feature_detected!("f16c");
-        if !avx2 || (narrow == Narrow::F16 && !f16c) {
+        use crate::arch::{has, Isa};
+        if !has(Isa::Avx2) || (narrow == Narrow::F16 && !has(Isa::Avx2F16c)) {
             return false;
         }
         let n8 = n / 8 * 8;

@@ -325,12 +325,11 @@ fn lanes_tile_dispatch(
     j: usize,
     c: &AccConsts,
 ) -> ([f64; 8], bool) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2, checked just above.
-        return unsafe { lanes_tile_avx2(row, b, n, j, c) };
-    }
-    lanes_tile(row, b, n, j, c)
+    crate::arch::dispatch!(
+        // SAFETY: `dispatch!` runs this only on a CPU with AVX2.
+        Avx2 => unsafe { lanes_tile_avx2(row, b, n, j, c) },
+        lanes_tile(row, b, n, j, c),
+    )
 }
 
 /// [`lanes_tile`] with AVX2 intrinsics, two registers of 4 lanes: the same IEEE operations

@@ -71,24 +71,18 @@ pub(super) fn bulk_16bit(
     limit: f32,
     redo: &mut Vec<usize>,
 ) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::is_x86_feature_detected as has;
-        if f == Format::F16 && has!("avx") && has!("f16c") {
-            // SAFETY: the CPU supports AVX and F16C, checked just above.
-            unsafe { bulk_f16_f16c(src, dst, sat, limit, redo) };
-            return;
-        }
-        if f == Format::BF16 && has!("avx2") {
-            // SAFETY: the CPU supports AVX2, checked just above.
-            unsafe { bulk_bf16_avx2(src, dst, sat, limit, redo) };
-            return;
-        }
-    }
-    if f == Format::BF16 {
-        bulk_bf16(src, dst, sat, limit, redo);
-    } else {
-        redo.extend(0..src.len() / 8);
+    match f {
+        Format::F16 => crate::arch::dispatch!(
+            // SAFETY: `dispatch!` runs this only on a CPU with AVX and F16C.
+            AvxF16c => unsafe { bulk_f16_f16c(src, dst, sat, limit, redo) },
+            redo.extend(0..src.len() / 8),
+        ),
+        Format::BF16 => crate::arch::dispatch!(
+            // SAFETY: `dispatch!` runs this only on a CPU with AVX2.
+            Avx2 => unsafe { bulk_bf16_avx2(src, dst, sat, limit, redo) },
+            bulk_bf16(src, dst, sat, limit, redo),
+        ),
+        _ => redo.extend(0..src.len() / 8),
     }
 }
 
@@ -193,11 +187,9 @@ fn fast_blocks_avx2(xs: &mut [f64], c: &BlockConsts, failed: &mut Vec<usize>) {
 
 /// Run [`fast_blocks`] with the widest vector instructions the CPU has.
 fn fast_blocks_dispatch(xs: &mut [f64], c: &BlockConsts, failed: &mut Vec<usize>) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2, checked just above.
-        unsafe { fast_blocks_avx2(xs, c, failed) };
-        return;
-    }
-    fast_blocks(xs, c, failed)
+    crate::arch::dispatch!(
+        // SAFETY: `dispatch!` runs this only on a CPU with AVX2.
+        Avx2 => unsafe { fast_blocks_avx2(xs, c, failed) },
+        fast_blocks(xs, c, failed),
+    )
 }

@@ -120,13 +120,11 @@ fn pattern_table(f: Format) -> &'static [f64] {
 /// 8 that compile to vector conversions (AVX2 when the CPU has it): the same values as
 /// `f64::from(f32::from_bits(pattern))` one by one (test `widening_is_elementwise`).
 fn widen_f32_patterns(bytes: &[u8], size: usize, out: &mut Vec<f64>) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2, checked just above.
-        unsafe { widen_avx2(bytes, size, out) };
-        return;
-    }
-    widen_body(bytes, size, out);
+    crate::arch::dispatch!(
+        // SAFETY: `dispatch!` runs this only on a CPU with AVX2.
+        Avx2 => unsafe { widen_avx2(bytes, size, out) },
+        widen_body(bytes, size, out),
+    )
 }
 
 #[cfg(target_arch = "x86_64")]

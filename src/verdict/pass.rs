@@ -168,12 +168,11 @@ impl ComparePass {
 /// The lane loop over one piece, continuing `acc`, on the best instruction set; whether the
 /// piece holds a non-finite value.
 fn lanes_dispatch(acc: &mut Lanes, r: &[f64], c: &[f64], rf: Format, cf: Format) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2, checked just above.
-        return unsafe { lanes_avx2(acc, r, c, rf, cf) };
-    }
-    lanes_plain(acc, r, c, rf, cf)
+    crate::arch::dispatch!(
+        // SAFETY: `dispatch!` runs this only on a CPU with AVX2.
+        Avx2 => unsafe { lanes_avx2(acc, r, c, rf, cf) },
+        lanes_plain(acc, r, c, rf, cf),
+    )
 }
 
 #[cfg(target_arch = "x86_64")]

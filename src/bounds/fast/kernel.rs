@@ -131,8 +131,7 @@ fn pick(guaranteed: bool, det: Determine) -> TileFn {
     };
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
+        if crate::arch::has(crate::arch::Isa::Avx2Fma) {
             return match (guaranteed, mode) {
                 (true, NOTHING) => tile_avx2::<true, NOTHING>,
                 (true, GRID) => tile_avx2::<true, GRID>,

@@ -172,12 +172,11 @@ fn part_body(c: &[u8], format: Format, k: usize) -> Part {
 }
 
 fn part(c: &[u8], format: Format, k: usize) -> Part {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2, checked just above.
-        return unsafe { part_avx2(c, format, k) };
-    }
-    part_body(c, format, k)
+    crate::arch::dispatch!(
+        // SAFETY: `dispatch!` runs this only on a CPU with AVX2.
+        Avx2 => unsafe { part_avx2(c, format, k) },
+        part_body(c, format, k),
+    )
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -22,12 +22,11 @@ impl Kernel {
         c: &[f64],
         cols: Option<Columns<'_>>,
     ) -> Option<RowSums> {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2, checked just above.
-            return unsafe { self.row_avx2(r, c, cols) };
-        }
-        self.row(r, c, cols)
+        crate::arch::dispatch!(
+            // SAFETY: `dispatch!` runs this only on a CPU with AVX2.
+            Avx2 => unsafe { self.row_avx2(r, c, cols) },
+            self.row(r, c, cols),
+        )
     }
 
     /// [`Kernel::row`] in AVX2 intrinsics: the same IEEE operations in the same order per
