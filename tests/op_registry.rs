@@ -215,3 +215,80 @@ fn bad_operand_counts_are_refused() {
         Err(Error::UnknownName { .. } | Error::InvalidParameter { .. })
     ));
 }
+
+/// Every op's gain (`OpModel::gain`) bounds how a small difference of its first operand moves
+/// its output, against the engine's execution in FP64 (an independent implementation: the
+/// model states a Lipschitz constant, the engine computes the op): ‖Δout‖_F ≤ gain·‖Δx‖_F to
+/// first order. For the sum and mean the gain is reached (a difference constant along each
+/// row), so it is the constant, not a loose bound.
+#[test]
+fn every_op_gain_bounds_how_a_difference_travels_through_it() {
+    let side: OpSide = "in=f64,acc=f64,out=f64".parse().unwrap();
+    let options = OpOptions::default();
+    let run = |op: Op, inputs: &[&Tensor]| -> Tensor {
+        match op {
+            Op::AllReduce => {
+                let n = inputs[0].len();
+                let v = (0..n)
+                    .map(|i| inputs.iter().map(|t| t.values()[i]).sum())
+                    .collect();
+                Tensor::from_vec(inputs[0].shape(), v, Format::F64).unwrap()
+            }
+            Op::Elementwise(Elementwise::Exp) => {
+                let v = inputs[0].values().iter().map(|x| x.exp()).collect();
+                Tensor::from_vec(inputs[0].shape(), v, Format::F64).unwrap()
+            }
+            _ => execute(op, inputs, &side, options.norm_eps).unwrap(),
+        }
+    };
+    for name in Op::NAMES {
+        let op: Op = name.replace("scale:C", "scale:-1.7").parse().unwrap();
+        let tensors: Vec<Tensor> = op
+            .operands(6, 32, 5)
+            .iter()
+            .map(|o| synthetic(&o.shape, o.role, &format!("gain.{op}.{}", o.name), Format::F64))
+            .collect();
+        let inputs: Vec<&Tensor> = tensors.iter().collect();
+        let gain = op.model().gain(&inputs, &options).unwrap().gain;
+        assert!(gain.is_finite() && gain > 0.0, "{op}: gain {gain}");
+        let base = run(op, &inputs);
+        for (k, constant_rows) in [(0, false), (1, true)] {
+            let x = inputs[0];
+            let row = *x.shape().last().unwrap();
+            let d = normal_values(&format!("gain.{op}.d{k}"), x.len(), 0.0, 1e-7, 7);
+            let v: Vec<f64> = x
+                .values()
+                .iter()
+                .enumerate()
+                .map(|(i, v)| v + if constant_rows { d[i / row] } else { d[i] })
+                .collect();
+            let moved = Tensor::from_vec(x.shape(), v, Format::F64).unwrap();
+            let mut shifted = inputs.clone();
+            shifted[0] = &moved;
+            let out = run(op, &shifted);
+            let (dout, dx) = (frobenius(&out, &base), frobenius(&moved, x));
+            let norm_out = base.values().iter().map(|v| v * v).sum::<f64>().sqrt();
+            let allowed = gain * dx * (1.0 + 1e-4) + 1e3 * dx * dx + 1e-13 * norm_out;
+            assert!(dout <= allowed, "{op}: ‖Δout‖ {dout:e} > {allowed:e} (gain {gain})");
+            if constant_rows && matches!(op, Op::Sum | Op::Mean) {
+                assert!((dout - gain * dx).abs() <= 1e-6 * gain * dx, "{op}: not reached");
+            }
+        }
+    }
+}
+
+/// The module kinds each op prices: the registry answers which op models a traced module.
+#[test]
+fn ops_name_the_module_kinds_they_price() {
+    use ttrace::trace::ModuleKind;
+    let names = |kind| -> Vec<String> {
+        Op::for_module(kind).iter().map(|o| o.to_string()).collect()
+    };
+    assert_eq!(names(ModuleKind::Linear), ["linear"]);
+    assert_eq!(names(ModuleKind::Norm), ["layernorm", "rmsnorm"]);
+    assert_eq!(names(ModuleKind::Residual), ["add"]);
+    assert_eq!(names(ModuleKind::Activation), ["gelu", "silu"]);
+    for kind in [ModuleKind::Attention, ModuleKind::Embedding, ModuleKind::Loss] {
+        assert!(names(kind).is_empty(), "{kind:?}");
+    }
+}

@@ -20,12 +20,14 @@
 use serde::Serialize;
 
 use crate::bounds::compare::{grouped_threshold, Confidence, ElementDiff, Threshold};
+use crate::bounds::{OpModel, OpOptions, OpSide, Operand, OperandRole};
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::policy::quantize;
 use crate::policy::{gelu_f64, gelu_grad_f64};
 use crate::policy::{Policy, Scaling};
 use crate::tensor::Tensor;
+use crate::trace::ModuleKind;
 
 /// An elementwise op as the engine computes it.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -474,4 +476,64 @@ pub fn norm_gain(weight: &Tensor, rstd: &[f64]) -> Gain {
         .fold(0.0, |m: f64, &v| m.max(v.abs()));
     let r = rstd.iter().fold(0.0, |m: f64, &v| m.max(v));
     Gain { gain: g * r }
+}
+
+/// An elementwise op in the op registry: `add` (operands `x`, `y`), `scale:C`, `gelu`, `silu`,
+/// `exp` (operand `x`); threshold [`elementwise_threshold`]; gain [`elementwise_gain`] in `x`
+/// over the span of its values (1 for `add`, |C| for `scale:C`). `add` prices `residual`
+/// modules, `gelu` and `silu` `activation` modules.
+#[derive(Debug, Clone, Copy)]
+pub struct ElementwiseModel(pub Elementwise);
+
+impl OpModel for ElementwiseModel {
+    fn operand_names(&self) -> &'static [&'static str] {
+        match self.0 {
+            Elementwise::Add => &["x", "y"],
+            _ => &["x"],
+        }
+    }
+
+    fn arity(&self) -> (usize, Option<usize>) {
+        match self.0 {
+            Elementwise::Add => (2, Some(2)),
+            _ => (1, Some(1)),
+        }
+    }
+
+    fn operands(&self, m: usize, k: usize, _: usize) -> Vec<Operand> {
+        self.operand_names()
+            .iter()
+            .map(|name| Operand::new(name, &[m, k], OperandRole::Data))
+            .collect()
+    }
+
+    fn threshold(
+        &self,
+        inputs: &[&Tensor],
+        reference: &OpSide,
+        candidate: &OpSide,
+        _: &OpOptions,
+        confidence: Confidence,
+    ) -> Result<Threshold> {
+        elementwise_threshold(
+            self.0,
+            inputs[0],
+            inputs.get(1).copied(),
+            &reference.policy,
+            &candidate.policy,
+            confidence,
+        )
+    }
+
+    fn gain(&self, inputs: &[&Tensor], _: &OpOptions) -> Result<Gain> {
+        Ok(elementwise_gain(self.0, inputs[0], 0.0))
+    }
+
+    fn module_kinds(&self) -> &'static [ModuleKind] {
+        match self.0 {
+            Elementwise::Add => &[ModuleKind::Residual],
+            Elementwise::Gelu | Elementwise::Silu => &[ModuleKind::Activation],
+            Elementwise::Scale { .. } | Elementwise::Exp => &[],
+        }
+    }
 }

@@ -47,7 +47,7 @@ pub use elementwise::{
     softmax_gain, Elementwise, Gain, QuantizationError,
 };
 pub use norm::{norm_threshold, NormData, NormOp, NormSide};
-pub use op::{op_threshold, Op, OpOptions, OpSide, Operand, OperandRole};
+pub use op::{op_threshold, Op, OpModel, OpOptions, OpSide, Operand, OperandRole};
 pub use ops::{
     allreduce_threshold, matmul_threshold, matmul_threshold_priced, plan_matmul, plan_sum,
     sum_threshold, sum_threshold_priced, MatmulPlan, Pricing, MODEL_CHECK_DELTA, WALK_BUDGET,

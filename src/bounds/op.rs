@@ -1,8 +1,9 @@
 //! The op registry: the one list of ops whose comparison threshold ttrace prices, their text,
-//! their operands and one entry point ([`op_threshold`]) that dispatches to each op's model.
-//! The command line (`ttrace threshold OP`), the Python bindings
-//! (`ttrace.thresholds.threshold`) and `ttrace.testing.assert_close` all go through it, so a
-//! new op is a variant here, its model in its own file, its tests and its derivation
+//! the one trait every op's model implements ([`OpModel`]: operands, threshold, gain, the
+//! module kinds it prices) and one entry point ([`op_threshold`]) that dispatches to it. The
+//! command line (`ttrace threshold OP`), the Python bindings (`ttrace.thresholds.threshold`)
+//! and `ttrace.testing.assert_close` all go through it, so a new op is a variant here, its
+//! model (implementing [`OpModel`]) in its own file, its tests and its derivation
 //! (`docs/architecture.md`).
 
 use std::fmt;
@@ -11,14 +12,14 @@ use std::str::FromStr;
 use serde::Serialize;
 
 use crate::bounds::compare::{Confidence, Threshold};
-use crate::bounds::elementwise::{elementwise_threshold, Elementwise};
-use crate::bounds::norm::{norm_threshold, NormData, NormOp, NormSide};
-use crate::bounds::ops::allreduce_threshold_of;
-use crate::bounds::ops::{matmul_threshold_priced, sum_threshold_priced, Pricing};
-use crate::bounds::softmax::softmax_threshold;
+use crate::bounds::elementwise::{Elementwise, ElementwiseModel, Gain};
+use crate::bounds::norm::NormModel;
+use crate::bounds::ops::{AllReduceModel, LinearModel, MatmulModel, Pricing, SumModel};
+use crate::bounds::softmax::SoftmaxModel;
 use crate::error::{Error, Result};
 use crate::policy::{AttentionImpl, Policy, Variance};
 use crate::tensor::Tensor;
+use crate::trace::ModuleKind;
 
 /// An op whose comparison threshold ttrace prices.
 ///
@@ -102,27 +103,30 @@ impl Op {
         "exp",
     ];
 
+    /// The op's model, through which everything below dispatches.
+    pub fn model(&self) -> Box<dyn OpModel> {
+        match *self {
+            Op::Matmul => Box::new(MatmulModel),
+            Op::Linear => Box::new(LinearModel),
+            Op::Sum => Box::new(SumModel { mean: false }),
+            Op::Mean => Box::new(SumModel { mean: true }),
+            Op::AllReduce => Box::new(AllReduceModel),
+            Op::Softmax => Box::new(SoftmaxModel),
+            Op::LayerNorm => Box::new(NormModel { rms: false }),
+            Op::RmsNorm => Box::new(NormModel { rms: true }),
+            Op::Elementwise(e) => Box::new(ElementwiseModel(e)),
+        }
+    }
+
     /// The names of the operands, in order (optional ones included; `allreduce` takes one
     /// `partial` per rank).
     pub fn operand_names(&self) -> Vec<&'static str> {
-        match self {
-            Op::Matmul => vec!["a", "b", "bias"],
-            Op::Linear | Op::LayerNorm => vec!["x", "weight", "bias"],
-            Op::RmsNorm => vec!["x", "weight"],
-            Op::AllReduce => vec!["partial"],
-            Op::Elementwise(Elementwise::Add) => vec!["x", "y"],
-            Op::Sum | Op::Mean | Op::Softmax | Op::Elementwise(_) => vec!["x"],
-        }
+        self.model().operand_names().to_vec()
     }
 
     /// How many operands the op takes: (fewest, most); `None` for no upper limit.
     pub fn arity(&self) -> (usize, Option<usize>) {
-        match self {
-            Op::Matmul | Op::Linear | Op::LayerNorm => (2, Some(3)),
-            Op::RmsNorm | Op::Elementwise(Elementwise::Add) => (2, Some(2)),
-            Op::AllReduce => (1, None),
-            Op::Sum | Op::Mean | Op::Softmax | Op::Elementwise(_) => (1, Some(1)),
-        }
+        self.model().arity()
     }
 
     /// The operands of the op for an output of `m` rows and a reduction (or row) length `k`;
@@ -130,30 +134,67 @@ impl Op {
     /// `allreduce`. Optional operands are included (a bias for `matmul`, `linear` and
     /// `layernorm` is not).
     pub fn operands(&self, m: usize, k: usize, n: usize) -> Vec<Operand> {
-        let op = |name: &str, shape: &[usize], role| Operand {
+        self.model().operands(m, k, n)
+    }
+
+    /// The ops whose model prices what a traced module of `kind` computes (its
+    /// [`OpModel::module_kinds`]), in [`Op::NAMES`] order: `norm` → `layernorm`, `rmsnorm`;
+    /// `attention`, `embedding` and `loss` have none yet.
+    pub fn for_module(kind: ModuleKind) -> Vec<Op> {
+        Op::NAMES
+            .iter()
+            .filter_map(|name| name.parse::<Op>().ok())
+            .filter(|op| op.model().module_kinds().contains(&kind))
+            .collect()
+    }
+}
+
+/// An op's model: what the registry asks of every op. Each op implements it in the file of
+/// its model (as each of statrs' distributions implements its traits in its own file):
+/// `matmul` and `linear` in `bounds/ops/matmul.rs`, `sum`, `mean` and `allreduce` in
+/// `bounds/ops/sum.rs`, `softmax` in `bounds/softmax.rs`, the norms in `bounds/norm/mod.rs`,
+/// the elementwise ops in `bounds/elementwise.rs`.
+pub trait OpModel {
+    /// The names of the operands, in order (optional ones included).
+    fn operand_names(&self) -> &'static [&'static str];
+
+    /// How many operands it takes: (fewest, most); `None` for no upper limit.
+    fn arity(&self) -> (usize, Option<usize>);
+
+    /// Its operands for an output of `m` rows and a reduction (or row) length `k`; `n` is the
+    /// output's columns (`matmul`, `linear`) or the number of ranks (`allreduce`).
+    fn operands(&self, m: usize, k: usize, n: usize) -> Vec<Operand>;
+
+    /// The threshold on ‖candidate − reference‖ of its output on `inputs` (as many as
+    /// [`OpModel::arity`] allows: [`op_threshold`] checks), the reference's arithmetic against
+    /// the candidate's.
+    fn threshold(
+        &self,
+        inputs: &[&Tensor],
+        reference: &OpSide,
+        candidate: &OpSide,
+        options: &OpOptions,
+        confidence: Confidence,
+    ) -> Result<Threshold>;
+
+    /// Its first-order gain in its first operand on `inputs`: ‖Δout‖_F ≤ gain·‖Δx‖_F for a
+    /// small difference Δx of the first operand (exact for the linear ops) — how a difference
+    /// arriving at the op travels through it.
+    fn gain(&self, inputs: &[&Tensor], options: &OpOptions) -> Result<Gain>;
+
+    /// The traced module kinds whose output it computes (a `linear` module is `linear`; an
+    /// `activation` module `gelu` or `silu`); empty when it is a part of a module (softmax
+    /// inside attention) or no module of its own (a sum, an all-reduce).
+    fn module_kinds(&self) -> &'static [ModuleKind];
+}
+
+impl Operand {
+    /// An operand.
+    pub fn new(name: &str, shape: &[usize], role: OperandRole) -> Operand {
+        Operand {
             name: name.to_string(),
             shape: shape.to_vec(),
             role,
-        };
-        use OperandRole::*;
-        match self {
-            Op::Matmul => vec![op("a", &[m, k], Data), op("b", &[k, n], Data)],
-            Op::Linear => vec![op("x", &[m, k], Data), op("weight", &[n, k], Data)],
-            Op::LayerNorm => vec![
-                op("x", &[m, k], Data),
-                op("weight", &[k], NormWeight),
-                op("bias", &[k], NormBias),
-            ],
-            Op::RmsNorm => vec![op("x", &[m, k], Data), op("weight", &[k], NormWeight)],
-            Op::AllReduce => (0..n)
-                .map(|r| op(&format!("partial.{r}"), &[m, k], Data))
-                .collect(),
-            Op::Elementwise(Elementwise::Add) => {
-                vec![op("x", &[m, k], Data), op("y", &[m, k], Data)]
-            }
-            Op::Sum | Op::Mean | Op::Softmax | Op::Elementwise(_) => {
-                vec![op("x", &[m, k], Data)]
-            }
         }
     }
 }
@@ -336,8 +377,12 @@ impl Default for OpOptions {
 
 /// The threshold of `op` on `inputs` (its operands in [`Op::operand_names`] order), the
 /// reference's arithmetic against the candidate's: dispatched to the op's model
-/// ([`matmul_threshold_priced`], [`sum_threshold_priced`], [`allreduce_threshold`](crate::bounds::allreduce_threshold),
-/// [`softmax_threshold`], [`norm_threshold`], [`elementwise_threshold`]), whose
+/// ([`OpModel::threshold`]: [`matmul_threshold_priced`](crate::bounds::matmul_threshold_priced),
+/// [`sum_threshold_priced`](crate::bounds::sum_threshold_priced),
+/// [`allreduce_threshold`](crate::bounds::allreduce_threshold),
+/// [`softmax_threshold`](crate::bounds::softmax_threshold),
+/// [`norm_threshold`](crate::bounds::norm_threshold),
+/// [`elementwise_threshold`](crate::bounds::elementwise_threshold)), whose
 /// documentation states its assumptions and sources.
 ///
 /// # Errors
@@ -366,9 +411,10 @@ pub fn op_threshold(
     options: &OpOptions,
     confidence: Confidence,
 ) -> Result<Threshold> {
-    let (fewest, most) = op.arity();
+    let model = op.model();
+    let (fewest, most) = model.arity();
     if inputs.len() < fewest || most.is_some_and(|m| inputs.len() > m) {
-        let names = op.operand_names().join(", ");
+        let names = model.operand_names().join(", ");
         return Err(Error::InvalidParameter {
             name: "inputs",
             reason: format!(
@@ -383,70 +429,7 @@ pub fn op_threshold(
             ),
         });
     }
-    let (rp, cp) = (&reference.policy, &candidate.policy);
-    let third = inputs.get(2).copied();
-    match op {
-        Op::Matmul => matmul_threshold_priced(
-            inputs[0],
-            inputs[1],
-            third,
-            rp,
-            cp,
-            confidence,
-            options.pricing,
-        ),
-        Op::Linear => {
-            let w = crate::engine::transpose(inputs[1], "weight")?;
-            matmul_threshold_priced(inputs[0], &w, third, rp, cp, confidence, options.pricing)
-        }
-        Op::Sum | Op::Mean => sum_threshold_priced(
-            inputs[0],
-            rp,
-            cp,
-            op == Op::Mean,
-            confidence,
-            options.pricing,
-        ),
-        // The operands as they are: the all-reduce stacks them once, without a copy first.
-        Op::AllReduce => allreduce_threshold_of(inputs, rp, cp, confidence),
-        Op::Softmax => softmax_threshold(
-            inputs[0],
-            rp,
-            reference.form,
-            cp,
-            candidate.form,
-            confidence,
-        ),
-        Op::LayerNorm | Op::RmsNorm => {
-            let side = |s: &OpSide| {
-                if op == Op::RmsNorm {
-                    NormOp::RmsNorm
-                } else {
-                    NormOp::LayerNorm(s.variance)
-                }
-            };
-            norm_threshold(
-                &NormData {
-                    x: inputs[0],
-                    weight: inputs[1],
-                    bias: third,
-                    eps: options.norm_eps,
-                },
-                NormSide {
-                    op: side(reference),
-                    policy: rp,
-                },
-                NormSide {
-                    op: side(candidate),
-                    policy: cp,
-                },
-                confidence,
-            )
-        }
-        Op::Elementwise(e) => {
-            elementwise_threshold(e, inputs[0], inputs.get(1).copied(), rp, cp, confidence)
-        }
-    }
+    model.threshold(inputs, reference, candidate, options, confidence)
 }
 
 #[cfg(test)]

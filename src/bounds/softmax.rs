@@ -22,12 +22,14 @@
 use crate::bounds::compare::{row_classes, Confidence, ElementDiff, Threshold, ThresholdSums};
 use crate::bounds::ops::round_sides;
 use crate::bounds::reduction::{reduction_error, ReductionError};
+use crate::bounds::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::order::{Accumulation, Order};
 use crate::policy::AttentionImpl;
 use crate::policy::Policy;
 use crate::tensor::Tensor;
+use crate::trace::ModuleKind;
 
 /// Per-element and per-row error statistics of one side's softmax of one row.
 struct SideRow {
@@ -547,6 +549,66 @@ fn fast_denominators_in(
         }
     }
     Ok(dens)
+}
+
+/// `softmax` in the op registry: along the last dimension of `x`, each side in its form
+/// ([`OpSide::form`]: standard or online/flash with its block); threshold
+/// [`softmax_threshold`]; gain the largest probability (first order,
+/// [`softmax_gain`](crate::bounds::softmax_gain)), on the probabilities computed in f64.
+#[derive(Debug, Clone, Copy)]
+pub struct SoftmaxModel;
+
+impl OpModel for SoftmaxModel {
+    fn operand_names(&self) -> &'static [&'static str] {
+        &["x"]
+    }
+
+    fn arity(&self) -> (usize, Option<usize>) {
+        (1, Some(1))
+    }
+
+    fn operands(&self, m: usize, k: usize, _: usize) -> Vec<Operand> {
+        vec![Operand::new("x", &[m, k], OperandRole::Data)]
+    }
+
+    fn threshold(
+        &self,
+        inputs: &[&Tensor],
+        reference: &OpSide,
+        candidate: &OpSide,
+        _: &OpOptions,
+        confidence: Confidence,
+    ) -> Result<Threshold> {
+        softmax_threshold(
+            inputs[0],
+            &reference.policy,
+            reference.form,
+            &candidate.policy,
+            candidate.form,
+            confidence,
+        )
+    }
+
+    fn gain(&self, inputs: &[&Tensor], _: &OpOptions) -> Result<Gain> {
+        let x = inputs[0];
+        let k = x.shape().last().copied().unwrap_or(1).max(1);
+        let mut p = Vec::with_capacity(x.len());
+        for row in x.values().chunks(k) {
+            let m = row.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+            let e: Vec<f64> = row.iter().map(|v| (v - m).exp()).collect();
+            let s: f64 = e.iter().sum();
+            p.extend(e.into_iter().map(|v| v / s));
+        }
+        Ok(crate::bounds::softmax_gain(&Tensor::from_parts_unchecked(
+            x.shape(),
+            p,
+            Format::F64,
+        )))
+    }
+
+    fn module_kinds(&self) -> &'static [ModuleKind] {
+        &[]
+    }
 }
 
 #[cfg(test)]

@@ -2,6 +2,8 @@
 //! and columns, or the vectorized pass (`bounds::fast`), as [`Pricing`] says.
 
 use super::*;
+use crate::bounds::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
+use crate::trace::ModuleKind;
 
 pub(super) struct Side {
     pub(super) q_a: Quantized,
@@ -340,4 +342,108 @@ pub(super) fn exact_value(s: &Side, i: usize, j: usize, _m: usize, k: usize, n: 
         acc.add_product(s.q_a.values[i * k + p], s.q_b.values[p * n + j]);
     }
     acc.to_f64() * s.factor.unwrap_or(1.0)
+}
+
+/// `matmul` in the op registry: C = A·B (+ bias), operands `a` (m × k), `b` (k × n), an
+/// optional `bias` (n); threshold [`matmul_threshold_priced`], gain ‖B‖_F in A
+/// ([`matmul_gain`](crate::bounds::matmul_gain)).
+#[derive(Debug, Clone, Copy)]
+pub struct MatmulModel;
+
+/// `linear` in the op registry: `torch.nn.functional.linear`, y = x·weightᵀ + bias, operands
+/// `x` (m × k), `weight` (n × k) as PyTorch stores it, an optional `bias` (n): `matmul` on the
+/// transposed weight; gain ‖weight‖_F in x. Prices `linear` modules.
+#[derive(Debug, Clone, Copy)]
+pub struct LinearModel;
+
+impl OpModel for MatmulModel {
+    fn operand_names(&self) -> &'static [&'static str] {
+        &["a", "b", "bias"]
+    }
+
+    fn arity(&self) -> (usize, Option<usize>) {
+        (2, Some(3))
+    }
+
+    fn operands(&self, m: usize, k: usize, n: usize) -> Vec<Operand> {
+        use OperandRole::Data;
+        vec![
+            Operand::new("a", &[m, k], Data),
+            Operand::new("b", &[k, n], Data),
+        ]
+    }
+
+    fn threshold(
+        &self,
+        inputs: &[&Tensor],
+        reference: &OpSide,
+        candidate: &OpSide,
+        options: &OpOptions,
+        confidence: Confidence,
+    ) -> Result<Threshold> {
+        matmul_threshold_priced(
+            inputs[0],
+            inputs[1],
+            inputs.get(2).copied(),
+            &reference.policy,
+            &candidate.policy,
+            confidence,
+            options.pricing,
+        )
+    }
+
+    fn gain(&self, inputs: &[&Tensor], _: &OpOptions) -> Result<Gain> {
+        Ok(crate::bounds::matmul_gain(inputs[1]))
+    }
+
+    fn module_kinds(&self) -> &'static [ModuleKind] {
+        &[]
+    }
+}
+
+impl OpModel for LinearModel {
+    fn operand_names(&self) -> &'static [&'static str] {
+        &["x", "weight", "bias"]
+    }
+
+    fn arity(&self) -> (usize, Option<usize>) {
+        (2, Some(3))
+    }
+
+    fn operands(&self, m: usize, k: usize, n: usize) -> Vec<Operand> {
+        use OperandRole::Data;
+        vec![
+            Operand::new("x", &[m, k], Data),
+            Operand::new("weight", &[n, k], Data),
+        ]
+    }
+
+    fn threshold(
+        &self,
+        inputs: &[&Tensor],
+        reference: &OpSide,
+        candidate: &OpSide,
+        options: &OpOptions,
+        confidence: Confidence,
+    ) -> Result<Threshold> {
+        let w = crate::engine::transpose(inputs[1], "weight")?;
+        matmul_threshold_priced(
+            inputs[0],
+            &w,
+            inputs.get(2).copied(),
+            &reference.policy,
+            &candidate.policy,
+            confidence,
+            options.pricing,
+        )
+    }
+
+    fn gain(&self, inputs: &[&Tensor], _: &OpOptions) -> Result<Gain> {
+        // ‖W‖_F = ‖Wᵀ‖_F.
+        Ok(crate::bounds::matmul_gain(inputs[1]))
+    }
+
+    fn module_kinds(&self) -> &'static [ModuleKind] {
+        &[ModuleKind::Linear]
+    }
 }

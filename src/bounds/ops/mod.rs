@@ -27,12 +27,11 @@ pub(crate) mod output;
 mod plan;
 mod sum;
 
-pub use matmul::{matmul_threshold, matmul_threshold_priced};
+pub use matmul::{matmul_threshold, matmul_threshold_priced, LinearModel, MatmulModel};
 pub(crate) use output::{check_output, round_sides};
 pub use plan::{plan_matmul, plan_sum, MatmulPlan};
-pub(crate) use sum::allreduce_threshold_of;
 use sum::*;
-pub use sum::{allreduce_threshold, sum_threshold, sum_threshold_priced};
+pub use sum::{allreduce_threshold, sum_threshold, sum_threshold_priced, AllReduceModel, SumModel};
 
 fn scaled(e: ReductionError, f: f64) -> ReductionError {
     ReductionError {

@@ -1,6 +1,8 @@
 //! Sum, mean and all-reduce thresholds over the last dimension.
 
 use super::*;
+use crate::bounds::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
+use crate::trace::ModuleKind;
 
 /// Threshold for the row sums of x [rows, n] (sum over the last dimension, as
 /// `ttrace::sum` computes each under the policy's accumulation, then rounded to the output
@@ -294,7 +296,7 @@ pub fn allreduce_threshold(
 }
 
 /// [`allreduce_threshold`] on borrowed partials (the op registry's operands).
-pub(crate) fn allreduce_threshold_of(
+fn allreduce_threshold_of(
     partials: &[&Tensor],
     reference: &Policy,
     candidate: &Policy,
@@ -329,4 +331,97 @@ pub(crate) fn allreduce_threshold_of(
     }
     let t = Tensor::from_parts_unchecked(&[len, p], stacked, format);
     sum_threshold(&t, reference, candidate, false, confidence)
+}
+
+/// `sum` and `mean` in the op registry: along the last dimension of `x`; threshold
+/// [`sum_threshold_priced`]; gain √k for a sum of k elements per row (Cauchy–Schwarz:
+/// |Σⱼ Δxⱼ| ≤ √k·‖Δx‖₂, row by row, exact: the op is linear) and 1/√k for a mean.
+#[derive(Debug, Clone, Copy)]
+pub struct SumModel {
+    /// A mean rather than a sum.
+    pub mean: bool,
+}
+
+/// `allreduce` in the op registry: the element-wise sum of one `partial` per rank; threshold
+/// [`allreduce_threshold`]; gain 1 in any one partial (the op is a sum).
+#[derive(Debug, Clone, Copy)]
+pub struct AllReduceModel;
+
+impl OpModel for SumModel {
+    fn operand_names(&self) -> &'static [&'static str] {
+        &["x"]
+    }
+
+    fn arity(&self) -> (usize, Option<usize>) {
+        (1, Some(1))
+    }
+
+    fn operands(&self, m: usize, k: usize, _: usize) -> Vec<Operand> {
+        vec![Operand::new("x", &[m, k], OperandRole::Data)]
+    }
+
+    fn threshold(
+        &self,
+        inputs: &[&Tensor],
+        reference: &OpSide,
+        candidate: &OpSide,
+        options: &OpOptions,
+        confidence: Confidence,
+    ) -> Result<Threshold> {
+        sum_threshold_priced(
+            inputs[0],
+            &reference.policy,
+            &candidate.policy,
+            self.mean,
+            confidence,
+            options.pricing,
+        )
+    }
+
+    fn gain(&self, inputs: &[&Tensor], _: &OpOptions) -> Result<Gain> {
+        let k = inputs[0].shape().last().copied().unwrap_or(1).max(1) as f64;
+        Ok(Gain {
+            gain: if self.mean { 1.0 / k.sqrt() } else { k.sqrt() },
+        })
+    }
+
+    fn module_kinds(&self) -> &'static [ModuleKind] {
+        &[]
+    }
+}
+
+impl OpModel for AllReduceModel {
+    fn operand_names(&self) -> &'static [&'static str] {
+        &["partial"]
+    }
+
+    fn arity(&self) -> (usize, Option<usize>) {
+        (1, None)
+    }
+
+    fn operands(&self, m: usize, k: usize, n: usize) -> Vec<Operand> {
+        (0..n)
+            .map(|r| Operand::new(&format!("partial.{r}"), &[m, k], OperandRole::Data))
+            .collect()
+    }
+
+    fn threshold(
+        &self,
+        inputs: &[&Tensor],
+        reference: &OpSide,
+        candidate: &OpSide,
+        _: &OpOptions,
+        confidence: Confidence,
+    ) -> Result<Threshold> {
+        // The operands as they are: the all-reduce stacks them once, without a copy first.
+        allreduce_threshold_of(inputs, &reference.policy, &candidate.policy, confidence)
+    }
+
+    fn gain(&self, _: &[&Tensor], _: &OpOptions) -> Result<Gain> {
+        Ok(Gain { gain: 1.0 })
+    }
+
+    fn module_kinds(&self) -> &'static [ModuleKind] {
+        &[]
+    }
 }
