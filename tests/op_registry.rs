@@ -246,7 +246,14 @@ fn every_op_gain_bounds_how_a_difference_travels_through_it() {
         let tensors: Vec<Tensor> = op
             .operands(6, 32, 5)
             .iter()
-            .map(|o| synthetic(&o.shape, o.role, &format!("gain.{op}.{}", o.name), Format::F64))
+            .map(|o| {
+                synthetic(
+                    &o.shape,
+                    o.role,
+                    &format!("gain.{op}.{}", o.name),
+                    Format::F64,
+                )
+            })
             .collect();
         let inputs: Vec<&Tensor> = tensors.iter().collect();
         let gain = op.model().gain(&inputs, &options).unwrap().gain;
@@ -269,9 +276,15 @@ fn every_op_gain_bounds_how_a_difference_travels_through_it() {
             let (dout, dx) = (frobenius(&out, &base), frobenius(&moved, x));
             let norm_out = base.values().iter().map(|v| v * v).sum::<f64>().sqrt();
             let allowed = gain * dx * (1.0 + 1e-4) + 1e3 * dx * dx + 1e-13 * norm_out;
-            assert!(dout <= allowed, "{op}: ‖Δout‖ {dout:e} > {allowed:e} (gain {gain})");
+            assert!(
+                dout <= allowed,
+                "{op}: ‖Δout‖ {dout:e} > {allowed:e} (gain {gain})"
+            );
             if constant_rows && matches!(op, Op::Sum | Op::Mean) {
-                assert!((dout - gain * dx).abs() <= 1e-6 * gain * dx, "{op}: not reached");
+                assert!(
+                    (dout - gain * dx).abs() <= 1e-6 * gain * dx,
+                    "{op}: not reached"
+                );
             }
         }
     }
@@ -281,14 +294,17 @@ fn every_op_gain_bounds_how_a_difference_travels_through_it() {
 #[test]
 fn ops_name_the_module_kinds_they_price() {
     use ttrace::trace::ModuleKind;
-    let names = |kind| -> Vec<String> {
-        Op::for_module(kind).iter().map(|o| o.to_string()).collect()
-    };
+    let names =
+        |kind| -> Vec<String> { Op::for_module(kind).iter().map(|o| o.to_string()).collect() };
     assert_eq!(names(ModuleKind::Linear), ["linear"]);
     assert_eq!(names(ModuleKind::Norm), ["layernorm", "rmsnorm"]);
     assert_eq!(names(ModuleKind::Residual), ["add"]);
     assert_eq!(names(ModuleKind::Activation), ["gelu", "silu"]);
-    for kind in [ModuleKind::Attention, ModuleKind::Embedding, ModuleKind::Loss] {
+    for kind in [
+        ModuleKind::Attention,
+        ModuleKind::Embedding,
+        ModuleKind::Loss,
+    ] {
         assert!(names(kind).is_empty(), "{kind:?}");
     }
 }

@@ -72,11 +72,10 @@ impl Joinable for Tensor {
         let first = pieces[0];
         out.clear();
         for i in 0..first.len() {
-            let mut acc = ExactAccumulator::new();
-            for t in pieces {
-                acc.add(t.values()[i]);
-            }
-            out.push(first.format().round(acc.to_f64(), Overflow::NonSaturating));
+            out.push(first.format().round(
+                exact_sum_of(pieces.iter().map(|t| t.values()[i])),
+                Overflow::NonSaturating,
+            ));
         }
         Ok(Tensor::from_parts_unchecked(
             first.shape(),
@@ -130,16 +129,26 @@ impl Joinable for Stored {
             }
             sums.clear();
             sums.extend((0..end - start).map(|i| {
-                let mut acc = ExactAccumulator::new();
-                for buf in &decoded {
-                    acc.add(buf[i]);
-                }
-                format.round(acc.to_f64(), Overflow::NonSaturating)
+                format.round(
+                    exact_sum_of(decoded.iter().map(|buf| buf[i])),
+                    Overflow::NonSaturating,
+                )
             }));
             out.extend_from_slice(&encode_values(&sums, format, "a partial sum")?);
         }
         Ok(Stored::from_parts_unchecked(first.shape(), format, out))
     }
+}
+
+/// The exact sum of `terms` rounded to `f64`: added in `f64` when no step rounds (the common
+/// case, checked step by step), else by the long accumulator — the same bits either way.
+#[inline]
+fn exact_sum_of(terms: impl Iterator<Item = f64> + Clone) -> f64 {
+    crate::exact::sum_if_exact(terms.clone()).unwrap_or_else(|| {
+        let mut acc = ExactAccumulator::new();
+        terms.for_each(|x| acc.add(x));
+        acc.to_f64()
+    })
 }
 
 /// How many spare buffers a pool keeps (see [`merge_reusing`]).
