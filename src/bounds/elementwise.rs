@@ -20,7 +20,7 @@
 use serde::Serialize;
 
 use crate::bounds::compare::{grouped_threshold, Confidence, ElementDiff, Threshold};
-use crate::bounds::{OpModel, OpOptions, OpSide, Operand, OperandRole};
+use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::policy::quantize;
@@ -315,13 +315,6 @@ pub fn quantization_error(
         frobenius: fro.sqrt(),
         bound_frobenius: bound.sqrt(),
     })
-}
-
-/// A first-order gain: ‖Δout‖_F ≤ `gain`·‖Δin‖_F for a small input difference Δin.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Gain {
-    /// The factor.
-    pub gain: f64,
 }
 
 /// C = A·B: ‖ΔA·B‖_F ≤ ‖ΔA‖_F·‖B‖₂ ≤ ‖ΔA‖_F·‖B‖_F (the Frobenius norm bounds the spectral

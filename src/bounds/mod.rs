@@ -44,9 +44,10 @@ pub use baselines::{
 pub use compare::{tensor_threshold, Confidence, ElementDiff, Threshold};
 pub use elementwise::{
     elementwise_gain, elementwise_threshold, matmul_gain, norm_gain, quantization_error,
-    softmax_gain, Elementwise, Gain, QuantizationError,
+    softmax_gain, Elementwise, QuantizationError,
 };
 pub use norm::{norm_threshold, NormData, NormOp, NormSide};
+pub use op::model::Gain;
 pub use op::{op_threshold, Op, OpModel, OpOptions, OpSide, Operand, OperandRole};
 pub use ops::{
     allreduce_threshold, matmul_threshold, matmul_threshold_priced, plan_matmul, plan_sum,

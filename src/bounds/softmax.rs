@@ -20,9 +20,9 @@
 //! terms) and |σ| ≤ G_S/S + Σ pⱼ|nⱼ|, inflated by 1/(1 − |σ|).
 
 use crate::bounds::compare::{row_classes, Confidence, ElementDiff, Threshold, ThresholdSums};
+use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
 use crate::bounds::ops::round_sides;
 use crate::bounds::reduction::{reduction_error, ReductionError};
-use crate::bounds::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::order::{Accumulation, Order};

@@ -18,8 +18,8 @@
 //! nearly equal values.
 
 use crate::bounds::compare::{grouped_threshold, row_classes, Confidence, ElementDiff, Threshold};
+use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
 use crate::bounds::ops::round_sides;
-use crate::bounds::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
 use crate::error::{Error, Result};
 use crate::policy::arith::Arith;
 use crate::policy::Policy;

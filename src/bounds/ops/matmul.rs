@@ -2,7 +2,7 @@
 //! and columns, or the vectorized pass (`bounds::fast`), as [`Pricing`] says.
 
 use super::*;
-use crate::bounds::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
+use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
 use crate::trace::ModuleKind;
 
 pub(super) struct Side {

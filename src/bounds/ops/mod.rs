@@ -27,6 +27,7 @@ pub(crate) mod output;
 mod plan;
 mod sum;
 
+pub use crate::bounds::op::model::Pricing;
 pub use matmul::{matmul_threshold, matmul_threshold_priced, LinearModel, MatmulModel};
 pub(crate) use output::{check_output, round_sides};
 pub use plan::{plan_matmul, plan_sum, MatmulPlan};
@@ -100,41 +101,5 @@ fn checked_by_executions(
         build(Confidence::Guaranteed)
     } else {
         threshold
-    }
-}
-
-/// How [`matmul_threshold_priced`] prices a matmul from its data.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Pricing {
-    /// [`Pricing::Fast`] for products of at least 2²² multiply-adds, or 2²⁰ with at least
-    /// 4,096 outputs (for sums: summed values, rows); [`Pricing::Walk`] below, where the walk
-    /// takes at most a second or two.
-    #[default]
-    Auto,
-    /// Every rounding visited by the determined-rounding walk (papers/bounds-reductions.md
-    /// §2): the tightest threshold, at about 250 ns per multiply-add and side.
-    Walk,
-    /// The model's statistics gathered while a vectorized pass executes both declared orders
-    /// (papers/bounds-reductions.md §5.1), tens of times the cost of one GEMM (a hundred with
-    /// fewer than 4,096 outputs, and for sums): the roundings the walk determines carried
-    /// exactly as it carries them — with fewer than 4,096 outputs, and for sums, following
-    /// exact values and parities too (about 1.0× the walk's threshold on plain data; from
-    /// 4,096 outputs the grid rule alone, about 1.1×) — and the rest as random. Data whose
-    /// executions differ systematically from the model, products that could round below
-    /// FP32's normal range, and what the pass does not cover (FP8 rescales, rounded products,
-    /// narrow accumulators, tensor-core orders, families, Kahan), are priced by the walk —
-    /// structured data within [`WALK_BUDGET`], and by the pass's guaranteed threshold beyond.
-    Fast,
-}
-
-impl Pricing {
-    /// Whether the fast pass prices an op of `work` multiply-adds (summed values) into
-    /// `outputs` elements.
-    fn takes_fast(self, work: u128, outputs: usize) -> bool {
-        match self {
-            Pricing::Auto => work >= 1 << 22 || (work >= 1 << 20 && outputs >= 4096),
-            Pricing::Walk => false,
-            Pricing::Fast => true,
-        }
     }
 }

@@ -1,7 +1,7 @@
 //! Sum, mean and all-reduce thresholds over the last dimension.
 
 use super::*;
-use crate::bounds::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
+use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
 use crate::trace::ModuleKind;
 
 /// Threshold for the row sums of x [rows, n] (sum over the last dimension, as

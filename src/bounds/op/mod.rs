@@ -12,14 +12,17 @@ use std::str::FromStr;
 use serde::Serialize;
 
 use crate::bounds::compare::{Confidence, Threshold};
-use crate::bounds::elementwise::{Elementwise, ElementwiseModel, Gain};
+use crate::bounds::elementwise::{Elementwise, ElementwiseModel};
 use crate::bounds::norm::NormModel;
-use crate::bounds::ops::{AllReduceModel, LinearModel, MatmulModel, Pricing, SumModel};
+use crate::bounds::ops::{AllReduceModel, LinearModel, MatmulModel, SumModel};
 use crate::bounds::softmax::SoftmaxModel;
 use crate::error::{Error, Result};
-use crate::policy::{AttentionImpl, Policy, Variance};
 use crate::tensor::Tensor;
 use crate::trace::ModuleKind;
+
+pub(crate) mod model;
+
+pub use model::{OpModel, OpOptions, OpSide, Operand, OperandRole};
 
 /// An op whose comparison threshold ttrace prices.
 ///
@@ -59,30 +62,6 @@ pub enum Op {
     RmsNorm,
     /// An elementwise op ([`Elementwise`]): `x` (and `y` for `add`).
     Elementwise(Elementwise),
-}
-
-/// What an operand of an op holds, for synthetic pricing: data, or a normalization's weight
-/// (near 1) or bias (near 0).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum OperandRole {
-    /// Activations or weights of the op's data.
-    Data,
-    /// A normalization's weight (γ): near 1.
-    NormWeight,
-    /// A normalization's bias (β): near 0.
-    NormBias,
-}
-
-/// One operand of an op at a given size ([`Op::operands`]).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Operand {
-    /// Its name (`a`, `weight`, `bias`, `partial.3`, …).
-    pub name: String,
-    /// Its shape.
-    pub shape: Vec<usize>,
-    /// What it holds.
-    pub role: OperandRole,
 }
 
 impl Op {
@@ -146,56 +125,6 @@ impl Op {
             .filter_map(|name| name.parse::<Op>().ok())
             .filter(|op| op.model().module_kinds().contains(&kind))
             .collect()
-    }
-}
-
-/// An op's model: what the registry asks of every op. Each op implements it in the file of
-/// its model (as each of statrs' distributions implements its traits in its own file):
-/// `matmul` and `linear` in `bounds/ops/matmul.rs`, `sum`, `mean` and `allreduce` in
-/// `bounds/ops/sum.rs`, `softmax` in `bounds/softmax.rs`, the norms in `bounds/norm/mod.rs`,
-/// the elementwise ops in `bounds/elementwise.rs`.
-pub trait OpModel {
-    /// The names of the operands, in order (optional ones included).
-    fn operand_names(&self) -> &'static [&'static str];
-
-    /// How many operands it takes: (fewest, most); `None` for no upper limit.
-    fn arity(&self) -> (usize, Option<usize>);
-
-    /// Its operands for an output of `m` rows and a reduction (or row) length `k`; `n` is the
-    /// output's columns (`matmul`, `linear`) or the number of ranks (`allreduce`).
-    fn operands(&self, m: usize, k: usize, n: usize) -> Vec<Operand>;
-
-    /// The threshold on ‖candidate − reference‖ of its output on `inputs` (as many as
-    /// [`OpModel::arity`] allows: [`op_threshold`] checks), the reference's arithmetic against
-    /// the candidate's.
-    fn threshold(
-        &self,
-        inputs: &[&Tensor],
-        reference: &OpSide,
-        candidate: &OpSide,
-        options: &OpOptions,
-        confidence: Confidence,
-    ) -> Result<Threshold>;
-
-    /// Its first-order gain in its first operand on `inputs`: ‖Δout‖_F ≤ gain·‖Δx‖_F for a
-    /// small difference Δx of the first operand (exact for the linear ops) — how a difference
-    /// arriving at the op travels through it.
-    fn gain(&self, inputs: &[&Tensor], options: &OpOptions) -> Result<Gain>;
-
-    /// The traced module kinds whose output it computes (a `linear` module is `linear`; an
-    /// `activation` module `gelu` or `silu`); empty when it is a part of a module (softmax
-    /// inside attention) or no module of its own (a sum, an all-reduce).
-    fn module_kinds(&self) -> &'static [ModuleKind];
-}
-
-impl Operand {
-    /// An operand.
-    pub fn new(name: &str, shape: &[usize], role: OperandRole) -> Operand {
-        Operand {
-            name: name.to_string(),
-            shape: shape.to_vec(),
-            role,
-        }
     }
 }
 
@@ -268,110 +197,6 @@ impl FromStr for Op {
 impl Serialize for Op {
     fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         s.collect_str(self)
-    }
-}
-
-/// One side of an op: its arithmetic ([`Policy`]) and the op's algorithm choices that the
-/// policy does not hold — the softmax form and the LayerNorm variance, read by those ops and
-/// ignored by the others.
-///
-/// Its text is the policy's with two more keys, `form=standard|online:B` and
-/// `variance=twopass|welford|onepass` (defaults `standard` and `twopass`, written only when
-/// they differ).
-///
-/// # Examples
-///
-/// ```
-/// use ttrace::bounds::OpSide;
-/// use ttrace::engine::AttentionImpl;
-/// let s: OpSide = "in=bf16,acc=f32,out=bf16,form=online:64".parse()?;
-/// assert_eq!(s.form, AttentionImpl::Online { block: 64 });
-/// assert_eq!(s.to_string(), "in=bf16,acc=f32,out=bf16,order=sequential,form=online:64");
-/// assert!("in=bf16,form=flash".parse::<OpSide>().is_err());
-/// # Ok::<(), ttrace::Error>(())
-/// ```
-#[derive(Debug, Clone, PartialEq)]
-pub struct OpSide {
-    /// The arithmetic.
-    pub policy: Policy,
-    /// The softmax form (softmax only).
-    pub form: AttentionImpl,
-    /// The variance algorithm (LayerNorm only).
-    pub variance: Variance,
-}
-
-impl OpSide {
-    /// A side with the default algorithm choices.
-    pub fn new(policy: Policy) -> OpSide {
-        OpSide {
-            policy,
-            form: AttentionImpl::Standard,
-            variance: Variance::TwoPass,
-        }
-    }
-}
-
-impl From<Policy> for OpSide {
-    fn from(policy: Policy) -> OpSide {
-        OpSide::new(policy)
-    }
-}
-
-impl fmt::Display for OpSide {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.policy)?;
-        if self.form != AttentionImpl::Standard {
-            write!(f, ",form={}", self.form)?;
-        }
-        if self.variance != Variance::TwoPass {
-            write!(f, ",variance={}", self.variance)?;
-        }
-        Ok(())
-    }
-}
-
-impl FromStr for OpSide {
-    type Err = Error;
-
-    /// A policy's text ([`Policy`]'s [`FromStr`], which refuses unknown keys) with the keys
-    /// `form=` and `variance=` taken out first.
-    ///
-    /// # Errors
-    ///
-    /// The policy's errors; [`AttentionImpl`]'s and [`Variance`]'s for their keys.
-    fn from_str(s: &str) -> Result<OpSide> {
-        let (mut form, mut variance) = (AttentionImpl::Standard, Variance::TwoPass);
-        let mut policy = vec![];
-        for item in s.split(',').filter(|x| !x.trim().is_empty()) {
-            match item.split_once('=').map(|(k, v)| (k.trim(), v.trim())) {
-                Some(("form", v)) => form = v.parse()?,
-                Some(("variance", v)) => variance = v.parse()?,
-                _ => policy.push(item),
-            }
-        }
-        Ok(OpSide {
-            policy: policy.join(",").parse()?,
-            form,
-            variance,
-        })
-    }
-}
-
-/// Settings of a threshold beyond its two sides.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct OpOptions {
-    /// The normalizations' ε (added to the variance): 1e-5 by default.
-    pub norm_eps: f64,
-    /// How `matmul`, `linear`, `sum` and `mean` are priced ([`Pricing::Auto`] by default).
-    pub pricing: Pricing,
-}
-
-impl Default for OpOptions {
-    fn default() -> OpOptions {
-        OpOptions {
-            norm_eps: 1e-5,
-            pricing: Pricing::Auto,
-        }
     }
 }
 
