@@ -317,8 +317,11 @@ struct NamedSize {
     size: u64,
 }
 
-/// The mesh as a manifest writes it: version 2's named axes, or version 1's three sizes.
+/// The mesh as a manifest writes it: version 2's named axes, or version 1's three sizes. A
+/// field it does not know is refused, not ignored: it may be an axis (`"pp": 2`), and an axis
+/// left out changes every rank's coordinates.
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct MeshRepr {
     #[serde(default)]
     axes: Option<Vec<NamedSize>>,
@@ -461,6 +464,7 @@ mod tests {
             r#"{"axes": [{"name": "a", "size": 1048576}, {"name": "b", "size": 2}]}"#,
             r#"{"tp": 2, "cp": 1}"#,
             r#"{"tp": 2, "cp": 1, "dp": 1, "axes": []}"#,
+            r#"{"tp": 2, "cp": 1, "dp": 1, "pp": 2}"#,
         ] {
             assert!(serde_json::from_str::<Mesh>(bad).is_err(), "{bad}");
         }
