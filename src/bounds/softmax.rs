@@ -29,7 +29,6 @@ use crate::order::{Accumulation, Order};
 use crate::policy::AttentionImpl;
 use crate::policy::Policy;
 use crate::tensor::Tensor;
-use crate::trace::ModuleKind;
 
 /// Per-element and per-row error statistics of one side's softmax of one row.
 struct SideRow {
@@ -604,10 +603,6 @@ impl OpModel for SoftmaxModel {
             p,
             Format::F64,
         )))
-    }
-
-    fn module_kinds(&self) -> &'static [ModuleKind] {
-        &[]
     }
 }
 

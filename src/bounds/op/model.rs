@@ -50,8 +50,10 @@ pub trait OpModel {
 
     /// The traced module kinds whose output it computes (a `linear` module is `linear`; an
     /// `activation` module `gelu` or `silu`); empty when it is a part of a module (softmax
-    /// inside attention) or no module of its own (a sum, an all-reduce).
-    fn module_kinds(&self) -> &'static [ModuleKind];
+    /// inside attention) or no module of its own (a sum, an all-reduce) — the default.
+    fn module_kinds(&self) -> &'static [ModuleKind] {
+        &[]
+    }
 }
 
 impl Operand {

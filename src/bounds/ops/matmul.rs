@@ -395,10 +395,6 @@ impl OpModel for MatmulModel {
     fn gain(&self, inputs: &[&Tensor], _: &OpOptions) -> Result<Gain> {
         Ok(crate::bounds::matmul_gain(inputs[1]))
     }
-
-    fn module_kinds(&self) -> &'static [ModuleKind] {
-        &[]
-    }
 }
 
 impl OpModel for LinearModel {

@@ -2,7 +2,6 @@
 
 use super::*;
 use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
-use crate::trace::ModuleKind;
 
 /// Threshold for the row sums of x [rows, n] (sum over the last dimension, as
 /// `ttrace::sum` computes each under the policy's accumulation, then rounded to the output
@@ -384,10 +383,6 @@ impl OpModel for SumModel {
             gain: if self.mean { 1.0 / k.sqrt() } else { k.sqrt() },
         })
     }
-
-    fn module_kinds(&self) -> &'static [ModuleKind] {
-        &[]
-    }
 }
 
 impl OpModel for AllReduceModel {
@@ -419,9 +414,5 @@ impl OpModel for AllReduceModel {
 
     fn gain(&self, _: &[&Tensor], _: &OpOptions) -> Result<Gain> {
         Ok(Gain { gain: 1.0 })
-    }
-
-    fn module_kinds(&self) -> &'static [ModuleKind] {
-        &[]
     }
 }
