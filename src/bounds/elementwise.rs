@@ -20,7 +20,7 @@
 use serde::Serialize;
 
 use crate::bounds::compare::{grouped_threshold, Confidence, ElementDiff, Threshold};
-use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
+use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide};
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::policy::quantize;
@@ -484,20 +484,6 @@ impl OpModel for ElementwiseModel {
             Elementwise::Add => &["x", "y"],
             _ => &["x"],
         }
-    }
-
-    fn arity(&self) -> (usize, Option<usize>) {
-        match self.0 {
-            Elementwise::Add => (2, Some(2)),
-            _ => (1, Some(1)),
-        }
-    }
-
-    fn operands(&self, m: usize, k: usize, _: usize) -> Vec<Operand> {
-        self.operand_names()
-            .iter()
-            .map(|name| Operand::new(name, &[m, k], OperandRole::Data))
-            .collect()
     }
 
     fn threshold(

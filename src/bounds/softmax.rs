@@ -20,7 +20,7 @@
 //! terms) and |σ| ≤ G_S/S + Σ pⱼ|nⱼ|, inflated by 1/(1 − |σ|).
 
 use crate::bounds::compare::{row_classes, Confidence, ElementDiff, Threshold, ThresholdSums};
-use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
+use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide};
 use crate::bounds::ops::round_sides;
 use crate::bounds::reduction::{reduction_error, ReductionError};
 use crate::error::{Error, Result};
@@ -558,18 +558,6 @@ fn fast_denominators_in(
 pub struct SoftmaxModel;
 
 impl OpModel for SoftmaxModel {
-    fn operand_names(&self) -> &'static [&'static str] {
-        &["x"]
-    }
-
-    fn arity(&self) -> (usize, Option<usize>) {
-        (1, Some(1))
-    }
-
-    fn operands(&self, m: usize, k: usize, _: usize) -> Vec<Operand> {
-        vec![Operand::new("x", &[m, k], OperandRole::Data)]
-    }
-
     fn threshold(
         &self,
         inputs: &[&Tensor],

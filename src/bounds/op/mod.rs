@@ -14,7 +14,7 @@ use serde::Serialize;
 use crate::bounds::compare::{Confidence, Threshold};
 use crate::bounds::elementwise::{Elementwise, ElementwiseModel};
 use crate::bounds::norm::NormModel;
-use crate::bounds::ops::{AllReduceModel, LinearModel, MatmulModel, SumModel};
+use crate::bounds::ops::{AllReduceModel, MatmulModel, SumModel};
 use crate::bounds::softmax::SoftmaxModel;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -85,8 +85,8 @@ impl Op {
     /// The op's model, through which everything below dispatches.
     pub fn model(&self) -> Box<dyn OpModel> {
         match *self {
-            Op::Matmul => Box::new(MatmulModel),
-            Op::Linear => Box::new(LinearModel),
+            Op::Matmul => Box::new(MatmulModel { weight_rows: false }),
+            Op::Linear => Box::new(MatmulModel { weight_rows: true }),
             Op::Sum => Box::new(SumModel { mean: false }),
             Op::Mean => Box::new(SumModel { mean: true }),
             Op::AllReduce => Box::new(AllReduceModel),

@@ -21,19 +21,31 @@ use crate::trace::ModuleKind;
 /// `bounds/ops/sum.rs`, `softmax` in `bounds/softmax.rs`, the norms in `bounds/norm/mod.rs`,
 /// the elementwise ops in `bounds/elementwise.rs`.
 pub trait OpModel {
-    /// The names of the operands, in order (optional ones included).
-    fn operand_names(&self) -> &'static [&'static str];
+    /// The names of the operands, in order (optional ones included). Default: one, `x`.
+    fn operand_names(&self) -> &'static [&'static str] {
+        &["x"]
+    }
 
-    /// How many operands it takes: (fewest, most); `None` for no upper limit.
-    fn arity(&self) -> (usize, Option<usize>);
+    /// How many operands it takes: (fewest, most); `None` for no upper limit. Default: exactly
+    /// the named ones.
+    fn arity(&self) -> (usize, Option<usize>) {
+        let n = self.operand_names().len();
+        (n, Some(n))
+    }
 
     /// Its operands for an output of `m` rows and a reduction (or row) length `k`; `n` is the
-    /// output's columns (`matmul`, `linear`) or the number of ranks (`allreduce`).
-    fn operands(&self, m: usize, k: usize, n: usize) -> Vec<Operand>;
+    /// output's columns (`matmul`, `linear`) or the number of ranks (`allreduce`). Default:
+    /// every named operand an `m × k` tensor of data.
+    fn operands(&self, m: usize, k: usize, _n: usize) -> Vec<Operand> {
+        self.operand_names()
+            .iter()
+            .map(|name| Operand::new(name, &[m, k], OperandRole::Data))
+            .collect()
+    }
 
     /// The threshold on ‖candidate − reference‖ of its output on `inputs` (as many as
-    /// [`OpModel::arity`] allows: [`op_threshold`](crate::bounds::op_threshold) checks), the reference's arithmetic against
-    /// the candidate's.
+    /// [`OpModel::arity`] allows: [`op_threshold`](crate::bounds::op_threshold) checks), the
+    /// reference's arithmetic against the candidate's.
     fn threshold(
         &self,
         inputs: &[&Tensor],

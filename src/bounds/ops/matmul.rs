@@ -344,21 +344,25 @@ pub(super) fn exact_value(s: &Side, i: usize, j: usize, _m: usize, k: usize, n: 
     acc.to_f64() * s.factor.unwrap_or(1.0)
 }
 
-/// `matmul` in the op registry: C = A·B (+ bias), operands `a` (m × k), `b` (k × n), an
-/// optional `bias` (n); threshold [`matmul_threshold_priced`], gain ‖B‖_F in A
-/// ([`matmul_gain`](crate::bounds::matmul_gain)).
+/// `matmul` and `linear` in the op registry. `matmul`: C = A·B (+ bias), operands `a`
+/// (m × k), `b` (k × n), an optional `bias` (n). `linear` (`weight_rows`):
+/// `torch.nn.functional.linear`, y = x·weightᵀ + bias, operands `x` (m × k), `weight` (n × k)
+/// as PyTorch stores it, an optional `bias` (n) — `matmul` on the transposed weight; it prices
+/// `linear` modules. Threshold [`matmul_threshold_priced`]; gain in the first operand the
+/// second's Frobenius norm ([`matmul_gain`](crate::bounds::matmul_gain); ‖W‖_F = ‖Wᵀ‖_F).
 #[derive(Debug, Clone, Copy)]
-pub struct MatmulModel;
-
-/// `linear` in the op registry: `torch.nn.functional.linear`, y = x·weightᵀ + bias, operands
-/// `x` (m × k), `weight` (n × k) as PyTorch stores it, an optional `bias` (n): `matmul` on the
-/// transposed weight; gain ‖weight‖_F in x. Prices `linear` modules.
-#[derive(Debug, Clone, Copy)]
-pub struct LinearModel;
+pub struct MatmulModel {
+    /// `linear`: the second operand is the weight as PyTorch stores it, one output per row.
+    pub weight_rows: bool,
+}
 
 impl OpModel for MatmulModel {
     fn operand_names(&self) -> &'static [&'static str] {
-        &["a", "b", "bias"]
+        if self.weight_rows {
+            &["x", "weight", "bias"]
+        } else {
+            &["a", "b", "bias"]
+        }
     }
 
     fn arity(&self) -> (usize, Option<usize>) {
@@ -366,10 +370,11 @@ impl OpModel for MatmulModel {
     }
 
     fn operands(&self, m: usize, k: usize, n: usize) -> Vec<Operand> {
-        use OperandRole::Data;
+        let names = self.operand_names();
+        let second = if self.weight_rows { [n, k] } else { [k, n] };
         vec![
-            Operand::new("a", &[m, k], Data),
-            Operand::new("b", &[k, n], Data),
+            Operand::new(names[0], &[m, k], OperandRole::Data),
+            Operand::new(names[1], &second, OperandRole::Data),
         ]
     }
 
@@ -381,9 +386,16 @@ impl OpModel for MatmulModel {
         options: &OpOptions,
         confidence: Confidence,
     ) -> Result<Threshold> {
+        let transposed;
+        let b = if self.weight_rows {
+            transposed = crate::engine::transpose(inputs[1], "weight")?;
+            &transposed
+        } else {
+            inputs[1]
+        };
         matmul_threshold_priced(
             inputs[0],
-            inputs[1],
+            b,
             inputs.get(2).copied(),
             &reference.policy,
             &candidate.policy,
@@ -393,53 +405,14 @@ impl OpModel for MatmulModel {
     }
 
     fn gain(&self, inputs: &[&Tensor], _: &OpOptions) -> Result<Gain> {
-        Ok(crate::bounds::matmul_gain(inputs[1]))
-    }
-}
-
-impl OpModel for LinearModel {
-    fn operand_names(&self) -> &'static [&'static str] {
-        &["x", "weight", "bias"]
-    }
-
-    fn arity(&self) -> (usize, Option<usize>) {
-        (2, Some(3))
-    }
-
-    fn operands(&self, m: usize, k: usize, n: usize) -> Vec<Operand> {
-        use OperandRole::Data;
-        vec![
-            Operand::new("x", &[m, k], Data),
-            Operand::new("weight", &[n, k], Data),
-        ]
-    }
-
-    fn threshold(
-        &self,
-        inputs: &[&Tensor],
-        reference: &OpSide,
-        candidate: &OpSide,
-        options: &OpOptions,
-        confidence: Confidence,
-    ) -> Result<Threshold> {
-        let w = crate::engine::transpose(inputs[1], "weight")?;
-        matmul_threshold_priced(
-            inputs[0],
-            &w,
-            inputs.get(2).copied(),
-            &reference.policy,
-            &candidate.policy,
-            confidence,
-            options.pricing,
-        )
-    }
-
-    fn gain(&self, inputs: &[&Tensor], _: &OpOptions) -> Result<Gain> {
-        // ‖W‖_F = ‖Wᵀ‖_F.
         Ok(crate::bounds::matmul_gain(inputs[1]))
     }
 
     fn module_kinds(&self) -> &'static [ModuleKind] {
-        &[ModuleKind::Linear]
+        if self.weight_rows {
+            &[ModuleKind::Linear]
+        } else {
+            &[]
+        }
     }
 }

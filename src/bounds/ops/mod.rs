@@ -28,7 +28,7 @@ mod plan;
 mod sum;
 
 pub use crate::bounds::op::model::Pricing;
-pub use matmul::{matmul_threshold, matmul_threshold_priced, LinearModel, MatmulModel};
+pub use matmul::{matmul_threshold, matmul_threshold_priced, MatmulModel};
 pub(crate) use output::{check_output, round_sides};
 pub use plan::{plan_matmul, plan_sum, MatmulPlan};
 use sum::*;

@@ -347,18 +347,6 @@ pub struct SumModel {
 pub struct AllReduceModel;
 
 impl OpModel for SumModel {
-    fn operand_names(&self) -> &'static [&'static str] {
-        &["x"]
-    }
-
-    fn arity(&self) -> (usize, Option<usize>) {
-        (1, Some(1))
-    }
-
-    fn operands(&self, m: usize, k: usize, _: usize) -> Vec<Operand> {
-        vec![Operand::new("x", &[m, k], OperandRole::Data)]
-    }
-
     fn threshold(
         &self,
         inputs: &[&Tensor],
