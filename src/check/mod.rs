@@ -32,7 +32,8 @@ pub use crate::verdict::{
     TensorVerdict, NORM_SHARE,
 };
 pub use dirs::{
-    check_dir_paths, check_dir_traces, check_dirs, resolve_steps, DirCheck, PricingMode,
+    check_dir_paths, check_dir_traces, check_dirs, check_share, check_share_paths,
+    combine_share_paths, combine_shares, resolve_steps, share_owners, DirCheck, PricingMode,
     UntracedGap,
 };
 pub use localization::Localization;

@@ -14,7 +14,7 @@
 pub(crate) mod detect;
 pub(crate) mod pass;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::format::Format;
 use crate::tensor::Tensor;
@@ -25,7 +25,7 @@ use pass::ComparePass;
 pub use detect::{Detection, Detector, Finding, NORM_SHARE};
 
 /// The verdict on one tensor.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TensorVerdict {
     /// Canonical id.
     pub id: String,

@@ -43,9 +43,13 @@ use crate::verdict::{
 };
 
 mod gather;
+mod share;
 mod verdicts;
 
 use gather::*;
+pub use share::{
+    check_share, check_share_paths, combine_share_paths, combine_shares, share_owners,
+};
 use verdicts::*;
 
 /// Which thresholds `ttrace check` uses.
@@ -291,23 +295,77 @@ pub fn check_dir_traces(
     mode: PricingMode,
     progress: &(dyn Fn() + Sync),
 ) -> Result<DirCheck> {
-    let (mut resolved, inferred) = c0.infer_guessed(r0)?;
-    let loss = crate::check::loss::settle_dp_loss(&mut r0.share(), &mut resolved)?;
-    let c0 = &resolved;
-    let plan = plan(r0, c0)?;
-    let (producer, kinds) = side_info(r0);
-    let mesh = c0.manifest().mesh.clone();
+    let setup = Setup::new(r0, c0)?;
+    let all: Vec<usize> = (0..setup.plan.ids.len()).collect();
+    let gathered = gather_ids(r0, &setup, &all, progress)?;
+    Ok(setup.conclude(r0, gathered, mode))
+}
+
+/// What every checker of a pair of traces settles before reading a tensor (the same on every
+/// checker rank of a distributed check): layouts the candidate's writer guessed, how its data
+/// ranks normalized their loss, and the plan (which ids, the recipe, ε, the tests).
+struct Setup {
+    /// The candidate with its guessed layouts settled.
+    candidate: TraceDir,
+    inferred: Vec<InferredLayout>,
+    loss: Option<crate::check::LossNormalization>,
+    plan: Plan,
+}
+
+impl Setup {
+    fn new(r0: &TraceDir, c0: &TraceDir) -> Result<Setup> {
+        let (mut candidate, inferred) = c0.infer_guessed(r0)?;
+        let loss = crate::check::loss::settle_dp_loss(&mut r0.share(), &mut candidate)?;
+        let plan = plan(r0, &candidate)?;
+        Ok(Setup {
+            candidate,
+            inferred,
+            loss,
+            plan,
+        })
+    }
+
+    /// The second pass on the first's results (one per id of the plan, in its order).
+    fn conclude(self, r0: &TraceDir, gathered: Vec<Gathered>, mode: PricingMode) -> DirCheck {
+        let (producer, kinds) = side_info(r0);
+        let check = DirCheck {
+            loss: self.loss,
+            ..finish(
+                &self.plan,
+                gathered,
+                &producer,
+                self.candidate.manifest().mesh.clone(),
+                &kinds,
+                mode,
+                self.inferred,
+            )
+        };
+        unreduced_producer(&self.candidate, check)
+    }
+}
+
+/// The first pass over the plan's ids at positions `ids`, spread over the rayon thread pool:
+/// every worker reads a contiguous run of them through its own readers (sharing the validated
+/// headers); the results come back in the order of `ids`, identical for any number of
+/// threads. Memory: one tensor pair per worker.
+fn gather_ids(
+    r0: &TraceDir,
+    setup: &Setup,
+    ids: &[usize],
+    progress: &(dyn Fn() + Sync),
+) -> Result<Vec<Gathered>> {
+    let (plan, c0) = (&setup.plan, &setup.candidate);
     let workers = crate::parallel::threads();
     // One run of tensors per worker: each opens its handles once and reuses their read and
     // value buffers for every tensor (smaller runs balanced load better but paid fresh pages
     // for every run's first tensors).
-    let chunk = plan.ids.len().div_ceil(workers).max(1);
-    let parts: Vec<Vec<Gathered>> = crate::parallel::map_chunks(&plan.ids, chunk, |part| {
+    let chunk = ids.len().div_ceil(workers).max(1);
+    let parts: Vec<Vec<Gathered>> = crate::parallel::map_chunks(ids, chunk, |part| {
         // Readers sharing the validated headers: memory for the metadata once.
         let (mut r, mut c) = (r0.share(), c0.share());
         part.iter()
-            .map(|id| {
-                let g = gather(&mut r, &mut c, id, &plan);
+            .map(|&k| {
+                let g = gather(&mut r, &mut c, &plan.ids[k], plan);
                 progress();
                 g
             })
@@ -315,17 +373,5 @@ pub fn check_dir_traces(
     })
     .into_iter()
     .collect::<Result<_>>()?;
-    let check = DirCheck {
-        loss,
-        ..finish(
-            &plan,
-            parts.into_iter().flatten().collect(),
-            &producer,
-            mesh,
-            &kinds,
-            mode,
-            inferred,
-        )
-    };
-    Ok(unreduced_producer(c0, check))
+    Ok(parts.into_iter().flatten().collect())
 }

@@ -276,6 +276,27 @@ impl TraceDir {
         keep(&mut self.spare, t.into_bytes());
     }
 
+    /// The bytes an id's shards occupy in their files, over every rank (from the headers; for
+    /// an npy file, its length on disk): what reading it costs. 0 for an unknown id.
+    pub fn stored_bytes(&self, id: &str) -> u64 {
+        let Some(ks) = self.by_id.get(id) else {
+            return 0;
+        };
+        ks.iter()
+            .map(|&k| {
+                let e = &self.manifest.tensors[k];
+                match self
+                    .files
+                    .get(&e.file)
+                    .and_then(|f| f.entries().get(&e.key))
+                {
+                    Some(x) => x.range.1.saturating_sub(x.range.0),
+                    None => std::fs::metadata(self.path().join(&e.file)).map_or(0, |m| m.len()),
+                }
+            })
+            .sum()
+    }
+
     /// The producer's threshold for an id, if the manifest gives one.
     pub fn threshold(&self, id: &str) -> Option<f64> {
         self.by_id

@@ -148,7 +148,7 @@
 //! tensor in another order) break the independence of clusters; a tensor that is one row (a
 //! bias, a norm's weight) has no systematic test for that reason.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::format::Format;
 
@@ -186,7 +186,7 @@ const MIN_SOUND_VARIANCE: f64 = 1.0e-271; // ≈ 2⁻⁹⁰⁰
 const MAX_ROW: usize = 1 << 18;
 
 /// A test on a pair of tensors.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Detector {
     /// ‖cand − ref‖_F against the tensor's threshold.
@@ -222,7 +222,7 @@ impl Detector {
 }
 
 /// What one test found on one tensor.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Finding {
     /// The test.
     pub detector: Detector,
