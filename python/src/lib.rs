@@ -12,6 +12,7 @@
 //!   — it never unwinds into the interpreter.
 //! * Long calls (checking trace directories, writing a rank's trace) release the GIL.
 
+mod share;
 mod summaries;
 mod writing;
 
@@ -393,26 +394,34 @@ fn check_dirs(
     candidate: std::path::PathBuf,
     pricing: &str,
 ) -> PyResult<(String, String)> {
-    let mode = match pricing {
-        "auto" => ttrace::check::PricingMode::Auto,
-        "local" => ttrace::check::PricingMode::Local,
-        other => {
-            return Err(invalid(
-                py,
-                "pricing",
-                format!("unknown pricing '{other}' (auto, local)"),
-            ))
-        }
-    };
-    let out = py.detach(move || {
-        catch_unwind(AssertUnwindSafe(|| {
-            let out = ttrace::check::check_dir_paths(&reference, &candidate, mode, &|| {})?;
-            Ok((json(&out)?, ttrace::check::render_dir_check(&out)))
-        }))
-    });
-    match out {
-        // Whatever stops a check (a missing tensor, an unreadable or unmergeable file) is a
-        // problem of the traces: TraceError, with the core's variant as its kind.
+    let mode = pricing_mode(py, pricing)?;
+    trace_guard(py, move || {
+        let out = ttrace::check::check_dir_paths(&reference, &candidate, mode, &|| {})?;
+        Ok((json(&out)?, ttrace::check::render_dir_check(&out)))
+    })
+}
+
+/// `auto` or `local`.
+fn pricing_mode(py: Python<'_>, pricing: &str) -> PyResult<ttrace::check::PricingMode> {
+    match pricing {
+        "auto" => Ok(ttrace::check::PricingMode::Auto),
+        "local" => Ok(ttrace::check::PricingMode::Local),
+        other => Err(invalid(
+            py,
+            "pricing",
+            format!("unknown pricing '{other}' (auto, local)"),
+        )),
+    }
+}
+
+/// Run a check's `f` with the GIL released: whatever stops it (a missing tensor, an
+/// unreadable or unmergeable file, shares that do not fit together) is a problem of the
+/// traces — `TraceError`, with the core's variant as its kind; a panic is `InternalError`.
+fn trace_guard<T: Send>(
+    py: Python<'_>,
+    f: impl FnOnce() -> ttrace::Result<T> + Send,
+) -> PyResult<T> {
+    match py.detach(move || catch_unwind(AssertUnwindSafe(f))) {
         Ok(Err(e)) => Err(raise(py, "TraceError", &kind_of(&e), e.to_string())),
         Ok(Ok(v)) => Ok(v),
         Err(p) => guard(py, || std::panic::resume_unwind(p)),
@@ -511,6 +520,8 @@ fn _ttrace(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(threshold, m)?)?;
     m.add_function(wrap_pyfunction!(ops, m)?)?;
     m.add_function(wrap_pyfunction!(check_dirs, m)?)?;
+    m.add_function(wrap_pyfunction!(share::check_share, m)?)?;
+    m.add_function(wrap_pyfunction!(share::combine_shares, m)?)?;
     m.add_function(wrap_pyfunction!(load_logical, m)?)?;
     m.add_function(wrap_pyfunction!(writing::write_step, m)?)?;
     m.add_function(wrap_pyfunction!(writing::merge_manifests, m)?)?;

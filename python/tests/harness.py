@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 JOBS = Path(__file__).with_name("jobs.py")
 TIMEOUT = 240  # seconds for one job, all ranks
@@ -61,6 +61,36 @@ def run_job(job: str, directory: Path, world: int = 1, bug: str = "",
     if failed:
         r, out = failed[0]
         raise JobFailed(f"job {job} rank {r} failed:\n{out[-4000:]}")
+
+
+def run_ranks(argv: "Callable[[int], List[str]]", world: int, timeout: float = TIMEOUT,
+              env: Optional[Dict[str, str]] = None) -> List[Tuple[int, str, str]]:
+    """Run ``python ARGV(rank)`` on ``world`` processes with the environment torchrun gives
+    (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); every rank's (exit code,
+    standard output, standard error). Raise :class:`JobFailed` if they outlive ``timeout``
+    seconds (all are killed)."""
+    base = dict(os.environ)
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+    base.update(env or {})
+    base.setdefault("OMP_NUM_THREADS", "1")
+    procs = [
+        subprocess.Popen([sys.executable, *argv(r)],
+                         env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(world)
+    ]
+    out: List[Tuple[int, str, str]] = []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=timeout)
+            out.append((p.returncode, o, e))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.communicate()
+        raise JobFailed(f"{world} ranks did not finish in {timeout} s") from None
+    return out
 
 
 def stored(step: Path, rank: int = 0) -> Dict[str, "object"]:

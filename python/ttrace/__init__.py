@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from . import errors
 from ._ttrace import __version__
 from .errors import (
+    DistributedCheckError,
     InternalError,
     InvalidInputError,
     NoFiniteBoundError,
@@ -76,6 +77,7 @@ __all__ = [
     "TraceError",
     "NoFiniteBoundError",
     "UnsupportedLayoutError",
+    "DistributedCheckError",
     "InternalError",
 ]
 

@@ -1,10 +1,16 @@
 """``python -m ttrace check REFERENCE CANDIDATE [--json PATH] [--pricing auto|local]
-[--rtol R] [--thresholds CHECK.json]``.
+[--rtol R] [--thresholds CHECK.json] [--distributed [--timeout S]]``.
 
 Mirrors the ``ttrace check`` command of the Rust CLI: prints the report, exits 0 when every
 tensor is within its threshold, 1 when one is not, 2 on an error (unreadable or unmergeable
 traces, bad arguments). Two summary traces (``Tracer(..., summaries=True)``) are compared from
 their statistics: exit 1 when a difference is proven, 0 when none is (which is not a pass).
+
+``torchrun --nproc-per-node N -m ttrace check --distributed REFERENCE CANDIDATE`` shares the
+check among N processes (gloo; any number, whatever the traced run's layout): each reads its
+share of the tensors, rank 0 prints the report (and writes ``--json``) a single-machine check
+prints, and every rank exits with the same code. A rank that dies or does not answer within
+``--timeout`` seconds (default 1800) makes the others exit 2.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import argparse
 import json
 import os
 import sys
-from typing import List, Optional, Union
+from typing import Callable, List, Optional, Union
 
 
 def _inside(report: str, dirs: List[str]) -> Optional[str]:
@@ -44,6 +50,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     c.add_argument("--thresholds", default=None,
                    help="summary traces only: per-tensor thresholds from a full check's JSON "
                         "report")
+    c.add_argument("--distributed", action="store_true",
+                   help="share the check among the processes torchrun started (gloo)")
+    c.add_argument("--timeout", type=float, default=None,
+                   help="with --distributed: seconds to wait for the other ranks")
     args = parser.parse_args(argv)
 
     from . import _ttrace
@@ -72,6 +82,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not any(summaries) and (args.rtol is not None or args.thresholds is not None):
         return error("--rtol and --thresholds apply to summary traces only (a full trace's "
                      "thresholds are priced from its data)")
+    if args.timeout is not None and not args.distributed:
+        return error("--timeout applies to --distributed only")
+    if args.distributed:
+        if all(summaries):
+            return error("--distributed checks full traces (summary traces are small: "
+                         "check them on one process)")
+        return _distributed(args, error)
     try:
         report: Union[CheckReport, SummaryReport]
         if all(summaries):
@@ -97,6 +114,53 @@ def main(argv: Optional[List[str]] = None) -> int:
             return error(f"standard output: {e.strerror or e}")
         return error(str(e))
     return 0 if bool(report) else 1
+
+
+def _distributed(args: argparse.Namespace, error: Callable[[str], int]) -> int:
+    """``--distributed``: this process is one rank of a gloo group torchrun set up."""
+    import datetime
+
+    from . import _ttrace
+    from ._distributed import DEFAULT_TIMEOUT
+    from .errors import TtraceError
+    from .report import check
+
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if v not in os.environ]
+    if missing:
+        return error(f"--distributed runs under torchrun (or with {', '.join(missing)} set): "
+                     "torchrun --nproc-per-node N -m ttrace check --distributed REF CAND")
+    timeout = args.timeout if args.timeout is not None else DEFAULT_TIMEOUT
+    if not timeout > 0:
+        return error(f"--timeout must be positive seconds, not {timeout}")
+    try:
+        import torch.distributed as dist
+    except ImportError as e:
+        return error(f"--distributed needs torch: {e}")
+    try:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    except Exception as e:  # the rendezvous' own error types vary by version
+        return error(f"--distributed: cannot join the process group: {e}")
+    try:
+        first = dist.get_rank() == 0
+        report = check(args.reference, args.candidate, pricing=args.pricing,
+                       group=dist.group.WORLD)
+        if first:
+            if args.json:
+                _ttrace.write_atomic(args.json, report.to_json(indent=1).encode())
+            sys.stdout.write(f"ttrace check: {_ttrace.sanitize(args.candidate)} against "
+                             f"{_ttrace.sanitize(args.reference)}\n" + str(report))
+            sys.stdout.flush()
+        return 0 if bool(report) else 1
+    except TtraceError as e:
+        return error(str(e))
+    except (OSError, ValueError) as e:
+        return error(str(e))
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a group broken by a dead rank
+            pass
 
 
 if __name__ == "__main__":

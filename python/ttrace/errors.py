@@ -13,6 +13,7 @@ __all__ = [
     "TraceError",
     "NoFiniteBoundError",
     "UnsupportedLayoutError",
+    "DistributedCheckError",
     "InternalError",
 ]
 
@@ -43,6 +44,12 @@ class NoFiniteBoundError(TtraceError, ArithmeticError):
 class UnsupportedLayoutError(TtraceError, ValueError):
     """A tensor's parallel layout (a DTensor placement, a mesh) that the trace format cannot
     express; the message names the tensor and the placement."""
+
+
+class DistributedCheckError(TtraceError, RuntimeError):
+    """A check shared among ``torch.distributed`` ranks that could not finish: a checker rank
+    died, or did not answer within the timeout. Every surviving rank raises it; nothing is
+    reported."""
 
 
 class InternalError(TtraceError, RuntimeError):

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Union
 import numpy as np
 
 from . import _ttrace
+from .errors import InvalidInputError
 
 __all__ = ["CheckReport", "TensorRow", "check", "load", "load_all"]
 
@@ -134,15 +135,44 @@ def _arithmetic(entries: List[Any]) -> Dict[str, Dict[str, int]]:
     return out
 
 
-def check(reference: PathLike, candidate: PathLike, *, pricing: str = "auto") -> CheckReport:
+def check(reference: PathLike, candidate: PathLike, *, pricing: str = "auto",
+          group: Any = None, timeout: Optional[float] = None) -> CheckReport:
     """Compare the candidate trace directory with the reference one.
 
     ``pricing="auto"`` uses thresholds the reference's producer wrote into its manifest where
     present and prices the rest from the metadata and the data; ``"local"`` prices every
     tensor from the metadata and the data. Raises :class:`ttrace.TraceError` for directories
     that cannot be read or merged (a reference without tensors is an error, never a pass).
+
+    With ``group`` (a ``torch.distributed`` process group, or
+    ``torch.distributed.group.WORLD``), every rank of the group calls ``check`` with the same
+    traces and reads only its share of the tensors (balanced by bytes); the shares are
+    combined over gloo and every rank returns the same report, the one a single-machine check
+    gives. An error on any rank is raised on every rank; a rank that dies or does not answer
+    within ``timeout`` seconds (default: the group's own timeout for a gloo group, else
+    30 minutes) makes the others raise :class:`ttrace.errors.DistributedCheckError`.
+
+    Examples::
+
+        # torchrun --nproc-per-node 8 check.py
+        import torch.distributed as dist, ttrace
+        dist.init_process_group("gloo")
+        report = ttrace.check("traces/reference", "traces/candidate",
+                              group=dist.group.WORLD)
+        if dist.get_rank() == 0:
+            print(report)
     """
-    raw_json, text = _ttrace.check_dirs(os.fspath(reference), os.fspath(candidate), pricing)
+    if group is None:
+        if timeout is not None:
+            raise InvalidInputError("timeout applies to a distributed check (group=) only",
+                                    "InvalidParameter")
+        raw_json, text = _ttrace.check_dirs(os.fspath(reference), os.fspath(candidate),
+                                            pricing)
+    else:
+        from ._distributed import shared_check
+
+        raw_json, text = shared_check(os.fspath(reference), os.fspath(candidate), pricing,
+                                      group, timeout)
     raw = json.loads(raw_json)
     rep = raw["report"]
     eps = float(rep["eps"])
