@@ -6,6 +6,8 @@ baselines' verdicts beside ttrace's.
     python python/tests/matrix.py --quick        # one clean run and one bug per engine
     python python/tests/matrix.py --json out.json --markdown out.md
     python python/tests/matrix.py --large        # the size study: 256 tokens (about 5 minutes)
+    python python/tests/matrix.py --distributed 2,4,8   # also the check shared by 2, 4, 8 gloo
+                                                        # ranks: its report must be identical
 
 Engines (``jobs.py``): ``megatron-gpt`` — megatron-core's own ``GPTModel`` (Llama-style:
 RMSNorm, rotary, GQA, SwiGLU, vocabulary-parallel embedding, output and cross-entropy) with
@@ -151,6 +153,8 @@ class Result:
     closest: Dict[str, float] = field(default_factory=dict)
     #: The largest ratio of each test at the bug's birth tensor.
     birth_tests: Dict[str, float] = field(default_factory=dict)
+    #: ``--distributed``: per number of checker ranks, "same (…s)" or what differed.
+    distributed: Dict[str, str] = field(default_factory=dict)
 
 
 def _atol_rtol(dtype: str) -> Tuple[float, float]:
@@ -201,8 +205,36 @@ def _baselines(ref: Path, cand: Path, report: ttrace.CheckReport, dtype: str,
     return close, folk
 
 
+def distributed_same(ref: Path, cand: Path, report: ttrace.CheckReport, worlds: List[int],
+                     root: Path) -> Dict[str, str]:
+    """The check shared by each number of gloo ranks in ``worlds`` (``-m ttrace check
+    --distributed``) against the single-machine ``report``: ``"same"`` when every rank exits
+    as the single check would and rank 0's JSON report is identical, else what differs."""
+    out: Dict[str, str] = {}
+    for world in worlds:
+        path = root / f"distributed-{world}.json"
+        path.unlink(missing_ok=True)
+        t0 = time.time()
+        try:
+            ranks = harness.run_ranks(
+                lambda r: ["-m", "ttrace", "check", "--distributed", str(ref), str(cand),
+                           "--json", str(path)], world)
+        except harness.JobFailed as e:
+            out[str(world)] = f"did not finish: {e}"
+            continue
+        want = 0 if report.passed else 1
+        codes = [rc for rc, _, _ in ranks]
+        if codes != [want] * world:
+            out[str(world)] = f"exit codes {codes} (single check: {want}): {ranks[0][2][-300:]}"
+        elif path.read_text() != report.to_json(indent=1):
+            out[str(world)] = "the JSON reports differ"
+        else:
+            out[str(world)] = f"same ({time.time() - t0:.1f}s)"
+    return out
+
+
 def run_one(root: Path, engine: Engine, config: Config, dtype: str, seed: int, bug: str,
-            refs: Dict[Tuple, Path]) -> Result:
+            refs: Dict[Tuple, Path], worlds: Optional[List[int]] = None) -> Result:
     res = Result(engine.name, config.name, dtype, seed, bug)
     t0 = time.time()
     env = dict(config.env, TTRACE_TEST_SEED=str(seed))
@@ -254,6 +286,8 @@ def run_one(root: Path, engine: Engine, config: Config, dtype: str, seed: int, b
         res.birth_tests = {str(f["detector"]): (float(f["ratio"]) if f["ratio"] is not None
                                                 else math.inf) for f in row.findings}
     res.assert_close_flags, res.megatron_flags = _baselines(ref, cand, report, dtype, engine.depth)
+    if worlds:
+        res.distributed = distributed_same(ref, cand, report, worlds, root)
     res.seconds = time.time() - t0
     return res
 
@@ -328,7 +362,11 @@ def main() -> int:
     ap.add_argument("--large", action="store_true",
                     help="the size study: the larger model (256 tokens), clean runs and the "
                          "1e-3 scale bug")
+    ap.add_argument("--distributed", default="",
+                    help="also share each check among these numbers of gloo ranks (e.g. 2,4,8) "
+                         "and require the single-machine report")
     args = ap.parse_args()
+    worlds = [int(w) for w in args.distributed.split(",") if w]
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="ttrace-matrix-"))
     root.mkdir(parents=True, exist_ok=True)
     refs: Dict[Tuple, Path] = {}
@@ -339,12 +377,13 @@ def main() -> int:
                 continue
             if args.bugs_only and not bug:
                 continue
-            r = run_one(root, e, c, dtype, seed, bug, refs)
+            r = run_one(root, e, c, dtype, seed, bug, refs, worlds)
             results.append(r)
             print(f"{r.engine:14} {r.config:11} {r.dtype:9} s{r.seed} {r.bug or 'clean':26} "
                   f"{'PASS' if r.passed else 'FAIL':4} ratio {r.ratio:9.3g} "
                   f"{r.localized or r.first_failure or ''} {r.problem[:200]} "
-                  f"[ac {r.assert_close_flags}, meg {r.megatron_flags}] {r.seconds:.0f}s",
+                  f"[ac {r.assert_close_flags}, meg {r.megatron_flags}] {r.seconds:.0f}s"
+                  + (f" distributed {r.distributed}" if worlds else ""),
                   flush=True)
     finally:
         if not args.keep:
@@ -358,7 +397,11 @@ def main() -> int:
     fa = sum(1 for r in clean if not r.passed)
     missed = [r for r in bugs if r.passed or r.problem and not r.first_failure]
     print(f"clean runs: {len(clean)}, false alarms: {fa}; bugs: {len(bugs)}, missed: {len(missed)}")
-    return 0 if fa == 0 and not missed else 1
+    differ = [r for r in results for v in r.distributed.values() if not v.startswith("same")]
+    if worlds:
+        print(f"distributed checks on {worlds} ranks: {len(results) * len(worlds)}, "
+              f"differing from the single-machine check: {len(differ)}")
+    return 0 if fa == 0 and not missed and not differ else 1
 
 
 if __name__ == "__main__":
