@@ -134,6 +134,7 @@ fn gpt_stats(layers: usize) -> (Vec<String>, Vec<TensorStat>) {
             ndim: 3,
             format: Format::BF16,
             layout: layout.clone(),
+            ref_layout: Layout::replicated(),
             norm_gain: 1.2,
             module: Some(ModuleInfo::of(kinds[m])),
             cand_module: None,
@@ -170,6 +171,7 @@ fn price(c: &mut Criterion) {
         ids.iter().map(String::as_str).zip(&st).collect();
     let ctx = PriceContext {
         mesh: Mesh::megatron(2, 1, 1, false).unwrap(),
+        ref_mesh: Mesh::single(),
         recipe: None,
         log_inv_delta: 1e6f64.ln(),
     };

@@ -287,3 +287,25 @@ def test_torchtitan_mesh_one_process_at_fault_is_named(traces):
     assert report.first_failure == "layers.0.attention.sdpa|fwd.input.0"
     assert report.localization["born_after"] == "layers.0.attention.wv"
     assert report.localization["rank"] == 5
+
+
+# --- references with their own layout -----------------------------------------------------
+
+def test_a_tensor_parallel_reference_gives_the_one_device_references_verdicts(traces):
+    # A trusted sharded configuration (TP 2) as the reference for TP 4, DP 2 × TP 2 with
+    # sequence parallelism, and a planted bug: per tensor the verdicts of the one-device
+    # reference, the same first failure and localization. The plain tensors inside attention
+    # are guessed by both runs' tracers: their layouts are settled jointly from the shapes
+    # both can form.
+    one = mgpt(traces, dtype="bfloat16")
+    tp2 = mgpt(traces, 2, dtype="bfloat16", TP="2")
+    for cand in (mgpt(traces, 4, dtype="bfloat16", TP="4"),
+                 mgpt(traces, 4, dtype="bfloat16", **SP2),
+                 mgpt(traces, 2, "row-not-reduced", "bfloat16", **SP2)):
+        want, got = ttrace.check(one, cand), ttrace.check(tp2, cand)
+        assert {r.id: r.passed for r in got.rows} == {r.id: r.passed for r in want.rows}
+        assert got.first_failure == want.first_failure
+        assert (got.localization or {}).get("module") == (want.localization or {}).get("module")
+        assert len(got.rows) > 120
+    assert not got.passed and got.first_failure == (
+        "decoder.layers.1.self_attention.linear_proj|fwd.output.0")

@@ -149,6 +149,9 @@ pub struct TensorStat {
     pub format: Format,
     /// The candidate's layout.
     pub layout: Layout,
+    /// The reference's layout (replicated for a one-device reference; a sharded reference —
+    /// a trusted configuration such as TP 2 — splits reductions of its own).
+    pub ref_layout: Layout,
     /// Norm gain g measured on the reference (1 unless the tensor is a norm's input).
     pub norm_gain: f64,
     /// What produced it (the reference manifest's `module`).
@@ -395,6 +398,8 @@ pub fn split_factor(
 pub struct PriceContext {
     /// The candidate's mesh.
     pub mesh: Mesh,
+    /// The reference's mesh ([`Mesh::single`] for a one-device reference).
+    pub ref_mesh: Mesh,
     /// The recipe named by the reference manifest, if ttrace knows it.
     pub recipe: Option<Recipe>,
     /// ln(1/δ) for the tail.
@@ -655,17 +660,36 @@ pub fn price_local<'s>(
     };
     // Order: reductions split across ranks.
     let layouts: Vec<(Layout, usize)> = inputs.iter().map(|s| (s.layout.clone(), s.ndim)).collect();
-    let mut s = split_factor(&me.layout, &layouts, &ctx.mesh, reduced(kind, &role));
-    if kind == Some(ModuleKind::Attention)
-        && ctx.mesh.size(&Axis::CP) > 1
-        && layouts.iter().any(|(l, _)| {
+    // Attention under context parallelism reduces over keys split across the CP ranks.
+    let cp = |layouts: &[(Layout, usize)], mesh: &crate::trace::Mesh| {
+        let split_keys = layouts.iter().any(|(l, _)| {
             matches!(
                 l.along(&Axis::CP),
                 Placement::CpChunks { .. } | Placement::Split { .. }
             )
-        })
-    {
-        s *= ctx.mesh.size(&Axis::CP);
+        });
+        if kind == Some(ModuleKind::Attention) && mesh.size(&Axis::CP) > 1 && split_keys {
+            mesh.size(&Axis::CP)
+        } else {
+            1
+        }
+    };
+    let mut s = split_factor(&me.layout, &layouts, &ctx.mesh, reduced(kind, &role))
+        * cp(&layouts, &ctx.mesh);
+    // A sharded reference combines partial results of its own: its roundings join the
+    // candidate's (the order term counts both runs' splits).
+    let ref_layouts: Vec<(Layout, usize)> = inputs
+        .iter()
+        .map(|s| (s.ref_layout.clone(), s.ndim))
+        .collect();
+    let s_ref = split_factor(
+        &me.ref_layout,
+        &ref_layouts,
+        &ctx.ref_mesh,
+        reduced(kind, &role),
+    ) * cp(&ref_layouts, &ctx.ref_mesh);
+    if s_ref > 1 {
+        s = if s > 1 { s + s_ref } else { s_ref };
     }
     let spread = |f: Format| {
         let lambda = floor(f, me.elements, out_norm);
@@ -687,8 +711,10 @@ pub fn price_local<'s>(
     });
     // The candidate runs the module's kernels on other shapes when anything it reads or writes
     // is sharded (a column-parallel slice, a batch shard): another blocking, another order.
-    let reshaped =
-        sharded(&me.layout, &ctx.mesh) || layouts.iter().any(|(l, _)| sharded(l, &ctx.mesh));
+    let reshaped = sharded(&me.layout, &ctx.mesh)
+        || layouts.iter().any(|(l, _)| sharded(l, &ctx.mesh))
+        || sharded(&me.ref_layout, &ctx.ref_mesh)
+        || ref_layouts.iter().any(|(l, _)| sharded(l, &ctx.ref_mesh));
     // FP8 products on a GPU accumulate in its tensor cores' 14-bit truncating accumulator
     // (papers/formats-and-orders.md §5.1), not in FP32: each block step of their reduction
     // errs by up to ε₁₄ = 2^-13 of the running sum, so the kernel term takes that unit in

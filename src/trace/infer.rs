@@ -67,33 +67,7 @@ pub(crate) fn fitting_layouts(
     if local.len() != logical.len() {
         return vec![];
     }
-    // The options of each axis: its guess first, then (for a guessed axis) replication and a
-    // split of each dimension — for cp also its load-balanced chunks, which shapes cannot
-    // tell from a contiguous split (an axis of size 1 keeps its guess: it cuts nothing).
-    let options = |axis: &Axis| -> Vec<Placement> {
-        let g = guess.along(axis);
-        let mut v = vec![g];
-        if mesh.size(axis) > 1 && free.contains(axis) {
-            let chunks = (*axis == Axis::CP)
-                .then(|| (0..logical.len()).map(|dim| Placement::CpChunks { dim }))
-                .into_iter()
-                .flatten();
-            let others = std::iter::once(Placement::Replicate)
-                .chain((0..logical.len()).map(Placement::split))
-                .chain(chunks);
-            v.extend(others.filter(|&p| p != g));
-        }
-        v
-    };
-    // Every combination of the axes' options (the mesh's axes, outermost first).
-    let mut candidates = vec![guess.clone()];
-    for (axis, _) in mesh.axes() {
-        let opts = options(axis);
-        candidates = candidates
-            .iter()
-            .flat_map(|l| opts.iter().map(|&p| l.clone().with(axis.clone(), p)))
-            .collect();
-    }
+    let candidates = variants(guess, free, logical.len(), mesh);
     let mut fits: Vec<(usize, Layout)> = vec![];
     for l in candidates {
         if local_shape(&l, logical, mesh).as_deref() != Some(local) {
@@ -108,6 +82,56 @@ pub(crate) fn fitting_layouts(
     }
     fits.sort_by_key(|f| f.0);
     fits.into_iter().map(|f| f.1).collect()
+}
+
+/// The guess with the axes in `free` changed to replication or a split of each of `ndim`
+/// dimensions (for cp also its load-balanced chunks, which shapes cannot tell from a contiguous
+/// split); an axis of size 1 keeps its guess (it cuts nothing). The guess first.
+fn variants(guess: &Layout, free: &[Axis], ndim: usize, mesh: &Mesh) -> Vec<Layout> {
+    let options = |axis: &Axis| -> Vec<Placement> {
+        let g = guess.along(axis);
+        let mut v = vec![g];
+        if mesh.size(axis) > 1 && free.contains(axis) {
+            let chunks = (*axis == Axis::CP)
+                .then(|| (0..ndim).map(|dim| Placement::CpChunks { dim }))
+                .into_iter()
+                .flatten();
+            let others = std::iter::once(Placement::Replicate)
+                .chain((0..ndim).map(Placement::split))
+                .chain(chunks);
+            v.extend(others.filter(|&p| p != g));
+        }
+        v
+    };
+    // Every combination of the axes' options (the mesh's axes, outermost first).
+    let mut candidates = vec![guess.clone()];
+    for (axis, _) in mesh.axes() {
+        let opts = options(axis);
+        candidates = candidates
+            .iter()
+            .flat_map(|l| opts.iter().map(|&p| l.clone().with(axis.clone(), p)))
+            .collect();
+    }
+    candidates
+}
+
+/// The logical shapes a tensor whose every rank holds `local` can have when the axes in `free`
+/// of `guess` may change (see [`fitting_layouts`]): the guess's first, without repeats.
+pub(crate) fn possible_logical_shapes(
+    guess: &Layout,
+    free: &[Axis],
+    local: &[usize],
+    mesh: &Mesh,
+) -> Vec<Vec<usize>> {
+    let mut out: Vec<Vec<usize>> = vec![];
+    for l in variants(guess, free, local.len(), mesh) {
+        if let Some(s) = logical_shape(&l, local, mesh) {
+            if local_shape(&l, &s, mesh).as_deref() == Some(local) && !out.contains(&s) {
+                out.push(s);
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -161,6 +185,27 @@ mod tests {
             infer(&g, &ALL, &[2, 8, 4, 4], &[2, 2, 4, 4], &mesh(4, 1)),
             vec![want]
         );
+    }
+
+    #[test]
+    fn two_guessing_runs_meet_at_the_shapes_both_can_form() {
+        // Heads inside attention, [b, heads/tp, s]: a TP 2 run holds [2, 4, 8], a TP 4 run
+        // [2, 2, 8]; the logical [2, 8, 8] is the one shape both can form.
+        let g = lay(Placement::Replicate, Placement::Replicate);
+        let two = possible_logical_shapes(&g, &ALL, &[2, 4, 8], &mesh(2, 1));
+        let four = possible_logical_shapes(&g, &ALL, &[2, 2, 8], &mesh(4, 1));
+        // Replicated (the guess) first, then a split of each dimension; no repeats.
+        assert_eq!(
+            two,
+            vec![vec![2, 4, 8], vec![4, 4, 8], vec![2, 8, 8], vec![2, 4, 16]]
+        );
+        assert_eq!(four[0], vec![2, 2, 8]);
+        let both: Vec<&Vec<usize>> = two.iter().filter(|s| four.contains(s)).collect();
+        assert_eq!(both, vec![&vec![2, 8, 8]]);
+        // A dimension an axis cannot cut evenly under load-balanced chunks is not formed.
+        let cp = Mesh::megatron(1, 2, 1, false).unwrap();
+        let shapes = possible_logical_shapes(&Layout::replicated(), &[Axis::CP], &[3], &cp);
+        assert_eq!(shapes, vec![vec![3], vec![6]]);
     }
 
     #[test]

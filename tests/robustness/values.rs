@@ -89,6 +89,7 @@ fn stat(ref_norm: f64, diff_norm: f64, kind: Option<ttrace::trace::ModuleKind>) 
         ndim: 2,
         format: Format::BF16,
         layout: Layout::replicated(),
+        ref_layout: Layout::replicated(),
         norm_gain: 1.0,
         module: kind.map(ModuleInfo::of),
         cand_module: None,
@@ -112,6 +113,7 @@ fn a_zero_residual_output_gets_an_absolute_floor() {
     let index = InputIndex::new(&ids);
     let ctx = PriceContext {
         mesh: Mesh::single(),
+        ref_mesh: Mesh::single(),
         recipe: None,
         log_inv_delta: (1e6f64).ln(),
     };

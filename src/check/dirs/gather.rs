@@ -283,6 +283,9 @@ pub(super) fn gather(
             _ => r.format(),
         },
         layout,
+        ref_layout: reference
+            .layout(id)
+            .unwrap_or_else(crate::trace::Layout::replicated),
         norm_gain: if is_norm_input {
             let mut window = Window::new(&r);
             norm_gain_by(r.len(), last_dim, &mut |s, e, f| window.visit(s, e, f))

@@ -104,38 +104,24 @@ pub struct UntracedGap {
     /// The consumed tensor's id.
     pub tensor: String,
 }
-/// Check `candidate` against `reference` (see the module docs), one tensor at a time. Errors
-/// are unusable input (a tensor the candidate lacks, unreadable files, shards whose shapes do
-/// not fit their layout); replicas that disagree are a failing verdict naming the rank. `progress` is called once per traced id.
+/// Check `candidate` against `reference` (see the module docs), one tensor at a time on the
+/// calling thread. Errors are unusable input (a tensor the candidate lacks, unreadable files,
+/// shards whose shapes do not fit their layout); replicas that disagree are a failing verdict
+/// naming the rank. `progress` is called once per traced id.
 pub fn check_dirs(
     reference: &mut TraceDir,
     candidate: &mut TraceDir,
     mode: PricingMode,
     progress: &dyn Fn(),
 ) -> Result<DirCheck> {
-    let (mut resolved, inferred) = candidate.infer_guessed(reference)?;
-    let candidate = &mut resolved;
-    let loss = crate::check::loss::settle_dp_loss(reference, candidate)?;
-    let plan = plan(reference, candidate)?;
-    let mut out = Vec::with_capacity(plan.ids.len());
-    for id in &plan.ids {
-        out.push(gather(reference, candidate, id, &plan)?);
+    let setup = Setup::new(reference, candidate)?;
+    let (mut r, mut c) = (setup.reference.share(), setup.candidate.share());
+    let mut out = Vec::with_capacity(setup.plan.ids.len());
+    for id in &setup.plan.ids {
+        out.push(gather(&mut r, &mut c, id, &setup.plan)?);
         progress();
     }
-    let (producer, kinds) = side_info(reference);
-    let check = DirCheck {
-        loss,
-        ..finish(
-            &plan,
-            out,
-            &producer,
-            candidate.manifest().mesh.clone(),
-            &kinds,
-            mode,
-            inferred,
-        )
-    };
-    Ok(unreduced_producer(candidate, check))
+    Ok(setup.conclude(out, mode))
 }
 
 /// A first failure in a tensor consumed after module `m` (untraced code between), where `m`
@@ -297,15 +283,18 @@ pub fn check_dir_traces(
 ) -> Result<DirCheck> {
     let setup = Setup::new(r0, c0)?;
     let all: Vec<usize> = (0..setup.plan.ids.len()).collect();
-    let gathered = gather_ids(r0, &setup, &all, progress)?;
-    Ok(setup.conclude(r0, gathered, mode))
+    let gathered = gather_ids(&setup, &all, progress)?;
+    Ok(setup.conclude(gathered, mode))
 }
 
 /// What every checker of a pair of traces settles before reading a tensor (the same on every
 /// checker rank of a distributed check): layouts the candidate's writer guessed, how its data
 /// ranks normalized their loss, and the plan (which ids, the recipe, ε, the tests).
 struct Setup {
-    /// The candidate with its guessed layouts settled.
+    /// The reference, with its guessed layouts settled against the candidate when it is
+    /// sharded itself (a trusted configuration: FSDP alone, TP 2).
+    reference: TraceDir,
+    /// The candidate with its guessed layouts settled against the reference.
     candidate: TraceDir,
     inferred: Vec<InferredLayout>,
     loss: Option<crate::check::LossNormalization>,
@@ -314,10 +303,16 @@ struct Setup {
 
 impl Setup {
     fn new(r0: &TraceDir, c0: &TraceDir) -> Result<Setup> {
-        let (mut candidate, inferred) = c0.infer_guessed(r0)?;
-        let loss = crate::check::loss::settle_dp_loss(&mut r0.share(), &mut candidate)?;
-        let plan = plan(r0, &candidate)?;
+        let reference = if r0.manifest().mesh.world() > 1 {
+            r0.infer_guessed_jointly(c0)?.0
+        } else {
+            r0.share()
+        };
+        let (mut candidate, inferred) = c0.infer_guessed(&reference)?;
+        let loss = crate::check::loss::settle_dp_loss(&mut reference.share(), &mut candidate)?;
+        let plan = plan(&reference, &candidate)?;
         Ok(Setup {
+            reference,
             candidate,
             inferred,
             loss,
@@ -326,15 +321,18 @@ impl Setup {
     }
 
     /// The second pass on the first's results (one per id of the plan, in its order).
-    fn conclude(self, r0: &TraceDir, gathered: Vec<Gathered>, mode: PricingMode) -> DirCheck {
-        let (producer, kinds) = side_info(r0);
+    fn conclude(self, gathered: Vec<Gathered>, mode: PricingMode) -> DirCheck {
+        let (producer, kinds) = side_info(&self.reference);
         let check = DirCheck {
             loss: self.loss,
             ..finish(
                 &self.plan,
                 gathered,
                 &producer,
-                self.candidate.manifest().mesh.clone(),
+                (
+                    self.candidate.manifest().mesh.clone(),
+                    self.reference.manifest().mesh.clone(),
+                ),
                 &kinds,
                 mode,
                 self.inferred,
@@ -348,13 +346,8 @@ impl Setup {
 /// every worker reads a contiguous run of them through its own readers (sharing the validated
 /// headers); the results come back in the order of `ids`, identical for any number of
 /// threads. Memory: one tensor pair per worker.
-fn gather_ids(
-    r0: &TraceDir,
-    setup: &Setup,
-    ids: &[usize],
-    progress: &(dyn Fn() + Sync),
-) -> Result<Vec<Gathered>> {
-    let (plan, c0) = (&setup.plan, &setup.candidate);
+fn gather_ids(setup: &Setup, ids: &[usize], progress: &(dyn Fn() + Sync)) -> Result<Vec<Gathered>> {
+    let (plan, r0, c0) = (&setup.plan, &setup.reference, &setup.candidate);
     let workers = crate::parallel::threads();
     // One run of tensors per worker: each opens its handles once and reuses their read and
     // value buffers for every tensor (smaller runs balanced load better but paid fresh pages

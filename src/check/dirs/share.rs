@@ -38,6 +38,7 @@ struct Item {
     ndim: usize,
     format: Format,
     layout: crate::trace::Layout,
+    ref_layout: crate::trace::Layout,
     norm_gain: f64,
     rank: Option<usize>,
     content: u64,
@@ -185,7 +186,7 @@ pub fn check_share(
     }
     let setup = Setup::new(reference, candidate)?;
     let mine: Vec<usize> = (0..owners.len()).filter(|&k| owners[k] == rank).collect();
-    let gathered = gather_ids(reference, &setup, &mine, progress)?;
+    let gathered = gather_ids(&setup, &mine, progress)?;
     let items = mine
         .iter()
         .zip(gathered)
@@ -200,6 +201,7 @@ pub fn check_share(
             ndim: g.stat.ndim,
             format: g.stat.format,
             layout: g.stat.layout,
+            ref_layout: g.stat.ref_layout,
             norm_gain: g.stat.norm_gain,
             rank: g.rank,
             content: g.content,
@@ -287,6 +289,7 @@ pub fn combine_shares<B: AsRef<[u8]>>(
                     ndim: it.ndim,
                     format: it.format,
                     layout: it.layout,
+                    ref_layout: it.ref_layout,
                     norm_gain: it.norm_gain,
                     module: reference.module(id).cloned(),
                     cand_module: setup.candidate.module(id).cloned(),
@@ -313,7 +316,7 @@ pub fn combine_shares<B: AsRef<[u8]>>(
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(setup.conclude(reference, gathered, mode))
+    Ok(setup.conclude(gathered, mode))
 }
 
 /// [`check_share`] on directory paths (a traced step picked as [`resolve_steps`] does).

@@ -112,7 +112,8 @@ pub(super) fn finish(
     plan: &Plan,
     gathered: Vec<Gathered>,
     producer: &HashMap<String, f64>,
-    mesh: crate::trace::Mesh,
+    // The candidate's mesh and the reference's.
+    (mesh, ref_mesh): (crate::trace::Mesh, crate::trace::Mesh),
     kinds: &HashMap<String, ModuleKind>,
     mode: PricingMode,
     mut inferred: Vec<InferredLayout>,
@@ -135,6 +136,7 @@ pub(super) fn finish(
         .collect();
     let ctx = PriceContext {
         mesh,
+        ref_mesh,
         recipe: plan.recipe.clone(),
         log_inv_delta: (1.0 / (DEFAULT_DELTA * NORM_SHARE)).ln(),
     };

@@ -26,6 +26,7 @@ fn recorded_arithmetic_prices_what_the_hardware_does() {
         ndim: 2,
         format,
         layout: Layout::replicated(),
+        ref_layout: Layout::replicated(),
         norm_gain: 1.0,
         module: Some(module),
         cand_module: cand,
@@ -34,6 +35,7 @@ fn recorded_arithmetic_prices_what_the_hardware_does() {
     let index = InputIndex::new(&ids);
     let ctx = PriceContext {
         mesh: Mesh::single(),
+        ref_mesh: Mesh::single(),
         recipe: None,
         log_inv_delta: (1e6f64).ln(),
     };
@@ -109,6 +111,7 @@ fn zero_reference_inputs_are_not_failures() {
         ndim: 2,
         format: Format::BF16,
         layout: Layout::replicated(),
+        ref_layout: Layout::replicated(),
         norm_gain: 1.0,
         module: Some(crate::io::manifest::ModuleInfo::of(ModuleKind::Linear)),
         cand_module: None,
@@ -117,6 +120,7 @@ fn zero_reference_inputs_are_not_failures() {
     let index = InputIndex::new(&ids);
     let ctx = PriceContext {
         mesh: Mesh::single(),
+        ref_mesh: Mesh::single(),
         recipe: None,
         log_inv_delta: (1.0 / (crate::verdict::detect::DEFAULT_DELTA * crate::check::NORM_SHARE))
             .ln(),

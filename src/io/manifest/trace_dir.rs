@@ -412,23 +412,142 @@ impl TraceDir {
                     best.map_or_else(|| fits[0].clone(), |b| b.1)
                 }
             };
-            if chosen != first.layout {
-                let m = manifest.get_or_insert_with(|| (*self.manifest).clone());
-                for &k in ks {
-                    m.tensors[k].layout = chosen.clone();
-                }
-                changed.push(InferredLayout {
-                    tensor: id.clone(),
-                    layout: chosen,
-                    fitting: fits.len(),
-                });
-            }
+            self.settle(&mut manifest, &mut changed, id, chosen, fits.len());
         }
+        Ok((self.with_manifest(manifest), changed))
+    }
+
+    /// Record `chosen` as `id`'s layout (in a copy of the manifest, made on the first change)
+    /// when it differs from the written one.
+    fn settle(
+        &self,
+        manifest: &mut Option<Manifest>,
+        changed: &mut Vec<InferredLayout>,
+        id: &str,
+        chosen: Layout,
+        fitting: usize,
+    ) {
+        let ks = &self.by_id[id];
+        if chosen == self.manifest.tensors[ks[0]].layout {
+            return;
+        }
+        let m = manifest.get_or_insert_with(|| (*self.manifest).clone());
+        for &k in ks {
+            m.tensors[k].layout = chosen.clone();
+        }
+        changed.push(InferredLayout {
+            tensor: id.to_string(),
+            layout: chosen,
+            fitting,
+        });
+    }
+
+    /// A reader of this directory with `manifest` (when given) in place of its own.
+    fn with_manifest(&self, manifest: Option<Manifest>) -> TraceDir {
         let mut out = self.share();
         if let Some(m) = manifest {
             out.manifest = std::sync::Arc::new(m);
         }
-        Ok((out, changed))
+        out
+    }
+
+    /// This *sharded reference*'s guessed layouts settled against `candidate`, another sharded
+    /// run of the same model, whose layouts may be guessed too: for each guessed id, the
+    /// logical shapes both runs' shards can form (every layout their guessed axes allow; the
+    /// candidate's own logical shape where it knew its layout), the reference layouts that
+    /// give each rank its shape for one of them — the only one, or the one whose merged tensor
+    /// is closest to the candidate's merged by one of its fitting layouts (see
+    /// [`TraceDir::infer_guessed`], whose rule this extends to two guessing runs). Returns it
+    /// and the ids whose layout changed; a guess nothing fits is kept.
+    ///
+    /// # Errors
+    /// Reading a tensor to settle an ambiguous layout can fail as [`TraceDir::logical`] does.
+    pub fn infer_guessed_jointly(
+        &self,
+        candidate: &TraceDir,
+    ) -> Result<(TraceDir, Vec<InferredLayout>)> {
+        use crate::trace::infer::{fitting_layouts, possible_logical_shapes};
+        let mut changed = vec![];
+        let mut manifest: Option<Manifest> = None;
+        let (mut mine, mut theirs) = (self.share(), candidate.share());
+        let (mesh, cmesh) = (&self.manifest.mesh, &candidate.manifest.mesh);
+        for id in self.order.iter() {
+            let (Some(ks), Some(cks)) = (self.by_id.get(id), candidate.by_id.get(id)) else {
+                continue;
+            };
+            let (first, cfirst) = (
+                &self.manifest.tensors[ks[0]],
+                &candidate.manifest.tensors[cks[0]],
+            );
+            if first.guessed.is_empty() {
+                continue;
+            }
+            let shapes: Option<Vec<&[usize]>> = ks.iter().map(|&k| self.entry_shape(k)).collect();
+            let (Some(shapes), Some(clocal)) = (shapes, candidate.entry_shape(cks[0])) else {
+                continue;
+            };
+            if shapes.windows(2).any(|w| w[0] != w[1]) {
+                continue;
+            }
+            let targets: Vec<Vec<usize>> = if cfirst.guessed.is_empty() {
+                candidate.logical_shape(id).into_iter().collect()
+            } else {
+                let theirs =
+                    possible_logical_shapes(&cfirst.layout, &cfirst.guessed, clocal, cmesh);
+                possible_logical_shapes(&first.layout, &first.guessed, shapes[0], mesh)
+                    .into_iter()
+                    .filter(|s| theirs.contains(s))
+                    .collect()
+            };
+            let pairs: Vec<(&Vec<usize>, Layout)> = targets
+                .iter()
+                .flat_map(|t| {
+                    fitting_layouts(&first.layout, &first.guessed, t, shapes[0], mesh)
+                        .into_iter()
+                        .map(move |l| (t, l))
+                })
+                .collect();
+            let chosen = match pairs.len() {
+                0 => continue,
+                1 => pairs[0].1.clone(),
+                _ => {
+                    let mut best: Option<(f64, Layout)> = None;
+                    for (t, l) in &pairs {
+                        // A layout whose replicas disagree is no explanation.
+                        let got = match mine.logical_as(id, l) {
+                            Ok(t) => t,
+                            Err(Error::ReplicaMismatch { .. } | Error::Layout { .. }) => continue,
+                            Err(e) => return Err(e),
+                        };
+                        let theirs_fit = if cfirst.guessed.is_empty() {
+                            vec![cfirst.layout.clone()]
+                        } else {
+                            fitting_layouts(&cfirst.layout, &cfirst.guessed, t, clocal, cmesh)
+                        };
+                        for cl in &theirs_fit {
+                            let want = match theirs.logical_as(id, cl) {
+                                Ok(t) => t,
+                                Err(Error::ReplicaMismatch { .. } | Error::Layout { .. }) => {
+                                    continue
+                                }
+                                Err(e) => return Err(e),
+                            };
+                            if want.shape() != got.shape() {
+                                continue;
+                            }
+                            let d = squared_distance(got.values(), want.values());
+                            // Ties keep the earlier (fewer changes).
+                            if best.as_ref().is_none_or(|(bd, _)| d < *bd) {
+                                best = Some((d, l.clone()));
+                            }
+                        }
+                    }
+                    best.map_or_else(|| pairs[0].1.clone(), |b| b.1)
+                }
+            };
+            self.settle(&mut manifest, &mut changed, id, chosen, pairs.len());
+        }
+        Ok((self.with_manifest(manifest), changed))
     }
 
     /// The merged logical tensor of an id (see [`crate::trace::merge()`]).
