@@ -522,6 +522,7 @@ fn _ttrace(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(check_dirs, m)?)?;
     m.add_function(wrap_pyfunction!(share::check_share, m)?)?;
     m.add_function(wrap_pyfunction!(share::combine_shares, m)?)?;
+    m.add_function(wrap_pyfunction!(share::share_owners, m)?)?;
     m.add_function(wrap_pyfunction!(load_logical, m)?)?;
     m.add_function(wrap_pyfunction!(writing::write_step, m)?)?;
     m.add_function(wrap_pyfunction!(writing::merge_manifests, m)?)?;

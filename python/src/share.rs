@@ -39,3 +39,27 @@ pub fn combine_shares(
         Ok((json(&out)?, ttrace::check::render_dir_check(&out)))
     })
 }
+
+/// Which checker rank reads each tensor when `ranks` ranks share the check: (id, rank, bytes
+/// of both traces), in the reference's order.
+#[pyfunction]
+pub fn share_owners(
+    py: Python<'_>,
+    reference: std::path::PathBuf,
+    candidate: std::path::PathBuf,
+    ranks: usize,
+) -> PyResult<Vec<(String, usize, u64)>> {
+    trace_guard(py, move || {
+        let (r, c) = ttrace::check::resolve_steps(&reference, &candidate)?;
+        let (r, c) = (
+            ttrace::io::TraceDir::open(&r)?,
+            ttrace::io::TraceDir::open(&c)?,
+        );
+        let owners = ttrace::check::share_owners(&r, &c, ranks)?;
+        Ok(r.ids()
+            .iter()
+            .zip(owners)
+            .map(|(id, o)| (id.clone(), o, r.stored_bytes(id) + c.stored_bytes(id)))
+            .collect())
+    })
+}
