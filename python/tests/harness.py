@@ -30,34 +30,12 @@ def run_job(job: str, directory: Path, world: int = 1, bug: str = "",
             timeout: float = TIMEOUT) -> None:
     """Run ``jobs.py JOB DIRECTORY BUG`` on ``world`` processes; raise :class:`JobFailed` with
     the failing rank's output if one fails or the job outlives ``timeout`` seconds."""
-    base = dict(os.environ)
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
-                TTRACE_TEST_DTYPE=dtype)
-    base.update(env or {})
-    base.setdefault("OMP_NUM_THREADS", "1")
-    procs: List[subprocess.Popen] = []
-    for r in range(world):
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(JOBS), job, str(directory), bug],
-                env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    outputs = []
     try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outputs.append(out)
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.communicate()
+        ranks = run_ranks(lambda r: [str(JOBS), job, str(directory), bug], world, timeout,
+                          dict(env or {}, TTRACE_TEST_DTYPE=dtype))
+    except JobFailed:
         raise JobFailed(f"job {job} on {world} ranks did not finish in {timeout} s") from None
-    failed = [(r, o) for r, (p, o) in enumerate(zip(procs, outputs)) if p.returncode != 0]
+    failed = [(r, out + err) for r, (rc, out, err) in enumerate(ranks) if rc != 0]
     if failed:
         r, out = failed[0]
         raise JobFailed(f"job {job} rank {r} failed:\n{out[-4000:]}")
