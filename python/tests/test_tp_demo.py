@@ -54,3 +54,52 @@ def test_the_dtensor_example_runs_clean_and_finds_its_bug(tmp_path):
         )
         assert run.returncode == code, run.stdout + run.stderr
         assert ("PASS" if code == 0 else "localized: module 1.fc1") in run.stdout, run.stdout
+
+
+def _unaliased(src: Path, dst: Path) -> int:
+    """A copy of the trace directory ``src`` in which every manifest entry has a stored tensor
+    of its own (the tracer stores a tensor passed between modules once, under both ids): the
+    same data, nothing shared. Returns how many entries were aliases. Written with the
+    safetensors package, not ttrace."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    manifest = json.loads((src / "manifest.json").read_text())
+    files: dict = {}
+    seen = set()
+    copies = 0
+    for e in manifest["tensors"]:
+        tensors = files.setdefault(e["file"], load_file(str(src / e["file"])))
+        if (e["file"], e["key"]) in seen:
+            key = f"{e['key']}#copy{copies}"
+            copies += 1
+            tensors[key] = tensors[e["key"]].clone()
+            e["key"] = key
+        seen.add((e["file"], e["key"]))
+    for name, tensors in files.items():
+        save_file(tensors, str(dst / name))
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    return copies
+
+
+@pytest.mark.parametrize("bug", ["none", "double-bias"])
+def test_tensors_stored_once_for_two_ids_are_judged_as_if_stored_twice(tmp_path, bug):
+    # The checker compares a tensor the tracer stored once under two ids once and reuses the
+    # result: the report must be the one of the same trace with every id stored apart.
+    pytest.importorskip("torch")
+    out = tmp_path / "demo"
+    run = subprocess.run(
+        [sys.executable, str(DEMO), "--out", str(out), "--bug", bug, "--tokens", "64", "--d",
+         "32"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    apart = tmp_path / "apart"
+    apart.mkdir()
+    assert _unaliased(out / "reference", apart / "reference") > 5
+    assert _unaliased(out / "candidate", apart / "candidate") > 5
+    shared = ttrace.check(out / "reference", out / "candidate")
+    separate = ttrace.check(apart / "reference", apart / "candidate")
+    assert shared.passed == (bug == "none")
+    assert shared.to_json() == separate.to_json()
+    assert str(shared) == str(separate)

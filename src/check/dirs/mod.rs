@@ -117,8 +117,15 @@ pub fn check_dirs(
     let setup = Setup::new(reference, candidate)?;
     let (mut r, mut c) = (setup.reference.share(), setup.candidate.share());
     let mut out = Vec::with_capacity(setup.plan.ids.len());
+    let mut aliases = Aliases::default();
     for id in &setup.plan.ids {
-        out.push(gather(&mut r, &mut c, id, &setup.plan)?);
+        out.push(gather_reusing(
+            &mut r,
+            &mut c,
+            id,
+            &setup.plan,
+            &mut aliases,
+        )?);
         progress();
     }
     Ok(setup.conclude(out, mode))
@@ -356,9 +363,10 @@ fn gather_ids(setup: &Setup, ids: &[usize], progress: &(dyn Fn() + Sync)) -> Res
     let parts: Vec<Vec<Gathered>> = crate::parallel::map_chunks(ids, chunk, |part| {
         // Readers sharing the validated headers: memory for the metadata once.
         let (mut r, mut c) = (r0.share(), c0.share());
+        let mut aliases = Aliases::default();
         part.iter()
             .map(|&k| {
-                let g = gather(&mut r, &mut c, &plan.ids[k], plan);
+                let g = gather_reusing(&mut r, &mut c, &plan.ids[k], plan, &mut aliases);
                 progress();
                 g
             })

@@ -297,6 +297,20 @@ impl TraceDir {
             .sum()
     }
 
+    /// Where every rank's shard of an id is stored (file and key, by rank): two ids with the
+    /// same places hold the same bytes (a tracer stores a tensor passed between modules once).
+    pub(crate) fn storage(&self, id: &str) -> Option<Vec<(&str, &str)>> {
+        let ks = self.by_id.get(id)?;
+        Some(
+            ks.iter()
+                .map(|&k| {
+                    let e = &self.manifest.tensors[k];
+                    (e.file.as_str(), e.key.as_str())
+                })
+                .collect(),
+        )
+    }
+
     /// The producer's threshold for an id, if the manifest gives one.
     pub fn threshold(&self, id: &str) -> Option<f64> {
         self.by_id
