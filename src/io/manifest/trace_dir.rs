@@ -411,11 +411,8 @@ impl TraceDir {
                     let want = theirs.logical(id)?;
                     let mut best: Option<(f64, Layout)> = None;
                     for l in &fits {
-                        // A layout whose replicas disagree is no explanation.
-                        let got = match mine.logical_as(id, l) {
-                            Ok(t) => t,
-                            Err(Error::ReplicaMismatch { .. } | Error::Layout { .. }) => continue,
-                            Err(e) => return Err(e),
+                        let Some(got) = mine.explained_by(id, l)? else {
+                            continue;
                         };
                         let d = squared_distance(got.values(), want.values());
                         // Ties keep the earlier (fewer changes).
@@ -429,6 +426,16 @@ impl TraceDir {
             self.settle(&mut manifest, &mut changed, id, chosen, fits.len());
         }
         Ok((self.with_manifest(manifest), changed))
+    }
+
+    /// The merged tensor of `id` read with `layout`, or `None` when its shards do not merge
+    /// so (replicas that disagree, shapes that do not fit): a layout that is no explanation.
+    fn explained_by(&mut self, id: &str, layout: &Layout) -> Result<Option<Tensor>> {
+        match self.logical_as(id, layout) {
+            Ok(t) => Ok(Some(t)),
+            Err(Error::ReplicaMismatch { .. } | Error::Layout { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     /// Record `chosen` as `id`'s layout (in a copy of the manifest, made on the first change)
@@ -527,11 +534,8 @@ impl TraceDir {
                 _ => {
                     let mut best: Option<(f64, Layout)> = None;
                     for (t, l) in &pairs {
-                        // A layout whose replicas disagree is no explanation.
-                        let got = match mine.logical_as(id, l) {
-                            Ok(t) => t,
-                            Err(Error::ReplicaMismatch { .. } | Error::Layout { .. }) => continue,
-                            Err(e) => return Err(e),
+                        let Some(got) = mine.explained_by(id, l)? else {
+                            continue;
                         };
                         let theirs_fit = if cfirst.guessed.is_empty() {
                             vec![cfirst.layout.clone()]
@@ -539,12 +543,8 @@ impl TraceDir {
                             fitting_layouts(&cfirst.layout, &cfirst.guessed, t, clocal, cmesh)
                         };
                         for cl in &theirs_fit {
-                            let want = match theirs.logical_as(id, cl) {
-                                Ok(t) => t,
-                                Err(Error::ReplicaMismatch { .. } | Error::Layout { .. }) => {
-                                    continue
-                                }
-                                Err(e) => return Err(e),
+                            let Some(want) = theirs.explained_by(id, cl)? else {
+                                continue;
                             };
                             if want.shape() != got.shape() {
                                 continue;
