@@ -26,7 +26,9 @@
 //!   combining additions', in the reference and the candidate) has a relative error of at most
 //!   u and variance at most u²/3 (round to nearest), so ρ_order = u_acc·sqrt(2s/3) when the
 //!   combination runs in the accumulation format, and ρ_comb = u_comb·sqrt(2s/3) in units of
-//!   the combining format when that is coarser (Megatron's BF16 all-reduce).
+//!   the combining format when that is coarser (Megatron's BF16 all-reduce). A sharded
+//!   reference splits reductions of its own over s_ref ranks (its layouts, its mesh): then
+//!   s = s_cand + s_ref, both runs' roundings counted.
 //! * kernels: the candidate's kernels may reorder the module's *local* reductions too (a GEMM
 //!   on a column-parallel slice can pick another kernel and blocking than the full-size one),
 //!   so two complete reorderings of a length-K sum differ by ρ_kernel = u_acc·sqrt(K/3)
