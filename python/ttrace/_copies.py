@@ -1,29 +1,52 @@
 """Host copies of recorded tensors that never make the device wait for the host.
 
-A traced tensor is copied to host memory for the writer. On a CUDA device the copy is made on
-a side stream into a *pinned* buffer taken from a bounded pool and reused step after step,
-ordered after the work that produced the tensor by the stream's dependency and followed by an
-event; the step goes on at once, and only the writer thread waits for the event before it reads
-the bytes. A CPU tensor is copied into a reused buffer of the same pool kind (not pinned).
+A traced tensor is copied to host memory for the writer. On a CUDA device the copy is queued on
+the tensor's own stream, into a *pinned* buffer taken from a bounded pool and reused step after
+step, and followed by an event; the host goes on at once, and only the writer thread waits for
+the event before it reads the bytes. Being on the same stream, the copy reads the tensor before
+any later kernel of the step can write to it (an in-place activation, autograd accumulating a
+gradient into it): the device spends the transfer's time in the step (the bytes over the
+device-to-pinned-host bandwidth), the host never waits. (A copy on a side stream would overlap
+the transfer with the step's kernels but race with such writes: its reads are not ordered
+before them.) A CPU tensor is copied into a reused buffer of the same pool kind (not pinned).
 
 Policy (``Tracer(..., pool_bytes=...)``): the pool holds at most ``pool_bytes`` of buffers per
-device kind (default 2 GiB). A copy that does not fit waits for the buffers of steps already
-handed to the writer; when none are in flight (the current step alone fills the pool) it is
-made into a fresh, unpooled host tensor instead — synchronously on CUDA, as before this pool —
-so a step is never stalled by its own records and never deadlocks.
+device kind (default 8 GiB; a step whose copies do not fit is partly copied outside it, see
+below). A copy that does not fit waits for the buffers of steps already handed to the writer;
+when none are in flight (the current step alone fills the pool) it is made into a fresh,
+unpooled host tensor instead — synchronously on CUDA — so a step is never stalled by its own
+records and never deadlocks. Pinned memory is slow to allocate (about 1.6 GB/s measured on an
+H100 host): the first traced step pays it, later steps reuse the buffers.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["Copier", "HostCopy", "HostPool"]
+__all__ = ["Checks", "Copier", "HostCopy", "HostPool", "bits", "checksum"]
 
 #: Default bytes of reusable host buffers per device kind.
-DEFAULT_POOL_BYTES = 2 << 30
+DEFAULT_POOL_BYTES = 8 << 30
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns as integers (bitwise comparison: -0.0 differs from 0.0, a NaN
+    equals itself)."""
+    return t.contiguous().view(_INT_OF_SIZE[t.element_size()])
+
+
+def checksum(t: torch.Tensor) -> torch.Tensor:
+    """The sum of ``t``'s bit patterns as signed integers of its element size, in int64
+    (wrapping): a 0-dimensional tensor where ``t`` lives, computed without synchronizing.
+    Order-free and exact, so a host copy of the same bytes sums to the same value on any
+    device; any change of one element changes it."""
+    return bits(t.detach()).sum(dtype=torch.int64)
 
 
 class HostPool:
@@ -98,11 +121,17 @@ class HostCopy:
     """A recorded tensor's host copy: ``tensor`` (contiguous, on the host), whose bytes are
     final once :meth:`wait` returns; its buffer goes back to its pool on :meth:`release`."""
 
-    __slots__ = ("tensor", "_buffer", "_event", "_pool", "_handed")
+    __slots__ = ("tensor", "origin", "checks", "_buffer", "_event", "_pool", "_handed")
 
     def __init__(self, tensor: torch.Tensor, buffer: Optional[torch.Tensor] = None,
                  event: Any = None, pool: Optional[HostPool] = None) -> None:
         self.tensor = tensor
+        #: The checksum of the memory copied (:func:`checksum`, taken where it lives when the
+        #: copy was queued), for copies later records may share by identity.
+        self.origin: Optional[torch.Tensor] = None
+        #: Later records that share this copy by identity, each with the checksum of the
+        #: memory they saw (still on its device): the writer compares them with ``origin``.
+        self.checks: List[Tuple[str, torch.Tensor]] = []
         self._buffer = buffer
         self._event = event
         self._pool = pool
@@ -147,7 +176,6 @@ class Copier:
     def __init__(self, pool_bytes: int = DEFAULT_POOL_BYTES) -> None:
         self.pool_bytes = pool_bytes
         self._pools: Dict[str, HostPool] = {}
-        self._streams: Dict[Any, Any] = {}
         #: Copies made, and those made outside the pool (it was full with the current
         #: step's records).
         self.copies = 0
@@ -182,16 +210,58 @@ class Copier:
         if not cuda:
             host.copy_(src)
             return HostCopy(host, buffer, None, pool)
-        stream = self._streams.get(src.device)
-        if stream is None:
-            stream = self._streams[src.device] = torch.cuda.Stream(device=src.device)
-        # The side stream waits for the work that produced the tensor, copies it, and marks
-        # the end with an event the writer waits on; the allocator keeps the tensor's memory
-        # until the side stream is done with it.
-        stream.wait_stream(torch.cuda.current_stream(src.device))
-        with torch.cuda.stream(stream):
-            host.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        src.record_stream(stream)
+        # On the tensor's stream: after the work that produced it, before any that follows
+        # (which may write to it); the event marks the copy's end for the writer.
+        host.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(src.device))
         return HostCopy(host, buffer, event, pool)
+
+
+class Checks:
+    """The checksums of the copies that later records share by identity and of the memory
+    those records saw (:attr:`HostCopy.origin`, :attr:`HostCopy.checks`), on their way to the
+    host in one asynchronous transfer per device; :meth:`mismatches` (on the writer thread)
+    compares them."""
+
+    def __init__(self, copies: List[HostCopy]) -> None:
+        #: (sharing id, part, position of the copy's checksum, position of the id's).
+        self._items: List[Tuple[str, int, int, int]] = []
+        self._parts: List[Tuple[torch.Tensor, Any]] = []
+        parts: Dict[Any, int] = {}
+        values: List[List[torch.Tensor]] = []
+        for c in copies:
+            if not c.checks or c.origin is None:
+                continue
+            part = parts.setdefault(c.origin.device, len(parts))
+            if part == len(values):
+                values.append([])
+            at = len(values[part])
+            values[part].append(c.origin)
+            for tid, value in c.checks:
+                self._items.append((tid, part, at, len(values[part])))
+                values[part].append(value)
+        for device, part in parts.items():
+            flat = torch.stack(values[part])
+            if device.type == "cuda":
+                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                host.copy_(flat, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                self._parts.append((host, event))
+            else:
+                self._parts.append((flat.to("cpu"), None))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def mismatches(self) -> List[str]:
+        """The ids whose memory differed from the copy they share (waits for the transfers:
+        call it on the writer thread)."""
+        sums: List[List[int]] = []
+        for host, event in self._parts:
+            if event is not None:
+                event.synchronize()
+            sums.append(host.tolist())
+        return [tid for tid, part, origin, at in self._items
+                if sums[part][origin] != sums[part][at]]

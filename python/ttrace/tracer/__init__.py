@@ -61,7 +61,7 @@ predicate; default: the leaf modules and the attention cores, parameter-free mod
 attention), ``every=N`` traces one step in N (hooks are attached
 only during traced steps), and a background thread writes the files so the step does not wait
 on the disk; ``tracer.bytes_written`` counts what it wrote. On a CUDA device the copies are
-made on a side stream into pinned, reused host buffers (``pool_bytes``, see
+queued on the tensor's stream into pinned, reused host buffers (``pool_bytes``, see
 :mod:`ttrace._copies`): recording never waits for the device. ``summaries=True`` records a
 few statistics per tensor instead, every traced step (:mod:`ttrace._summaries`,
 ``papers/summaries.md``), compared with :func:`ttrace.check_summaries`.

@@ -47,8 +47,12 @@ class Tracer:
     ``"accumulate"`` for a module whose kernel accumulates below FP32 (``"bf16"``, ``"f16"``):
     such sums round one way, so the check then runs no scale or bias test on the trace.
     ``pool_bytes``: the bytes of reused host buffers the copies may hold per device kind
-    (pinned on CUDA; default 2 GiB; see :mod:`ttrace._copies` for what happens when it is
-    full). What is recorded is listed in :mod:`ttrace.tracer.selection`.
+    (pinned on CUDA; default 8 GiB; see :mod:`ttrace._copies` for what happens when it is
+    full). ``share``: a tensor handed on unchanged (an output that is the next module's input)
+    is copied once (default; on the CPU after comparing contents, on a device by identity
+    verified by a checksum when written — see :func:`ttrace.tracer.keep.host_copy`); with
+    ``False`` every record is copied and the writer stores equal contents once. What is
+    recorded is listed in :mod:`ttrace.tracer.selection`.
     ``sites``: trace functional attention — each call of
     ``torch.nn.functional.scaled_dot_product_attention`` (transformers' and torchtitan's
     attention cores) as an attention site ``{module}.sdpa`` of the module that calls it
@@ -92,6 +96,7 @@ class Tracer:
         sites: Optional[bool] = None,
         pool_bytes: int = DEFAULT_POOL_BYTES,
         summaries: bool = False,
+        share: bool = True,
     ) -> None:
         if every < 1:
             raise InvalidInputError(f"every must be at least 1 (got {every})", "InvalidParameter")
@@ -155,6 +160,7 @@ class Tracer:
         self._s = _StepRecord()
         #: Host copies: pooled buffers, asynchronous on CUDA (see :mod:`ttrace._copies`).
         self._copier = Copier(pool_bytes)
+        self._share = share
         #: Summaries only (``summaries=True``): statistics computed on the device per tensor.
         self._summarizer = Summarizer() if summaries else None
         self._handles: List[Any] = []
@@ -481,16 +487,15 @@ class Tracer:
                                       or (self.mesh.cp > 1 and t.dim() > 0)))
         # The same tensor handed from one module to the next (an output that is the next
         # module's input: same memory, shape, strides and version while the first holder
-        # lives) is copied and stored once, both ids naming it — and only when the contents
-        # are bitwise equal, checked: torch can free a live tensor's storage and reuse the
-        # memory (DTensor's collectives do), which no address or version test sees.
+        # lives) is copied and stored once, both ids naming it — verified by contents (see
+        # keep.host_copy).
         copy: Any
         scale = 1.0 / data if scaled else None
         if self._summarizer is not None:
             copy = statistics(self._s, self._summarizer, t, local, scale)
         else:
             try:
-                copy = host_copy(self._s, self._copier, t, local, scale)
+                copy = host_copy(self._s, self._copier, t, local, scale, tid, name, self._share)
             except RuntimeError as e:
                 # A tensor whose storage torch already released cannot be read.
                 why = f"tensor {tid!r} cannot be read ({e})"

@@ -4,7 +4,7 @@ information, the bookkeeping the hooks share, and the helpers that identify tens
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
@@ -52,12 +52,6 @@ def _alias_key(t: torch.Tensor) -> Optional[Tuple[Any, ...]]:
     except RuntimeError:
         return None
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bit patterns as integers (bitwise comparison: -0.0 differs from 0.0, a NaN
-    equals itself)."""
-    return t.contiguous().view(_INT_OF_SIZE[t.element_size()])
 
 
 def _device_type(module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> str:
@@ -110,8 +104,10 @@ class _StepRecord:
         default_factory=dict)
     #: (module, output index) → (local shape, layout) of the output the caller receives.
     final: Dict[Tuple[str, int], Tuple[Tuple[int, ...], Layout]] = field(default_factory=dict)
-    #: Stored copies shared between ids (a weak reference to the first holder, the copy).
-    copies: Dict[Any, Tuple[Any, Union[HostCopy, ShardStats]]] = field(default_factory=dict)
+    #: Stored copies shared between ids (a weak reference to the first holder, the copy, the
+    #: recorded names of the module calls that recorded it).
+    copies: Dict[Any, Tuple[Any, Union[HostCopy, ShardStats], Set[str]]] = field(
+        default_factory=dict)
     #: Outputs whose placement cannot be expressed before the module's output hooks run.
     deferred: "set[Tuple[str, int]]" = field(default_factory=set)
     #: (module, output index) → the output as the module returned it, until its output hooks

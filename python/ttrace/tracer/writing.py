@@ -16,7 +16,7 @@ import torch
 
 from .. import _ttrace
 from .. import arith as _arith
-from .._copies import HostCopy
+from .._copies import Checks, HostCopy
 from .._summaries import Pending, ShardStats, Summarizer, entry_stats
 from ..errors import TtraceError
 from .record import _DTYPES, _StepRecord
@@ -36,6 +36,8 @@ class StepJob:
     manifest: Dict[str, Any]
     #: Every host copy the step made, released once written.
     made: List[HostCopy]
+    #: The checksums of the records that share a copy by identity (a device's).
+    checks: Checks
 
 
 @dataclass
@@ -89,7 +91,8 @@ def step_job(directory: str, order: List[str], record: _StepRecord, rank: int,
         manifest["recipe"] = recipe
     if dp_loss_auto:
         manifest["dp_loss"] = "auto"
-    return StepJob(directory, fname, tensors, manifest, record.made)
+    return StepJob(directory, fname, tensors, manifest, record.made,
+                   Checks([c for _, _, _, c in tensors if c.checks]))
 
 
 def summary_job(directory: str, step: int, order: List[str], record: _StepRecord, rank: int,
@@ -139,6 +142,15 @@ class StepWriter:
             return
         stored: list = []
         try:
+            if len(job.checks):
+                changed = job.checks.mismatches()
+                if changed:
+                    raise TtraceError(
+                        f"{job.directory}: not written: the memory of {changed[0]!r} (and "
+                        f"{len(changed) - 1} more) is an earlier record's, at the same version, "
+                        "yet its contents changed in between — a write torch did not count (a "
+                        "collective in place, an assignment through .data) — so the shared copy "
+                        "would be wrong; record with Tracer(..., share=False)", "Storage")
             os.makedirs(job.directory, exist_ok=True)
             # The device copies are complete once their events are (the only wait for the
             # device, on this thread).
