@@ -133,31 +133,18 @@ pub fn write_step(
     })
 }
 
-/// For each tensor (name, format, shape, bytes), the index of the first with the same format,
-/// shape and bytes (itself when it is the first).
+/// For each tensor, the index of the first tensor with the same format, shape and bytes (its
+/// own index when it is the first). Only tensors of one format and shape are compared, byte
+/// for byte, each with the distinct ones before it: different tensors differ within their
+/// first bytes, so a comparison costs a pass over the bytes only where they are equal (and
+/// stored once).
 fn first_of_equals(tensors: &[(&str, Format, &[usize], &[u8])]) -> Vec<usize> {
-    let digest = |bytes: &[u8]| -> u64 {
-        let mut h = bytes.len() as u64;
-        let mut words = bytes.chunks_exact(8);
-        for w in &mut words {
-            let v = u64::from_le_bytes(w.try_into().unwrap_or([0; 8]));
-            h = (h.rotate_left(23) ^ v).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-        for &b in words.remainder() {
-            h = (h.rotate_left(23) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-        h
-    };
-    let mut seen: std::collections::HashMap<u64, Vec<usize>> = Default::default();
+    let mut distinct: std::collections::HashMap<(Format, &[usize]), Vec<usize>> =
+        Default::default();
     let mut out = Vec::with_capacity(tensors.len());
     for (i, t) in tensors.iter().enumerate() {
-        let same = seen.entry(digest(t.3)).or_default();
-        // The digest only narrows the search: equal format, shape and bytes decide.
-        let first = same
-            .iter()
-            .copied()
-            .find(|&j| tensors[j].1 == t.1 && tensors[j].2 == t.2 && tensors[j].3 == t.3);
-        match first {
+        let same = distinct.entry((t.1, t.2)).or_default();
+        match same.iter().copied().find(|&j| tensors[j].3 == t.3) {
             Some(j) => out.push(j),
             None => {
                 same.push(i);
