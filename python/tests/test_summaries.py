@@ -192,9 +192,9 @@ def test_device_path_matches_the_rust_pass(dtype):
     from ttrace.tracer.record import _DTYPES
 
     g = torch.Generator().manual_seed(3)
-    x = (torch.randn(70_001, generator=g) * 3).to(dtype)
+    x = (torch.randn(300_007, generator=g) * 3).to(dtype)  # chunked extremes
     if dtype != torch.float8_e4m3fn:
-        x[::9_973] = torch.tensor([float("nan"), float("inf"), float("-inf")]).to(dtype).repeat(3)[
+        x[::9_973] = torch.tensor([float("nan"), float("inf"), float("-inf")]).to(dtype).repeat(11)[
             :len(x[::9_973])]
     rust = Summarizer(5).summarize(x, _DTYPES[dtype]).values.tolist()
     torch_path = _device_stats(x, 5).tolist()
@@ -202,6 +202,31 @@ def test_device_path_matches_the_rust_pass(dtype):
     assert rust[6:] == torch_path[6:]
     for a, b in zip(rust[3:6], torch_path[3:6]):
         assert abs(a - b) <= 1e-12 * max(abs(a), abs(b), 1.0)
+
+
+@pytest.mark.parametrize("n", [4096 * 25, 4096 * 40 + 17, 1_000_003])
+def test_extremes_from_the_chunks_ends_equal_a_full_sort(n):
+    # The device path's extremes come from each chunk's maximum (minimum): equal to sorting
+    # the whole tensor, wherever the extremes sit (one chunk, the tail, chunk boundaries) and
+    # with ties.
+    from ttrace._summaries import _CHUNK, _extreme
+
+    g = torch.Generator().manual_seed(n)
+    base = torch.randn(n, generator=g)
+    cases = {"random": base,
+             "ties": torch.randint(-3, 4, (n,), generator=g).float(),
+             "one chunk": base.clone().index_fill_(0, torch.arange(100, 164), 50.0)
+             .index_fill_(0, torch.arange(300, 364), -50.0),
+             "tail": torch.cat([base[: n - 9], torch.linspace(-90, 90, 9)]),
+             "boundaries": base.clone().index_fill_(
+                 0, torch.arange(_CHUNK - 1, n, _CHUNK), 7.0)}
+    for name, v in cases.items():
+        ordered = torch.sort(v).values
+        for k in (1, 5, 8, 64):
+            if n // _CHUNK <= 4 * k:
+                continue  # the whole-tensor topk
+            assert torch.equal(_extreme(v, k, True), ordered.flip(0)[:k]), (name, k)
+            assert torch.equal(_extreme(v, k, False), ordered[:k]), (name, k)
 
 
 def test_a_disk_that_fills_leaves_only_whole_lines(tmp_path):

@@ -13,11 +13,12 @@ prove is in ``papers/summaries.md``; the Rust core writes and compares them.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _ttrace
+from . import _stats_kernel, _ttrace
 
 __all__ = ["DEFAULT_K", "Pending", "ShardStats", "Summarizer"]
 
@@ -117,26 +118,70 @@ class Summarizer:
         return Pending(parts)
 
 
+#: Elements per chunk of the extremes' first pass (:func:`_extreme`).
+_CHUNK = 4096
+
+
+def _extreme(v: torch.Tensor, k: int, largest: bool) -> torch.Tensor:
+    """The ``k`` largest (smallest) values of the 1-D ``v``, in order, from one pass over it:
+    each chunk's maximum (minimum), the ``k`` chunks with the largest (smallest) of them, and
+    the ``k`` extremes among their elements and the tail's. Exact: a chunk holding one of the
+    ``k`` extremes, were it not among those ``k`` chunks, would be beaten by ``k`` chunks
+    whose extremes are ``k`` elements at least as far out. (``topk`` over the whole tensor
+    reads it once per radix digit.)"""
+    n = v.numel()
+    chunks = n // _CHUNK
+    if chunks <= 4 * k:
+        return v.topk(k, largest=largest).values
+    head = v[: chunks * _CHUNK].view(chunks, _CHUNK)
+    ends = head.amax(dim=1) if largest else head.amin(dim=1)
+    picked = ends.topk(k, largest=largest).indices
+    candidates = torch.cat([head[picked].reshape(-1), v[chunks * _CHUNK:]])
+    return candidates.topk(k, largest=largest).values
+
+
+#: Whether the fused kernels (:mod:`ttrace._stats_kernel`) serve CUDA tensors: unknown until
+#: the first one, then whether Triton imported and compiled them.
+_fused: Optional[bool] = None
+
+
 def _device_stats(src: torch.Tensor, k: int) -> torch.Tensor:
-    """The statistics vector of ``src`` from torch reductions where it lives (no host
-    synchronization): counts and extremes in the tensor's own dtype (its values are exact
-    there), the sums from float64 values."""
+    """The statistics vector of ``src`` where it lives, without host synchronization: on a
+    CUDA device from the fused Triton kernels (:mod:`ttrace._stats_kernel`) when Triton is
+    there; else from torch reductions — counts and extremes in the tensor's own dtype (its
+    values are exact there), the sums accumulated in float64 from its values (exact in
+    float64) without a float64 copy of the tensor, Σx² the square of the float64 2-norm (at
+    most 3 more units of float64 round-off, inside the comparison's interval,
+    ``papers/summaries.md``)."""
+    global _fused
     x = src.reshape(-1)
     if x.element_size() == 1:
         x = x.float()  # FP8: exact in FP32, where every reduction below is defined
+    f64 = torch.float64
     kept = min(k, x.numel())
+    if x.is_cuda and 1 <= kept <= _stats_kernel.MAX_K and _fused is not False:
+        if _fused is None:
+            _fused = _stats_kernel.available()
+        if _fused:
+            try:
+                return _stats_kernel.stats(x.contiguous(), kept)
+            except Exception as e:  # a Triton that cannot build for this device
+                _fused = False
+                warnings.warn(f"ttrace: the fused statistics kernels failed ({e}); summaries "
+                              "use torch reductions instead", RuntimeWarning, stacklevel=2)
     finite = torch.isfinite(x)
     counts = torch.stack([torch.isnan(x).sum(), torch.isposinf(x).sum(),
-                          torch.isneginf(x).sum()]).to(torch.float64)
+                          torch.isneginf(x).sum()]).to(f64)
     x0 = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    x0 = x0.to(torch.float64)
-    parts = [counts, torch.stack([x0.sum(), (x0 * x0).sum(), x0.abs().sum()])]
+    sums = torch.stack([x0.sum(dtype=f64),
+                        torch.linalg.vector_norm(x0, 2, dtype=f64).square(),
+                        torch.linalg.vector_norm(x0, 1, dtype=f64)])
+    parts = [counts, sums]
     if kept:
         low = torch.full((), -math.inf, dtype=x.dtype, device=x.device)
         high = torch.full((), math.inf, dtype=x.dtype, device=x.device)
-        parts.append(torch.where(finite, x, low).topk(kept).values.to(torch.float64))
-        parts.append(torch.where(finite, x, high).topk(kept, largest=False).values
-                     .to(torch.float64))
+        parts.append(_extreme(torch.where(finite, x, low), kept, True).to(f64))
+        parts.append(_extreme(torch.where(finite, x, high), kept, False).to(f64))
     return torch.cat(parts)
 
 
