@@ -118,8 +118,11 @@ class Summarizer:
         return Pending(parts)
 
 
-#: Elements per chunk of the extremes' first pass (:func:`_extreme`).
+#: Elements per chunk of the extremes' first pass (:func:`_extreme`), and the fewest chunks
+#: for which it pays: on an H100 a topk over 8 M BF16 elements took 0.14 ms against 0.26 ms
+#: chunked, over 33 M 0.41 ms against 0.36 ms.
 _CHUNK = 4096
+_MIN_CHUNKS = 4096
 
 
 def _extreme(v: torch.Tensor, k: int, largest: bool) -> torch.Tensor:
@@ -131,7 +134,7 @@ def _extreme(v: torch.Tensor, k: int, largest: bool) -> torch.Tensor:
     reads it once per radix digit.)"""
     n = v.numel()
     chunks = n // _CHUNK
-    if chunks <= 4 * k:
+    if chunks < max(4 * k, _MIN_CHUNKS):
         return v.topk(k, largest=largest).values
     head = v[: chunks * _CHUNK].view(chunks, _CHUNK)
     ends = head.amax(dim=1) if largest else head.amin(dim=1)
@@ -149,10 +152,9 @@ def _device_stats(src: torch.Tensor, k: int) -> torch.Tensor:
     """The statistics vector of ``src`` where it lives, without host synchronization: on a
     CUDA device from the fused Triton kernels (:mod:`ttrace._stats_kernel`) when Triton is
     there; else from torch reductions — counts and extremes in the tensor's own dtype (its
-    values are exact there), the sums accumulated in float64 from its values (exact in
-    float64) without a float64 copy of the tensor, Σx² the square of the float64 2-norm (at
-    most 3 more units of float64 round-off, inside the comparison's interval,
-    ``papers/summaries.md``)."""
+    values are exact there), the sums in float64 over a float64 copy of the finite values
+    (exact; on an H100 the copy and three reductions of it took 0.45 ms for 64 MB of BF16,
+    reductions accumulating BF16 into float64 themselves 0.77 ms)."""
     global _fused
     x = src.reshape(-1)
     if x.element_size() == 1:
@@ -173,9 +175,9 @@ def _device_stats(src: torch.Tensor, k: int) -> torch.Tensor:
     counts = torch.stack([torch.isnan(x).sum(), torch.isposinf(x).sum(),
                           torch.isneginf(x).sum()]).to(f64)
     x0 = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    sums = torch.stack([x0.sum(dtype=f64),
-                        torch.linalg.vector_norm(x0, 2, dtype=f64).square(),
-                        torch.linalg.vector_norm(x0, 1, dtype=f64)])
+    xd = x0.to(f64)
+    sums = torch.stack([xd.sum(), torch.dot(xd, xd), torch.linalg.vector_norm(xd, 1)])
+    del xd
     parts = [counts, sums]
     if kept:
         low = torch.full((), -math.inf, dtype=x.dtype, device=x.device)
