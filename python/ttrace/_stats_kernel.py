@@ -58,18 +58,35 @@ def stats(x: torch.Tensor, k: int) -> torch.Tensor:
     if not _kernels:
         _kernels.update(_build())
     n = x.numel()
-    blocks = -(-n // BLOCK)
-    parts = torch.empty(blocks, 6, dtype=torch.float64, device=x.device)
-    top = torch.empty(blocks * k, dtype=torch.float64, device=x.device)
-    bottom = torch.empty(blocks * k, dtype=torch.float64, device=x.device)
-    _kernels["first"][(blocks,)](x, parts, top, bottom, n, BLOCK=BLOCK, K=k,
-                                 WIDEN=x.element_size() == 2)
-    while top.numel() > k:
-        m = top.numel()
-        blocks = -(-m // BLOCK)
-        next_top = torch.empty(blocks * k, dtype=torch.float64, device=x.device)
-        next_bottom = torch.empty(blocks * k, dtype=torch.float64, device=x.device)
-        _kernels["extremes"][(blocks,)](top, bottom, next_top, next_bottom, m, BLOCK=BLOCK,
-                                        K=k)
+    # Two allocations: the result (the sums, then the k extremes per side, which the last
+    # level writes in place), and the block sums with every other level's top and bottom
+    # candidates (freed once the step's launches are queued; the result is kept until the
+    # step's statistics are gathered).
+    sizes = [-(-n // BLOCK)]
+    while sizes[-1] > 1:
+        sizes.append(-(-sizes[-1] * k // BLOCK))
+    result = torch.empty(6 + 2 * k, dtype=torch.float64, device=x.device)
+    buffer = torch.empty(6 * sizes[0] + sum(2 * b * k for b in sizes[:-1]),
+                         dtype=torch.float64, device=x.device)
+    parts = buffer[: 6 * sizes[0]].view(sizes[0], 6)
+    at = 6 * sizes[0]
+
+    def candidates(level: int) -> "tuple[torch.Tensor, torch.Tensor]":
+        nonlocal at
+        if level == len(sizes) - 1:  # the last level: k per side, into the result
+            return result[6: 6 + k], result[6 + k:]
+        m = sizes[level] * k
+        pair = buffer[at: at + m], buffer[at + m: at + 2 * m]
+        at += 2 * m
+        return pair
+
+    top, bottom = candidates(0)
+    _kernels["first"][(sizes[0],)](x, parts, top, bottom, n, BLOCK=BLOCK, K=k,
+                                   WIDEN=x.element_size() == 2)
+    for level in range(1, len(sizes)):
+        next_top, next_bottom = candidates(level)
+        _kernels["extremes"][(sizes[level],)](top, bottom, next_top, next_bottom, top.numel(),
+                                              BLOCK=BLOCK, K=k)
         top, bottom = next_top, next_bottom
-    return torch.cat([parts.sum(0), top, bottom])
+    torch.sum(parts, 0, out=result[:6])
+    return result
