@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["Checks", "Copier", "HostCopy", "HostPool", "bits", "checksum"]
+__all__ = ["Checks", "Copier", "HostCopy", "HostPool", "bits", "checksum", "to_host"]
 
 #: Default bytes of reusable host buffers per device kind.
 DEFAULT_POOL_BYTES = 8 << 30
@@ -47,6 +47,19 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
     Order-free and exact, so a host copy of the same bytes sums to the same value on any
     device; any change of one element changes it."""
     return bits(t.detach()).sum(dtype=torch.int64)
+
+
+def to_host(flat: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+    """A small result on its way to the host: on CUDA an asynchronous copy into pinned memory,
+    ordered after the work on the current stream, and the event that ends it (the writer
+    thread waits on it); elsewhere a plain copy and ``None``."""
+    if flat.device.type != "cuda":
+        return flat.to("cpu"), None
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(flat.device))
+    return host, event
 
 
 class HostPool:
@@ -241,16 +254,8 @@ class Checks:
             for tid, value in c.checks:
                 self._items.append((tid, part, at, len(values[part])))
                 values[part].append(value)
-        for device, part in parts.items():
-            flat = torch.stack(values[part])
-            if device.type == "cuda":
-                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-                host.copy_(flat, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device))
-                self._parts.append((host, event))
-            else:
-                self._parts.append((flat.to("cpu"), None))
+        for part in parts.values():
+            self._parts.append(to_host(torch.stack(values[part])))
 
     def __len__(self) -> int:
         return len(self._items)

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import _stats_kernel, _ttrace
+from ._copies import to_host
 
 __all__ = ["DEFAULT_K", "Pending", "ShardStats", "Summarizer"]
 
@@ -99,7 +100,7 @@ class Summarizer:
         for i, s in enumerate(stats):
             by_device.setdefault(s.values.device, []).append(i)
         parts: List[_Part] = []
-        for device, idx in by_device.items():
+        for idx in by_device.values():
             flat = torch.cat([stats[i].values for i in idx])
             slots: List[Tuple[int, Tuple[int, int]]] = []
             at = 0
@@ -107,14 +108,8 @@ class Summarizer:
                 n = stats[i].values.numel()
                 slots.append((i, (at, at + n)))
                 at += n
-            if device.type == "cuda":
-                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-                host.copy_(flat, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device))
-                parts.append((host, event, slots))
-            else:
-                parts.append((flat.to("cpu"), None, slots))
+            host, event = to_host(flat)
+            parts.append((host, event, slots))
         return Pending(parts)
 
 
