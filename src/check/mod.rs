@@ -33,8 +33,8 @@ pub use crate::verdict::{
 };
 pub use dirs::{
     check_dir_paths, check_dir_traces, check_dirs, check_share, check_share_paths,
-    combine_share_paths, combine_shares, resolve_steps, share_owners, DirCheck, PricingMode,
-    UntracedGap,
+    combine_share_paths, combine_shares, resolve_steps, setup_needs, share_owners, DirCheck,
+    PricingMode, UntracedGap,
 };
 pub use localization::Localization;
 pub use loss::LossNormalization;

@@ -130,8 +130,9 @@ pub fn read_limited(path: &Path, limit: u64, what: &str) -> Result<Vec<u8>> {
 pub struct TrustedDir {
     /// As given (for messages).
     dir: PathBuf,
-    /// Resolved (symlinks followed, absolute).
-    root: PathBuf,
+    /// Resolved (symlinks followed, absolute); `None` for a trace held in memory, which
+    /// has no files to resolve.
+    root: Option<PathBuf>,
 }
 
 impl TrustedDir {
@@ -147,8 +148,16 @@ impl TrustedDir {
         let root = std::fs::canonicalize(dir).map_err(|e| Error::io(dir, "cannot resolve", e))?;
         Ok(TrustedDir {
             dir: dir.to_path_buf(),
-            root,
+            root: Some(root),
         })
+    }
+
+    /// The name of a trace held in memory (no directory: resolving a file in it is refused).
+    pub(crate) fn label(label: &Path) -> TrustedDir {
+        TrustedDir {
+            dir: label.to_path_buf(),
+            root: None,
+        }
     }
 
     /// The directory as given.
@@ -172,9 +181,12 @@ impl TrustedDir {
                  absolute path)",
             ));
         }
+        let Some(root) = &self.root else {
+            return Err(ferr(&shown, "a trace held in memory has no files to open"));
+        };
         let real =
             std::fs::canonicalize(&shown).map_err(|e| Error::io(&shown, "cannot open", e))?;
-        if !real.starts_with(&self.root) {
+        if !real.starts_with(root) {
             return Err(ferr(
                 &shown,
                 "is a symbolic link (or lies below one) that leaves the trace directory; \

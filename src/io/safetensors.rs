@@ -170,7 +170,13 @@ pub struct SafetensorsFile {
     metadata: std::sync::Arc<BTreeMap<String, String>>,
     /// Read buffer reused across reads (no fresh pages per tensor).
     scratch: Vec<u8>,
+    /// The tensors' bytes held in memory, by name, for a file that was never written (see
+    /// [`SafetensorsFile::in_memory`]); a tensor it does not hold cannot be read.
+    memory: Option<Held>,
 }
+
+/// Tensor bytes held in memory, by name.
+type Held = std::sync::Arc<BTreeMap<String, std::sync::Arc<Vec<u8>>>>;
 
 impl SafetensorsFile {
     /// Open and validate the header (see the module docs).
@@ -185,6 +191,60 @@ impl SafetensorsFile {
             .metadata()
             .map_err(|e| Error::io(path, "cannot stat", e))?
             .len();
+        let mut f = Self::from_reader(path, &mut file, Some(size))?;
+        f.file = Some(file);
+        Ok(f)
+    }
+
+    /// A file that was never written (a traced step checked online): its header as
+    /// [`encode_header`] makes it (the length and the JSON, no data), validated as a file's
+    /// is, and the bytes of the tensors this process holds, by name — each must be one the
+    /// header declares, with its byte count. Reading a tensor not held is an error.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::File`] (naming `label`) for a header a file would be refused for, or held
+    /// bytes the header does not declare or whose length differs.
+    pub fn in_memory(
+        label: &Path,
+        header: &[u8],
+        held: BTreeMap<String, std::sync::Arc<Vec<u8>>>,
+    ) -> Result<SafetensorsFile> {
+        let mut f = Self::from_reader(label, &mut &header[..], None)?;
+        for (name, bytes) in &held {
+            let e = f.entries.get(name).ok_or_else(|| {
+                err(
+                    label,
+                    format!(
+                        "holds tensor '{}', which its header does not declare",
+                        printable(name)
+                    ),
+                )
+            })?;
+            if e.range.1 - e.range.0 != bytes.len() as u64 {
+                return Err(err(
+                    label,
+                    format!(
+                        "tensor '{}': {} bytes held, its header says {}",
+                        printable(name),
+                        bytes.len(),
+                        e.range.1 - e.range.0
+                    ),
+                ));
+            }
+        }
+        f.memory = Some(std::sync::Arc::new(held));
+        Ok(f)
+    }
+
+    /// The header read from `file` (`size` bytes in all when known: a file's data region must
+    /// hold every tensor; unknown for a header held in memory without its data).
+    fn from_reader(
+        path: &Path,
+        file: &mut impl Read,
+        size: Option<u64>,
+    ) -> Result<SafetensorsFile> {
+        let size = size.unwrap_or(u64::MAX);
         if size < 8 {
             return Err(err(
                 path,
@@ -256,7 +316,7 @@ impl SafetensorsFile {
                     "data_offsets [{b}, {e}] do not hold {count} {dtype} elements ({bytes} bytes)"
                 )));
             }
-            if e > data_len {
+            if size != u64::MAX && e > data_len {
                 return Err(bad(&format!(
                     "data_offsets end {e} lies past the data ({data_len} bytes): truncated file?"
                 )));
@@ -291,12 +351,13 @@ impl SafetensorsFile {
         }
         Ok(SafetensorsFile {
             path: path.to_path_buf(),
-            file: Some(file),
+            file: None,
             reopen: None,
             data_start,
             entries: std::sync::Arc::new(entries),
             metadata: std::sync::Arc::new(metadata),
             scratch: Vec::new(),
+            memory: None,
         })
     }
 
@@ -331,7 +392,17 @@ impl SafetensorsFile {
             entries: self.entries.clone(),
             metadata: self.metadata.clone(),
             scratch: Vec::new(),
+            memory: self.memory.clone(),
         })
+    }
+
+    /// Whether tensor `name`'s bytes can be read: any tensor the header declares of a file,
+    /// only those held of a file in memory.
+    pub fn holds(&self, name: &str) -> bool {
+        match &self.memory {
+            Some(h) => h.contains_key(name),
+            None => self.entries.contains_key(name),
+        }
     }
 
     /// Tensor names and entries.
@@ -420,6 +491,24 @@ impl SafetensorsFile {
         };
         let len = usize::try_from(to - from)
             .map_err(|_| err(&self.path, format!("tensor '{name}' is too large to read")))?;
+        if let Some(held) = &self.memory {
+            let data = held.get(name).ok_or_else(|| {
+                err(
+                    &self.path,
+                    format!("tensor '{}' is not held by this process", printable(name)),
+                )
+            })?;
+            let at = usize::try_from(from - e.range.0).unwrap_or(usize::MAX);
+            let piece = data.get(at..at.saturating_add(len)).ok_or_else(|| {
+                err(
+                    &self.path,
+                    format!("tensor '{}' is held short", printable(name)),
+                )
+            })?;
+            bytes.clear();
+            bytes.extend_from_slice(piece);
+            return Ok(e);
+        }
         let mut reopened = None;
         let file = match (&mut self.file, &self.reopen) {
             (Some(f), _) => f,
@@ -501,6 +590,25 @@ pub fn write_stored(
     metadata: &BTreeMap<String, String>,
     fsync: bool,
 ) -> Result<()> {
+    let header = encode_header(path, tensors, metadata)?;
+    let mut parts: Vec<&[u8]> = Vec::with_capacity(1 + tensors.len());
+    parts.push(&header);
+    parts.extend(tensors.iter().map(|t| t.bytes));
+    crate::io::write_atomic_parts(path, &parts, fsync)
+}
+
+/// The header of a safetensors file holding `tensors` (in order) and `metadata`: the 8-byte
+/// length and the JSON, padded with spaces to a multiple of 8 as the reference implementation
+/// does. The file is this followed by the tensors' bytes. `path` names the file in errors.
+///
+/// # Errors
+///
+/// As [`write_stored`], without the write.
+pub fn encode_header(
+    path: &Path,
+    tensors: &[StoredTensor<'_>],
+    metadata: &BTreeMap<String, String>,
+) -> Result<Vec<u8>> {
     let mut header = serde_json::Map::new();
     let mut offset = 0usize;
     for t in tensors {
@@ -538,16 +646,13 @@ pub fn write_stored(
     if !metadata.is_empty() {
         header.insert("__metadata__".into(), serde_json::json!(metadata));
     }
-    let mut h = serde_json::to_vec(&serde_json::Value::Object(header))
+    let h = serde_json::to_vec(&serde_json::Value::Object(header))
         .map_err(|e| err(path, e.to_string()))?;
-    // Pad the header with spaces to a multiple of 8 (as the reference implementation does).
-    while h.len() % 8 != 0 {
-        h.push(b' ');
-    }
-    let len = (h.len() as u64).to_le_bytes();
-    let mut parts: Vec<&[u8]> = Vec::with_capacity(2 + tensors.len());
-    parts.push(&len);
-    parts.push(&h);
-    parts.extend(tensors.iter().map(|t| t.bytes));
-    crate::io::write_atomic_parts(path, &parts, fsync)
+    let padded = h.len().div_ceil(8) * 8;
+    let mut out = Vec::with_capacity(8 + padded);
+    out.extend_from_slice(&(padded as u64).to_le_bytes());
+    out.extend_from_slice(&h);
+    // Padded with spaces to a multiple of 8 (as the reference implementation does).
+    out.resize(8 + padded, b' ');
+    Ok(out)
 }

@@ -43,10 +43,12 @@ use crate::verdict::{
 };
 
 mod gather;
+mod online;
 mod share;
 mod verdicts;
 
 use gather::*;
+pub use online::setup_needs;
 pub use share::{
     check_share, check_share_paths, combine_share_paths, combine_shares, share_owners,
 };

@@ -187,6 +187,16 @@ pub fn check_share(
     let setup = Setup::new(reference, candidate)?;
     let mine: Vec<usize> = (0..owners.len()).filter(|&k| owners[k] == rank).collect();
     let gathered = gather_ids(&setup, &mine, progress)?;
+    if let Some(id) = setup.candidate.not_held().first() {
+        // A trace held in memory lacking a tensor this rank checks (or its set-up read).
+        return Err(Error::Layout {
+            id: id.clone(),
+            reason: format!(
+                "checker rank {rank} does not hold every shard of it: fetch them before \
+                 checking its share"
+            ),
+        });
+    }
     let items = mine
         .iter()
         .zip(gathered)

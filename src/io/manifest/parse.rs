@@ -372,16 +372,26 @@ pub(super) fn read_fragments(td: &TrustedDir) -> Result<(Manifest, PathBuf)> {
         ));
     }
     parts.sort();
-    let mut merged: Option<Manifest> = None;
+    let mut read = Vec::with_capacity(parts.len());
     for (_, name) in &parts {
-        let (m, p) = read_one(td, name)?;
-        let p = &p;
+        read.push(read_one(td, name)?);
+    }
+    let merged = merge_parts(read, &mpath)?;
+    Ok((merged, dir.join("manifest.rank*.json")))
+}
+
+/// Per-rank manifest fragments (each with the path it came from, for messages), in rank
+/// order, as one manifest: they must agree on the mesh, the recipe and the loss
+/// normalization.
+pub(crate) fn merge_parts(parts: Vec<(Manifest, PathBuf)>, mpath: &Path) -> Result<Manifest> {
+    let mut merged: Option<Manifest> = None;
+    for (m, p) in parts {
         match &mut merged {
             None => merged = Some(m),
             Some(all) => {
                 if all.mesh != m.mesh || all.recipe != m.recipe || all.dp_loss != m.dp_loss {
                     return Err(ferr(
-                        p,
+                        &p,
                         "fragment disagrees with the first fragment on the mesh, the recipe or \
                          the loss normalization",
                     ));
@@ -390,6 +400,5 @@ pub(super) fn read_fragments(td: &TrustedDir) -> Result<(Manifest, PathBuf)> {
             }
         }
     }
-    let merged = merged.ok_or_else(|| ferr(&mpath, "no fragments"))?;
-    Ok((merged, dir.join("manifest.rank*.json")))
+    merged.ok_or_else(|| ferr(mpath, "no fragments"))
 }

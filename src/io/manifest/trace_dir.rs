@@ -70,6 +70,18 @@ pub struct TraceDir {
     /// share of the batch ([`DpLoss::Auto`] settled): the loss-dependent tensors are read
     /// divided by this (dp·cp, dp or cp, whichever fit the reference).
     pub(super) dp_divisor: Option<usize>,
+    /// For a trace held in memory ([`TraceDir::in_memory`]): the ids a read found some shard
+    /// of not held (shared by every reader made by [`TraceDir::share`]).
+    pub(super) held: Option<std::sync::Arc<Held>>,
+}
+
+/// Opens a trace directory's safetensors file by name.
+type Opener = dyn Fn(&TrustedDir, &str) -> Result<safetensors::SafetensorsFile>;
+
+/// What reads of a trace held in memory lacked.
+#[derive(Debug, Default)]
+pub(super) struct Held {
+    not_held: std::sync::Mutex<std::collections::BTreeSet<String>>,
 }
 
 impl TraceDir {
@@ -80,8 +92,76 @@ impl TraceDir {
     /// that all ranks agree on its layout.
     pub fn open(dir: &Path) -> Result<TraceDir> {
         let td = TrustedDir::new(dir)?;
-        let (mut manifest, mpath) = read_manifest_in(&td)?;
-        let mut files = HashMap::new();
+        let (manifest, mpath) = read_manifest_in(&td)?;
+        let opener = |td: &TrustedDir, name: &str| {
+            let (shown, real, file) = td.open(name)?;
+            let mut f = safetensors::SafetensorsFile::from_file(&shown, file)?;
+            // No handle kept between reads: a trace of many ranks stays far below the
+            // open-file limit.
+            f.release(&real)?;
+            Ok(f)
+        };
+        Self::assemble(td, manifest, mpath, HashMap::new(), Some(&opener))
+    }
+
+    /// A trace that was never written (a traced step checked online, `ttrace.tracer.online`):
+    /// its manifest and its safetensors files held in memory
+    /// ([`SafetensorsFile::in_memory`](safetensors::SafetensorsFile::in_memory)), each holding
+    /// the bytes of some of its tensors. It is validated as a directory is; `label` names it
+    /// in messages and reports. Reading a tensor some shard of which is not held is an error,
+    /// and the id is remembered ([`TraceDir::not_held`]): a process that reads what others
+    /// hold learns what to fetch.
+    ///
+    /// # Errors
+    ///
+    /// As [`TraceDir::open`]; an entry in an npy file or in a file not given is refused.
+    pub fn in_memory(
+        label: &Path,
+        manifest: Manifest,
+        files: HashMap<String, safetensors::SafetensorsFile>,
+    ) -> Result<TraceDir> {
+        let mpath = label.join("manifest.json");
+        let mut t = Self::assemble(TrustedDir::label(label), manifest, mpath, files, None)?;
+        t.held = Some(std::sync::Arc::new(Held::default()));
+        Ok(t)
+    }
+
+    /// [`TraceDir::in_memory`] from per-rank manifest fragments as a tracer writes them
+    /// (`manifest.rank{r}.json`'s text, in rank order; merged as a directory's fragments are).
+    ///
+    /// # Errors
+    ///
+    /// As [`TraceDir::in_memory`], and for a fragment that is not a valid manifest or that
+    /// disagrees with the first on the mesh, the recipe or the loss normalization.
+    pub fn from_fragments(
+        label: &Path,
+        fragments: &[String],
+        files: HashMap<String, safetensors::SafetensorsFile>,
+    ) -> Result<TraceDir> {
+        let parts = fragments
+            .iter()
+            .enumerate()
+            .map(|(r, text)| {
+                let p = label.join(format!("manifest.rank{r}.json"));
+                Ok((Manifest::parse(text, &p)?, p))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let merged = merge_parts(parts, &label.join("manifest.json"))?;
+        Self::in_memory(label, merged, files)
+    }
+
+    /// The trace of `manifest` (read from `mpath`) in `td`: each entry checked against its
+    /// file's header — from `files`, or opened by `opener` (none: every file is in `files`
+    /// and none is npy).
+    fn assemble(
+        td: TrustedDir,
+        mut manifest: Manifest,
+        mpath: PathBuf,
+        mut files: HashMap<String, safetensors::SafetensorsFile>,
+        opener: Option<&Opener>,
+    ) -> Result<TraceDir> {
+        let dir = td.path().to_path_buf();
+        let dir = dir.as_path();
         // Per id, (rank, entry) pairs: memory linear in the entries, whatever the mesh says.
         let mut by_id: HashMap<String, Vec<(usize, usize)>> = HashMap::new();
         let mut order = vec![];
@@ -90,11 +170,15 @@ impl TraceDir {
             let path = dir.join(&e.file);
             if e.file.ends_with(".safetensors") {
                 if !files.contains_key(&e.file) {
-                    let (shown, real, file) = td.open(&e.file)?;
-                    let mut f = safetensors::SafetensorsFile::from_file(&shown, file)?;
-                    // No handle kept between reads: a trace of many ranks stays far below
-                    // the open-file limit.
-                    f.release(&real)?;
+                    let f = match opener {
+                        Some(open) => open(&td, &e.file)?,
+                        None => {
+                            return Err(ferr(
+                                &path,
+                                format!("file of tensor {} is not held", printable(&e.id)),
+                            ))
+                        }
+                    };
                     files.insert(e.file.clone(), f);
                 }
                 let f = &files[&e.file];
@@ -116,6 +200,14 @@ impl TraceDir {
                         ),
                     ));
                 }
+            } else if opener.is_none() {
+                return Err(ferr(
+                    &path,
+                    format!(
+                        "tensor {}: a trace held in memory holds safetensors files only",
+                        printable(&e.id)
+                    ),
+                ));
             } else {
                 // Resolved now (inside the directory, or refused); read when compared.
                 td.resolve(&e.file).map_err(|er| match er {
@@ -199,6 +291,7 @@ impl TraceDir {
             spare: Vec::new(),
             incomplete: std::sync::Arc::new(incomplete),
             dp_divisor: None,
+            held: None,
         })
     }
 
@@ -219,7 +312,39 @@ impl TraceDir {
             spare: Vec::new(),
             incomplete: self.incomplete.clone(),
             dp_divisor: self.dp_divisor,
+            held: self.held.clone(),
         }
+    }
+
+    /// For a trace held in memory: the ids whose reads found a shard not held (by this
+    /// reader or any sharing it), in order; empty for a directory.
+    pub fn not_held(&self) -> Vec<String> {
+        self.held.as_ref().map_or_else(Vec::new, |h| {
+            h.not_held
+                .lock()
+                .map(|s| s.iter().cloned().collect())
+                .unwrap_or_default()
+        })
+    }
+
+    /// Whether every shard of `id` can be read; for a trace held in memory, an id some shard
+    /// of which is not held is remembered (see [`TraceDir::not_held`]).
+    fn check_held(&self, id: &str, ks: &[usize]) -> Result<()> {
+        let Some(h) = &self.held else { return Ok(()) };
+        let all = ks.iter().all(|&k| {
+            let e = &self.manifest.tensors[k];
+            self.files.get(&e.file).is_some_and(|f| f.holds(&e.key))
+        });
+        if all {
+            return Ok(());
+        }
+        if let Ok(mut s) = h.not_held.lock() {
+            s.insert(id.to_string());
+        }
+        Err(Error::Layout {
+            id: id.to_string(),
+            reason: "some of its shards are held by other processes (not fetched)".into(),
+        })
     }
 
     /// The ranks lacking a parameter gradient other ranks hold (it received no gradient
@@ -259,6 +384,7 @@ impl TraceDir {
     /// [`TraceDir::shards`] as stored (patterns not decoded).
     pub(crate) fn stored_shards(&mut self, id: &str) -> Result<(Vec<Stored>, Layout)> {
         let ks = self.entries_of(id)?;
+        self.check_held(id, &ks)?;
         let out = ks
             .iter()
             .map(|&k| {
@@ -627,6 +753,7 @@ impl TraceDir {
 
     pub(super) fn merged_as(&mut self, id: &str, layout: &Layout) -> Result<Stored> {
         let ks = self.entries_of(id)?;
+        self.check_held(id, &ks)?;
         let manifest = self.manifest.clone();
         let (files, dir) = (&mut self.files, &self.dir);
         merge_fetched(
