@@ -12,6 +12,7 @@
 //!   — it never unwinds into the interpreter.
 //! * Long calls (checking trace directories, writing a rank's trace) release the GIL.
 
+mod online;
 mod share;
 mod summaries;
 mod writing;
@@ -525,6 +526,8 @@ fn _ttrace(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(share::share_owners, m)?)?;
     m.add_function(wrap_pyfunction!(load_logical, m)?)?;
     m.add_function(wrap_pyfunction!(writing::write_step, m)?)?;
+    m.add_function(wrap_pyfunction!(online::encode_header, m)?)?;
+    m.add_class::<online::OnlineTrace>()?;
     m.add_function(wrap_pyfunction!(writing::merge_manifests, m)?)?;
     m.add_function(wrap_pyfunction!(summaries::append_summaries, m)?)?;
     m.add_function(wrap_pyfunction!(summaries::is_summary_dir, m)?)?;

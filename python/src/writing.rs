@@ -56,19 +56,7 @@ pub fn write_step(
     plain_name(py, &manifest_name, "manifest_name")?;
     let manifest_path = directory.join(&manifest_name);
     let built = guard(py, || {
-        let mut v: serde_json::Value = serde_json::from_str(manifest).map_err(|e| Error::File {
-            path: manifest_path.display().to_string(),
-            reason: format!("the tracer's manifest is not JSON: {e}"),
-            io: None,
-        })?;
-        let header = v.as_object_mut().ok_or_else(|| Error::File {
-            path: manifest_path.display().to_string(),
-            reason: "the tracer's manifest is not a JSON object".into(),
-            io: None,
-        })?;
-        header.insert("format".into(), "ttrace-trace".into());
-        header.insert("version".into(), ttrace::io::VERSION.into());
-        ttrace::io::Manifest::parse(&v.to_string(), &manifest_path)
+        ttrace::io::Manifest::parse(&completed(manifest, &manifest_path)?, &manifest_path)
     })?;
     let mut parsed = Vec::with_capacity(tensors.len());
     for (name, fmt, shape, bytes) in &tensors {
@@ -131,6 +119,24 @@ pub fn write_step(
         ttrace::io::write_manifest(&manifest_path, &built)?;
         Ok(stored.iter().map(|t| t.bytes.len() as u64).sum())
     })
+}
+
+/// The tracer's manifest text (header and entries, without `format` and `version`) with the
+/// format and version the core writes: a manifest's text, to be parsed and validated.
+pub(crate) fn completed(manifest: &str, path: &std::path::Path) -> ttrace::Result<String> {
+    let mut v: serde_json::Value = serde_json::from_str(manifest).map_err(|e| Error::File {
+        path: path.display().to_string(),
+        reason: format!("the tracer's manifest is not JSON: {e}"),
+        io: None,
+    })?;
+    let header = v.as_object_mut().ok_or_else(|| Error::File {
+        path: path.display().to_string(),
+        reason: "the tracer's manifest is not a JSON object".into(),
+        io: None,
+    })?;
+    header.insert("format".into(), "ttrace-trace".into());
+    header.insert("version".into(), ttrace::io::VERSION.into());
+    Ok(v.to_string())
 }
 
 /// For each tensor, the index of the first tensor with the same format, shape and bytes (its

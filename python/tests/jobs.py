@@ -7,6 +7,7 @@ DIRECTORY. BUG plants a bug in the parallel version.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -125,10 +126,25 @@ def tp(directory: str, bug: str) -> None:
                 model(x).pow(2).sum().backward()
         tracer.close()
         return
-    tracer = ttrace.Tracer(model, directory)
+    online(model, directory, lambda: model(x).pow(2).sum().backward())
+
+
+def online(model: nn.Module, directory: str, step: "object") -> None:
+    """One traced step of ``step()``: written into DIRECTORY, or with TTRACE_TEST_ONLINE=REF
+    checked online against the reference REF (nothing written but the report; rank 0 prints
+    the report's first line)."""
+    ref = os.environ.get("TTRACE_TEST_ONLINE")
+    timeout = float(os.environ.get("TTRACE_TEST_ONLINE_TIMEOUT", "0")) or None
+    tracer = ttrace.Tracer(model, directory, online=ref, online_timeout=timeout)
     with tracer.step():
-        model(x).pow(2).sum().backward()
+        step()  # type: ignore[operator]
+        if ref and os.environ.get("TTRACE_TEST_ONLINE_DIE") == str(dist.get_rank()):
+            os._exit(3)  # this rank dies before the step's check
     tracer.close()
+    if ref:
+        assert tracer._online is not None
+        with open(f"{directory}.rank{dist.get_rank()}.json", "w") as f:
+            json.dump(tracer._online.last, f)
 
 
 def fsdp(directory: str, bug: str) -> None:
@@ -147,8 +163,8 @@ def fsdp(directory: str, bug: str) -> None:
         fully_shard(model, mesh=mesh)
         r, n = dist.get_rank(), BATCH // world
         x = x[r * n:(r + 1) * n].contiguous()
-    tracer = ttrace.Tracer(model, directory)
-    with tracer.step():
+
+    def step() -> None:
         model(x).pow(2).mean().backward()
         if bug == "grad-summed":
             # block1's gradients end up summed over the dp ranks instead of averaged (as a
@@ -156,7 +172,8 @@ def fsdp(directory: str, bug: str) -> None:
             with torch.no_grad():
                 for p in model.block1.parameters():
                     p.grad.mul_(world)
-    tracer.close()
+
+    online(model, directory, step)
 
 
 def llama(directory: str, bug: str) -> None:

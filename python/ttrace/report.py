@@ -173,6 +173,11 @@ def check(reference: PathLike, candidate: PathLike, *, pricing: str = "auto",
 
         raw_json, text = shared_check(os.fspath(reference), os.fspath(candidate), pricing,
                                       group, timeout)
+    return report_of(raw_json, text)
+
+
+def report_of(raw_json: str, text: str) -> CheckReport:
+    """The report of the core's JSON and text (what every check returns)."""
     raw = json.loads(raw_json)
     rep = raw["report"]
     eps = float(rep["eps"])

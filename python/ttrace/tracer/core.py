@@ -14,12 +14,14 @@ from .. import arith as _arith
 from .._copies import DEFAULT_POOL_BYTES, Copier, HostCopy
 from .._summaries import ShardStats, Summarizer
 from ..errors import InvalidInputError, TtraceError, UnsupportedLayoutError
+from ..report import CheckReport
 from .dtensor import (_MeshMap, _dtensor_type, _expressible, _gather_param, _is_dtensor,
                       _local_version, _placement_layout)
 from .keep import host_copy, statistics
 from .kinds import _kind_of
 from .megatron import _megatron_layout
 from .mesh import find_mesh
+from .online import OnlineChecker
 from .placements import (Layout, Mesh, ModuleLayout, partial,
                          replicate, split)
 from .record import (_DTYPES, _StepRecord, _Tap, _alias_key, _base, _device_type,
@@ -61,6 +63,13 @@ class Tracer:
     format cannot express. ``background``: write on a background thread (default: with a
     ``directory``; without one the tracer records from construction until :meth:`write`,
     which then writes before returning).
+    ``online``: a reference trace (a step directory, or a trace of steps ``step{n}``): each
+    traced step is checked against it by the job's processes together instead of being
+    written — no tensor reaches the disk; rank 0 writes ``report.json`` and ``report.txt``
+    into ``directory/step{n}``, and every rank gets the report in :attr:`reports` (see
+    :mod:`ttrace.tracer.online`). Needs ``torch.distributed`` initialized, one process per
+    rank of the mesh; ``online_group`` (default: the world) and ``online_timeout`` (seconds a
+    rank waits for the others) say over what and how long.
     ``local_mean_loss``: how each data-parallel rank normalizes its loss. ``True``: it averages
     over its own share of the batch (the usual DDP / FSDP loop), so the gradients flowing
     through activations are dp times those of a reference averaging over the whole batch; they
@@ -97,6 +106,9 @@ class Tracer:
         pool_bytes: int = DEFAULT_POOL_BYTES,
         summaries: bool = False,
         share: bool = True,
+        online: Optional[Union[str, "os.PathLike[str]"]] = None,
+        online_group: Any = None,
+        online_timeout: Optional[float] = None,
     ) -> None:
         if every < 1:
             raise InvalidInputError(f"every must be at least 1 (got {every})", "InvalidParameter")
@@ -106,6 +118,10 @@ class Tracer:
         if summaries and directory is None:
             raise InvalidInputError("summaries=True needs a directory: Tracer(model, directory, "
                                     "summaries=True)", "InvalidParameter")
+        if online is not None and (directory is None or summaries):
+            raise InvalidInputError(
+                "online= needs a directory (for the reports) and no summaries: "
+                "Tracer(model, directory, online=reference)", "InvalidParameter")
         if unsupported not in ("raise", "skip"):
             raise InvalidInputError(
                 f"unsupported must be 'raise' or 'skip' (got {unsupported!r})", "InvalidParameter"
@@ -163,6 +179,11 @@ class Tracer:
         self._share = share
         #: Summaries only (``summaries=True``): statistics computed on the device per tensor.
         self._summarizer = Summarizer() if summaries else None
+        #: Online checking (``online=``): the checker, and each checked step's report.
+        self._online = (OnlineChecker(os.fspath(online), group=online_group,
+                                      timeout=online_timeout)
+                        if online is not None else None)
+        self.reports: Dict[int, CheckReport] = {}
         self._handles: List[Any] = []
         self._writer = StepWriter(
             self.rank, fsync, background if background is not None else directory is not None
@@ -200,6 +221,8 @@ class Tracer:
         if traced:
             if self._summarizer is not None:
                 self._hand_summaries(n)
+            elif self._online is not None:
+                self._check_online(n)
             else:
                 self.write(os.path.join(self.directory, f"step{n}"))
 
@@ -754,6 +777,22 @@ class Tracer:
                 order.append(item)
         return order
 
+    def _check_online(self, step: int) -> None:
+        """Check the recorded step against the online reference with the other ranks (see
+        :mod:`ttrace.tracer.online`); nothing is written but the report."""
+        assert self._online is not None and self.directory is not None
+        directory = os.path.join(self.directory, f"step{step}")
+        dp_loss_auto = self.local_mean_loss is None and self.mesh.dp * self.mesh.cp > 1
+        job = step_job(directory, self._ordered(), self._s, self.rank, self.mesh.to_json(),
+                       self.recipe, dp_loss_auto)
+        self._s = _StepRecord()
+        try:
+            self.reports[step] = self._online.check(job, step, self.rank, self.mesh.world())
+        finally:
+            for c in job.made:
+                c.release()
+        self.last_directory = directory
+
     def _hand_summaries(self, step: int) -> None:
         """Hand the step's statistics to the writer: one line of
         ``summaries.rank{r}.jsonl`` in the tracer's directory."""
@@ -787,6 +826,8 @@ class Tracer:
             return self.flush()
         finally:
             self._writer.close()
+            if self._online is not None:
+                self._online.close()
             self._drop_step()
             self._copier.clear()
             self._closed = True

@@ -1,0 +1,93 @@
+"""Online checking (``Tracer(model, directory, online=REFERENCE)``): a multi-process job
+checks its traced step against a reference while it runs, writing no tensor.
+
+Oracle: the same job run again with the tracer writing its step (the runs are deterministic on
+the CPU), checked by ``ttrace.check`` from the files — the online report must be that check's
+JSON and text exactly, in every field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import ttrace
+from ttrace.errors import InvalidInputError
+
+import harness
+from conftest import run_job
+
+
+def _online(tmp_path: Path, job: str, world: int, ref: Path, bug: str = "",
+            **env: str) -> Path:
+    d = tmp_path / f"{job}-{world}-{bug or 'clean'}-online"
+    run_job(job, d, world, bug, env={"TTRACE_TEST_ONLINE": str(ref), **env})
+    return d
+
+
+@pytest.mark.parametrize("job,world,bug", [
+    ("tp", 2, ""),
+    ("tp", 2, "wrong-shard"),
+    ("fsdp", 2, ""),
+    ("fsdp", 2, "grad-summed"),
+])
+def test_an_online_check_reports_what_checking_the_written_step_reports(
+        traces, tmp_path, job, world, bug):
+    ref = traces(job, 1)
+    written = ttrace.check(ref, traces(job, world, bug))
+    assert written.passed == (bug == ""), str(written)
+    d = _online(tmp_path, job, world, ref, bug)
+    step = d / "step0"
+    # Nothing reached the disk but the report (rank 0's).
+    assert sorted(os.listdir(step)) == ["report.json", "report.txt"]
+    assert json.loads((step / "report.json").read_text()) == written.raw
+    assert (step / "report.txt").read_text().rstrip("\n") == written.text.rstrip("\n")
+    stats = [json.loads((tmp_path / f"{d.name}.rank{r}.json").read_text())
+             for r in range(world)]
+    # No rank held the whole step, and the ranks' own shards make it up.
+    assert sum(s["own_bytes"] for s in stats) == stats[0]["step_bytes"]
+    for s in stats:
+        assert s["held_bytes"] < s["step_bytes"], stats
+    if job == "fsdp":
+        # Each rank averaged its loss over its own batch and the tracer left that to the
+        # checker: the set-up read activation gradients of both runs to settle it, fetched.
+        assert written.loss_normalization is not None
+        assert all(s["setup_rounds"] >= 1 and s["setup_tensors"] >= 1 for s in stats), stats
+
+
+def test_a_rank_that_dies_before_the_check_stops_the_others_with_a_typed_error(
+        traces, tmp_path):
+    ref = traces("tp", 1)
+    d = tmp_path / "dies"
+    with pytest.raises(harness.JobFailed) as e:
+        harness.run_job("tp", d, 2, env={"TTRACE_TEST_ONLINE": str(ref),
+                                         "TTRACE_TEST_ONLINE_DIE": "1",
+                                         "TTRACE_TEST_ONLINE_TIMEOUT": "10"}, timeout=120)
+    # Rank 0 (the first failing rank reported) raised the distributed check's error.
+    assert "rank 0 failed" in str(e.value), str(e.value)
+    assert "DistributedCheckError" in str(e.value), str(e.value)
+    assert not (d / "step0" / "report.json").exists()
+
+
+def test_online_arguments_are_checked(tmp_path, traces):
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(InvalidInputError, match="needs a directory"):
+        ttrace.Tracer(model, online=str(tmp_path))
+    with pytest.raises(InvalidInputError, match="needs a directory"):
+        ttrace.Tracer(model, tmp_path / "t", summaries=True, online=str(tmp_path))
+    with pytest.raises(InvalidInputError, match="not a directory"):
+        ttrace.Tracer(model, tmp_path / "t", online=str(tmp_path / "missing"))
+    with pytest.raises(InvalidInputError, match="positive"):
+        ttrace.Tracer(model, tmp_path / "t", online=str(tmp_path), online_timeout=0)
+    # Without torch.distributed there are no other ranks to check with: said at the step's
+    # end, and nothing is written.
+    tracer = ttrace.Tracer(model, tmp_path / "t", online=str(traces("tp", 1)))
+    with pytest.raises(InvalidInputError, match="torch.distributed"):
+        with tracer.step():
+            model(torch.randn(2, 4)).sum().backward()
+    tracer.close()
+    assert not (tmp_path / "t" / "step0").exists()
