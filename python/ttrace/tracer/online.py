@@ -32,6 +32,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -84,8 +85,8 @@ class OnlineChecker:
         #: What the last check moved, on this rank: ``own_bytes`` (its shards),
         #: ``step_bytes`` (every rank's), ``held_bytes`` (what it held at the end: its own,
         #: the tensors it checked, those the set-up read), ``setup_rounds`` and
-        #: ``setup_tensors`` (fetched to every rank for the set-up).
-        self.last: Dict[str, int] = {}
+        #: ``setup_tensors`` (fetched to every rank for the set-up), and ``seconds`` per phase.
+        self.last: Dict[str, Any] = {}
 
     # -- the channel ------------------------------------------------------------------------
 
@@ -187,6 +188,12 @@ class OnlineChecker:
                     reference_step(self.reference, step),
                     sum(int(a.nbytes) for a in arrays.values()))
 
+        clock = [time.perf_counter()]
+
+        def lap() -> float:
+            clock.append(time.perf_counter())
+            return round(clock[-1] - clock[-2], 4)
+
         parts = self._each(local)
         ranks = sorted(p[0] for p in parts)
         if ranks != list(range(world)):
@@ -197,14 +204,19 @@ class OnlineChecker:
         trace = _ttrace.OnlineTrace(label, [p[1] for p in parts], [(p[2], p[3]) for p in parts])
         for key, a in arrays.items():
             trace.hold(job.file, key, a)
+        seconds = {"headers": lap()}
         fetched, rounds = self._set_up(trace, ref, rank, arrays, job.file)
+        seconds["set_up"] = lap()
         self._deliver(trace, ref, rank, me, n, arrays, job.file, fetched)
+        seconds["deliver"] = lap()
+        shares = self._each(lambda: bytes(trace.check_share(ref, me, n)))
+        seconds["check_share"] = lap()
+        raw_json, text = trace.combine(ref, self.pricing, shares)
+        seconds["combine"] = lap()
         self.last = {"own_bytes": sum(int(a.nbytes) for a in arrays.values()),
                      "step_bytes": sum(int(p[5]) for p in parts),
                      "held_bytes": int(trace.held_bytes), "setup_rounds": rounds,
-                     "setup_tensors": len(fetched)}
-        shares = self._each(lambda: bytes(trace.check_share(ref, me, n)))
-        raw_json, text = trace.combine(ref, self.pricing, shares)
+                     "setup_tensors": len(fetched), "seconds": seconds}
         report = report_of(raw_json, text)
         if me == 0:
             os.makedirs(job.directory, exist_ok=True)
