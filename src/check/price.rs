@@ -316,6 +316,38 @@ impl<'a> InputIndex<'a> {
     }
 }
 
+/// The format PyTorch's CPU kernels accumulate a norm's parameter gradients in over the
+/// tokens, where either run computed them there in a format narrower than FP32: that format,
+/// not FP32. ATen's CPU LayerNorm backward (`aten/src/ATen/native/cpu/layer_norm_kernel.cpp`,
+/// `LayerNormBackwardKernelImplInternal`) gives each thread a buffer of the input's dtype and
+/// adds every row's term (computed in FP32) into it — a sequential accumulation rounded to
+/// BF16 or FP16 after each row — then adds the threads' buffers in FP32. Measured (torch 2.x,
+/// CPU, BF16, 2 threads, Gaussian data, 64 channels): the bias gradient errs from the exact
+/// sum by 0.85 ε at 64 rows, 2.7 ε at 512 and 5.6 ε at 4,096; a correct DTensor TP 2 + SP
+/// step (hidden 128, 2,048 tokens) failed the FP32 model's thresholds by up to 3.6× on all
+/// four norm parameter gradients (each rank sums its half of the tokens in other chains).
+/// Known limit: a sequential sum in a narrow format whose terms share a sign stagnates one
+/// way, which the model's random-walk growth (√k) understates — at 4,096 tokens (hidden 256)
+/// the same step's LayerNorm bias gradients differ by 27 ε against thresholds of 25 ε.
+/// `None` elsewhere (a GPU's kernels accumulate in FP32).
+pub(crate) fn cpu_narrow_accumulation(
+    kind: Option<ModuleKind>,
+    role: &Role,
+    reference: Option<&ModuleInfo>,
+    candidate: Option<&ModuleInfo>,
+    format: Format,
+) -> Option<Format> {
+    let on_cpu = |m: Option<&ModuleInfo>| {
+        m.and_then(|m| m.arith.device.as_deref())
+            .is_some_and(|d| d == "cpu")
+    };
+    (kind == Some(ModuleKind::Norm)
+        && role.param_grad
+        && format.precision() < Format::F32.precision()
+        && (on_cpu(reference) || on_cpu(candidate)))
+    .then_some(format)
+}
+
 fn class(kind: ModuleKind, role: &Role) -> OpClass {
     match (kind, role.pass, role.param_grad) {
         (ModuleKind::Linear, Pass::Forward, _) | (ModuleKind::Attention, Pass::Forward, _) => {
@@ -630,6 +662,15 @@ pub fn price_local<'s>(
     let acc = info
         .as_ref()
         .and_then(|m| m.accumulate)
+        .or_else(|| {
+            cpu_narrow_accumulation(
+                kind,
+                &role,
+                info.as_ref(),
+                me.cand_module.as_ref(),
+                me.format,
+            )
+        })
         .or_else(|| policy.as_ref().map(|p| p.accumulation.accumulator))
         .unwrap_or(default_acc);
     // Partial results split across ranks are rounded to the module's output format (the

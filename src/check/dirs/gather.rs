@@ -220,8 +220,22 @@ pub(super) fn gather(
         },
         Err(e) => return Err(e),
     };
-    let detection = match underflow_format(module.as_ref(), candidate.module(id)) {
-        Some(f) if in_subnormal_range(&r, f) => plan.detection.accumulated_in(f),
+    let narrow = role(id).and_then(|me| {
+        crate::check::price::cpu_narrow_accumulation(
+            module.as_ref().and_then(|m| m.kind),
+            &me,
+            module.as_ref(),
+            cand_module.as_ref(),
+            r.format(),
+        )
+    });
+    let detection = match (
+        underflow_format(module.as_ref(), candidate.module(id)),
+        narrow,
+    ) {
+        (Some(f), _) if in_subnormal_range(&r, f) => plan.detection.accumulated_in(f),
+        // Sums accumulated below FP32 stagnate one way: no scale or bias test.
+        (_, Some(f)) => plan.detection.accumulated_in(f),
         _ => plan.detection,
     };
     let (mut verdict, mut sums) =
