@@ -195,3 +195,57 @@ fn shares_that_do_not_fit_together_are_refused() {
     std::fs::remove_dir_all(&d).unwrap();
     std::fs::remove_dir_all(&other).unwrap();
 }
+
+#[test]
+fn ids_stored_in_the_same_places_go_to_one_rank_and_count_once() {
+    let d = dumped("aliases", Mesh::megatron(2, 1, 1, false).unwrap(), None);
+    // Every id stored a second time under another name, in the same places (what the tracer
+    // does for a tensor handed on between modules), in both runs.
+    for side in ["reference", "candidate"] {
+        let dir = d.join(side);
+        let (mut m, _) = ttrace::io::read_manifest(&dir).unwrap();
+        let copies: Vec<_> = m
+            .tensors
+            .iter()
+            .map(|e| {
+                let mut c = e.clone();
+                c.id = format!("{}#again", e.id);
+                c
+            })
+            .collect();
+        m.tensors.extend(copies);
+        ttrace::io::write_manifest(&dir.join("manifest.json"), &m).unwrap();
+    }
+    let (mut r, mut c) = open(&d);
+    let ids = r.ids().to_vec();
+    let size = bytes_by_id(&d.join("reference"));
+    let csize = bytes_by_id(&d.join("candidate"));
+    for ranks in [2, 3, 4] {
+        let owners = share_owners(&r, &c, ranks).unwrap();
+        let at = |id: &str| owners[ids.iter().position(|x| x == id).unwrap()];
+        let mut load = vec![0u64; ranks];
+        for (k, id) in ids.iter().enumerate() {
+            if let Some(first) = id.strip_suffix("#again") {
+                assert_eq!(at(first), owners[k], "{id}, {ranks} ranks");
+            } else {
+                load[owners[k]] += size[id] + csize[id];
+            }
+        }
+        // Counted once: balanced over the distinct tensors.
+        let distinct: Vec<u64> = ids
+            .iter()
+            .filter(|id| !id.ends_with("#again"))
+            .map(|id| size[id] + csize[id])
+            .collect();
+        let mean = distinct.iter().sum::<u64>() as f64 / ranks as f64;
+        let largest = *distinct.iter().max().unwrap() as f64;
+        assert!(load.iter().all(|&l| l as f64 <= mean + largest), "{load:?}");
+        let single = check_dirs(&mut r, &mut c, PricingMode::Auto, &|| {}).unwrap();
+        assert_eq!(
+            shared(&r, &c, ranks, PricingMode::Auto),
+            single,
+            "{ranks} ranks"
+        );
+    }
+    std::fs::remove_dir_all(&d).unwrap();
+}

@@ -68,7 +68,8 @@ fn bad(reason: String) -> Error {
 
 /// Which checker rank reads each of the reference's ids (in the reference's order) when
 /// `ranks` ranks share the check: largest first (reference and candidate bytes together),
-/// each to the rank with the fewest bytes so far, ties to the lower rank and the earlier id.
+/// each to the rank with the fewest bytes so far, ties to the lower rank and the earlier id;
+/// ids stored in the same places in both runs (read once) go together, counted once.
 ///
 /// # Examples
 ///
@@ -96,12 +97,29 @@ pub fn share_owners(
         });
     }
     let ids = reference.ids();
-    let bytes: Vec<u64> = ids
+    // Ids stored in the same places in both runs (a tensor handed on between modules, stored
+    // once by the tracer under both ids) go to one rank, their bytes counted once: it reads
+    // them once (`gather_reusing`).
+    let mut units: Vec<Vec<usize>> = Vec::new();
+    let mut by_place: HashMap<(Vec<(&str, &str)>, Vec<(&str, &str)>), usize> = HashMap::new();
+    for (k, id) in ids.iter().enumerate() {
+        match (reference.storage(id), candidate.storage(id)) {
+            (Some(r), Some(c)) => match by_place.entry((r, c)) {
+                std::collections::hash_map::Entry::Occupied(u) => units[*u.get()].push(k),
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    v.insert(units.len());
+                    units.push(vec![k]);
+                }
+            },
+            _ => units.push(vec![k]),
+        }
+    }
+    let bytes: Vec<u64> = units
         .iter()
-        .map(|id| reference.stored_bytes(id) + candidate.stored_bytes(id))
+        .map(|u| reference.stored_bytes(&ids[u[0]]) + candidate.stored_bytes(&ids[u[0]]))
         .collect();
-    let mut order: Vec<usize> = (0..ids.len()).collect();
-    order.sort_by_key(|&k| (std::cmp::Reverse(bytes[k]), k));
+    let mut order: Vec<usize> = (0..units.len()).collect();
+    order.sort_by_key(|&k| (std::cmp::Reverse(bytes[k]), units[k][0]));
     let mut load = vec![0u64; ranks];
     let mut owner = vec![0usize; ids.len()];
     for k in order {
@@ -110,7 +128,9 @@ pub fn share_owners(
             .enumerate()
             .min_by_key(|&(r, l)| (*l, r))
             .unwrap_or((0, &0));
-        owner[k] = r;
+        for &i in &units[k] {
+            owner[i] = r;
+        }
         load[r] += bytes[k].max(1);
     }
     Ok(owner)
