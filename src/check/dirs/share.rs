@@ -59,6 +59,10 @@ struct Wire {
     items: Vec<Item>,
 }
 
+/// Where both runs store an id's shards (file and key by rank): the reference's, the
+/// candidate's.
+type Places<'a> = (Vec<(&'a str, &'a str)>, Vec<(&'a str, &'a str)>);
+
 fn bad(reason: String) -> Error {
     Error::InvalidParameter {
         name: "shares",
@@ -101,7 +105,7 @@ pub fn share_owners(
     // once by the tracer under both ids) go to one rank, their bytes counted once: it reads
     // them once (`gather_reusing`).
     let mut units: Vec<Vec<usize>> = Vec::new();
-    let mut by_place: HashMap<(Vec<(&str, &str)>, Vec<(&str, &str)>), usize> = HashMap::new();
+    let mut by_place: HashMap<Places<'_>, usize> = HashMap::new();
     for (k, id) in ids.iter().enumerate() {
         match (reference.storage(id), candidate.storage(id)) {
             (Some(r), Some(c)) => match by_place.entry((r, c)) {
