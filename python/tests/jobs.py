@@ -29,8 +29,8 @@ if MCORE:
                          "(scripts/test.sh installs it)")
     sys.path.insert(0, str(_side))
 
-#: TTRACE_TEST_SIZE=H,F,S,B: other sizes (hidden, FFN, sequence, batch) for a larger step.
-HIDDEN, FFN, SEQ, BATCH = (int(v) for v in os.environ.get("TTRACE_TEST_SIZE", "32,64,8,4").split(","))
+#: TTRACE_TEST_MLP=H,F,S,B: other sizes (hidden, FFN, sequence, batch) for a larger step.
+HIDDEN, FFN, SEQ, BATCH = (int(v) for v in os.environ.get("TTRACE_TEST_MLP", "32,64,8,4").split(","))
 
 
 class Block(nn.Module):

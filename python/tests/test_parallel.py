@@ -48,7 +48,7 @@ def test_a_bf16_sequence_parallel_step_of_2048_tokens_on_the_cpu_passes(traces):
     # rounded after every row); under sequence parallelism each rank sums half the tokens, in
     # other chains. Priced with an FP32 accumulator, all four norm parameter gradients of this
     # correct step failed by up to 3.6x; priced as the kernel accumulates they pass.
-    size = {"SIZE": "128,512,512,4"}
+    size = {"MLP": "128,512,512,4"}
     ref = traces("tp", 1, dtype="bfloat16", **size)
     report = ttrace.check(ref, traces("tp", 2, dtype="bfloat16", **size))
     assert report.passed, str(report)
