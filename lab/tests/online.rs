@@ -7,6 +7,8 @@
 //! each with its own in-memory trace; the exchange is what `ttrace.tracer.online` does over
 //! torch.distributed.
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -19,31 +21,9 @@ use ttrace::io::{read_manifest, write_manifest, DpLoss, Manifest, TraceDir};
 use ttrace::trace::{Axis, Mesh, Placement};
 use ttrace::Error;
 use ttrace_lab::bugs::Bug;
-use ttrace_lab::shard::Algorithm;
-use ttrace_lab::validate::{dump_run, run_config_with_thresholds, RunConfig, SweepOptions};
-
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ttrace-online-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 fn dumped(name: &str, mesh: Mesh, bug: Option<Bug>) -> PathBuf {
-    let mut options = SweepOptions::default_sweep(1);
-    options.simulation.samples = 4;
-    options.perturbation_samples = 1;
-    options.sensitivity_mesh = None;
-    let run = RunConfig {
-        mesh,
-        recipe: "bf16".into(),
-        seed: 1000,
-        algorithm: Algorithm::Ring,
-    };
-    let (_, th) = run_config_with_thresholds(&options, &run).unwrap();
-    let d = tmp(name);
-    dump_run(&options, &run, bug, &th, &d).unwrap();
-    d
+    common::dumped("online", name, mesh, bug)
 }
 
 /// A safetensors file's bytes split as the online check holds them: the header, and each

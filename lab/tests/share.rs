@@ -5,6 +5,8 @@
 //! sharing), compared field by field and as JSON; the assignment is checked against the
 //! tensors' byte sizes read from the files' headers here.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use ttrace::check::{check_dirs, check_share, combine_shares, share_owners, DirCheck, PricingMode};
@@ -12,32 +14,9 @@ use ttrace::io::TraceDir;
 use ttrace::trace::Mesh;
 use ttrace::Error;
 use ttrace_lab::bugs::Bug;
-use ttrace_lab::shard::Algorithm;
-use ttrace_lab::validate::{dump_run, run_config_with_thresholds, RunConfig, SweepOptions};
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ttrace-share-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-/// A simulated step of the default sweep's model, written as a reference and a candidate.
 fn dumped(name: &str, mesh: Mesh, bug: Option<Bug>) -> PathBuf {
-    let mut options = SweepOptions::default_sweep(1);
-    options.simulation.samples = 4;
-    options.perturbation_samples = 1;
-    options.sensitivity_mesh = None;
-    let run = RunConfig {
-        mesh,
-        recipe: "bf16".into(),
-        seed: 1000,
-        algorithm: Algorithm::Ring,
-    };
-    let (_, th) = run_config_with_thresholds(&options, &run).unwrap();
-    let d = tmp(name);
-    dump_run(&options, &run, bug, &th, &d).unwrap();
-    d
+    common::dumped("share", name, mesh, bug)
 }
 
 fn open(d: &Path) -> (TraceDir, TraceDir) {

@@ -13,7 +13,7 @@ dies or does not answer within the timeout makes the others raise
 from __future__ import annotations
 
 import datetime
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from . import _ttrace, errors
 
@@ -26,6 +26,44 @@ def _raise_as(cls_name: str, message: str, kind: str) -> None:
     if not (isinstance(cls, type) and issubclass(cls, errors.TtraceError)):
         cls = errors.TraceError
     raise cls(message, kind)
+
+
+#: What one rank says in a collective: ("ok", payload) or ("error", class, kind, message).
+Said = Tuple[Any, ...]
+
+
+def attempt(f: Callable[[], Any]) -> Said:
+    """``f()`` as this rank says it to the others: its result, or the error it raised (a
+    ttrace error with its class and kind; a file or value error as a ``TraceError``)."""
+    try:
+        return ("ok", f())
+    except errors.TtraceError as e:
+        return ("error", type(e).__name__, e.kind, str(e))
+    except (OSError, ValueError) as e:
+        return ("error", "TraceError", "File", str(e))
+
+
+def gather_said(channel: Any, said: Said, who: str) -> List[Any]:
+    """Every rank's payload, all-gathered over ``channel``; an error any rank said is raised
+    on every rank as its own class and kind (``{who} r: …``), and a rank that does not answer
+    makes the others raise :class:`~ttrace.errors.DistributedCheckError`."""
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(channel), dist.get_world_size(channel)
+    everything: List[Any] = [None] * n
+    try:
+        dist.all_gather_object(everything, said, group=channel)
+    except Exception as e:  # the backend's own error types vary by version
+        raise errors.DistributedCheckError(
+            f"{who} {rank} of {n}: the other ranks did not all answer (one died, or did not "
+            f"finish in time): {e}", "CheckerRank") from None
+    for r, got in enumerate(everything):
+        if not (isinstance(got, tuple) and got and got[0] in ("ok", "error")):
+            raise errors.DistributedCheckError(f"{who} {r} sent nothing readable",
+                                               "CheckerRank")
+        if got[0] == "error":
+            _raise_as(str(got[1]), f"{who} {r}: {got[3]}", str(got[2]))
+    return [g[1] for g in everything]
 
 
 def shared_check(reference: str, candidate: str, pricing: str, group: Any,
@@ -63,28 +101,10 @@ def shared_check(reference: str, candidate: str, pricing: str, group: Any,
             use_local_synchronization=True)
         channel = made
     try:
-        mine: Tuple[Any, ...]
-        try:
-            mine = ("share", _ttrace.check_share(reference, candidate, rank, ranks))
-        except errors.TtraceError as e:
-            mine = ("error", type(e).__name__, e.kind, str(e))
-        except (OSError, ValueError) as e:
-            mine = ("error", "TraceError", "File", str(e))
-        everything: List[Any] = [None] * ranks
-        try:
-            dist.all_gather_object(everything, mine, group=channel)
-        except Exception as e:  # the backend's own error types vary by version
-            raise errors.DistributedCheckError(
-                f"checker rank {rank} of {ranks}: the other ranks did not all answer (one "
-                f"died, or did not finish in time): {e}", "CheckerRank") from None
-        for r, got in enumerate(everything):
-            if not (isinstance(got, tuple) and got and got[0] in ("share", "error")):
-                raise errors.DistributedCheckError(
-                    f"checker rank {r} sent no share", "CheckerRank")
-            if got[0] == "error":
-                _raise_as(str(got[1]), f"checker rank {r}: {got[3]}", str(got[2]))
-        return _ttrace.combine_shares(reference, candidate, pricing,
-                                      [bytes(g[1]) for g in everything])
+        everything = gather_said(
+            channel, attempt(lambda: bytes(_ttrace.check_share(reference, candidate, rank, ranks))),
+            "checker rank")
+        return _ttrace.combine_shares(reference, candidate, pricing, everything)
     finally:
         if made is not None:
             try:

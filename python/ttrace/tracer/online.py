@@ -38,13 +38,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import _ttrace, errors
-from .._distributed import DEFAULT_TIMEOUT, _raise_as
+from .._distributed import DEFAULT_TIMEOUT, Said, attempt, gather_said
 from ..errors import InvalidInputError
 from ..report import CheckReport, report_of
 from .writing import StepJob
-
-#: What one rank says in a collective: ("ok", payload) or ("error", class, kind, message).
-_Said = Tuple[Any, ...]
 
 
 def reference_step(reference: str, step: int) -> str:
@@ -124,38 +121,13 @@ class OnlineChecker:
                 pass
             self._channel = None
 
-    def _gather(self, said: _Said) -> List[Any]:
+    def _gather(self, said: Said) -> List[Any]:
         """Every rank's payload; an error any rank said is raised on every rank."""
-        import torch.distributed as dist
-
-        channel = self._channel
-        n = dist.get_world_size(channel)
-        everything: List[Any] = [None] * n
-        try:
-            dist.all_gather_object(everything, said, group=channel)
-        except Exception as e:  # the backend's own error types vary by version
-            raise errors.DistributedCheckError(
-                f"online check, rank {dist.get_rank(channel)} of {n}: the other ranks did not "
-                f"all answer (one died, or did not finish in time): {e}", "CheckerRank"
-            ) from None
-        for r, got in enumerate(everything):
-            if not (isinstance(got, tuple) and got and got[0] in ("ok", "error")):
-                raise errors.DistributedCheckError(f"rank {r} sent nothing readable",
-                                                   "CheckerRank")
-            if got[0] == "error":
-                _raise_as(str(got[1]), f"online check, rank {r}: {got[3]}", str(got[2]))
-        return [g[1] for g in everything]
+        return gather_said(self._channel, said, "online check, rank")
 
     def _each(self, f: Any) -> List[Any]:
         """``f()`` on this rank, every rank's result gathered (an error raised on all)."""
-        said: _Said
-        try:
-            said = ("ok", f())
-        except errors.TtraceError as e:
-            said = ("error", type(e).__name__, e.kind, str(e))
-        except (OSError, ValueError) as e:
-            said = ("error", "TraceError", "File", str(e))
-        return self._gather(said)
+        return self._gather(attempt(f))
 
     # -- the check ----------------------------------------------------------------------------
 
