@@ -56,8 +56,8 @@ pub struct OnlineTrace {
     fragments: Vec<String>,
     headers: Vec<(String, Vec<u8>)>,
     held: HashMap<String, BTreeMap<String, Arc<Vec<u8>>>>,
-    /// (id, rank, file, key) of every entry.
-    entries: Vec<(String, usize, String, String)>,
+    /// (rank, file, key) of every shard, by id.
+    entries: HashMap<String, Vec<(usize, String, String)>>,
 }
 
 impl OnlineTrace {
@@ -97,15 +97,16 @@ impl OnlineTrace {
             fragments,
             headers,
             held: HashMap::new(),
-            entries: Vec::new(),
+            entries: HashMap::new(),
         };
         let trace = trace_guard(py, || t.trace())?;
-        t.entries = trace
-            .manifest()
-            .tensors
-            .iter()
-            .map(|e| (e.id.clone(), e.rank, e.file.clone(), e.key.clone()))
-            .collect();
+        for e in &trace.manifest().tensors {
+            t.entries.entry(e.id.clone()).or_default().push((
+                e.rank,
+                e.file.clone(),
+                e.key.clone(),
+            ));
+        }
         Ok(t)
     }
 
@@ -144,11 +145,7 @@ impl OnlineTrace {
 
     /// (rank, file, key) of each shard of `id`.
     fn entries(&self, id: &str) -> Vec<(usize, String, String)> {
-        self.entries
-            .iter()
-            .filter(|e| e.0 == id)
-            .map(|e| (e.1, e.2.clone(), e.3.clone()))
-            .collect()
+        self.entries.get(id).cloned().unwrap_or_default()
     }
 
     /// The ids the check's set-up reads and this process does not hold (see

@@ -172,11 +172,11 @@ pub struct SafetensorsFile {
     scratch: Vec<u8>,
     /// The tensors' bytes held in memory, by name, for a file that was never written (see
     /// [`SafetensorsFile::in_memory`]); a tensor it does not hold cannot be read.
-    memory: Option<Held>,
+    memory: Option<HeldBytes>,
 }
 
 /// Tensor bytes held in memory, by name.
-type Held = std::sync::Arc<BTreeMap<String, std::sync::Arc<Vec<u8>>>>;
+type HeldBytes = std::sync::Arc<BTreeMap<String, std::sync::Arc<Vec<u8>>>>;
 
 impl SafetensorsFile {
     /// Open and validate the header (see the module docs).

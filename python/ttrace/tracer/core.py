@@ -28,7 +28,7 @@ from .record import (_DTYPES, _StepRecord, _Tap, _alias_key, _base, _device_type
                      _in_backward, _owns, _param_grad)
 from .selection import ModuleSelector, select_modules
 from .sites import _SiteState, _site_state
-from .writing import StepWriter, finish, step_job, summary_job
+from .writing import StepJob, StepWriter, finish, step_job, summary_job
 
 
 class Tracer:
@@ -743,10 +743,7 @@ class Tracer:
             raise InvalidInputError("a summaries-only tracer writes its steps from step()",
                                     "InvalidParameter")
         directory = os.fspath(directory)
-        dp_loss_auto = self.local_mean_loss is None and self.mesh.dp * self.mesh.cp > 1
-        job = step_job(directory, self._ordered(), self._s, self.rank, self.mesh.to_json(),
-                       self.recipe, dp_loss_auto)
-        self._s = _StepRecord()
+        job = self._step_job(directory)
         self.last_directory = directory
         self._writer.hand(job)
         if combine:
@@ -777,15 +774,21 @@ class Tracer:
                 order.append(item)
         return order
 
+    def _step_job(self, directory: str) -> StepJob:
+        """The recorded step as the writer (or the online check) takes it; a new step record
+        begins."""
+        dp_loss_auto = self.local_mean_loss is None and self.mesh.dp * self.mesh.cp > 1
+        job = step_job(directory, self._ordered(), self._s, self.rank, self.mesh.to_json(),
+                       self.recipe, dp_loss_auto)
+        self._s = _StepRecord()
+        return job
+
     def _check_online(self, step: int) -> None:
         """Check the recorded step against the online reference with the other ranks (see
         :mod:`ttrace.tracer.online`); nothing is written but the report."""
         assert self._online is not None and self.directory is not None
         directory = os.path.join(self.directory, f"step{step}")
-        dp_loss_auto = self.local_mean_loss is None and self.mesh.dp * self.mesh.cp > 1
-        job = step_job(directory, self._ordered(), self._s, self.rank, self.mesh.to_json(),
-                       self.recipe, dp_loss_auto)
-        self._s = _StepRecord()
+        job = self._step_job(directory)
         try:
             self.reports[step] = self._online.check(job, step, self.rank, self.mesh.world())
         finally:

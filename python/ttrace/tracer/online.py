@@ -201,12 +201,12 @@ class OnlineChecker:
     def _mine(self, trace: Any, ids: Sequence[str], rank: int,
               file: str) -> List[Tuple[str, str]]:
         """(file, key) of this rank's shards of ``ids``, each once."""
-        out: List[Tuple[str, str]] = []
+        out: Dict[Tuple[str, str], None] = {}
         for tid in ids:
             for r, f, k in trace.entries(tid):
-                if r == rank and f == file and (f, k) not in out:
-                    out.append((f, k))
-        return out
+                if r == rank and f == file:
+                    out[(f, k)] = None
+        return list(out)
 
     def _set_up(self, trace: Any, ref: str, rank: int, arrays: Dict[str, Any],
                 file: str) -> "Tuple[set[str], int]":
@@ -234,7 +234,10 @@ class OnlineChecker:
         import numpy as np
         import torch.distributed as dist
 
-        owners = self._each(lambda: list(trace.owners(ref, n)))[me]
+        # Every rank computes the same assignment; only whether it could is exchanged.
+        said = attempt(lambda: list(trace.owners(ref, n)))
+        self._gather(("ok", None) if said[0] == "ok" else said)
+        owners = said[1]
         by_owner: List[List[str]] = [[] for _ in range(n)]
         for tid, o in owners:
             if tid not in fetched:
