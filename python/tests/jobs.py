@@ -209,11 +209,11 @@ def llama(directory: str, bug: str) -> None:
             fully_shard(model, mesh=mesh["dp"])
             r, n = mesh.get_local_rank("dp"), L.BATCH // dp
             tokens, labels = tokens[r * n:(r + 1) * n], labels[r * n:(r + 1) * n]
-    tracer = ttrace.Tracer(model, directory)
-    with tracer.step():
+    def step() -> None:
         logits = model(tokens)
         torch.nn.functional.cross_entropy(logits.float().view(-1, L.VOCAB), labels.view(-1)).backward()
-    tracer.close()
+
+    online(model, directory, step)
 
 
 def titan(directory: str, bug: str) -> None:

@@ -29,25 +29,30 @@ def _online(tmp_path: Path, job: str, world: int, ref: Path, bug: str = "",
     return d
 
 
-@pytest.mark.parametrize("job,world,bug,ref_world", [
-    ("tp", 2, "", 1),
-    ("tp", 2, "wrong-shard", 1),
-    ("fsdp", 2, "", 1),
-    ("fsdp", 2, "grad-summed", 1),
+@pytest.mark.parametrize("job,world,bug,ref_world,env", [
+    ("tp", 2, "", 1, {}),
+    ("tp", 2, "wrong-shard", 1, {}),
+    ("fsdp", 2, "", 1, {}),
+    ("fsdp", 2, "grad-summed", 1, {}),
     # A reference traced at TP 2 for a step at TP 4.
-    ("tp", 4, "wrong-shard", 2),
+    ("tp", 4, "wrong-shard", 2, {}),
+    # A reference traced at TP 2 for a step at DP 2 × TP 2 (FSDP2 over the data ranks, the
+    # Llama under torchtitan's TP plan), clean and with a planted bug.
+    ("llama", 4, "", 2, {"TP": "2"}),
+    ("llama", 4, "softmax-scale-local", 2, {"TP": "2"}),
 ])
 def test_an_online_check_reports_what_checking_the_written_step_reports(
-        traces, tmp_path, job, world, bug, ref_world):
-    ref = traces(job, ref_world)
-    written = ttrace.check(ref, traces(job, world, bug))
+        traces, tmp_path, job, world, bug, ref_world, env):
+    ref = traces(job, ref_world, **({"TP": str(ref_world)} if env and ref_world > 1 else {}))
+    written = ttrace.check(ref, traces(job, world, bug, **env))
     assert written.passed == (bug == ""), str(written)
     if ref_world > 1:
         # The same verdicts as against the one-rank reference.
-        one = ttrace.check(traces(job, 1), traces(job, world, bug))
+        one = ttrace.check(traces(job, 1), traces(job, world, bug, **env))
         assert [(r.id, r.passed) for r in written.rows] == [(r.id, r.passed) for r in one.rows]
         assert written.first_failure == one.first_failure
-    d = _online(tmp_path, job, world, ref, bug)
+    d = _online(tmp_path, job, world, ref, bug,
+                **{f"TTRACE_TEST_{k}": v for k, v in env.items()})
     step = d / "step0"
     # Nothing reached the disk but the report (rank 0's).
     assert sorted(os.listdir(step)) == ["report.json", "report.txt"]
