@@ -60,9 +60,8 @@ pub fn decode_values_into(bytes: &[u8], f: Format, out: &mut Vec<f64>) -> Result
                     u32::from(u16::from_le_bytes([c[0], c[1]])) << 16
                 }
             };
-            widen_f32_patterns(bytes, size, out);
-            // A vectorizable scan first: NaNs are rare.
-            if out.iter().fold(false, |any, x| any | x.is_nan()) {
+            // The widening flags NaN patterns as it goes: NaNs are rare.
+            if widen_f32_patterns(bytes, size, out) {
                 for (x, c) in out.iter_mut().zip(bytes.chunks_exact(size)) {
                     if x.is_nan() {
                         let raw = bits(c) >> (32 - 8 * size as u32);
@@ -116,10 +115,11 @@ fn pattern_table(f: Format) -> &'static [f64] {
 }
 
 /// Append the values of little-endian F32 (`size` 4) or BF16 (`size` 2) patterns to `out`,
-/// widened through `f32` (exact for every non-NaN; the caller fixes NaN payloads). In blocks of
-/// 8 that compile to vector conversions (AVX2 when the CPU has it): the same values as
+/// widened through `f32` (exact for every non-NaN; the caller fixes NaN payloads), and say
+/// whether some pattern is a NaN. Written straight into `out`'s spare capacity in blocks of 8
+/// that compile to vector conversions (AVX2 when the CPU has it): the same values as
 /// `f64::from(f32::from_bits(pattern))` one by one (test `widening_is_elementwise`).
-fn widen_f32_patterns(bytes: &[u8], size: usize, out: &mut Vec<f64>) {
+fn widen_f32_patterns(bytes: &[u8], size: usize, out: &mut Vec<f64>) -> bool {
     crate::arch::dispatch!(
         // SAFETY: `dispatch!` runs this only on a CPU with AVX2.
         Avx2 => unsafe { widen_avx2(bytes, size, out) },
@@ -129,33 +129,59 @@ fn widen_f32_patterns(bytes: &[u8], size: usize, out: &mut Vec<f64>) {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn widen_avx2(bytes: &[u8], size: usize, out: &mut Vec<f64>) {
-    widen_body(bytes, size, out);
+fn widen_avx2(bytes: &[u8], size: usize, out: &mut Vec<f64>) -> bool {
+    widen_body(bytes, size, out)
 }
 
 #[inline(always)]
-fn widen_body(bytes: &[u8], size: usize, out: &mut Vec<f64>) {
+fn widen_body(bytes: &[u8], size: usize, out: &mut Vec<f64>) -> bool {
+    let n = bytes.len() / size;
+    out.reserve(n);
+    let start = out.len();
+    let dst = &mut out.spare_capacity_mut()[..n];
+    let nan = if size == 4 {
+        widen_into::<4>(bytes, dst)
+    } else {
+        widen_into::<2>(bytes, dst)
+    };
+    // SAFETY: `widen_into` wrote every one of the `n` slots after `start`.
+    unsafe { out.set_len(start + n) };
+    nan
+}
+
+/// Write the values of the `dst.len()` patterns of `SIZE` bytes in `bytes` into `dst` (every
+/// slot), and say whether one is a NaN.
+#[inline(always)]
+fn widen_into<const SIZE: usize>(bytes: &[u8], dst: &mut [std::mem::MaybeUninit<f64>]) -> bool {
     let pattern = |c: &[u8]| {
-        if size == 4 {
+        if SIZE == 4 {
             u32::from_le_bytes([c[0], c[1], c[2], c[3]])
         } else {
+            // A BF16 pattern is the top half of the FP32 pattern of its value.
             u32::from(u16::from_le_bytes([c[0], c[1]])) << 16
         }
     };
-    let blocks = bytes.chunks_exact(8 * size);
-    let tail = blocks.remainder();
-    out.reserve(bytes.len() / size);
-    for c in blocks {
-        let mut v = [0.0f64; 8];
-        for (l, x) in v.iter_mut().enumerate() {
-            *x = f64::from(f32::from_bits(pattern(&c[l * size..])));
+    let mut nan = 0u32;
+    let mut one = |d: &mut std::mem::MaybeUninit<f64>, c: &[u8]| {
+        let p = pattern(c);
+        nan |= u32::from(p & 0x7fff_ffff > 0x7f80_0000);
+        d.write(f64::from(f32::from_bits(p)));
+    };
+    let mut blocks = dst.chunks_exact_mut(8);
+    let mut sources = bytes.chunks_exact(8 * SIZE);
+    for (d, c) in (&mut blocks).zip(&mut sources) {
+        for (l, x) in d.iter_mut().enumerate() {
+            one(x, &c[l * SIZE..]);
         }
-        out.extend_from_slice(&v);
     }
-    out.extend(
-        tail.chunks_exact(size)
-            .map(|c| f64::from(f32::from_bits(pattern(c)))),
-    );
+    for (x, c) in blocks
+        .into_remainder()
+        .iter_mut()
+        .zip(sources.remainder().chunks_exact(SIZE))
+    {
+        one(x, c);
+    }
+    nan != 0
 }
 
 #[cfg(test)]
@@ -191,7 +217,7 @@ mod tests {
             let size = if bf16 { 2 } else { 4 };
             let bytes = &bytes[..bytes.len() / size * size];
             let mut fast = vec![1.0];
-            widen_f32_patterns(bytes, size, &mut fast);
+            let nan = widen_f32_patterns(bytes, size, &mut fast);
             let plain: Vec<f64> = bytes
                 .chunks_exact(size)
                 .map(|c| {
@@ -206,6 +232,7 @@ mod tests {
             prop_assert_eq!(fast[0], 1.0, "appends after existing values");
             prop_assert_eq!(fast.len(), plain.len() + 1);
             prop_assert!(fast[1..].iter().zip(&plain).all(|(a, b)| a.to_bits() == b.to_bits()));
+            prop_assert_eq!(nan, plain.iter().any(|x| x.is_nan()), "says whether a NaN came");
         }
     }
 }
