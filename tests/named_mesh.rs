@@ -155,6 +155,43 @@ fn shards_cut_by_hand_on_named_axes_merge_to_the_tensor() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// Partial sums merge to their exact sum rounded once to the format. Oracle: sums worked by
+/// hand. 1 + 2⁻⁸ + 2⁻¹⁰⁰ lies just above BF16's tie between 1 and 1 + 2⁻⁷, so it rounds up;
+/// its nearest `f64` is the tie itself, which would round to the even 1 (the sum is not exact
+/// in `f64`, so the merge must not round it there first). The other elements: sums exact in
+/// `f64` (2 + 2⁻⁷ + 0 = 2 + 2⁻⁷, not a BF16 value: a tie rounding to even 2), an overflow
+/// (BF16's largest value twice: +∞), and cancellation (to +0).
+#[test]
+fn partial_sums_merge_to_the_exact_sum_rounded_once() {
+    let d = temp("partial-rounding");
+    let p = |e: i32| 2f64.powi(e);
+    let max = Format::BF16.max_finite();
+    let terms = [
+        [1.0, p(-8), p(-100)],
+        [2.0, p(-7), 0.0],
+        [max, max, 0.0],
+        [3.0, -3.0, 0.0],
+    ];
+    let want = [1.0 + p(-7), 2.0, f64::INFINITY, 0.0];
+    let mesh = Mesh::new([(Axis::TP, 3)]).unwrap();
+    let shards: Vec<Tensor> = (0..3)
+        .map(|r| {
+            Tensor::from_vec(&[4], terms.iter().map(|t| t[r]).collect(), Format::BF16).unwrap()
+        })
+        .collect();
+    write(
+        &d,
+        &mesh,
+        Layout::replicated().with(Axis::TP, Placement::Partial),
+        shards,
+    );
+    let merged = TraceDir::open(&d).unwrap().logical(ID).unwrap();
+    let bits: Vec<u64> = merged.values().iter().map(|x| x.to_bits()).collect();
+    let want: Vec<u64> = want.iter().map(|x| x.to_bits()).collect();
+    assert_eq!(bits, want, "{:?}", merged.values());
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 #[test]
 fn a_check_on_named_axes_passes_when_equal_and_blames_the_corrupted_rank() {
     let d = temp("check");

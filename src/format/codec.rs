@@ -14,19 +14,40 @@ pub fn element_size(f: Format) -> usize {
 
 /// Encode values of `f` as little-endian bytes.
 pub fn encode_values(values: &[f64], f: Format, what: &str) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    encode_values_into(values, f, what, &mut out)?;
+    Ok(out)
+}
+
+/// [`encode_values`] appended to `out`. An F32 or BF16 value is encoded through `f32` when it
+/// converts there and back unchanged (and, for BF16, its `f32` pattern's low half is zero):
+/// exactly the values of the format, whose patterns these are; NaNs and anything else go
+/// through [`Format::encode`] (which keeps NaN payloads and refuses values off the grid).
+pub fn encode_values_into(values: &[f64], f: Format, what: &str, out: &mut Vec<u8>) -> Result<()> {
     let size = element_size(f);
-    let mut out = Vec::with_capacity(values.len() * size);
+    out.reserve(values.len() * size);
+    let slow = |v: f64| {
+        f.encode(v).map_err(|e| Error::InvalidParameter {
+            name: "tensor",
+            reason: format!("{what}: {e}"),
+        })
+    };
     for &v in values {
+        let narrow = v as f32;
         let bits = match f {
             Format::F64 => v.to_bits(),
-            _ => f.encode(v).map_err(|e| Error::InvalidParameter {
-                name: "tensor",
-                reason: format!("{what}: {e}"),
-            })?,
+            Format::F32 if f64::from(narrow) == v || v.is_infinite() => u64::from(narrow.to_bits()),
+            Format::BF16
+                if (f64::from(narrow) == v || v.is_infinite())
+                    && narrow.to_bits() & 0xffff == 0 =>
+            {
+                u64::from(narrow.to_bits() >> 16)
+            }
+            _ => slow(v)?,
         };
         out.extend_from_slice(&bits.to_le_bytes()[..size]);
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Decode little-endian bytes of `f` into values (finite F32 and BF16 through `f32`, exactly;
@@ -209,6 +230,32 @@ mod tests {
     }
 
     proptest! {
+        /// The F32 and BF16 encodings through `f32` give [`Format::encode`]'s patterns, and
+        /// refuse what it refuses: values of the format (of every binade, subnormals, zeros
+        /// and infinities) and values off its grid.
+        #[test]
+        fn fast_encodings_are_the_formats(pattern in any::<u32>(), nudge in -2i64..=2, bf16 in any::<bool>()) {
+            let f = if bf16 { Format::BF16 } else { Format::F32 };
+            let on = f64::from(f32::from_bits(if bf16 { pattern & 0xffff_0000 } else { pattern }));
+            let v = if on.is_finite() && nudge != 0 {
+                f64::from_bits((on.to_bits() as i64 + nudge) as u64)
+            } else {
+                on
+            };
+            let got = encode_values(&[v], f, "x");
+            match f.encode(v) {
+                Ok(bits) if !v.is_nan() => {
+                    let size = element_size(f);
+                    prop_assert_eq!(got.unwrap(), bits.to_le_bytes()[..size].to_vec());
+                }
+                Ok(_) => prop_assert!(got.is_ok()),
+                Err(_) => {
+                    let refused = matches!(got, Err(Error::InvalidParameter { .. }));
+                    prop_assert!(refused, "refused as encode refuses");
+                }
+            }
+        }
+
         /// The blocked (vectorized) widening gives, pattern by pattern, the bits of the plain
         /// conversion — for every length (blocks of 8 and a tail) and any pattern, NaNs
         /// included.

@@ -57,7 +57,9 @@ pub fn dtype_format(name: &str) -> Option<Format> {
     })
 }
 
-pub use crate::format::codec::{decode_values, decode_values_into, element_size, encode_values};
+pub use crate::format::codec::{
+    decode_values, decode_values_into, element_size, encode_values, encode_values_into,
+};
 
 /// One tensor's entry as the header gives it (serde refuses a field named twice; unknown
 /// fields are ignored).

@@ -7,7 +7,7 @@ use std::borrow::Cow;
 
 use crate::error::{Error, Result};
 use crate::exact::ExactAccumulator;
-use crate::format::codec::encode_values;
+use crate::format::codec::encode_values_into;
 use crate::format::{Format, Overflow};
 use crate::tensor::Tensor;
 use crate::trace::layout::{check_dim, dim_of, layout_err, part_ranges, Layout, Placement};
@@ -72,9 +72,9 @@ impl Joinable for Tensor {
         let first = pieces[0];
         out.clear();
         for i in 0..first.len() {
-            out.push(first.format().round(
-                exact_sum_of(pieces.iter().map(|t| t.values()[i])),
-                Overflow::NonSaturating,
+            out.push(rounded_sum(
+                pieces.iter().map(|t| t.values()[i]),
+                first.format(),
             ));
         }
         Ok(Tensor::from_parts_unchecked(
@@ -128,27 +128,29 @@ impl Joinable for Stored {
                 t.decode_range(start, end, buf);
             }
             sums.clear();
-            sums.extend((0..end - start).map(|i| {
-                format.round(
-                    exact_sum_of(decoded.iter().map(|buf| buf[i])),
-                    Overflow::NonSaturating,
-                )
-            }));
-            out.extend_from_slice(&encode_values(&sums, format, "a partial sum")?);
+            sums.extend(
+                (0..end - start).map(|i| rounded_sum(decoded.iter().map(|buf| buf[i]), format)),
+            );
+            encode_values_into(&sums, format, "a partial sum", &mut out)?;
         }
         Ok(Stored::from_parts_unchecked(first.shape(), format, out))
     }
 }
 
-/// The exact sum of `terms` rounded to `f64`: added in `f64` when no step rounds (the common
-/// case, checked step by step), else by the long accumulator — the same bits either way.
+/// The exact sum of `terms` rounded once to `format` (non-saturating): added in `f64` when no
+/// step rounds (the common case, checked step by step; the `f64` sum is then the exact one),
+/// else by the long accumulator, which rounds the exact sum to the format itself (rounding it
+/// to `f64` first could land on a tie of the format's grid that the exact sum is not on).
 #[inline]
-fn exact_sum_of(terms: impl Iterator<Item = f64> + Clone) -> f64 {
-    crate::exact::sum_if_exact(terms.clone()).unwrap_or_else(|| {
-        let mut acc = ExactAccumulator::new();
-        terms.for_each(|x| acc.add(x));
-        acc.to_f64()
-    })
+fn rounded_sum(terms: impl Iterator<Item = f64> + Clone, format: Format) -> f64 {
+    match crate::exact::sum_if_exact(terms.clone()) {
+        Some(s) => format.round(s, Overflow::NonSaturating),
+        None => {
+            let mut acc = ExactAccumulator::new();
+            terms.for_each(|x| acc.add(x));
+            acc.round(format, Overflow::NonSaturating)
+        }
+    }
 }
 
 /// How many spare buffers a pool keeps (see [`merge_reusing`]).
