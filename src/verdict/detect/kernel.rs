@@ -48,6 +48,8 @@ impl Kernel {
         let (rp, cp) = (r.as_ptr(), c.as_ptr());
         let zero = _mm256_setzero_pd();
         let (mut rr, mut nan) = (zero, zero);
+        // The bits in which some pair differs (all zero: the row is equal, bit for bit).
+        let mut bits = _mm256_setzero_si256();
         for i in (0..tail).step_by(LANES) {
             // SAFETY: i + LANES ≤ tail ≤ the length of both slices.
             let (a, b) = unsafe { (_mm256_loadu_pd(rp.add(i)), _mm256_loadu_pd(cp.add(i))) };
@@ -55,6 +57,10 @@ impl Kernel {
             nan = _mm256_add_pd(
                 nan,
                 _mm256_add_pd(_mm256_mul_pd(a, zero), _mm256_mul_pd(b, zero)),
+            );
+            bits = _mm256_or_si256(
+                bits,
+                _mm256_xor_si256(_mm256_castpd_si256(a), _mm256_castpd_si256(b)),
             );
         }
         let lanes = |v: __m256d| {
@@ -74,6 +80,10 @@ impl Kernel {
         let rms = if n > 0 { (rr / n as f64).sqrt() } else { 0.0 };
         let zero_row = rms == 0.0;
         let (floor, own) = if zero_row { (1.0, 0.0) } else { (rms, 1.0) };
+        let equal = _mm256_testz_si256(bits, bits) == 1 && same_bits(&r[tail..], &c[tail..]);
+        if equal && rr.is_finite() {
+            return Some(self.equal_avx2(r, cols, rr, (floor, own, zero_row)));
+        }
         let abs = _mm256_castsi256_pd(_mm256_set1_epi64x(i64::MAX));
         let exp = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7ff0_0000_0000_0000));
         let (min_ulp, frac) = (_mm256_set1_pd(self.min_ulp), _mm256_set1_pd(self.frac));
@@ -166,9 +176,148 @@ impl Kernel {
         Some(acc.sums(rr, zero_row))
     }
 
+    /// [`Kernel::equal`] in AVX2 intrinsics: the same IEEE operations in the same order per
+    /// lane as [`Kernel::row_avx2`]'s loop, on the sums an equal row does not leave at zero.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn equal_avx2(
+        self,
+        r: &[f64],
+        cols: Option<Columns<'_>>,
+        rr: f64,
+        (floor, own, zero_row): (f64, f64, bool),
+    ) -> RowSums {
+        use std::arch::x86_64::*;
+        let n = r.len();
+        let tail = n - n % LANES;
+        let rp = r.as_ptr();
+        let zero = _mm256_setzero_pd();
+        let abs = _mm256_castsi256_pd(_mm256_set1_epi64x(i64::MAX));
+        let (floor_v, own_v, one) = (
+            _mm256_set1_pd(floor),
+            _mm256_set1_pd(own),
+            _mm256_set1_pd(1.0),
+        );
+        let half = _mm256_set1_pd(0.5);
+        let (mut mms, mut ms, mut m3, mut a4, mut ln) = (zero, zero, zero, zero, zero);
+        let mut cols = cols;
+        let ones = _mm256_set1_epi64x(1);
+        for i in (0..tail).step_by(LANES) {
+            // SAFETY: i + LANES ≤ tail ≤ the length of the slice.
+            let a = unsafe { _mm256_loadu_pd(rp.add(i)) };
+            let mid = _mm256_mul_pd(_mm256_add_pd(a, a), half);
+            let mm = _mm256_mul_pd(mid, mid);
+            let aa = _mm256_and_pd(a, abs);
+            mms = _mm256_add_pd(mms, mm);
+            ms = _mm256_add_pd(ms, mid);
+            m3 = _mm256_add_pd(m3, _mm256_mul_pd(mid, mm));
+            a4 = _mm256_add_pd(a4, _mm256_mul_pd(mm, mm));
+            let big = _mm256_cmp_pd::<_CMP_GE_OQ>(_mm256_mul_pd(own_v, aa), floor_v);
+            ln = _mm256_add_pd(ln, _mm256_and_pd(one, big));
+            if let Some(k) = cols.as_mut() {
+                // SAFETY: the column slices are as long as the row (a full row of a matrix).
+                unsafe {
+                    let add = |p: *mut f64, v: __m256d| {
+                        _mm256_storeu_pd(p, _mm256_add_pd(_mm256_loadu_pd(p), v));
+                    };
+                    add(k.r2.as_mut_ptr().add(i), _mm256_mul_pd(a, a));
+                    add(k.m2.as_mut_ptr().add(i), mm);
+                    let np = k.n.as_mut_ptr().add(i).cast::<__m256i>();
+                    _mm256_storeu_si256(np, _mm256_add_epi64(_mm256_loadu_si256(np), ones));
+                }
+            }
+        }
+        let lanes = |v: __m256d| {
+            let mut out = [0.0f64; LANES];
+            // SAFETY: stores 4 f64 into an array of 4.
+            unsafe { _mm256_storeu_pd(out.as_mut_ptr(), v) };
+            out
+        };
+        let mut acc = Acc {
+            mm: lanes(mms),
+            ms: lanes(ms),
+            m3: lanes(m3),
+            a4: lanes(a4),
+            ln: lanes(ln),
+            ..Acc::default()
+        };
+        self.equal_tail(&mut acc, r, tail, cols, (floor, own, zero_row));
+        acc.sums(rr, zero_row)
+    }
+
+    /// The sums of a row whose candidate equals its reference bit for bit (finite, with Σr²
+    /// finite), `rr` = Σr² already summed: every difference is +0, so every sum of differences
+    /// stays +0 (a sum that starts at +0 and adds ±0 is +0; no product overflows, as Σr² does
+    /// not) and the first pass's loop reduces to the sums of the reference — the same
+    /// operations in the same lanes, so the same bits as that loop (test
+    /// `an_equal_row_takes_the_general_sums`). The columns' sums of differences are left as
+    /// they are (adding +0 or −0 to a column sum, which is never −0, changes nothing).
+    fn equal(
+        self,
+        r: &[f64],
+        cols: Option<Columns<'_>>,
+        rr: f64,
+        (floor, own, zero_row): (f64, f64, bool),
+    ) -> RowSums {
+        let mut acc = Acc::default();
+        let n = r.len();
+        let tail = n - n % LANES;
+        let mut cols = cols;
+        for (i, a) in r.chunks_exact(LANES).enumerate() {
+            for (l, &x) in a.iter().enumerate() {
+                let mid = (x + x) * 0.5;
+                let mm = mid * mid;
+                acc.mm[l] += mm;
+                acc.ms[l] += mid;
+                acc.m3[l] += mid * mm;
+                acc.a4[l] += mm * mm;
+                acc.ln[l] += if own * x.abs() >= floor { 1.0 } else { 0.0 };
+                if let Some(k) = cols.as_mut() {
+                    let j = i * LANES + l;
+                    k.r2[j] += x * x;
+                    k.m2[j] += mm;
+                    k.n[j] += 1;
+                }
+            }
+        }
+        self.equal_tail(&mut acc, r, tail, cols, (floor, own, zero_row));
+        acc.sums(rr, zero_row)
+    }
+
+    /// The elements after the last whole group of lanes of an equal row, as the general loop
+    /// takes them.
+    fn equal_tail(
+        self,
+        acc: &mut Acc,
+        r: &[f64],
+        tail: usize,
+        mut cols: Option<Columns<'_>>,
+        (floor, own, zero_row): (f64, f64, bool),
+    ) {
+        for (j, &x) in r.iter().enumerate().skip(tail) {
+            let e = self.element(acc, 0, x, x, floor, own);
+            if let Some(k) = cols.as_mut() {
+                k.add(j, x, &e, !zero_row);
+            }
+        }
+    }
+
     /// The row's sums, or `None` (nothing added to `cols`) if a pair is not finite.
     #[inline(always)]
     pub(super) fn row(self, r: &[f64], c: &[f64], cols: Option<Columns<'_>>) -> Option<RowSums> {
+        self.row_with(r, c, cols, true)
+    }
+
+    /// [`Kernel::row`], taking equal rows by [`Kernel::equal`] only with `shortcut` (the tests
+    /// compare the two ways).
+    #[inline(always)]
+    pub(super) fn row_with(
+        self,
+        r: &[f64],
+        c: &[f64],
+        cols: Option<Columns<'_>>,
+        shortcut: bool,
+    ) -> Option<RowSums> {
         let n = r.len().min(c.len());
         let (r, c) = (&r[..n], &c[..n]);
         // Σr², and Σ (a·0 + b·0), which is NaN unless every pair is finite.
@@ -192,6 +341,9 @@ impl Kernel {
         let zero = rms == 0.0;
         // The first pass's scale max(|rⱼ|, row rms), or 1 on a row whose reference is zero.
         let (floor, own) = if zero { (1.0, 0.0) } else { (rms, 1.0) };
+        if shortcut && rr.is_finite() && same_bits(r, c) {
+            return Some(self.equal(r, cols, rr, (floor, own, zero)));
+        }
         let mut acc = Acc::default();
         match cols {
             Some(mut cols) => {
@@ -276,6 +428,11 @@ impl Kernel {
         acc.emax[l] = max(acc.emax[l], max(d.abs() - allowance, 0.0) / scale);
         Element { d, da, mm, q }
     }
+}
+
+/// Whether two rows hold the same bit patterns.
+fn same_bits(r: &[f64], c: &[f64]) -> bool {
+    r.len() == c.len() && r.iter().zip(c).all(|(a, b)| a.to_bits() == b.to_bits())
 }
 
 /// The lanes of [`RowSums`]'s sums and maxima.

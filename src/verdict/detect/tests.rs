@@ -252,6 +252,83 @@ fn awkward_rows(seed: u64, rows: usize, cols: usize, f: Format) -> (Vec<f64>, Ve
     (r, c)
 }
 
+/// A row equal to its reference bit for bit takes the reference's sums only, and gets what
+/// the general loop gives, bit for bit, in its sums and in the column sums it adds to: in
+/// its AVX2 form (where the CPU has it) and its portable one; at every scale of the zoo of
+/// rows (zero rows, subnormal BF16, 1e30), with signed zeros, with a tail shorter than the
+/// lanes, and beside a row that differs in one element's sign of zero (the general loop).
+#[test]
+fn an_equal_row_takes_the_general_sums() {
+    fn cols_of<'a>(v: &'a mut [Vec<f64>], n: &'a mut [usize]) -> Columns<'a> {
+        let [dr, d, r2, m2, q] = v else {
+            unreachable!("five column sums")
+        };
+        // The sums of differences start at a value they keep (they add only zeros).
+        dr[0] = 0.25;
+        Columns {
+            dr,
+            d,
+            r2,
+            m2,
+            n,
+            q,
+        }
+    }
+    for (seed, (rows, cols, f)) in [
+        (1, 64, Format::F32),
+        (5, 13, Format::BF16),
+        (7, 3, Format::F16),
+        (6, 37, Format::F64),
+        (2, 1031, Format::BF16),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (mut r, _) = awkward_rows(seed as u64, rows, cols, f);
+        r[1] = -0.0;
+        let mut signed = r.clone();
+        signed[1] = 0.0;
+        let k = Kernel {
+            min_ulp: crate::format::pow2(f.emin()),
+            frac: crate::format::pow2(1 - f.precision() as i32),
+        };
+        let bits = |s: RowSums| {
+            [
+                s.rr, s.mm, s.x, s.y, s.dada, s.dd, s.a4, s.q, s.qmax, s.emax, s.lq, s.ln, s.ms,
+                s.m2d, s.m3, s.m3d,
+            ]
+            .map(f64::to_bits)
+        };
+        let columns = |n: usize| (vec![vec![0.0f64; n]; 5], vec![0usize; n]);
+        for (row, (a, b)) in r.chunks(cols).zip(signed.chunks(cols)).enumerate() {
+            let c = a.to_vec();
+            let (mut general, mut gn) = columns(cols);
+            let (mut fast, mut fast_n) = columns(cols);
+            let (mut plain, mut plain_n) = columns(cols);
+            let want = k.row_with(a, &c, Some(cols_of(&mut general, &mut gn)), false);
+            let got = k.dispatch(a, &c, Some(cols_of(&mut fast, &mut fast_n)));
+            let got_plain = k.row(a, &c, Some(cols_of(&mut plain, &mut plain_n)));
+            let want = bits(want.unwrap());
+            assert_eq!(bits(got.unwrap()), want, "{f:?} row {row}");
+            assert_eq!(bits(got_plain.unwrap()), want, "{f:?} row {row}");
+            let cbits = |v: &Vec<Vec<f64>>| -> Vec<Vec<u64>> {
+                v.iter()
+                    .map(|c| c.iter().map(|x| x.to_bits()).collect())
+                    .collect()
+            };
+            assert_eq!(cbits(&fast), cbits(&general), "{f:?} row {row}: columns");
+            assert_eq!(cbits(&plain), cbits(&general), "{f:?} row {row}: columns");
+            assert_eq!((&fast_n, &plain_n), (&gn, &gn));
+            // A row that differs only in the sign of a zero is not equal: the general loop.
+            if row == 0 {
+                let x = k.dispatch(a, b, None).unwrap();
+                let y = k.row_with(a, b, None, false).unwrap();
+                assert_eq!(bits(x), bits(y));
+            }
+        }
+    }
+}
+
 /// The lane kernel (AVX2 where the CPU has it) adds what the per-element pass adds, up to
 /// the order of the additions and the reciprocal (relative 1e-12), with its row maxima
 /// upper bounds of the per-element ones; and its AVX2 and portable forms agree bit for bit.
