@@ -533,10 +533,18 @@ impl SafetensorsFile {
             }
             (None, None) => return Err(err(&self.path, "file is closed")),
         };
+        // Read into the buffer's spare capacity: no zeroing of bytes about to be overwritten.
         bytes.clear();
-        bytes.resize(len, 0);
+        bytes.reserve_exact(len);
         file.seek(SeekFrom::Start(self.data_start + from))
-            .and_then(|_| file.read_exact(bytes))
+            .and_then(|_| file.take(len as u64).read_to_end(bytes))
+            .and_then(|got| {
+                if got == len {
+                    Ok(())
+                } else {
+                    Err(std::io::ErrorKind::UnexpectedEof.into())
+                }
+            })
             .map_err(|er| Error::io(&self.path, format!("reading '{name}'"), er))?;
         Ok(e)
     }
