@@ -534,7 +534,11 @@ impl SafetensorsFile {
             (None, None) => return Err(err(&self.path, "file is closed")),
         };
         // Read into the buffer's spare capacity: no zeroing of bytes about to be overwritten.
+        // A buffer too small is replaced, not grown (growing would copy its stale bytes).
         bytes.clear();
+        if bytes.capacity() < len {
+            *bytes = Vec::new();
+        }
         bytes.reserve_exact(len);
         file.seek(SeekFrom::Start(self.data_start + from))
             .and_then(|_| file.take(len as u64).read_to_end(bytes))

@@ -563,7 +563,13 @@ pub(crate) fn scatter<'a, T: Joinable>(
         let total = logical.iter().product::<usize>() * w;
         let mut out = take_spare(spare, total);
         out.clear();
-        out.resize(total, T::Unit::default());
+        if out.capacity() < total {
+            // Fresh zeroed pages from the allocator (no copy of the small buffer's bytes,
+            // no zeroing pass over them).
+            out = vec![T::Unit::default(); total];
+        } else {
+            out.resize(total, T::Unit::default());
+        }
         let maps = dim_maps(&logical, layout, mesh, groups[0].1[0], id)?;
         let src = first.units();
         runs(&maps, &shape, &logical, &mut |s, d, n| {
