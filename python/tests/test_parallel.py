@@ -43,17 +43,23 @@ def test_dtensor_tensor_parallel_clean_run_passes(traces, dtype):
     assert layouts["block0.act|fwd.input.0"]["tp"]["kind"] == "split"
 
 
-def test_a_bf16_sequence_parallel_step_of_2048_tokens_on_the_cpu_passes(traces):
+def test_a_bf16_sequence_parallel_step_of_4096_tokens_on_the_cpu_passes(traces):
     # PyTorch's CPU LayerNorm backward adds each row into a BF16 buffer (a sequential sum
     # rounded after every row); under sequence parallelism each rank sums half the tokens, in
-    # other chains. Priced with an FP32 accumulator, all four norm parameter gradients of this
-    # correct step failed by up to 3.6x; priced as the kernel accumulates they pass.
-    size = {"MLP": "128,512,512,4"}
+    # other chains. Priced with an FP32 accumulator, all four norm parameter gradients of a
+    # correct 2,048-token step failed by up to 3.6x; priced as the kernel accumulates, with
+    # the random walk's sqrt(k), the bias gradients of this 4,096-token step (hidden 256)
+    # still failed (26.8 eps against 25.7: the sums stagnate, their errors grow with k); with
+    # the chain run on the arriving gradient's rows they pass.
+    size = {"MLP": "256,1024,1024,4"}
     ref = traces("tp", 1, dtype="bfloat16", **size)
     report = ttrace.check(ref, traces("tp", 2, dtype="bfloat16", **size))
     assert report.passed, str(report)
     norms = [r for r in report.rows if ".norm." in r.id and r.id.endswith("|param_grad")]
     assert len(norms) == 4 and all(r.threshold_eps > 5 for r in norms), str(report)
+    # The bias gradients' thresholds cover the measured stagnation (about 25 eps per run).
+    biases = [r for r in norms if r.id.endswith(".bias|param_grad")]
+    assert all(r.threshold_eps > 40 for r in biases), str(report)
 
 
 def test_an_n_dimensional_root_mesh_needs_no_declarations(traces, recwarn):

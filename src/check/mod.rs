@@ -12,6 +12,7 @@
 //! that does not fit) is a failure with the merge error as its reason.
 
 mod blame;
+mod chain;
 pub(crate) mod dirs;
 mod localization;
 pub(crate) mod loss;

@@ -156,6 +156,11 @@ pub struct TensorStat {
     pub ref_layout: Layout,
     /// Norm gain g measured on the reference (1 unless the tensor is a norm's input).
     pub norm_gain: f64,
+    /// For the gradient arriving at a norm on the CPU in a format narrower than FP32: the
+    /// relative error of its rows summed in order with every partial sum rounded to that
+    /// format (`check::chain`), the stagnation of the norm's parameter gradients, which
+    /// PyTorch's CPU kernel sums that way; 0 elsewhere.
+    pub chain_error: f64,
     /// What produced it (the reference manifest's `module`).
     pub module: Option<ModuleInfo>,
     /// What produced it in the candidate (the candidate manifest's `module`): its arithmetic
@@ -326,13 +331,24 @@ impl<'a> InputIndex<'a> {
 /// sum by 0.85 ε at 64 rows, 2.7 ε at 512 and 5.6 ε at 4,096; a correct DTensor TP 2 + SP
 /// step (hidden 128, 2,048 tokens) failed the FP32 model's thresholds by up to 3.6× on all
 /// four norm parameter gradients (each rank sums its half of the tokens in other chains).
-/// Known limit: a sequential sum in a narrow format whose terms share a sign stagnates one
-/// way, which the model's random-walk growth (√k) understates — at 4,096 tokens (hidden 256)
-/// the same step's LayerNorm bias gradients differ by 27 ε against thresholds of 25 ε.
-/// `None` elsewhere (a GPU's kernels accumulate in FP32).
+/// Such a sum stagnates beyond the model's random walk (√k) once its terms are small against
+/// the running sum: the kernel term then takes twice the error of the chain run on the
+/// arriving gradient's rows (`check::chain`; `papers/checking.md` §6). `None` elsewhere (a
+/// GPU's kernels accumulate in FP32).
 pub(crate) fn cpu_narrow_accumulation(
     kind: Option<ModuleKind>,
     role: &Role,
+    reference: Option<&ModuleInfo>,
+    candidate: Option<&ModuleInfo>,
+    format: Format,
+) -> Option<Format> {
+    (kind == Some(ModuleKind::Norm) && role.param_grad)
+        .then(|| narrow_on_cpu(reference, candidate, format))
+        .flatten()
+}
+
+/// `format` where it is narrower than FP32 and either run's module ran on the CPU.
+pub(crate) fn narrow_on_cpu(
     reference: Option<&ModuleInfo>,
     candidate: Option<&ModuleInfo>,
     format: Format,
@@ -341,11 +357,8 @@ pub(crate) fn cpu_narrow_accumulation(
         m.and_then(|m| m.arith.device.as_deref())
             .is_some_and(|d| d == "cpu")
     };
-    (kind == Some(ModuleKind::Norm)
-        && role.param_grad
-        && format.precision() < Format::F32.precision()
-        && (on_cpu(reference) || on_cpu(candidate)))
-    .then_some(format)
+    (format.precision() < Format::F32.precision() && (on_cpu(reference) || on_cpu(candidate)))
+        .then_some(format)
 }
 
 fn class(kind: ModuleKind, role: &Role) -> OpClass {
@@ -659,18 +672,19 @@ pub fn price_local<'s>(
     } else {
         Format::F32
     };
+    let narrow = info.as_ref().and_then(|m| m.accumulate).is_none()
+        && cpu_narrow_accumulation(
+            kind,
+            &role,
+            info.as_ref(),
+            me.cand_module.as_ref(),
+            me.format,
+        )
+        .is_some();
     let acc = info
         .as_ref()
         .and_then(|m| m.accumulate)
-        .or_else(|| {
-            cpu_narrow_accumulation(
-                kind,
-                &role,
-                info.as_ref(),
-                me.cand_module.as_ref(),
-                me.format,
-            )
-        })
+        .or_else(|| narrow.then_some(me.format))
         .or_else(|| policy.as_ref().map(|p| p.accumulation.accumulator))
         .unwrap_or(default_acc);
     // Partial results split across ranks are rounded to the module's output format (the
@@ -774,8 +788,16 @@ pub fn price_local<'s>(
     } else {
         acc.unit_roundoff()
     };
+    // A narrow sequential sum on the CPU stagnates beyond the random walk: its error run on
+    // the arriving gradient's rows (`check::chain`) stands for each run's, so the two runs
+    // differ by up to twice it.
+    let chain = if narrow {
+        inputs.iter().map(|i| i.chain_error).fold(0.0, f64::max)
+    } else {
+        0.0
+    };
     let rho_kernel = if carried > 0.0 || s > 1 || reshaped {
-        u_kernel * (k.max(1) as f64 / 3.0).sqrt()
+        (u_kernel * (k.max(1) as f64 / 3.0).sqrt()).max(2.0 * chain)
     } else {
         0.0
     };

@@ -91,6 +91,7 @@ fn stat(ref_norm: f64, diff_norm: f64, kind: Option<ttrace::trace::ModuleKind>) 
         layout: Layout::replicated(),
         ref_layout: Layout::replicated(),
         norm_gain: 1.0,
+        chain_error: 0.0,
         module: kind.map(ModuleInfo::of),
         cand_module: None,
     }

@@ -303,6 +303,15 @@ pub(super) fn gather(
         } else {
             1.0
         },
+        chain_error: match narrow_norm_grad(id, module.as_ref(), cand_module.as_ref(), r.format()) {
+            Some(f) => {
+                let mut window = Window::new(&r);
+                crate::check::chain::chain_error(r.len(), last_dim, f, &mut |s, e, f| {
+                    window.visit(s, e, f)
+                })
+            }
+            None => 0.0,
+        },
         module,
         cand_module,
     };
@@ -320,6 +329,20 @@ pub(super) fn gather(
         inferred,
         dtype_change,
     })
+}
+
+/// The narrow format a norm's parameter gradients are summed in on the CPU where `id` is the
+/// gradient arriving at that norm (its rows are their terms: the chain is run on it).
+fn narrow_norm_grad(
+    id: &str,
+    module: Option<&crate::io::ModuleInfo>,
+    cand_module: Option<&crate::io::ModuleInfo>,
+    format: Format,
+) -> Option<Format> {
+    let arriving = role(id).is_some_and(|x| !x.produced && x.pass == Pass::Backward);
+    (arriving && module.is_some_and(|m| m.kind == Some(ModuleKind::Norm)))
+        .then(|| crate::check::price::narrow_on_cpu(module, cand_module, format))
+        .flatten()
 }
 
 /// Whether `id` is a norm's forward input (its norm gain is measured on the data).
@@ -395,8 +418,13 @@ fn reused(
     }
     let (module, cand_module) = (reference.module(id), candidate.module(id));
     let range_tested = |m: Option<&crate::io::ModuleInfo>, c| underflow_format(m, c).is_some();
+    let narrow = |x: &str, m: Option<&crate::io::ModuleInfo>, c| {
+        narrow_norm_grad(x, m, c, crate::format::Format::BF16).is_some()
+    };
     if is_norm_input(id, module)
         || is_norm_input(first, reference.module(first))
+        || narrow(id, module, cand_module)
+        || narrow(first, reference.module(first), candidate.module(first))
         || range_tested(module, cand_module)
         || range_tested(reference.module(first), candidate.module(first))
     {

@@ -28,6 +28,7 @@ fn recorded_arithmetic_prices_what_the_hardware_does() {
         layout: Layout::replicated(),
         ref_layout: Layout::replicated(),
         norm_gain: 1.0,
+        chain_error: 0.0,
         module: Some(module),
         cand_module: cand,
     };
@@ -113,6 +114,7 @@ fn zero_reference_inputs_are_not_failures() {
         layout: Layout::replicated(),
         ref_layout: Layout::replicated(),
         norm_gain: 1.0,
+        chain_error: 0.0,
         module: Some(crate::io::manifest::ModuleInfo::of(ModuleKind::Linear)),
         cand_module: None,
     };
@@ -284,4 +286,71 @@ proptest! {
         let bound = (pre * pre * tail(n as f64).powi(2) + flips).sqrt();
         prop_assert!(rel(&rx, &ry) <= bound, "{} > {bound}", rel(&rx, &ry));
     }
+}
+
+/// A norm's parameter gradient summed in BF16 on the CPU is priced at least at twice the
+/// stagnation the arriving gradient's chain measured (`check::chain`): the two runs' sums may
+/// each stagnate that much. Not where the chain measured nothing, nor on a GPU (whose kernels
+/// sum in FP32), nor where the module declares its accumulator.
+#[test]
+fn a_narrow_cpu_chain_prices_the_norm_gradients_it_sums() {
+    use crate::io::manifest::{ModuleArith, ModuleInfo};
+    let info = |device: &str, accumulate: Option<Format>| ModuleInfo {
+        arith: ModuleArith {
+            device: Some(device.into()),
+            ..ModuleArith::default()
+        },
+        accumulate,
+        ..ModuleInfo::of(ModuleKind::Norm)
+    };
+    let stat = |elements: usize, chain: f64, module: &ModuleInfo| TensorStat {
+        ref_norm: 100.0,
+        ref_max_abs: 10.0,
+        diff_norm: 100.0 * 2f64.powi(-8),
+        elements,
+        last_dim: 256,
+        ndim: 2,
+        format: Format::BF16,
+        layout: Layout::replicated(),
+        ref_layout: Layout::replicated(),
+        norm_gain: 1.0,
+        chain_error: chain,
+        module: Some(module.clone()),
+        cand_module: None,
+    };
+    let ids: Vec<String> = ["n|fwd.input.0", "n|grad.output.0", "n.bias|param_grad"]
+        .map(String::from)
+        .to_vec();
+    let index = InputIndex::new(&ids);
+    let ctx = PriceContext {
+        mesh: Mesh::single(),
+        ref_mesh: Mesh::single(),
+        recipe: None,
+        log_inv_delta: (1e6f64).ln(),
+    };
+    let price = |chain: f64, module: &ModuleInfo| -> f64 {
+        let (x, dy, out) = (
+            stat(4096 * 256, 0.0, module),
+            stat(4096 * 256, chain, module),
+            stat(256, 0.0, module),
+        );
+        let lookup = |j: &str| -> Option<&TensorStat> {
+            Some(match j {
+                "n|fwd.input.0" => &x,
+                "n|grad.output.0" => &dy,
+                _ => &out,
+            })
+        };
+        price_local("n.bias|param_grad", &index, &lookup, &ctx)
+            .unwrap()
+            .threshold
+    };
+    let cpu = info("cpu", None);
+    let (none, chained) = (price(0.0, &cpu), price(0.25, &cpu));
+    assert!(chained >= 2.0 * 0.25 * 100.0, "{chained}");
+    assert!(none < 0.5 * chained, "{none} vs {chained}");
+    let cuda = info("cuda", None);
+    assert_eq!(price(0.25, &cuda), price(0.0, &cuda));
+    let declared = info("cpu", Some(Format::F32));
+    assert_eq!(price(0.25, &declared), price(0.0, &declared));
 }
