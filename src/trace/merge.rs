@@ -128,6 +128,25 @@ impl Joinable for Stored {
                 t.decode_range(start, end, buf);
             }
             sums.clear();
+            if let ([a, b], Format::BF16) = (decoded.as_slice(), format) {
+                // Two BF16 addends (TP 2's partial sums): patterns straight from the bits,
+                // the rest (flagged) by the general way.
+                let mut patterns = [0u16; BLOCK];
+                let mut flags = [false; BLOCK];
+                let len = end - start;
+                for i in 0..len {
+                    (patterns[i], flags[i]) = bf16_pair_sum(a[i], b[i]);
+                }
+                for i in 0..len {
+                    if flags[i] {
+                        let sum = rounded_sum([a[i], b[i]].into_iter(), format);
+                        encode_values_into(&[sum], format, "a partial sum", &mut out)?;
+                    } else {
+                        out.extend_from_slice(&patterns[i].to_le_bytes());
+                    }
+                }
+                continue;
+            }
             sums.extend(
                 (0..end - start).map(|i| rounded_sum(decoded.iter().map(|buf| buf[i]), format)),
             );
@@ -135,6 +154,31 @@ impl Joinable for Stored {
         }
         Ok(Stored::from_parts_unchecked(first.shape(), format, out))
     }
+}
+
+/// The BF16 pattern of a + b rounded once to BF16 (ties to even), and `true` where this quick
+/// way cannot say and [`rounded_sum`] must: a sum that `f64` does not hold exactly (TwoSum's
+/// error term not zero), not finite, below BF16's normal range but not zero, or rounding
+/// beyond its largest value. Otherwise the `f64` sum is the exact one and rounding its pattern
+/// to 8 significant bits is the format's rounding (the carry of a round-up bumps the exponent
+/// as it should); branch-free, so that a block of them vectorizes. Test:
+/// `bf16_pair_sums_are_the_general_ones`.
+#[inline(always)]
+fn bf16_pair_sum(a: f64, b: f64) -> (u16, bool) {
+    const SIGN: u64 = 1 << 63;
+    const SHIFT: u32 = 52 - 7;
+    // 2^-126 and 2^128 as f64 patterns.
+    const MIN_NORMAL: u64 = (1023 - 126) << 52;
+    const OVERFLOW: u64 = (1023 + 128) << 52;
+    let t = a + b;
+    let bb = t - a;
+    let err = (a - (t - bb)) + (b - bb);
+    let bits = t.to_bits();
+    let mag = bits & !SIGN;
+    let rounded = (mag + (1 << (SHIFT - 1)) - 1 + ((mag >> SHIFT) & 1)) & !((1 << SHIFT) - 1);
+    let slow = err != 0.0 || !(mag == 0 || mag >= MIN_NORMAL) || rounded >= OVERFLOW;
+    let value = f64::from_bits((bits & SIGN) | rounded.min(OVERFLOW - 1));
+    ((((value as f32).to_bits()) >> 16) as u16, slow)
 }
 
 /// The exact sum of `terms` rounded once to `format` (non-saturating): added in `f64` when no
@@ -626,4 +670,59 @@ pub(crate) fn scatter<'a, T: Joinable>(
         }
     }
     Ok(T::assemble(&logical, format, out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The general way, by the long accumulator: a + b rounded once to BF16, its pattern.
+    fn general(a: f64, b: f64) -> Option<u16> {
+        let mut acc = ExactAccumulator::new();
+        acc.add(a);
+        acc.add(b);
+        let r = acc.round(Format::BF16, Overflow::NonSaturating);
+        Format::BF16.encode(r).ok().map(|p| p as u16)
+    }
+
+    fn bf16(pattern: u16) -> f64 {
+        f64::from(f32::from_bits(u32::from(pattern) << 16))
+    }
+
+    proptest! {
+        /// Where the quick way answers, it is the exact sum rounded once (the long
+        /// accumulator's), for any two BF16 patterns: every binade, subnormals, zeros of both
+        /// signs, infinities and NaNs, ties, overflow.
+        #[test]
+        fn bf16_pair_sums_are_the_general_ones(x in any::<u16>(), y in any::<u16>(), near in any::<bool>()) {
+            // Half the pairs from nearby binades, where the sums round (and tie) most.
+            let y = if near { (x & 0xff80) ^ (y & 0x807f) } else { y };
+            let (a, b) = (bf16(x), bf16(y));
+            let (p, slow) = bf16_pair_sum(a, b);
+            if !slow {
+                prop_assert_eq!(Some(p), general(a, b), "{} + {}", a, b);
+            }
+        }
+    }
+
+    /// The quick way answers for the sums TP 2's partial outputs hold (normal values of
+    /// nearby size, zeros), hands on the rest, and rounds ties to even. Oracle by hand.
+    #[test]
+    fn bf16_pair_sums_by_hand() {
+        let p = |e: i32| 2f64.powi(e);
+        // 1 + 2^-8 is a tie: to even 1 (pattern 0x3f80); 1 + 3·2^-8 ties up to 1 + 2^-6.
+        assert_eq!(bf16_pair_sum(1.0, p(-8)), (0x3f80, false));
+        assert_eq!(bf16_pair_sum(1.0, 3.0 * p(-8)), (0x3f82, false));
+        assert_eq!(bf16_pair_sum(-0.0, -0.0), (0x8000, false));
+        assert_eq!(bf16_pair_sum(0.0, -0.0), (0x0000, false));
+        assert_eq!(bf16_pair_sum(3.0, -3.0), (0x0000, false));
+        // Handed on: beyond the range, below its normal values, inexact in f64, not finite.
+        let max = Format::BF16.max_finite();
+        assert!(bf16_pair_sum(max, max).1);
+        assert!(bf16_pair_sum(p(-130), 0.0).1);
+        assert!(bf16_pair_sum(1.0, p(-100)).1);
+        assert!(bf16_pair_sum(f64::INFINITY, 1.0).1);
+        assert!(bf16_pair_sum(f64::NAN, 1.0).1);
+    }
 }
