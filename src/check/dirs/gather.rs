@@ -363,7 +363,7 @@ pub(super) struct Aliases(HashMap<StorageKey, (String, Gathered)>);
 /// [`gather`], or the result of an earlier id stored in the same places in both runs when
 /// nothing that depends on the id differs: the same layouts in both runs, the same pass and
 /// parameter-gradient role (which tests run; whether the loss normalization divides it), no
-/// norm gain to measure, no FP16 range test, no merge problem or blamed rank.
+/// norm gain or narrow chain to measure, no FP16 range test, no merge problem or blamed rank.
 pub(super) fn gather_reusing(
     reference: &mut TraceDir,
     candidate: &mut TraceDir,
@@ -418,6 +418,7 @@ fn reused(
     }
     let (module, cand_module) = (reference.module(id), candidate.module(id));
     let range_tested = |m: Option<&crate::io::ModuleInfo>, c| underflow_format(m, c).is_some();
+    // A chain to run, were the data narrow (measured on it, like the norm gain).
     let narrow = |x: &str, m: Option<&crate::io::ModuleInfo>, c| {
         narrow_norm_grad(x, m, c, crate::format::Format::BF16).is_some()
     };
