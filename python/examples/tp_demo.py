@@ -11,7 +11,9 @@ training dtype, and the gradient reaching the LayerNorm is all-reduced likewise.
 injects a silent bug: `double-bias` gives every rank's fc2 shard the bias (so the all-reduce
 adds it tp times), `no-grad-allreduce` forgets the all-reduce of fc1's input gradient (each
 rank's LayerNorm sees only its own partial gradient), `scale` multiplies one rank's fc2
-partial output by 1 + 1e-3. `ttrace check` exits 0 on the clean run and 1, naming the module,
+partial output by 1 + 1e-3, `grad-elements` multiplies 4 elements of rank 0's fc1 weight
+gradient by 1.5 (a corrupted gradient communication, the NCCL #1950 class: 4 of
+`4·d²/tp` elements, far below the norm's threshold in BF16). `ttrace check` exits 0 on the clean run and 1, naming the module,
 on a bug.
 
 The arithmetic GPUs train with: `--autocast f16|bf16` runs both steps under `torch.autocast`
@@ -163,7 +165,7 @@ class AllReduce(torch.autograd.Function):
         return grads
 
 
-BUGS = ["none", "double-bias", "no-grad-allreduce", "scale"]
+BUGS = ["none", "double-bias", "no-grad-allreduce", "scale", "grad-elements"]
 
 
 def _autocast(device, name):
@@ -297,6 +299,17 @@ def main(argv=None):
             parts[0] = parts[0] * (1 + 1e-3)
         ys = AllReduce.apply(*parts)
         losses = [m.loss(m.bias2(y), target) for m, y in zip(ranks, ys)]
+    if args.bug == "grad-elements":
+        # Four elements of rank 0's fc1 weight gradient, at seeded places, scaled by 1.5 as
+        # the gradient arrives (before the tracer records it).
+        def corrupt(g):
+            g = g.clone()
+            flat = g.view(-1)
+            at = torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(1))[:4]
+            flat[at.to(flat.device)] *= 1.5
+            return g
+
+        ranks[0].fc1.weight.register_hook(corrupt)
     # Every rank back-propagates its own (identical) loss; the graphs meet only at the
     # emulated collectives, so each rank's gradients are its own.
     torch.stack(losses).sum().backward()

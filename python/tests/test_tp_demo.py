@@ -103,3 +103,30 @@ def test_tensors_stored_once_for_two_ids_are_judged_as_if_stored_twice(tmp_path,
     assert shared.passed == (bug == "none")
     assert shared.to_json() == separate.to_json()
     assert str(shared) == str(separate)
+
+
+def test_four_corrupted_weight_gradient_elements_are_found_in_bf16(tmp_path):
+    # The NCCL #1950 class in BF16 (issue 39): 4 of rank 0's 524,288 fc1 weight-gradient
+    # elements scaled by 1.5 as the gradient arrives. The norm's threshold is far above them;
+    # each element's own bound from the layer's recorded operands is not. The clean step of
+    # the same size passes.
+    out = {}
+    for bug in ("none", "grad-elements"):
+        out[bug] = tmp_path / bug
+        run = subprocess.run(
+            [sys.executable, str(DEMO), "--out", str(out[bug]), "--bug", bug, "--dtype", "bf16",
+             "--tokens", "1024", "--d", "512"], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+    clean = ttrace.check(out["none"] / "reference", out["none"] / "candidate")
+    assert clean.passed, str(clean)
+    tested = {r.id for r in clean.rows for f in r.findings if f["detector"] == "sparse"}
+    assert {"fc1.weight|param_grad", "fc2.weight|param_grad"} <= tested, tested
+    report = ttrace.check(out["grad-elements"] / "reference", out["grad-elements"] / "candidate")
+    assert not report.passed
+    assert report.first_failure == "fc1.weight|param_grad"
+    assert report.localization["module"] == "fc1"
+    assert report.localization["pass"] == "backward"
+    row = next(r for r in report.rows if r.id == "fc1.weight|param_grad")
+    assert row.fired == ["sparse"], row.fired  # the norm alone passes it
+    sparse = next(f for f in row.findings if f["detector"] == "sparse")
+    assert sparse["count"] == 4, sparse

@@ -19,6 +19,7 @@ pub(crate) mod loss;
 pub(crate) mod price;
 mod summaries;
 mod text;
+pub(crate) mod weight_grad;
 
 use std::collections::HashMap;
 

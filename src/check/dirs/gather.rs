@@ -256,6 +256,27 @@ pub(super) fn gather(
             (verdict, sums) = compare_stored(id, &r, &r, 0.0, eps, detection);
         }
     }
+    // A linear's weight gradient: each element against its own bound from the layer's operands
+    // (the pooled sparse test leaves parameter gradients alone).
+    if let (Some(cand), None, 0, true, true) = (
+        c.as_ref(),
+        &problem,
+        verdict.nonfinite_mismatches,
+        detection.enabled,
+        detection.sparse,
+    ) {
+        if let Some(f) = crate::check::weight_grad::finding(
+            reference,
+            candidate,
+            id,
+            (&r, cand),
+            plan.recipe.as_ref(),
+            eps,
+        ) {
+            verdict.passed &= !f.fired;
+            verdict.findings.push(f);
+        }
+    }
     if let (Some(cand), None, None, false) = (c.as_ref(), &problem, rank, verdict.passed) {
         // A difference that lies in one rank's shard names the rank.
         rank = crate::check::blame::faulty_rank(&r, cand, &layout, &candidate.manifest().mesh, id);

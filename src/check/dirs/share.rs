@@ -119,9 +119,51 @@ pub fn share_owners(
             _ => units.push(vec![k]),
         }
     }
-    let bytes: Vec<u64> = units
+    let mut bytes: Vec<u64> = units
         .iter()
         .map(|u| reference.stored_bytes(&ids[u[0]]) + candidate.stored_bytes(&ids[u[0]]))
+        .collect();
+    // A linear's weight gradient is tested element by element against its operands
+    // (`check::weight_grad`): the rank that checks it reads them, so they go with it.
+    let mut unit_of = vec![0usize; ids.len()];
+    for (u, members) in units.iter().enumerate() {
+        for &k in members {
+            unit_of[k] = u;
+        }
+    }
+    let index: HashMap<&str, usize> = ids
+        .iter()
+        .enumerate()
+        .map(|(k, i)| (i.as_str(), k))
+        .collect();
+    for (k, id) in ids.iter().enumerate() {
+        for operand in crate::check::weight_grad::operands(reference, id) {
+            let (Some(&j), into) = (index.get(operand.as_str()), unit_of[k]) else {
+                continue;
+            };
+            let from = unit_of[j];
+            if from == into {
+                continue;
+            }
+            let moved = std::mem::take(&mut units[from]);
+            for &m in &moved {
+                unit_of[m] = into;
+            }
+            units[into].extend(moved);
+            bytes[into] += std::mem::take(&mut bytes[from]);
+        }
+    }
+    let live: Vec<usize> = (0..units.len()).filter(|&u| !units[u].is_empty()).collect();
+    let (units, bytes): (Vec<Vec<usize>>, Vec<u64>) = live
+        .into_iter()
+        .map(|u| (std::mem::take(&mut units[u]), bytes[u]))
+        .unzip();
+    let units: Vec<Vec<usize>> = units
+        .into_iter()
+        .map(|mut u| {
+            u.sort_unstable();
+            u
+        })
         .collect();
     let mut order: Vec<usize> = (0..units.len()).collect();
     order.sort_by_key(|&k| (std::cmp::Reverse(bytes[k]), units[k][0]));

@@ -126,6 +126,8 @@
 //! FP8 runs an output layer's weight-gradient element moved by 62% of its row's magnitude
 //! against a pooled noise of 3%). Pricing that needs each element's terms, which a trace does
 //! not hold; the norm and the systematic tests still judge them.
+//! Where the trace holds a linear layer's operands, its weight gradient is tested element by
+//! element against a guaranteed bound of its own instead (`check::weight_grad`).
 //!
 //! # The false-alarm budget
 //!

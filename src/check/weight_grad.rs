@@ -1,0 +1,486 @@
+//! The element test of a linear layer's weight gradient, from its operands.
+//!
+//! A weight gradient sums one product per token, G = dYᵀX (dY the gradient arriving at the
+//! layer's output, `T × out`; X its input, `T × in`; T the tokens of every leading dimension),
+//! and a few dominant terms can move single elements far beyond what their row, column and
+//! tensor do — which is why the pooled sparse test leaves parameter gradients alone
+//! (`verdict::detect`). Where the trace holds the layer's operands, each element gets a bound
+//! of its own instead, **guaranteed** (no distribution assumed), from the operands' column
+//! norms alone:
+//!
+//! * aᵢ = ‖dY_{:,i}‖, bⱼ = ‖X_{:,j}‖ (the reference's), αᵢ, βⱼ the same of the two runs'
+//!   differences, so that by Cauchy–Schwarz Σₜ |dyₜᵢ xₜⱼ| ≤ aᵢbⱼ and the exact products of
+//!   the two runs' operands differ by at most αᵢbⱼ + aᵢβⱼ + αᵢβⱼ;
+//! * both runs may round the operands to a coarser format q first (autocast, TF32): rounding
+//!   to nearest moves two values by at most their difference plus u_q of each, so the
+//!   differences' norms grow by 2u_q·max(|r|, |c|) (plus the format's smallest subnormal λ_q)
+//!   over the elements that differ, and the norms by a factor 1 + u_q (plus √T·λ_q/2);
+//! * each run sums its products in any order in the accumulation format (unit u, FP32 unless
+//!   declared): |fl(Σ) − Σ| ≤ γ_T·Σ|terms|, γ_T = Tu/(1 − Tu) (Higham, *Accuracy and Stability
+//!   of Numerical Algorithms*, 2nd ed., Lemma 3.1 and §3.1: any order, any blocking);
+//! * a run that splits the tokens over P ranks rounds each partial sum to the combining format
+//!   and adds the P of them: at most γ_P·Σ|terms| more (`split_factor`);
+//! * both round the result to their output format: the stored values differ by at most the
+//!   exact ones' difference plus 2u_out·max(|r|, |c|)(1 + 2u_out) + λ_out.
+//!
+//! An element whose difference exceeds its bound cannot be round-off — under the assumptions
+//! stated: the recorded input and output gradient are this layer's operands of its only call
+//! in the step (a second call, `{module}#1`, is not tested), and the gradient is dYᵀX (not
+//! clipped or rescaled). The reference's own gradient is checked to be that product first (Freivalds' projection on a random sign
+//! vector, with the same bound): a parameter shared with another module, a gradient scaled up,
+//! or operands that are not this gradient's take the test off. FP8 operands are not tested
+//! here (scales that differ between runs move every element). `papers/checking.md` §7.
+//!
+//! The bound is worst-case, so its power comes from the differences being small: a BF16
+//! gradient whose operands are equal in both runs (a tensor-parallel MLP's first layer) has a
+//! bound of one unit in the last place plus the accumulation's γ_T·aᵢbⱼ, and four elements
+//! scaled by 1.5 — the NCCL #1950 class — are found where the norm cannot see them.
+
+use crate::check::price::{split_factor, Reduced};
+use crate::format::Format;
+use crate::io::{ModuleInfo, TraceDir};
+use crate::policy::{OpClass, Pass, Recipe};
+use crate::trace::id::{TensorId, TensorRole};
+use crate::trace::stored::Stored;
+use crate::trace::{Layout, ModuleKind};
+use crate::verdict::{Detector, Finding};
+
+/// Values decoded at a time.
+const PIECE: usize = 1 << 14;
+
+/// Column statistics of an operand pair (the last dimension's indices are the columns).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Columns {
+    /// Rows: the elements over the columns (the tokens T).
+    pub(crate) rows: usize,
+    /// ‖r_{:,k}‖ (the reference's column norms).
+    pub(crate) norm: Vec<f64>,
+    /// ‖(c − r)_{:,k}‖ plus the flips of a rounding to q where the pair differs (see the
+    /// module docs), by the triangle inequality.
+    pub(crate) diff: Vec<f64>,
+    /// Σₜ rₜₖ·vₜ for a vector v over the rows, when asked (the projection).
+    pub(crate) projected: Vec<f64>,
+}
+
+/// The column statistics of a pair stored with `cols` columns, both runs rounding to `q`
+/// (unit u_q, subnormal λ_q; `None`: no rounding) before their products; `per_row` is given
+/// each row's reference values and returns the weight vₜ of that row in the projection (or
+/// nothing when none is asked). `None` when a value is not finite or the shapes do not hold
+/// whole rows.
+pub(crate) fn columns(
+    r: &Stored,
+    c: &Stored,
+    cols: usize,
+    q: Option<Format>,
+    per_row: &mut dyn FnMut(usize, &[f64]) -> Option<f64>,
+) -> Option<Columns> {
+    if cols == 0 || r.len() != c.len() || r.len() % cols != 0 {
+        return None;
+    }
+    let rows = r.len() / cols;
+    let (uq, lq) = q.map_or((0.0, 0.0), |q| (q.unit_roundoff(), q.min_subnormal()));
+    let mut norm2 = vec![0.0; cols];
+    let mut diff2 = vec![0.0; cols];
+    let mut flip2 = vec![0.0; cols];
+    let mut projected = vec![0.0; cols];
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    let mut row_r: Vec<f64> = Vec::with_capacity(cols);
+    for start in (0..r.len()).step_by(PIECE.max(cols) / cols * cols) {
+        let end = (start + PIECE.max(cols) / cols * cols).min(r.len());
+        r.decode_range(start, end, &mut a);
+        c.decode_range(start, end, &mut b);
+        for (row, (ra, cb)) in a.chunks_exact(cols).zip(b.chunks_exact(cols)).enumerate() {
+            for (k, (&x, &y)) in ra.iter().zip(cb).enumerate() {
+                if !x.is_finite() || !y.is_finite() {
+                    return None;
+                }
+                norm2[k] += x * x;
+                let d = y - x;
+                if d != 0.0 {
+                    diff2[k] += d * d;
+                    let f = 2.0 * uq * x.abs().max(y.abs()) + lq;
+                    flip2[k] += f * f;
+                }
+            }
+            row_r.clear();
+            row_r.extend_from_slice(ra);
+            if let Some(v) = per_row(start / cols + row, &row_r) {
+                for (p, &x) in projected.iter_mut().zip(ra) {
+                    *p += x * v;
+                }
+            }
+        }
+    }
+    let diff = diff2
+        .iter()
+        .zip(&flip2)
+        .map(|(d, f)| d.sqrt() + f.sqrt())
+        .collect();
+    let norm = norm2
+        .iter()
+        .map(|n| (1.0 + uq) * n.sqrt() + (rows as f64).sqrt() * lq / 2.0)
+        .collect();
+    Some(Columns {
+        rows,
+        norm,
+        diff,
+        projected,
+    })
+}
+
+/// How the two runs computed the gradient, beyond its operands.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Arithmetic {
+    /// The accumulation format of the products' sums.
+    pub(crate) accumulate: Format,
+    /// The format results (and partial sums) are rounded to: the coarser of the stored and
+    /// the autocast dtypes.
+    pub(crate) out: Format,
+    /// Partial sums each run combines (1: none), the reference's and the candidate's.
+    pub(crate) partials: (usize, usize),
+    /// The format both runs round the operands to before their products, if coarser.
+    pub(crate) quantize: Option<Format>,
+}
+
+/// γₙ = nu/(1 − nu) for unit `u`; `None` when nu ≥ 1 (no bound).
+fn gamma(n: usize, u: f64) -> Option<f64> {
+    let nu = n as f64 * u;
+    (nu < 1.0).then(|| nu / (1.0 - nu))
+}
+
+/// The element bound's coefficients: for the reference's scale s = aᵢbⱼ and the candidate's
+/// s_c = (aᵢ + αᵢ)(bⱼ + βⱼ), the kernels' and combinations' part is k_ref·s + k_cand·s_c.
+fn kernel_coefficients(arith: &Arithmetic, rows: usize) -> Option<(f64, f64)> {
+    let g = gamma(rows, arith.accumulate.unit_roundoff())?;
+    let uc = arith.out.unit_roundoff();
+    let comb = |p: usize| if p > 1 { gamma(p, uc) } else { Some(0.0) };
+    Some((g + comb(arith.partials.0)?, g + comb(arith.partials.1)?))
+}
+
+/// Whether the reference's gradient `g` (`out × in`) is the product of its operands: with a
+/// random sign vector v over the inputs, |(G v)ᵢ − Σₜ dyₜᵢ (X v)ₜ| within the element bound
+/// summed over the row (the reference alone: no difference terms), plus the `f64`
+/// evaluation's error. `dy.projected` holds Σₜ dyₜᵢ (X v)ₜ, `xv_abs` Σⱼ bⱼ|vⱼ| = Σⱼ bⱼ.
+pub(crate) fn consistent(
+    g: &Stored,
+    signs: &[f64],
+    dy: &Columns,
+    x: &Columns,
+    arith: &Arithmetic,
+) -> bool {
+    let (out, inn) = (dy.norm.len(), x.norm.len());
+    if g.len() != out * inn || signs.len() != inn {
+        return false;
+    }
+    let Some((k_ref, _)) = kernel_coefficients(arith, dy.rows) else {
+        return false;
+    };
+    let u_out = arith.out.unit_roundoff();
+    let l_out = arith.out.min_subnormal();
+    // The reference multiplied its operands rounded to q: |q(y)q(x) − yx| ≤ (2u_q + u_q²)|yx|
+    // (the norms carry q's subnormal floor already).
+    let uq = arith.quantize.map_or(0.0, Format::unit_roundoff);
+    let k_ref = k_ref + 2.0 * uq + uq * uq;
+    let b_sum: f64 = x.norm.iter().sum();
+    let mut vals = Vec::new();
+    for i in 0..out {
+        g.decode_range(i * inn, (i + 1) * inn, &mut vals);
+        let (mut gv, mut spacing) = (0.0, 0.0);
+        for (&v, &s) in vals.iter().zip(signs) {
+            if !v.is_finite() {
+                return false;
+            }
+            gv += v * s;
+            // The reference's rounding of its result: at most u_out of it (plus λ/2).
+            spacing += u_out * v.abs() * (1.0 + 2.0 * u_out) + l_out;
+        }
+        let a = dy.norm[i];
+        let allowed = k_ref * a * b_sum + spacing;
+        // The f64 sums here: each of the ≤ T + in terms errs relatively by at most
+        // (T + in)·2⁻⁵³ of the sum of magnitudes, which a·Σb and Σ|G| bound.
+        let slack = 1e-12 * (a * b_sum + spacing / u_out.max(f64::MIN_POSITIVE));
+        if (gv - dy.projected[i]).abs() > allowed + slack {
+            return false;
+        }
+    }
+    true
+}
+
+/// The element test of the pair of weight gradients `(r, c)` (`out × in`, row i the output's
+/// column i, column j the input's), with the operands' columns `dy` (`out` columns) and `x`
+/// (`in` columns): every element against its bound (module docs). The finding's estimate is
+/// the worst element's difference over its scale aᵢbⱼ in ε, its threshold that element's
+/// bound in ε, the ratio their quotient. `None` when the bound does not exist (γ_T undefined)
+/// or the shapes do not fit.
+pub(crate) fn element_test(
+    r: &Stored,
+    c: &Stored,
+    dy: &Columns,
+    x: &Columns,
+    arith: &Arithmetic,
+    eps: f64,
+) -> Option<Finding> {
+    let (out, inn) = (dy.norm.len(), x.norm.len());
+    if r.len() != out * inn || c.len() != r.len() || dy.rows != x.rows {
+        return None;
+    }
+    let (k_ref, k_cand) = kernel_coefficients(arith, dy.rows)?;
+    let spacing_format = coarsest(&[arith.out, r.format(), c.format()]);
+    let (u_out, l_out) = (
+        spacing_format.unit_roundoff(),
+        spacing_format.min_subnormal(),
+    );
+    let mut worst: Option<(f64, usize, f64, f64)> = None; // (ratio, at, |D|, bound)
+    let mut count = 0usize;
+    let (mut a_vals, mut b_vals) = (Vec::new(), Vec::new());
+    for i in 0..out {
+        r.decode_range(i * inn, (i + 1) * inn, &mut a_vals);
+        c.decode_range(i * inn, (i + 1) * inn, &mut b_vals);
+        let (a, al) = (dy.norm[i], dy.diff[i]);
+        for (j, (&rv, &cv)) in a_vals.iter().zip(&b_vals).enumerate() {
+            let d = (cv - rv).abs();
+            if d == 0.0 {
+                continue;
+            }
+            if !d.is_finite() {
+                return None;
+            }
+            let (b, be) = (x.norm[j], x.diff[j]);
+            let s = a * b;
+            let carried = al * b + a * be + al * be;
+            let bound = carried
+                + k_ref * s
+                + k_cand * (a + al) * (b + be)
+                + 2.0 * u_out * rv.abs().max(cv.abs()) * (1.0 + 2.0 * u_out)
+                + l_out;
+            // The f64 evaluation of the bound errs by far less than this.
+            let bound = bound * (1.0 + 1e-9);
+            if d > bound {
+                count += 1;
+            }
+            let ratio = d / bound;
+            if worst.is_none_or(|w| ratio > w.0) {
+                worst = Some((ratio, i * inn + j, d, bound));
+            }
+        }
+    }
+    let (ratio, at, d, bound) = worst.unwrap_or((0.0, 0, 0.0, 0.0));
+    let scale = if at < r.len() {
+        let (i, j) = (at / inn, at % inn);
+        (dy.norm[i] * x.norm[j]).max(f64::MIN_POSITIVE)
+    } else {
+        f64::MIN_POSITIVE
+    };
+    Some(Finding {
+        detector: Detector::Sparse,
+        estimate: d / scale / eps,
+        threshold: bound / scale / eps,
+        ratio,
+        fired: count > 0,
+        at: worst.map(|w| w.1),
+        count,
+    })
+}
+
+/// The coarsest of `formats` (fewest significand bits).
+fn coarsest(formats: &[Format]) -> Format {
+    formats
+        .iter()
+        .copied()
+        .min_by_key(|f| f.precision())
+        .unwrap_or(Format::F32)
+}
+
+/// A sign vector of length `n` (±1), the same for the same `name`.
+pub(crate) fn signs(n: usize, name: &str) -> Vec<f64> {
+    let mut g = crate::random::SplitMix64::for_name(name, 0);
+    (0..n)
+        .map(|_| if g.next_u64() >> 63 == 0 { 1.0 } else { -1.0 })
+        .collect()
+}
+
+/// The operands the element test of `id` reads where it is a linear layer's weight gradient
+/// (its input and arriving gradient), else nothing.
+pub(crate) fn operands(reference: &TraceDir, id: &str) -> Vec<String> {
+    let Some(t) = TensorId::parse(id) else {
+        return Vec::new();
+    };
+    let weight = matches!(&t.role, TensorRole::ParamGrad { param } if param == "weight");
+    if !weight || reference.module(id).and_then(|m| m.kind) != Some(ModuleKind::Linear) {
+        return Vec::new();
+    }
+    vec![
+        TensorId::fwd_input(&t.module, 0).to_string(),
+        TensorId::grad_output(&t.module, 0).to_string(),
+    ]
+}
+
+/// The element test of the parameter gradient `id` compared as `(r, c)`, where it applies: a
+/// linear layer's weight, called once, whose input and arriving gradient both traces hold, in
+/// formats other than FP8, and whose reference gradient is the product of its operands.
+pub(crate) fn finding(
+    reference: &mut TraceDir,
+    candidate: &mut TraceDir,
+    id: &str,
+    (r, c): (&Stored, &Stored),
+    recipe: Option<&Recipe>,
+    eps: f64,
+) -> Option<Finding> {
+    let t = TensorId::parse(id)?;
+    let TensorRole::ParamGrad { param } = &t.role else {
+        return None;
+    };
+    let module = reference.module(id).cloned();
+    let cand_module = candidate.module(id).cloned();
+    if param != "weight"
+        || module.as_ref().and_then(|m| m.kind) != Some(ModuleKind::Linear)
+        || r.shape().len() != 2
+        || r.shape() != c.shape()
+    {
+        return None;
+    }
+    // A second call sums its own products into the gradient.
+    let again = format!("{}#1|", t.module);
+    if [&*reference, &*candidate]
+        .iter()
+        .any(|d| d.ids().iter().any(|i| i.starts_with(&again)))
+    {
+        return None;
+    }
+    let x_id = TensorId::fwd_input(&t.module, 0).to_string();
+    let dy_id = TensorId::grad_output(&t.module, 0).to_string();
+    if ![&x_id, &dy_id]
+        .iter()
+        .all(|i| reference.contains(i) && candidate.contains(i))
+    {
+        return None;
+    }
+    let infos = [module.as_ref(), cand_module.as_ref()];
+    // FP8 operands, declared or by the recipe: not tested here.
+    let policy = recipe.map(|rc| rc.policy(OpClass::MatmulGradWeight, Pass::Backward).clone());
+    let fp8 = |f: Format| matches!(f, Format::E4M3 | Format::E5M2);
+    if infos.iter().flatten().any(|m| m.quantize.is_some_and(fp8))
+        || policy
+            .as_ref()
+            .is_some_and(|p| fp8(p.input()) || fp8(p.rhs()))
+    {
+        return None;
+    }
+    let shape = (r.shape()[0], r.shape()[1]);
+    let read = |d: &mut TraceDir, i: &str| d.logical_stored(i).ok();
+    let (x_r, x_c) = (read(reference, &x_id), read(candidate, &x_id));
+    let (dy_r, dy_c) = (read(reference, &dy_id), read(candidate, &dy_id));
+    let result = match (&x_r, &x_c, &dy_r, &dy_c) {
+        (Some(x_r), Some(x_c), Some(dy_r), Some(dy_c)) => {
+            let layouts = |d: &TraceDir| {
+                let l = |i: &str| d.layout(i).unwrap_or_else(Layout::replicated);
+                (
+                    l(id),
+                    vec![
+                        (l(&x_id), x_r.shape().len()),
+                        (l(&dy_id), dy_r.shape().len()),
+                    ],
+                )
+            };
+            let partials = |d: &TraceDir| {
+                let (me, ins) = layouts(d);
+                split_factor(&me, &ins, &d.manifest().mesh, Some(Reduced::AllButLast)).max(1)
+            };
+            let operand = coarsest(&[x_r.format(), x_c.format(), dy_r.format(), dy_c.format()]);
+            let setting = |m: &ModuleInfo| {
+                [
+                    m.arith.autocast,
+                    m.arith.fp32_matmul.filter(|_| operand == Format::F32),
+                    m.quantize,
+                ]
+            };
+            let q = infos
+                .iter()
+                .flatten()
+                .flat_map(|m| setting(m))
+                .chain(
+                    policy
+                        .as_ref()
+                        .map(|p| [Some(p.input()), Some(p.rhs())])
+                        .into_iter()
+                        .flatten(),
+                )
+                .flatten()
+                .filter(|f| f.precision() < operand.precision())
+                .min_by_key(|f| f.precision());
+            let autocast = infos
+                .iter()
+                .flatten()
+                .filter_map(|m| m.arith.autocast)
+                .chain(infos.iter().flatten().filter_map(|m| m.combine));
+            let out = coarsest(
+                &[r.format(), c.format()]
+                    .into_iter()
+                    .chain(autocast)
+                    .collect::<Vec<_>>(),
+            );
+            let wide = [r.format(), c.format(), x_r.format(), x_c.format()]
+                .iter()
+                .all(|f| *f == Format::F64);
+            let accumulate = infos
+                .iter()
+                .flatten()
+                .filter_map(|m| m.accumulate)
+                .chain(policy.as_ref().map(|p| p.accumulator()))
+                .chain([if wide { Format::F64 } else { Format::F32 }])
+                .min_by_key(|f| f.precision())
+                .unwrap_or(Format::F32);
+            let arith = Arithmetic {
+                accumulate,
+                out,
+                partials: (partials(reference), partials(candidate)),
+                quantize: q,
+            };
+            element(((r, c), (x_r, x_c), (dy_r, dy_c)), shape, &arith, id, eps)
+        }
+        _ => None,
+    };
+    for s in [x_r, dy_r].into_iter().flatten() {
+        reference.recycle(s);
+    }
+    for s in [x_c, dy_c].into_iter().flatten() {
+        candidate.recycle(s);
+    }
+    result
+}
+
+/// A pair of stored tensors: the reference's and the candidate's.
+type StoredPair<'a> = (&'a Stored, &'a Stored);
+
+/// The test on the gradient pair with its operands' pairs read.
+fn element(
+    (g, x, dy): (StoredPair<'_>, StoredPair<'_>, StoredPair<'_>),
+    (out, inn): (usize, usize),
+    arith: &Arithmetic,
+    id: &str,
+    eps: f64,
+) -> Option<Finding> {
+    if x.0.shape() != x.1.shape()
+        || dy.0.shape() != dy.1.shape()
+        || x.0.shape().last() != Some(&inn)
+        || dy.0.shape().last() != Some(&out)
+    {
+        return None;
+    }
+    let v = signs(inn, id);
+    let mut xv = Vec::with_capacity(x.0.len() / inn.max(1));
+    let xc = columns(x.0, x.1, inn, arith.quantize, &mut |_, row| {
+        xv.push(row.iter().zip(&v).map(|(a, s)| a * s).sum());
+        None
+    })?;
+    let dyc = columns(dy.0, dy.1, out, arith.quantize, &mut |t, _| {
+        xv.get(t).copied()
+    })?;
+    if xc.rows != dyc.rows || !consistent(g.0, &v, &dyc, &xc, arith) {
+        return None;
+    }
+    element_test(g.0, g.1, &dyc, &xc, arith, eps)
+}
+
+#[cfg(test)]
+mod tests;
