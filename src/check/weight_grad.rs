@@ -53,28 +53,35 @@ const PIECE: usize = 1 << 14;
 pub(crate) struct Columns {
     /// Rows: the elements over the columns (the tokens T).
     pub(crate) rows: usize,
-    /// ‖r_{:,k}‖ (the reference's column norms).
+    /// ‖r_{:,k}‖ (the reference's column norms), times 1 + u_q, plus √T·λ_q/2.
     pub(crate) norm: Vec<f64>,
     /// ‖(c − r)_{:,k}‖ plus the flips of a rounding to q where the pair differs (see the
     /// module docs), by the triangle inequality.
     pub(crate) diff: Vec<f64>,
-    /// Σₜ rₜₖ·vₜ for a vector v over the rows, when asked (the projection).
+    /// Σₜ rₜₖ·wₜ for the row weights w, when given (the projection's second half).
     pub(crate) projected: Vec<f64>,
+    /// Σₖ rₜₖ·vₖ for each row t, for the column weights v, when given (its first half).
+    pub(crate) row_dots: Vec<f64>,
 }
 
 /// The column statistics of a pair stored with `cols` columns, both runs rounding to `q`
-/// (unit u_q, subnormal λ_q; `None`: no rounding) before their products; `per_row` is given
-/// each row's reference values and returns the weight vₜ of that row in the projection (or
-/// nothing when none is asked). `None` when a value is not finite or the shapes do not hold
-/// whole rows.
+/// (unit u_q, subnormal λ_q; `None`: no rounding) before their products, in one pass; with
+/// column weights v, each row's Σₖ rₜₖvₖ, with row weights w, each column's Σₜ rₜₖwₜ (the
+/// reference's values). `None` when a value is not finite or the shapes do not hold whole
+/// rows (or the row weights are too few).
 pub(crate) fn columns(
-    r: &Stored,
-    c: &Stored,
+    (r, c): (&Stored, &Stored),
     cols: usize,
     q: Option<Format>,
-    per_row: &mut dyn FnMut(usize, &[f64]) -> Option<f64>,
+    col_weights: Option<&[f64]>,
+    row_weights: Option<&[f64]>,
 ) -> Option<Columns> {
-    if cols == 0 || r.len() != c.len() || r.len() % cols != 0 {
+    if cols == 0
+        || r.len() != c.len()
+        || r.len() % cols != 0
+        || col_weights.is_some_and(|v| v.len() != cols)
+        || row_weights.is_some_and(|w| w.len() != r.len() / cols)
+    {
         return None;
     }
     let rows = r.len() / cols;
@@ -82,34 +89,46 @@ pub(crate) fn columns(
     let mut norm2 = vec![0.0; cols];
     let mut diff2 = vec![0.0; cols];
     let mut flip2 = vec![0.0; cols];
-    let mut projected = vec![0.0; cols];
+    let mut projected = vec![0.0; if row_weights.is_some() { cols } else { 0 }];
+    let mut row_dots = Vec::with_capacity(if col_weights.is_some() { rows } else { 0 });
     let (mut a, mut b) = (Vec::new(), Vec::new());
-    let mut row_r: Vec<f64> = Vec::with_capacity(cols);
-    for start in (0..r.len()).step_by(PIECE.max(cols) / cols * cols) {
-        let end = (start + PIECE.max(cols) / cols * cols).min(r.len());
+    let step = PIECE.max(cols) / cols * cols;
+    for start in (0..r.len()).step_by(step) {
+        let end = (start + step).min(r.len());
         r.decode_range(start, end, &mut a);
         c.decode_range(start, end, &mut b);
         for (row, (ra, cb)) in a.chunks_exact(cols).zip(b.chunks_exact(cols)).enumerate() {
-            for (k, (&x, &y)) in ra.iter().zip(cb).enumerate() {
-                if !x.is_finite() || !y.is_finite() {
-                    return None;
-                }
-                norm2[k] += x * x;
+            // Branch-free, so that it vectorizes; a value that is not finite leaves a sum
+            // that is not (checked at the end).
+            for (((n, e), (&x, &y)), f) in norm2
+                .iter_mut()
+                .zip(diff2.iter_mut())
+                .zip(ra.iter().zip(cb))
+                .zip(flip2.iter_mut())
+            {
                 let d = y - x;
-                if d != 0.0 {
-                    diff2[k] += d * d;
-                    let f = 2.0 * uq * x.abs().max(y.abs()) + lq;
-                    flip2[k] += f * f;
+                *n += x * x;
+                *e += d * d;
+                if q.is_some() {
+                    let differs = f64::from(u8::from(d != 0.0));
+                    let fl = (2.0 * uq * x.abs().max(y.abs()) + lq) * differs;
+                    *f += fl * fl;
                 }
             }
-            row_r.clear();
-            row_r.extend_from_slice(ra);
-            if let Some(v) = per_row(start / cols + row, &row_r) {
+            if let Some(v) = col_weights {
+                row_dots.push(ra.iter().zip(v).map(|(x, v)| x * v).sum());
+            }
+            if let Some(w) = row_weights {
+                let wt = w[start / cols + row];
                 for (p, &x) in projected.iter_mut().zip(ra) {
-                    *p += x * v;
+                    *p += x * wt;
                 }
             }
         }
+    }
+    let finite = |v: &[f64]| v.iter().all(|x| x.is_finite());
+    if !finite(&norm2) || !finite(&diff2) || !finite(&flip2) || !finite(&row_dots) {
+        return None;
     }
     let diff = diff2
         .iter()
@@ -125,6 +144,7 @@ pub(crate) fn columns(
         norm,
         diff,
         projected,
+        row_dots,
     })
 }
 
@@ -282,6 +302,50 @@ pub(crate) fn element_test(
     })
 }
 
+/// The element test's finding where no element of the pair differs by more than the part
+/// of its bound that the final roundings make, 2u_out·max(|r|, |c|)(1 + 2u_out) + λ_out in
+/// the coarsest of `out` and the stored formats (a sufficient condition: every bound holds
+/// it); estimate and threshold relative to the element's magnitude max(|r|, |c|). `None`
+/// where some element differs by more.
+fn within_spacing(r: &Stored, c: &Stored, out: Format, eps: f64) -> Option<Finding> {
+    let f = coarsest(&[out, r.format(), c.format()]);
+    let (u, l) = (f.unit_roundoff(), f.min_subnormal());
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    let mut worst: Option<(f64, usize, f64, f64)> = None;
+    for start in (0..r.len()).step_by(PIECE) {
+        let end = (start + PIECE).min(r.len());
+        r.decode_range(start, end, &mut a);
+        c.decode_range(start, end, &mut b);
+        for (k, (&x, &y)) in a.iter().zip(&b).enumerate() {
+            let d = (y - x).abs();
+            if d == 0.0 {
+                continue;
+            }
+            let m = x.abs().max(y.abs());
+            let bound = (2.0 * u * m * (1.0 + 2.0 * u) + l) * (1.0 + 1e-9);
+            if !(d <= bound) {
+                return None;
+            }
+            let ratio = d / bound;
+            if worst.is_none_or(|w| ratio > w.0) {
+                worst = Some((ratio, start + k, d / m, bound / m));
+            }
+        }
+    }
+    let (ratio, at, estimate, threshold) = worst.map_or((0.0, None, 0.0, 0.0), |w| {
+        (w.0, Some(w.1), w.2 / eps, w.3 / eps)
+    });
+    Some(Finding {
+        detector: Detector::Sparse,
+        estimate,
+        threshold,
+        ratio,
+        fired: false,
+        at,
+        count: 0,
+    })
+}
+
 /// The coarsest of `formats` (fewest significand bits).
 fn coarsest(formats: &[Format]) -> Format {
     formats
@@ -366,120 +430,132 @@ pub(crate) fn finding(
     {
         return None;
     }
-    let shape = (r.shape()[0], r.shape()[1]);
-    let read = |d: &mut TraceDir, i: &str| d.logical_stored(i).ok();
-    let (x_r, x_c) = (read(reference, &x_id), read(candidate, &x_id));
-    let (dy_r, dy_c) = (read(reference, &dy_id), read(candidate, &dy_id));
-    let result = match (&x_r, &x_c, &dy_r, &dy_c) {
-        (Some(x_r), Some(x_c), Some(dy_r), Some(dy_c)) => {
-            let layouts = |d: &TraceDir| {
-                let l = |i: &str| d.layout(i).unwrap_or_else(Layout::replicated);
-                (
-                    l(id),
-                    vec![
-                        (l(&x_id), x_r.shape().len()),
-                        (l(&dy_id), dy_r.shape().len()),
-                    ],
-                )
-            };
-            let partials = |d: &TraceDir| {
-                let (me, ins) = layouts(d);
-                split_factor(&me, &ins, &d.manifest().mesh, Some(Reduced::AllButLast)).max(1)
-            };
-            let operand = coarsest(&[x_r.format(), x_c.format(), dy_r.format(), dy_c.format()]);
-            let setting = |m: &ModuleInfo| {
-                [
-                    m.arith.autocast,
-                    m.arith.fp32_matmul.filter(|_| operand == Format::F32),
-                    m.quantize,
-                ]
-            };
-            let q = infos
-                .iter()
-                .flatten()
-                .flat_map(|m| setting(m))
-                .chain(
-                    policy
-                        .as_ref()
-                        .map(|p| [Some(p.input()), Some(p.rhs())])
-                        .into_iter()
-                        .flatten(),
-                )
-                .flatten()
-                .filter(|f| f.precision() < operand.precision())
-                .min_by_key(|f| f.precision());
-            let autocast = infos
-                .iter()
-                .flatten()
-                .filter_map(|m| m.arith.autocast)
-                .chain(infos.iter().flatten().filter_map(|m| m.combine));
-            let out = coarsest(
-                &[r.format(), c.format()]
-                    .into_iter()
-                    .chain(autocast)
-                    .collect::<Vec<_>>(),
-            );
-            let wide = [r.format(), c.format(), x_r.format(), x_c.format()]
-                .iter()
-                .all(|f| *f == Format::F64);
-            let accumulate = infos
-                .iter()
-                .flatten()
-                .filter_map(|m| m.accumulate)
-                .chain(policy.as_ref().map(|p| p.accumulator()))
-                .chain([if wide { Format::F64 } else { Format::F32 }])
-                .min_by_key(|f| f.precision())
-                .unwrap_or(Format::F32);
-            let arith = Arithmetic {
-                accumulate,
-                out,
-                partials: (partials(reference), partials(candidate)),
-                quantize: q,
-            };
-            element(((r, c), (x_r, x_c), (dy_r, dy_c)), shape, &arith, id, eps)
-        }
-        _ => None,
+    let (out_dim, in_dim) = (r.shape()[0], r.shape()[1]);
+    // The operands' stored formats, from the manifests (every shard's).
+    let formats: Vec<Format> = [&*reference, &*candidate]
+        .iter()
+        .flat_map(|d| d.manifest().tensors.iter())
+        .filter(|e| e.id == x_id || e.id == dy_id)
+        .map(|e| e.dtype)
+        .collect();
+    let operand_format = coarsest(&formats);
+    let setting = |m: &ModuleInfo| {
+        [
+            m.arith.autocast,
+            m.arith
+                .fp32_matmul
+                .filter(|_| operand_format == Format::F32),
+            m.quantize,
+        ]
     };
-    for s in [x_r, dy_r].into_iter().flatten() {
-        reference.recycle(s);
+    let q = infos
+        .iter()
+        .flatten()
+        .flat_map(|m| setting(m))
+        .chain(
+            policy
+                .as_ref()
+                .map(|p| [Some(p.input()), Some(p.rhs())])
+                .into_iter()
+                .flatten(),
+        )
+        .flatten()
+        .filter(|f| f.precision() < operand_format.precision())
+        .min_by_key(|f| f.precision());
+    let rounded = infos
+        .iter()
+        .flatten()
+        .filter_map(|m| m.arith.autocast)
+        .chain(infos.iter().flatten().filter_map(|m| m.combine));
+    let out = coarsest(
+        &[r.format(), c.format()]
+            .into_iter()
+            .chain(rounded)
+            .collect::<Vec<_>>(),
+    );
+    let wide = [r.format(), c.format(), operand_format]
+        .iter()
+        .all(|f| *f == Format::F64);
+    let accumulate = infos
+        .iter()
+        .flatten()
+        .filter_map(|m| m.accumulate)
+        .chain(policy.as_ref().map(|p| p.accumulator()))
+        .chain([if wide { Format::F64 } else { Format::F32 }])
+        .min_by_key(|f| f.precision())
+        .unwrap_or(Format::F32);
+    if let Some(f) = within_spacing(r, c, out, eps) {
+        // No element differs by more than the final roundings allow, which every element's
+        // bound contains: the operands need not be read.
+        return Some(f);
     }
-    for s in [x_c, dy_c].into_iter().flatten() {
-        candidate.recycle(s);
+    let v = signs(in_dim, id);
+    // The input first (its rows' projections on v), then the arriving gradient: one pair held
+    // at a time.
+    let (x, x_ranks) = operand(reference, candidate, &x_id, in_dim, q, (Some(&v), None))?;
+    let (dy, dy_ranks) = operand(
+        reference,
+        candidate,
+        &dy_id,
+        out_dim,
+        q,
+        (None, Some(&x.row_dots)),
+    )?;
+    if x.rows != dy.rows {
+        return None;
     }
-    result
+    let layout = |d: &TraceDir, i: &str| d.layout(i).unwrap_or_else(Layout::replicated);
+    let partials = |d: &TraceDir| {
+        let ins = [(layout(d, &x_id), x_ranks), (layout(d, &dy_id), dy_ranks)];
+        split_factor(
+            &layout(d, id),
+            &ins,
+            &d.manifest().mesh,
+            Some(Reduced::AllButLast),
+        )
+        .max(1)
+    };
+    let arith = Arithmetic {
+        accumulate,
+        out,
+        partials: (partials(reference), partials(candidate)),
+        quantize: q,
+    };
+    if !consistent(r, &v, &dy, &x, &arith) {
+        return None;
+    }
+    element_test(r, c, &dy, &x, &arith, eps)
 }
 
-/// A pair of stored tensors: the reference's and the candidate's.
-type StoredPair<'a> = (&'a Stored, &'a Stored);
+/// Column and row weights of a projection (see [`columns`]).
+type Weights<'a> = (Option<&'a [f64]>, Option<&'a [f64]>);
 
-/// The test on the gradient pair with its operands' pairs read.
-fn element(
-    (g, x, dy): (StoredPair<'_>, StoredPair<'_>, StoredPair<'_>),
-    (out, inn): (usize, usize),
-    arith: &Arithmetic,
+/// The columns of the operand `id` of both runs (`cols` of them), and its number of
+/// dimensions; the pair is read, passed over once, and handed back.
+fn operand(
+    reference: &mut TraceDir,
+    candidate: &mut TraceDir,
     id: &str,
-    eps: f64,
-) -> Option<Finding> {
-    if x.0.shape() != x.1.shape()
-        || dy.0.shape() != dy.1.shape()
-        || x.0.shape().last() != Some(&inn)
-        || dy.0.shape().last() != Some(&out)
-    {
-        return None;
-    }
-    let v = signs(inn, id);
-    let mut xv = Vec::with_capacity(x.0.len() / inn.max(1));
-    let xc = columns(x.0, x.1, inn, arith.quantize, &mut |_, row| {
-        xv.push(row.iter().zip(&v).map(|(a, s)| a * s).sum());
-        None
-    })?;
-    let dyc = columns(dy.0, dy.1, out, arith.quantize, &mut |t, _| {
-        xv.get(t).copied()
-    })?;
-    if xc.rows != dyc.rows || !consistent(g.0, &v, &dyc, &xc, arith) {
-        return None;
-    }
-    element_test(g.0, g.1, &dyc, &xc, arith, eps)
+    cols: usize,
+    q: Option<Format>,
+    (col_weights, row_weights): Weights<'_>,
+) -> Option<(Columns, usize)> {
+    let r = reference.logical_stored(id).ok()?;
+    let c = match candidate.logical_stored(id) {
+        Ok(c) => c,
+        Err(_) => {
+            reference.recycle(r);
+            return None;
+        }
+    };
+    let fits = r.shape() == c.shape() && r.shape().last() == Some(&cols);
+    let ranks = r.shape().len();
+    let result = fits
+        .then(|| columns((&r, &c), cols, q, col_weights, row_weights))
+        .flatten();
+    reference.recycle(r);
+    candidate.recycle(c);
+    result.map(|x| (x, ranks))
 }
 
 #[cfg(test)]

@@ -122,26 +122,16 @@ fn case(seed: u64, stored_in: Format, q: Option<Format>, perturb: bool, order: O
     let reference = gradient(&dy_r, &x_r, q, Order::Sequential, out);
     let candidate = gradient(&dy_c, &x_c, q, order, out);
     let v = signs(IN, "case");
-    let mut xv = Vec::new();
-    let x = columns(
-        &stored(&[T, IN], x_r.clone(), stored_in),
-        &stored(&[T, IN], x_c, stored_in),
-        IN,
-        q,
-        &mut |_, row| {
-            xv.push(row.iter().zip(&v).map(|(a, s)| a * s).sum());
-            None
-        },
-    )
-    .unwrap();
-    let dy = columns(
-        &stored(&[T, OUT], dy_r, stored_in),
-        &stored(&[T, OUT], dy_c, stored_in),
-        OUT,
-        q,
-        &mut |t, _| xv.get(t).copied(),
-    )
-    .unwrap();
+    let (x_rs, x_cs) = (
+        stored(&[T, IN], x_r.clone(), stored_in),
+        stored(&[T, IN], x_c, stored_in),
+    );
+    let x = columns((&x_rs, &x_cs), IN, q, Some(&v), None).unwrap();
+    let (dy_rs, dy_cs) = (
+        stored(&[T, OUT], dy_r, stored_in),
+        stored(&[T, OUT], dy_c, stored_in),
+    );
+    let dy = columns((&dy_rs, &dy_cs), OUT, q, None, Some(&x.row_dots)).unwrap();
     let arith = Arithmetic {
         accumulate: Format::F32,
         out,
