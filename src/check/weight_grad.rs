@@ -323,7 +323,7 @@ fn within_spacing(r: &Stored, c: &Stored, out: Format, eps: f64) -> Option<Findi
             }
             let m = x.abs().max(y.abs());
             let bound = (2.0 * u * m * (1.0 + 2.0 * u) + l) * (1.0 + 1e-9);
-            if !(d <= bound) {
+            if d.is_nan() || d > bound {
                 return None;
             }
             let ratio = d / bound;

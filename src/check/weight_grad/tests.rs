@@ -2,6 +2,7 @@
 //! into partial sums, from operands that differ by upstream round-off and are rounded to a
 //! coarser format first — every one an execution the bound must hold for — and corruptions of
 //! single elements that it must find.
+#![cfg(test)]
 
 use super::*;
 use crate::format::Overflow;
