@@ -126,6 +126,7 @@ def test_four_corrupted_weight_gradient_elements_are_found_in_bf16(tmp_path):
     assert report.first_failure == "fc1.weight|param_grad"
     assert report.localization["module"] == "fc1"
     assert report.localization["pass"] == "backward"
+    assert report.localization["rank"] == 0  # the shard that holds all four
     row = next(r for r in report.rows if r.id == "fc1.weight|param_grad")
     assert row.fired == ["sparse"], row.fired  # the norm alone passes it
     sparse = next(f for f in row.findings if f["detector"] == "sparse")

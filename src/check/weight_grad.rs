@@ -48,6 +48,9 @@ use crate::verdict::{Detector, Finding};
 /// Values decoded at a time.
 const PIECE: usize = 1 << 14;
 
+/// Elements beyond their bounds listed by the test (for naming the rank that holds them).
+pub(crate) const MAX_LISTED: usize = 1024;
+
 /// Column statistics of an operand pair (the last dimension's indices are the columns).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Columns {
@@ -230,8 +233,9 @@ pub(crate) fn consistent(
 /// column i, column j the input's), with the operands' columns `dy` (`out` columns) and `x`
 /// (`in` columns): every element against its bound (module docs). The finding's estimate is
 /// the worst element's difference over its scale aᵢbⱼ in ε, its threshold that element's
-/// bound in ε, the ratio their quotient. `None` when the bound does not exist (γ_T undefined)
-/// or the shapes do not fit.
+/// bound in ε, the ratio their quotient; beside it, the flat indices of the elements beyond
+/// their bounds (the first [`MAX_LISTED`]). `None` when the bound does not exist (γ_T
+/// undefined) or the shapes do not fit.
 pub(crate) fn element_test(
     r: &Stored,
     c: &Stored,
@@ -239,7 +243,7 @@ pub(crate) fn element_test(
     x: &Columns,
     arith: &Arithmetic,
     eps: f64,
-) -> Option<Finding> {
+) -> Option<(Finding, Vec<usize>)> {
     let (out, inn) = (dy.norm.len(), x.norm.len());
     if r.len() != out * inn || c.len() != r.len() || dy.rows != x.rows {
         return None;
@@ -252,6 +256,7 @@ pub(crate) fn element_test(
     );
     let mut worst: Option<(f64, usize, f64, f64)> = None; // (ratio, at, |D|, bound)
     let mut count = 0usize;
+    let mut listed = Vec::new();
     let (mut a_vals, mut b_vals) = (Vec::new(), Vec::new());
     for i in 0..out {
         r.decode_range(i * inn, (i + 1) * inn, &mut a_vals);
@@ -277,6 +282,9 @@ pub(crate) fn element_test(
             let bound = bound * (1.0 + 1e-9);
             if d > bound {
                 count += 1;
+                if listed.len() < MAX_LISTED {
+                    listed.push(i * inn + j);
+                }
             }
             let ratio = d / bound;
             if worst.is_none_or(|w| ratio > w.0) {
@@ -291,7 +299,7 @@ pub(crate) fn element_test(
     } else {
         f64::MIN_POSITIVE
     };
-    Some(Finding {
+    let finding = Finding {
         detector: Detector::Sparse,
         estimate: d / scale / eps,
         threshold: bound / scale / eps,
@@ -299,7 +307,8 @@ pub(crate) fn element_test(
         fired: count > 0,
         at: worst.map(|w| w.1),
         count,
-    })
+    };
+    Some((finding, listed))
 }
 
 /// The element test's finding where no element of the pair differs by more than the part
@@ -381,7 +390,8 @@ pub(crate) fn operands(reference: &TraceDir, id: &str) -> Vec<String> {
 
 /// The element test of the parameter gradient `id` compared as `(r, c)`, where it applies: a
 /// linear layer's weight, called once, whose input and arriving gradient both traces hold, in
-/// formats other than FP8, and whose reference gradient is the product of its operands.
+/// formats other than FP8, and whose reference gradient is the product of its operands; with
+/// the elements beyond their bounds (see [`element_test`]).
 pub(crate) fn finding(
     reference: &mut TraceDir,
     candidate: &mut TraceDir,
@@ -389,7 +399,7 @@ pub(crate) fn finding(
     (r, c): (&Stored, &Stored),
     recipe: Option<&Recipe>,
     eps: f64,
-) -> Option<Finding> {
+) -> Option<(Finding, Vec<usize>)> {
     let t = TensorId::parse(id)?;
     let TensorRole::ParamGrad { param } = &t.role else {
         return None;
@@ -487,7 +497,7 @@ pub(crate) fn finding(
     if let Some(f) = within_spacing(r, c, out, eps) {
         // No element differs by more than the final roundings allow, which every element's
         // bound contains: the operands need not be read.
-        return Some(f);
+        return Some((f, Vec::new()));
     }
     let v = signs(in_dim, id);
     // The input first (its rows' projections on v), then the arriving gradient: one pair held

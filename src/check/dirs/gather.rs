@@ -256,6 +256,7 @@ pub(super) fn gather(
             (verdict, sums) = compare_stored(id, &r, &r, 0.0, eps, detection);
         }
     }
+    let mut exceeding = Vec::new();
     // A linear's weight gradient: each element against its own bound from the layer's operands
     // (the pooled sparse test leaves parameter gradients alone).
     if let (Some(cand), None, 0, true, true) = (
@@ -265,7 +266,7 @@ pub(super) fn gather(
         detection.enabled,
         detection.sparse,
     ) {
-        if let Some(f) = crate::check::weight_grad::finding(
+        if let Some((f, beyond)) = crate::check::weight_grad::finding(
             reference,
             candidate,
             id,
@@ -275,11 +276,16 @@ pub(super) fn gather(
         ) {
             verdict.passed &= !f.fired;
             verdict.findings.push(f);
+            exceeding = beyond;
         }
     }
     if let (Some(cand), None, None, false) = (c.as_ref(), &problem, rank, verdict.passed) {
-        // A difference that lies in one rank's shard names the rank.
-        rank = crate::check::blame::faulty_rank(&r, cand, &layout, &candidate.manifest().mesh, id);
+        // A difference that lies in one rank's shard names the rank; so do elements beyond
+        // their own bounds that all lie in one.
+        let mesh = &candidate.manifest().mesh;
+        rank = crate::check::blame::faulty_rank(&r, cand, &layout, mesh, id).or_else(|| {
+            crate::check::blame::rank_holding(&exceeding, r.shape(), &layout, mesh, id)
+        });
     }
     let cand = c.as_ref().unwrap_or(&r);
     let cand_format = c.as_ref().map(|c| c.format());

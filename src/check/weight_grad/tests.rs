@@ -172,7 +172,9 @@ fn correct_weight_gradients_stay_within_every_element_bound() {
                         consistent(&c.g.0, &v, &c.dy, &c.x, &c.arith),
                         "the reference is its operands' product: {seed} {order:?}"
                     );
-                    let f = element_test(&c.g.0, &c.g.1, &c.dy, &c.x, &c.arith, eps).unwrap();
+                    let (f, listed) =
+                        element_test(&c.g.0, &c.g.1, &c.dy, &c.x, &c.arith, eps).unwrap();
+                    assert!(listed.is_empty());
                     assert!(
                         !f.fired && f.ratio <= 1.0,
                         "{seed} {order:?} {stored_in:?} {perturb}: {f:?}"
@@ -207,9 +209,10 @@ fn one_element_scaled_by_one_and_a_half_is_found() {
                 let mut bad: Vec<f64> = (0..c.g.1.len()).map(|k| c.g.1.value(k)).collect();
                 bad[at] = round(Format::BF16, bad[at] * 1.5);
                 let bad = stored(&[OUT, IN], bad, Format::BF16);
-                let f = element_test(&c.g.0, &bad, &c.dy, &c.x, &c.arith, eps).unwrap();
+                let (f, listed) = element_test(&c.g.0, &bad, &c.dy, &c.x, &c.arith, eps).unwrap();
                 assert!(f.fired, "{seed} {order:?}: {f:?}");
                 assert_eq!(f.at, Some(at));
+                assert_eq!(listed, vec![at]);
             }
         }
     }
