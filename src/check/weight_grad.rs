@@ -11,10 +11,12 @@
 //! * aᵢ = ‖dY_{:,i}‖, bⱼ = ‖X_{:,j}‖ (the reference's), αᵢ, βⱼ the same of the two runs'
 //!   differences, so that by Cauchy–Schwarz Σₜ |dyₜᵢ xₜⱼ| ≤ aᵢbⱼ and the exact products of
 //!   the two runs' operands differ by at most αᵢbⱼ + aᵢβⱼ + αᵢβⱼ;
-//! * both runs may round the operands to a coarser format q first (autocast, TF32): rounding
-//!   to nearest moves two values by at most their difference plus u_q of each, so the
-//!   differences' norms grow by 2u_q·max(|r|, |c|) (plus the format's smallest subnormal λ_q)
-//!   over the elements that differ, and the norms by a factor 1 + u_q (plus √T·λ_q/2);
+//! * each run may round the operands to a coarser format first (autocast, TF32: q_r, q_c):
+//!   rounding to nearest moves a value by at most u of it (plus half the format's smallest
+//!   subnormal λ), so the differences' norms grow by (u_{q_r} + u_{q_c})·max(|r|, |c|) +
+//!   (λ_{q_r} + λ_{q_c})/2 per element — over the elements that differ where both runs round
+//!   alike, over every element where one rounds otherwise (TF32 on one side) — and the norms
+//!   by a factor 1 + max u (plus √T·max λ/2);
 //! * each run sums its products in any order in the accumulation format (unit u, FP32 unless
 //!   declared): |fl(Σ) − Σ| ≤ γ_T·Σ|terms|, γ_T = Tu/(1 − Tu) (Higham, *Accuracy and Stability
 //!   of Numerical Algorithms*, 2nd ed., Lemma 3.1 and §3.1: any order, any blocking);
@@ -58,8 +60,8 @@ pub(crate) struct Columns {
     pub(crate) rows: usize,
     /// ‖r_{:,k}‖ (the reference's column norms), times 1 + u_q, plus √T·λ_q/2.
     pub(crate) norm: Vec<f64>,
-    /// ‖(c − r)_{:,k}‖ plus the flips of a rounding to q where the pair differs (see the
-    /// module docs), by the triangle inequality.
+    /// ‖(c − r)_{:,k}‖ plus the moves of the runs' roundings to their formats (see the module
+    /// docs), by the triangle inequality.
     pub(crate) diff: Vec<f64>,
     /// Σₜ rₜₖ·wₜ for the row weights w, when given (the projection's second half).
     pub(crate) projected: Vec<f64>,
@@ -67,15 +69,16 @@ pub(crate) struct Columns {
     pub(crate) row_dots: Vec<f64>,
 }
 
-/// The column statistics of a pair stored with `cols` columns, both runs rounding to `q`
-/// (unit u_q, subnormal λ_q; `None`: no rounding) before their products, in one pass; with
+/// The column statistics of a pair stored with `cols` columns, the runs rounding to `q` (the
+/// reference's format, the candidate's; `None`: no rounding) before their products, in one
+/// pass; with
 /// column weights v, each row's Σₖ rₜₖvₖ, with row weights w, each column's Σₜ rₜₖwₜ (the
 /// reference's values). `None` when a value is not finite or the shapes do not hold whole
 /// rows (or the row weights are too few).
 pub(crate) fn columns(
     (r, c): (&Stored, &Stored),
     cols: usize,
-    q: Option<Format>,
+    q: (Option<Format>, Option<Format>),
     col_weights: Option<&[f64]>,
     row_weights: Option<&[f64]>,
 ) -> Option<Columns> {
@@ -88,7 +91,12 @@ pub(crate) fn columns(
         return None;
     }
     let rows = r.len() / cols;
-    let (uq, lq) = q.map_or((0.0, 0.0), |q| (q.unit_roundoff(), q.min_subnormal()));
+    let ul = |q: Option<Format>| q.map_or((0.0, 0.0), |q| (q.unit_roundoff(), q.min_subnormal()));
+    let ((ur, lr), (uc, lc)) = (ul(q.0), ul(q.1));
+    // The moves of both roundings, and whether they happen where the pair is equal too.
+    let (uq, lq) = (ur + uc, (lr + lc) / 2.0);
+    let everywhere = q.0 != q.1;
+    let (u_max, l_max) = (ur.max(uc), lr.max(lc));
     let mut norm2 = vec![0.0; cols];
     let mut diff2 = vec![0.0; cols];
     let mut flip2 = vec![0.0; cols];
@@ -112,9 +120,9 @@ pub(crate) fn columns(
                 let d = y - x;
                 *n += x * x;
                 *e += d * d;
-                if q.is_some() {
-                    let differs = f64::from(u8::from(d != 0.0));
-                    let fl = (2.0 * uq * x.abs().max(y.abs()) + lq) * differs;
+                if uq > 0.0 {
+                    let differs = f64::from(u8::from(everywhere || d != 0.0));
+                    let fl = (uq * x.abs().max(y.abs()) + lq) * differs;
                     *f += fl * fl;
                 }
             }
@@ -140,7 +148,7 @@ pub(crate) fn columns(
         .collect();
     let norm = norm2
         .iter()
-        .map(|n| (1.0 + uq) * n.sqrt() + (rows as f64).sqrt() * lq / 2.0)
+        .map(|n| (1.0 + u_max) * n.sqrt() + (rows as f64).sqrt() * l_max / 2.0)
         .collect();
     Some(Columns {
         rows,
@@ -161,8 +169,9 @@ pub(crate) struct Arithmetic {
     pub(crate) out: Format,
     /// Partial sums each run combines (1: none), the reference's and the candidate's.
     pub(crate) partials: (usize, usize),
-    /// The format both runs round the operands to before their products, if coarser.
-    pub(crate) quantize: Option<Format>,
+    /// The format each run rounds the operands to before their products, if coarser: the
+    /// reference's, the candidate's.
+    pub(crate) quantize: (Option<Format>, Option<Format>),
 }
 
 /// γₙ = nu/(1 − nu) for unit `u`; `None` when nu ≥ 1 (no bound).
@@ -202,7 +211,7 @@ pub(crate) fn consistent(
     let l_out = arith.out.min_subnormal();
     // The reference multiplied its operands rounded to q: |q(y)q(x) − yx| ≤ (2u_q + u_q²)|yx|
     // (the norms carry q's subnormal floor already).
-    let uq = arith.quantize.map_or(0.0, Format::unit_roundoff);
+    let uq = arith.quantize.0.map_or(0.0, Format::unit_roundoff);
     let k_ref = k_ref + 2.0 * uq + uq * uq;
     let b_sum: f64 = x.norm.iter().sum();
     let mut vals = Vec::new();
@@ -458,20 +467,24 @@ pub(crate) fn finding(
             m.quantize,
         ]
     };
-    let q = infos
-        .iter()
-        .flatten()
-        .flat_map(|m| setting(m))
-        .chain(
-            policy
-                .as_ref()
-                .map(|p| [Some(p.input()), Some(p.rhs())])
-                .into_iter()
-                .flatten(),
-        )
-        .flatten()
-        .filter(|f| f.precision() < operand_format.precision())
-        .min_by_key(|f| f.precision());
+    let q_of = |m: Option<&ModuleInfo>| {
+        m.into_iter()
+            .flat_map(setting)
+            .chain(
+                policy
+                    .as_ref()
+                    .map(|p| [Some(p.input()), Some(p.rhs())])
+                    .into_iter()
+                    .flatten(),
+            )
+            .flatten()
+            .filter(|f| f.precision() < operand_format.precision())
+            .min_by_key(|f| f.precision())
+    };
+    let q = (
+        q_of(module.as_ref()),
+        q_of(cand_module.as_ref().or(module.as_ref())),
+    );
     let rounded = infos
         .iter()
         .flatten()
@@ -547,7 +560,7 @@ fn operand(
     candidate: &mut TraceDir,
     id: &str,
     cols: usize,
-    q: Option<Format>,
+    q: (Option<Format>, Option<Format>),
     (col_weights, row_weights): Weights<'_>,
 ) -> Option<(Columns, usize)> {
     let r = reference.logical_stored(id).ok()?;

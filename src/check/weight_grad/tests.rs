@@ -104,10 +104,21 @@ struct Case {
 }
 
 /// A reference and a candidate gradient of one step, the candidate's operands perturbed or
-/// not, stored in `stored`, both runs rounding operands to `q` (autocast) where given.
-fn case(seed: u64, stored_in: Format, q: Option<Format>, perturb: bool, order: Order) -> Case {
+/// not, stored in `stored`, each run rounding operands to its `q` (autocast, TF32) where
+/// given.
+fn case(
+    seed: u64,
+    stored_in: Format,
+    q: (Option<Format>, Option<Format>),
+    perturb: bool,
+    order: Order,
+) -> Case {
     let mut g = SplitMix64::for_name("weight_grad", seed);
-    let out = q.unwrap_or(stored_in);
+    let out = [q.0, q.1, Some(stored_in)]
+        .into_iter()
+        .flatten()
+        .min_by_key(|f| f.precision())
+        .unwrap_or(stored_in);
     let (x_r, dy_r) = (
         operand(&mut g, T, IN, stored_in),
         operand(&mut g, T, OUT, stored_in),
@@ -120,8 +131,8 @@ fn case(seed: u64, stored_in: Format, q: Option<Format>, perturb: bool, order: O
     } else {
         (x_r.clone(), dy_r.clone())
     };
-    let reference = gradient(&dy_r, &x_r, q, Order::Sequential, out);
-    let candidate = gradient(&dy_c, &x_c, q, order, out);
+    let reference = gradient(&dy_r, &x_r, q.0, Order::Sequential, out);
+    let candidate = gradient(&dy_c, &x_c, q.1, order, out);
     let v = signs(IN, "case");
     let (x_rs, x_cs) = (
         stored(&[T, IN], x_r.clone(), stored_in),
@@ -164,7 +175,13 @@ fn correct_weight_gradients_stay_within_every_element_bound() {
     let mut worst: f64 = 0.0;
     for seed in 0..24 {
         for order in ORDERS {
-            for (stored_in, q) in [(Format::BF16, None), (Format::F32, Some(Format::BF16))] {
+            for (stored_in, q) in [
+                (Format::BF16, (None, None)),
+                (Format::F32, (Some(Format::BF16), Some(Format::BF16))),
+                // TF32 on one side only.
+                (Format::F32, (None, Some(Format::TF32))),
+                (Format::F32, (Some(Format::TF32), None)),
+            ] {
                 for perturb in [false, true] {
                     let c = case(seed, stored_in, q, perturb, order);
                     let v = signs(IN, "case");
@@ -194,7 +211,7 @@ fn one_element_scaled_by_one_and_a_half_is_found() {
     for seed in 0..8 {
         for order in [Order::Sequential, Order::Reversed, Order::Blocked] {
             {
-                let c = case(seed, Format::BF16, None, false, order);
+                let c = case(seed, Format::BF16, (None, None), false, order);
                 // Operands equal in both runs (the tensor-parallel layer), the sums in
                 // FP32 in any order: an element at least the median magnitude. (The bound is
                 // worst-case: operands that differ, or partial sums added in BF16, cost power
@@ -220,7 +237,7 @@ fn one_element_scaled_by_one_and_a_half_is_found() {
 
 #[test]
 fn a_reference_that_is_not_its_operands_product_takes_the_test_off() {
-    let c = case(3, Format::BF16, None, false, Order::Sequential);
+    let c = case(3, Format::BF16, (None, None), false, Order::Sequential);
     let v = signs(IN, "case");
     let scaled = |k: f64| {
         stored(
