@@ -41,15 +41,3 @@ pub fn map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync + Send) -> 
     #[cfg(not(feature = "parallel"))]
     items.iter().map(f).collect()
 }
-
-/// `[f(chunk) for chunk in items.chunks(size)]`, in order.
-pub(crate) fn map_chunks<T: Sync, R: Send>(
-    items: &[T],
-    size: usize,
-    f: impl Fn(&[T]) -> R + Sync + Send,
-) -> Vec<R> {
-    #[cfg(feature = "parallel")]
-    return items.par_chunks(size).map(f).collect();
-    #[cfg(not(feature = "parallel"))]
-    items.chunks(size).map(f).collect()
-}

@@ -351,6 +351,42 @@ impl Setup {
     }
 }
 
+/// `ids` cut into at most `workers` contiguous runs of about equal work: the bytes both runs
+/// store for each id, a linear's weight gradient with its operands' (its element test reads
+/// them again: `check::weight_grad`).
+fn balanced_runs<'a>(setup: &Setup, ids: &'a [usize], workers: usize) -> Vec<&'a [usize]> {
+    let (plan, r, c) = (&setup.plan, &setup.reference, &setup.candidate);
+    let bytes = |id: &str| r.stored_bytes(id) + c.stored_bytes(id);
+    let cost: Vec<u64> = ids
+        .iter()
+        .map(|&k| {
+            let id = &plan.ids[k];
+            let operands: u64 = crate::check::weight_grad::operands(r, id)
+                .iter()
+                .map(|o| bytes(o))
+                .sum();
+            bytes(id) + operands + 1
+        })
+        .collect();
+    let total: u64 = cost.iter().sum();
+    let workers = workers.clamp(1, ids.len().max(1));
+    let mut runs = Vec::with_capacity(workers);
+    let (mut start, mut acc) = (0usize, 0u64);
+    for (i, w) in cost.iter().enumerate() {
+        acc += w;
+        // Close a run once it holds its share of the work (the last takes the rest).
+        let due = total.saturating_mul(runs.len() as u64 + 1) / workers as u64;
+        if acc >= due && runs.len() + 1 < workers {
+            runs.push(&ids[start..=i]);
+            start = i + 1;
+        }
+    }
+    if start < ids.len() || runs.is_empty() {
+        runs.push(&ids[start..]);
+    }
+    runs
+}
+
 /// The first pass over the plan's ids at positions `ids`, spread over the rayon thread pool:
 /// every worker reads a contiguous run of them through its own readers (sharing the validated
 /// headers); the results come back in the order of `ids`, identical for any number of
@@ -361,8 +397,8 @@ fn gather_ids(setup: &Setup, ids: &[usize], progress: &(dyn Fn() + Sync)) -> Res
     // One run of tensors per worker: each opens its handles once and reuses their read and
     // value buffers for every tensor (smaller runs balanced load better but paid fresh pages
     // for every run's first tensors).
-    let chunk = ids.len().div_ceil(workers).max(1);
-    let parts: Vec<Vec<Gathered>> = crate::parallel::map_chunks(ids, chunk, |part| {
+    let runs = balanced_runs(setup, ids, workers);
+    let parts: Vec<Vec<Gathered>> = crate::parallel::map(&runs, |part| {
         // Readers sharing the validated headers: memory for the metadata once.
         let (mut r, mut c) = (r0.share(), c0.share());
         let mut aliases = Aliases::default();
