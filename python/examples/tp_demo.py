@@ -11,7 +11,8 @@ training dtype, and the gradient reaching the LayerNorm is all-reduced likewise.
 injects a silent bug: `double-bias` gives every rank's fc2 shard the bias (so the all-reduce
 adds it tp times), `no-grad-allreduce` forgets the all-reduce of fc1's input gradient (each
 rank's LayerNorm sees only its own partial gradient), `scale` multiplies one rank's fc2
-partial output by 1 + 1e-3, `grad-elements` multiplies 4 elements of rank 0's fc1 weight
+partial output by 1 + 1e-3 (in BF16 that product rounds back to every value — 1e-3 is
+below half a unit in the last place, 2⁻⁹ — so the step is unchanged and passes), `grad-elements` multiplies 4 elements of rank 0's fc1 weight
 gradient by 1.5 (a corrupted gradient communication, the NCCL #1950 class: 4 of
 `4·d²/tp` elements, far below the norm's threshold in BF16). `ttrace check` exits 0 on the clean run and 1, naming the module,
 on a bug.
