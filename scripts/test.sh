@@ -26,6 +26,8 @@ if [ ! -d target/mcore19/megatron/core ]; then
     --target target/mcore19 "megatron-core==0.19.2"
 fi
 export PATH="$PWD/$venv/bin:$PATH"
+# One build from scratch: incremental compilation's caches would only take disk (gigabytes).
+export CARGO_INCREMENTAL=0
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets -- -D warnings
