@@ -174,18 +174,11 @@ pub(crate) struct Arithmetic {
     pub(crate) quantize: (Option<Format>, Option<Format>),
 }
 
-/// γₙ = nu/(1 − nu) for unit `u`; `None` when nu ≥ 1 (no bound).
-fn gamma(n: usize, u: f64) -> Option<f64> {
-    let nu = n as f64 * u;
-    (nu < 1.0).then(|| nu / (1.0 - nu))
-}
-
 /// The element bound's coefficients: for the reference's scale s = aᵢbⱼ and the candidate's
 /// s_c = (aᵢ + αᵢ)(bⱼ + βⱼ), the kernels' and combinations' part is k_ref·s + k_cand·s_c.
 fn kernel_coefficients(arith: &Arithmetic, rows: usize) -> Option<(f64, f64)> {
-    let g = gamma(rows, arith.accumulate.unit_roundoff())?;
-    let uc = arith.out.unit_roundoff();
-    let comb = |p: usize| if p > 1 { gamma(p, uc) } else { Some(0.0) };
+    let g = arith.accumulate.gamma(rows)?;
+    let comb = |p: usize| if p > 1 { arith.out.gamma(p) } else { Some(0.0) };
     Some((g + comb(arith.partials.0)?, g + comb(arith.partials.1)?))
 }
 
@@ -369,7 +362,7 @@ fn coarsest(formats: &[Format]) -> Format {
     formats
         .iter()
         .copied()
-        .min_by_key(|f| f.precision())
+        .reduce(crate::verdict::coarser)
         .unwrap_or(Format::F32)
 }
 
@@ -422,19 +415,17 @@ pub(crate) fn finding(
     {
         return None;
     }
-    // A second call sums its own products into the gradient.
+    let x_id = TensorId::fwd_input(&t.module, 0).to_string();
+    let dy_id = TensorId::grad_output(&t.module, 0).to_string();
+    // A second call (`{module}#1`, any of its tensors) sums its own products into the
+    // gradient.
     let again = format!("{}#1|", t.module);
     if [&*reference, &*candidate]
         .iter()
         .any(|d| d.ids().iter().any(|i| i.starts_with(&again)))
-    {
-        return None;
-    }
-    let x_id = TensorId::fwd_input(&t.module, 0).to_string();
-    let dy_id = TensorId::grad_output(&t.module, 0).to_string();
-    if ![&x_id, &dy_id]
-        .iter()
-        .all(|i| reference.contains(i) && candidate.contains(i))
+        || ![&x_id, &dy_id]
+            .iter()
+            .all(|i| reference.contains(i) && candidate.contains(i))
     {
         return None;
     }

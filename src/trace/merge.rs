@@ -177,7 +177,7 @@ fn bf16_pair_sum(a: f64, b: f64) -> (u16, bool) {
     let mag = bits & !SIGN;
     let rounded = (mag + (1 << (SHIFT - 1)) - 1 + ((mag >> SHIFT) & 1)) & !((1 << SHIFT) - 1);
     let slow = err != 0.0 || !(mag == 0 || mag >= MIN_NORMAL) || rounded >= OVERFLOW;
-    let value = f64::from_bits((bits & SIGN) | rounded.min(OVERFLOW - 1));
+    let value = f64::from_bits((bits & SIGN) | rounded);
     ((((value as f32).to_bits()) >> 16) as u16, slow)
 }
 

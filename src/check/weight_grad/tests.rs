@@ -269,6 +269,16 @@ fn a_reference_that_is_not_its_operands_product_takes_the_test_off() {
 
 #[test]
 fn sums_too_long_for_the_accumulator_have_no_bound() {
-    assert_eq!(gamma(1 << 24, Format::F32.unit_roundoff()), None);
-    assert!(gamma(1 << 23, Format::F32.unit_roundoff()).is_some_and(|g| (g - 1.0).abs() < 1e-12));
+    let arith = |partials| Arithmetic {
+        accumulate: Format::F32,
+        out: Format::BF16,
+        partials,
+        quantize: (None, None),
+    };
+    // γ_T of FP32 is undefined from T = 2²⁴ (T·u = 1), and 1 at T = 2²³.
+    assert_eq!(kernel_coefficients(&arith((1, 1)), 1 << 24), None);
+    assert!(kernel_coefficients(&arith((1, 1)), 1 << 23)
+        .is_some_and(|(r, c)| (r - 1.0).abs() < 1e-12 && r == c));
+    // Partial sums combined in BF16: γ_P of BF16 too, undefined from P = 2⁸.
+    assert_eq!(kernel_coefficients(&arith((1, 1 << 8)), 16), None);
 }
