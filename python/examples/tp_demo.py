@@ -14,7 +14,8 @@ rank's LayerNorm sees only its own partial gradient), `scale` multiplies one ran
 partial output by 1 + 1e-3 (in BF16 that product rounds back to every value — 1e-3 is
 below half a unit in the last place, 2⁻⁹ — so the step is unchanged and passes), `grad-elements` multiplies 4 elements of rank 0's fc1 weight
 gradient by 1.5 (a corrupted gradient communication, the NCCL #1950 class: 4 of
-`4·d²/tp` elements, far below the norm's threshold in BF16). `ttrace check` exits 0 on the clean run and 1, naming the module,
+`4·d²/tp` elements, far below the norm's threshold in BF16), `bias-element` one element of rank
+0's fc1 bias gradient likewise. `ttrace check` exits 0 on the clean run and 1, naming the module,
 on a bug.
 
 The arithmetic GPUs train with: `--autocast f16|bf16` runs both steps under `torch.autocast`
@@ -166,7 +167,7 @@ class AllReduce(torch.autograd.Function):
         return grads
 
 
-BUGS = ["none", "double-bias", "no-grad-allreduce", "scale", "grad-elements"]
+BUGS = ["none", "double-bias", "no-grad-allreduce", "scale", "grad-elements", "bias-element"]
 
 
 def _autocast(device, name):
@@ -311,6 +312,15 @@ def main(argv=None):
             return g
 
         ranks[0].fc1.weight.register_hook(corrupt)
+    if args.bug == "bias-element":
+        # One element of rank 0's fc1 bias gradient, at a seeded place, scaled by 1.5.
+        def corrupt_bias(g):
+            g = g.clone()
+            at = int(torch.randint(g.numel(), (1,), generator=torch.Generator().manual_seed(1)))
+            g[at] *= 1.5
+            return g
+
+        ranks[0].fc1.bias.register_hook(corrupt_bias)
     # Every rank back-propagates its own (identical) loss; the graphs meet only at the
     # emulated collectives, so each rank's gradients are its own.
     torch.stack(losses).sum().backward()

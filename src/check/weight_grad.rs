@@ -176,9 +176,18 @@ pub(crate) struct Arithmetic {
 
 /// The element bound's coefficients: for the reference's scale s = aᵢbⱼ and the candidate's
 /// s_c = (aᵢ + αᵢ)(bⱼ + βⱼ), the kernels' and combinations' part is k_ref·s + k_cand·s_c.
-fn kernel_coefficients(arith: &Arithmetic, rows: usize) -> Option<(f64, f64)> {
+///
+/// The P partial sums each err by at most γ_T of their terms' magnitudes, so their own
+/// magnitudes sum to at most (1 + γ_T)·Σ|terms|, and combining them adds γ_P of that.
+pub(crate) fn kernel_coefficients(arith: &Arithmetic, rows: usize) -> Option<(f64, f64)> {
     let g = arith.accumulate.gamma(rows)?;
-    let comb = |p: usize| if p > 1 { arith.out.gamma(p) } else { Some(0.0) };
+    let comb = |p: usize| {
+        if p > 1 {
+            arith.out.gamma(p).map(|gp| gp * (1.0 + g))
+        } else {
+            Some(0.0)
+        }
+    };
     Some((g + comb(arith.partials.0)?, g + comb(arith.partials.1)?))
 }
 
@@ -318,7 +327,7 @@ pub(crate) fn element_test(
 /// the coarsest of `out` and the stored formats (a sufficient condition: every bound holds
 /// it); estimate and threshold relative to the element's magnitude max(|r|, |c|). `None`
 /// where some element differs by more.
-fn within_spacing(r: &Stored, c: &Stored, out: Format, eps: f64) -> Option<Finding> {
+pub(crate) fn within_spacing(r: &Stored, c: &Stored, out: Format, eps: f64) -> Option<Finding> {
     let f = coarsest(&[out, r.format(), c.format()]);
     let (u, l) = (f.unit_roundoff(), f.min_subnormal());
     let (mut a, mut b) = (Vec::new(), Vec::new());
@@ -358,7 +367,7 @@ fn within_spacing(r: &Stored, c: &Stored, out: Format, eps: f64) -> Option<Findi
 }
 
 /// The coarsest of `formats` (fewest significand bits).
-fn coarsest(formats: &[Format]) -> Format {
+pub(crate) fn coarsest(formats: &[Format]) -> Format {
     formats
         .iter()
         .copied()
@@ -374,56 +383,64 @@ pub(crate) fn signs(n: usize, name: &str) -> Vec<f64> {
         .collect()
 }
 
-/// The operands the element test of `id` reads where it is a linear layer's weight gradient
-/// (its input and arriving gradient), else nothing.
+/// The operands the element tests of `id` read where it is a linear layer's weight gradient
+/// (its input and arriving gradient) or bias gradient (its arriving gradient,
+/// `check::bias_grad`), else nothing.
 pub(crate) fn operands(reference: &TraceDir, id: &str) -> Vec<String> {
     let Some(t) = TensorId::parse(id) else {
         return Vec::new();
     };
-    let weight = matches!(&t.role, TensorRole::ParamGrad { param } if param == "weight");
-    if !weight || reference.module(id).and_then(|m| m.kind) != Some(ModuleKind::Linear) {
+    let TensorRole::ParamGrad { param } = &t.role else {
+        return Vec::new();
+    };
+    if reference.module(id).and_then(|m| m.kind) != Some(ModuleKind::Linear) {
         return Vec::new();
     }
-    vec![
-        TensorId::fwd_input(&t.module, 0).to_string(),
-        TensorId::grad_output(&t.module, 0).to_string(),
-    ]
+    let dy = TensorId::grad_output(&t.module, 0).to_string();
+    match param.as_str() {
+        "weight" => vec![TensorId::fwd_input(&t.module, 0).to_string(), dy],
+        "bias" => vec![dy],
+        _ => Vec::new(),
+    }
 }
 
-/// The element test of the parameter gradient `id` compared as `(r, c)`, where it applies: a
-/// linear layer's weight, called once, whose input and arriving gradient both traces hold, in
-/// formats other than FP8, and whose reference gradient is the product of its operands; with
-/// the elements beyond their bounds (see [`element_test`]).
-pub(crate) fn finding(
-    reference: &mut TraceDir,
-    candidate: &mut TraceDir,
+/// How both runs computed a linear layer's parameter gradient beyond its operands, where its
+/// element test applies: the layer called once, its operands `operand_ids` held by both
+/// traces, no FP8. `None` elsewhere.
+pub(crate) struct Setting {
+    /// The format each run rounds the operands to before their products, if coarser than
+    /// they are stored in (autocast, TF32): the reference's, the candidate's.
+    pub(crate) quantize: (Option<Format>, Option<Format>),
+    /// The coarsest format the results and partial sums are rounded to.
+    pub(crate) out: Format,
+    /// The narrowest accumulation format either run declares (FP32 unless declared; F64
+    /// where every tensor is F64).
+    pub(crate) accumulate: Format,
+}
+
+/// The [`Setting`] of the gradient `id` (a parameter of a linear layer) compared as `(r, c)`
+/// with the operands `operand_ids`.
+pub(crate) fn setting(
+    reference: &TraceDir,
+    candidate: &TraceDir,
     id: &str,
+    module_name: &str,
+    operand_ids: &[&str],
     (r, c): (&Stored, &Stored),
     recipe: Option<&Recipe>,
-    eps: f64,
-) -> Option<(Finding, Vec<usize>)> {
-    let t = TensorId::parse(id)?;
-    let TensorRole::ParamGrad { param } = &t.role else {
-        return None;
-    };
+) -> Option<Setting> {
     let module = reference.module(id).cloned();
     let cand_module = candidate.module(id).cloned();
-    if param != "weight"
-        || module.as_ref().and_then(|m| m.kind) != Some(ModuleKind::Linear)
-        || r.shape().len() != 2
-        || r.shape() != c.shape()
-    {
+    if module.as_ref().and_then(|m| m.kind) != Some(ModuleKind::Linear) {
         return None;
     }
-    let x_id = TensorId::fwd_input(&t.module, 0).to_string();
-    let dy_id = TensorId::grad_output(&t.module, 0).to_string();
     // A second call (`{module}#1`, any of its tensors) sums its own products into the
     // gradient.
-    let again = format!("{}#1|", t.module);
-    if [&*reference, &*candidate]
+    let again = format!("{module_name}#1|");
+    if [reference, candidate]
         .iter()
         .any(|d| d.ids().iter().any(|i| i.starts_with(&again)))
-        || ![&x_id, &dy_id]
+        || !operand_ids
             .iter()
             .all(|i| reference.contains(i) && candidate.contains(i))
     {
@@ -440,14 +457,16 @@ pub(crate) fn finding(
     {
         return None;
     }
-    let (out_dim, in_dim) = (r.shape()[0], r.shape()[1]);
     // The operands' stored formats, from the manifests (every shard's).
-    let formats: Vec<Format> = [&*reference, &*candidate]
+    let formats: Vec<Format> = [reference, candidate]
         .iter()
         .flat_map(|d| d.manifest().tensors.iter())
-        .filter(|e| e.id == x_id || e.id == dy_id)
+        .filter(|e| operand_ids.contains(&e.id.as_str()))
         .map(|e| e.dtype)
         .collect();
+    if formats.iter().any(|f| fp8(*f)) {
+        return None;
+    }
     let operand_format = coarsest(&formats);
     let setting = |m: &ModuleInfo| {
         [
@@ -472,7 +491,7 @@ pub(crate) fn finding(
             .filter(|f| f.precision() < operand_format.precision())
             .min_by_key(|f| f.precision())
     };
-    let q = (
+    let quantize = (
         q_of(module.as_ref()),
         q_of(cand_module.as_ref().or(module.as_ref())),
     );
@@ -498,6 +517,49 @@ pub(crate) fn finding(
         .chain([if wide { Format::F64 } else { Format::F32 }])
         .min_by_key(|f| f.precision())
         .unwrap_or(Format::F32);
+    Some(Setting {
+        quantize,
+        out,
+        accumulate,
+    })
+}
+
+/// The element test of the parameter gradient `id` compared as `(r, c)`, where it applies: a
+/// linear layer's weight, called once, whose input and arriving gradient both traces hold, in
+/// formats other than FP8, and whose reference gradient is the product of its operands; with
+/// the elements beyond their bounds (see [`element_test`]).
+pub(crate) fn finding(
+    reference: &mut TraceDir,
+    candidate: &mut TraceDir,
+    id: &str,
+    (r, c): (&Stored, &Stored),
+    recipe: Option<&Recipe>,
+    eps: f64,
+) -> Option<(Finding, Vec<usize>)> {
+    let t = TensorId::parse(id)?;
+    let TensorRole::ParamGrad { param } = &t.role else {
+        return None;
+    };
+    if param != "weight" || r.shape().len() != 2 || r.shape() != c.shape() {
+        return None;
+    }
+    let x_id = TensorId::fwd_input(&t.module, 0).to_string();
+    let dy_id = TensorId::grad_output(&t.module, 0).to_string();
+    let Setting {
+        quantize: q,
+        out,
+        accumulate,
+        ..
+    } = setting(
+        reference,
+        candidate,
+        id,
+        &t.module,
+        &[&x_id, &dy_id],
+        (r, c),
+        recipe,
+    )?;
+    let (out_dim, in_dim) = (r.shape()[0], r.shape()[1]);
     if let Some(f) = within_spacing(r, c, out, eps) {
         // No element differs by more than the final roundings allow, which every element's
         // bound contains: the operands need not be read.

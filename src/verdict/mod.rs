@@ -117,8 +117,8 @@ pub fn compare_tensor(
 /// [`compare_tensor`] with the tests beyond the norm chosen by `detection` (off:
 /// `Detection { enabled: false, ..Default::default() }` judges the norm alone). Parameter
 /// gradients (ids ending `|param_grad`) never have the pooled sparse and systematic tests (the
-/// trace checker gives a linear's weight gradient an element test from its recorded operands
-/// instead: `check::weight_grad`).
+/// trace checker gives a linear's weight and bias gradients element tests from their recorded
+/// operands instead: `check::weight_grad`, `check::bias_grad`).
 ///
 /// # Examples
 ///

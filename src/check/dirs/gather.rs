@@ -257,8 +257,8 @@ pub(super) fn gather(
         }
     }
     let mut exceeding = Vec::new();
-    // A linear's weight gradient: each element against its own bound from the layer's operands
-    // (the pooled sparse test leaves parameter gradients alone).
+    // A linear's weight or bias gradient: each element against its own bound from the layer's
+    // operands (the pooled sparse test leaves parameter gradients alone).
     if let (Some(cand), None, 0, true, true) = (
         c.as_ref(),
         &problem,
@@ -266,14 +266,20 @@ pub(super) fn gather(
         detection.enabled,
         detection.sparse,
     ) {
-        if let Some((f, beyond)) = crate::check::weight_grad::finding(
-            reference,
-            candidate,
-            id,
-            (&r, cand),
-            plan.recipe.as_ref(),
-            eps,
-        ) {
+        let recipe = plan.recipe.as_ref();
+        let tested =
+            crate::check::weight_grad::finding(reference, candidate, id, (&r, cand), recipe, eps)
+                .or_else(|| {
+                    crate::check::bias_grad::finding(
+                        reference,
+                        candidate,
+                        id,
+                        (&r, cand),
+                        recipe,
+                        eps,
+                    )
+                });
+        if let Some((f, beyond)) = tested {
             verdict.passed &= !f.fired;
             verdict.findings.push(f);
             exceeding = beyond;
