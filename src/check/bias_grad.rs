@@ -16,7 +16,10 @@
 //!   and Stability of Numerical Algorithms*, 2nd ed., Lemma 3.1), and P partial sums over
 //!   ranks that split the tokens, rounded and added in the output format, γ_P·(1 + γ_T)·Σ|terms|
 //!   more (`weight_grad::kernel_coefficients`);
-//! * each rounds its result to the output format: u_out·(1 + 2u_out)·|g| + λ_out/2.
+//! * each rounds its result to the output format: u_out·(1 + 2u_out)·|g| + λ_out/2;
+//! * where the candidate's dY is read divided by the data-parallel divisor (a local-mean loss,
+//!   `check::loss`), its quotients are rounded again (u_s·A + T·λ_s/2 in dY's stored format s,
+//!   λ alone for a power of two) and the engine's division of the gradient rounds once more.
 //!
 //! As for the weight gradient (`check::weight_grad`, whose conditions this shares: one call of
 //! the layer, no FP8), the reference's own gradient is first checked to be its dY's sum
@@ -26,7 +29,8 @@
 
 use crate::check::price::{split_factor, Reduced};
 use crate::check::weight_grad::{
-    coarsest, kernel_coefficients, setting, within_spacing, Arithmetic, Setting, MAX_LISTED,
+    coarsest, dy_format, kernel_coefficients, setting, within_spacing, Arithmetic, Setting,
+    MAX_LISTED,
 };
 use crate::format::Format;
 use crate::io::TraceDir;
@@ -140,6 +144,8 @@ pub(crate) fn element_test(
     let (mut a, mut b) = (Vec::new(), Vec::new());
     r.decode_range(0, n, &mut a);
     c.decode_range(0, n, &mut b);
+    // The candidate's read quotients of a divided dY lie this far from the exact ones.
+    let read = arith.read_rounding();
     let mut worst: Option<(f64, usize, f64, f64)> = None; // (ratio, at, excess, bound)
     let mut listed = Vec::new();
     let mut count = 0usize;
@@ -149,10 +155,14 @@ pub(crate) fn element_test(
         if !excess.is_finite() {
             return None;
         }
+        let a_c = dy.candidate.1[i];
         let bound = (run_allowance(k_ref, arith.quantize.0, dy.rows, dy.reference.1[i])
-            + run_allowance(k_cand, arith.quantize.1, dy.rows, dy.candidate.1[i])
+            + run_allowance(k_cand, arith.quantize.1, dy.rows, a_c)
+            + read.0 * a_c
+            + dy.rows as f64 * read.1
             + 2.0 * u * rv.abs().max(cv.abs()) * (1.0 + 2.0 * u)
-            + l)
+            + l
+            + arith.division_rounding(cv))
             * (1.0 + 1e-9);
         if excess > bound {
             count += 1;
@@ -249,11 +259,15 @@ pub(crate) fn finding(
         )
         .max(1)
     };
+    let divided = candidate
+        .divisor_of(&dy_id)
+        .map(|d| (dy_format(candidate, &dy_id), d.is_power_of_two()));
     let arith = Arithmetic {
         accumulate,
         out,
         partials: (partials(reference), partials(candidate)),
         quantize,
+        divided,
     };
     if !consistent(r, &dy, &arith) {
         return None;

@@ -172,6 +172,37 @@ pub(crate) struct Arithmetic {
     /// The format each run rounds the operands to before their products, if coarser: the
     /// reference's, the candidate's.
     pub(crate) quantize: (Option<Format>, Option<Format>),
+    /// Where the candidate's arriving gradient is read divided by the data-parallel divisor
+    /// (each rank averaged its loss over its own share: `check::loss`): the format the
+    /// quotients are stored in again, and whether the divisor is a power of two. The engine
+    /// divided the gradient's partial sums or result by the same divisor.
+    pub(crate) divided: Option<(Format, bool)>,
+}
+
+impl Arithmetic {
+    /// How far a read quotient of the candidate's arriving gradient may lie from the exact
+    /// one: (relative, absolute) — u of its stored format unless the divisor is a power of
+    /// two, and half its smallest subnormal (underflow) either way.
+    pub(crate) fn read_rounding(&self) -> (f64, f64) {
+        match self.divided {
+            None => (0.0, 0.0),
+            Some((f, pow2)) => (
+                if pow2 { 0.0 } else { f.unit_roundoff() },
+                f.min_subnormal() / 2.0,
+            ),
+        }
+    }
+
+    /// The engine's division of the candidate's result `c` by the divisor: one rounding more,
+    /// u_out(1 + 2u_out)|c| + λ_out/2 (λ_out/2 alone for a power of two).
+    pub(crate) fn division_rounding(&self, c: f64) -> f64 {
+        let (u, l) = (self.out.unit_roundoff(), self.out.min_subnormal());
+        match self.divided {
+            None => 0.0,
+            Some((_, true)) => l / 2.0,
+            Some((_, false)) => u * (1.0 + 2.0 * u) * c.abs() + l / 2.0,
+        }
+    }
 }
 
 /// The element bound's coefficients: for the reference's scale s = aᵢbⱼ and the candidate's
@@ -188,7 +219,16 @@ pub(crate) fn kernel_coefficients(arith: &Arithmetic, rows: usize) -> Option<(f6
             Some(0.0)
         }
     };
-    Some((g + comb(arith.partials.0)?, g + comb(arith.partials.1)?))
+    let k_cand = g + comb(arith.partials.1)?;
+    // The engine's division of the candidate's partial sums by a divisor that is not a power
+    // of two rounds each of them once more.
+    let divided = matches!(arith.divided, Some((_, false)));
+    let k_cand = if divided {
+        k_cand + arith.out.unit_roundoff() * (1.0 + k_cand)
+    } else {
+        k_cand
+    };
+    Some((g + comb(arith.partials.0)?, k_cand))
 }
 
 /// Whether the reference's gradient `g` (`out × in`) is the product of its operands: with a
@@ -288,7 +328,8 @@ pub(crate) fn element_test(
                 + k_ref * s
                 + k_cand * (a + al) * (b + be)
                 + 2.0 * u_out * rv.abs().max(cv.abs()) * (1.0 + 2.0 * u_out)
-                + l_out;
+                + l_out
+                + arith.division_rounding(cv);
             // The f64 evaluation of the bound errs by far less than this.
             let bound = bound * (1.0 + 1e-9);
             if d > bound {
@@ -580,6 +621,11 @@ pub(crate) fn finding(
     if x.rows != dy.rows {
         return None;
     }
+    let divided = candidate
+        .divisor_of(&dy_id)
+        .map(|d| (dy_format(candidate, &dy_id), d.is_power_of_two()));
+    let mut dy = dy;
+    widen_for_division(&mut dy, divided);
     let layout = |d: &TraceDir, i: &str| d.layout(i).unwrap_or_else(Layout::replicated);
     let partials = |d: &TraceDir| {
         let ins = [(layout(d, &x_id), x_ranks), (layout(d, &dy_id), dy_ranks)];
@@ -596,11 +642,38 @@ pub(crate) fn finding(
         out,
         partials: (partials(reference), partials(candidate)),
         quantize: q,
+        divided,
     };
     if !consistent(r, &v, &dy, &x, &arith) {
         return None;
     }
     element_test(r, c, &dy, &x, &arith, eps)
+}
+
+/// The arriving gradient's columns where the candidate's is read divided (see
+/// [`Arithmetic::divided`]): its true operand is the read quotient moved by that rounding, so
+/// each column's difference grows by the move's norm, u_s·‖c_{:,i}‖ + √T·λ_s/2 with
+/// ‖c_{:,i}‖ ≤ aᵢ + αᵢ.
+pub(crate) fn widen_for_division(dy: &mut Columns, divided: Option<(Format, bool)>) {
+    if let Some((f, pow2)) = divided {
+        let u = if pow2 { 0.0 } else { f.unit_roundoff() };
+        let floor = (dy.rows as f64).sqrt() * f.min_subnormal() / 2.0;
+        for (d, n) in dy.diff.iter_mut().zip(&dy.norm) {
+            *d += u * (n + *d) + floor;
+        }
+    }
+}
+
+/// The coarsest format the trace stores the tensor `id` in (any shard's).
+pub(crate) fn dy_format(dir: &TraceDir, id: &str) -> Format {
+    coarsest(
+        &dir.manifest()
+            .tensors
+            .iter()
+            .filter(|e| e.id == id)
+            .map(|e| e.dtype)
+            .collect::<Vec<_>>(),
+    )
 }
 
 /// Column and row weights of a projection (see [`columns`]).

@@ -137,6 +137,7 @@ fn case(
         out,
         partials: (1, if matches!(order, Order::Split) { 4 } else { 1 }),
         quantize: q,
+        divided: None,
     };
     Case {
         g: (
@@ -273,6 +274,7 @@ fn a_difference_carried_by_the_arriving_gradient_is_no_finding() {
         out: Format::F32,
         partials: (1, 1),
         quantize: (None, None),
+        divided: None,
     };
     let r = stored(
         &[OUT],
@@ -317,4 +319,62 @@ fn a_gradient_that_is_not_finite_or_has_no_whole_rows_has_no_sums() {
     assert!(sums((&ok, &ok), 0).is_none());
     let s = sums((&ok, &ok), 3).unwrap();
     assert_eq!((s.rows, s.reference.0.clone()), (4, vec![4.0; 3]));
+}
+
+#[test]
+fn a_local_mean_over_three_data_parallel_ranks_stays_within_its_bound_and_is_tested() {
+    // Three data-parallel ranks each average their loss over their own share: each one's
+    // arriving gradient is three times the reference's (computed so, rounded in its format),
+    // its bias partial summed in FP32 and rounded, the partials all-reduced and divided by
+    // three in the output format. The checker reads the candidate's dY divided by three and
+    // rounded again. No element may exceed its bound; one element × 1.5 is still found.
+    let eps = 2.0 * Format::BF16.unit_roundoff();
+    let mut worst: f64 = 0.0;
+    for seed in 0..16 {
+        for f in [Format::BF16, Format::F32] {
+            let mut g = SplitMix64::for_name("local_mean", seed);
+            let dy_r = gradient_in(&mut g, f);
+            let local: Vec<f64> = dy_r.iter().map(|&v| round(f, 3.0 * v)).collect();
+            let read: Vec<f64> = local.iter().map(|&v| round(f, v / 3.0)).collect();
+            let thirds = [0, T / 3, 2 * T / 3, T];
+            let cand: Vec<f64> = (0..OUT)
+                .map(|i| {
+                    let parts = thirds.windows(2).map(|w| {
+                        let s = (w[0]..w[1])
+                            .fold(0.0, |a, t| round(Format::F32, a + local[t * OUT + i]));
+                        round(f, s)
+                    });
+                    let total = parts.fold(0.0, |a, p| round(f, a + p));
+                    round(f, total / 3.0)
+                })
+                .collect();
+            let reference = bias(&dy_r, None, Order::Sequential, f);
+            let dy = sums(
+                (&stored(&[T, OUT], dy_r, f), &stored(&[T, OUT], read, f)),
+                OUT,
+            )
+            .unwrap();
+            let arith = Arithmetic {
+                accumulate: Format::F32,
+                out: f,
+                partials: (1, 3),
+                quantize: (None, None),
+                divided: Some((f, false)),
+            };
+            let r = stored(&[OUT], reference, f);
+            assert!(consistent(&r, &dy, &arith));
+            let (found, _) =
+                element_test(&r, &stored(&[OUT], cand.clone(), f), &dy, &arith, eps).unwrap();
+            assert!(!found.fired, "{seed} {f:?}: {found:?}");
+            worst = worst.max(found.ratio);
+            // The large-mean column, whose sum does not cancel (the BF16 combination of the
+            // three partials costs power where sums cancel, as for the split above).
+            let mut bad = cand;
+            bad[7] = round(f, bad[7] * 1.5);
+            let (found, listed) =
+                element_test(&r, &stored(&[OUT], bad, f), &dy, &arith, eps).unwrap();
+            assert!(found.fired && listed == vec![7], "{seed} {f:?}: {found:?}");
+        }
+    }
+    assert!(worst > 0.05, "{worst}");
 }

@@ -149,6 +149,7 @@ fn case(
         out,
         partials: (1, if matches!(order, Order::Split) { 2 } else { 1 }),
         quantize: q,
+        divided: None,
     };
     Case {
         g: (
@@ -274,6 +275,7 @@ fn sums_too_long_for_the_accumulator_have_no_bound() {
         out: Format::BF16,
         partials,
         quantize: (None, None),
+        divided: None,
     };
     // γ_T of FP32 is undefined from T = 2²⁴ (T·u = 1), and 1 at T = 2²³.
     assert_eq!(kernel_coefficients(&arith((1, 1)), 1 << 24), None);
@@ -281,4 +283,57 @@ fn sums_too_long_for_the_accumulator_have_no_bound() {
         .is_some_and(|(r, c)| (r - 1.0).abs() < 1e-12 && r == c));
     // Partial sums combined in BF16: γ_P of BF16 too, undefined from P = 2⁸.
     assert_eq!(kernel_coefficients(&arith((1, 1 << 8)), 16), None);
+}
+
+#[test]
+fn a_local_mean_over_three_data_parallel_ranks_stays_within_every_element_bound() {
+    // Three data-parallel ranks each average their loss over their own share: each one's
+    // arriving gradient is three times the reference's (rounded in its format), its products
+    // summed in FP32 over its third of the tokens and rounded, the partials added and divided
+    // by three in the output format. The checker reads the candidate's dY divided by three
+    // and rounded again.
+    let eps = 2.0 * Format::BF16.unit_roundoff();
+    let mut worst: f64 = 0.0;
+    for seed in 0..12 {
+        for f in [Format::BF16, Format::F32] {
+            let mut g = SplitMix64::for_name("weight_local_mean", seed);
+            let (x, dy_r) = (operand(&mut g, T, IN, f), operand(&mut g, T, OUT, f));
+            let local: Vec<f64> = dy_r.iter().map(|&v| round(f, 3.0 * v)).collect();
+            let read: Vec<f64> = local.iter().map(|&v| round(f, v / 3.0)).collect();
+            let thirds = [0, T / 3, 2 * T / 3, T];
+            let mut cand = vec![0.0; OUT * IN];
+            for i in 0..OUT {
+                for j in 0..IN {
+                    let total = thirds.windows(2).fold(0.0, |a, w| {
+                        let s = (w[0]..w[1]).fold(0.0, |s, t| {
+                            round(Format::F32, s + local[t * OUT + i] * x[t * IN + j])
+                        });
+                        round(f, a + round(f, s))
+                    });
+                    cand[i * IN + j] = round(f, total / 3.0);
+                }
+            }
+            let reference = gradient(&dy_r, &x, None, Order::Sequential, f);
+            let v = signs(IN, "case");
+            let xs = stored(&[T, IN], x, f);
+            let xc = columns((&xs, &xs), IN, (None, None), Some(&v), None).unwrap();
+            let (dr, dc) = (stored(&[T, OUT], dy_r, f), stored(&[T, OUT], read, f));
+            let mut dyc = columns((&dr, &dc), OUT, (None, None), None, Some(&xc.row_dots)).unwrap();
+            widen_for_division(&mut dyc, Some((f, false)));
+            let arith = Arithmetic {
+                accumulate: Format::F32,
+                out: f,
+                partials: (1, 3),
+                quantize: (None, None),
+                divided: Some((f, false)),
+            };
+            let r = stored(&[OUT, IN], reference, f);
+            assert!(consistent(&r, &v, &dyc, &xc, &arith));
+            let (found, listed) =
+                element_test(&r, &stored(&[OUT, IN], cand, f), &dyc, &xc, &arith, eps).unwrap();
+            assert!(listed.is_empty() && !found.fired, "{seed} {f:?}: {found:?}");
+            worst = worst.max(found.ratio);
+        }
+    }
+    assert!(worst > 0.01, "{worst}");
 }

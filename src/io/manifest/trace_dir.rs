@@ -722,6 +722,14 @@ impl TraceDir {
         self.dp_divisor = divisor;
     }
 
+    /// The divisor the tensor `id` is read divided by ([`TraceDir::set_dp_divisor`]), where
+    /// it is: more than one, and `id` loss-dependent under its own layout.
+    pub(crate) fn divisor_of(&self, id: &str) -> Option<usize> {
+        let d = self.dp_divisor.filter(|&d| d > 1)?;
+        let layout = self.layout(id)?;
+        TraceDir::loss_dependent(id, &layout).then_some(d)
+    }
+
     /// Whether the tensor `id` merged as `layout` scales with each data-parallel rank's loss
     /// normalization: an activation's gradient held in parts along dp or cp (split, or summed
     /// — a parameter's is reduced by the engine, which knows), or a forward tensor summed over
