@@ -5,8 +5,15 @@
 //! test that fires is a false alarm. Prints the closest call of each test per op and family,
 //! and every false alarm.
 //!
-//! `cargo run --release --example detect_zoo -- [trials] [filter] [--priced]` (default 3
-//! trials per cell, about 4 minutes; `docs/zoo.md` records the published run). Outputs are
+//! With `--power`, each pair also gets the smallest perturbation its tests detect, per data
+//! family (`papers/checking.md` §7, power by data class): a scale 1 + ρ of the candidate
+//! (rounded to its format: for BF16 outputs a scale after the final rounding, which rounds
+//! back below half an ulp) found by the scale test, and one element × (1 + ρ) found by the
+//! sparse test, ρ in ε of the output format (bisection on the realized pair: the detection
+//! point of that pair, not a power over draws). Medians per op and family.
+//!
+//! `cargo run --release --example detect_zoo -- [trials] [filter] [--priced] [--power]`
+//! (default 3 trials per cell, about 4 minutes; `docs/zoo.md` records the published run). Outputs are
 //! [256, 64] (matmul: A [256, k] from the family, B [k, 64] Gaussian) or [256, k], at k = 64
 //! and 1024. The norm's threshold is half the reference's norm (below it, so that the tests
 //! beyond the norm apply; far above these differences), or with `--priced` the pair's priced
@@ -56,7 +63,13 @@ fn inputs(op: Op, family: Family, k: usize, seed: u64, pair: &zoo::Pair) -> (Ten
 fn main() -> ttrace::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let priced = args.iter().any(|a| a == "--priced");
-    let args: Vec<String> = args.into_iter().filter(|a| a != "--priced").collect();
+    let power = args.iter().any(|a| a == "--power");
+    let args: Vec<String> = args
+        .into_iter()
+        .filter(|a| a != "--priced" && a != "--power")
+        .collect();
+    // Per (op, family): the detection points of the scale and the one-element perturbations.
+    let mut points: BTreeMap<(String, String), (Vec<f64>, Vec<f64>)> = BTreeMap::new();
     let trials: u64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(3);
     let filter = args.get(2).cloned().unwrap_or_default();
     let ops: Vec<Op> = zoo::ops()
@@ -141,6 +154,53 @@ fn main() -> ttrace::Result<()> {
                             norm_alarms += 1;
                             alarms.push(format!("{name} k={k} seed={seed}: norm {:.2}x", v.ratio));
                         }
+                        if power {
+                            let p = points.entry((op.name(), family.name())).or_default();
+                            let found = |d: Detector, bad: &Tensor| {
+                                compare_tensor_with("zoo|fwd.output.0", &r, bad, th, eps, detection)
+                                    .findings
+                                    .iter()
+                                    .any(|f| f.detector == d && f.fired)
+                            };
+                            let out = pair.candidate.output;
+                            let scaled = |rho: f64| {
+                                let v = c
+                                    .values()
+                                    .iter()
+                                    .map(|x| {
+                                        out.round(
+                                            x * (1.0 + rho * eps),
+                                            ttrace::Overflow::NonSaturating,
+                                        )
+                                    })
+                                    .collect();
+                                Tensor::from_vec(&[ROWS, cols], v, out).ok()
+                            };
+                            p.0.push(detection_point(|rho| {
+                                scaled(rho).is_some_and(|t| found(Detector::Scale, &t))
+                            }));
+                            // One element at a seeded place of at least the median magnitude.
+                            let mut mags: Vec<f64> = r.values().iter().map(|v| v.abs()).collect();
+                            mags.sort_by(f64::total_cmp);
+                            let median = mags[mags.len() / 2];
+                            let start = (seed as usize * 7919 + 17) % r.len();
+                            let at = (0..r.len())
+                                .map(|k| (start + k) % r.len())
+                                .find(|&k| r.values()[k].abs() >= median && r.values()[k] != 0.0);
+                            if let Some(at) = at {
+                                let element = |rho: f64| {
+                                    let mut v = c.values().to_vec();
+                                    v[at] = out.round(
+                                        v[at] * (1.0 + rho * eps),
+                                        ttrace::Overflow::NonSaturating,
+                                    );
+                                    Tensor::from_vec(&[ROWS, cols], v, out).ok()
+                                };
+                                p.1.push(detection_point(|rho| {
+                                    element(rho).is_some_and(|t| found(Detector::Sparse, &t))
+                                }));
+                            }
+                        }
                         let cell = table.entry((op.name(), family.name())).or_default();
                         for f in &v.findings {
                             let e = cell.entry(f.detector).or_insert((0, 0, 0.0));
@@ -193,5 +253,53 @@ fn main() -> ttrace::Result<()> {
     for a in &alarms {
         println!("FALSE ALARM {a}");
     }
+    if power {
+        println!();
+        println!("Detection points (ε of the output format; median over the pairs, inf: not found by 10⁴ ε)");
+        println!("| op | family | scale | 1 element |");
+        println!("|---|---|---|---|");
+        let mut by_family: BTreeMap<String, (Vec<f64>, Vec<f64>)> = BTreeMap::new();
+        for ((op, fam), (sc, el)) in &points {
+            println!("| {op} | {fam} | {:.3} | {:.1} |", median(sc), median(el));
+            let e = by_family.entry(fam.clone()).or_default();
+            e.0.extend(sc);
+            e.1.extend(el);
+        }
+        println!();
+        println!("| family | scale | 1 element |");
+        println!("|---|---|---|");
+        for (fam, (sc, el)) in &by_family {
+            println!("| {fam} | {:.3} | {:.1} |", median(sc), median(el));
+        }
+    }
     Ok(())
+}
+
+/// The median of `v` (∞ when empty).
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::INFINITY)
+}
+
+/// The smallest ρ (in ε) at which `fires` holds, to 2% by bisection after doubling from
+/// 10⁻⁴; ∞ when it does not hold at 10⁴.
+fn detection_point(fires: impl Fn(f64) -> bool) -> f64 {
+    let mut hi = 1e-4;
+    while !fires(hi) {
+        hi *= 2.0;
+        if hi > 1e4 {
+            return f64::INFINITY;
+        }
+    }
+    let mut lo = hi / 2.0;
+    while hi / lo > 1.02 {
+        let mid = (lo * hi).sqrt();
+        if fires(mid) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    hi
 }

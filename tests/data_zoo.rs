@@ -373,32 +373,70 @@ fn kahan_guaranteed_bound_holds() {
 /// arithmetic before their deterministic round-off was handled (`examples/detect_zoo.rs`,
 /// `papers/checking.md` §7): sequentially summed softmax rows of gridded logits (a biased
 /// shared factor per row), constant and repeated rows (equal round-off), two stored formats
-/// (one-sided rounding). Correct pairs: none may fire; where the test applies it still runs.
+/// (one-sided rounding), rows of few distinct values. Correct pairs: none may fire; where the
+/// test applies it still runs.
 #[test]
 fn the_systematic_tests_hold_on_the_structured_data_that_broke_them() {
     use ttrace::check::{compare_tensor_with, Detection, Detector};
+    use ttrace::engine::{AttentionImpl, Variance};
     use zoo::{Family, Op};
-    let cases: [(Op, Family, &str, usize, bool); 6] = [
+    let cases: [(Op, Family, &str, usize, bool); 12] = [
+        // Rows of few distinct values (dyadic logits, near-constant rows, BF16 inputs
+        // normalized in FP32): structured, no systematic test (`Detect::structured`; the
+        // last four fired at 1.05–2.12× before it).
         (
-            Op::Softmax(ttrace::engine::AttentionImpl::Standard),
+            Op::Softmax(AttentionImpl::Standard),
             Family::Dyadic,
             "->f32 seq vs pairwise",
             1024,
+            false,
+        ),
+        (
+            Op::Softmax(AttentionImpl::Standard),
+            Family::NearConstant,
+            "->f32 seq vs pairwise",
+            1024,
+            false,
+        ),
+        (
+            Op::LayerNorm(Variance::TwoPass),
+            Family::NearConstant,
+            "two-pass vs one-pass: seq vs pairwise",
+            1024,
+            false,
+        ),
+        (Op::RmsNorm, Family::NearConstant, "rms", 1024, false),
+        (
+            Op::LayerNorm(Variance::TwoPass),
+            Family::Mean(30.0),
+            "two-pass vs one-pass: bf16 seq",
+            1024,
+            false,
+        ),
+        // Data of distinct values keep the tests.
+        (Op::RmsNorm, Family::Gaussian, "rms", 1024, true),
+        (
+            Op::LayerNorm(Variance::TwoPass),
+            Family::Mean(30.0),
+            "two-pass vs one-pass: f32 seq",
+            1024,
             true,
         ),
+        // BF16 logits into an FP32 softmax: BF16's grid, normalized (a row's sum biased
+        // by −2.3 ε against a spread of 4.7 ε: the slack kept it, at a cost in power).
         (
             Op::Softmax(ttrace::engine::AttentionImpl::Standard),
             Family::Gaussian,
             "->f32 seq vs pairwise",
             1024,
-            true,
+            false,
         ),
         (
             Op::Softmax(ttrace::engine::AttentionImpl::Standard),
             Family::SortedDescending,
             "->f32 seq vs pairwise",
             1024,
-            true,
+            false,
         ),
         (
             Op::LayerNorm(ttrace::engine::Variance::TwoPass),

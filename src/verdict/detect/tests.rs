@@ -533,3 +533,149 @@ fn critical_values() {
     let x = sparse_critical(10.0, 1e-3);
     assert!(((-std::f64::consts::SQRT_2 * x).exp() * 10.0 - 1e-3).abs() < 1e-15);
 }
+
+/// Rows that repeat values (a reference of few distinct values per row: BF16 inputs
+/// normalized in FP32, near-constant rows) are structured: their sums round one way, and a
+/// deterministic shift common to every row — here exactly what a scale bug would make — is
+/// not judged by the systematic tests. The same shift on data of distinct values is found;
+/// data stored in BF16 repeat values by their format alone and keep the tests.
+#[test]
+fn rows_of_repeated_values_have_no_systematic_test() {
+    let (rows, cols) = (256, 512);
+    let shape = [rows, cols];
+    let shifted = |r: &[f64]| -> Vec<f64> {
+        let z = gaussian(r.len(), 9);
+        r.iter()
+            .zip(&z)
+            .map(|(x, n)| x * (1.0 + 1e-6) + 1e-9 * n)
+            .collect()
+    };
+    let at = |f: Format| -> Vec<f64> {
+        gaussian(rows * cols, 8)
+            .iter()
+            .map(|&x| f.round(x, Overflow::Saturating))
+            .collect()
+    };
+    let systematic = |f: &[Finding]| {
+        f.iter()
+            .filter(|x| matches!(x.detector, Detector::Scale | Detector::Bias))
+            .count()
+    };
+    let eps = 2.0 * Format::F32.unit_roundoff();
+    // Distinct FP32 values: the tests apply and the scale is found.
+    let r = at(Format::F32);
+    let f = detect(
+        &shape,
+        &r,
+        &shifted(&r),
+        Format::F32,
+        eps,
+        Detection::default(),
+    );
+    assert_eq!(systematic(&f), 2);
+    assert!(get(&f, Detector::Scale).unwrap().fired, "{f:?}");
+    // The same values on BF16's grid, stored in FP32: most repeat within their row.
+    let r = at(Format::BF16);
+    let d = {
+        let mut d = Detect::new(&shape, Format::F32, Detection::default());
+        d.feed(&r, &r);
+        d
+    };
+    assert!(d.structured() && d.dup_seen >= cols * DUP_ROWS.min(rows) / 2);
+    let f = detect(
+        &shape,
+        &r,
+        &shifted(&r),
+        Format::F32,
+        eps,
+        Detection::default(),
+    );
+    assert_eq!(systematic(&f), 0, "{f:?}");
+    // Stored in BF16 they keep the tests (the candidate on BF16's grid too).
+    let c: Vec<f64> = r
+        .iter()
+        .map(|&x| Format::BF16.round(x * (1.0 + 1.0 / 64.0), Overflow::Saturating))
+        .collect();
+    let f = detect(&shape, &r, &c, Format::BF16, EPS, Detection::default());
+    assert_eq!(systematic(&f), 2, "{f:?}");
+    assert!(get(&f, Detector::Scale).unwrap().fired);
+    // Zeros (a ReLU's, a mask's) are not repeats: half the values zero, the rest distinct.
+    let r: Vec<f64> = at(Format::F32)
+        .iter()
+        .enumerate()
+        .map(|(k, &x)| if k % 2 == 0 { 0.0 } else { x })
+        .collect();
+    let f = detect(
+        &shape,
+        &r,
+        &shifted(&r),
+        Format::F32,
+        eps,
+        Detection::default(),
+    );
+    assert_eq!(systematic(&f), 2, "{f:?}");
+}
+
+/// Rows that move by one relative factor each (a softmax's denominator summed in another
+/// order), a few rows by far more than the rest: the sparse test takes the row's factor out
+/// (without it the worst row's second element fired at 1.7×), and still finds one
+/// element corrupted within such a row.
+#[test]
+fn a_row_that_moves_by_one_factor_is_not_a_sparse_error() {
+    let (rows, cols) = (256, 1024);
+    let f32u = Format::F32.unit_roundoff();
+    let mut g = SplitMix64::for_name("row factor", 0);
+    // Rows of a softmax of heavy-tailed logits: one element dominates, a second is just
+    // below the row's root mean square, the rest are tiny.
+    let r: Vec<f64> = (0..rows)
+        .flat_map(|t| {
+            let (top, second) = ((t * 37) % cols, (t * 37 + 11) % cols);
+            (0..cols)
+                .map(|j| match j {
+                    _ if j == top => 0.9,
+                    _ if j == second => 0.025,
+                    _ => 1e-4 * g.uniform(),
+                })
+                .map(|x| Format::F32.round(x, Overflow::Saturating))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let c: Vec<f64> = r
+        .chunks(cols)
+        .enumerate()
+        .flat_map(|(t, row)| {
+            // Most rows move by about one rounding; one by 300 of them.
+            let f = if t == 7 { 300.0 } else { g.normal() } * f32u;
+            row.iter()
+                .map(|&x| Format::F32.round(x * (1.0 + f), Overflow::Saturating))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let eps = 2.0 * f32u;
+    let f = detect(
+        &[rows, cols],
+        &r,
+        &c,
+        Format::F32,
+        eps,
+        Detection::default(),
+    );
+    let sparse = get(&f, Detector::Sparse).unwrap();
+    assert!(!sparse.fired && sparse.ratio < 0.5, "{sparse:?}");
+    // The largest element of such a row off by 10,000 roundings of itself.
+    let at = (7 * cols..8 * cols)
+        .max_by(|&i, &j| r[i].total_cmp(&r[j]))
+        .unwrap();
+    let mut bad = c.clone();
+    bad[at] = Format::F32.round(bad[at] * (1.0 + 1e4 * f32u), Overflow::Saturating);
+    let f = detect(
+        &[rows, cols],
+        &r,
+        &bad,
+        Format::F32,
+        eps,
+        Detection::default(),
+    );
+    let sparse = get(&f, Detector::Sparse).unwrap();
+    assert!(sparse.fired && sparse.at == Some(at), "{sparse:?}");
+}

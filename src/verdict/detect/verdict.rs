@@ -20,7 +20,7 @@ impl Detect {
         let sq = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>();
         // Every row's keyed sums are needed to merge equal rows: a tensor of more rows than
         // the records hold has no systematic test.
-        if self.systematic() && self.keyed.len() == self.row_count {
+        if self.systematic() && self.keyed.len() == self.row_count && !self.structured() {
             self.cluster_rows();
             let t = symmetric_critical(self.cfg.each());
             // Scale (weights m = (r + c)/2): the pure signal D = m has L = Σm², rows
@@ -178,6 +178,10 @@ impl Detect {
             } else {
                 (rr / m.max(1) as f64).sqrt()
             };
+            // The row's shared relative factor: the median of its elements' relative
+            // differences (a softmax's denominator moves every element of its row by one
+            // factor; a few corrupted elements do not move the median).
+            let factor = row_factor(&r, &c);
             let full = self.cols > 0 && r.len() == self.cols;
             for (j, (&a, &b)) in r.iter().zip(&c).enumerate() {
                 if !finite(a, b) || a == b {
@@ -195,7 +199,17 @@ impl Detect {
                     s
                 };
                 let allowance = grid.ulp(a.abs().max(b.abs())).unwrap_or(0.0);
-                let e = (d.abs() - allowance).max(0.0) / wide;
+                // An element may carry its row's factor (a softmax row of heavy-tailed
+                // logits: every element moves by the denominator's relative difference,
+                // 25 ε where the rows' pool is 1 ε — such rows summed in another order fired
+                // at 1.2× without it). Taken only where it makes the difference smaller: the
+                // excess is never raised.
+                let moved = if !u.zero {
+                    d.abs().min((d - factor * a).abs())
+                } else {
+                    d.abs()
+                };
+                let e = (moved - allowance).max(0.0) / wide;
                 if e == 0.0 {
                     continue;
                 }
@@ -240,4 +254,22 @@ impl Detect {
             },
         })
     }
+}
+
+/// The median of a row's relative differences (c − r)/r over its finite pairs with r ≠ 0 (0
+/// when there are none).
+fn row_factor(r: &[f64], c: &[f64]) -> f64 {
+    let mut q: Vec<f64> = r
+        .iter()
+        .zip(c)
+        .filter(|(a, b)| a.is_finite() && b.is_finite() && **a != 0.0)
+        .map(|(a, b)| (b - a) / a)
+        .filter(|x| x.is_finite())
+        .collect();
+    if q.is_empty() {
+        return 0.0;
+    }
+    let mid = q.len() / 2;
+    let (_, m, _) = q.select_nth_unstable_by(mid, f64::total_cmp);
+    *m
 }
