@@ -27,9 +27,8 @@
 //! accumulated over steps, or a dY that is not this gradient's, takes the test off.
 //! `papers/checking.md` §7.
 
-use crate::check::price::{split_factor, Reduced};
 use crate::check::weight_grad::{
-    coarsest, dy_format, kernel_coefficients, setting, within_spacing, Arithmetic, Setting,
+    arithmetic, coarsest, kernel_coefficients, read_pair, setting, within_spacing, Arithmetic,
     MAX_LISTED,
 };
 use crate::format::Format;
@@ -37,7 +36,6 @@ use crate::io::TraceDir;
 use crate::policy::Recipe;
 use crate::trace::id::{TensorId, TensorRole};
 use crate::trace::stored::Stored;
-use crate::trace::Layout;
 use crate::verdict::{Detector, Finding};
 
 /// Values decoded at a time.
@@ -215,12 +213,7 @@ pub(crate) fn finding(
         return None;
     }
     let dy_id = TensorId::grad_output(&t.module, 0).to_string();
-    let Setting {
-        quantize,
-        out,
-        accumulate,
-        ..
-    } = setting(
+    let setting = setting(
         reference,
         candidate,
         id,
@@ -229,46 +222,23 @@ pub(crate) fn finding(
         (r, c),
         recipe,
     )?;
-    if let Some(f) = within_spacing(r, c, out, eps) {
+    if let Some(f) = within_spacing(r, c, setting.out, eps) {
         // No element differs by more than the final roundings allow: nothing to find, and dY
         // need not be read. (An element whose dY moved while it did not is the dY's finding.)
         return Some((f, Vec::new()));
     }
     let cols = r.shape()[0];
-    let dr = reference.logical_stored(&dy_id).ok()?;
-    let dc = match candidate.logical_stored(&dy_id) {
-        Ok(c) => c,
-        Err(_) => {
-            reference.recycle(dr);
-            return None;
-        }
-    };
-    let fits = dr.shape() == dc.shape() && dr.shape().last() == Some(&cols);
-    let dy_ranks = dr.shape().len();
-    let dy = fits.then(|| sums((&dr, &dc), cols)).flatten();
-    reference.recycle(dr);
-    candidate.recycle(dc);
-    let dy = dy?;
-    let layout = |d: &TraceDir, i: &str| d.layout(i).unwrap_or_else(Layout::replicated);
-    let partials = |d: &TraceDir| {
-        split_factor(
-            &layout(d, id),
-            &[(layout(d, &dy_id), dy_ranks)],
-            &d.manifest().mesh,
-            Some(Reduced::AllButLast),
-        )
-        .max(1)
-    };
-    let divided = candidate
-        .divisor_of(&dy_id)
-        .map(|d| (dy_format(candidate, &dy_id), d.is_power_of_two()));
-    let arith = Arithmetic {
-        accumulate,
-        out,
-        partials: (partials(reference), partials(candidate)),
-        quantize,
-        divided,
-    };
+    let (dy, dy_ranks) = read_pair(reference, candidate, &dy_id, cols, |a, b| {
+        sums((a, b), cols)
+    })?;
+    let arith = arithmetic(
+        reference,
+        candidate,
+        id,
+        &setting,
+        &[(&dy_id, dy_ranks)],
+        &dy_id,
+    );
     if !consistent(r, &dy, &arith) {
         return None;
     }

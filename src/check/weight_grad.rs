@@ -586,12 +586,7 @@ pub(crate) fn finding(
     }
     let x_id = TensorId::fwd_input(&t.module, 0).to_string();
     let dy_id = TensorId::grad_output(&t.module, 0).to_string();
-    let Setting {
-        quantize: q,
-        out,
-        accumulate,
-        ..
-    } = setting(
+    let setting = setting(
         reference,
         candidate,
         id,
@@ -600,6 +595,7 @@ pub(crate) fn finding(
         (r, c),
         recipe,
     )?;
+    let (q, out) = (setting.quantize, setting.out);
     let (out_dim, in_dim) = (r.shape()[0], r.shape()[1]);
     if let Some(f) = within_spacing(r, c, out, eps) {
         // No element differs by more than the final roundings allow, which every element's
@@ -621,29 +617,16 @@ pub(crate) fn finding(
     if x.rows != dy.rows {
         return None;
     }
-    let divided = candidate
-        .divisor_of(&dy_id)
-        .map(|d| (dy_format(candidate, &dy_id), d.is_power_of_two()));
+    let arith = arithmetic(
+        reference,
+        candidate,
+        id,
+        &setting,
+        &[(&x_id, x_ranks), (&dy_id, dy_ranks)],
+        &dy_id,
+    );
     let mut dy = dy;
-    widen_for_division(&mut dy, divided);
-    let layout = |d: &TraceDir, i: &str| d.layout(i).unwrap_or_else(Layout::replicated);
-    let partials = |d: &TraceDir| {
-        let ins = [(layout(d, &x_id), x_ranks), (layout(d, &dy_id), dy_ranks)];
-        split_factor(
-            &layout(d, id),
-            &ins,
-            &d.manifest().mesh,
-            Some(Reduced::AllButLast),
-        )
-        .max(1)
-    };
-    let arith = Arithmetic {
-        accumulate,
-        out,
-        partials: (partials(reference), partials(candidate)),
-        quantize: q,
-        divided,
-    };
+    widen_for_division(&mut dy, arith.divided);
     if !consistent(r, &v, &dy, &x, &arith) {
         return None;
     }
@@ -689,6 +672,20 @@ fn operand(
     q: (Option<Format>, Option<Format>),
     (col_weights, row_weights): Weights<'_>,
 ) -> Option<(Columns, usize)> {
+    read_pair(reference, candidate, id, cols, |r, c| {
+        columns((r, c), cols, q, col_weights, row_weights)
+    })
+}
+
+/// `f` of the operand `id` of both runs, read whole and handed back after, where both are
+/// held with the same shape and `cols` columns; with its number of dimensions.
+pub(crate) fn read_pair<T>(
+    reference: &mut TraceDir,
+    candidate: &mut TraceDir,
+    id: &str,
+    cols: usize,
+    f: impl FnOnce(&Stored, &Stored) -> Option<T>,
+) -> Option<(T, usize)> {
     let r = reference.logical_stored(id).ok()?;
     let c = match candidate.logical_stored(id) {
         Ok(c) => c,
@@ -699,13 +696,48 @@ fn operand(
     };
     let fits = r.shape() == c.shape() && r.shape().last() == Some(&cols);
     let ranks = r.shape().len();
-    let result = fits
-        .then(|| columns((&r, &c), cols, q, col_weights, row_weights))
-        .flatten();
+    let result = fits.then(|| f(&r, &c)).flatten();
     reference.recycle(r);
     candidate.recycle(c);
     result.map(|x| (x, ranks))
 }
 
+/// How both runs computed the gradient `id` of a linear layer in `setting`, its operands
+/// `operands` (id, number of dimensions) read, `dy_id` the arriving gradient: the partial
+/// sums of each run (the mesh axes that split the tokens) and the division of the
+/// candidate's arriving gradient.
+pub(crate) fn arithmetic(
+    reference: &TraceDir,
+    candidate: &TraceDir,
+    id: &str,
+    setting: &Setting,
+    operands: &[(&str, usize)],
+    dy_id: &str,
+) -> Arithmetic {
+    let layout = |d: &TraceDir, i: &str| d.layout(i).unwrap_or_else(Layout::replicated);
+    let partials = |d: &TraceDir| {
+        let ins: Vec<(Layout, usize)> = operands
+            .iter()
+            .map(|(i, ranks)| (layout(d, i), *ranks))
+            .collect();
+        split_factor(
+            &layout(d, id),
+            &ins,
+            &d.manifest().mesh,
+            Some(Reduced::AllButLast),
+        )
+        .max(1)
+    };
+    Arithmetic {
+        accumulate: setting.accumulate,
+        out: setting.out,
+        partials: (partials(reference), partials(candidate)),
+        quantize: setting.quantize,
+        divided: candidate
+            .divisor_of(dy_id)
+            .map(|d| (dy_format(candidate, dy_id), d.is_power_of_two())),
+    }
+}
+
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -5,16 +5,12 @@
 #![cfg(test)]
 
 use super::*;
-use crate::format::Overflow;
+use crate::check::weight_grad::tests::{perturbed, round};
 use crate::random::SplitMix64;
 use crate::Tensor;
 
 const T: usize = 512;
 const OUT: usize = 48;
-
-fn round(f: Format, x: f64) -> f64 {
-    f.round(x, Overflow::NonSaturating)
-}
 
 /// Heavy-tailed values on `f`'s grid: normal, a few 30× larger, one column 100×, one column
 /// of a large mean with small variations (a sum that stagnates in a narrow accumulator);
@@ -33,22 +29,6 @@ fn gradient_in(g: &mut SplitMix64, f: Format) -> Vec<f64> {
                 _ => {}
             }
             round(f, v * scale)
-        })
-        .collect()
-}
-
-/// Upstream round-off: about a third of the elements moved by one or two units in the last
-/// place of `f`.
-fn perturbed(g: &mut SplitMix64, v: &[f64], f: Format) -> Vec<f64> {
-    v.iter()
-        .map(|&x| {
-            if g.uniform() < 0.35 && x != 0.0 {
-                let ulp =
-                    2.0 * f.unit_roundoff() * crate::format::pow2(x.abs().log2().floor() as i32);
-                round(f, x + (g.below(5) as f64 - 2.0) * ulp)
-            } else {
-                x
-            }
         })
         .collect()
 }

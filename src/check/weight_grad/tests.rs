@@ -13,7 +13,7 @@ const T: usize = 256;
 const IN: usize = 24;
 const OUT: usize = 16;
 
-fn round(f: Format, x: f64) -> f64 {
+pub(crate) fn round(f: Format, x: f64) -> f64 {
     f.round(x, Overflow::NonSaturating)
 }
 
@@ -36,7 +36,7 @@ fn operand(g: &mut SplitMix64, rows: usize, cols: usize, f: Format) -> Vec<f64> 
 
 /// Upstream round-off: about a third of the elements moved by one or two units in the last
 /// place of `f`.
-fn perturbed(g: &mut SplitMix64, v: &[f64], f: Format) -> Vec<f64> {
+pub(crate) fn perturbed(g: &mut SplitMix64, v: &[f64], f: Format) -> Vec<f64> {
     v.iter()
         .map(|&x| {
             if g.uniform() < 0.35 && x != 0.0 {
