@@ -208,8 +208,7 @@ fn local_pricing_sweep() {
     println!("bugs: {runs} runs, detected {found}, localized right {right}");
     // The README's figures (0 false alarms; 80 of 87 bug runs detected — 79 before the
     // bias-gradient element test found grad-allreduce-in-bf16 on tp2-sp-cp2-dp1 bf16 —
-    // every detection
-    // localized to the right module kind and pass).
+    // every detection localized to the right module kind and pass).
     assert_eq!(fa_tensors, 0);
     assert_eq!((runs, found, right), (87, 80, 80));
 }
