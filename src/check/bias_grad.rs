@@ -28,13 +28,13 @@
 //! `papers/checking.md` §7.
 
 use crate::check::weight_grad::{
-    arithmetic, coarsest, kernel_coefficients, read_pair, setting, within_spacing, Arithmetic,
-    MAX_LISTED,
+    arithmetic, coarsest, gradient_of, kernel_coefficients, read_pair, setting, within_spacing,
+    Arithmetic, MAX_LISTED,
 };
 use crate::format::Format;
 use crate::io::TraceDir;
 use crate::policy::Recipe;
-use crate::trace::id::{TensorId, TensorRole};
+use crate::trace::id::TensorId;
 use crate::trace::stored::Stored;
 use crate::verdict::{Detector, Finding};
 
@@ -205,23 +205,9 @@ pub(crate) fn finding(
     recipe: Option<&Recipe>,
     eps: f64,
 ) -> Option<(Finding, Vec<usize>)> {
-    let t = TensorId::parse(id)?;
-    let TensorRole::ParamGrad { param } = &t.role else {
-        return None;
-    };
-    if param != "bias" || r.shape().len() != 1 || r.shape() != c.shape() {
-        return None;
-    }
-    let dy_id = TensorId::grad_output(&t.module, 0).to_string();
-    let setting = setting(
-        reference,
-        candidate,
-        id,
-        &t.module,
-        &[&dy_id],
-        (r, c),
-        recipe,
-    )?;
+    let module = gradient_of(id, "bias", 1, (r, c))?;
+    let dy_id = TensorId::grad_output(&module, 0).to_string();
+    let setting = setting(reference, candidate, id, &module, &[&dy_id], (r, c), recipe)?;
     if let Some(f) = within_spacing(r, c, setting.out, eps) {
         // No element differs by more than the final roundings allow: nothing to find, and dY
         // need not be read. (An element whose dY moved while it did not is the dY's finding.)

@@ -565,6 +565,22 @@ pub(crate) fn setting(
     })
 }
 
+/// The module whose parameter `param` has the gradient `id`, where the pair `(r, c)` has
+/// `dims` dimensions and equal shapes.
+pub(crate) fn gradient_of(
+    id: &str,
+    param: &str,
+    dims: usize,
+    (r, c): (&Stored, &Stored),
+) -> Option<String> {
+    let t = TensorId::parse(id)?;
+    let fits = r.shape().len() == dims && r.shape() == c.shape();
+    match t.role {
+        TensorRole::ParamGrad { param: p } if p == param && fits => Some(t.module),
+        _ => None,
+    }
+}
+
 /// The element test of the parameter gradient `id` compared as `(r, c)`, where it applies: a
 /// linear layer's weight, called once, whose input and arriving gradient both traces hold, in
 /// formats other than FP8, and whose reference gradient is the product of its operands; with
@@ -577,20 +593,14 @@ pub(crate) fn finding(
     recipe: Option<&Recipe>,
     eps: f64,
 ) -> Option<(Finding, Vec<usize>)> {
-    let t = TensorId::parse(id)?;
-    let TensorRole::ParamGrad { param } = &t.role else {
-        return None;
-    };
-    if param != "weight" || r.shape().len() != 2 || r.shape() != c.shape() {
-        return None;
-    }
-    let x_id = TensorId::fwd_input(&t.module, 0).to_string();
-    let dy_id = TensorId::grad_output(&t.module, 0).to_string();
+    let module = gradient_of(id, "weight", 2, (r, c))?;
+    let x_id = TensorId::fwd_input(&module, 0).to_string();
+    let dy_id = TensorId::grad_output(&module, 0).to_string();
     let setting = setting(
         reference,
         candidate,
         id,
-        &t.module,
+        &module,
         &[&x_id, &dy_id],
         (r, c),
         recipe,
