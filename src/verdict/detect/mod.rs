@@ -60,7 +60,15 @@
 //!   elements' own noise makes (a per-row least-squares fit D ≈ a·m + b, its residuals'
 //!   sandwich variance), M a row's weight. A scale bug moves every row's factor alike and adds
 //!   no spread; a tensor whose rows carry real factors pays with power (the size study's BF16
-//!   activation gradients: a scale at 0.64 ε instead of 0.09 ε).
+//!   activation gradients: a scale at 0.64 ε instead of 0.09 ε). Where the bias has no source
+//!   there is no slack ([`Detect::random_rounding`]): a tensor stored in FP32 or finer, without
+//!   repeated values, whose rows' energy is spread over many elements (participation
+//!   (Σm²)²/(n·Σm⁴) ≥ [`SPREAD_ROWS`], 1/3 for Gaussian rows) sums many comparable terms whose
+//!   roundings have independent signs, and the row clusters' variance holds their factors
+//!   (FP32 logits: a mean of 0.1 of their spread). Rows a few elements dominate keep it: they
+//!   stagnate one way (the zoo's LayerNorm and RMSNorm rows with one column in 16 a thousand
+//!   times larger fired at 1.25× without it). The size study's FP32 activations and their
+//!   gradients: a scale at 0.27 / 0.47 ε instead of 1.03 / 4.31 ε.
 //! * **Rows of repeated values** in a tensor stored in FP32 or finer (more than one nonzero
 //!   value in [`DUP_SHARE`] equal to another of its row, over a sample of [`DUP_ROWS`] rows:
 //!   [`Detect::structured`]) came from inputs on a coarse grid or of few values — BF16 inputs
@@ -318,6 +326,11 @@ const DUP_ROWS: usize = 64;
 /// structured ([`Detect::structured`]).
 pub(super) const DUP_SHARE: usize = 32;
 
+/// The least energy spread of a tensor's rows, (Σm²)²/(n·Σm⁴) (1/3 for Gaussian rows, 1 for
+/// constant magnitudes, 1/n for one element), whose rows' factors need no slack
+/// ([`Detect::random_rounding`]).
+const SPREAD_ROWS: f64 = 0.1;
+
 /// The standard grids, coarsest first, that a tensor's values may all lie on.
 const GRIDS: [Format; 5] = [
     Format::E4M3,
@@ -518,6 +531,22 @@ impl Detect {
         self.dup_seen >= DUP_SHARE && self.dup_count * DUP_SHARE > self.dup_seen
     }
 
+    /// The rows' factors need no deterministic slack ([`factor_slack`]): the tensor is stored
+    /// in FP32 or finer (and has no repeated values, [`Detect::structured`], or it has no
+    /// systematic test at all) and its rows' energy is spread — the mean over rows, weighted
+    /// by their Σm⁴, of the participation (Σm²)²/(n·Σm⁴) is at least [`SPREAD_ROWS`] (1/3 for
+    /// Gaussian rows). Such rows' sums add many comparable terms of independent signs of
+    /// rounding, and their factors' common part is that noise, which the row clusters'
+    /// variance already holds. A row that a few elements dominate (outlier channels, heavy
+    /// tails) sums small terms onto a large accumulator, which loses them one way: the data
+    /// zoo's LayerNorms and RMSNorms of rows with one column in 16 a thousand times larger
+    /// moved every row's factor alike, 1.25 times the variance's allowance without the slack.
+    /// Formats coarser than FP32 keep the slack: their outputs' rounding on a coarse grid is
+    /// biased by the data's distribution.
+    fn random_rounding(&self, spread: f64) -> bool {
+        self.stored.precision() >= Format::F32.precision() && spread >= SPREAD_ROWS
+    }
+
     /// The scale and bias tests can run: asked for, on a matrix with columns.
     fn systematic(&self) -> bool {
         self.cfg.systematic && self.matrix && self.cols > 0
@@ -698,6 +727,8 @@ impl Detect {
     /// The row terms of the cluster-robust variances, with rows equal in the reference merged
     /// into one cluster: Σ over clusters of (Σ_cluster x)², likewise y, m² and the pairs.
     fn cluster_rows(&mut self) {
+        // Before equal rows merge: Σ over rows of (Σm²)², against the row length times Σm⁴.
+        let spread = self.pure_rows * self.row_count as f64 / (self.n as f64 * self.pure_elements);
         // Rows by key, equal keys in row order; the classes then in the order of their first
         // row, so that every sum runs in an order the values' magnitudes do not change.
         let mut order: Vec<u32> = (0..self.keyed.len() as u32).collect();
@@ -738,8 +769,10 @@ impl Detect {
         self.bias.rows = y2.max(self.bias.rows);
         self.pure_rows = mm2.max(self.pure_rows);
         self.ones_rows = n2.max(self.ones_rows);
-        self.scale.slack = factor_slack(&xs, &mms, &x_noise);
-        self.bias.slack = factor_slack(&ys, &ns, &y_noise);
+        if !self.random_rounding(spread) {
+            self.scale.slack = factor_slack(&xs, &mms, &x_noise);
+            self.bias.slack = factor_slack(&ys, &ns, &y_noise);
+        }
     }
 
     /// The coarsest standard grid holding every finite value of both sides.

@@ -679,3 +679,53 @@ fn a_row_that_moves_by_one_factor_is_not_a_sparse_error() {
     let sparse = get(&f, Detector::Sparse).unwrap();
     assert!(sparse.fired && sparse.at == Some(at), "{sparse:?}");
 }
+
+/// FP32 rows whose factors move at random (a normalizer's rounding per token) with no common
+/// part: the row clusters' variance holds them, and a scale far below the factors' spread is
+/// found. Rows a few elements dominate (one column in 16 a thousand times larger) keep the
+/// deterministic slack: a common factor of the rows within κ times their spread, which such
+/// rows' stagnating sums make, does not fire.
+#[test]
+fn random_row_factors_need_no_slack_and_dominated_rows_keep_it() {
+    let (rows, cols) = (256, 1024);
+    let eps = Format::F32.machine_epsilon();
+    let (sigma_f, sigma_e) = (0.5 * eps, 2.0 * eps);
+    let pair = |seed: u64, outliers: bool, common: f64, rho: f64| {
+        let r: Vec<f64> = gaussian(rows * cols, seed)
+            .iter()
+            .enumerate()
+            .map(|(k, &x)| if outliers && k % 16 == 3 { 1e3 * x } else { x })
+            .collect();
+        let f = gaussian(rows, seed + 1);
+        let z = gaussian(rows * cols, seed + 2);
+        let c: Vec<f64> = r
+            .iter()
+            .zip(&z)
+            .enumerate()
+            .map(|(k, (a, e))| {
+                let row = common + sigma_f * f[k / cols];
+                a * (1.0 + rho) * (1.0 + row) + a.abs().max(1.0) * sigma_e * e
+            })
+            .collect();
+        (r, c)
+    };
+    let scale = |r: &[f64], c: &[f64]| {
+        let f = detect(&[rows, cols], r, c, Format::F32, eps, Detection::default());
+        get(&f, Detector::Scale).unwrap()
+    };
+    for seed in 0..6 {
+        let (r, c) = pair(10 * seed, false, 0.0, 0.0);
+        assert!(!scale(&r, &c).fired, "seed {seed}");
+        // Half an ε: the factors' spread, about three times the clusters' critical value.
+        let (r, c) = pair(10 * seed, false, 0.0, 0.5 * eps);
+        let s = scale(&r, &c);
+        assert!(
+            s.fired && (s.estimate - 0.5).abs() < 0.15,
+            "seed {seed}: {s:?}"
+        );
+        // Dominated rows: a common factor of 1.2 σ_f is allowed, and the test applies.
+        let (r, c) = pair(10 * seed, true, 1.2 * sigma_f, 0.0);
+        let s = scale(&r, &c);
+        assert!(!s.fired && s.ratio > 0.3, "seed {seed}: {s:?}");
+    }
+}
