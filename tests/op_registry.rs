@@ -10,8 +10,8 @@ use ttrace::bounds::{
     OperandRole,
 };
 use ttrace::engine::{
-    add, gelu, layer_norm, linear, matmul, normal_values, online_softmax, rms_norm, scale, silu,
-    softmax, AttentionImpl, Variance,
+    add, cross_entropy, gelu, layer_norm, linear, matmul, normal_values, online_softmax, rms_norm,
+    scale, silu, softmax, AttentionImpl, Variance,
 };
 use ttrace::{sum, Accumulation, Error, Format, Overflow, Policy, Tensor};
 
@@ -21,6 +21,11 @@ fn synthetic(shape: &[usize], role: OperandRole, seed: &str, f: Format) -> Tenso
         OperandRole::Data => (0.3, 1.0),
         OperandRole::NormWeight => (1.0, 0.1),
         OperandRole::NormBias => (0.0, 0.1),
+        // Class indices below 5 (every op's operands are drawn with at least 5 columns).
+        OperandRole::ClassIndex => {
+            let v = (0..n).map(|i| ((i * 7 + 3) % 5) as f64).collect();
+            return Tensor::from_vec(shape, v, Format::F64).unwrap();
+        }
     };
     let v = normal_values(seed, n, mean, std, 7);
     Tensor::rounded(shape, v, f, Overflow::Saturating).unwrap()
@@ -75,6 +80,10 @@ fn execute(op: Op, inputs: &[&Tensor], side: &OpSide, eps: f64) -> Option<Tensor
         Op::Elementwise(Elementwise::Scale { c }) => scale(inputs[0], c, p).unwrap(),
         Op::Elementwise(Elementwise::Gelu) => gelu(inputs[0], p).unwrap(),
         Op::Elementwise(Elementwise::Silu) => silu(inputs[0], p).unwrap(),
+        Op::CrossEntropy => {
+            let t: Vec<usize> = inputs[1].values().iter().map(|&v| v as usize).collect();
+            cross_entropy(inputs[0], &t, p).unwrap()
+        }
         _ => return None,
     })
 }
@@ -179,7 +188,7 @@ fn every_op_through_the_registry_holds_against_the_engine() {
             executed += 1;
         }
     }
-    assert_eq!(executed, 11, "every op but exp and allreduce executed");
+    assert_eq!(executed, 12, "every op but exp and allreduce executed");
 }
 
 /// Operand counts outside an op's arity are refused with the variant, naming the operands.
@@ -300,11 +309,8 @@ fn ops_name_the_module_kinds_they_price() {
     assert_eq!(names(ModuleKind::Norm), ["layernorm", "rmsnorm"]);
     assert_eq!(names(ModuleKind::Residual), ["add"]);
     assert_eq!(names(ModuleKind::Activation), ["gelu", "silu"]);
-    for kind in [
-        ModuleKind::Attention,
-        ModuleKind::Embedding,
-        ModuleKind::Loss,
-    ] {
+    assert_eq!(names(ModuleKind::Loss), ["cross_entropy"]);
+    for kind in [ModuleKind::Attention, ModuleKind::Embedding] {
         assert!(names(kind).is_empty(), "{kind:?}");
     }
 }

@@ -236,6 +236,9 @@ def test_every_op_of_the_registry_prices_through_one_entry_point():
                                                              candidate=c)),
         "scale:C": ((x,), lambda: ttrace.elementwise_threshold("scale:0.3", x, reference=p,
                                                                candidate=c)),
+        "cross_entropy": ((x, np.array([3.0, 0.0, 63.0, 17.0])),
+                          lambda: ttrace.cross_entropy_threshold(
+                              x, np.array([3, 0, 63, 17]), reference=p, candidate=c)),
     }
     for op in names:
         inputs, direct = named.get(op, ((x,), None))
@@ -260,3 +263,44 @@ def test_every_op_of_the_registry_prices_through_one_entry_point():
         ttrace.threshold("conv", (x,), reference=p)
     with pytest.raises(ttrace.InvalidInputError, match="takes 2 to 3 operands"):
         ttrace.threshold("matmul", (x,), reference=p)
+
+
+def test_cross_entropy_threshold_prices_the_loss_as_pytorch_reduces_it() -> None:
+    """The mean cross-entropy's threshold: integer targets, rows with ``ignore_index`` left
+    out of the loss (pricing the kept rows alone gives the same threshold), the
+    vocabulary-parallel candidate priced wider than a pairwise one and far below the loss's
+    FP32 tolerance, and bad targets refused with their kind."""
+    rng = np.random.default_rng(5)
+    logits = (2 * rng.standard_normal((12, 4096))).astype(np.float32)
+    target = rng.integers(0, 4096, 12)
+    p = "in=f32,acc=f32,out=f32"
+    vp = p + ",order=splitk:8:f32:tree"
+    t = ttrace.cross_entropy_threshold(logits, target, reference=p, candidate=vp)
+    assert t.op == "cross_entropy" and t.elements == 1
+    loss = float(np.mean(np.log(np.exp(logits.astype(np.float64)).sum(axis=1))
+                         - logits[np.arange(12), target]))
+    assert 0 < t.abs_frobenius < 1e-5 * loss
+    via_torch = ttrace.cross_entropy_threshold(torch.from_numpy(logits),
+                                               torch.from_numpy(target), reference=p,
+                                               candidate=vp)
+    assert via_torch.abs_frobenius == t.abs_frobenius
+    pairwise = ttrace.cross_entropy_threshold(logits, target, reference=p,
+                                              candidate=p + ",order=pairwise:8")
+    assert 0 < pairwise.abs_frobenius
+    same = ttrace.cross_entropy_threshold(logits, target, reference=p, candidate=p)
+    assert same.abs_frobenius == 0
+    ignored = target.copy()
+    ignored[[1, 7]] = -100
+    kept = np.array([i for i in range(12) if i not in (1, 7)])
+    a = ttrace.cross_entropy_threshold(logits, ignored, reference=p, candidate=vp)
+    b = ttrace.cross_entropy_threshold(logits[kept], target[kept], reference=p, candidate=vp)
+    assert a.abs_frobenius == b.abs_frobenius
+    with pytest.raises(ttrace.InvalidInputError) as e:
+        ttrace.cross_entropy_threshold(logits, target[:5], reference=p, candidate=vp)
+    assert e.value.kind == "LengthMismatch"
+    with pytest.raises(ttrace.InvalidInputError) as e:
+        ttrace.cross_entropy_threshold(logits, target + 4096, reference=p, candidate=vp)
+    assert e.value.kind == "InvalidParameter"
+    with pytest.raises(ttrace.InvalidInputError) as e:
+        ttrace.cross_entropy_threshold(logits, target.reshape(3, 4), reference=p)
+    assert e.value.kind == "ShapeMismatch"

@@ -10,7 +10,7 @@ tensor, whether the difference is round-off or a bug — and where the bug was b
 * Price one op's tolerance: :func:`threshold` for any op of the registry
   (:func:`ttrace.thresholds.ops`), or :func:`matmul_threshold`, :func:`linear_threshold`,
   :func:`sum_threshold`, :func:`softmax_threshold`, :func:`norm_threshold`,
-  :func:`elementwise_threshold`, :func:`allreduce_threshold`.
+  :func:`elementwise_threshold`, :func:`allreduce_threshold`, :func:`cross_entropy_threshold`.
 * In tests: :func:`ttrace.testing.assert_close`, a drop-in for
   ``torch.testing.assert_close`` whose tolerance is priced from the op and its arithmetic.
 
@@ -38,6 +38,7 @@ from .thresholds import (
     Threshold,
     Verdict,
     allreduce_threshold,
+    cross_entropy_threshold,
     elementwise_threshold,
     linear_threshold,
     matmul_threshold,
@@ -59,6 +60,7 @@ __all__ = [
     "Tracer",
     "Verdict",
     "allreduce_threshold",
+    "cross_entropy_threshold",
     "check",
     "check_summaries",
     "elementwise_threshold",

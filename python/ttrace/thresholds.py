@@ -38,6 +38,7 @@ __all__ = [
     "norm_threshold",
     "elementwise_threshold",
     "allreduce_threshold",
+    "cross_entropy_threshold",
 ]
 
 
@@ -216,7 +217,8 @@ def threshold(
     ``torch.nn.functional.linear``; ``sum`` / ``mean`` ``(x,)`` along the last dimension;
     ``allreduce`` (one partial tensor per rank); ``softmax`` ``(x,)``; ``layernorm``
     ``(x, weight[, bias])``; ``rmsnorm`` ``(x, weight)``; ``add`` ``(x, y)``; ``scale:C``,
-    ``gelu``, ``silu``, ``exp`` ``(x,)``.
+    ``gelu``, ``silu``, ``exp`` ``(x,)``; ``cross_entropy`` ``(logits, target)`` with the
+    targets as numbers (:func:`cross_entropy_threshold` takes integer tensors).
 
     ``reference`` / ``candidate`` (default: the reference) are policy texts with two more
     keys the policy does not hold: ``form=standard|online:B`` (softmax) and
@@ -385,3 +387,54 @@ def allreduce_threshold(
     parts = [as_core(p, f"partial {i}") for i, p in enumerate(partials)]
     core = _ttrace.threshold("allreduce", parts, ref, cand, _delta(delta, guaranteed))
     return Threshold(core, "allreduce", ref, cand)
+
+
+def _class_indices(target: Any, ignore_index: Optional[int]) -> Tuple[Any, Any]:
+    """The targets as a float64 array of class indices, and the mask of the rows kept (those
+    whose target is not ``ignore_index``)."""
+    import numpy as np
+
+    if type(target).__module__.startswith("torch"):
+        target = target.detach().cpu().numpy()
+    t = np.asarray(target)
+    if t.ndim != 1:
+        raise InvalidInputError(
+            f"target: one class index per row (a 1-D array), got shape {t.shape}",
+            "ShapeMismatch",
+        )
+    if t.dtype.kind not in "iuf":
+        raise InvalidInputError(f"target: dtype {t.dtype} is not a number", "InvalidParameter")
+    keep = np.ones(t.shape, dtype=bool) if ignore_index is None else t != ignore_index
+    return t[keep].astype(np.float64), keep
+
+
+def cross_entropy_threshold(
+    logits: Any,
+    target: Any,
+    *,
+    reference: str,
+    candidate: Optional[str] = None,
+    ignore_index: Optional[int] = -100,
+    delta: float = 1e-6,
+    guaranteed: bool = False,
+) -> Threshold:
+    """The mean cross-entropy of ``logits`` [rows, vocab] against ``target`` [rows] (integer
+    class indices), as ``torch.nn.functional.cross_entropy`` computes it with its default
+    mean reduction: the threshold is on the scalar loss. Rows whose target is
+    ``ignore_index`` are left out of the loss and of its mean, as PyTorch leaves them.
+
+    A vocabulary-parallel loss (Megatron's, torchtitan's) is the candidate's order
+    ``splitk:R:F:tree`` — each of R ranks sums its shard of the vocabulary, the partial sums
+    all-reduced in format F. Both sides read the logits in the same input format and
+    accumulate in the same format (orders and output formats may differ).
+    """
+    import numpy as np
+
+    ref, cand = _policies(reference, candidate)
+    arr, fmt = as_core(logits, "logits")
+    t, keep = _class_indices(target, ignore_index)
+    if arr.ndim == 2 and keep.shape == (arr.shape[0],) and not keep.all():
+        arr = np.ascontiguousarray(arr[keep])
+    core = _ttrace.threshold("cross_entropy", [(arr, fmt), (t, "f64")], ref, cand,
+                             _delta(delta, guaranteed))
+    return Threshold(core, "cross_entropy", ref, cand)

@@ -88,7 +88,7 @@ fn rounding_stats(f: Format, v: f64) -> (f64, f64) {
 
 /// The numerators ra(exp(ra(x − m))) of one block (or of a whole row, standard form) with
 /// maximum `m`, as a side computes them: the terms its sum really adds (−∞, a mask, gives 0).
-fn computed_numerators(chunk: &[f64], m: f64, policy: &Policy) -> Vec<f64> {
+pub(crate) fn computed_numerators(chunk: &[f64], m: f64, policy: &Policy) -> Vec<f64> {
     let (a, ov) = (policy.accumulator(), policy.accumulation.overflow);
     chunk
         .iter()
@@ -103,7 +103,7 @@ fn computed_numerators(chunk: &[f64], m: f64, policy: &Policy) -> Vec<f64> {
 }
 
 /// The accumulation of a side's denominator: its order, on values of the accumulator format.
-fn denominator_accumulation(policy: &Policy) -> Accumulation {
+pub(crate) fn denominator_accumulation(policy: &Policy) -> Accumulation {
     let mut acc = policy.accumulation.clone();
     acc.input = policy.accumulator();
     acc

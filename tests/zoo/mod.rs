@@ -14,13 +14,13 @@
 #![allow(dead_code)]
 
 use ttrace::bounds::{
-    allreduce_threshold, elementwise_threshold, matmul_threshold, matmul_threshold_priced,
-    norm_threshold, reduction_error, softmax_threshold, sum_threshold, sum_threshold_priced,
-    Confidence, Elementwise, NormData, NormOp, NormSide, Pricing, Threshold,
+    allreduce_threshold, cross_entropy_threshold, elementwise_threshold, matmul_threshold,
+    matmul_threshold_priced, norm_threshold, reduction_error, softmax_threshold, sum_threshold,
+    sum_threshold_priced, Confidence, Elementwise, NormData, NormOp, NormSide, Pricing, Threshold,
 };
 use ttrace::engine::{
-    add, gelu, layer_norm, matmul, online_softmax, rms_norm, scale, silu, softmax, AttentionImpl,
-    SplitMix64, Variance,
+    add, cross_entropy, gelu, layer_norm, matmul, online_softmax, rms_norm, scale, silu, softmax,
+    AttentionImpl, SplitMix64, Variance,
 };
 use ttrace::{sum, BlockSum, Combine, Error, Format, Order, Overflow, Products};
 use ttrace::{Policy, Scaling, Tensor};
@@ -54,6 +54,9 @@ pub enum Op {
     Softmax(AttentionImpl),
     LayerNorm(Variance),
     RmsNorm,
+    /// The mean cross-entropy of the [rows, k] logits against targets drawn from the seed
+    /// (within each row's unmasked classes).
+    CrossEntropy,
 }
 
 impl Op {
@@ -72,6 +75,7 @@ impl Op {
             Op::Softmax(AttentionImpl::Online { block }) => format!("online softmax({block})"),
             Op::LayerNorm(v) => format!("layernorm {v:?}"),
             Op::RmsNorm => "rmsnorm".into(),
+            Op::CrossEntropy => "cross-entropy".into(),
         }
     }
 }
@@ -235,6 +239,44 @@ pub fn pairs(op: Op) -> Vec<Pair> {
                 });
             }
         }
+        Op::CrossEntropy => {
+            // Logits in BF16 and FP32, the loss in FP32 and BF16; the denominators and the
+            // loss's sum in other orders, vocabulary-parallel among them (the shards' partial
+            // sums all-reduced in FP32 or BF16).
+            for (input, out_f) in [
+                (Format::BF16, Format::F32),
+                (Format::F32, Format::F32),
+                (Format::BF16, Format::BF16),
+            ] {
+                let base = Policy::new(input, Format::F32, out_f);
+                for (name, order) in [
+                    ("pairwise(8)", Order::Pairwise { base: 8 }),
+                    ("vocab-parallel 4 f32", split(4, Format::F32, Combine::Tree)),
+                    (
+                        "vocab-parallel 8 bf16",
+                        split(8, Format::BF16, Combine::Ring { start: 1 }),
+                    ),
+                ] {
+                    out.push(mk(
+                        format!("{input}->{out_f} seq vs {name}"),
+                        base.clone(),
+                        base.clone().with_order(order),
+                    ));
+                }
+            }
+            out.push(mk(
+                "bf16 loss vs f32 loss, seq vs pairwise(8)".into(),
+                Policy::new(Format::BF16, Format::F32, Format::BF16),
+                Policy::new(Format::BF16, Format::F32, Format::F32)
+                    .with_order(Order::Pairwise { base: 8 }),
+            ));
+            let f16 = Policy::new(Format::F16, Format::F16, Format::F16);
+            out.push(mk(
+                "f16 in, f16 acc: seq vs pairwise(8)".into(),
+                f16.clone(),
+                f16.with_order(Order::Pairwise { base: 8 }),
+            ));
+        }
         Op::LayerNorm(_) | Op::RmsNorm => {
             let base = Policy::new(Format::F32, Format::F32, Format::F32);
             let variants: Vec<(Op, Op, &str)> = if op == Op::RmsNorm {
@@ -344,6 +386,7 @@ pub fn threshold(
             };
             softmax_threshold(x, r, ri, c, ci, conf)
         }
+        Op::CrossEntropy => cross_entropy_threshold(x, &targets(x)?, r, c, conf),
         Op::LayerNorm(_) | Op::RmsNorm => {
             let n = *x.shape().last().unwrap();
             let w = Tensor::from_vec(&[n], vec![1.0; n], Format::F32)?;
@@ -430,7 +473,24 @@ pub fn execute(op: Op, x: &Tensor, b: &Tensor, p: &Policy) -> ttrace::Result<Vec
             let w = Tensor::from_vec(&[n], vec![1.0; n], Format::F32)?;
             rms_norm(x, &w, 1e-5, p)?.0.into_values()
         }
+        Op::CrossEntropy => cross_entropy(x, &targets(x)?, p)?.into_values(),
     })
+}
+
+/// The cross-entropy's targets: per row a class among its finite logits, drawn from a hash of
+/// the row's values.
+pub fn targets(x: &Tensor) -> ttrace::Result<Vec<usize>> {
+    let k = *x.shape().last().unwrap();
+    Ok(x.values()
+        .chunks(k)
+        .map(|row| {
+            let h = row.iter().fold(0xcbf29ce484222325u64, |h, v| {
+                (h ^ v.to_bits()).wrapping_mul(0x100000001b3)
+            });
+            let finite: Vec<usize> = (0..k).filter(|&j| row[j].is_finite()).collect();
+            finite[(h % finite.len().max(1) as u64) as usize % finite.len().max(1)]
+        })
+        .collect())
 }
 
 /// One trial of `op` on `family` with reduction length `k` and `rows` outputs.
@@ -445,7 +505,7 @@ pub fn trial(
     let input = pair.reference.input();
     let acc = pair.reference.accumulator();
     let (x, b) = match op {
-        Op::Softmax(_) => {
+        Op::Softmax(_) | Op::CrossEntropy => {
             let mut v = generate(family, rows, k, seed, input, acc);
             softmax_rows(&mut v, k, seed, input);
             (

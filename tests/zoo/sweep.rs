@@ -114,6 +114,7 @@ pub fn ops() -> Vec<Op> {
         Op::Softmax(AttentionImpl::Standard),
         Op::LayerNorm(Variance::TwoPass),
         Op::RmsNorm,
+        Op::CrossEntropy,
     ]
 }
 

@@ -117,6 +117,7 @@ fn threshold_prices_every_supported_op() {
         ("add", "", "out=f32"),
         ("scale:0.3", "", "out=f32"),
         ("exp", "", "out=f32"),
+        ("cross_entropy", "", "order=splitk:4:f32:tree"),
     ] {
         let o = ttrace(
             &[

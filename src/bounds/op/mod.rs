@@ -12,6 +12,7 @@ use std::str::FromStr;
 use serde::Serialize;
 
 use crate::bounds::compare::{Confidence, Threshold};
+use crate::bounds::cross_entropy::CrossEntropyModel;
 use crate::bounds::elementwise::{Elementwise, ElementwiseModel};
 use crate::bounds::norm::NormModel;
 use crate::bounds::ops::{AllReduceModel, MatmulModel, SumModel};
@@ -28,7 +29,7 @@ pub use model::{OpModel, OpOptions, OpSide, Operand, OperandRole};
 ///
 /// Its text ([`FromStr`], [`Display`](fmt::Display)) is what the command line and Python
 /// take: `matmul`, `linear`, `sum`, `mean`, `allreduce`, `softmax`, `layernorm`, `rmsnorm`,
-/// `add`, `scale:C`, `gelu`, `silu`, `exp`.
+/// `add`, `scale:C`, `gelu`, `silu`, `exp`, `cross_entropy`.
 ///
 /// # Examples
 ///
@@ -62,11 +63,14 @@ pub enum Op {
     RmsNorm,
     /// An elementwise op ([`Elementwise`]): `x` (and `y` for `add`).
     Elementwise(Elementwise),
+    /// The mean cross-entropy of `logits` (rows × vocab) against `target` (rows class
+    /// indices): a scalar.
+    CrossEntropy,
 }
 
 impl Op {
     /// Every op's text (`scale:C` for the scale family).
-    pub const NAMES: [&'static str; 13] = [
+    pub const NAMES: [&'static str; 14] = [
         "matmul",
         "linear",
         "sum",
@@ -80,6 +84,7 @@ impl Op {
         "gelu",
         "silu",
         "exp",
+        "cross_entropy",
     ];
 
     /// The op's model, through which everything below dispatches.
@@ -94,6 +99,7 @@ impl Op {
             Op::LayerNorm => Box::new(NormModel { rms: false }),
             Op::RmsNorm => Box::new(NormModel { rms: true }),
             Op::Elementwise(e) => Box::new(ElementwiseModel(e)),
+            Op::CrossEntropy => Box::new(CrossEntropyModel),
         }
     }
 
@@ -118,7 +124,7 @@ impl Op {
 
     /// The ops whose model prices what a traced module of `kind` computes (its
     /// [`OpModel::module_kinds`]), in [`Op::NAMES`] order: `norm` → `layernorm`, `rmsnorm`;
-    /// `attention`, `embedding` and `loss` have none yet.
+    /// `loss` → `cross_entropy`; `attention` and `embedding` have none yet.
     pub fn for_module(kind: ModuleKind) -> Vec<Op> {
         Op::NAMES
             .iter()
@@ -145,6 +151,7 @@ impl fmt::Display for Op {
             Op::Elementwise(Elementwise::Gelu) => f.write_str("gelu"),
             Op::Elementwise(Elementwise::Silu) => f.write_str("silu"),
             Op::Elementwise(Elementwise::Exp) => f.write_str("exp"),
+            Op::CrossEntropy => f.write_str("cross_entropy"),
         }
     }
 }
@@ -182,6 +189,7 @@ impl FromStr for Op {
             "gelu" => Op::Elementwise(Elementwise::Gelu),
             "silu" => Op::Elementwise(Elementwise::Silu),
             "exp" => Op::Elementwise(Elementwise::Exp),
+            "cross_entropy" => Op::CrossEntropy,
             other => {
                 // The ops are listed in `Op::NAMES` (the command line's help, the Python
                 // docstrings).
@@ -207,7 +215,8 @@ impl Serialize for Op {
 /// [`allreduce_threshold`](crate::bounds::allreduce_threshold),
 /// [`softmax_threshold`](crate::bounds::softmax_threshold),
 /// [`norm_threshold`](crate::bounds::norm_threshold),
-/// [`elementwise_threshold`](crate::bounds::elementwise_threshold)), whose
+/// [`elementwise_threshold`](crate::bounds::elementwise_threshold),
+/// [`cross_entropy_threshold`](crate::bounds::cross_entropy_threshold)), whose
 /// documentation states its assumptions and sources.
 ///
 /// # Errors

@@ -19,7 +19,8 @@ use crate::trace::ModuleKind;
 /// its model (as each of statrs' distributions implements its traits in its own file):
 /// `matmul` and `linear` in `bounds/ops/matmul.rs`, `sum`, `mean` and `allreduce` in
 /// `bounds/ops/sum.rs`, `softmax` in `bounds/softmax.rs`, the norms in `bounds/norm/mod.rs`,
-/// the elementwise ops in `bounds/elementwise.rs`.
+/// the elementwise ops in `bounds/elementwise.rs`, `cross_entropy` in
+/// `bounds/cross_entropy.rs`.
 pub trait OpModel {
     /// The names of the operands, in order (optional ones included). Default: one, `x`.
     fn operand_names(&self) -> &'static [&'static str] {
@@ -79,8 +80,8 @@ impl Operand {
     }
 }
 
-/// What an operand of an op holds, for synthetic pricing: data, or a normalization's weight
-/// (near 1) or bias (near 0).
+/// What an operand of an op holds, for synthetic pricing: data, a normalization's weight
+/// (near 1) or bias (near 0), or class indices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OperandRole {
@@ -90,6 +91,9 @@ pub enum OperandRole {
     NormWeight,
     /// A normalization's bias (β): near 0.
     NormBias,
+    /// Class indices (integers from 0 to the last dimension of the first operand, less one),
+    /// held as numbers: a cross-entropy's targets.
+    ClassIndex,
 }
 
 /// One operand of an op at a given size ([`Op::operands`](crate::bounds::Op::operands)).

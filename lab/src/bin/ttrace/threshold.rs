@@ -182,6 +182,13 @@ pub fn run(a: Args) -> Result<Outcome, String> {
                         OperandRole::Data => (mean, std, format!("cli.{}", o.name)),
                         OperandRole::NormWeight => (1.0, 0.1, "cli.w".to_string()),
                         OperandRole::NormBias => (0.0, 0.1, "cli.b".to_string()),
+                        // Targets spread over the k classes (a hash of the row).
+                        OperandRole::ClassIndex => {
+                            let rows = o.shape.iter().product::<usize>();
+                            let t = (0..rows).map(|i| ((i * 7919 + 3) % k.max(1)) as f64);
+                            return Tensor::from_vec(&o.shape, t.collect(), Format::F64)
+                                .map_err(|e| e.to_string());
+                        }
                     };
                     synthetic(&o.shape, mu, sd, &seed, fmt)
                 })

@@ -1,0 +1,418 @@
+//! Comparison thresholds for the mean cross-entropy of logits against integer targets — the
+//! loss of a language model, vocabulary-parallel or not — as `engine::nn::cross_entropy`
+//! executes it: per row m = max z, êⱼ = ra(exp(ra(zⱼ − m))), Ŝ = Σ êⱼ in the side's order,
+//! ℓ = ra(ra(m + ra(ln Ŝ)) − z_target); loss = ro(ra(Σ ℓ / rows)), the Σ in the same order.
+//!
+//! Model (papers/bounds-cross-entropy.md). Both sides read the same logits in the same input
+//! and accumulator formats, so they compute the same numerators êⱼ (the maximum is exact,
+//! a vocabulary-parallel all-reduce of maxima included); they differ in the order of the two
+//! sums and in their output formats.
+//! * A row's denominator: Ŝ_s = T + E_s with T = Σ êⱼ exact and E_s the reduction error of the
+//!   side's order (`reduction_error`, or the fast pass for large vocabularies). To first order
+//!   ln Ŝ_c − ln Ŝ_r = (E_c − E_r)/Ŝ_r; exactly, |ln Ŝ_c − ln Ŝ_r| ≤ |Ŝ_c − Ŝ_r|/min(Ŝ_r, Ŝ_c),
+//!   and every computed denominator is at least 1 (the maximum's term is exactly 1, the other
+//!   terms are non-negative and every rounding is monotone).
+//! * The rounded ln, the addition of m and the subtraction of the target's logit round nearly
+//!   equal values on both sides (`ElementDiff::round_both`).
+//! * The rows' differences are independent (distinct roundings) and add up in the loss's sum:
+//!   their sub-Gaussian parts add their proxies, their deterministic parts add signed, their
+//!   rounding parts (zero-mean under the uniform-phase model, bounded) by Hoeffding. Identical
+//!   rows with the same target differ identically: one component times their count.
+//! * The loss's own sum of the ℓ in the two orders (`reduction_error` on the reference's ℓ;
+//!   guaranteed: the reference's exactly, the candidate's by Higham's depths on its ℓ, which
+//!   lie within the rows' guaranteed bounds of the reference's), the division by the row count
+//!   (exact for a power of two) and each side's output rounding.
+
+use crate::bounds::compare::{row_classes, Confidence, ElementDiff, Threshold, ThresholdSums};
+use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
+use crate::bounds::ops::{check_output, round_sides};
+use crate::bounds::reduction::{
+    dot_guaranteed_weights, overflow_error, overflow_threshold, reduction_error, ReductionError,
+};
+use crate::bounds::softmax::{computed_numerators, denominator_accumulation};
+use crate::error::{Error, Result};
+use crate::format::Format;
+use crate::order::{Accumulation, Order};
+use crate::policy::Policy;
+use crate::tensor::Tensor;
+use crate::trace::ModuleKind;
+
+/// Threshold on |loss_c − loss_r| for the mean cross-entropy of `logits` ([rows, vocab]; −∞
+/// masks a class) against `targets` (one class per row), computed under `reference` and under
+/// `candidate`. Both sides read the logits in the same input format and accumulate in the same
+/// format with the same overflow behaviour (their orders and output formats may differ: a
+/// vocabulary-parallel loss is [`Order::SplitK`] over the vocabulary shards, its partial sums
+/// all-reduced in the partial format).
+///
+/// Assumptions (papers/bounds-cross-entropy.md): the probabilistic threshold rests on the
+/// random-rounding model (independent roundings with a uniform phase); the guaranteed one on
+/// nothing but round-to-nearest (or monotone truncation) in every operation and the
+/// libm logarithm erring by at most one f64 ulp.
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::{cross_entropy_threshold, Confidence};
+/// use ttrace::{Format, Order, Policy, Tensor};
+/// # fn main() -> ttrace::Result<()> {
+/// let logits = Tensor::rounded(&[4, 1000], (0..4000).map(|i| 3.0 * (i as f64 * 0.37).sin())
+///     .collect(), Format::BF16, ttrace::Overflow::Saturating)?;
+/// let r: Policy = "in=bf16,acc=f32,out=f32".parse()?;
+/// // Vocabulary-parallel over 4 ranks: each rank's partial sum, all-reduced in FP32.
+/// let c: Policy = "in=bf16,acc=f32,out=f32,order=splitk:4:sequential:f32:tree".parse()?;
+/// let t = cross_entropy_threshold(&logits, &[3, 17, 999, 0], &r, &c,
+///     Confidence::default_probabilistic())?;
+/// assert!(t.abs_frobenius > 0.0 && t.relative < 1e-5);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::InvalidParameter`] for sides that differ in input or accumulator format or
+/// overflow, for Kahan, tensor-core and kernel-family orders (not priced here), and for
+/// invalid policies; [`Error::ShapeMismatch`] for logits that are not [rows, vocab] with
+/// rows, vocab ≥ 1; [`Error::LengthMismatch`] for a target count other than the row count;
+/// [`Error::InvalidParameter`] for a target outside the vocabulary; [`Error::NonFinite`] for a
+/// NaN or +∞ logit, or a target whose logit is masked (its loss is +∞);
+/// [`Error::NoFiniteBound`] or [`Error::Overflow`] when a rounding may overflow.
+pub fn cross_entropy_threshold(
+    logits: &Tensor,
+    targets: &[usize],
+    reference: &Policy,
+    candidate: &Policy,
+    confidence: Confidence,
+) -> Result<Threshold> {
+    reference.validate()?;
+    candidate.validate()?;
+    if reference.input() != candidate.input()
+        || reference.accumulator() != candidate.accumulator()
+        || reference.accumulation.overflow != candidate.accumulation.overflow
+    {
+        return Err(Error::InvalidParameter {
+            name: "candidate",
+            reason: "cross-entropy thresholds are implemented for two sides with the same input \
+                     and accumulator formats and overflow (orders and output formats may differ)"
+                .into(),
+        });
+    }
+    for (side, p) in [("reference", reference), ("candidate", candidate)] {
+        let o = &p.accumulation.order;
+        if o.has_family() || o.has_tensor_core() || *o == Order::Kahan {
+            return Err(Error::InvalidParameter {
+                name: if side == "reference" {
+                    "reference"
+                } else {
+                    "candidate"
+                },
+                reason: format!(
+                    "cross-entropy thresholds price plain orders (sequential, pairwise, blocked, \
+                     split); the {side}'s order {o} is not supported"
+                ),
+            });
+        }
+    }
+    let shape = logits.shape();
+    if shape.len() != 2 || shape[0] == 0 || shape[1] == 0 {
+        return Err(Error::ShapeMismatch {
+            what: "cross-entropy threshold: logits [rows, vocab] with rows, vocab >= 1".into(),
+            expected: vec![1, 1],
+            found: shape.to_vec(),
+        });
+    }
+    let (rows, vocab) = (shape[0], shape[1]);
+    if targets.len() != rows {
+        return Err(Error::LengthMismatch {
+            what: "cross-entropy threshold: one target per row of the logits",
+            left: rows,
+            right: targets.len(),
+        });
+    }
+    if let Some((i, &t)) = targets.iter().enumerate().find(|(_, &t)| t >= vocab) {
+        return Err(Error::InvalidParameter {
+            name: "targets",
+            reason: format!("target {t} at row {i} is not below the vocabulary size {vocab}"),
+        });
+    }
+    let z = logits.cast(
+        reference.input(),
+        reference.input_overflow(reference.input()),
+    );
+    for (r, row) in z.values().chunks(vocab).enumerate() {
+        if let Some(&v) = row.iter().find(|v| v.is_nan() || **v == f64::INFINITY) {
+            return Err(Error::NonFinite {
+                what: format!("cross-entropy threshold: row {r} of the logits"),
+                value: v,
+            });
+        }
+        if row[targets[r]] == f64::NEG_INFINITY {
+            return Err(Error::NonFinite {
+                what: format!(
+                    "cross-entropy threshold: row {r}'s target {} is masked (its loss is +inf)",
+                    targets[r]
+                ),
+                value: f64::NEG_INFINITY,
+            });
+        }
+    }
+    let a = reference.accumulator();
+    let ar = crate::policy::arith::Arith::new(a, reference.output, reference.accumulation.overflow);
+    let (acc_r, acc_c) = (
+        denominator_accumulation(reference),
+        denominator_accumulation(candidate),
+    );
+    let same_order = acc_r == acc_c;
+    // Rows alike in their logits and target differ alike: priced once, counted.
+    let (class_of, classes) = row_classes(z.values(), vocab);
+    let row_of = |c: usize| &z.values()[classes[c].0 * vocab..(classes[c].0 + 1) * vocab];
+    let max_of = |row: &[f64]| row.iter().fold(f64::NEG_INFINITY, |x, &y| x.max(y));
+    let numerators: Vec<Vec<f64>> = (0..classes.len())
+        .map(|c| computed_numerators(row_of(c), max_of(row_of(c)), reference))
+        .collect();
+    // The reference's denominators and log-sum-exps as it computes them.
+    let sums = numerators
+        .iter()
+        .map(|e| crate::order::sum(e, &acc_r))
+        .collect::<Result<Vec<f64>>>()?;
+    let lses: Vec<f64> = (0..classes.len())
+        .map(|c| ar.add(max_of(row_of(c)), ar.ln(sums[c])))
+        .collect();
+    let dens = if same_order {
+        vec![None; classes.len()]
+    } else {
+        denominators(&numerators, &acc_r, &acc_c, confidence)?
+    };
+    let mut by_class: Vec<ElementDiff> = vec![ElementDiff::default(); classes.len()];
+    if !same_order {
+        for (c, d) in by_class.iter_mut().enumerate() {
+            let (er, ec) = match dens[c] {
+                Some(pair) => pair,
+                None => (
+                    reduction_error(&numerators[c], &acc_r, false)?,
+                    reduction_error(&numerators[c], &acc_c, false)?,
+                ),
+            };
+            *d = ElementDiff::from_reductions(er, ec, 0.0);
+            // ln Ŝ_c − ln Ŝ_r: to first order (Ŝ_c − Ŝ_r)/Ŝ_r; guaranteed by the mean value
+            // theorem, both denominators being at least max(1, Ŝ_r − G); each side's f64
+            // logarithm within one f64 ulp.
+            let (s, g) = (sums[c], d.guaranteed);
+            d.scale(1.0 / s);
+            let libm = 2.0 * f64::EPSILON * s.ln().abs();
+            d.guaranteed = g / (s - g).max(1.0) + libm;
+            d.bias_bound += libm;
+            d.round_both(a, ar.ln(s));
+            d.round_both(a, lses[c]);
+        }
+    }
+    // Per row its loss; per (class, target) the difference of its losses, and its count.
+    let mut losses = vec![0.0; rows];
+    let mut keyed: std::collections::BTreeMap<(usize, usize), (ElementDiff, usize)> =
+        Default::default();
+    for (r, &c) in class_of.iter().enumerate() {
+        let t = targets[r];
+        let l = ar.sub(lses[c], row_of(c)[t]);
+        losses[r] = l;
+        let entry = keyed.entry((c, t)).or_insert_with(|| {
+            let mut d = by_class[c];
+            if !same_order {
+                d.round_both(a, l);
+            }
+            (d, 0)
+        });
+        entry.1 += 1;
+    }
+    // A loss the accumulator cannot hold (FP16 logits near its range) has no finite bound.
+    let limit = overflow_threshold(a);
+    for ((c, t), (d, _)) in &keyed {
+        let l = ar.sub(lses[*c], row_of(*c)[*t]);
+        let magnitude = l.abs().max(lses[*c].abs()) + d.guaranteed;
+        if magnitude.is_nan() || magnitude >= limit {
+            return Err(overflow_error(a, magnitude, "a row's loss"));
+        }
+    }
+    let row_bound: Vec<f64> = class_of
+        .iter()
+        .zip(targets)
+        .map(|(&c, &t)| keyed[&(c, t)].0.guaranteed)
+        .collect();
+    // The rows' differences summed: independent across classes, coherent within one.
+    let mut d = ElementDiff::default();
+    let mut hoeffding = 0.0;
+    for (row, count) in keyed.values() {
+        let w = *count as f64;
+        d.offset += w * row.offset;
+        d.bias_bound += w * row.bias_bound;
+        d.guaranteed += w * row.guaranteed;
+        d.proxy += w * w * row.proxy;
+        d.rounding_mean_square += w * w * row.rounding_mean_square;
+        hoeffding += w * w * (row.rounding_bound.powi(2) + row.rounding_bound_proxy);
+    }
+    d.rounding_bound_proxy = hoeffding;
+    // The loss's sum of the rows' losses in each side's order.
+    let total = crate::order::sum(&losses, &acc_r)?;
+    if !same_order {
+        let er = reduction_error(&losses, &acc_r, false)?;
+        let ec = reduction_error(&losses, &acc_c, false)?;
+        let sum = ElementDiff::from_reductions(er, ec, 0.0);
+        // The candidate sums its own losses, each within its row's bound of the reference's.
+        let (weights, constant) = dot_guaranteed_weights(&acc_c, rows)?;
+        let cand: f64 = losses
+            .iter()
+            .zip(&row_bound)
+            .zip(&weights)
+            .map(|((l, b), w)| (l.abs() + b) * w)
+            .sum::<f64>()
+            + constant;
+        d.offset += sum.offset;
+        d.bias_bound += sum.bias_bound;
+        d.proxy += sum.proxy;
+        d.guaranteed += er.guaranteed + cand;
+    }
+    // The mean: a division by the row count (exact for a power of two), then each side's
+    // output rounding.
+    let loss = ar.div(total, rows as f64);
+    d.scale(1.0 / rows as f64);
+    if !rows.is_power_of_two() && !same_order {
+        d.round_both(a, loss);
+    }
+    check_output(&d, loss, (reference.output, candidate.output))?;
+    if same_order && reference.output == candidate.output {
+        return Ok(Threshold::identical(confidence, loss.abs(), 1));
+    }
+    round_sides(&mut d, (a, a), (reference.output, candidate.output), loss);
+    let mut sums = ThresholdSums::new(confidence, 1);
+    sums.add(&d, 1);
+    let norm = reference
+        .output
+        .round(loss, reference.accumulation.overflow)
+        .abs();
+    let mut th = sums.threshold(norm);
+    // One element: its own bound (sub-Gaussian at δ) is a bound on the norm too, and the
+    // tighter one where the norm's quadratic-form tail is wider.
+    if th.per_element < th.abs_frobenius {
+        th.abs_frobenius = th.per_element;
+        th.relative = if th.per_element == 0.0 {
+            0.0
+        } else if norm > 0.0 {
+            th.per_element / norm
+        } else {
+            f64::INFINITY
+        };
+    }
+    Ok(th)
+}
+
+/// Per class of rows, both sides' reduction errors of the denominators from the fast pass
+/// (papers/bounds-reductions.md §5.1) where it applies to their rows, `None` for the walk.
+fn denominators(
+    numerators: &[Vec<f64>],
+    acc_r: &Accumulation,
+    acc_c: &Accumulation,
+    confidence: Confidence,
+) -> Result<Vec<Option<(ReductionError, ReductionError)>>> {
+    let mut out = vec![None; numerators.len()];
+    let vocab = numerators.first().map_or(0, Vec::len);
+    if vocab < 1024 || acc_r.accumulator != Format::F32 || acc_c.accumulator != Format::F32 {
+        return Ok(out);
+    }
+    let probabilistic = matches!(confidence, Confidence::Probabilistic { .. });
+    let terms: Vec<f64> = numerators.iter().flatten().copied().collect();
+    if let Some(priced) =
+        crate::bounds::fast::sum_rows(&terms, vocab, (acc_r, acc_c), probabilistic)?
+    {
+        for (slot, p) in out.iter_mut().zip(priced) {
+            *slot = Some(p);
+        }
+    }
+    Ok(out)
+}
+
+/// `cross_entropy` in the op registry: the mean cross-entropy of `logits` [rows, vocab]
+/// against `target` [rows] (class indices, integers below vocab), each side in its order;
+/// threshold [`cross_entropy_threshold`] on the scalar loss; gain ‖(p − onehot)/rows‖_F, the
+/// loss's gradient in the logits (first order, Cauchy–Schwarz), on the probabilities computed
+/// in f64.
+#[derive(Debug, Clone, Copy)]
+pub struct CrossEntropyModel;
+
+/// The targets of the registry's `target` operand: integers in [0, vocab).
+fn class_indices(t: &Tensor, rows: usize) -> Result<Vec<usize>> {
+    if t.len() != rows {
+        return Err(Error::LengthMismatch {
+            what: "cross_entropy: one target per row of the logits",
+            left: rows,
+            right: t.len(),
+        });
+    }
+    t.values()
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            if v >= 0.0 && v.fract() == 0.0 && v < usize::MAX as f64 {
+                Ok(v as usize)
+            } else {
+                Err(Error::InvalidParameter {
+                    name: "target",
+                    reason: format!("target {v} at row {i} is not a class index (an integer >= 0)"),
+                })
+            }
+        })
+        .collect()
+}
+
+impl OpModel for CrossEntropyModel {
+    fn operand_names(&self) -> &'static [&'static str] {
+        &["logits", "target"]
+    }
+
+    fn operands(&self, m: usize, k: usize, _n: usize) -> Vec<Operand> {
+        vec![
+            Operand::new("logits", &[m, k], OperandRole::Data),
+            Operand::new("target", &[m], OperandRole::ClassIndex),
+        ]
+    }
+
+    fn threshold(
+        &self,
+        inputs: &[&Tensor],
+        reference: &OpSide,
+        candidate: &OpSide,
+        _: &OpOptions,
+        confidence: Confidence,
+    ) -> Result<Threshold> {
+        let rows = inputs[0].shape().first().copied().unwrap_or(0);
+        let targets = class_indices(inputs[1], rows)?;
+        cross_entropy_threshold(
+            inputs[0],
+            &targets,
+            &reference.policy,
+            &candidate.policy,
+            confidence,
+        )
+    }
+
+    fn module_kinds(&self) -> &'static [ModuleKind] {
+        &[ModuleKind::Loss]
+    }
+
+    fn gain(&self, inputs: &[&Tensor], _: &OpOptions) -> Result<Gain> {
+        let x = inputs[0];
+        let rows = x.shape().first().copied().unwrap_or(0).max(1);
+        let targets = class_indices(inputs[1], x.shape().first().copied().unwrap_or(0))?;
+        let k = x.shape().last().copied().unwrap_or(1).max(1);
+        let mut sq = 0.0;
+        for (row, &t) in x.values().chunks(k).zip(&targets) {
+            let m = row.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+            let e: Vec<f64> = row.iter().map(|v| (v - m).exp()).collect();
+            let s: f64 = e.iter().sum();
+            for (j, v) in e.iter().enumerate() {
+                let g = v / s - if j == t { 1.0 } else { 0.0 };
+                sq += g * g;
+            }
+        }
+        Ok(Gain {
+            gain: sq.sqrt() / rows as f64,
+        })
+    }
+}

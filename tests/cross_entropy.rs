@@ -1,0 +1,213 @@
+//! The mean cross-entropy's threshold (`cross_entropy_threshold`, the registry's
+//! `cross_entropy`) against the reference engine's executions (an independent implementation:
+//! the engine computes the loss, the bounds price it): language-model-sized vocabularies,
+//! vocabulary-parallel sums, peaked and masked rows; a real error is found; bad input is
+//! refused with the variant.
+
+use ttrace::bounds::{
+    cross_entropy_threshold, op_threshold, Confidence, Op, OpOptions, OpSide, Threshold,
+};
+use ttrace::engine::{cross_entropy, SplitMix64};
+use ttrace::{Combine, Error, Format, Order, Overflow, Policy, Tensor};
+
+const DELTA: Confidence = Confidence::Probabilistic { delta: 1e-6 };
+
+fn vocab_parallel(ranks: usize, partial: Format) -> Order {
+    Order::SplitK {
+        parts: ranks,
+        inner: Box::new(Order::Sequential),
+        partial,
+        combine: Combine::Ring { start: 1 },
+    }
+}
+
+/// Logits as a language model's: Gaussian with scale `s`, one row in three with a confident
+/// prediction (a logit raised by 12), rounded to `f`; targets from the seed.
+fn logits(rows: usize, vocab: usize, s: f64, f: Format, seed: u64) -> (Tensor, Vec<usize>) {
+    let mut g = SplitMix64::for_name("ce-logits", seed);
+    let mut v: Vec<f64> = (0..rows * vocab).map(|_| s * g.normal()).collect();
+    let mut t = vec![];
+    for r in 0..rows {
+        let j = (g.uniform() * vocab as f64) as usize % vocab;
+        if r % 3 == 0 {
+            v[r * vocab + j] += 12.0;
+        }
+        // The confident rows are right two times in three.
+        t.push(if r % 9 == 0 { (j + 1) % vocab } else { j });
+    }
+    let x = Tensor::rounded(&[rows, vocab], v, f, Overflow::Saturating).unwrap();
+    (x, t)
+}
+
+/// |loss_c − loss_r| of the engine against the guaranteed and probabilistic thresholds.
+fn case(x: &Tensor, t: &[usize], r: &Policy, c: &Policy) -> (f64, Threshold, Threshold) {
+    let lr = cross_entropy(x, t, r).unwrap().values()[0];
+    let lc = cross_entropy(x, t, c).unwrap().values()[0];
+    let g = cross_entropy_threshold(x, t, r, c, Confidence::Guaranteed).unwrap();
+    let p = cross_entropy_threshold(x, t, r, c, DELTA).unwrap();
+    ((lc - lr).abs(), g, p)
+}
+
+/// Vocabularies up to 32,768, BF16 and FP32 logits, other orders and vocabulary-parallel
+/// sums with FP32 or BF16 partials: every difference within both thresholds, the
+/// probabilistic one within a modest factor of what is observed (not vacuous).
+#[test]
+fn thresholds_hold_against_the_engine_on_language_model_losses() {
+    let mut ratios = vec![];
+    for (vocab, rows) in [(512, 64), (4096, 16), (32768, 4)] {
+        for input in [Format::BF16, Format::F32] {
+            for (out, cand) in [
+                (Format::F32, Order::Pairwise { base: 8 }),
+                (Format::F32, vocab_parallel(4, Format::F32)),
+                (Format::BF16, vocab_parallel(8, Format::BF16)),
+            ] {
+                for seed in 0..3 {
+                    let (x, t) = logits(rows, vocab, 2.0, input, seed);
+                    let r = Policy::new(input, Format::F32, out);
+                    let c = r.clone().with_order(cand.clone());
+                    let (d, g, p) = case(&x, &t, &r, &c);
+                    let at = format!("{input} vocab {vocab} {cand:?} seed {seed}");
+                    assert!(d <= g.abs_frobenius, "{at}: {d:e} > guaranteed {g:?}");
+                    assert!(d <= p.abs_frobenius, "{at}: {d:e} > probabilistic {p:?}");
+                    assert!(p.abs_frobenius <= g.abs_frobenius, "{at}");
+                    if d > 0.0 {
+                        ratios.push(p.abs_frobenius / d);
+                    }
+                }
+            }
+        }
+    }
+    ratios.sort_by(f64::total_cmp);
+    let median = ratios[ratios.len() / 2];
+    eprintln!("threshold / observed: {ratios:.2?}");
+    assert!(ratios.len() >= 30, "{} differing cases", ratios.len());
+    assert!(median < 30.0, "median threshold / observed {median}");
+}
+
+/// A planted error of the size real bugs make — one row's target logit off by 2⁻⁸ of itself
+/// (a BF16 rounding in a sharded gather) — is beyond the threshold of a correct
+/// vocabulary-parallel loss.
+#[test]
+fn one_rows_wrong_logit_is_found() {
+    let (x, t) = logits(64, 4096, 2.0, Format::F32, 7);
+    let r = Policy::new(Format::F32, Format::F32, Format::F32);
+    let c = r.clone().with_order(vocab_parallel(8, Format::F32));
+    let (d, _, p) = case(&x, &t, &r, &c);
+    assert!(d <= p.abs_frobenius);
+    let mut v = x.values().to_vec();
+    v[5 * 4096 + t[5]] *= 1.0 + 2f64.powi(-8);
+    let bad = Tensor::rounded(&[64, 4096], v, Format::F32, Overflow::Saturating).unwrap();
+    let lr = cross_entropy(&x, &t, &r).unwrap().values()[0];
+    let lc = cross_entropy(&bad, &t, &c).unwrap().values()[0];
+    assert!(
+        (lc - lr).abs() > 10.0 * p.abs_frobenius,
+        "{:e} against {:e}",
+        (lc - lr).abs(),
+        p.abs_frobenius
+    );
+}
+
+/// The same order on both sides computes the same loss: an identical threshold; other output
+/// formats alone: the output rounding only.
+#[test]
+fn same_order_is_identical_and_output_formats_alone_cost_one_rounding() {
+    let (x, t) = logits(8, 300, 1.0, Format::BF16, 1);
+    let r = Policy::new(Format::BF16, Format::F32, Format::F32);
+    let th = cross_entropy_threshold(&x, &t, &r, &r, DELTA).unwrap();
+    assert!(th.identical && th.abs_frobenius == 0.0);
+    let c = Policy::new(Format::BF16, Format::F32, Format::BF16);
+    let (d, g, _) = case(&x, &t, &r, &c);
+    let loss = cross_entropy(&x, &t, &r).unwrap().values()[0];
+    let half_ulp = Format::BF16.ulp(loss).unwrap() / 2.0;
+    assert!(
+        d <= half_ulp && g.abs_frobenius <= half_ulp * 1.0001,
+        "{d} {g:?}"
+    );
+}
+
+/// The registry's `cross_entropy` is the model's threshold, its targets read from a tensor of
+/// class indices; a target that is no class index is refused.
+#[test]
+fn the_registry_prices_the_loss() {
+    let (x, t) = logits(6, 128, 2.0, Format::BF16, 3);
+    let r: OpSide = "in=bf16,acc=f32,out=f32".parse().unwrap();
+    let c: OpSide = "in=bf16,acc=f32,out=f32,order=pairwise:8".parse().unwrap();
+    let tt = Tensor::from_vec(&[6], t.iter().map(|&v| v as f64).collect(), Format::F64).unwrap();
+    let o = OpOptions::default();
+    let op: Op = "cross_entropy".parse().unwrap();
+    let via = op_threshold(op, &[&x, &tt], &r, &c, &o, DELTA).unwrap();
+    let direct = cross_entropy_threshold(&x, &t, &r.policy, &c.policy, DELTA).unwrap();
+    assert_eq!(via, direct);
+    assert_eq!(op.operand_names(), ["logits", "target"]);
+    for bad in [0.5, -1.0, f64::NAN] {
+        let mut v = tt.values().to_vec();
+        v[2] = bad;
+        let tb = Tensor::from_vec(&[6], v, Format::F64).unwrap();
+        assert!(matches!(
+            op_threshold(op, &[&x, &tb], &r, &c, &o, DELTA),
+            Err(Error::InvalidParameter { name: "target", .. })
+        ));
+    }
+}
+
+/// Bad input: each refusal with its variant.
+#[test]
+fn bad_input_is_refused_with_the_variant() {
+    let (x, t) = logits(4, 16, 1.0, Format::F32, 0);
+    let r = Policy::new(Format::F32, Format::F32, Format::F32);
+    let c = r.clone().with_order(Order::Pairwise { base: 2 });
+    let g = Confidence::Guaranteed;
+    assert!(matches!(
+        cross_entropy_threshold(&x, &t[..3], &r, &c, g),
+        Err(Error::LengthMismatch { .. })
+    ));
+    assert!(matches!(
+        cross_entropy_threshold(&x, &[0, 1, 2, 16], &r, &c, g),
+        Err(Error::InvalidParameter {
+            name: "targets",
+            ..
+        })
+    ));
+    let flat = Tensor::from_vec(&[16], x.values()[..16].to_vec(), Format::F32).unwrap();
+    assert!(matches!(
+        cross_entropy_threshold(&flat, &[0], &r, &c, g),
+        Err(Error::ShapeMismatch { .. })
+    ));
+    for (v, target) in [(f64::NAN, 0), (f64::INFINITY, 0), (f64::NEG_INFINITY, 5)] {
+        let mut vals = x.values().to_vec();
+        vals[5] = v;
+        let bad = Tensor::from_vec(&[4, 16], vals, Format::F32).unwrap();
+        let mut tt = t.clone();
+        tt[0] = target;
+        assert!(
+            matches!(
+                cross_entropy_threshold(&bad, &tt, &r, &c, g),
+                Err(Error::NonFinite { .. })
+            ),
+            "{v}"
+        );
+    }
+    // A −∞ logit that is not the target is a mask: priced.
+    let mut vals = x.values().to_vec();
+    vals[5] = f64::NEG_INFINITY;
+    let masked = Tensor::from_vec(&[4, 16], vals, Format::F32).unwrap();
+    let mut tt = t.clone();
+    tt[0] = 0;
+    assert!(cross_entropy_threshold(&masked, &tt, &r, &c, g).is_ok());
+    let other = Policy::new(Format::F32, Format::BF16, Format::F32);
+    assert!(matches!(
+        cross_entropy_threshold(&x, &t, &r, &other, g),
+        Err(Error::InvalidParameter {
+            name: "candidate",
+            ..
+        })
+    ));
+    let kahan = r.clone().with_order(Order::Kahan);
+    assert!(matches!(
+        cross_entropy_threshold(&x, &t, &r, &kahan, g),
+        Err(Error::InvalidParameter {
+            name: "candidate",
+            ..
+        })
+    ));
+}
