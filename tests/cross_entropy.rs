@@ -5,9 +5,10 @@
 //! refused with the variant.
 
 use ttrace::bounds::{
-    cross_entropy_threshold, op_threshold, Confidence, Op, OpOptions, OpSide, Threshold,
+    cross_entropy_grad_threshold, cross_entropy_threshold, op_threshold, Confidence, Op, OpOptions,
+    OpSide, Threshold,
 };
-use ttrace::engine::{cross_entropy, SplitMix64};
+use ttrace::engine::{cross_entropy, cross_entropy_backward, SplitMix64};
 use ttrace::{Combine, Error, Format, Order, Overflow, Policy, Tensor};
 
 const DELTA: Confidence = Confidence::Probabilistic { delta: 1e-6 };
@@ -210,4 +211,77 @@ fn bad_input_is_refused_with_the_variant() {
             ..
         })
     ));
+}
+
+fn frobenius(a: &Tensor, b: &Tensor) -> f64 {
+    a.values()
+        .iter()
+        .zip(b.values())
+        .map(|(x, y)| (x - y) * (x - y))
+        .sum::<f64>()
+        .sqrt()
+}
+
+/// The gradient in the logits (what a loss module's backward pass writes) against the
+/// engine's two executions: within both thresholds, per element too, on the same losses as
+/// above, with upstream gradients 1 and 1/3 (not a power of two: the scaling rounds); the
+/// probabilistic threshold not vacuous (median 4.7 times the observed difference; a BF16
+/// gradient whose two executions differ by one flip of a small element sits 400–80,000 times
+/// below, the threshold allowing the largest element's flip); one row's gradient off by 2⁻⁶
+/// is found.
+#[test]
+fn gradient_thresholds_hold_against_the_engine() {
+    let mut ratios = vec![];
+    for (vocab, rows) in [(512, 64), (4096, 16)] {
+        for input in [Format::BF16, Format::F32] {
+            for (out, cand) in [
+                (Format::F32, Order::Pairwise { base: 8 }),
+                (Format::BF16, vocab_parallel(8, Format::BF16)),
+                (input, vocab_parallel(4, Format::F32)),
+            ] {
+                for (seed, dloss) in [(0, 1.0), (1, 1.0 / 3.0)] {
+                    let (x, t) = logits(rows, vocab, 2.0, input, seed);
+                    let r = Policy::new(input, Format::F32, out);
+                    let c = r.clone().with_order(cand.clone());
+                    let gr = cross_entropy_backward(&x, &t, dloss, &r).unwrap();
+                    let gc = cross_entropy_backward(&x, &t, dloss, &c).unwrap();
+                    let d = frobenius(&gr, &gc);
+                    let max = gr
+                        .values()
+                        .iter()
+                        .zip(gc.values())
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0, f64::max);
+                    let at = format!("{input} vocab {vocab} {cand:?} dloss {dloss}");
+                    for conf in [Confidence::Guaranteed, DELTA] {
+                        let th = cross_entropy_grad_threshold(&x, &t, dloss, &r, &c, conf).unwrap();
+                        assert!(d <= th.abs_frobenius, "{at}: {d:e} > {th:?}");
+                        assert!(max <= th.per_element, "{at}: max {max:e} > {th:?}");
+                        if conf == DELTA && d > 0.0 {
+                            ratios.push(th.abs_frobenius / d);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    ratios.sort_by(f64::total_cmp);
+    eprintln!("gradient threshold / observed: {ratios:.2?}");
+    let median = ratios[ratios.len() / 2];
+    assert!(ratios.len() >= 12 && median < 30.0, "{ratios:?}");
+    // One row's gradient scaled by 1 + 2⁻⁶ (a wrong per-row normalization).
+    let (x, t) = logits(64, 4096, 2.0, Format::BF16, 4);
+    let r = Policy::new(Format::BF16, Format::F32, Format::F32);
+    let c = r.clone().with_order(vocab_parallel(8, Format::F32));
+    let th = cross_entropy_grad_threshold(&x, &t, 1.0, &r, &c, DELTA).unwrap();
+    let gr = cross_entropy_backward(&x, &t, 1.0, &r).unwrap();
+    let mut v = cross_entropy_backward(&x, &t, 1.0, &c)
+        .unwrap()
+        .values()
+        .to_vec();
+    for g in &mut v[9 * 4096..10 * 4096] {
+        *g *= 1.0 + 2f64.powi(-6);
+    }
+    let bad = Tensor::from_vec(&[64, 4096], v, Format::F64).unwrap();
+    assert!(frobenius(&gr, &bad) > 3.0 * th.abs_frobenius, "{th:?}");
 }

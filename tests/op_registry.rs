@@ -10,8 +10,8 @@ use ttrace::bounds::{
     OperandRole,
 };
 use ttrace::engine::{
-    add, cross_entropy, gelu, layer_norm, linear, matmul, normal_values, online_softmax, rms_norm,
-    scale, silu, softmax, AttentionImpl, Variance,
+    add, cross_entropy, cross_entropy_backward, gelu, layer_norm, linear, matmul, normal_values,
+    online_softmax, rms_norm, scale, silu, softmax, AttentionImpl, Variance,
 };
 use ttrace::{sum, Accumulation, Error, Format, Overflow, Policy, Tensor};
 
@@ -83,6 +83,10 @@ fn execute(op: Op, inputs: &[&Tensor], side: &OpSide, eps: f64) -> Option<Tensor
         Op::CrossEntropy => {
             let t: Vec<usize> = inputs[1].values().iter().map(|&v| v as usize).collect();
             cross_entropy(inputs[0], &t, p).unwrap()
+        }
+        Op::CrossEntropyGrad => {
+            let t: Vec<usize> = inputs[1].values().iter().map(|&v| v as usize).collect();
+            cross_entropy_backward(inputs[0], &t, 1.0, p).unwrap()
         }
         _ => return None,
     })
@@ -188,7 +192,7 @@ fn every_op_through_the_registry_holds_against_the_engine() {
             executed += 1;
         }
     }
-    assert_eq!(executed, 12, "every op but exp and allreduce executed");
+    assert_eq!(executed, 13, "every op but exp and allreduce executed");
 }
 
 /// Operand counts outside an op's arity are refused with the variant, naming the operands.

@@ -12,7 +12,8 @@
 //!   [`plan_matmul`], [`plan_sum`]): matmul / linear with FP8 quantization, sum, mean,
 //!   all-reduce — from the data (checking) or from summary statistics (planning).
 //! * [`softmax_threshold`]: softmax, standard and online (blockwise), in any pair of orders.
-//! * [`cross_entropy_threshold`]: the mean cross-entropy loss, vocabulary-parallel or not.
+//! * [`cross_entropy_threshold`], [`cross_entropy_grad_threshold`]: the mean cross-entropy
+//!   loss and its gradient in the logits, vocabulary-parallel or not.
 //! * [`norm_threshold`]: LayerNorm (two-pass, Welford and one-pass variance) and RMSNorm.
 //! * [`elementwise_threshold`]: add, scale, GELU, SiLU, exp; [`quantization_error`] of FP8;
 //!   first-order [`Gain`]s that carry an input difference to the output (composition along a
@@ -44,7 +45,7 @@ pub use baselines::{
     BaselineRule,
 };
 pub use compare::{tensor_threshold, Confidence, ElementDiff, Threshold};
-pub use cross_entropy::cross_entropy_threshold;
+pub use cross_entropy::{cross_entropy_grad_threshold, cross_entropy_threshold};
 pub use elementwise::{
     elementwise_gain, elementwise_threshold, matmul_gain, norm_gain, quantization_error,
     softmax_gain, Elementwise, QuantizationError,

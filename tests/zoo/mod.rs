@@ -14,12 +14,12 @@
 #![allow(dead_code)]
 
 use ttrace::bounds::{
-    allreduce_threshold, cross_entropy_threshold, elementwise_threshold, matmul_threshold,
+    allreduce_threshold, cross_entropy_grad_threshold, cross_entropy_threshold, elementwise_threshold, matmul_threshold,
     matmul_threshold_priced, norm_threshold, reduction_error, softmax_threshold, sum_threshold,
     sum_threshold_priced, Confidence, Elementwise, NormData, NormOp, NormSide, Pricing, Threshold,
 };
 use ttrace::engine::{
-    add, cross_entropy, gelu, layer_norm, matmul, online_softmax, rms_norm, scale, silu, softmax,
+    add, cross_entropy, cross_entropy_backward, gelu, layer_norm, matmul, online_softmax, rms_norm, scale, silu, softmax,
     AttentionImpl, SplitMix64, Variance,
 };
 use ttrace::{sum, BlockSum, Combine, Error, Format, Order, Overflow, Products};
@@ -57,6 +57,8 @@ pub enum Op {
     /// The mean cross-entropy of the [rows, k] logits against targets drawn from the seed
     /// (within each row's unmasked classes).
     CrossEntropy,
+    /// Its gradient in the logits (upstream gradient 1).
+    CrossEntropyGrad,
 }
 
 impl Op {
@@ -76,6 +78,7 @@ impl Op {
             Op::LayerNorm(v) => format!("layernorm {v:?}"),
             Op::RmsNorm => "rmsnorm".into(),
             Op::CrossEntropy => "cross-entropy".into(),
+            Op::CrossEntropyGrad => "cross-entropy grad".into(),
         }
     }
 }
@@ -239,7 +242,7 @@ pub fn pairs(op: Op) -> Vec<Pair> {
                 });
             }
         }
-        Op::CrossEntropy => {
+        Op::CrossEntropy | Op::CrossEntropyGrad => {
             // Logits in BF16 and FP32, the loss in FP32 and BF16; the denominators and the
             // loss's sum in other orders, vocabulary-parallel among them (the shards' partial
             // sums all-reduced in FP32 or BF16).
@@ -387,6 +390,7 @@ pub fn threshold(
             softmax_threshold(x, r, ri, c, ci, conf)
         }
         Op::CrossEntropy => cross_entropy_threshold(x, &targets(x)?, r, c, conf),
+        Op::CrossEntropyGrad => cross_entropy_grad_threshold(x, &targets(x)?, 1.0, r, c, conf),
         Op::LayerNorm(_) | Op::RmsNorm => {
             let n = *x.shape().last().unwrap();
             let w = Tensor::from_vec(&[n], vec![1.0; n], Format::F32)?;
@@ -474,6 +478,7 @@ pub fn execute(op: Op, x: &Tensor, b: &Tensor, p: &Policy) -> ttrace::Result<Vec
             rms_norm(x, &w, 1e-5, p)?.0.into_values()
         }
         Op::CrossEntropy => cross_entropy(x, &targets(x)?, p)?.into_values(),
+        Op::CrossEntropyGrad => cross_entropy_backward(x, &targets(x)?, 1.0, p)?.into_values(),
     })
 }
 
@@ -505,7 +510,7 @@ pub fn trial(
     let input = pair.reference.input();
     let acc = pair.reference.accumulator();
     let (x, b) = match op {
-        Op::Softmax(_) | Op::CrossEntropy => {
+        Op::Softmax(_) | Op::CrossEntropy | Op::CrossEntropyGrad => {
             let mut v = generate(family, rows, k, seed, input, acc);
             softmax_rows(&mut v, k, seed, input);
             (

@@ -115,6 +115,7 @@ pub fn ops() -> Vec<Op> {
         Op::LayerNorm(Variance::TwoPass),
         Op::RmsNorm,
         Op::CrossEntropy,
+        Op::CrossEntropyGrad,
     ]
 }
 

@@ -12,7 +12,7 @@ use std::str::FromStr;
 use serde::Serialize;
 
 use crate::bounds::compare::{Confidence, Threshold};
-use crate::bounds::cross_entropy::CrossEntropyModel;
+use crate::bounds::cross_entropy::{CrossEntropyGradModel, CrossEntropyModel};
 use crate::bounds::elementwise::{Elementwise, ElementwiseModel};
 use crate::bounds::norm::NormModel;
 use crate::bounds::ops::{AllReduceModel, MatmulModel, SumModel};
@@ -29,7 +29,7 @@ pub use model::{OpModel, OpOptions, OpSide, Operand, OperandRole};
 ///
 /// Its text ([`FromStr`], [`Display`](fmt::Display)) is what the command line and Python
 /// take: `matmul`, `linear`, `sum`, `mean`, `allreduce`, `softmax`, `layernorm`, `rmsnorm`,
-/// `add`, `scale:C`, `gelu`, `silu`, `exp`, `cross_entropy`.
+/// `add`, `scale:C`, `gelu`, `silu`, `exp`, `cross_entropy`, `cross_entropy_grad`.
 ///
 /// # Examples
 ///
@@ -66,11 +66,14 @@ pub enum Op {
     /// The mean cross-entropy of `logits` (rows × vocab) against `target` (rows class
     /// indices): a scalar.
     CrossEntropy,
+    /// The gradient of that loss in the logits (rows × vocab), the upstream gradient 1:
+    /// operands `logits`, `target`.
+    CrossEntropyGrad,
 }
 
 impl Op {
     /// Every op's text (`scale:C` for the scale family).
-    pub const NAMES: [&'static str; 14] = [
+    pub const NAMES: [&'static str; 15] = [
         "matmul",
         "linear",
         "sum",
@@ -85,6 +88,7 @@ impl Op {
         "silu",
         "exp",
         "cross_entropy",
+        "cross_entropy_grad",
     ];
 
     /// The op's model, through which everything below dispatches.
@@ -100,6 +104,7 @@ impl Op {
             Op::RmsNorm => Box::new(NormModel { rms: true }),
             Op::Elementwise(e) => Box::new(ElementwiseModel(e)),
             Op::CrossEntropy => Box::new(CrossEntropyModel),
+            Op::CrossEntropyGrad => Box::new(CrossEntropyGradModel),
         }
     }
 
@@ -152,6 +157,7 @@ impl fmt::Display for Op {
             Op::Elementwise(Elementwise::Silu) => f.write_str("silu"),
             Op::Elementwise(Elementwise::Exp) => f.write_str("exp"),
             Op::CrossEntropy => f.write_str("cross_entropy"),
+            Op::CrossEntropyGrad => f.write_str("cross_entropy_grad"),
         }
     }
 }
@@ -190,6 +196,7 @@ impl FromStr for Op {
             "silu" => Op::Elementwise(Elementwise::Silu),
             "exp" => Op::Elementwise(Elementwise::Exp),
             "cross_entropy" => Op::CrossEntropy,
+            "cross_entropy_grad" => Op::CrossEntropyGrad,
             other => {
                 // The ops are listed in `Op::NAMES` (the command line's help, the Python
                 // docstrings).
@@ -216,7 +223,8 @@ impl Serialize for Op {
 /// [`softmax_threshold`](crate::bounds::softmax_threshold),
 /// [`norm_threshold`](crate::bounds::norm_threshold),
 /// [`elementwise_threshold`](crate::bounds::elementwise_threshold),
-/// [`cross_entropy_threshold`](crate::bounds::cross_entropy_threshold)), whose
+/// [`cross_entropy_threshold`](crate::bounds::cross_entropy_threshold),
+/// [`cross_entropy_grad_threshold`](crate::bounds::cross_entropy_grad_threshold)), whose
 /// documentation states its assumptions and sources.
 ///
 /// # Errors

@@ -33,9 +33,14 @@ use crate::bounds::softmax::{computed_numerators, denominator_accumulation};
 use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::order::{Accumulation, Order};
+use crate::policy::arith::Arith;
 use crate::policy::Policy;
 use crate::tensor::Tensor;
 use crate::trace::ModuleKind;
+
+mod grad;
+
+pub use grad::cross_entropy_grad_threshold;
 
 /// Threshold on |loss_c − loss_r| for the mean cross-entropy of `logits` ([rows, vocab]; −∞
 /// masks a class) against `targets` (one class per row), computed under `reference` and under
@@ -83,128 +88,20 @@ pub fn cross_entropy_threshold(
     candidate: &Policy,
     confidence: Confidence,
 ) -> Result<Threshold> {
-    reference.validate()?;
-    candidate.validate()?;
-    if reference.input() != candidate.input()
-        || reference.accumulator() != candidate.accumulator()
-        || reference.accumulation.overflow != candidate.accumulation.overflow
-    {
-        return Err(Error::InvalidParameter {
-            name: "candidate",
-            reason: "cross-entropy thresholds are implemented for two sides with the same input \
-                     and accumulator formats and overflow (orders and output formats may differ)"
-                .into(),
-        });
-    }
-    for (side, p) in [("reference", reference), ("candidate", candidate)] {
-        let o = &p.accumulation.order;
-        if o.has_family() || o.has_tensor_core() || *o == Order::Kahan {
-            return Err(Error::InvalidParameter {
-                name: if side == "reference" {
-                    "reference"
-                } else {
-                    "candidate"
-                },
-                reason: format!(
-                    "cross-entropy thresholds price plain orders (sequential, pairwise, blocked, \
-                     split); the {side}'s order {o} is not supported"
-                ),
-            });
-        }
-    }
-    let shape = logits.shape();
-    if shape.len() != 2 || shape[0] == 0 || shape[1] == 0 {
-        return Err(Error::ShapeMismatch {
-            what: "cross-entropy threshold: logits [rows, vocab] with rows, vocab >= 1".into(),
-            expected: vec![1, 1],
-            found: shape.to_vec(),
-        });
-    }
-    let (rows, vocab) = (shape[0], shape[1]);
-    if targets.len() != rows {
-        return Err(Error::LengthMismatch {
-            what: "cross-entropy threshold: one target per row of the logits",
-            left: rows,
-            right: targets.len(),
-        });
-    }
-    if let Some((i, &t)) = targets.iter().enumerate().find(|(_, &t)| t >= vocab) {
-        return Err(Error::InvalidParameter {
-            name: "targets",
-            reason: format!("target {t} at row {i} is not below the vocabulary size {vocab}"),
-        });
-    }
-    let z = logits.cast(
-        reference.input(),
-        reference.input_overflow(reference.input()),
-    );
-    for (r, row) in z.values().chunks(vocab).enumerate() {
-        if let Some(&v) = row.iter().find(|v| v.is_nan() || **v == f64::INFINITY) {
-            return Err(Error::NonFinite {
-                what: format!("cross-entropy threshold: row {r} of the logits"),
-                value: v,
-            });
-        }
-        if row[targets[r]] == f64::NEG_INFINITY {
-            return Err(Error::NonFinite {
-                what: format!(
-                    "cross-entropy threshold: row {r}'s target {} is masked (its loss is +inf)",
-                    targets[r]
-                ),
-                value: f64::NEG_INFINITY,
-            });
-        }
-    }
-    let a = reference.accumulator();
-    let ar = crate::policy::arith::Arith::new(a, reference.output, reference.accumulation.overflow);
-    let (acc_r, acc_c) = (
-        denominator_accumulation(reference),
-        denominator_accumulation(candidate),
-    );
-    let same_order = acc_r == acc_c;
-    // Rows alike in their logits and target differ alike: priced once, counted.
-    let (class_of, classes) = row_classes(z.values(), vocab);
+    let LseRows {
+        z,
+        vocab,
+        class_of,
+        classes,
+        lses,
+        diffs: by_class,
+        same_order,
+        a,
+        ar,
+        acc: (acc_r, acc_c),
+    } = lse_rows(logits, targets, reference, candidate, confidence)?;
+    let rows = class_of.len();
     let row_of = |c: usize| &z.values()[classes[c].0 * vocab..(classes[c].0 + 1) * vocab];
-    let max_of = |row: &[f64]| row.iter().fold(f64::NEG_INFINITY, |x, &y| x.max(y));
-    let numerators: Vec<Vec<f64>> = (0..classes.len())
-        .map(|c| computed_numerators(row_of(c), max_of(row_of(c)), reference))
-        .collect();
-    // The reference's denominators and log-sum-exps as it computes them.
-    let sums = numerators
-        .iter()
-        .map(|e| crate::order::sum(e, &acc_r))
-        .collect::<Result<Vec<f64>>>()?;
-    let lses: Vec<f64> = (0..classes.len())
-        .map(|c| ar.add(max_of(row_of(c)), ar.ln(sums[c])))
-        .collect();
-    let dens = if same_order {
-        vec![None; classes.len()]
-    } else {
-        denominators(&numerators, &acc_r, &acc_c, confidence)?
-    };
-    let mut by_class: Vec<ElementDiff> = vec![ElementDiff::default(); classes.len()];
-    if !same_order {
-        for (c, d) in by_class.iter_mut().enumerate() {
-            let (er, ec) = match dens[c] {
-                Some(pair) => pair,
-                None => (
-                    reduction_error(&numerators[c], &acc_r, false)?,
-                    reduction_error(&numerators[c], &acc_c, false)?,
-                ),
-            };
-            *d = ElementDiff::from_reductions(er, ec, 0.0);
-            // ln Ŝ_c − ln Ŝ_r: to first order (Ŝ_c − Ŝ_r)/Ŝ_r; guaranteed by the mean value
-            // theorem, both denominators being at least max(1, Ŝ_r − G); each side's f64
-            // logarithm within one f64 ulp.
-            let (s, g) = (sums[c], d.guaranteed);
-            d.scale(1.0 / s);
-            let libm = 2.0 * f64::EPSILON * s.ln().abs();
-            d.guaranteed = g / (s - g).max(1.0) + libm;
-            d.bias_bound += libm;
-            d.round_both(a, ar.ln(s));
-            d.round_both(a, lses[c]);
-        }
-    }
     // Per row its loss; per (class, target) the difference of its losses, and its count.
     let mut losses = vec![0.0; rows];
     let mut keyed: std::collections::BTreeMap<(usize, usize), (ElementDiff, usize)> =
@@ -301,6 +198,178 @@ pub fn cross_entropy_threshold(
         };
     }
     Ok(th)
+}
+
+/// What the loss and its gradient share: the logits in the input format, their classes of
+/// identical rows, the reference's log-sum-exp per class as it computes it, and per class the
+/// difference of the two sides' log-sum-exps (`ElementDiff`; zero when the denominators are
+/// summed in the same order).
+pub(crate) struct LseRows {
+    /// The logits rounded to the input format.
+    pub z: Tensor,
+    /// The row length.
+    pub vocab: usize,
+    /// Each row's class of identical rows.
+    pub class_of: Vec<usize>,
+    /// Per class, (its first row, its count).
+    pub classes: Vec<(usize, usize)>,
+    /// Per class, the reference's lse = ra(m + ra(ln Ŝ)).
+    pub lses: Vec<f64>,
+    /// Per class, lse_c − lse_r.
+    pub diffs: Vec<ElementDiff>,
+    /// Both sides sum the denominators (and the loss) in the same order.
+    pub same_order: bool,
+    /// The accumulator format.
+    pub a: Format,
+    /// The accumulator's arithmetic (its output format the reference's).
+    pub ar: Arith,
+    /// The two sides' accumulations of values in the accumulator format.
+    pub acc: (Accumulation, Accumulation),
+}
+
+/// Validate the operands and sides of a cross-entropy (loss or gradient) and price the rows'
+/// log-sum-exps ([`LseRows`]).
+pub(crate) fn lse_rows(
+    logits: &Tensor,
+    targets: &[usize],
+    reference: &Policy,
+    candidate: &Policy,
+    confidence: Confidence,
+) -> Result<LseRows> {
+    reference.validate()?;
+    candidate.validate()?;
+    if reference.input() != candidate.input()
+        || reference.accumulator() != candidate.accumulator()
+        || reference.accumulation.overflow != candidate.accumulation.overflow
+    {
+        return Err(Error::InvalidParameter {
+            name: "candidate",
+            reason: "cross-entropy thresholds are implemented for two sides with the same input \
+                     and accumulator formats and overflow (orders and output formats may differ)"
+                .into(),
+        });
+    }
+    for (side, p) in [("reference", reference), ("candidate", candidate)] {
+        let o = &p.accumulation.order;
+        if o.has_family() || o.has_tensor_core() || *o == Order::Kahan {
+            return Err(Error::InvalidParameter {
+                name: if side == "reference" {
+                    "reference"
+                } else {
+                    "candidate"
+                },
+                reason: format!(
+                    "cross-entropy thresholds price plain orders (sequential, pairwise, blocked, \
+                     split); the {side}'s order {o} is not supported"
+                ),
+            });
+        }
+    }
+    let shape = logits.shape();
+    if shape.len() != 2 || shape[0] == 0 || shape[1] == 0 {
+        return Err(Error::ShapeMismatch {
+            what: "cross-entropy threshold: logits [rows, vocab] with rows, vocab >= 1".into(),
+            expected: vec![1, 1],
+            found: shape.to_vec(),
+        });
+    }
+    let (rows, vocab) = (shape[0], shape[1]);
+    if targets.len() != rows {
+        return Err(Error::LengthMismatch {
+            what: "cross-entropy threshold: one target per row of the logits",
+            left: rows,
+            right: targets.len(),
+        });
+    }
+    if let Some((i, &t)) = targets.iter().enumerate().find(|(_, &t)| t >= vocab) {
+        return Err(Error::InvalidParameter {
+            name: "targets",
+            reason: format!("target {t} at row {i} is not below the vocabulary size {vocab}"),
+        });
+    }
+    let z = logits.cast(
+        reference.input(),
+        reference.input_overflow(reference.input()),
+    );
+    for (r, row) in z.values().chunks(vocab).enumerate() {
+        if let Some(&v) = row.iter().find(|v| v.is_nan() || **v == f64::INFINITY) {
+            return Err(Error::NonFinite {
+                what: format!("cross-entropy threshold: row {r} of the logits"),
+                value: v,
+            });
+        }
+        if row[targets[r]] == f64::NEG_INFINITY {
+            return Err(Error::NonFinite {
+                what: format!(
+                    "cross-entropy threshold: row {r}'s target {} is masked (its loss is +inf)",
+                    targets[r]
+                ),
+                value: f64::NEG_INFINITY,
+            });
+        }
+    }
+    let a = reference.accumulator();
+    let ar = Arith::new(a, reference.output, reference.accumulation.overflow);
+    let (acc_r, acc_c) = (
+        denominator_accumulation(reference),
+        denominator_accumulation(candidate),
+    );
+    let same_order = acc_r == acc_c;
+    // Identical rows have identical log-sum-exps (and differences).
+    let (class_of, classes) = row_classes(z.values(), vocab);
+    let row_of = |c: usize| &z.values()[classes[c].0 * vocab..(classes[c].0 + 1) * vocab];
+    let max_of = |row: &[f64]| row.iter().fold(f64::NEG_INFINITY, |x, &y| x.max(y));
+    let numerators: Vec<Vec<f64>> = (0..classes.len())
+        .map(|c| computed_numerators(row_of(c), max_of(row_of(c)), reference))
+        .collect();
+    // The reference's denominators and log-sum-exps as it computes them.
+    let sums = numerators
+        .iter()
+        .map(|e| crate::order::sum(e, &acc_r))
+        .collect::<Result<Vec<f64>>>()?;
+    let lses: Vec<f64> = (0..classes.len())
+        .map(|c| ar.add(max_of(row_of(c)), ar.ln(sums[c])))
+        .collect();
+    let dens = if same_order {
+        vec![None; classes.len()]
+    } else {
+        denominators(&numerators, &acc_r, &acc_c, confidence)?
+    };
+    let mut by_class: Vec<ElementDiff> = vec![ElementDiff::default(); classes.len()];
+    if !same_order {
+        for (c, d) in by_class.iter_mut().enumerate() {
+            let (er, ec) = match dens[c] {
+                Some(pair) => pair,
+                None => (
+                    reduction_error(&numerators[c], &acc_r, false)?,
+                    reduction_error(&numerators[c], &acc_c, false)?,
+                ),
+            };
+            *d = ElementDiff::from_reductions(er, ec, 0.0);
+            // ln Ŝ_c − ln Ŝ_r: to first order (Ŝ_c − Ŝ_r)/Ŝ_r; guaranteed by the mean value
+            // theorem, both denominators being at least max(1, Ŝ_r − G); each side's f64
+            // logarithm within one f64 ulp.
+            let (s, g) = (sums[c], d.guaranteed);
+            d.scale(1.0 / s);
+            let libm = 2.0 * f64::EPSILON * s.ln().abs();
+            d.guaranteed = g / (s - g).max(1.0) + libm;
+            d.bias_bound += libm;
+            d.round_both(a, ar.ln(s));
+            d.round_both(a, lses[c]);
+        }
+    }
+    Ok(LseRows {
+        z,
+        vocab,
+        class_of,
+        classes,
+        lses,
+        diffs: by_class,
+        same_order,
+        a,
+        ar,
+        acc: (acc_r, acc_c),
+    })
 }
 
 /// Per class of rows, both sides' reduction errors of the denominators from the fast pass
@@ -413,6 +482,54 @@ impl OpModel for CrossEntropyModel {
         }
         Ok(Gain {
             gain: sq.sqrt() / rows as f64,
+        })
+    }
+}
+
+/// `cross_entropy_grad` in the op registry: the gradient of the mean cross-entropy in the
+/// logits (`logits` [rows, vocab], `target` [rows]; the upstream gradient 1), as a loss
+/// module's backward pass writes it; threshold [`cross_entropy_grad_threshold`]; gain the
+/// largest probability (the bound `softmax_gain` puts on the softmax's Jacobian) over the
+/// row count.
+#[derive(Debug, Clone, Copy)]
+pub struct CrossEntropyGradModel;
+
+impl OpModel for CrossEntropyGradModel {
+    fn operand_names(&self) -> &'static [&'static str] {
+        &["logits", "target"]
+    }
+
+    fn operands(&self, m: usize, k: usize, n: usize) -> Vec<Operand> {
+        CrossEntropyModel.operands(m, k, n)
+    }
+
+    fn threshold(
+        &self,
+        inputs: &[&Tensor],
+        reference: &OpSide,
+        candidate: &OpSide,
+        _: &OpOptions,
+        confidence: Confidence,
+    ) -> Result<Threshold> {
+        let rows = inputs[0].shape().first().copied().unwrap_or(0);
+        let targets = class_indices(inputs[1], rows)?;
+        cross_entropy_grad_threshold(
+            inputs[0],
+            &targets,
+            1.0,
+            &reference.policy,
+            &candidate.policy,
+            confidence,
+        )
+    }
+
+    fn gain(&self, inputs: &[&Tensor], options: &OpOptions) -> Result<Gain> {
+        let x = inputs[0];
+        class_indices(inputs[1], x.shape().first().copied().unwrap_or(0))?;
+        let rows = x.shape().first().copied().unwrap_or(0).max(1);
+        let softmax = crate::bounds::softmax::SoftmaxModel.gain(&[x], options)?;
+        Ok(Gain {
+            gain: softmax.gain / rows as f64,
         })
     }
 }

@@ -1,0 +1,165 @@
+//! The threshold of the mean cross-entropy's gradient in the logits, as
+//! `engine::nn::cross_entropy_backward` computes it: per row the log-sum-exp lse of the loss,
+//! then dzⱼ = ro(mul(sub(pⱼ, [j = t]), c)) with pⱼ = ra(exp(ra(zⱼ − lse))) and
+//! c = ra(ra(dloss) / rows) — what a loss module's backward pass writes (papers/
+//! bounds-cross-entropy.md, "The gradient").
+//!
+//! The two sides differ only through lse (the denominators' order): Δaⱼ = −Δlse for every
+//! element of a row, so Δpⱼ = −pⱼ·Δlse to first order — one component common to the row, as
+//! a softmax's denominator is (`bounds/softmax.rs`) — and through each element's own roundings
+//! of nearly equal values (the argument, exp, the one-hot subtraction unless exact, the scaling
+//! unless by a power of two, the output).
+
+use crate::bounds::compare::{Confidence, ElementDiff, Threshold, ThresholdSums};
+use crate::bounds::cross_entropy::{lse_rows, LseRows};
+use crate::bounds::ops::{check_output, round_sides};
+use crate::error::Result;
+use crate::policy::Policy;
+use crate::tensor::Tensor;
+
+/// Threshold on ‖dz_c − dz_r‖_F for the gradient of the mean cross-entropy of `logits`
+/// ([rows, vocab]) against `targets` in the logits, times the upstream gradient `dloss`
+/// (1 for a loss that is the end of the graph), computed under `reference` and `candidate`.
+/// The sides as for [`cross_entropy_threshold`](crate::bounds::cross_entropy_threshold).
+///
+/// Assumptions: as for the loss (papers/bounds-cross-entropy.md); libm's exp within one f64
+/// ulp.
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::{cross_entropy_grad_threshold, Confidence};
+/// use ttrace::{Format, Policy, Tensor};
+/// # fn main() -> ttrace::Result<()> {
+/// let logits = Tensor::rounded(&[4, 1000], (0..4000).map(|i| 3.0 * (i as f64 * 0.37).sin())
+///     .collect(), Format::BF16, ttrace::Overflow::Saturating)?;
+/// let r: Policy = "in=bf16,acc=f32,out=bf16".parse()?;
+/// let c: Policy = "in=bf16,acc=f32,out=bf16,order=splitk:8:sequential:f32:tree".parse()?;
+/// let t = cross_entropy_grad_threshold(&logits, &[3, 17, 999, 0], 1.0, &r, &c,
+///     Confidence::default_probabilistic())?;
+/// assert!(t.relative > 0.0 && t.relative < 0.01);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// Those of [`cross_entropy_threshold`](crate::bounds::cross_entropy_threshold);
+/// [`Error::NonFinite`](crate::Error::NonFinite) for a non-finite `dloss`.
+pub fn cross_entropy_grad_threshold(
+    logits: &Tensor,
+    targets: &[usize],
+    dloss: f64,
+    reference: &Policy,
+    candidate: &Policy,
+    confidence: Confidence,
+) -> Result<Threshold> {
+    if !dloss.is_finite() {
+        return Err(crate::Error::NonFinite {
+            what: "cross-entropy gradient threshold: the upstream gradient dloss".into(),
+            value: dloss,
+        });
+    }
+    let LseRows {
+        z,
+        vocab,
+        class_of,
+        classes,
+        lses,
+        diffs,
+        same_order,
+        a,
+        ar,
+        ..
+    } = lse_rows(logits, targets, reference, candidate, confidence)?;
+    let rows = class_of.len();
+    let c = ar.div(ar.ra(dloss), rows as f64);
+    let exact_scale = c == 0.0 || (c.abs().log2().fract() == 0.0);
+    let outputs = (reference.output, candidate.output);
+    // Rows alike in their logits and target: one group each.
+    let mut keyed: std::collections::BTreeMap<(usize, usize), usize> = Default::default();
+    for (r, &k) in class_of.iter().enumerate() {
+        *keyed.entry((k, targets[r])).or_insert(0) += 1;
+    }
+    let mut sums = ThresholdSums::new(confidence, rows * vocab);
+    let mut norm_sq = 0.0;
+    for (&(k, t), &count) in &keyed {
+        let row = &z.values()[classes[k].0 * vocab..(classes[k].0 + 1) * vocab];
+        let lse = lses[k];
+        let dl = diffs[k];
+        // The row's common part: lse's own random and rounding parts (the latter bounded:
+        // Hoeffding), carried to every element by −p·c.
+        let row_proxy = dl.proxy + dl.rounding_bound.powi(2) + dl.rounding_bound_proxy;
+        let mut row_p2c2 = 0.0;
+        // Elements alike: the same logit, both or neither the target.
+        let mut alike: std::collections::BTreeMap<(u64, bool), usize> = Default::default();
+        for (j, &zj) in row.iter().enumerate() {
+            *alike.entry((zj.to_bits(), j == t)).or_insert(0) += 1;
+        }
+        for (&(bits, is_target), &same) in &alike {
+            let zj = f64::from_bits(bits);
+            let arg = ar.sub(zj, lse);
+            let p = ar.exp(arg);
+            let g = (p - if is_target { 1.0 } else { 0.0 }) * c;
+            norm_sq += ar
+                .ro(ar.mul(ar.sub(p, if is_target { 1.0 } else { 0.0 }), c))
+                .powi(2)
+                * (same * count) as f64;
+            if zj == f64::NEG_INFINITY {
+                // A masked class: p = 0 on both sides, exactly.
+                continue;
+            }
+            let mut d = ElementDiff::default();
+            if !same_order {
+                // The argument: −Δlse, then a rounding of nearly equal values.
+                d.offset = -dl.offset;
+                d.bias_bound = dl.bias_bound;
+                d.proxy = row_proxy;
+                d.guaranteed = dl.guaranteed;
+                d.round_both(a, zj - lse);
+                // exp: Δp = p·Δa to first order; exactly within p·(e^|Δa| − 1); each side's
+                // f64 exp within one f64 ulp.
+                let ga = d.guaranteed;
+                d.scale(p);
+                d.guaranteed = p * ga.exp_m1() + 2.0 * f64::EPSILON * p;
+                d.bias_bound += 2.0 * f64::EPSILON * p;
+                d.round_both(a, p);
+                // p − 1 is exact (Sterbenz) while both sides' p lie in [0.5, 2].
+                if is_target && p - d.guaranteed < 0.5 {
+                    d.round_both(a, 1.0 - p);
+                }
+                d.scale(c);
+                if !exact_scale {
+                    d.round_both(a, g);
+                }
+            }
+            check_output(&d, g, outputs)?;
+            round_sides(&mut d, (a, a), outputs, g);
+            // The row's part: priced once for the row below, and in this element's own bound.
+            let row_part = row_proxy * (p * c).powi(2);
+            if !same_order {
+                d.proxy -= row_part;
+                d.proxy = d.proxy.max(0.0);
+                d.shared_proxy = row_part;
+                row_p2c2 += (p * c).powi(2) * same as f64;
+            }
+            sums.add_group(&d, same * count);
+        }
+        if !same_order && row_p2c2 > 0.0 {
+            let common = ElementDiff {
+                proxy: row_proxy * row_p2c2,
+                spread: true,
+                ..ElementDiff::default()
+            };
+            sums.add_group(&common, count);
+        }
+    }
+    if same_order && reference.output == candidate.output {
+        return Ok(Threshold::identical(
+            confidence,
+            norm_sq.sqrt(),
+            rows * vocab,
+        ));
+    }
+    Ok(sums.threshold(norm_sq.sqrt()))
+}
