@@ -239,6 +239,10 @@ def test_every_op_of_the_registry_prices_through_one_entry_point():
         "cross_entropy": ((x, np.array([3.0, 0.0, 63.0, 17.0])),
                           lambda: ttrace.cross_entropy_threshold(
                               x, np.array([3, 0, 63, 17]), reference=p, candidate=c)),
+        "cross_entropy_grad": ((x, np.array([3.0, 0.0, 63.0, 17.0])),
+                               lambda: ttrace.cross_entropy_threshold(
+                                   x, np.array([3, 0, 63, 17]), reference=p, candidate=c,
+                                   gradient=True)),
     }
     for op in names:
         inputs, direct = named.get(op, ((x,), None))
@@ -287,6 +291,17 @@ def test_cross_entropy_threshold_prices_the_loss_as_pytorch_reduces_it() -> None
     pairwise = ttrace.cross_entropy_threshold(logits, target, reference=p,
                                               candidate=p + ",order=pairwise:8")
     assert 0 < pairwise.abs_frobenius
+    # The gradient in the logits: a [12, 4096] tensor's threshold, against the gradient
+    # torch computes (the reference's norm is its norm).
+    g = ttrace.cross_entropy_threshold(logits, target, reference=p, candidate=vp,
+                                       gradient=True)
+    assert g.op == "cross_entropy_grad" and g.elements == 12 * 4096
+    z = torch.from_numpy(logits).double().requires_grad_(True)
+    torch.nn.functional.cross_entropy(z, torch.from_numpy(target)).backward()
+    assert z.grad is not None
+    norm = float(z.grad.norm())
+    assert abs(g.to_dict()["reference_norm"] - norm) < 1e-5 * norm
+    assert 0 < g.relative < 1e-5
     same = ttrace.cross_entropy_threshold(logits, target, reference=p, candidate=p)
     assert same.abs_frobenius == 0
     ignored = target.copy()

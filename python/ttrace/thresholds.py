@@ -217,8 +217,9 @@ def threshold(
     ``torch.nn.functional.linear``; ``sum`` / ``mean`` ``(x,)`` along the last dimension;
     ``allreduce`` (one partial tensor per rank); ``softmax`` ``(x,)``; ``layernorm``
     ``(x, weight[, bias])``; ``rmsnorm`` ``(x, weight)``; ``add`` ``(x, y)``; ``scale:C``,
-    ``gelu``, ``silu``, ``exp`` ``(x,)``; ``cross_entropy`` ``(logits, target)`` with the
-    targets as numbers (:func:`cross_entropy_threshold` takes integer tensors).
+    ``gelu``, ``silu``, ``exp`` ``(x,)``; ``cross_entropy`` and ``cross_entropy_grad``
+    ``(logits, target)`` with the targets as numbers (:func:`cross_entropy_threshold` takes
+    integer tensors).
 
     ``reference`` / ``candidate`` (default: the reference) are policy texts with two more
     keys the policy does not hold: ``form=standard|online:B`` (softmax) and
@@ -415,6 +416,7 @@ def cross_entropy_threshold(
     reference: str,
     candidate: Optional[str] = None,
     ignore_index: Optional[int] = -100,
+    gradient: bool = False,
     delta: float = 1e-6,
     guaranteed: bool = False,
 ) -> Threshold:
@@ -427,6 +429,9 @@ def cross_entropy_threshold(
     ``splitk:R:F:tree`` — each of R ranks sums its shard of the vocabulary, the partial sums
     all-reduced in format F. Both sides read the logits in the same input format and
     accumulate in the same format (orders and output formats may differ).
+
+    ``gradient=True`` prices the loss's gradient in the (kept rows') logits instead, what
+    ``loss.backward()`` writes to ``logits.grad`` — a threshold on its Frobenius norm.
     """
     import numpy as np
 
@@ -435,6 +440,6 @@ def cross_entropy_threshold(
     t, keep = _class_indices(target, ignore_index)
     if arr.ndim == 2 and keep.shape == (arr.shape[0],) and not keep.all():
         arr = np.ascontiguousarray(arr[keep])
-    core = _ttrace.threshold("cross_entropy", [(arr, fmt), (t, "f64")], ref, cand,
-                             _delta(delta, guaranteed))
-    return Threshold(core, "cross_entropy", ref, cand)
+    op = "cross_entropy_grad" if gradient else "cross_entropy"
+    core = _ttrace.threshold(op, [(arr, fmt), (t, "f64")], ref, cand, _delta(delta, guaranteed))
+    return Threshold(core, op, ref, cand)
