@@ -34,7 +34,7 @@ use crate::tensor::Tensor;
 /// let logits = Tensor::rounded(&[4, 1000], (0..4000).map(|i| 3.0 * (i as f64 * 0.37).sin())
 ///     .collect(), Format::BF16, ttrace::Overflow::Saturating)?;
 /// let r: Policy = "in=bf16,acc=f32,out=bf16".parse()?;
-/// let c: Policy = "in=bf16,acc=f32,out=bf16,order=splitk:8:sequential:f32:tree".parse()?;
+/// let c: Policy = "in=bf16,acc=f32,out=bf16,order=splitk:8:f32:tree".parse()?;
 /// let t = cross_entropy_grad_threshold(&logits, &[3, 17, 999, 0], 1.0, &r, &c,
 ///     Confidence::default_probabilistic())?;
 /// assert!(t.relative > 0.0 && t.relative < 0.01);

@@ -64,7 +64,7 @@ pub use grad::cross_entropy_grad_threshold;
 ///     .collect(), Format::BF16, ttrace::Overflow::Saturating)?;
 /// let r: Policy = "in=bf16,acc=f32,out=f32".parse()?;
 /// // Vocabulary-parallel over 4 ranks: each rank's partial sum, all-reduced in FP32.
-/// let c: Policy = "in=bf16,acc=f32,out=f32,order=splitk:4:sequential:f32:tree".parse()?;
+/// let c: Policy = "in=bf16,acc=f32,out=f32,order=splitk:4:f32:tree".parse()?;
 /// let t = cross_entropy_threshold(&logits, &[3, 17, 999, 0], &r, &c,
 ///     Confidence::default_probabilistic())?;
 /// assert!(t.abs_frobenius > 0.0 && t.relative < 1e-5);
