@@ -397,13 +397,18 @@ fn denominators(
     Ok(out)
 }
 
-/// `cross_entropy` in the op registry: the mean cross-entropy of `logits` [rows, vocab]
-/// against `target` [rows] (class indices, integers below vocab), each side in its order;
-/// threshold [`cross_entropy_threshold`] on the scalar loss; gain ‖(p − onehot)/rows‖_F, the
-/// loss's gradient in the logits (first order, Cauchy–Schwarz), on the probabilities computed
-/// in f64.
+/// `cross_entropy` and `cross_entropy_grad` in the op registry: the mean cross-entropy of
+/// `logits` [rows, vocab] against `target` [rows] (class indices, integers below vocab), each
+/// side in its order — the scalar loss ([`cross_entropy_threshold`]; gain ‖(p − onehot)/rows‖_F,
+/// the loss's gradient in the logits, first order by Cauchy–Schwarz) or, with `gradient`, its
+/// gradient in the logits as a loss module's backward pass writes it, the upstream gradient 1
+/// ([`cross_entropy_grad_threshold`]; gain the largest probability — the bound `softmax_gain`
+/// puts on the softmax's Jacobian — over the row count). Probabilities in f64.
 #[derive(Debug, Clone, Copy)]
-pub struct CrossEntropyModel;
+pub struct CrossEntropyModel {
+    /// The gradient in the logits rather than the loss.
+    pub gradient: bool,
+}
 
 /// The targets of the registry's `target` operand: integers in [0, vocab).
 fn class_indices(t: &Tensor, rows: usize) -> Result<Vec<usize>> {
@@ -452,23 +457,32 @@ impl OpModel for CrossEntropyModel {
     ) -> Result<Threshold> {
         let rows = inputs[0].shape().first().copied().unwrap_or(0);
         let targets = class_indices(inputs[1], rows)?;
-        cross_entropy_threshold(
-            inputs[0],
-            &targets,
-            &reference.policy,
-            &candidate.policy,
-            confidence,
-        )
+        let (r, c) = (&reference.policy, &candidate.policy);
+        if self.gradient {
+            cross_entropy_grad_threshold(inputs[0], &targets, 1.0, r, c, confidence)
+        } else {
+            cross_entropy_threshold(inputs[0], &targets, r, c, confidence)
+        }
     }
 
     fn module_kinds(&self) -> &'static [ModuleKind] {
-        &[ModuleKind::Loss]
+        if self.gradient {
+            &[]
+        } else {
+            &[ModuleKind::Loss]
+        }
     }
 
-    fn gain(&self, inputs: &[&Tensor], _: &OpOptions) -> Result<Gain> {
+    fn gain(&self, inputs: &[&Tensor], options: &OpOptions) -> Result<Gain> {
         let x = inputs[0];
-        let rows = x.shape().first().copied().unwrap_or(0).max(1);
         let targets = class_indices(inputs[1], x.shape().first().copied().unwrap_or(0))?;
+        let rows = x.shape().first().copied().unwrap_or(0).max(1);
+        if self.gradient {
+            let softmax = crate::bounds::softmax::SoftmaxModel.gain(&[x], options)?;
+            return Ok(Gain {
+                gain: softmax.gain / rows as f64,
+            });
+        }
         let k = x.shape().last().copied().unwrap_or(1).max(1);
         let mut sq = 0.0;
         for (row, &t) in x.values().chunks(k).zip(&targets) {
@@ -482,54 +496,6 @@ impl OpModel for CrossEntropyModel {
         }
         Ok(Gain {
             gain: sq.sqrt() / rows as f64,
-        })
-    }
-}
-
-/// `cross_entropy_grad` in the op registry: the gradient of the mean cross-entropy in the
-/// logits (`logits` [rows, vocab], `target` [rows]; the upstream gradient 1), as a loss
-/// module's backward pass writes it; threshold [`cross_entropy_grad_threshold`]; gain the
-/// largest probability (the bound `softmax_gain` puts on the softmax's Jacobian) over the
-/// row count.
-#[derive(Debug, Clone, Copy)]
-pub struct CrossEntropyGradModel;
-
-impl OpModel for CrossEntropyGradModel {
-    fn operand_names(&self) -> &'static [&'static str] {
-        &["logits", "target"]
-    }
-
-    fn operands(&self, m: usize, k: usize, n: usize) -> Vec<Operand> {
-        CrossEntropyModel.operands(m, k, n)
-    }
-
-    fn threshold(
-        &self,
-        inputs: &[&Tensor],
-        reference: &OpSide,
-        candidate: &OpSide,
-        _: &OpOptions,
-        confidence: Confidence,
-    ) -> Result<Threshold> {
-        let rows = inputs[0].shape().first().copied().unwrap_or(0);
-        let targets = class_indices(inputs[1], rows)?;
-        cross_entropy_grad_threshold(
-            inputs[0],
-            &targets,
-            1.0,
-            &reference.policy,
-            &candidate.policy,
-            confidence,
-        )
-    }
-
-    fn gain(&self, inputs: &[&Tensor], options: &OpOptions) -> Result<Gain> {
-        let x = inputs[0];
-        class_indices(inputs[1], x.shape().first().copied().unwrap_or(0))?;
-        let rows = x.shape().first().copied().unwrap_or(0).max(1);
-        let softmax = crate::bounds::softmax::SoftmaxModel.gain(&[x], options)?;
-        Ok(Gain {
-            gain: softmax.gain / rows as f64,
         })
     }
 }

@@ -12,7 +12,7 @@ use std::str::FromStr;
 use serde::Serialize;
 
 use crate::bounds::compare::{Confidence, Threshold};
-use crate::bounds::cross_entropy::{CrossEntropyGradModel, CrossEntropyModel};
+use crate::bounds::cross_entropy::CrossEntropyModel;
 use crate::bounds::elementwise::{Elementwise, ElementwiseModel};
 use crate::bounds::norm::NormModel;
 use crate::bounds::ops::{AllReduceModel, MatmulModel, SumModel};
@@ -103,8 +103,8 @@ impl Op {
             Op::LayerNorm => Box::new(NormModel { rms: false }),
             Op::RmsNorm => Box::new(NormModel { rms: true }),
             Op::Elementwise(e) => Box::new(ElementwiseModel(e)),
-            Op::CrossEntropy => Box::new(CrossEntropyModel),
-            Op::CrossEntropyGrad => Box::new(CrossEntropyGradModel),
+            Op::CrossEntropy => Box::new(CrossEntropyModel { gradient: false }),
+            Op::CrossEntropyGrad => Box::new(CrossEntropyModel { gradient: true }),
         }
     }
 
