@@ -226,7 +226,7 @@ fn frobenius(a: &Tensor, b: &Tensor) -> f64 {
 /// engine's two executions: within both thresholds, per element too, on the same losses as
 /// above, with upstream gradients 1 and 1/3 (not a power of two: the scaling rounds); the
 /// probabilistic threshold not vacuous (median 4.7 times the observed difference; a BF16
-/// gradient whose two executions differ by one flip of a small element sits 400–80,000 times
+/// gradient whose two executions differ by one flip of a small element sits 200–60,000 times
 /// below, the threshold allowing the largest element's flip); one row's gradient off by 2⁻⁶
 /// is found.
 #[test]

@@ -14,13 +14,14 @@
 #![allow(dead_code)]
 
 use ttrace::bounds::{
-    allreduce_threshold, cross_entropy_grad_threshold, cross_entropy_threshold, elementwise_threshold, matmul_threshold,
-    matmul_threshold_priced, norm_threshold, reduction_error, softmax_threshold, sum_threshold,
-    sum_threshold_priced, Confidence, Elementwise, NormData, NormOp, NormSide, Pricing, Threshold,
+    allreduce_threshold, cross_entropy_grad_threshold, cross_entropy_threshold,
+    elementwise_threshold, matmul_threshold, matmul_threshold_priced, norm_threshold,
+    reduction_error, softmax_threshold, sum_threshold, sum_threshold_priced, Confidence,
+    Elementwise, NormData, NormOp, NormSide, Pricing, Threshold,
 };
 use ttrace::engine::{
-    add, cross_entropy, cross_entropy_backward, gelu, layer_norm, matmul, online_softmax, rms_norm, scale, silu, softmax,
-    AttentionImpl, SplitMix64, Variance,
+    add, cross_entropy, cross_entropy_backward, gelu, layer_norm, matmul, online_softmax, rms_norm,
+    scale, silu, softmax, AttentionImpl, SplitMix64, Variance,
 };
 use ttrace::{sum, BlockSum, Combine, Error, Format, Order, Overflow, Products};
 use ttrace::{Policy, Scaling, Tensor};
@@ -237,6 +238,18 @@ pub fn pairs(op: Op) -> Vec<Pair> {
                     name: format!("->{out_f} seq vs pairwise(8)"),
                     reference: base.clone(),
                     candidate: base.clone().with_order(Order::Pairwise { base: 8 }),
+                    ref_op: Op::Softmax(AttentionImpl::Standard),
+                    cand_op: Op::Softmax(AttentionImpl::Standard),
+                });
+                // A vocabulary-parallel softmax whose partial sums are all-reduced in BF16.
+                out.push(Pair {
+                    name: format!("->{out_f} seq vs vocab-parallel 8 bf16"),
+                    reference: base.clone(),
+                    candidate: base.clone().with_order(split(
+                        8,
+                        Format::BF16,
+                        Combine::Ring { start: 1 },
+                    )),
                     ref_op: Op::Softmax(AttentionImpl::Standard),
                     cand_op: Op::Softmax(AttentionImpl::Standard),
                 });

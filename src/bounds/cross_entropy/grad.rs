@@ -11,7 +11,7 @@
 //! unless by a power of two, the output).
 
 use crate::bounds::compare::{Confidence, ElementDiff, Threshold, ThresholdSums};
-use crate::bounds::cross_entropy::{lse_rows, LseRows};
+use crate::bounds::cross_entropy::{lse_rows, round_pair, LseRows};
 use crate::bounds::ops::{check_output, round_sides};
 use crate::error::Result;
 use crate::policy::Policy;
@@ -110,34 +110,44 @@ pub fn cross_entropy_grad_threshold(
                 continue;
             }
             let mut d = ElementDiff::default();
-            if !same_order {
+            // A probability that underflows to an exact zero on both sides however lse moves
+            // within its bound (a logit far below the row's maximum): no difference.
+            let far = ar.exp(ar.sub(zj, lse) + dl.guaranteed + a.ulp(zj - lse).unwrap_or(0.0));
+            let underflows = p == 0.0 && far == 0.0;
+            if !same_order && !underflows {
                 // The argument: −Δlse, then a rounding of nearly equal values.
                 d.offset = -dl.offset;
                 d.bias_bound = dl.bias_bound;
                 d.proxy = row_proxy;
                 d.guaranteed = dl.guaranteed;
-                d.round_both(a, zj - lse);
+                round_pair(&mut d, a, zj - lse);
                 // exp: Δp = p·Δa to first order; exactly within p·(e^|Δa| − 1); each side's
                 // f64 exp within one f64 ulp.
                 let ga = d.guaranteed;
                 d.scale(p);
                 d.guaranteed = p * ga.exp_m1() + 2.0 * f64::EPSILON * p;
-                d.bias_bound += 2.0 * f64::EPSILON * p;
-                d.round_both(a, p);
+                // The first-order model's remainder, |e^y − 1 − y| ≤ (y²/2)·e^|y|: a
+                // deterministic part of unknown sign (BF16 partial sums make it visible).
+                d.bias_bound += 2.0 * f64::EPSILON * p + p * ga * ga / 2.0 * ga.exp();
+                round_pair(&mut d, a, arg.exp());
                 // p − 1 is exact (Sterbenz) while both sides' p lie in [0.5, 2].
                 if is_target && p - d.guaranteed < 0.5 {
-                    d.round_both(a, 1.0 - p);
+                    round_pair(&mut d, a, p - 1.0);
                 }
                 d.scale(c);
                 if !exact_scale {
-                    d.round_both(a, g);
+                    round_pair(&mut d, a, g);
                 }
             }
-            check_output(&d, g, outputs)?;
-            round_sides(&mut d, (a, a), outputs, g);
-            // The row's part: priced once for the row below, and in this element's own bound.
+            // An element both sides compute alike (its argument's rounding determined) takes
+            // no row part, and its output roundings agree too.
+            let alike = d == ElementDiff::default();
+            if !(alike && outputs.0 == outputs.1) {
+                check_output(&d, g, outputs)?;
+                round_sides(&mut d, (a, a), outputs, g);
+            }
             let row_part = row_proxy * (p * c).powi(2);
-            if !same_order {
+            if !same_order && !alike {
                 d.proxy -= row_part;
                 d.proxy = d.proxy.max(0.0);
                 d.shared_proxy = row_part;

@@ -13,7 +13,8 @@
 //!   and every computed denominator is at least 1 (the maximum's term is exactly 1, the other
 //!   terms are non-negative and every rounding is monotone).
 //! * The rounded ln, the addition of m and the subtraction of the target's logit round nearly
-//!   equal values on both sides (`ElementDiff::round_both`).
+//!   equal values on both sides (`ElementDiff::round_both`), unless every value within the
+//!   guaranteed difference rounds to the same point (`round_pair`: then the sides agree).
 //! * The rows' differences are independent (distinct roundings) and add up in the loss's sum:
 //!   their sub-Gaussian parts add their proxies, their deterministic parts add signed, their
 //!   rounding parts (zero-mean under the uniform-phase model, bounded) by Hoeffding. Identical
@@ -27,7 +28,8 @@ use crate::bounds::compare::{row_classes, Confidence, ElementDiff, Threshold, Th
 use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
 use crate::bounds::ops::{check_output, round_sides};
 use crate::bounds::reduction::{
-    dot_guaranteed_weights, overflow_error, overflow_threshold, reduction_error, ReductionError,
+    dot_guaranteed_weights, overflow_error, overflow_threshold, reduction_error,
+    reduction_error_within, ReductionError,
 };
 use crate::bounds::softmax::{computed_numerators, denominator_accumulation};
 use crate::error::{Error, Result};
@@ -113,7 +115,7 @@ pub fn cross_entropy_threshold(
         let entry = keyed.entry((c, t)).or_insert_with(|| {
             let mut d = by_class[c];
             if !same_order {
-                d.round_both(a, l);
+                round_pair(&mut d, a, lses[c] - row_of(c)[t]);
             }
             (d, 0)
         });
@@ -149,8 +151,12 @@ pub fn cross_entropy_threshold(
     // The loss's sum of the rows' losses in each side's order.
     let total = crate::order::sum(&losses, &acc_r)?;
     if !same_order {
+        // The reference sums its own losses, exactly these; the candidate sums losses known
+        // only within the rows' guaranteed bounds of them: a rounding is determined for it
+        // only where every such value rounds alike (an FP32 loss rounded to BF16 partials
+        // takes the candidate's own value's rounding, not the reference's).
         let er = reduction_error(&losses, &acc_r, false)?;
-        let ec = reduction_error(&losses, &acc_c, false)?;
+        let ec = reduction_error_within(&losses, &row_bound, &acc_c, false)?;
         let sum = ElementDiff::from_reductions(er, ec, 0.0);
         // The candidate sums its own losses, each within its row's bound of the reference's.
         let (weights, constant) = dot_guaranteed_weights(&acc_c, rows)?;
@@ -171,10 +177,11 @@ pub fn cross_entropy_threshold(
     let loss = ar.div(total, rows as f64);
     d.scale(1.0 / rows as f64);
     if !rows.is_power_of_two() && !same_order {
-        d.round_both(a, loss);
+        round_pair(&mut d, a, total / rows as f64);
     }
     check_output(&d, loss, (reference.output, candidate.output))?;
-    if same_order && reference.output == candidate.output {
+    if d == ElementDiff::default() && reference.output == candidate.output {
+        // The same order, or every rounding determined alike: the same loss.
         return Ok(Threshold::identical(confidence, loss.abs(), 1));
     }
     round_sides(&mut d, (a, a), (reference.output, candidate.output), loss);
@@ -352,10 +359,23 @@ pub(crate) fn lse_rows(
             let (s, g) = (sums[c], d.guaranteed);
             d.scale(1.0 / s);
             let libm = 2.0 * f64::EPSILON * s.ln().abs();
-            d.guaranteed = g / (s - g).max(1.0) + libm;
-            d.bias_bound += libm;
-            d.round_both(a, ar.ln(s));
-            d.round_both(a, lses[c]);
+            // Both denominators lie in [max(1, Ŝ_r − G), Ŝ_r + G]: the logarithms differ by at
+            // most the log of that interval's ratio, and by the mean value theorem at most
+            // G / max(1, Ŝ_r − G).
+            let floor = (s - g).max(1.0);
+            let x = (g / floor).min(((s + g) / floor).ln());
+            d.guaranteed = x + libm;
+            // The first-order model's remainder, |ln(1 + y) − y| ≤ y²/(2(1 − |y|)) for
+            // |y| ≤ x < 1: a deterministic part of unknown sign (BF16 partial sums make it
+            // visible).
+            let second = if x < 0.5 {
+                x * x / (2.0 * (1.0 - x))
+            } else {
+                x
+            };
+            d.bias_bound += libm + second;
+            round_pair(d, a, s.ln());
+            round_pair(d, a, max_of(row_of(c)) + ar.ln(s));
         }
     }
     Ok(LseRows {
@@ -370,6 +390,21 @@ pub(crate) fn lse_rows(
         ar,
         acc: (acc_r, acc_c),
     })
+}
+
+/// Both sides round their values — the reference's `v` (exact, up to f64's rounding of
+/// `v` itself), the candidate's within `d.guaranteed` of it — to `f`: where every value of
+/// that interval rounds to the same point the two sides agree exactly from here on (an lse
+/// whose ln is far below its maximum's spacing), else a rounding of nearly equal values
+/// ([`ElementDiff::round_both`]).
+pub(crate) fn round_pair(d: &mut ElementDiff, f: Format, v: f64) {
+    let r = d.guaranteed + v.abs() * f64::EPSILON;
+    let ov = crate::format::Overflow::NonSaturating;
+    if r.is_finite() && f.round(v - r, ov) == f.round(v + r, ov) {
+        *d = ElementDiff::default();
+    } else {
+        d.round_both(f, v);
+    }
 }
 
 /// Per class of rows, both sides' reduction errors of the denominators from the fast pass
