@@ -93,3 +93,38 @@ def test_failure_names_the_test_that_fired_and_a_missing_candidate():
     with pytest.raises(AssertionError) as e:
         assert_close(cand, ref, op="sum", inputs=(x,))
     assert "only a bit-identical result passes" in str(e.value)
+
+
+def _cross_entropy(z: np.ndarray, t: np.ndarray, total) -> np.float32:
+    """The mean cross-entropy in FP32 as the policy describes it (numpy, by hand): each row's
+    exp(z − m) summed by ``total``, lse = m + ln S, ℓ = lse − z_t, the ℓ summed by ``total``,
+    divided by the row count — every operation rounded to FP32."""
+    losses = []
+    for row, target in zip(z, t):
+        m = row.max()
+        e = [np.float32(np.exp(np.float64(np.float32(x - m)))) for x in row]
+        lse = np.float32(m + np.float32(np.log(np.float64(total(e)))))
+        losses.append(np.float32(lse - row[target]))
+    return np.float32(np.float64(total(losses)) / len(losses))
+
+
+def test_cross_entropy_vocabulary_parallel_against_an_emulation() -> None:
+    """A vocabulary-parallel loss (4 shards, FP32 partials) emulated by hand against the
+    sequential one: within round-off, with integer targets; the loss of a batch with one
+    wrong label is not."""
+    rng = np.random.default_rng(11)
+    z = (2 * rng.standard_normal((16, 1000))).astype(np.float32)
+    t = rng.integers(0, 1000, 16)
+    ref = _cross_entropy(z, t, seq_sum)
+    cand = _cross_entropy(z, t, lambda v: splitk_sum(v, 4))
+    assert cand != ref
+    tp = "in=f32,acc=f32,out=f32,order=splitk:4:f32:tree"
+    v = assert_close(np.array(cand), np.array(ref), op="cross_entropy",
+                     inputs=(z, torch.from_numpy(t)), candidate=tp)
+    assert v.passed
+    wrong = t.copy()
+    wrong[3] = (wrong[3] + 1) % 1000
+    bad = _cross_entropy(z, wrong, lambda v: splitk_sum(v, 4))
+    with pytest.raises(AssertionError, match="round-off of cross_entropy"):
+        assert_close(np.array(bad), np.array(ref), op="cross_entropy", inputs=(z, t),
+                     candidate=tp)

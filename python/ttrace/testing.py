@@ -95,7 +95,9 @@ def assert_close(
     (``reference_form`` / ``candidate_form`` = ``standard`` or ``online:B``), ``layernorm`` /
     ``rmsnorm`` (``(x, weight[, bias])``, ``eps``, ``reference_variance`` /
     ``candidate_variance``), ``add`` (``(x, y)``), ``scale:C``, ``gelu``, ``silu``, ``exp``,
-    ``allreduce`` (inputs = the ranks' partial tensors).
+    ``allreduce`` (inputs = the ranks' partial tensors), ``cross_entropy`` (``(logits,
+    target)``, integer targets, PyTorch's mean over rows whose target is not -100: the scalar
+    loss) and ``cross_entropy_grad`` (the same inputs: the loss's gradient in the logits).
 
     ``reference`` / ``candidate``: the arithmetic of each side as policy text (see
     :mod:`ttrace.thresholds`). The reference defaults to the inputs' dtype with FP32

@@ -218,8 +218,7 @@ def threshold(
     ``allreduce`` (one partial tensor per rank); ``softmax`` ``(x,)``; ``layernorm``
     ``(x, weight[, bias])``; ``rmsnorm`` ``(x, weight)``; ``add`` ``(x, y)``; ``scale:C``,
     ``gelu``, ``silu``, ``exp`` ``(x,)``; ``cross_entropy`` and ``cross_entropy_grad``
-    ``(logits, target)`` with the targets as numbers (:func:`cross_entropy_threshold` takes
-    integer tensors).
+    ``(logits, target)``, integer targets (:func:`cross_entropy_threshold`).
 
     ``reference`` / ``candidate`` (default: the reference) are policy texts with two more
     keys the policy does not hold: ``form=standard|online:B`` (softmax) and
@@ -227,6 +226,13 @@ def threshold(
     ``pricing`` as for :func:`matmul_threshold`. Every op goes through the library's one op
     registry, as ``ttrace threshold OP`` does.
     """
+    if op in ("cross_entropy", "cross_entropy_grad") and len(inputs) == 2:
+        # Integer targets, and PyTorch's ignore_index rows, as cross_entropy_threshold takes
+        # them.
+        return cross_entropy_threshold(
+            inputs[0], inputs[1], reference=reference, candidate=candidate,
+            gradient=op == "cross_entropy_grad", delta=delta, guaranteed=guaranteed,
+        )
     ref = _ttrace.parse_side(reference, "reference")
     cand = _ttrace.parse_side(candidate, "candidate") if candidate is not None else ref
     parts = [as_core(v, f"operand {i}") for i, v in enumerate(inputs)]
