@@ -319,3 +319,12 @@ def test_cross_entropy_threshold_prices_the_loss_as_pytorch_reduces_it() -> None
     with pytest.raises(ttrace.InvalidInputError) as e:
         ttrace.cross_entropy_threshold(logits, target.reshape(3, 4), reference=p)
     assert e.value.kind == "ShapeMismatch"
+    with pytest.raises(ttrace.InvalidInputError, match="reshape") as e:
+        ttrace.cross_entropy_threshold(logits.reshape(3, 4, 4096), target, reference=p)
+    assert e.value.kind == "ShapeMismatch"
+    with pytest.raises(ttrace.InvalidInputError, match="ignore_index") as e:
+        ttrace.cross_entropy_threshold(logits, np.full(12, -100), reference=p)
+    assert e.value.kind == "InvalidParameter"
+    with pytest.raises(ttrace.InvalidInputError) as e:
+        ttrace.cross_entropy_threshold(logits, target.astype(bool), reference=p)
+    assert e.value.kind == "InvalidParameter"

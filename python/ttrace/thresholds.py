@@ -443,8 +443,21 @@ def cross_entropy_threshold(
 
     ref, cand = _policies(reference, candidate)
     arr, fmt = as_core(logits, "logits")
+    if arr.ndim != 2:
+        raise InvalidInputError(
+            f"logits: [rows, vocab] with the classes last, got shape {tuple(arr.shape)} "
+            "(flatten [batch, seq, vocab] logits with .reshape(-1, vocab) and their targets "
+            "with .reshape(-1), as language-model losses do)",
+            "ShapeMismatch",
+        )
     t, keep = _class_indices(target, ignore_index)
-    if arr.ndim == 2 and keep.shape == (arr.shape[0],) and not keep.all():
+    if keep.shape == (arr.shape[0],) and not keep.any():
+        raise InvalidInputError(
+            f"target: every row's target is ignore_index ({ignore_index}): the loss is "
+            "empty (PyTorch's mean of no rows is NaN)",
+            "InvalidParameter",
+        )
+    if keep.shape == (arr.shape[0],) and not keep.all():
         arr = np.ascontiguousarray(arr[keep])
     op = "cross_entropy_grad" if gradient else "cross_entropy"
     core = _ttrace.threshold(op, [(arr, fmt), (t, "f64")], ref, cand, _delta(delta, guaranteed))
