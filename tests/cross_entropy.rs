@@ -211,6 +211,85 @@ fn bad_input_is_refused_with_the_variant() {
             ..
         })
     ));
+    // A family of tensor-core orders (an FP8 GEMM's) is not a plain family.
+    let tc: Policy = "in=f32,acc=f32,out=f32,order=hopper-fp8-fast"
+        .parse()
+        .unwrap();
+    assert!(matches!(
+        cross_entropy_threshold(&x, &t, &r, &tc, g),
+        Err(Error::InvalidParameter {
+            name: "candidate",
+            ..
+        })
+    ));
+}
+
+/// A kernel of unknown order (`order=any`, the family GPU users declare for a vendor
+/// kernel): the threshold holds for every member the kernel may run — the reference
+/// sequential against each member, and the family on both sides against every pair of
+/// members — for the loss and its gradient; the same family on both sides is not priced as
+/// identical; the probabilistic threshold is within a modest factor of the largest member
+/// difference.
+#[test]
+fn a_kernel_family_holds_for_every_member() {
+    let family = Order::unknown_kernel(Format::F32);
+    let Order::AnyOf(members) = family.clone() else {
+        unreachable!()
+    };
+    for (vocab, rows, input) in [(1000, 12, Format::BF16), (4096, 4, Format::F32)] {
+        let (x, t) = logits(rows, vocab, 2.0, input, 9);
+        let seq = Policy::new(input, Format::F32, Format::F32);
+        let any = seq.clone().with_order(family.clone());
+        let at = |m: &Order| seq.clone().with_order(m.clone());
+        for (r, pairs) in [
+            (
+                &seq,
+                members
+                    .iter()
+                    .map(|m| (Order::Sequential, m.clone()))
+                    .collect::<Vec<_>>(),
+            ),
+            (
+                &any,
+                members
+                    .iter()
+                    .flat_map(|a| members.iter().map(move |b| (a.clone(), b.clone())))
+                    .collect(),
+            ),
+        ] {
+            for conf in [Confidence::Guaranteed, DELTA] {
+                let loss = cross_entropy_threshold(&x, &t, r, &any, conf).unwrap();
+                let grad = cross_entropy_grad_threshold(&x, &t, 1.0, r, &any, conf).unwrap();
+                assert!(!loss.identical && loss.abs_frobenius > 0.0);
+                let (mut worst, mut worst_g) = (0.0f64, 0.0f64);
+                for (a, b) in &pairs {
+                    let (pa, pb) = (at(a), at(b));
+                    let d = (cross_entropy(&x, &t, &pb).unwrap().values()[0]
+                        - cross_entropy(&x, &t, &pa).unwrap().values()[0])
+                        .abs();
+                    assert!(d <= loss.abs_frobenius, "{a} vs {b}: {d:e} > {loss:?}");
+                    let dg = frobenius(
+                        &cross_entropy_backward(&x, &t, 1.0, &pa).unwrap(),
+                        &cross_entropy_backward(&x, &t, 1.0, &pb).unwrap(),
+                    );
+                    assert!(dg <= grad.abs_frobenius, "{a} vs {b}: {dg:e} > {grad:?}");
+                    (worst, worst_g) = (worst.max(d), worst_g.max(dg));
+                }
+                eprintln!(
+                    "{input} vocab {vocab} {conf:?}: loss {:.1}, gradient {:.1} times the members' \
+                     largest difference",
+                    loss.abs_frobenius / worst,
+                    grad.abs_frobenius / worst_g
+                );
+                if conf == DELTA {
+                    // Not vacuous: 3–12 times the largest member difference when measured.
+                    assert!(
+                        loss.abs_frobenius < 30.0 * worst && grad.abs_frobenius < 30.0 * worst_g
+                    );
+                }
+            }
+        }
+    }
 }
 
 fn frobenius(a: &Tensor, b: &Tensor) -> f64 {

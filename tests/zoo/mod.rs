@@ -292,6 +292,14 @@ pub fn pairs(op: Op) -> Vec<Pair> {
                 f16.clone(),
                 f16.with_order(Order::Pairwise { base: 8 }),
             ));
+            // A reference kernel of unknown order (the engine runs its first member,
+            // sequential) against a pairwise candidate.
+            let bf16 = Policy::new(Format::BF16, Format::F32, Format::F32);
+            out.push(mk(
+                "bf16->f32 any vs pairwise(8)".into(),
+                bf16.clone().with_order(Order::unknown_kernel(Format::F32)),
+                bf16.with_order(Order::Pairwise { base: 8 }),
+            ));
         }
         Op::LayerNorm(_) | Op::RmsNorm => {
             let base = Policy::new(Format::F32, Format::F32, Format::F32);

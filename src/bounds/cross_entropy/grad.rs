@@ -68,6 +68,7 @@ pub fn cross_entropy_grad_threshold(
         lses,
         diffs,
         same_order,
+        family,
         a,
         ar,
         ..
@@ -112,7 +113,8 @@ pub fn cross_entropy_grad_threshold(
             let mut d = ElementDiff::default();
             // A probability that underflows to an exact zero on both sides however lse moves
             // within its bound (a logit far below the row's maximum): no difference.
-            let far = ar.exp(ar.sub(zj, lse) + dl.guaranteed + a.ulp(zj - lse).unwrap_or(0.0));
+            let far =
+                ar.exp(ar.sub(zj, lse) + 2.0 * dl.guaranteed + a.ulp(zj - lse).unwrap_or(0.0));
             let underflows = p == 0.0 && far == 0.0;
             if !same_order && !underflows {
                 // The argument: −Δlse, then a rounding of nearly equal values.
@@ -120,7 +122,7 @@ pub fn cross_entropy_grad_threshold(
                 d.bias_bound = dl.bias_bound;
                 d.proxy = row_proxy;
                 d.guaranteed = dl.guaranteed;
-                round_pair(&mut d, a, zj - lse);
+                round_pair(&mut d, a, zj - lse, !family);
                 // exp: Δp = p·Δa to first order; exactly within p·(e^|Δa| − 1); each side's
                 // f64 exp within one f64 ulp.
                 let ga = d.guaranteed;
@@ -129,14 +131,14 @@ pub fn cross_entropy_grad_threshold(
                 // The first-order model's remainder, |e^y − 1 − y| ≤ (y²/2)·e^|y|: a
                 // deterministic part of unknown sign (BF16 partial sums make it visible).
                 d.bias_bound += 2.0 * f64::EPSILON * p + p * ga * ga / 2.0 * ga.exp();
-                round_pair(&mut d, a, arg.exp());
+                round_pair(&mut d, a, arg.exp(), !family);
                 // p − 1 is exact (Sterbenz) while both sides' p lie in [0.5, 2].
-                if is_target && p - d.guaranteed < 0.5 {
-                    round_pair(&mut d, a, p - 1.0);
+                if is_target && p - 2.0 * d.guaranteed < 0.5 {
+                    round_pair(&mut d, a, p - 1.0, !family);
                 }
                 d.scale(c);
                 if !exact_scale {
-                    round_pair(&mut d, a, g);
+                    round_pair(&mut d, a, g, !family);
                 }
             }
             // An element both sides compute alike (its argument's rounding determined) takes

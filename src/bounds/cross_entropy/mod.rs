@@ -27,9 +27,10 @@
 use crate::bounds::compare::{row_classes, Confidence, ElementDiff, Threshold, ThresholdSums};
 use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
 use crate::bounds::ops::{check_output, round_sides};
+use crate::bounds::reduction::lift_family;
 use crate::bounds::reduction::{
     dot_guaranteed_weights, overflow_error, overflow_threshold, reduction_error,
-    reduction_error_within, ReductionError,
+    reduction_error_within_any, ReductionError,
 };
 use crate::bounds::softmax::{computed_numerators, denominator_accumulation};
 use crate::error::{Error, Result};
@@ -49,7 +50,8 @@ pub use grad::cross_entropy_grad_threshold;
 /// `candidate`. Both sides read the logits in the same input format and accumulate in the same
 /// format with the same overflow behaviour (their orders and output formats may differ: a
 /// vocabulary-parallel loss is [`Order::SplitK`] over the vocabulary shards, its partial sums
-/// all-reduced in the partial format).
+/// all-reduced in the partial format; a vendor kernel of unknown order is a family,
+/// [`Order::AnyOf`] — `order=any` — priced for every member it may run, on either side).
 ///
 /// Assumptions (papers/bounds-cross-entropy.md): the probabilistic threshold rests on the
 /// random-rounding model (independent roundings with a uniform phase); the guaranteed one on
@@ -77,7 +79,7 @@ pub use grad::cross_entropy_grad_threshold;
 /// # Errors
 ///
 /// [`Error::InvalidParameter`] for sides that differ in input or accumulator format or
-/// overflow, for Kahan, tensor-core and kernel-family orders (not priced here), and for
+/// overflow, for Kahan and tensor-core orders and families holding them (not priced here), and for
 /// invalid policies; [`Error::ShapeMismatch`] for logits that are not [rows, vocab] with
 /// rows, vocab ≥ 1; [`Error::LengthMismatch`] for a target count other than the row count;
 /// [`Error::InvalidParameter`] for a target outside the vocabulary; [`Error::NonFinite`] for a
@@ -98,6 +100,7 @@ pub fn cross_entropy_threshold(
         lses,
         diffs: by_class,
         same_order,
+        family,
         a,
         ar,
         acc: (acc_r, acc_c),
@@ -115,7 +118,7 @@ pub fn cross_entropy_threshold(
         let entry = keyed.entry((c, t)).or_insert_with(|| {
             let mut d = by_class[c];
             if !same_order {
-                round_pair(&mut d, a, lses[c] - row_of(c)[t]);
+                round_pair(&mut d, a, lses[c] - row_of(c)[t], !family);
             }
             (d, 0)
         });
@@ -155,29 +158,48 @@ pub fn cross_entropy_threshold(
         // only within the rows' guaranteed bounds of them: a rounding is determined for it
         // only where every such value rounds alike (an FP32 loss rounded to BF16 partials
         // takes the candidate's own value's rounding, not the reference's).
-        let er = reduction_error(&losses, &acc_r, false)?;
-        let ec = reduction_error_within(&losses, &row_bound, &acc_c, false)?;
-        let sum = ElementDiff::from_reductions(er, ec, 0.0);
-        // The candidate sums its own losses, each within its row's bound of the reference's.
-        let (weights, constant) = dot_guaranteed_weights(&acc_c, rows)?;
-        let cand: f64 = losses
+        // Under a family the reference's own losses are known within the same bounds (two
+        // members differ by at most twice a member's own error; the bound covers both sides').
+        let radius: Vec<f64> = row_bound
             .iter()
-            .zip(&row_bound)
-            .zip(&weights)
-            .map(|((l, b), w)| (l.abs() + b) * w)
-            .sum::<f64>()
-            + constant;
+            .map(|b| if family { 2.0 * b } else { *b })
+            .collect();
+        let er = if family {
+            reduction_error_within_any(&losses, &radius, &acc_r, false)?
+        } else {
+            reduction_error(&losses, &acc_r, false)?
+        };
+        let ec = reduction_error_within_any(&losses, &radius, &acc_c, false)?;
+        let sum = ElementDiff::from_reductions(er, ec, 0.0);
+        // The candidate sums its own losses, each within its row's bound of the reference's
+        // (Higham's depths, the largest over a family's members); so does a family's
+        // reference.
+        let bound = |acc: &Accumulation| -> Result<f64> {
+            let (weights, constant) = family_weights(acc, rows)?;
+            Ok(losses
+                .iter()
+                .zip(&radius)
+                .zip(&weights)
+                .map(|((l, b), w)| (l.abs() + b) * w)
+                .sum::<f64>()
+                + constant)
+        };
+        let reference_part = if family {
+            bound(&acc_r)?
+        } else {
+            er.guaranteed
+        };
         d.offset += sum.offset;
         d.bias_bound += sum.bias_bound;
         d.proxy += sum.proxy;
-        d.guaranteed += er.guaranteed + cand;
+        d.guaranteed += reference_part + bound(&acc_c)?;
     }
     // The mean: a division by the row count (exact for a power of two), then each side's
     // output rounding.
     let loss = ar.div(total, rows as f64);
     d.scale(1.0 / rows as f64);
     if !rows.is_power_of_two() && !same_order {
-        round_pair(&mut d, a, total / rows as f64);
+        round_pair(&mut d, a, total / rows as f64, !family);
     }
     check_output(&d, loss, (reference.output, candidate.output))?;
     if d == ElementDiff::default() && reference.output == candidate.output {
@@ -226,6 +248,9 @@ pub(crate) struct LseRows {
     pub diffs: Vec<ElementDiff>,
     /// Both sides sum the denominators (and the loss) in the same order.
     pub same_order: bool,
+    /// A side runs a kernel family: the reference's own values (`lses`, the losses) are those
+    /// of one member, the real ones within the guaranteed differences of them.
+    pub family: bool,
     /// The accumulator format.
     pub a: Format,
     /// The accumulator's arithmetic (its output format the reference's).
@@ -258,7 +283,11 @@ pub(crate) fn lse_rows(
     }
     for (side, p) in [("reference", reference), ("candidate", candidate)] {
         let o = &p.accumulation.order;
-        if o.has_family() || o.has_tensor_core() || *o == Order::Kahan {
+        let members = lift_family(o).unwrap_or_else(|| vec![o.clone()]);
+        if members
+            .iter()
+            .any(|m| m.has_family() || m.has_tensor_core() || *m == Order::Kahan)
+        {
             return Err(Error::InvalidParameter {
                 name: if side == "reference" {
                     "reference"
@@ -267,7 +296,8 @@ pub(crate) fn lse_rows(
                 },
                 reason: format!(
                     "cross-entropy thresholds price plain orders (sequential, pairwise, blocked, \
-                     split); the {side}'s order {o} is not supported"
+                     split) and families of them (`any`); the {side}'s order {o} is not \
+                     supported"
                 ),
             });
         }
@@ -321,7 +351,10 @@ pub(crate) fn lse_rows(
         denominator_accumulation(reference),
         denominator_accumulation(candidate),
     );
-    let same_order = acc_r == acc_c;
+    // A kernel family is not one execution: the same family on both sides may differ, and
+    // the reference's own values are known only within its members' spread.
+    let family = acc_r.order.has_family() || acc_c.order.has_family();
+    let same_order = acc_r == acc_c && !family;
     // Identical rows have identical log-sum-exps (and differences).
     let (class_of, classes) = row_classes(z.values(), vocab);
     let row_of = |c: usize| &z.values()[classes[c].0 * vocab..(classes[c].0 + 1) * vocab];
@@ -337,7 +370,7 @@ pub(crate) fn lse_rows(
     let lses: Vec<f64> = (0..classes.len())
         .map(|c| ar.add(max_of(row_of(c)), ar.ln(sums[c])))
         .collect();
-    let dens = if same_order {
+    let dens = if same_order || family {
         vec![None; classes.len()]
     } else {
         denominators(&numerators, &acc_r, &acc_c, confidence)?
@@ -359,11 +392,18 @@ pub(crate) fn lse_rows(
             let (s, g) = (sums[c], d.guaranteed);
             d.scale(1.0 / s);
             let libm = 2.0 * f64::EPSILON * s.ln().abs();
-            // Both denominators lie in [max(1, Ŝ_r − G), Ŝ_r + G]: the logarithms differ by at
-            // most the log of that interval's ratio, and by the mean value theorem at most
-            // G / max(1, Ŝ_r − G).
-            let floor = (s - g).max(1.0);
-            let x = (g / floor).min(((s + g) / floor).ln());
+            // Both denominators lie in [max(1, Ŝ_r − G), Ŝ_r + G] (under a family, each within
+            // its own bound of the exact sum T): the logarithms differ by at most the log of
+            // that interval's ratio, and by the mean value theorem at most G / its floor.
+            let (lo, hi) = if family {
+                let t: f64 = numerators[c].iter().sum::<f64>() * (1.0 - 1e-12);
+                let own = er.guaranteed.max(ec.guaranteed);
+                (t - own, t * (1.0 + 2e-12) + own)
+            } else {
+                (s - g, s + g)
+            };
+            let floor = lo.max(1.0);
+            let x = (g / floor).min((hi / floor).ln());
             d.guaranteed = x + libm;
             // The first-order model's remainder, |ln(1 + y) − y| ≤ y²/(2(1 − |y|)) for
             // |y| ≤ x < 1: a deterministic part of unknown sign (BF16 partial sums make it
@@ -374,8 +414,8 @@ pub(crate) fn lse_rows(
                 x
             };
             d.bias_bound += libm + second;
-            round_pair(d, a, s.ln());
-            round_pair(d, a, max_of(row_of(c)) + ar.ln(s));
+            round_pair(d, a, s.ln(), !family);
+            round_pair(d, a, max_of(row_of(c)) + ar.ln(s), !family);
         }
     }
     Ok(LseRows {
@@ -386,10 +426,32 @@ pub(crate) fn lse_rows(
         lses,
         diffs: by_class,
         same_order,
+        family,
         a,
         ar,
         acc: (acc_r, acc_c),
     })
+}
+
+/// Per-term weights and a constant bounding the guaranteed error of any sum under `acc`
+/// ([`dot_guaranteed_weights`]); for a family, the largest over its members.
+fn family_weights(acc: &Accumulation, n: usize) -> Result<(Vec<f64>, f64)> {
+    let Some(members) = lift_family(&acc.order) else {
+        return dot_guaranteed_weights(acc, n);
+    };
+    let (mut weights, mut constant) = (vec![0.0; n], 0.0f64);
+    for m in members {
+        let member = Accumulation {
+            order: m,
+            ..acc.clone()
+        };
+        let (w, c) = dot_guaranteed_weights(&member, n)?;
+        for (a, b) in weights.iter_mut().zip(w) {
+            *a = f64::max(*a, b);
+        }
+        constant = constant.max(c);
+    }
+    Ok((weights, constant))
 }
 
 /// Both sides round their values — the reference's `v` (exact, up to f64's rounding of
@@ -397,13 +459,19 @@ pub(crate) fn lse_rows(
 /// that interval rounds to the same point the two sides agree exactly from here on (an lse
 /// whose ln is far below its maximum's spacing), else a rounding of nearly equal values
 /// ([`ElementDiff::round_both`]).
-pub(crate) fn round_pair(d: &mut ElementDiff, f: Format, v: f64) {
+/// `known`: whether `v` is the reference's value (not under a kernel family, whose
+/// reference runs an unknown member: then always the rounding of nearly equal values).
+pub(crate) fn round_pair(d: &mut ElementDiff, f: Format, v: f64, known: bool) {
     let r = d.guaranteed + v.abs() * f64::EPSILON;
     let ov = crate::format::Overflow::NonSaturating;
-    if r.is_finite() && f.round(v - r, ov) == f.round(v + r, ov) {
+    if known && r.is_finite() && f.round(v - r, ov) == f.round(v + r, ov) {
         *d = ElementDiff::default();
-    } else {
+    } else if known {
         d.round_both(f, v);
+    } else {
+        // The reference's value itself is within the guaranteed difference of `v`: the
+        // spacings are taken that much further out.
+        d.round_both(f, v.abs() + d.guaranteed);
     }
 }
 

@@ -30,7 +30,8 @@ use crate::order::{
 
 mod tensorcore;
 mod walk;
-use tensorcore::{family_error, lift_family, tensor_core_error};
+pub(crate) use tensorcore::lift_family;
+use tensorcore::{family_error, merge_family, tensor_core_error};
 pub(crate) use walk::lowest_bit;
 use walk::*;
 
@@ -187,6 +188,30 @@ pub(crate) fn reduction_error_within(
         return random_rounding_error(terms, acc, is_dot);
     }
     reduction_error_walk(terms, None, radii, acc, is_dot)
+}
+
+/// [`reduction_error_within`] for any order: a kernel family's members each (a split whose
+/// parts run a family, as the family of splits), merged as [`reduction_error`] merges them.
+pub(crate) fn reduction_error_within_any(
+    terms: &[f64],
+    radii: &[f64],
+    acc: &Accumulation,
+    is_dot: bool,
+) -> Result<ReductionError> {
+    let Some(members) = lift_family(&acc.order) else {
+        return reduction_error_within(terms, radii, acc, is_dot);
+    };
+    let stats = members
+        .into_iter()
+        .map(|order| {
+            let member = Accumulation {
+                order,
+                ..acc.clone()
+            };
+            reduction_error_within(terms, radii, &member, is_dot)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(merge_family(&stats))
 }
 
 fn reduction_error_walk(

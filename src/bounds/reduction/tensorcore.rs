@@ -277,7 +277,7 @@ pub(crate) fn family_error(
 }
 
 /// Merge the statistics of a family's members (see [`family_error`]).
-fn merge_family(stats: &[ReductionError]) -> ReductionError {
+pub(crate) fn merge_family(stats: &[ReductionError]) -> ReductionError {
     let lo = stats.iter().map(|e| e.mean).fold(f64::INFINITY, f64::min);
     let hi = stats
         .iter()
