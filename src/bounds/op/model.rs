@@ -20,7 +20,7 @@ use crate::trace::ModuleKind;
 /// `matmul` and `linear` in `bounds/ops/matmul.rs`, `sum`, `mean` and `allreduce` in
 /// `bounds/ops/sum.rs`, `softmax` in `bounds/softmax.rs`, the norms in `bounds/norm/mod.rs`,
 /// the elementwise ops in `bounds/elementwise.rs`, `cross_entropy` in
-/// `bounds/cross_entropy.rs`.
+/// `bounds/cross_entropy/mod.rs` (the gradient's threshold in `bounds/cross_entropy/grad.rs`).
 pub trait OpModel {
     /// The names of the operands, in order (optional ones included). Default: one, `x`.
     fn operand_names(&self) -> &'static [&'static str] {
