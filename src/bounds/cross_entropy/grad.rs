@@ -60,32 +60,27 @@ pub fn cross_entropy_grad_threshold(
             value: dloss,
         });
     }
+    let lr = lse_rows(logits, targets, reference, candidate, confidence)?;
     let LseRows {
-        z,
         vocab,
-        class_of,
-        classes,
-        lses,
-        diffs,
+        ref class_of,
+        ref lses,
+        ref diffs,
         same_order,
         family,
         a,
-        ar,
+        ref ar,
         ..
-    } = lse_rows(logits, targets, reference, candidate, confidence)?;
+    } = lr;
     let rows = class_of.len();
     let c = ar.div(ar.ra(dloss), rows as f64);
     let exact_scale = c == 0.0 || (c.abs().log2().fract() == 0.0);
     let outputs = (reference.output, candidate.output);
-    // Rows alike in their logits and target: one group each.
-    let mut keyed: std::collections::BTreeMap<(usize, usize), usize> = Default::default();
-    for (r, &k) in class_of.iter().enumerate() {
-        *keyed.entry((k, targets[r])).or_insert(0) += 1;
-    }
     let mut sums = ThresholdSums::new(confidence, rows * vocab);
     let mut norm_sq = 0.0;
-    for (&(k, t), &count) in &keyed {
-        let row = &z.values()[classes[k].0 * vocab..(classes[k].0 + 1) * vocab];
+    // Rows alike in their logits and target: one group each.
+    for (&(k, t), &count) in &lr.groups {
+        let row = lr.row(k);
         let lse = lses[k];
         let dl = diffs[k];
         // The row's common part: lse's own random and rounding parts (the latter bounded:
@@ -101,11 +96,9 @@ pub fn cross_entropy_grad_threshold(
             let zj = f64::from_bits(bits);
             let arg = ar.sub(zj, lse);
             let p = ar.exp(arg);
-            let g = (p - if is_target { 1.0 } else { 0.0 }) * c;
-            norm_sq += ar
-                .ro(ar.mul(ar.sub(p, if is_target { 1.0 } else { 0.0 }), c))
-                .powi(2)
-                * (same * count) as f64;
+            let onehot = if is_target { 1.0 } else { 0.0 };
+            let g = (p - onehot) * c;
+            norm_sq += ar.ro(ar.mul(ar.sub(p, onehot), c)).powi(2) * (same * count) as f64;
             if zj == f64::NEG_INFINITY {
                 // A masked class: p = 0 on both sides, exactly.
                 continue;

@@ -27,9 +27,8 @@
 use crate::bounds::compare::{row_classes, Confidence, ElementDiff, Threshold, ThresholdSums};
 use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
 use crate::bounds::ops::{check_output, round_sides};
-use crate::bounds::reduction::lift_family;
 use crate::bounds::reduction::{
-    dot_guaranteed_weights, overflow_error, overflow_threshold, reduction_error,
+    dot_guaranteed_weights, lift_family, overflow_error, overflow_threshold, reduction_error,
     reduction_error_within_any, ReductionError,
 };
 use crate::bounds::softmax::{computed_numerators, denominator_accumulation};
@@ -92,57 +91,46 @@ pub fn cross_entropy_threshold(
     candidate: &Policy,
     confidence: Confidence,
 ) -> Result<Threshold> {
+    let lr = lse_rows(logits, targets, reference, candidate, confidence)?;
     let LseRows {
-        z,
-        vocab,
-        class_of,
-        classes,
-        lses,
-        diffs: by_class,
+        ref class_of,
+        ref lses,
+        ref diffs,
         same_order,
         family,
         a,
-        ar,
-        acc: (acc_r, acc_c),
-    } = lse_rows(logits, targets, reference, candidate, confidence)?;
+        ref ar,
+        acc: (ref acc_r, ref acc_c),
+        ..
+    } = lr;
     let rows = class_of.len();
-    let row_of = |c: usize| &z.values()[classes[c].0 * vocab..(classes[c].0 + 1) * vocab];
-    // Per row its loss; per (class, target) the difference of its losses, and its count.
-    let mut losses = vec![0.0; rows];
-    let mut keyed: std::collections::BTreeMap<(usize, usize), (ElementDiff, usize)> =
-        Default::default();
-    for (r, &c) in class_of.iter().enumerate() {
-        let t = targets[r];
-        let l = ar.sub(lses[c], row_of(c)[t]);
-        losses[r] = l;
-        let entry = keyed.entry((c, t)).or_insert_with(|| {
-            let mut d = by_class[c];
-            if !same_order {
-                round_pair(&mut d, a, lses[c] - row_of(c)[t], !family);
-            }
-            (d, 0)
-        });
-        entry.1 += 1;
-    }
-    // A loss the accumulator cannot hold (FP16 logits near its range) has no finite bound.
+    // Per (class, target): its loss and the difference of its losses. A loss the accumulator
+    // cannot hold (FP16 logits near its range) has no finite bound.
     let limit = overflow_threshold(a);
-    for ((c, t), (d, _)) in &keyed {
-        let l = ar.sub(lses[*c], row_of(*c)[*t]);
-        let magnitude = l.abs().max(lses[*c].abs()) + d.guaranteed;
+    let mut keyed = std::collections::BTreeMap::new();
+    for &(c, t) in lr.groups.keys() {
+        let l = ar.sub(lses[c], lr.row(c)[t]);
+        let mut d = diffs[c];
+        if !same_order {
+            round_pair(&mut d, a, lses[c] - lr.row(c)[t], !family);
+        }
+        let magnitude = l.abs().max(lses[c].abs()) + d.guaranteed;
         if magnitude.is_nan() || magnitude >= limit {
             return Err(overflow_error(a, magnitude, "a row's loss"));
         }
+        keyed.insert((c, t), (d, l));
     }
-    let row_bound: Vec<f64> = class_of
+    // Per row its loss and the guaranteed bound of its difference.
+    let (losses, row_bound): (Vec<f64>, Vec<f64>) = class_of
         .iter()
         .zip(targets)
-        .map(|(&c, &t)| keyed[&(c, t)].0.guaranteed)
-        .collect();
+        .map(|(&c, &t)| (keyed[&(c, t)].1, keyed[&(c, t)].0.guaranteed))
+        .unzip();
     // The rows' differences summed: independent across classes, coherent within one.
     let mut d = ElementDiff::default();
     let mut hoeffding = 0.0;
-    for (row, count) in keyed.values() {
-        let w = *count as f64;
+    for (key, (row, _)) in &keyed {
+        let w = lr.groups[key] as f64;
         d.offset += w * row.offset;
         d.bias_bound += w * row.bias_bound;
         d.guaranteed += w * row.guaranteed;
@@ -152,7 +140,7 @@ pub fn cross_entropy_threshold(
     }
     d.rounding_bound_proxy = hoeffding;
     // The loss's sum of the rows' losses in each side's order.
-    let total = crate::order::sum(&losses, &acc_r)?;
+    let total = crate::order::sum(&losses, acc_r)?;
     if !same_order {
         // The reference sums its own losses, exactly these; the candidate sums losses known
         // only within the rows' guaranteed bounds of them: a rounding is determined for it
@@ -165,11 +153,11 @@ pub fn cross_entropy_threshold(
             .map(|b| if family { 2.0 * b } else { *b })
             .collect();
         let er = if family {
-            reduction_error_within_any(&losses, &radius, &acc_r, false)?
+            reduction_error_within_any(&losses, &radius, acc_r, false)?
         } else {
-            reduction_error(&losses, &acc_r, false)?
+            reduction_error(&losses, acc_r, false)?
         };
-        let ec = reduction_error_within_any(&losses, &radius, &acc_c, false)?;
+        let ec = reduction_error_within_any(&losses, &radius, acc_c, false)?;
         let sum = ElementDiff::from_reductions(er, ec, 0.0);
         // The candidate sums its own losses, each within its row's bound of the reference's
         // (Higham's depths, the largest over a family's members); so does a family's
@@ -184,15 +172,11 @@ pub fn cross_entropy_threshold(
                 .sum::<f64>()
                 + constant)
         };
-        let reference_part = if family {
-            bound(&acc_r)?
-        } else {
-            er.guaranteed
-        };
+        let reference_part = if family { bound(acc_r)? } else { er.guaranteed };
         d.offset += sum.offset;
         d.bias_bound += sum.bias_bound;
         d.proxy += sum.proxy;
-        d.guaranteed += reference_part + bound(&acc_c)?;
+        d.guaranteed += reference_part + bound(acc_c)?;
     }
     // The mean: a division by the row count (exact for a power of two), then each side's
     // output rounding.
@@ -242,6 +226,9 @@ pub(crate) struct LseRows {
     pub class_of: Vec<usize>,
     /// Per class, (its first row, its count).
     pub classes: Vec<(usize, usize)>,
+    /// Per (class, target), how many rows: rows alike in their logits and target differ
+    /// alike.
+    pub groups: std::collections::BTreeMap<(usize, usize), usize>,
     /// Per class, the reference's lse = ra(m + ra(ln Ŝ)).
     pub lses: Vec<f64>,
     /// Per class, lse_c − lse_r.
@@ -257,6 +244,14 @@ pub(crate) struct LseRows {
     pub ar: Arith,
     /// The two sides' accumulations of values in the accumulator format.
     pub acc: (Accumulation, Accumulation),
+}
+
+impl LseRows {
+    /// The logits of class `c`'s rows.
+    pub fn row(&self, c: usize) -> &[f64] {
+        let first = self.classes[c].0;
+        &self.z.values()[first * self.vocab..(first + 1) * self.vocab]
+    }
 }
 
 /// Validate the operands and sides of a cross-entropy (loss or gradient) and price the rows'
@@ -418,11 +413,16 @@ pub(crate) fn lse_rows(
             round_pair(d, a, max_of(row_of(c)) + ar.ln(s), !family);
         }
     }
+    let mut groups = std::collections::BTreeMap::new();
+    for (r, &c) in class_of.iter().enumerate() {
+        *groups.entry((c, targets[r])).or_insert(0) += 1;
+    }
     Ok(LseRows {
         z,
         vocab,
         class_of,
         classes,
+        groups,
         lses,
         diffs: by_class,
         same_order,
