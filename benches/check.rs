@@ -173,6 +173,8 @@ fn price(c: &mut Criterion) {
     let ctx = PriceContext {
         mesh: Mesh::megatron(2, 1, 1, false).unwrap(),
         ref_mesh: Mesh::single(),
+        microbatches: 1,
+        ref_microbatches: 1,
         recipe: None,
         log_inv_delta: 1e6f64.ln(),
     };

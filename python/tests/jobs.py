@@ -547,6 +547,120 @@ def hf(directory: str, bug: str) -> None:
     tracer.close()
 
 
+def pp(directory: str, bug: str) -> None:
+    """Pipeline parallelism with torch's own schedules (``torch.distributed.pipelining``, as
+    torchtitan drives them): the Llama of llama.py (TTRACE_TEST_LAYERS layers, default 4, and
+    TTRACE_TEST_BATCH sequences, default 4) cut as torchtitan cuts it — each model part a copy
+    of the whole model with the other parts' layers deleted, the embedding on the first part,
+    the final norm and output on the last — one part per rank (``gpipe``, ``1f1b``) or two
+    (``interleaved``: virtual stages r and r + world), TTRACE_TEST_SCHEDULE; each step
+    TTRACE_TEST_MICROBATCHES microbatches (default 4), each microbatch's loss its own mean and
+    the accumulated gradients divided by the microbatches (``scale_grads``) — or, with
+    TTRACE_TEST_RESCALE=1, torchtitan's loss rescaled by 1/microbatches and no division. The
+    Tracer is given the rank's pipeline stages and the microbatches.
+    Bugs: ``microbatch-grad-dropped`` (the class of a schedule that loses one microbatch's
+    weight gradient: layers.2's parameters keep none of microbatch 1's contribution),
+    ``microbatch-grad-doubled`` (layers.2's parameters get microbatch 1's twice),
+    ``grads-not-scaled`` (each microbatch's loss its own mean, the accumulated gradients never
+    divided by the microbatches), ``stage-input-detached`` (the second stage's input detached:
+    no gradient flows back to the first stage), ``stage-output-scaled`` (the first stage's
+    output sent scaled by 1 + 2⁻⁶, as a wrong boundary buffer would), ``microbatch-order``
+    (the last stage's targets in the wrong microbatch order)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    import llama as L
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B)
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    microbatches = int(os.environ.get("TTRACE_TEST_MICROBATCHES", "4"))
+    kind = os.environ.get("TTRACE_TEST_SCHEDULE", "1f1b")
+    rescale = os.environ.get("TTRACE_TEST_RESCALE") == "1"
+    seed = int(os.environ.get("TTRACE_TEST_SEED", "0"))
+    dtype = getattr(torch, os.environ.get("TTRACE_TEST_DTYPE", "float32"))
+    torch.manual_seed(seed)
+    model = L.Llama().to(dtype)
+    g = torch.Generator().manual_seed(1 + seed)
+    tokens = torch.randint(0, L.VOCAB, (L.BATCH, L.SEQ), generator=g)
+    labels = torch.randint(0, L.VOCAB, (L.BATCH, L.SEQ), generator=g)
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(logits.float().reshape(-1, L.VOCAB), target.reshape(-1))
+        return loss / microbatches if rescale else loss
+
+    if world == 1:
+        tracer = ttrace.Tracer(model, directory)
+        with tracer.step():
+            F.cross_entropy(model(tokens).float().reshape(-1, L.VOCAB),
+                            labels.reshape(-1)).backward()
+        tracer.close()
+        return
+    rank = dist.get_rank()
+    virtual = 2 if kind == "interleaved" else 1
+    chunks = world * virtual
+    per = L.LAYERS // chunks
+    ids = [rank + v * world for v in range(virtual)]
+    parts = []
+    for c in ids:
+        part = copy.deepcopy(model)
+        for i in range(L.LAYERS):
+            if not c * per <= i < (c + 1) * per:
+                del part.layers[str(i)]
+        if c > 0:
+            part.tok_embeddings = None
+        if c < chunks - 1:
+            part.norm = None
+            part.output = None
+        parts.append(part)
+    first = min(i for i in range(L.LAYERS) if str(i) in parts[0].layers)
+    if bug in ("microbatch-grad-dropped", "microbatch-grad-doubled") and any(
+            "2" in p.layers for p in parts):
+        layer = next(p.layers["2"] for p in parts if "2" in p.layers)
+        for prm in layer.parameters():
+            seen = [0]
+
+            def once(grad: torch.Tensor, seen: "list[int]" = seen) -> torch.Tensor:
+                # Backward runs microbatch by microbatch: the second call is microbatch 1's.
+                seen[0] += 1
+                if seen[0] != 2:
+                    return grad
+                return grad * (0.0 if bug == "microbatch-grad-dropped" else 2.0)
+
+            prm.register_hook(once)
+    if bug == "stage-input-detached" and ids[0] == 1:
+        parts[0].layers[str(first)].register_forward_pre_hook(
+            lambda m, args: (args[0].detach(),) + tuple(args[1:]))
+    if bug == "stage-output-scaled" and ids[0] == 0:
+        last = max(int(k) for k in parts[0].layers)
+        parts[0].layers[str(last)].register_forward_hook(
+            lambda m, args, out: out * (1 + 2.0 ** -6))
+    if bug == "microbatch-order" and chunks - 1 in ids:
+        n = L.BATCH // microbatches
+        labels = torch.cat([labels[n:2 * n], labels[:n], labels[2 * n:]])
+    stages = [PipelineStage(p, c, chunks, torch.device("cpu")) for p, c in zip(parts, ids)]
+    scale = not rescale and bug != "grads-not-scaled"
+    if kind == "interleaved":
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn,
+                                           scale_grads=scale)
+    else:
+        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[kind]
+        schedule = cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn,
+                       scale_grads=scale)
+    tracer = ttrace.Tracer(stages, directory, microbatches=microbatches)
+    with tracer.step():
+        if 0 in ids and chunks - 1 in ids:
+            schedule.step(tokens, target=labels)
+        elif 0 in ids:
+            schedule.step(tokens)
+        elif chunks - 1 in ids:
+            schedule.step(target=labels)
+        else:
+            schedule.step()
+    tracer.close()
+
+
 def main() -> None:
     job, directory = sys.argv[1], sys.argv[2]
     bug = sys.argv[3] if len(sys.argv) > 3 else ""
@@ -557,7 +671,7 @@ def main() -> None:
     try:
         jobs = {"tp": tp, "fsdp": fsdp, "ddp": ddp, "megatron": megatron, "llama": llama,
                 "mgpt": mgpt, "hand": hand, "unsupported": unsupported, "hf": hf,
-                "titan": titan}
+                "titan": titan, "pp": pp}
         jobs[job](directory, bug)
     finally:
         if distributed:

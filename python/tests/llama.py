@@ -20,6 +20,10 @@ BUG = ""  # set by the job: a planted bug (see the comments where it acts)
 LARGE = os.environ.get("TTRACE_TEST_SIZE", "") == "large"
 DIM, HEADS, KV, LAYERS, VOCAB, SEQ, BATCH = (
     (128, 8, 4, 2, 256, 64, 4) if LARGE else (64, 8, 4, 2, 128, 16, 2))
+#: TTRACE_TEST_LAYERS, TTRACE_TEST_BATCH: other depths and batches (pipeline parallelism's
+#: stages and microbatches need more of both).
+LAYERS = int(os.environ.get("TTRACE_TEST_LAYERS", LAYERS))
+BATCH = int(os.environ.get("TTRACE_TEST_BATCH", BATCH))
 HD = DIM // HEADS
 
 #: Context parallelism (set by the job): the cp process group, and the global positions of this
@@ -140,9 +144,10 @@ class Llama(nn.Module):
     def __init__(s):
         super().__init__(); s.tok_embeddings = nn.Embedding(VOCAB, DIM); s.layers = nn.ModuleDict({str(i): Block() for i in range(LAYERS)}); s.norm = nn.RMSNorm(DIM); s.output = nn.Linear(DIM, VOCAB, bias=False)
     def forward(s, tokens):
-        h = s.tok_embeddings(tokens)
+        # A pipeline stage's part (torchtitan's split) lacks the modules of other stages.
+        h = s.tok_embeddings(tokens) if s.tok_embeddings is not None else tokens
         for l in s.layers.values(): h = l(h)
-        return s.output(s.norm(h))
+        return s.output(s.norm(h)) if s.output is not None else h
 
 
 

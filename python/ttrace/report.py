@@ -76,10 +76,12 @@ class CheckReport:
     arithmetic: Dict[str, Dict[str, int]]
     #: How the candidate's data-parallel ranks normalized their loss, where the tracer did not
     #: know and the checker settled it from the reference: ``{"local_mean", "dp", "cp",
-    #: "divisor", "tensors", "error_local", "error_global", "error_chosen"}`` (``local_mean``:
-    #: each rank averaged over its own share of the batch's tokens, so activation gradients
-    #: were read divided by ``divisor`` — dp·cp, dp or cp; ``error_local`` at dp·cp,
-    #: ``error_global`` as stored, ``error_chosen`` at the divisor taken), else None.
+    #: "microbatches", "divisor", "tensors", "error_local", "error_global", "error_chosen"}``
+    #: (``local_mean``: each rank averaged over its own share of the batch's tokens, or each
+    #: microbatch's loss was its own mean, so activation gradients were read divided by
+    #: ``divisor`` — dp·cp, dp or cp, times the microbatches where each was its own mean;
+    #: ``error_local`` at dp·cp·microbatches, ``error_global`` as stored, ``error_chosen`` at
+    #: the divisor taken), else None.
     loss_normalization: Optional[Dict[str, Any]]
     #: The text of the report (``str(report)``).
     text: str

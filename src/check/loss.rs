@@ -15,6 +15,12 @@
 //! for the whole trace. A planted scale of exactly one of those factors on every activation
 //! gradient is indistinguishable from that normalization and is not found; any other factor
 //! (a per-rank token count, Megatron-LM #7452) is, since no reading then fits.
+//!
+//! A trace of M microbatches (a pipeline schedule, gradient accumulation) adds one more
+//! choice: each microbatch's loss may be its own mean (torch's pipeline schedules with
+//! `scale_grads`, which divide the accumulated parameter gradients by M at the end), making
+//! every activation gradient M times the reference's, or the global mean's share (torchtitan
+//! rescales each microbatch's loss by 1/M). The readings are then those above times 1 or M.
 
 use serde::Serialize;
 
@@ -37,13 +43,16 @@ pub struct LossNormalization {
     pub dp: usize,
     /// The context-parallel size.
     pub cp: usize,
+    /// The microbatches each step ran as (1: none).
+    pub microbatches: usize,
     /// What the loss-dependent tensors were read divided by: dp·cp, dp or cp for a local mean,
-    /// 1 for the global count.
+    /// 1 for the global count — times the microbatches where each microbatch's loss was its
+    /// own mean.
     pub divisor: usize,
     /// The gradients compared, in execution order (empty when none could be: then read as
     /// stored).
     pub tensors: Vec<String>,
-    /// ‖c/(dp·cp) − r‖/‖r‖ over them.
+    /// ‖c/(dp·cp·M) − r‖/‖r‖ over them (M the microbatches).
     pub error_local: f64,
     /// ‖c − r‖/‖r‖ over them.
     pub error_global: f64,
@@ -54,18 +63,34 @@ pub struct LossNormalization {
 impl LossNormalization {
     /// The finding in words.
     pub fn describe(&self) -> String {
-        let ranks = match (self.dp, self.cp) {
+        let mut ranks = match (self.dp, self.cp) {
+            (1, 1) => String::new(),
             (dp, 1) => format!("dp = {dp}"),
             (1, cp) => format!("cp = {cp}"),
             (dp, cp) => format!("dp = {dp}, cp = {cp}"),
         };
+        if self.microbatches > 1 {
+            let mb = format!("{} microbatches", self.microbatches);
+            ranks = if ranks.is_empty() {
+                mb
+            } else {
+                format!("{ranks}, {mb}")
+            };
+        }
         if self.tensors.is_empty() {
             return format!(
-                "loss normalization under data parallelism ({ranks}) not stated by the \
+                "loss normalization under data parallelism or microbatches ({ranks}) not \
+                 stated by the \
                  tracer and not settled (no activation gradient to compare): read as stored"
             );
         }
-        let how = if self.local_mean {
+        let how = if self.local_mean && self.dp * self.cp == 1 {
+            format!(
+                "each microbatch's loss was its own mean ({ranks}): activation gradients read \
+                 divided by {}",
+                self.divisor
+            )
+        } else if self.local_mean {
             let share = if self.cp > 1 {
                 "its own share of the batch's tokens"
             } else {
@@ -85,7 +110,7 @@ impl LossNormalization {
         let (other, at) = if self.local_mean {
             (self.error_global, 1)
         } else {
-            (self.error_local, self.dp * self.cp)
+            (self.error_local, self.dp * self.cp * self.microbatches)
         };
         let read = |d: usize| {
             if d == 1 {
@@ -117,11 +142,14 @@ pub(crate) fn settle_dp_loss(
 ) -> Result<Option<LossNormalization>> {
     let mesh = &candidate.manifest().mesh;
     let (dp, cp) = (mesh.size(&Axis::DP), mesh.size(&Axis::CP));
-    if candidate.manifest().dp_loss != Some(DpLoss::Auto) || dp * cp < 2 {
+    let m = candidate.manifest().microbatches();
+    if candidate.manifest().dp_loss != Some(DpLoss::Auto) || dp * cp * m < 2 {
         return Ok(None);
     }
     candidate.set_dp_divisor(None);
-    let ids: Vec<String> = candidate
+    // In the reference's order, which is execution order (a pipelined candidate lists each
+    // stage's tensors apart).
+    let ids: Vec<String> = reference
         .ids()
         .iter()
         .filter(|id| {
@@ -129,16 +157,19 @@ pub(crate) fn settle_dp_loss(
                 .is_some_and(|t| t.pass() == crate::policy::Pass::Backward)
                 && candidate
                     .layout(id)
-                    .is_some_and(|l| TraceDir::loss_dependent(id, &l))
-                && reference.layout(id).is_some()
+                    .is_some_and(|l| candidate.loss_dependent(id, &l))
+                && candidate.contains(id)
         })
         .cloned()
         .collect();
-    // The readings: as stored first (ties keep it), then the local means, widest first.
+    // The readings: as stored first (ties keep it), then the local means, widest first, each
+    // with the microbatches' own means or without.
     let mut divisors: Vec<usize> = vec![];
     for d in [1, dp * cp, dp, cp] {
-        if !divisors.contains(&d) {
-            divisors.push(d);
+        for k in [1, m] {
+            if !divisors.contains(&(d * k)) {
+                divisors.push(d * k);
+            }
         }
     }
     let mut sq = vec![0.0f64; divisors.len()];
@@ -194,9 +225,10 @@ pub(crate) fn settle_dp_loss(
         local_mean: divisor > 1,
         dp,
         cp,
+        microbatches: m,
         divisor,
         tensors: used,
-        error_local: at(dp * cp),
+        error_local: at(dp * cp * m),
         error_global: at(1),
         error_chosen: rel(sq[best]),
     }))

@@ -447,6 +447,11 @@ pub struct PriceContext {
     pub mesh: Mesh,
     /// The reference's mesh ([`Mesh::single`] for a one-device reference).
     pub ref_mesh: Mesh,
+    /// The microbatches the candidate's step ran as (1: none): a parameter's gradient is
+    /// accumulated over them, another split of its tokens.
+    pub microbatches: usize,
+    /// The same of the reference.
+    pub ref_microbatches: usize,
     /// The recipe named by the reference manifest, if ttrace knows it.
     pub recipe: Option<Recipe>,
     /// ln(1/δ) for the tail.
@@ -731,8 +736,11 @@ pub fn price_local<'s>(
             1
         }
     };
+    // Microbatches split a parameter gradient's tokens as ranks do: one more partial sum each.
+    let accumulated = |m: usize| if role.param_grad { m.max(1) } else { 1 };
     let mut s = split_factor(&me.layout, &layouts, &ctx.mesh, reduced(kind, &role))
-        * cp(&layouts, &ctx.mesh);
+        * cp(&layouts, &ctx.mesh)
+        * accumulated(ctx.microbatches);
     // A sharded reference combines partial results of its own: its roundings join the
     // candidate's (the order term counts both runs' splits).
     let ref_layouts: Vec<(Layout, usize)> = inputs
@@ -744,7 +752,8 @@ pub fn price_local<'s>(
         &ref_layouts,
         &ctx.ref_mesh,
         reduced(kind, &role),
-    ) * cp(&ref_layouts, &ctx.ref_mesh);
+    ) * cp(&ref_layouts, &ctx.ref_mesh)
+        * accumulated(ctx.ref_microbatches);
     if s_ref > 1 {
         s = if s > 1 { s + s_ref } else { s_ref };
     }

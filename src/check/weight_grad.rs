@@ -730,6 +730,7 @@ pub(crate) fn arithmetic(
             .iter()
             .map(|(i, ranks)| (layout(d, i), *ranks))
             .collect();
+        // Microbatches accumulate the gradient as ranks do: one partial sum each.
         split_factor(
             &layout(d, id),
             &ins,
@@ -737,6 +738,7 @@ pub(crate) fn arithmetic(
             Some(Reduced::AllButLast),
         )
         .max(1)
+            * d.manifest().microbatches()
     };
     Arithmetic {
         accumulate: setting.accumulate,

@@ -11,7 +11,7 @@ pub mod summary;
 pub use guard::{limits, printable, read_limited, sanitize};
 pub use manifest::{
     merge_fragments, read_manifest, write_manifest, write_trace_dir, DpLoss, InferredLayout,
-    Manifest, ManifestEntry, ModuleArith, ModuleInfo, TraceDir, VERSION, VERSIONS,
+    Manifest, ManifestEntry, ModuleArith, ModuleInfo, Pipeline, TraceDir, VERSION, VERSIONS,
 };
 
 /// Write `contents` to `path` atomically: into a temporary file beside it (same directory, so

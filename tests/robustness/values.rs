@@ -115,6 +115,8 @@ fn a_zero_residual_output_gets_an_absolute_floor() {
     let ctx = PriceContext {
         mesh: Mesh::single(),
         ref_mesh: Mesh::single(),
+        microbatches: 1,
+        ref_microbatches: 1,
         recipe: None,
         log_inv_delta: (1e6f64).ln(),
     };

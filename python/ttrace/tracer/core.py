@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 
@@ -21,14 +21,23 @@ from .keep import host_copy, statistics
 from .kinds import _kind_of
 from .megatron import _megatron_layout
 from .mesh import find_mesh
+from .microbatches import fold
 from .online import OnlineChecker
 from .placements import (Layout, Mesh, ModuleLayout, partial,
                          replicate, split)
 from .record import (_DTYPES, _StepRecord, _Tap, _alias_key, _base, _device_type,
-                     _in_backward, _owns, _param_grad)
+                     _in_backward, _on_meta, _owns, _param_grad)
 from .selection import ModuleSelector, select_modules
 from .sites import _SiteState, _site_state
 from .writing import StepJob, StepWriter, finish, step_job, summary_job
+
+
+def _is_pipeline_stage(x: Any) -> bool:
+    """Whether ``x`` is a ``torch.distributed.pipelining`` stage (its module, its group and
+    forward contexts)."""
+    return (not isinstance(x, torch.nn.Module) and isinstance(getattr(x, "submod", None),
+                                                             torch.nn.Module)
+            and hasattr(x, "register_forward_context") and hasattr(x, "group_rank"))
 
 
 class Tracer:
@@ -81,11 +90,28 @@ class Tracer:
     A scalar a module returns under data parallelism (a loss module's output) is each rank's
     value over its share of the batch: recorded as a partial sum over dp (divided by dp with
     ``local_mean_loss=True``, so the ranks' mean is judged against the reference's).
+    ``microbatches``: the microbatches each step runs as (a pipeline schedule's
+    ``n_microbatches``, or gradient accumulation): each module's calls are recorded per
+    microbatch and stored concatenated along ``microbatch_dim`` (default ``dp_dim``) in
+    microbatch order — what a reference running the whole batch at once holds — and the
+    parameter gradients once, accumulated (see :mod:`ttrace.tracer.microbatches`); how each
+    microbatch's loss was normalized is settled by the checker. Pipeline parallelism: pass
+    this rank's ``torch.distributed.pipelining.PipelineStage`` objects (``model`` a list, one
+    per virtual stage): their modules are traced, the pipeline's size and this rank's stage
+    read from them, and the forwards their schedule runs only to infer shapes before the
+    first microbatch (``is_metadata_inference``) are not recorded. Or pass the model parts
+    themselves (torchtitan's ``model_parts``; their module names must not collide, their
+    root modules are not traced) with ``stages`` (the pipeline's size) and ``stage`` (this
+    rank's coordinate along it) — found from a device mesh with a ``pp`` dimension when it is
+    given or its parameters' mesh has one; default: the pipeline dimension outermost, stage =
+    rank // (world / stages); a schedule's shape inference on the first step then runs the
+    parts once more, which the tracer cannot tell from a microbatch (it refuses the step).
+    The trace's mesh is then one stage's, and each stage's ranks write their own modules.
     """
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
         directory: Optional[Union[str, "os.PathLike[str]"]] = None,
         *,
         mesh: Any = None,
@@ -109,9 +135,23 @@ class Tracer:
         online: Optional[Union[str, "os.PathLike[str]"]] = None,
         online_group: Any = None,
         online_timeout: Optional[float] = None,
+        microbatches: int = 1,
+        microbatch_dim: Optional[int] = None,
+        stages: Optional[int] = None,
+        stage: Optional[int] = None,
     ) -> None:
         if every < 1:
             raise InvalidInputError(f"every must be at least 1 (got {every})", "InvalidParameter")
+        if microbatches < 1:
+            raise InvalidInputError(f"microbatches must be at least 1 (got {microbatches})",
+                                    "InvalidParameter")
+        if microbatches > 1 and summaries:
+            raise InvalidInputError("summaries=True records statistics, which microbatches "
+                                    "cannot be concatenated from: trace their tensors",
+                                    "InvalidParameter")
+        if stage is not None and stages is None:
+            raise InvalidInputError("stage= needs stages= (the pipeline's size)",
+                                    "InvalidParameter")
         if pool_bytes < 0:
             raise InvalidInputError(f"pool_bytes must be non-negative (got {pool_bytes})",
                                     "InvalidParameter")
@@ -128,9 +168,31 @@ class Tracer:
             )
         # DistributedDataParallel wraps the model as `.module`: trace the model itself, so its
         # module names are the reference's.
-        while type(model).__name__ == "DistributedDataParallel" and hasattr(model, "module"):
-            model = cast(torch.nn.Module, model.module)
+        parts = [model] if isinstance(model, torch.nn.Module) else list(model)
+        #: Pipeline stages whose shape-inference forwards are told apart (see the docs).
+        self._pipeline_stages = [p for p in parts if _is_pipeline_stage(p)]
+        if self._pipeline_stages:
+            if len(self._pipeline_stages) != len(parts):
+                raise InvalidInputError("model: pipeline stages and modules mixed; pass the "
+                                        "stages alone", "InvalidParameter")
+            first = self._pipeline_stages[0]
+            parts = [s.submod for s in self._pipeline_stages]
+            if stages is None:
+                stages, stage = int(first.group_size), int(first.group_rank)
+        #: Whether a pipeline stage is running a shape-inference forward (not recorded).
+        self._probing = False
+        self._probe_handles: List[Any] = []
+        if not parts or not all(isinstance(p, torch.nn.Module) for p in parts):
+            raise InvalidInputError("model must be a torch.nn.Module or a non-empty list of "
+                                    "them (the model parts of one pipeline rank)",
+                                    "InvalidParameter")
+        for k, part in enumerate(parts):
+            while type(part).__name__ == "DistributedDataParallel" and hasattr(part, "module"):
+                part = cast(torch.nn.Module, part.module)
+            parts[k] = part
+        model = parts[0] if len(parts) == 1 else torch.nn.ModuleList(parts)
         self.model = model
+        self.microbatches = microbatches
         self.directory = os.fspath(directory) if directory is not None else None
         self.axes = dict(axes or {})
         self.kinds = dict(kinds or {})
@@ -142,7 +204,18 @@ class Tracer:
         self.local_mean_loss = local_mean_loss
         self.fsync = fsync
         self._dtensor = _dtensor_type()
-        named = dict(model.named_modules())
+        named: Dict[str, torch.nn.Module] = {}
+        for part in parts:
+            for n, m in part.named_modules():
+                if (n in named and named[n] is not m and n
+                        and (not any(True for _ in m.children())
+                             or any(True for _ in m.parameters(recurse=False)))):
+                    # Containers (the parts' own `layers`) may share a name; modules that
+                    # compute may not.
+                    raise InvalidInputError(
+                        f"module {n!r} is in two model parts: a pipeline rank's parts must "
+                        "hold different modules", "InvalidParameter")
+                named.setdefault(n, m)
         self._named = named
         self.layouts: Dict[str, ModuleLayout] = {}
         for n, m in named.items():
@@ -153,6 +226,7 @@ class Tracer:
         if dp_dim is None and self._megatron:
             # Megatron's activations are [sequence, batch, hidden]; elsewhere the batch leads.
             self.dp_dim = 1
+        self.microbatch_dim = self.dp_dim if microbatch_dim is None else microbatch_dim
         self.layouts.update(layouts or {})
         self.names = select_modules(named, modules)
         unknown = [n for n in list(layouts or {}) + list(self.kinds) if n not in named]
@@ -166,9 +240,21 @@ class Tracer:
         self._site_state: Optional[_SiteState] = None
         self._mesh_maps: Dict[int, _MeshMap] = {}
         #: Why the device mesh cannot be placed, if it cannot (reported per tensor).
-        self.mesh, self.rank, self._mesh_error = find_mesh(
-            model, named, self._dtensor, self.axes, self._megatron, mesh, rank
+        explicit = None
+        if stages is not None:
+            dist = torch.distributed
+            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            grank = dist.get_rank() if world > 1 else 0
+            explicit = (stages, stage if stage is not None
+                        else grank // max(world // max(stages, 1), 1))
+        self.mesh, self.rank, self._mesh_error, pipe = find_mesh(
+            model, named, self._dtensor, self.axes, self._megatron, mesh, rank, explicit
         )
+        #: (pipeline stages, this rank's stage).
+        self.stages, self.stage = pipe
+        if self.stages > 1 or len(parts) > 1:
+            # A stage's part makes no root call of the model's: its root is not traced.
+            self.names = [n for n in self.names if n != ""]
         #: Tensors left out because their layout cannot be expressed: (id, reason).
         self.skipped: List[Tuple[str, str]] = []
         self.steps = 0
@@ -185,10 +271,16 @@ class Tracer:
                         if online is not None else None)
         self.reports: Dict[int, CheckReport] = {}
         self._handles: List[Any] = []
+        #: The rank naming this process's files: its global rank (the stage's ranks after
+        #: the earlier stages').
+        self.file_rank = self.stage * self.mesh.world() + self.rank
         self._writer = StepWriter(
-            self.rank, fsync, background if background is not None else directory is not None
+            self.file_rank, fsync,
+            background if background is not None else directory is not None
         )
         self._closed = False
+        for ps in self._pipeline_stages:
+            self._probe_handles.append(ps.register_forward_context(self._probe_context))
         if directory is None:
             # No steps to delimit: record from now until write().
             self.attach()
@@ -257,6 +349,16 @@ class Tracer:
             # their gradients are tapped there.
             self._handles.append(m.register_forward_hook(self._final_hook(n)))
 
+    @contextmanager
+    def _probe_context(self, info: Any) -> Iterator[None]:
+        """Around every forward a pipeline stage runs: marks its shape-inference probes."""
+        before = self._probing
+        self._probing = bool(getattr(info, "is_metadata_inference", False))
+        try:
+            yield
+        finally:
+            self._probing = before
+
     def detach(self) -> None:
         """Remove the hooks."""
         for h in self._handles:
@@ -295,6 +397,8 @@ class Tracer:
         """Record one call of ``scaled_dot_product_attention`` as the attention site
         ``{module}.sdpa`` of the module it runs in: query, key, value (and a floating-point
         mask) as its inputs, their gradients tapped, the output and its gradient."""
+        if self._probing or _on_meta(args, kwargs):
+            return func(*args, **kwargs)
         parent = self._stack[-1] if self._stack else ""
         base = f"{parent}.sdpa" if parent else "sdpa"
         name = self._call_name(base)
@@ -571,6 +675,9 @@ class Tracer:
             # A forward run again inside the backward pass is activation checkpointing's
             # recomputation of calls already seen: it reuses their names (counted apart), so
             # its tensors and the gradients it produces land on the forward's ids.
+            if self._probing or _on_meta(args, kwargs):
+                # Shape inference (a pipeline stage's first step): not a call of the step.
+                return args, kwargs
             name = self._call_name(base)
             if name not in self._s.arith:
                 self._s.arith[name] = _arith.module_settings(_device_type(module, args, kwargs))
@@ -614,6 +721,8 @@ class Tracer:
     def _forward_hook(self, base: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                  output: Any) -> None:
+            if self._probing or _on_meta((output,), kwargs):
+                return
             name = self._s.current.get(base, base)
             inherit = self._s.inherit.get(name)
             outs = output if isinstance(output, (tuple, list)) else (output,)
@@ -632,6 +741,8 @@ class Tracer:
 
     def _final_hook(self, base: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Tuple[Any, ...], output: Any) -> None:
+            if self._probing or _on_meta((output,), {}):
+                return
             name = self._s.current.get(base, base)
             outs = output if isinstance(output, (tuple, list)) else (output,)
             for i, o in enumerate(outs):
@@ -777,9 +888,16 @@ class Tracer:
     def _step_job(self, directory: str) -> StepJob:
         """The recorded step as the writer (or the online check) takes it; a new step record
         begins."""
-        dp_loss_auto = self.local_mean_loss is None and self.mesh.dp * self.mesh.cp > 1
-        job = step_job(directory, self._ordered(), self._s, self.rank, self.mesh.to_json(),
-                       self.recipe, dp_loss_auto)
+        # Each microbatch's loss may be its own mean: settled by the checker.
+        dp_loss_auto = ((self.local_mean_loss is None and self.mesh.dp * self.mesh.cp > 1)
+                        or self.microbatches > 1)
+        order = fold(self._ordered(), self._s, self.microbatches, self.microbatch_dim,
+                     self.unsupported == "skip", self.skipped)
+        pipeline = None
+        if self.stages > 1 or self.microbatches > 1:
+            pipeline = (self.stages, self.stage, self.microbatches, self.file_rank)
+        job = step_job(directory, order, self._s, self.rank, self.mesh.to_json(),
+                       self.recipe, dp_loss_auto, pipeline)
         self._s = _StepRecord()
         return job
 
@@ -825,6 +943,9 @@ class Tracer:
     def close(self) -> int:
         """Remove the hooks, wait for the writer and stop it. Returns the bytes written."""
         self.detach()
+        for h in self._probe_handles:
+            h.remove()
+        self._probe_handles = []
         try:
             return self.flush()
         finally:

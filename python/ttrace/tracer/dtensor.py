@@ -17,8 +17,10 @@ _AXIS_NAMES = {
     "cp": ("cp", "context", "seq", "context_parallel", "sp_cp"),
 }
 
-#: Mesh dimensions of parallelisms a ttrace trace does not hold yet: ignored at size 1 (as
-#: transformers and torchtitan build them), refused (per tensor, with the fix) when larger.
+#: Mesh dimensions that place no tensor on a ttrace axis: pipeline stages (each stage's ranks
+#: write their own modules' tensors; see :class:`_MeshMap`), and expert parallelism, which a
+#: trace does not hold yet — ignored at size 1 (as transformers and torchtitan build them),
+#: refused (per tensor, with the fix) when larger.
 
 _UNSUPPORTED_AXES = {
     "pp": ("pp", "pipeline", "pipeline_parallel"),
@@ -113,7 +115,8 @@ class _MeshMap:
     ``dp_shard``) form one ttrace axis, in row-major order. A dimension that cannot be placed
     (an unknown name, pipeline or expert parallelism of size > 1) leaves the map unusable:
     ``error`` says why and how to fix it, and every tensor on the mesh is refused (or skipped)
-    with that message — the Tracer itself is still built."""
+    with that message — the Tracer itself is still built. A pipeline dimension places modules,
+    not tensors: its size and this rank's coordinate are ``stages`` and ``stage``."""
 
     def __init__(self, device_mesh: Any, axes: Dict[str, str]) -> None:
         names = tuple(device_mesh.mesh_dim_names or ())
@@ -123,6 +126,8 @@ class _MeshMap:
         #: Per mesh dimension: its ttrace axis, or None (size 1, or unusable).
         self.axis: List[Optional[str]] = []
         self.error: Optional[str] = None
+        self.stages, self.stage = 1, 0
+        coord0 = device_mesh.get_coordinate()
         for i, size in enumerate(shape):
             name = names[i] if i < len(names) else None
             axis = _axis_of(name, axes)
@@ -138,12 +143,14 @@ class _MeshMap:
                     f"named after a ttrace axis: pass axes={fix} (or 'tp' / 'cp') to the "
                     "Tracer to say which parallelism it is"
                 )
+            elif axis == "pp":
+                self.stages = size
+                self.stage = int(coord0[i]) if coord0 is not None else 0
             elif axis in _UNSUPPORTED_AXES:
                 self.error = (
                     f"device mesh dimension {i} ({name!r}, size {size}) is "
-                    f"{'pipeline' if axis == 'pp' else 'expert'} parallelism, which ttrace "
-                    "traces cannot hold yet: trace one stage / one expert group with "
-                    "mesh=ttrace.Mesh(...) over its ranks"
+                    "expert parallelism, which ttrace traces cannot hold yet: trace one "
+                    "expert group with mesh=ttrace.Mesh(...) over its ranks"
                 )
             self.axis.append(axis if axis in ("tp", "cp", "dp") and self.error is None else None)
         # A flattened data × context dimension: its cp factor is the root mesh's cp size.

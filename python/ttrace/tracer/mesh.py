@@ -14,17 +14,27 @@ from .placements import Mesh
 
 def find_mesh(model: torch.nn.Module, named: Dict[str, torch.nn.Module],
               dtensor: Optional[type], axes: Dict[str, str], megatron: bool, mesh: Any,
-              rank: Optional[int]) -> Tuple[Mesh, int, Optional[str]]:
+              rank: Optional[int], stages: Optional[Tuple[int, int]] = None,
+              ) -> Tuple[Mesh, int, Optional[str], Tuple[int, int]]:
     """The traced run's mesh and this process's rank in it: from ``mesh`` (a :class:`Mesh` or
     a ``DeviceMesh``), else the model's DTensor parameters' device mesh, else Megatron's
     parallel state (``megatron``: the model has Megatron layers), else data parallel over the
     ``torch.distributed`` world; ``rank`` overrides the rank found. ``axes`` (ttrace axis →
     mesh dimension name) gains ``"_default"`` for a 1-D mesh without names. The third value
     is why the device mesh cannot be placed, if it cannot: every tensor on it is then refused
-    (or skipped) with that reason, and the tracer is built over the process group's ranks."""
+    (or skipped) with that reason, and the tracer is built over the process group's ranks.
+    The fourth is (pipeline stages, this rank's stage): from ``stages`` when given, else from
+    a device mesh's pipeline dimension, else (1, 0). Under pipeline parallelism the mesh is
+    one stage's and the rank this process's within it (the pipeline dimension outermost, as
+    torchtitan's mesh has it, when no device mesh says)."""
     dist = torch.distributed
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     grank = dist.get_rank() if world > 1 else 0
+    if stages is not None and (stages[0] < 1 or not 0 <= stages[1] < stages[0]
+                               or world % stages[0]):
+        raise InvalidInputError(
+            f"stage {stages[1]} of {stages[0]} pipeline stages over {world} ranks: the stage "
+            "must be below the stages, which must divide the ranks", "InvalidParameter")
     device_mesh = None
     if mesh is not None and not isinstance(mesh, Mesh):
         device_mesh = mesh
@@ -42,10 +52,12 @@ def find_mesh(model: torch.nn.Module, named: Dict[str, torch.nn.Module],
         # parallel): the whole mesh places this rank.
         root = _root_mesh(device_mesh)
         mm = _MeshMap(root, axes)
+        pipe = stages if stages is not None else (mm.stages, mm.stage)
         if mm.error is not None:
-            return Mesh(dp=world), (rank if rank is not None else grank), mm.error
+            return (Mesh(dp=world // pipe[0]), (rank if rank is not None else grank), mm.error,
+                    pipe)
         m = Mesh(tp=mm.sizes["tp"], cp=mm.sizes["cp"], dp=mm.sizes["dp"])
-        if m.world() != world and world > 1:
+        if m.world() * pipe[0] != world and world > 1:
             # A mesh over part of the world (e.g. TP inside a DP replica group that is not
             # a DTensor dimension) cannot be placed in ttrace's mesh.
             raise UnsupportedLayoutError(
@@ -54,21 +66,22 @@ def find_mesh(model: torch.nn.Module, named: Dict[str, torch.nn.Module],
                 "Layout",
             )
         r = m.rank(dp=mm.coords["dp"], cp=mm.coords["cp"], tp=mm.coords["tp"])
-        return m, (rank if rank is not None else r), None
+        return m, (rank if rank is not None else r), None, pipe
+    pipe = stages if stages is not None else (1, 0)
     found = megatron_mesh(named) if mesh is None and megatron else None
     if isinstance(mesh, Mesh):
         m = mesh
     elif found is not None:
         m, r = found
-        return m, (rank if rank is not None else r), None
+        return m, (rank if rank is not None else r), None, pipe
     else:
-        m = Mesh(dp=world)
-    r = rank if rank is not None else grank
+        m = Mesh(dp=world // pipe[0])
+    r = rank if rank is not None else (grank % m.world() if pipe[0] > 1 else grank)
     if not 0 <= r < m.world():
         raise InvalidInputError(
             f"rank {r} is outside the mesh ({m.world()} ranks)", "InvalidParameter"
         )
-    return m, r, None
+    return m, r, None, pipe
 
 
 def megatron_mesh(named: Dict[str, torch.nn.Module]) -> Optional[Tuple[Mesh, int]]:

@@ -64,6 +64,19 @@ def _device_type(module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[st
         return p.device.type
     return "cpu"
 
+def _on_meta(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+    """Whether a call's tensors (arguments, or outputs given as ``(output,)``; lists and tuples
+    looked into) are on the ``meta`` device: shape inference, which computes no values."""
+    stack = list(args) + list(kwargs.values())
+    while stack:
+        a = stack.pop()
+        if isinstance(a, torch.Tensor):
+            if a.device.type == "meta":
+                return True
+        elif isinstance(a, (tuple, list)):
+            stack.extend(a)
+    return False
+
 def _in_backward() -> bool:
     """Whether autograd is running a backward pass on this thread (a module's forward then is
     a recomputation: activation checkpointing)."""
@@ -128,6 +141,9 @@ class _StepRecord:
     #: Per module call: the arithmetic in force when it ran (autocast, TF32; see
     #: :mod:`ttrace.arith`), applied to all its tensors, gradients included.
     arith: Dict[str, Dict[str, str]] = field(default_factory=dict)
+    #: Copies folded into microbatch concatenations whose sharing by identity the writer must
+    #: still verify (see :mod:`ttrace.tracer.microbatches`).
+    folded: List[HostCopy] = field(default_factory=list)
 
 class _Tap(torch.autograd.Function):
     """Identity on the way forward — as a copy, so the module may modify its input in place —

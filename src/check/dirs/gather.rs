@@ -181,6 +181,9 @@ pub(super) fn gather(
     let mut inferred = None;
     let mut replicas: Option<(String, usize)> = None;
     let missing = candidate.missing_ranks(id).map(<[usize]>::to_vec);
+    // A gradient the candidate holds on no rank (the plan lets only gradients be absent): no
+    // gradient flowed back to it there.
+    let absent = missing.is_none() && !candidate.contains(id);
     let stored = match &missing {
         // A parameter gradient some ranks lack: the parameter got no gradient there.
         Some(ranks) => Err(Error::Layout {
@@ -197,11 +200,17 @@ pub(super) fn gather(
                 if ranks.len() > 1 { "" } else { "s" }
             ),
         }),
+        None if absent => Err(Error::Layout {
+            id: id.to_string(),
+            reason: "the candidate holds no such gradient on any rank: none flowed back to it \
+                     (a tensor detached on its way, a backward skipped)"
+                .into(),
+        }),
         None => candidate.logical_stored(id),
     };
     let (mut c, mut problem, mut rank) = match stored {
         Ok(c) => (Some(c), None, None),
-        Err(e @ Error::Layout { .. }) if missing.is_some() => (
+        Err(e @ Error::Layout { .. }) if missing.is_some() || absent => (
             None,
             Some(e.to_string()),
             missing.as_ref().and_then(|m| m.first().copied()),
@@ -446,6 +455,7 @@ fn reused(
         || reference.layout(id) != reference.layout(first)
         || candidate.layout(id) != candidate.layout(first)
         || candidate.missing_ranks(id).is_some()
+        || !candidate.contains(id)
     {
         return None;
     }

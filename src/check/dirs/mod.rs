@@ -341,6 +341,10 @@ impl Setup {
                 (
                     self.candidate.manifest().mesh.clone(),
                     self.reference.manifest().mesh.clone(),
+                    (
+                        self.candidate.manifest().microbatches(),
+                        self.reference.manifest().microbatches(),
+                    ),
                 ),
                 &kinds,
                 mode,

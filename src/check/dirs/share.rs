@@ -101,7 +101,7 @@ pub fn share_owners(
             reason: "a check shared by zero ranks: give at least one".into(),
         });
     }
-    let ids = reference.ids();
+    let ids = super::verdicts::checked_ids(reference, candidate);
     // Ids stored in the same places in both runs (a tensor handed on between modules, stored
     // once by the tracer under both ids) go to one rank, their bytes counted once: it reads
     // them once (`gather_reusing`).

@@ -13,6 +13,19 @@ pub(super) struct Plan {
     pub(super) detection: Detection,
 }
 
+/// The reference's ids the check judges, in its order: all of them — but for a pipelined
+/// candidate, whose stages each run their part of the model and no root module, the root
+/// call's tensors it lacks (its input and output are other modules' tensors there).
+pub(super) fn checked_ids(reference: &TraceDir, candidate: &TraceDir) -> Vec<String> {
+    let mut ids = reference.ids().to_vec();
+    if candidate.manifest().pipeline.is_some_and(|p| p.stages > 1) {
+        ids.retain(|id| {
+            candidate.contains(id) || TensorId::parse(id).is_none_or(|t| !t.module.is_empty())
+        });
+    }
+    ids
+}
+
 pub(super) fn plan(reference: &TraceDir, candidate: &TraceDir) -> Result<Plan> {
     // One directory under two names (or a link to it) would pass whatever it holds.
     let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
@@ -47,7 +60,7 @@ pub(super) fn plan(reference: &TraceDir, candidate: &TraceDir) -> Result<Plan> {
             ),
         });
     }
-    let ids = reference.ids().to_vec();
+    let ids = checked_ids(reference, candidate);
     if ids.is_empty() {
         return Err(Error::File {
             path: reference.path().display().to_string(),
@@ -56,10 +69,12 @@ pub(super) fn plan(reference: &TraceDir, candidate: &TraceDir) -> Result<Plan> {
         });
     }
     // A map lookup per id: linear in the number of tensors.
-    if let Some(missing) = ids
-        .iter()
-        .find(|id| !candidate.contains(id) && candidate.missing_ranks(id).is_none())
-    {
+    if let Some(missing) = ids.iter().find(|id| {
+        // A gradient the candidate lacks is a finding (none reached it), not an error.
+        !candidate.contains(id)
+            && candidate.missing_ranks(id).is_none()
+            && TensorId::parse(id).is_none_or(|t| t.pass() == crate::policy::Pass::Forward)
+    }) {
         return Err(Error::UnknownName {
             kind: "tensor of the reference trace that the candidate trace lacks",
             name: missing.clone(),
@@ -112,8 +127,12 @@ pub(super) fn finish(
     plan: &Plan,
     gathered: Vec<Gathered>,
     producer: &HashMap<String, f64>,
-    // The candidate's mesh and the reference's.
-    (mesh, ref_mesh): (crate::trace::Mesh, crate::trace::Mesh),
+    // The candidate's mesh and the reference's, with the microbatches each step ran as.
+    (mesh, ref_mesh, (microbatches, ref_microbatches)): (
+        crate::trace::Mesh,
+        crate::trace::Mesh,
+        (usize, usize),
+    ),
     kinds: &HashMap<String, ModuleKind>,
     mode: PricingMode,
     mut inferred: Vec<InferredLayout>,
@@ -137,6 +156,8 @@ pub(super) fn finish(
     let ctx = PriceContext {
         mesh,
         ref_mesh,
+        microbatches,
+        ref_microbatches,
         recipe: plan.recipe.clone(),
         log_inv_delta: (1.0 / (DEFAULT_DELTA * NORM_SHARE)).ln(),
     };

@@ -37,6 +37,8 @@ fn recorded_arithmetic_prices_what_the_hardware_does() {
     let ctx = PriceContext {
         mesh: Mesh::single(),
         ref_mesh: Mesh::single(),
+        microbatches: 1,
+        ref_microbatches: 1,
         recipe: None,
         log_inv_delta: (1e6f64).ln(),
     };
@@ -123,6 +125,8 @@ fn zero_reference_inputs_are_not_failures() {
     let ctx = PriceContext {
         mesh: Mesh::single(),
         ref_mesh: Mesh::single(),
+        microbatches: 1,
+        ref_microbatches: 1,
         recipe: None,
         log_inv_delta: (1.0 / (crate::verdict::detect::DEFAULT_DELTA * crate::check::NORM_SHARE))
             .ln(),
@@ -325,6 +329,8 @@ fn a_narrow_cpu_chain_prices_the_norm_gradients_it_sums() {
     let ctx = PriceContext {
         mesh: Mesh::single(),
         ref_mesh: Mesh::single(),
+        microbatches: 1,
+        ref_microbatches: 1,
         recipe: None,
         log_inv_delta: (1e6f64).ln(),
     };

@@ -184,6 +184,46 @@ pub struct ManifestEntry {
     /// [`TraceDir::infer_guessed`]).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub guessed: Vec<Axis>,
+    /// The pipeline stage whose ranks hold the tensor, in a pipelined trace (see
+    /// [`Pipeline`]); informational (the report names it), below the pipeline's stages.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stage: Option<usize>,
+}
+
+/// How a pipelined (or gradient-accumulating) run was traced (`papers/trace-format.md`,
+/// "Pipelines and microbatches"). The mesh of such a trace is one stage's: each tensor lives
+/// on the ranks of one stage, which write it with their rank within the stage (the pipeline
+/// axis places modules, not tensors). Each module call's `microbatches` calls are stored as
+/// one tensor, concatenated along the batch dimension in microbatch order (the tracer does
+/// it), and a parameter's gradient is the one accumulated over them — `microbatches` partial
+/// sums rounded to its format and added, which the pricing counts as it counts ranks.
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::io::Pipeline;
+/// let p: Pipeline = serde_json::from_str(r#"{"stages": 2, "microbatches": 4}"#).unwrap();
+/// assert_eq!((p.stages, p.microbatches), (2, 4));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Pipeline {
+    /// The pipeline stages (pipeline-parallel ranks; 1: gradient accumulation alone).
+    pub stages: usize,
+    /// The microbatches each step ran as.
+    pub microbatches: usize,
+}
+
+impl Pipeline {
+    /// The largest number of stages or microbatches a manifest may declare.
+    pub const MAX: usize = 1 << 20;
+}
+
+impl Manifest {
+    /// The microbatches each step ran as (1 without a [`Pipeline`]).
+    pub fn microbatches(&self) -> usize {
+        self.pipeline.map_or(1, |p| p.microbatches)
+    }
 }
 
 /// How each data-parallel rank normalized its loss, where the writer did not know (see
@@ -212,7 +252,10 @@ pub struct Manifest {
     /// know.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dp_loss: Option<DpLoss>,
-    /// The mesh.
+    /// Pipeline stages and microbatches, for a pipelined or gradient-accumulating run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<Pipeline>,
+    /// The mesh (one stage's, in a pipelined trace).
     pub mesh: Mesh,
     /// The run's settings as the Python tracer records them (informational: the PyTorch
     /// version, the FP32 matmul precision, the GPU), kept as written.

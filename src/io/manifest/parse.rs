@@ -23,6 +23,8 @@ pub(super) struct RawEntry {
     pub(super) threshold: Option<f64>,
     #[serde(default)]
     pub(super) guessed: Vec<Axis>,
+    #[serde(default)]
+    pub(super) stage: Option<u64>,
 }
 
 /// The manifest as the typed fast path reads it (see [`RawEntry`]).
@@ -40,6 +42,8 @@ pub(super) struct RawManifest {
     pub(super) recipe: Option<String>,
     #[serde(default)]
     pub(super) dp_loss: Option<DpLoss>,
+    #[serde(default)]
+    pub(super) pipeline: Option<Pipeline>,
     pub(super) mesh: Mesh,
     pub(super) tensors: Vec<RawEntry>,
 }
@@ -57,10 +61,27 @@ pub(super) fn entry(
     module: Option<ModuleInfo>,
     threshold: Option<f64>,
     guessed: Vec<Axis>,
+    (stage, pipeline): (Option<u64>, Option<Pipeline>),
     mesh: &Mesh,
     path: &Path,
 ) -> Result<ManifestEntry> {
     let who = format!("tensor #{i} ('{}')", printable(&id));
+    let stage = match (stage, pipeline) {
+        (None, _) => None,
+        (Some(s), Some(p)) if s < p.stages as u64 => Some(s as usize),
+        (Some(s), p) => {
+            return Err(ferr(
+                path,
+                format!(
+                    "{who}: 'stage' {s} is not a stage of the pipeline ({})",
+                    p.map_or("the manifest declares none".to_string(), |p| format!(
+                        "{} stages",
+                        p.stages
+                    ))
+                ),
+            ))
+        }
+    };
     let rank = usize::try_from(rank)
         .ok()
         .filter(|&r| r < mesh.world())
@@ -138,7 +159,30 @@ pub(super) fn entry(
         module,
         threshold,
         guessed,
+        stage,
     })
+}
+
+/// A manifest's `pipeline`, checked: at least one and at most [`Pipeline::MAX`] stages and
+/// microbatches.
+pub(super) fn check_pipeline(p: Option<Pipeline>, path: &Path) -> Result<Option<Pipeline>> {
+    match p {
+        Some(q)
+            if !(1..=Pipeline::MAX).contains(&q.stages)
+                || !(1..=Pipeline::MAX).contains(&q.microbatches) =>
+        {
+            Err(ferr(
+                path,
+                format!(
+                    "'pipeline': stages ({}) and microbatches ({}) must be between 1 and {}",
+                    q.stages,
+                    q.microbatches,
+                    Pipeline::MAX
+                ),
+            ))
+        }
+        _ => Ok(p),
+    }
 }
 
 impl Manifest {
@@ -180,6 +224,7 @@ impl Manifest {
             .map_err(|e| ferr(path, format!("not a valid manifest: {e}")))?;
         Self::check_version(raw.version, path)?;
         let mesh = raw.mesh;
+        let pipeline = check_pipeline(raw.pipeline, path)?;
         let tensors = raw
             .tensors
             .into_iter()
@@ -205,6 +250,7 @@ impl Manifest {
                     module,
                     t.threshold,
                     t.guessed,
+                    (t.stage, pipeline),
                     &mesh,
                     path,
                 )
@@ -215,6 +261,7 @@ impl Manifest {
             version: raw.version,
             recipe: raw.recipe,
             dp_loss: raw.dp_loss,
+            pipeline,
             mesh,
             run: raw.run.map(|r| r.0).filter(|r| !r.is_null()),
             tensors,
@@ -237,6 +284,16 @@ impl Manifest {
                 .ok_or_else(|| ferr(path, "missing required field 'mesh'"))?,
         )
         .map_err(|e| ferr(path, format!("field 'mesh': {e}")))?;
+        let pipeline = match v.get("pipeline") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(x) => Some(serde_json::from_value(x.clone()).map_err(|e| {
+                ferr(
+                    path,
+                    format!("'pipeline' ({{\"stages\", \"microbatches\"}}): {e}"),
+                )
+            })?),
+        };
+        let pipeline = check_pipeline(pipeline, path)?;
         let list = v
             .get("tensors")
             .and_then(|x| x.as_array())
@@ -292,13 +349,34 @@ impl Manifest {
                     )
                 })?),
             };
+            let stage = match t.get("stage") {
+                None | Some(serde_json::Value::Null) => None,
+                Some(x) => Some(x.as_u64().ok_or_else(|| {
+                    ferr(
+                        path,
+                        format!("{who}: 'stage' must be a non-negative integer"),
+                    )
+                })?),
+            };
             let guessed = match t.get("guessed") {
                 None | Some(serde_json::Value::Null) => vec![],
                 Some(x) => serde_json::from_value(x.clone())
                     .map_err(|e| ferr(path, format!("{who}: 'guessed' (a list of axes): {e}")))?,
             };
             tensors.push(entry(
-                i, id, rank, file, key, dtype, layout, module, threshold, guessed, &mesh, path,
+                i,
+                id,
+                rank,
+                file,
+                key,
+                dtype,
+                layout,
+                module,
+                threshold,
+                guessed,
+                (stage, pipeline),
+                &mesh,
+                path,
             )?);
         }
         let recipe = match v.get("recipe") {
@@ -321,6 +399,7 @@ impl Manifest {
             version,
             recipe,
             dp_loss,
+            pipeline,
             mesh,
             run: v.get("run").filter(|r| !r.is_null()).cloned(),
             tensors,
@@ -389,11 +468,15 @@ pub(crate) fn merge_parts(parts: Vec<(Manifest, PathBuf)>, mpath: &Path) -> Resu
         match &mut merged {
             None => merged = Some(m),
             Some(all) => {
-                if all.mesh != m.mesh || all.recipe != m.recipe || all.dp_loss != m.dp_loss {
+                if all.mesh != m.mesh
+                    || all.recipe != m.recipe
+                    || all.dp_loss != m.dp_loss
+                    || all.pipeline != m.pipeline
+                {
                     return Err(ferr(
                         &p,
-                        "fragment disagrees with the first fragment on the mesh, the recipe or \
-                         the loss normalization",
+                        "fragment disagrees with the first fragment on the mesh, the recipe, \
+                         the loss normalization or the pipeline",
                     ));
                 }
                 all.tensors.extend(m.tensors);

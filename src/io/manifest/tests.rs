@@ -18,15 +18,21 @@ fn compact_text_is_the_manifest() {
         module: Some(ModuleInfo::of(ModuleKind::Linear)),
         threshold: Some(0.25),
         guessed: vec![],
+        stage: Some(1),
     };
     let run = serde_json::json!({"torch": "2.11", "gpu": "H100"});
-    for (recipe, tensors, dp_loss, run) in [
-        (None, vec![], None, None),
+    let pipeline = Pipeline {
+        stages: 2,
+        microbatches: 4,
+    };
+    for (recipe, tensors, dp_loss, run, pipeline) in [
+        (None, vec![], None, None, None),
         (
             Some("bf16".to_string()),
             vec![e(0), e(1)],
             Some(DpLoss::Auto),
             Some(run),
+            Some(pipeline),
         ),
     ] {
         let m = Manifest {
@@ -34,6 +40,7 @@ fn compact_text_is_the_manifest() {
             version: VERSION,
             recipe,
             dp_loss,
+            pipeline,
             mesh: Mesh::megatron(2, 1, 1, false).unwrap(),
             run,
             tensors,
@@ -42,7 +49,73 @@ fn compact_text_is_the_manifest() {
         let a: serde_json::Value = serde_json::from_str(&text).unwrap();
         let b = serde_json::to_value(&m).unwrap();
         assert_eq!(a, b);
+        assert_eq!(Manifest::parse(&text, Path::new("m.json")).unwrap(), m);
     }
+}
+
+/// A pipelined trace's header and stages: read by both parsers alike; out-of-range values,
+/// a stage without a pipeline and fragments that disagree on it refused, naming the field.
+#[test]
+fn pipelines_are_read_and_checked() {
+    let path = Path::new("manifest.json");
+    let text = |pipeline: &str, stage: &str| {
+        format!(
+            r#"{{"format": "ttrace-trace", "version": 2, {pipeline}
+            "mesh": {{"axes": [{{"name": "dp", "size": 1}}], "sp": false}},
+            "tensors": [{{"id": "a|fwd.output.0", "rank": 0, "file": "rank1.safetensors",
+                          "dtype": "f32", "layout": {{}} {stage}}}]}}"#
+        )
+    };
+    let ok = text(
+        r#""pipeline": {"stages": 2, "microbatches": 4},"#,
+        r#", "stage": 1"#,
+    );
+    let fast = Manifest::parse_typed(&ok, path).unwrap();
+    assert_eq!(fast, Manifest::parse_detailed(&ok, path).unwrap());
+    assert_eq!(fast.microbatches(), 4);
+    assert_eq!(fast.tensors[0].stage, Some(1));
+    for (bad, what) in [
+        (
+            text(
+                r#""pipeline": {"stages": 2, "microbatches": 4},"#,
+                r#", "stage": 2"#,
+            ),
+            "'stage' 2 is not a stage of the pipeline (2 stages)",
+        ),
+        (text("", r#", "stage": 0"#), "the manifest declares none"),
+        (
+            text(r#""pipeline": {"stages": 2, "microbatches": 0},"#, ""),
+            "must be between 1 and",
+        ),
+        (
+            text(
+                r#""pipeline": {"stages": 2, "microbatches": 1, "x": 1},"#,
+                "",
+            ),
+            "'pipeline'",
+        ),
+        (
+            text(
+                r#""pipeline": {"stages": 2, "microbatches": 2},"#,
+                r#", "stage": -1"#,
+            ),
+            "'stage' must be a non-negative integer",
+        ),
+    ] {
+        match Manifest::parse(&bad, path) {
+            Err(Error::File { reason, .. }) => assert!(reason.contains(what), "{reason}"),
+            other => panic!("{bad}: {other:?}"),
+        }
+    }
+    let other = Manifest {
+        pipeline: None,
+        ..fast.clone()
+    };
+    let merged = parse::merge_parts(
+        vec![(fast, path.to_path_buf()), (other, path.to_path_buf())],
+        path,
+    );
+    assert!(matches!(merged, Err(Error::File { reason, .. }) if reason.contains("pipeline")));
 }
 
 /// The typed fast path and the field-by-field pass read the same manifests alike, and both

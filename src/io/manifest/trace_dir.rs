@@ -727,14 +727,16 @@ impl TraceDir {
     pub(crate) fn divisor_of(&self, id: &str) -> Option<usize> {
         let d = self.dp_divisor.filter(|&d| d > 1)?;
         let layout = self.layout(id)?;
-        TraceDir::loss_dependent(id, &layout).then_some(d)
+        self.loss_dependent(id, &layout).then_some(d)
     }
 
     /// Whether the tensor `id` merged as `layout` scales with each data-parallel rank's loss
     /// normalization: an activation's gradient held in parts along dp or cp (split, or summed
     /// — a parameter's is reduced by the engine, which knows), or a forward tensor summed over
-    /// dp or cp (a scalar loss).
-    pub(crate) fn loss_dependent(id: &str, layout: &Layout) -> bool {
+    /// dp or cp (a scalar loss). In a trace of several microbatches each one's loss may be its
+    /// own mean too: every activation gradient then (a parameter's is accumulated and scaled by
+    /// the engine, which knows).
+    pub(crate) fn loss_dependent(&self, id: &str, layout: &Layout) -> bool {
         let Some(t) = crate::trace::TensorId::parse(id) else {
             return false;
         };
@@ -743,7 +745,8 @@ impl TraceDir {
             crate::policy::Pass::Forward => data.contains(&Placement::Partial),
             crate::policy::Pass::Backward => {
                 !matches!(t.role, crate::trace::TensorRole::ParamGrad { .. })
-                    && data.iter().any(|&p| p != Placement::Replicate)
+                    && (self.manifest.microbatches() > 1
+                        || data.iter().any(|&p| p != Placement::Replicate))
             }
         }
     }
@@ -752,7 +755,7 @@ impl TraceDir {
     pub(crate) fn logical_stored_as(&mut self, id: &str, layout: &Layout) -> Result<Stored> {
         let stored = self.merged_as(id, layout)?;
         match self.dp_divisor {
-            Some(d) if d > 1 && TraceDir::loss_dependent(id, layout) => {
+            Some(d) if d > 1 && self.loss_dependent(id, layout) => {
                 crate::trace::stored::divided(&stored, d as f64)
             }
             _ => Ok(stored),

@@ -49,6 +49,7 @@ pub fn write_trace_dir(
                 module: modules.get(id).map(|&kind| ModuleInfo::of(kind)),
                 threshold: thresholds.get(id).copied(),
                 guessed: vec![],
+                stage: None,
             });
         }
         let mut meta = BTreeMap::new();
@@ -60,6 +61,7 @@ pub fn write_trace_dir(
         version: VERSION,
         recipe: recipe.map(str::to_string),
         dp_loss: None,
+        pipeline: None,
         mesh: mesh.clone(),
         run: None,
         tensors,
@@ -109,6 +111,9 @@ pub(super) fn manifest_text(m: &Manifest) -> serde_json::Result<String> {
     }
     if let Some(l) = &m.dp_loss {
         out += &format!("  \"dp_loss\": {},\n", json(l)?);
+    }
+    if let Some(p) = &m.pipeline {
+        out += &format!("  \"pipeline\": {},\n", json(p)?);
     }
     out += &format!("  \"mesh\": {},\n", json(&m.mesh)?);
     if let Some(r) = &m.run {
