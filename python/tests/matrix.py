@@ -14,7 +14,9 @@ RMSNorm, rotary, GQA, SwiGLU, vocabulary-parallel embedding, output and cross-en
 Megatron-style FP32 main gradients (``megatron_gpt.py``); ``dtensor-llama`` — a Llama-style
 model under torchtitan's DTensor TP + SP plan, FSDP2, and both on a 2-D mesh (``llama.py``);
 ``hand-megatron`` — a hand-written Megatron-style engine with explicit collectives (TP, SP,
-context parallelism, DP with fused FP32 main gradients; ``handtp.py``).
+context parallelism, DP with fused FP32 main gradients; ``handtp.py``); ``torch-pipelining`` —
+the Llama of ``llama.py`` (four layers) under torch's own pipeline schedules (GPipe, 1F1B,
+interleaved 1F1B) on two stages with four microbatches (``jobs.pp``).
 
 Baselines, judged on the same merged tensors: ``assert_close`` — ``torch.testing.assert_close``
 with its default tolerances for the tensor's dtype, on every traced tensor; ``megatron`` — the
@@ -42,7 +44,10 @@ import ttrace  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
 #: Job settings that define the model rather than its parallelism: the reference runs with them.
-MODEL_SETTINGS = ("TTRACE_TEST_SEED", "TTRACE_TEST_ROPE", "TTRACE_TEST_SIZE")
+MODEL_SETTINGS = ("TTRACE_TEST_SEED", "TTRACE_TEST_ROPE", "TTRACE_TEST_SIZE", "TTRACE_TEST_LAYERS",
+                  "TTRACE_TEST_BATCH")
+#: The pipelined Llama: four layers over two stages, four microbatches of one sequence.
+PP = dict(LAYERS="4", BATCH="4", MICROBATCHES="4")
 SEEDS = (0, 1, 2)
 
 
@@ -114,6 +119,25 @@ ENGINES = [
             "sp-grad-not-scattered": ("tp2-sp", "SP all-gather whose backward all-reduces"),
         },
     ),
+    Engine(
+        "torch-pipelining", "pp", 4,
+        (_cfg("pp2-1f1b", 2, SCHEDULE="1f1b", **PP), _cfg("pp2-gpipe", 2, SCHEDULE="gpipe", **PP),
+         _cfg("pp2-interleaved", 2, SCHEDULE="interleaved", **PP),
+         _cfg("pp2-1f1b-rescaled", 2, SCHEDULE="1f1b", RESCALE="1", **PP)),
+        {
+            "microbatch-grad-dropped": ("pp2-1f1b", "one microbatch's weight gradient lost "
+                                        "(a dW step skipped, a gradient overwritten)"),
+            "microbatch-grad-doubled": ("pp2-interleaved", "one microbatch's gradient "
+                                        "accumulated twice"),
+            "grads-not-scaled": ("pp2-gpipe", "per-microbatch mean losses, gradients never "
+                                 "divided by the microbatches"),
+            "stage-input-detached": ("pp2-1f1b", "a stage boundary activation detached"),
+            "stage-output-scaled": ("pp2-interleaved", "a stage's output sent scaled by "
+                                    "1 + 2^-6 (a wrong boundary buffer)"),
+            "microbatch-order": ("pp2-1f1b", "the last stage's targets in another microbatch "
+                                 "order"),
+        },
+    ),
 ]
 
 
@@ -169,6 +193,8 @@ def _baselines(ref: Path, cand: Path, report: ttrace.CheckReport, dtype: str,
     atol, rtol = _atol_rtol(dtype)
     eps = report.eps
     close = folk = 0
+    loss = report.loss_normalization or {}
+    mb_divisor = int(loss.get("divisor", 1)) if loss.get("microbatches", 1) > 1 else 1
     ids = [r.id for r in report.rows if not r.problem]
     refs = ttrace.load_all(ref, ids)
     try:
@@ -188,6 +214,9 @@ def _baselines(ref: Path, cand: Path, report: ttrace.CheckReport, dtype: str,
             folk += 1
             continue
         a, b = refs[row.id], cands[row.id]
+        if mb_divisor > 1 and "|grad." in row.id:
+            # Read as the checker read it: each microbatch's loss its own mean.
+            b = b / mb_divisor
         if a.shape != b.shape:
             close += 1
             folk += 1

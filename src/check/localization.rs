@@ -33,4 +33,7 @@ pub struct Localization {
     /// or the failure is in a tensor the module produced.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub born_after: Option<String>,
+    /// In a pipelined candidate: the pipeline stage whose ranks hold the failing tensor.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stage: Option<usize>,
 }

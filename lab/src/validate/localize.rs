@@ -123,6 +123,7 @@ pub fn localize(
             let parameter = tensor.strip_suffix("|param_grad").map(str::to_string);
             Localization {
                 born_after: None,
+                stage: None,
                 module: m.name.clone(),
                 kind: Some(m.kind),
                 pass: Some(pass),

@@ -168,11 +168,12 @@ class Tracer:
             )
         # DistributedDataParallel wraps the model as `.module`: trace the model itself, so its
         # module names are the reference's.
-        parts = [model] if isinstance(model, torch.nn.Module) else list(model)
+        given: List[Any] = [model] if isinstance(model, torch.nn.Module) else list(model)
         #: Pipeline stages whose shape-inference forwards are told apart (see the docs).
-        self._pipeline_stages = [p for p in parts if _is_pipeline_stage(p)]
+        self._pipeline_stages: List[Any] = [p for p in given if _is_pipeline_stage(p)]
+        parts: List[Any] = given
         if self._pipeline_stages:
-            if len(self._pipeline_stages) != len(parts):
+            if len(self._pipeline_stages) != len(given):
                 raise InvalidInputError("model: pipeline stages and modules mixed; pass the "
                                         "stages alone", "InvalidParameter")
             first = self._pipeline_stages[0]

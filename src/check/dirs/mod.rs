@@ -138,6 +138,45 @@ pub fn check_dirs(
 /// (crate::io::ModuleInfo::unreduced)): the difference was born at `m`, whose missing
 /// reduction its own output — merged as the sum it is — cannot show. The localization names
 /// `m` and its output, and says why.
+/// In a pipelined candidate, the first failure's pipeline stage — and, for a difference born
+/// in untraced code between two modules on different stages, the boundary it crossed (the
+/// activation or gradient sent between them).
+fn pipeline_stage(candidate: &TraceDir, mut check: DirCheck) -> DirCheck {
+    let Some(loc) = check.localization.as_mut() else {
+        return check;
+    };
+    if candidate.manifest().pipeline.is_none_or(|p| p.stages < 2) {
+        return check;
+    }
+    // The stage of the first entry whose id passes `hit`.
+    let stage_of = |hit: &dyn Fn(&str) -> bool| {
+        candidate
+            .manifest()
+            .tensors
+            .iter()
+            .find(|e| hit(&e.id))
+            .and_then(|e| e.stage)
+    };
+    let of_module = |m: &str| {
+        let prefix = format!("{m}|");
+        stage_of(&|id: &str| id.starts_with(&prefix))
+    };
+    loc.stage = stage_of(&|id: &str| id == loc.tensor).or_else(|| of_module(&loc.module));
+    let before = loc.born_after.as_deref().and_then(of_module);
+    match (before, loc.stage) {
+        (Some(a), Some(b)) if a != b => {
+            loc.detail = format!(
+                "at the boundary between pipeline stages {a} and {b} (sent from stage {a} to \
+                 stage {b}): {}",
+                loc.detail
+            );
+        }
+        (_, Some(s)) => loc.detail = format!("{} (pipeline stage {s})", loc.detail),
+        _ => {}
+    }
+    check
+}
+
 fn unreduced_producer(candidate: &TraceDir, mut check: DirCheck) -> DirCheck {
     let Some(loc) = check.localization.as_mut() else {
         return check;
@@ -351,7 +390,7 @@ impl Setup {
                 self.inferred,
             )
         };
-        unreduced_producer(&self.candidate, check)
+        pipeline_stage(&self.candidate, unreduced_producer(&self.candidate, check))
     }
 }
 
