@@ -552,12 +552,14 @@ def pp(directory: str, bug: str) -> None:
     torchtitan drives them): the Llama of llama.py (TTRACE_TEST_LAYERS layers, default 4, and
     TTRACE_TEST_BATCH sequences, default 4) cut as torchtitan cuts it — each model part a copy
     of the whole model with the other parts' layers deleted, the embedding on the first part,
-    the final norm and output on the last — one part per rank (``gpipe``, ``1f1b``) or two
+    the final norm and output on the last — one part per pipeline rank (``gpipe``, ``1f1b``) or two
     (``interleaved``: virtual stages r and r + world), TTRACE_TEST_SCHEDULE; each step
     TTRACE_TEST_MICROBATCHES microbatches (default 4), each microbatch's loss its own mean and
     the accumulated gradients divided by the microbatches (``scale_grads``) — or, with
     TTRACE_TEST_RESCALE=1, torchtitan's loss rescaled by 1/microbatches and no division. The
-    Tracer is given the rank's pipeline stages and the microbatches.
+    Tracer is given the rank's pipeline stages and the microbatches. TTRACE_TEST_TP: each stage
+    also tensor parallel (torchtitan's TP + SP plan on the ``tp`` dimension of a ``(pp, tp)``
+    device mesh; default 1).
     Bugs: ``microbatch-grad-dropped`` (the class of a schedule that loses one microbatch's
     weight gradient: layers.2's parameters keep none of microbatch 1's contribution),
     ``microbatch-grad-doubled`` (layers.2's parameters get microbatch 1's twice),
@@ -597,11 +599,16 @@ def pp(directory: str, bug: str) -> None:
                             labels.reshape(-1)).backward()
         tracer.close()
         return
-    rank = dist.get_rank()
+    tp = int(os.environ.get("TTRACE_TEST_TP", "1"))
+    stages_n = world // tp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (stages_n, tp), mesh_dim_names=("pp", "tp"))
+    rank = mesh.get_local_rank("pp")
     virtual = 2 if kind == "interleaved" else 1
-    chunks = world * virtual
+    chunks = stages_n * virtual
     per = L.LAYERS // chunks
-    ids = [rank + v * world for v in range(virtual)]
+    ids = [rank + v * stages_n for v in range(virtual)]
     parts = []
     for c in ids:
         part = copy.deepcopy(model)
@@ -613,6 +620,8 @@ def pp(directory: str, bug: str) -> None:
         if c < chunks - 1:
             part.norm = None
             part.output = None
+        if tp > 1:
+            L.parallelize(part, mesh["tp"])
         parts.append(part)
     first = min(i for i in range(L.LAYERS) if str(i) in parts[0].layers)
     if bug in ("microbatch-grad-dropped", "microbatch-grad-doubled") and any(
@@ -639,7 +648,8 @@ def pp(directory: str, bug: str) -> None:
     if bug == "microbatch-order" and chunks - 1 in ids:
         n = L.BATCH // microbatches
         labels = torch.cat([labels[n:2 * n], labels[:n], labels[2 * n:]])
-    stages = [PipelineStage(p, c, chunks, torch.device("cpu")) for p, c in zip(parts, ids)]
+    stages = [PipelineStage(p, c, chunks, torch.device("cpu"), group=mesh.get_group("pp"))
+              for p, c in zip(parts, ids)]
     scale = not rescale and bug != "grads-not-scaled"
     if kind == "interleaved":
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn,

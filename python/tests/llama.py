@@ -165,7 +165,7 @@ def parallelize(model: Llama, mesh, bug: str = "") -> None:
         parallelize_module,
     )
 
-    parallelize_module(model, mesh, {
+    top = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         # LOSS_PARALLEL (torchtitan's default under TP): the logits stay sharded over the
@@ -173,7 +173,10 @@ def parallelize(model: Llama, mesh, bug: str = "") -> None:
         "output": (ColwiseParallel(input_layouts=Shard(1), use_local_output=False)
                    if LOSS_PARALLEL else
                    ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())),
-    })
+    }
+    # A pipeline stage's part lacks the modules of the other stages (as torchtitan skips them).
+    parallelize_module(model, mesh, {k: v for k, v in top.items()
+                                     if getattr(model, k) is not None})
     for index, blk in model.layers.items():
         seq_to_full = PrepareModuleInput(input_layouts=(Shard(1),),
                                          desired_input_layouts=(Replicate(),))

@@ -16,7 +16,8 @@ model under torchtitan's DTensor TP + SP plan, FSDP2, and both on a 2-D mesh (``
 ``hand-megatron`` — a hand-written Megatron-style engine with explicit collectives (TP, SP,
 context parallelism, DP with fused FP32 main gradients; ``handtp.py``); ``torch-pipelining`` —
 the Llama of ``llama.py`` (four layers) under torch's own pipeline schedules (GPipe, 1F1B,
-interleaved 1F1B) on two stages with four microbatches (``jobs.pp``).
+interleaved 1F1B) on two stages with four microbatches, and each stage tensor parallel on a
+``(pp, tp)`` device mesh (``jobs.pp``).
 
 Baselines, judged on the same merged tensors: ``assert_close`` — ``torch.testing.assert_close``
 with its default tolerances for the tensor's dtype, on every traced tensor; ``megatron`` — the
@@ -123,7 +124,8 @@ ENGINES = [
         "torch-pipelining", "pp", 4,
         (_cfg("pp2-1f1b", 2, SCHEDULE="1f1b", **PP), _cfg("pp2-gpipe", 2, SCHEDULE="gpipe", **PP),
          _cfg("pp2-interleaved", 2, SCHEDULE="interleaved", **PP),
-         _cfg("pp2-1f1b-rescaled", 2, SCHEDULE="1f1b", RESCALE="1", **PP)),
+         _cfg("pp2-1f1b-rescaled", 2, SCHEDULE="1f1b", RESCALE="1", **PP),
+         _cfg("pp2-tp2-1f1b", 4, SCHEDULE="1f1b", TP="2", **PP)),
         {
             "microbatch-grad-dropped": ("pp2-1f1b", "one microbatch's weight gradient lost "
                                         "(a dW step skipped, a gradient overwritten)"),
@@ -131,7 +133,7 @@ ENGINES = [
                                         "accumulated twice"),
             "grads-not-scaled": ("pp2-gpipe", "per-microbatch mean losses, gradients never "
                                  "divided by the microbatches"),
-            "stage-input-detached": ("pp2-1f1b", "a stage boundary activation detached"),
+            "stage-input-detached": ("pp2-tp2-1f1b", "a stage boundary activation detached"),
             "stage-output-scaled": ("pp2-interleaved", "a stage's output sent scaled by "
                                     "1 + 2^-6 (a wrong boundary buffer)"),
             "microbatch-order": ("pp2-1f1b", "the last stage's targets in another microbatch "

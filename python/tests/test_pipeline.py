@@ -50,7 +50,7 @@ def test_clean_pipelines_pass_against_the_model_run_whole(traces, schedule, dtyp
     frags = fragments(cand)
     assert set(frags) == {"manifest.rank0.json", "manifest.rank1.json"}
     for k, (name, m) in enumerate(frags.items()):
-        assert m["pipeline"] == {"stages": 2, "microbatches": 4}
+        assert m["pipeline"] == {"stages": 2, "microbatches": 4, "dim": 0}
         assert {e["rank"] for e in m["tensors"]} == {0}
         assert {e["stage"] for e in m["tensors"]} == {k}
         assert {e["file"] for e in m["tensors"]} == {f"rank{k}.safetensors"}
@@ -64,6 +64,23 @@ def test_clean_pipelines_pass_against_the_model_run_whole(traces, schedule, dtyp
     raw = (cand / "rank0.safetensors").read_bytes()
     header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
     assert header["tok_embeddings|fwd.output.0"]["shape"] == [4, 16, 64]
+
+
+def test_pipeline_stages_that_are_tensor_parallel_pass(traces):
+    # 4 ranks: a (pp, tp) = (2, 2) device mesh, torchtitan's TP + SP plan on each stage's part
+    # over mesh["tp"], the stages' groups mesh["pp"]: the tracer finds the stage from the
+    # PipelineStage and each tensor's tp placement from its DTensors.
+    cand = pp(traces, 4, TP="2")
+    report = ttrace.check(pp(traces), cand)
+    assert report.passed, str(report)
+    frags = fragments(cand)
+    assert len(frags) == 4
+    for k, m in enumerate(frags.values()):
+        assert m["pipeline"] == {"stages": 2, "microbatches": 4, "dim": 0}
+        assert m["mesh"]["tp"] == 2 and {e["rank"] for e in m["tensors"]} == {k % 2}
+        assert {e["stage"] for e in m["tensors"]} == {k // 2}
+    wq = [r for r in report.rows if r.id == "layers.2.attention.wq.weight|param_grad"]
+    assert wq and wq[0].passed
 
 
 #: bug → (first failing tensor, a phrase of its localization or note, or None)
@@ -80,10 +97,11 @@ BUGS = {
     "stage-input-detached": ("layers.2.attention_norm|grad.input.0", "none flowed back"),
     # The first stage's output scaled on its way to the second (a wrong boundary buffer).
     "stage-output-scaled": ("layers.2.attention_norm|fwd.input.0",
-                            "between module layers.1.feed_forward.w2 and module "
-                            "layers.2.attention_norm"),
+                            "at the boundary between pipeline stages 0 and 1 (sent from stage "
+                            "0 to stage 1): born in untraced code between module "
+                            "layers.1.feed_forward.w2 and module layers.2.attention_norm"),
     # The last stage's targets in another microbatch order than the inputs.
-    "microbatch-order": ("output|grad.output.0", None),
+    "microbatch-order": ("output|grad.output.0", "the difference is in some microbatches only"),
 }
 
 
@@ -95,6 +113,9 @@ def test_pipeline_bugs_are_found_where_they_are_born(traces, bug):
     assert report.first_failure == first, str(report)
     if phrase is not None:
         assert phrase in report.text, str(report)
+    # Every one of them fails first on the second stage (layers 2 and 3, the output), and the
+    # report says so.
+    assert report.localization is not None and report.localization["stage"] == 1
 
 
 def _accumulate(directory: Path, microbatches: int, calls: "list[int] | None" = None,

@@ -36,4 +36,9 @@ pub struct Localization {
     /// In a pipelined candidate: the pipeline stage whose ranks hold the failing tensor.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stage: Option<usize>,
+    /// In a candidate of several microbatches: the failing tensor's relative difference
+    /// ‖c − r‖/‖r‖ over each microbatch's slice, in microbatch order (a difference in some
+    /// microbatches only is a schedule's or a routing's, not a module's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub microbatches: Option<Vec<f64>>,
 }

@@ -124,6 +124,7 @@ pub fn localize(
             Localization {
                 born_after: None,
                 stage: None,
+                microbatches: None,
                 module: m.name.clone(),
                 kind: Some(m.kind),
                 pass: Some(pass),

@@ -896,7 +896,8 @@ class Tracer:
                      self.unsupported == "skip", self.skipped)
         pipeline = None
         if self.stages > 1 or self.microbatches > 1:
-            pipeline = (self.stages, self.stage, self.microbatches, self.file_rank)
+            pipeline = (self.stages, self.stage, self.microbatches, self.file_rank,
+                        self.microbatch_dim)
         job = step_job(directory, order, self._s, self.rank, self.mesh.to_json(),
                        self.recipe, dp_loss_auto, pipeline)
         self._s = _StepRecord()

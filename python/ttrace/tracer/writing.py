@@ -71,12 +71,13 @@ def entry_fields(tid: str, t: Any, meta: Dict[str, Any]) -> Dict[str, Any]:
 
 def step_job(directory: str, order: List[str], record: _StepRecord, rank: int,
              mesh: Dict[str, Any], recipe: Optional[str], dp_loss_auto: bool,
-             pipeline: Optional[Tuple[int, int, int, int]] = None) -> StepJob:
+             pipeline: Optional[Tuple[int, int, int, int, int]] = None) -> StepJob:
     """One rank's step for the writer: its stored tensors (a host copy that several ids name
     stored once, under the first id) and the manifest's header and entries — to which the
     Rust core adds the format and version, building the manifest and validating it as every
     reader does (one writer). ``pipeline``: (stages, this rank's stage, microbatches, global
-    rank) of a pipelined or microbatched step: ``rank`` is then the rank within the stage,
+    rank, the dimension microbatches were concatenated along) of a pipelined or microbatched
+    step: ``rank`` is then the rank within the stage,
     and the file is named by the global rank."""
     fname = f"rank{pipeline[3] if pipeline else rank}.safetensors"
     tensors, entries = [], []
@@ -97,7 +98,8 @@ def step_job(directory: str, order: List[str], record: _StepRecord, rank: int,
     if dp_loss_auto:
         manifest["dp_loss"] = "auto"
     if pipeline is not None:
-        manifest["pipeline"] = {"stages": pipeline[0], "microbatches": pipeline[2]}
+        manifest["pipeline"] = {"stages": pipeline[0], "microbatches": pipeline[2],
+                                "dim": pipeline[4]}
     return StepJob(directory, fname, tensors, manifest, record.made,
                    Checks([c for _, _, _, c in tensors if c.checks] + record.folded))
 

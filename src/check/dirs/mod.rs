@@ -177,6 +177,58 @@ fn pipeline_stage(candidate: &TraceDir, mut check: DirCheck) -> DirCheck {
     check
 }
 
+/// In a candidate of several microbatches, the first failure's relative difference over each
+/// microbatch's slice (the tensor split along the pipeline's dimension into equal parts), said
+/// in its detail when some microbatches differ far more than others. Left out for a parameter
+/// gradient (accumulated over them), a tensor either side lacks or that does not split evenly.
+fn by_microbatch(reference: &TraceDir, candidate: &TraceDir, mut check: DirCheck) -> DirCheck {
+    let Some(p) = candidate.manifest().pipeline.filter(|p| p.microbatches > 1) else {
+        return check;
+    };
+    let Some(loc) = check.localization.as_mut() else {
+        return check;
+    };
+    if loc.tensor.ends_with("|param_grad") || !candidate.contains(&loc.tensor) {
+        return check;
+    }
+    let (mut r, mut c) = (reference.share(), candidate.share());
+    let (Ok(rt), Ok(ct)) = (r.logical(&loc.tensor), c.logical(&loc.tensor)) else {
+        return check;
+    };
+    let (m, dim) = (p.microbatches, p.dim.unwrap_or(0));
+    let shape = rt.shape();
+    if shape != ct.shape() || dim >= shape.len() || shape[dim] % m != 0 {
+        return check;
+    }
+    let inner: usize = shape[dim + 1..].iter().product();
+    let per = shape[dim] / m * inner;
+    let mut sq = vec![(0.0f64, 0.0f64); m];
+    for (k, (x, y)) in rt.values().iter().zip(ct.values()).enumerate() {
+        let slot = &mut sq[(k % (shape[dim] * inner)) / per];
+        let d = if x == y { 0.0 } else { y - x };
+        slot.0 += d * d;
+        slot.1 += x * x;
+    }
+    let rel: Vec<f64> = sq
+        .iter()
+        .map(|&(d, n)| if n > 0.0 { (d / n).sqrt() } else { d.sqrt() })
+        .collect();
+    let (lo, hi) = rel
+        .iter()
+        .fold((f64::INFINITY, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
+    if hi > 4.0 * lo {
+        let list: Vec<String> = rel.iter().map(|x| format!("{x:.2e}")).collect();
+        loc.detail = format!(
+            "{}; by microbatch (‖c − r‖/‖r‖ of each of {m}): {} — the difference is in some \
+             microbatches only",
+            loc.detail,
+            list.join(", ")
+        );
+    }
+    loc.microbatches = Some(rel);
+    check
+}
+
 fn unreduced_producer(candidate: &TraceDir, mut check: DirCheck) -> DirCheck {
     let Some(loc) = check.localization.as_mut() else {
         return check;
@@ -390,7 +442,8 @@ impl Setup {
                 self.inferred,
             )
         };
-        pipeline_stage(&self.candidate, unreduced_producer(&self.candidate, check))
+        let check = pipeline_stage(&self.candidate, unreduced_producer(&self.candidate, check));
+        by_microbatch(&self.reference, &self.candidate, check)
     }
 }
 

@@ -332,6 +332,7 @@ pub(super) fn finish(
         Localization {
             born_after,
             stage: None,
+            microbatches: None,
             kind: kinds.get(&module).copied().or_else(|| {
                 by_id[v.id.as_str()]
                     .stat

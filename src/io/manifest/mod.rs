@@ -212,6 +212,10 @@ pub struct Pipeline {
     pub stages: usize,
     /// The microbatches each step ran as.
     pub microbatches: usize,
+    /// The dimension the microbatches were concatenated along (the batch dimension; 0 when
+    /// not said).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dim: Option<usize>,
 }
 
 impl Pipeline {

@@ -24,6 +24,7 @@ fn compact_text_is_the_manifest() {
     let pipeline = Pipeline {
         stages: 2,
         microbatches: 4,
+        dim: Some(1),
     };
     for (recipe, tensors, dp_loss, run, pipeline) in [
         (None, vec![], None, None, None),

@@ -141,11 +141,21 @@ fn check_dirs_cli(
     let out =
         ttrace::check::check_dir_traces(&r, &c, mode, &|| bar.inc(1)).map_err(|e| e.to_string())?;
     bar.finish_and_clear();
+    // A pipelined trace's mesh is one stage's.
+    let ranks = match c.manifest().pipeline {
+        Some(p) if p.stages > 1 => format!(
+            "{} pipeline stages of {world} rank{}, {} microbatches",
+            p.stages,
+            if world == 1 { "" } else { "s" },
+            p.microbatches
+        ),
+        Some(p) if p.microbatches > 1 => format!("{world} ranks, {} microbatches", p.microbatches),
+        _ => format!("{world} ranks"),
+    };
     outln!(
-        "ttrace check: {} against {} ({} ranks)",
+        "ttrace check: {} against {} ({ranks})",
         candidate.display(),
         reference.display(),
-        world
     );
     out!("{}", ttrace::check::render_dir_check(&out));
     if let Some(path) = json {
