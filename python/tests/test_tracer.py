@@ -315,12 +315,20 @@ def test_meshes_as_engines_build_them():
     # dp cuts first, cp cuts what dp left: the flattened dimension's contiguous split.
     assert lay.dp == lay.cp == split(0)
     assert lay.tp == replicate()
-    # Pipeline parallelism of size 2: not placeable — said per tensor, with the fix.
-    pp = _FakeMesh(("pp", "tp"), (2, 2), (0, 1))
+    # Pipeline parallelism of size 2 places modules, not tensors: the stage is this rank's pp
+    # coordinate, and tensors are placed on the other dimensions (one stage's mesh).
+    pp = _FakeMesh(("pp", "tp"), (2, 2), (1, 1))
     mm = _MeshMap(pp, {})
-    assert mm.error is not None and "pipeline" in mm.error
-    with pytest.raises(UnsupportedLayoutError, match="pipeline"):
-        _placement_layout("x", (Replicate(), Replicate()), pp, (4,), mm)
+    assert mm.error is None and (mm.stages, mm.stage) == (2, 1)
+    assert mm.sizes == {"tp": 2, "cp": 1, "dp": 1} and mm.coords["tp"] == 1
+    lay = _placement_layout("x", (Replicate(), Shard(0)), pp, (4,), mm)
+    assert lay.tp == split(0) and lay.dp == replicate()
+    # Expert parallelism of size 2: not placeable — said per tensor, with the fix.
+    ep = _FakeMesh(("ep", "tp"), (2, 2), (0, 1))
+    mm = _MeshMap(ep, {})
+    assert mm.error is not None and "expert" in mm.error
+    with pytest.raises(UnsupportedLayoutError, match="expert"):
+        _placement_layout("x", (Replicate(), Replicate()), ep, (4,), mm)
     # An unknown name: the message's fix works.
     mm = _MeshMap(_FakeMesh(("replicas", "tp"), (2, 2), (1, 0)), {})
     assert mm.error is not None and "axes={'dp': 'replicas'}" in mm.error
