@@ -177,6 +177,21 @@ def fsdp(directory: str, bug: str) -> None:
     online(model, directory, step)
 
 
+def llama_step() -> "tuple[nn.Module, torch.Tensor, torch.Tensor]":
+    """The Llama of llama.py in TTRACE_TEST_DTYPE, its weights from TTRACE_TEST_SEED, and a
+    batch of tokens and labels from the seed after it."""
+    import llama as L
+
+    seed = int(os.environ.get("TTRACE_TEST_SEED", "0"))
+    dtype = getattr(torch, os.environ.get("TTRACE_TEST_DTYPE", "float32"))
+    torch.manual_seed(seed)
+    model = L.Llama().to(dtype)
+    g = torch.Generator().manual_seed(1 + seed)
+    tokens = torch.randint(0, L.VOCAB, (L.BATCH, L.SEQ), generator=g)
+    labels = torch.randint(0, L.VOCAB, (L.BATCH, L.SEQ), generator=g)
+    return model, tokens, labels
+
+
 def llama(directory: str, bug: str) -> None:
     """The Llama-style model of llama.py, cross-entropy loss in FP32 outside the model.
     TTRACE_TEST_TP: tensor-parallel size under torchtitan's TP + SP plan (default: the whole
@@ -187,14 +202,8 @@ def llama(directory: str, bug: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp = int(os.environ.get("TTRACE_TEST_TP", str(world))) if world > 1 else 1
     dp = world // tp
-    seed = int(os.environ.get("TTRACE_TEST_SEED", "0"))
     L.BUG = bug if world > 1 else ""
-    dtype = getattr(torch, os.environ.get("TTRACE_TEST_DTYPE", "float32"))
-    torch.manual_seed(seed)
-    model = L.Llama().to(dtype)
-    g = torch.Generator().manual_seed(1 + seed)
-    tokens = torch.randint(0, L.VOCAB, (L.BATCH, L.SEQ), generator=g)
-    labels = torch.randint(0, L.VOCAB, (L.BATCH, L.SEQ), generator=g)
+    model, tokens, labels = llama_step()
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -580,13 +589,7 @@ def pp(directory: str, bug: str) -> None:
     microbatches = int(os.environ.get("TTRACE_TEST_MICROBATCHES", "4"))
     kind = os.environ.get("TTRACE_TEST_SCHEDULE", "1f1b")
     rescale = os.environ.get("TTRACE_TEST_RESCALE") == "1"
-    seed = int(os.environ.get("TTRACE_TEST_SEED", "0"))
-    dtype = getattr(torch, os.environ.get("TTRACE_TEST_DTYPE", "float32"))
-    torch.manual_seed(seed)
-    model = L.Llama().to(dtype)
-    g = torch.Generator().manual_seed(1 + seed)
-    tokens = torch.randint(0, L.VOCAB, (L.BATCH, L.SEQ), generator=g)
-    labels = torch.randint(0, L.VOCAB, (L.BATCH, L.SEQ), generator=g)
+    model, tokens, labels = llama_step()
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(logits.float().reshape(-1, L.VOCAB), target.reshape(-1))
