@@ -179,6 +179,18 @@ def test_tensors_without_a_batch_dimension_cannot_be_concatenated(tmp_path):
         tracer.close()
 
 
+class _FakeMesh:
+    """What the tracer reads of a DeviceMesh: names, shape, this rank's coordinate."""
+
+    def __init__(self, names, shape, coord):
+        self.mesh_dim_names = names
+        self.mesh = torch.zeros(shape)
+        self._coord = coord
+
+    def get_coordinate(self):
+        return list(self._coord)
+
+
 def test_bad_pipeline_settings_are_refused():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(InvalidInputError, match="microbatches must be at least 1"):
@@ -189,6 +201,10 @@ def test_bad_pipeline_settings_are_refused():
         ttrace.Tracer(model, stages=2, stage=2)
     with pytest.raises(InvalidInputError, match="summaries=True"):
         ttrace.Tracer(model, "d", summaries=True, microbatches=2)
+    # A device mesh with a pipeline dimension of 2 (this rank on stage 1), checked online:
+    # refused (the online check hands shards between processes by their rank in the mesh).
+    with pytest.raises(InvalidInputError, match="online= does not check a pipelined run"):
+        ttrace.Tracer(model, "d", online="ref", mesh=_FakeMesh(("pp",), (2,), (1,)))
     # Two parts holding one computing module: refused.
     with pytest.raises(InvalidInputError, match="in two model parts"):
         a = torch.nn.Sequential(torch.nn.Linear(2, 2))

@@ -253,6 +253,13 @@ class Tracer:
         )
         #: (pipeline stages, this rank's stage).
         self.stages, self.stage = pipe
+        if online is not None and self.stages > 1:
+            # The online check hands shards between processes by their rank in the mesh,
+            # which a pipeline's stages share.
+            raise InvalidInputError(
+                "online= does not check a pipelined run yet: write its steps "
+                "(Tracer(stages, directory, microbatches=M)) and run ttrace check on them",
+                "InvalidParameter")
         if self.stages > 1 or len(parts) > 1:
             # A stage's part makes no root call of the model's: its root is not traced.
             self.names = [n for n in self.names if n != ""]
