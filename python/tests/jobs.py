@@ -7,6 +7,7 @@ DIRECTORY. BUG plants a bug in the parallel version.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -295,7 +296,12 @@ def titan(directory: str, bug: str) -> None:
 def ddp(directory: str, bug: str) -> None:
     """DistributedDataParallel: each rank a contiguous part of the batch, gradients averaged
     by DDP's all-reduce. Bug ``unsynced-weight``: rank 1 starts with a block1.fc2 weight that
-    was never broadcast (DDP broadcasts at construction, so the change comes after it)."""
+    was never broadcast (DDP broadcasts at construction, so the change comes after it).
+    TTRACE_TEST_ACCUMULATE=M: gradient accumulation over M microbatches of the rank's share,
+    each loss its own mean, DDP's synchronization skipped (``no_sync``) for all but the last,
+    the gradients divided by M at the end; traced with ``microbatches=M``. Bug
+    ``accumulate-never-synced``: every microbatch under ``no_sync`` (the last one's all-reduce
+    skipped too — each rank keeps its own gradients)."""
     from torch.nn.parallel import DistributedDataParallel
 
     model, x = make()
@@ -314,10 +320,20 @@ def ddp(directory: str, bug: str) -> None:
             with torch.no_grad():
                 inner = model.module.net if loss else model.module
                 inner.block1.fc2.weight.mul_(1.01)
-    tracer = ttrace.Tracer(model, directory)
+    accumulate = int(os.environ.get("TTRACE_TEST_ACCUMULATE", "1"))
+    tracer = ttrace.Tracer(model, directory, microbatches=accumulate)
     with tracer.step():
-        out = model(x)
-        (out if loss else out.pow(2).mean()).backward()
+        chunks = x.chunk(accumulate)
+        for k, xb in enumerate(chunks):
+            last = k == len(chunks) - 1 and bug != "accumulate-never-synced"
+            sync = (model.no_sync() if world > 1 and not last
+                    else contextlib.nullcontext())
+            with sync:
+                out = model(xb)
+                (out if loss else out.pow(2).mean()).backward()
+        if accumulate > 1:
+            for p in model.parameters():
+                p.grad /= accumulate
     tracer.close()
 
 

@@ -118,6 +118,26 @@ def test_pipeline_bugs_are_found_where_they_are_born(traces, bug):
     assert report.localization is not None and report.localization["stage"] == 1
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ddp_gradient_accumulation_with_no_sync_passes_and_an_unsynced_step_is_found(traces,
+                                                                                    dtype):
+    # DDP on 2 ranks, each accumulating 2 microbatches of its share (no_sync but for the last),
+    # each microbatch's loss its own mean: the activation gradients are dp · M = 4 times the
+    # reference's, settled from it.
+    report = ttrace.check(traces("ddp", dtype=dtype),
+                          traces("ddp", 2, dtype=dtype, ACCUMULATE="2"))
+    assert report.passed, str(report)
+    loss = report.loss_normalization
+    assert loss is not None and (loss["dp"], loss["microbatches"], loss["divisor"]) == (2, 2, 4)
+    # Every microbatch under no_sync (the last all-reduce skipped too): each rank keeps its
+    # own gradients, found where the replicas first differ.
+    bad = ttrace.check(traces("ddp", dtype=dtype),
+                       traces("ddp", 2, "accumulate-never-synced", dtype, ACCUMULATE="2"))
+    assert not bad.passed
+    assert bad.first_failure == "block1.fc2.weight|param_grad"
+    assert "rank 1's copy differs" in bad.text
+
+
 def _accumulate(directory: Path, microbatches: int, calls: "list[int] | None" = None,
                 **kw) -> ttrace.Tracer:
     """A two-layer model's step of 4 samples traced whole (``microbatches`` 1) or as
