@@ -133,11 +133,6 @@ pub fn check_dirs(
     Ok(setup.conclude(out, mode))
 }
 
-/// A first failure in a tensor consumed after module `m` (untraced code between), where `m`
-/// handed its output to plain code as a partial sum ([`ModuleInfo::unreduced`]
-/// (crate::io::ModuleInfo::unreduced)): the difference was born at `m`, whose missing
-/// reduction its own output — merged as the sum it is — cannot show. The localization names
-/// `m` and its output, and says why.
 /// In a pipelined candidate, the first failure's pipeline stage — and, for a difference born
 /// in untraced code between two modules on different stages, the boundary it crossed (the
 /// activation or gradient sent between them).
@@ -229,6 +224,11 @@ fn by_microbatch(reference: &TraceDir, candidate: &TraceDir, mut check: DirCheck
     check
 }
 
+/// A first failure in a tensor consumed after module `m` (untraced code between), where `m`
+/// handed its output to plain code as a partial sum ([`ModuleInfo::unreduced`]
+/// (crate::io::ModuleInfo::unreduced)): the difference was born at `m`, whose missing
+/// reduction its own output — merged as the sum it is — cannot show. The localization names
+/// `m` and its output, and says why.
 fn unreduced_producer(candidate: &TraceDir, mut check: DirCheck) -> DirCheck {
     let Some(loc) = check.localization.as_mut() else {
         return check;
