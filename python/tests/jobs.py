@@ -583,8 +583,11 @@ def pp(directory: str, bug: str) -> None:
     the accumulated gradients divided by the microbatches (``scale_grads``) — or, with
     TTRACE_TEST_RESCALE=1, torchtitan's loss rescaled by 1/microbatches and no division. The
     Tracer is given the rank's pipeline stages and the microbatches. TTRACE_TEST_TP: each stage
-    also tensor parallel (torchtitan's TP + SP plan on the ``tp`` dimension of a ``(pp, tp)``
-    device mesh; default 1).
+    also tensor parallel (torchtitan's TP + SP plan on the ``tp`` dimension of a ``(pp, dp,
+    tp)`` device mesh; default 1); TTRACE_TEST_DP: each stage also data parallel (FSDP2 over
+    ``dp``, each layer and the part, each dp rank its share of the batch; default 1). The
+    parameter-gradient bugs act through hooks on the parameters, which FSDP2's sharded
+    parameters do not run: they are planted without data parallelism.
     Bugs: ``microbatch-grad-dropped`` (the class of a schedule that loses one microbatch's
     weight gradient: layers.2's parameters keep none of microbatch 1's contribution),
     ``microbatch-grad-doubled`` (layers.2's parameters get microbatch 1's twice),
@@ -619,11 +622,16 @@ def pp(directory: str, bug: str) -> None:
         tracer.close()
         return
     tp = int(os.environ.get("TTRACE_TEST_TP", "1"))
-    stages_n = world // tp
+    dp = int(os.environ.get("TTRACE_TEST_DP", "1"))
+    stages_n = world // (tp * dp)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (stages_n, tp), mesh_dim_names=("pp", "tp"))
+    mesh = init_device_mesh("cpu", (stages_n, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     rank = mesh.get_local_rank("pp")
+    if dp > 1:
+        # Each data-parallel rank its contiguous share of the batch.
+        d, n = mesh.get_local_rank("dp"), L.BATCH // dp
+        tokens, labels = tokens[d * n:(d + 1) * n], labels[d * n:(d + 1) * n]
     virtual = 2 if kind == "interleaved" else 1
     chunks = stages_n * virtual
     per = L.LAYERS // chunks
@@ -641,6 +649,13 @@ def pp(directory: str, bug: str) -> None:
             part.output = None
         if tp > 1:
             L.parallelize(part, mesh["tp"])
+        if dp > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            # FSDP2 over the dp dimension, each layer and the part (as torchtitan does).
+            for layer in part.layers.values():
+                fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(part, mesh=mesh["dp"])
         parts.append(part)
     first = min(i for i in range(L.LAYERS) if str(i) in parts[0].layers)
     if bug in ("microbatch-grad-dropped", "microbatch-grad-doubled") and any(

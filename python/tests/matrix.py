@@ -16,8 +16,8 @@ model under torchtitan's DTensor TP + SP plan, FSDP2, and both on a 2-D mesh (``
 ``hand-megatron`` — a hand-written Megatron-style engine with explicit collectives (TP, SP,
 context parallelism, DP with fused FP32 main gradients; ``handtp.py``); ``torch-pipelining`` —
 the Llama of ``llama.py`` (four layers) under torch's own pipeline schedules (GPipe, 1F1B,
-interleaved 1F1B) on two stages with four microbatches, and each stage tensor parallel on a
-``(pp, tp)`` device mesh (``jobs.pp``).
+interleaved 1F1B) on two stages with four microbatches, and each stage tensor parallel or
+fully sharded (FSDP2) on a ``(pp, dp, tp)`` device mesh (``jobs.pp``).
 
 Baselines, judged on the same merged tensors: ``assert_close`` — ``torch.testing.assert_close``
 with its default tolerances for the tensor's dtype, on every traced tensor; ``megatron`` — the
@@ -125,7 +125,8 @@ ENGINES = [
         (_cfg("pp2-1f1b", 2, SCHEDULE="1f1b", **PP), _cfg("pp2-gpipe", 2, SCHEDULE="gpipe", **PP),
          _cfg("pp2-interleaved", 2, SCHEDULE="interleaved", **PP),
          _cfg("pp2-1f1b-rescaled", 2, SCHEDULE="1f1b", RESCALE="1", **PP),
-         _cfg("pp2-tp2-1f1b", 4, SCHEDULE="1f1b", TP="2", **PP)),
+         _cfg("pp2-tp2-1f1b", 4, SCHEDULE="1f1b", TP="2", **PP),
+         _cfg("pp2-fsdp2-1f1b", 4, SCHEDULE="1f1b", DP="2", **dict(PP, BATCH="8"))),
         {
             "microbatch-grad-dropped": ("pp2-1f1b", "one microbatch's weight gradient lost "
                                         "(a dW step skipped, a gradient overwritten)"),

@@ -83,6 +83,21 @@ def test_pipeline_stages_that_are_tensor_parallel_pass(traces):
     assert wq and wq[0].passed
 
 
+def test_pipeline_stages_that_are_fully_sharded_pass(traces):
+    # 4 ranks: (pp, dp) = (2, 2), FSDP2 over dp on each stage's layers and part, each dp rank 4
+    # of the 8 sequences as 4 microbatches: the loss settled as dp · M = 8 times the
+    # reference's, the parameter gradients gathered from their FSDP2 shards.
+    cand = traces("pp", 4, "", "float32", LAYERS="4", BATCH="8", DP="2")
+    report = ttrace.check(traces("pp", LAYERS="4", BATCH="8"), cand)
+    assert report.passed, str(report)
+    loss = report.loss_normalization
+    assert loss is not None and (loss["dp"], loss["microbatches"], loss["divisor"]) == (2, 4, 8)
+    frags = fragments(cand)
+    for k, m in enumerate(frags.values()):
+        assert m["mesh"]["dp"] == 2 and {e["rank"] for e in m["tensors"]} == {k % 2}
+        assert {e["stage"] for e in m["tensors"]} == {k // 2}
+
+
 #: bug → (first failing tensor, a phrase of its localization or note, or None)
 BUGS = {
     # A schedule that loses one microbatch's weight gradient of a stage's layer (the
