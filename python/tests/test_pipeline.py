@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import ttrace
+from fakes import FakeMesh
 from ttrace.errors import InvalidInputError, UnsupportedLayoutError
 
 #: Four layers on two stages (two each; interleaved: one per virtual stage), four microbatches
@@ -214,18 +215,6 @@ def test_tensors_without_a_batch_dimension_cannot_be_concatenated(tmp_path):
         tracer.close()
 
 
-class _FakeMesh:
-    """What the tracer reads of a DeviceMesh: names, shape, this rank's coordinate."""
-
-    def __init__(self, names, shape, coord):
-        self.mesh_dim_names = names
-        self.mesh = torch.zeros(shape)
-        self._coord = coord
-
-    def get_coordinate(self):
-        return list(self._coord)
-
-
 def test_bad_pipeline_settings_are_refused():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(InvalidInputError, match="microbatches must be at least 1"):
@@ -239,7 +228,7 @@ def test_bad_pipeline_settings_are_refused():
     # A device mesh with a pipeline dimension of 2 (this rank on stage 1), checked online:
     # refused (the online check hands shards between processes by their rank in the mesh).
     with pytest.raises(InvalidInputError, match="online= does not check a pipelined run"):
-        ttrace.Tracer(model, "d", online="ref", mesh=_FakeMesh(("pp",), (2,), (1,)))
+        ttrace.Tracer(model, "d", online="ref", mesh=FakeMesh(("pp",), (2,), (1,)))
     # Two parts holding one computing module: refused.
     with pytest.raises(InvalidInputError, match="in two model parts"):
         a = torch.nn.Sequential(torch.nn.Linear(2, 2))

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 import harness
 import ttrace
+from fakes import FakeMesh
 from ttrace.tracer import Mesh, replicate, split
 
 
@@ -271,18 +272,6 @@ def test_activation_checkpointing_records_the_same_tensors(tmp_path, reentrant):
         assert (ttrace.load(steps[True], i) == ttrace.load(steps[False], i)).all(), i
 
 
-class _FakeMesh:
-    """What the tracer reads of a DeviceMesh: names, shape, this rank's coordinate."""
-
-    def __init__(self, names, shape, coord):
-        self.mesh_dim_names = names
-        self.mesh = torch.zeros(shape)
-        self._coord = coord
-
-    def get_coordinate(self):
-        return list(self._coord)
-
-
 def test_meshes_as_engines_build_them():
     from torch.distributed.tensor import Replicate, Shard
 
@@ -290,10 +279,10 @@ def test_meshes_as_engines_build_them():
     from ttrace.tracer.dtensor import _MeshMap, _placement_layout
 
     # transformers: (pp, dp_replicate, fsdp, tp), all of size 1 but tp.
-    mm = _MeshMap(_FakeMesh(("pp", "dp_replicate", "fsdp", "tp"), (1, 1, 1, 4), (0, 0, 0, 3)), {})
+    mm = _MeshMap(FakeMesh(("pp", "dp_replicate", "fsdp", "tp"), (1, 1, 1, 4), (0, 0, 0, 3)), {})
     assert mm.error is None and mm.sizes == {"tp": 4, "cp": 1, "dp": 1} and mm.coords["tp"] == 3
     # HSDP: two data-parallel dimensions form one dp axis, row-major.
-    hsdp = _FakeMesh(("dp_replicate", "dp_shard", "tp"), (2, 2, 2), (1, 0, 1))
+    hsdp = FakeMesh(("dp_replicate", "dp_shard", "tp"), (2, 2, 2), (1, 0, 1))
     mm = _MeshMap(hsdp, {})
     assert mm.sizes == {"tp": 2, "cp": 1, "dp": 4} and mm.coords == {"tp": 1, "cp": 0, "dp": 2}
     shape = (8, 6)
@@ -302,12 +291,12 @@ def test_meshes_as_engines_build_them():
     with pytest.raises(UnsupportedLayoutError, match="place it differently"):
         _placement_layout("w", (Replicate(), Shard(0), Replicate()), hsdp, shape, mm)
     # A flattened torchtitan dimension (dp_shard_cp) is data parallel.
-    assert _MeshMap(_FakeMesh(("dp_shard_cp",), (2,), (1,)), {}).sizes["dp"] == 2
+    assert _MeshMap(FakeMesh(("dp_shard_cp",), (2,), (1,)), {}).sizes["dp"] == 2
     # ... and holds the context-parallel ranks inside the data-parallel ones when the mesh it
     # was cut from has a cp dimension: FSDP2 over (dp_shard_cp, tp) of (dp_shard, cp, tp)
     # = (2, 2, 2), at coordinate 3 = d·cp + c with d = 1, c = 1.
-    root = _FakeMesh(("dp_replicate", "dp_shard", "cp", "tp"), (1, 2, 2, 2), (0, 1, 1, 0))
-    flat = _FakeMesh(("dp_shard_cp", "tp"), (4, 2), (3, 0))
+    root = FakeMesh(("dp_replicate", "dp_shard", "cp", "tp"), (1, 2, 2, 2), (0, 1, 1, 0))
+    flat = FakeMesh(("dp_shard_cp", "tp"), (4, 2), (3, 0))
     flat._get_root_mesh = lambda: root
     mm = _MeshMap(flat, {})
     assert mm.sizes == {"tp": 2, "cp": 2, "dp": 2} and mm.coords == {"tp": 0, "cp": 1, "dp": 1}
@@ -317,22 +306,22 @@ def test_meshes_as_engines_build_them():
     assert lay.tp == replicate()
     # Pipeline parallelism of size 2 places modules, not tensors: the stage is this rank's pp
     # coordinate, and tensors are placed on the other dimensions (one stage's mesh).
-    pp = _FakeMesh(("pp", "tp"), (2, 2), (1, 1))
+    pp = FakeMesh(("pp", "tp"), (2, 2), (1, 1))
     mm = _MeshMap(pp, {})
     assert mm.error is None and (mm.stages, mm.stage) == (2, 1)
     assert mm.sizes == {"tp": 2, "cp": 1, "dp": 1} and mm.coords["tp"] == 1
     lay = _placement_layout("x", (Replicate(), Shard(0)), pp, (4,), mm)
     assert lay.tp == split(0) and lay.dp == replicate()
     # Expert parallelism of size 2: not placeable — said per tensor, with the fix.
-    ep = _FakeMesh(("ep", "tp"), (2, 2), (0, 1))
+    ep = FakeMesh(("ep", "tp"), (2, 2), (0, 1))
     mm = _MeshMap(ep, {})
     assert mm.error is not None and "expert" in mm.error
     with pytest.raises(UnsupportedLayoutError, match="expert"):
         _placement_layout("x", (Replicate(), Replicate()), ep, (4,), mm)
     # An unknown name: the message's fix works.
-    mm = _MeshMap(_FakeMesh(("replicas", "tp"), (2, 2), (1, 0)), {})
+    mm = _MeshMap(FakeMesh(("replicas", "tp"), (2, 2), (1, 0)), {})
     assert mm.error is not None and "axes={'dp': 'replicas'}" in mm.error
-    fixed = _MeshMap(_FakeMesh(("replicas", "tp"), (2, 2), (1, 0)), {"dp": "replicas"})
+    fixed = _MeshMap(FakeMesh(("replicas", "tp"), (2, 2), (1, 0)), {"dp": "replicas"})
     assert fixed.error is None and fixed.sizes == {"tp": 2, "cp": 1, "dp": 2}
 
 

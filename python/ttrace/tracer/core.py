@@ -241,15 +241,9 @@ class Tracer:
         self._site_state: Optional[_SiteState] = None
         self._mesh_maps: Dict[int, _MeshMap] = {}
         #: Why the device mesh cannot be placed, if it cannot (reported per tensor).
-        explicit = None
-        if stages is not None:
-            dist = torch.distributed
-            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-            grank = dist.get_rank() if world > 1 else 0
-            explicit = (stages, stage if stage is not None
-                        else grank // max(world // max(stages, 1), 1))
         self.mesh, self.rank, self._mesh_error, pipe = find_mesh(
-            model, named, self._dtensor, self.axes, self._megatron, mesh, rank, explicit
+            model, named, self._dtensor, self.axes, self._megatron, mesh, rank,
+            None if stages is None else (stages, stage)
         )
         #: (pipeline stages, this rank's stage).
         self.stages, self.stage = pipe

@@ -14,7 +14,7 @@ from .placements import Mesh
 
 def find_mesh(model: torch.nn.Module, named: Dict[str, torch.nn.Module],
               dtensor: Optional[type], axes: Dict[str, str], megatron: bool, mesh: Any,
-              rank: Optional[int], stages: Optional[Tuple[int, int]] = None,
+              rank: Optional[int], stages: Optional[Tuple[int, Optional[int]]] = None,
               ) -> Tuple[Mesh, int, Optional[str], Tuple[int, int]]:
     """The traced run's mesh and this process's rank in it: from ``mesh`` (a :class:`Mesh` or
     a ``DeviceMesh``), else the model's DTensor parameters' device mesh, else Megatron's
@@ -23,18 +23,23 @@ def find_mesh(model: torch.nn.Module, named: Dict[str, torch.nn.Module],
     mesh dimension name) gains ``"_default"`` for a 1-D mesh without names. The third value
     is why the device mesh cannot be placed, if it cannot: every tensor on it is then refused
     (or skipped) with that reason, and the tracer is built over the process group's ranks.
-    The fourth is (pipeline stages, this rank's stage): from ``stages`` when given, else from
-    a device mesh's pipeline dimension, else (1, 0). Under pipeline parallelism the mesh is
+    The fourth is (pipeline stages, this rank's stage): from ``stages`` when given (a stage of
+    None: the pipeline dimension outermost, rank // (world / stages)), else from a device
+    mesh's pipeline dimension, else (1, 0). Under pipeline parallelism the mesh is
     one stage's and the rank this process's within it (the pipeline dimension outermost, as
     torchtitan's mesh has it, when no device mesh says)."""
     dist = torch.distributed
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     grank = dist.get_rank() if world > 1 else 0
-    if stages is not None and (stages[0] < 1 or not 0 <= stages[1] < stages[0]
-                               or world % stages[0]):
-        raise InvalidInputError(
-            f"stage {stages[1]} of {stages[0]} pipeline stages over {world} ranks: the stage "
-            "must be below the stages, which must divide the ranks", "InvalidParameter")
+    given: Optional[Tuple[int, int]] = None
+    if stages is not None:
+        n, s = stages
+        s = s if s is not None else grank // max(world // max(n, 1), 1)
+        if n < 1 or not 0 <= s < n or world % n:
+            raise InvalidInputError(
+                f"stage {s} of {n} pipeline stages over {world} ranks: the stage must be "
+                "below the stages, which must divide the ranks", "InvalidParameter")
+        given = (n, s)
     device_mesh = None
     if mesh is not None and not isinstance(mesh, Mesh):
         device_mesh = mesh
@@ -52,7 +57,7 @@ def find_mesh(model: torch.nn.Module, named: Dict[str, torch.nn.Module],
         # parallel): the whole mesh places this rank.
         root = _root_mesh(device_mesh)
         mm = _MeshMap(root, axes)
-        pipe = stages if stages is not None else (mm.stages, mm.stage)
+        pipe = given if given is not None else (mm.stages, mm.stage)
         if mm.error is not None:
             return (Mesh(dp=world // pipe[0]), (rank if rank is not None else grank), mm.error,
                     pipe)
@@ -67,7 +72,7 @@ def find_mesh(model: torch.nn.Module, named: Dict[str, torch.nn.Module],
             )
         r = m.rank(dp=mm.coords["dp"], cp=mm.coords["cp"], tp=mm.coords["tp"])
         return m, (rank if rank is not None else r), None, pipe
-    pipe = stages if stages is not None else (1, 0)
+    pipe = given if given is not None else (1, 0)
     found = megatron_mesh(named) if mesh is None and megatron else None
     if isinstance(mesh, Mesh):
         m = mesh
