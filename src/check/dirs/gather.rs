@@ -297,10 +297,12 @@ pub(super) fn gather(
     if let (Some(cand), None, None, false) = (c.as_ref(), &problem, rank, verdict.passed) {
         // A difference that lies in one rank's shard names the rank; so do elements beyond
         // their own bounds that all lie in one.
-        let mesh = &candidate.manifest().mesh;
-        rank = crate::check::blame::faulty_rank(&r, cand, &layout, mesh, id).or_else(|| {
-            crate::check::blame::rank_holding(&exceeding, r.shape(), &layout, mesh, id)
-        });
+        // An owned id (an expert's) is merged over its owner's ranks: the rank named is one
+        // of them.
+        let mesh = candidate.mesh_of(id);
+        rank = crate::check::blame::faulty_rank(&r, cand, &layout, mesh, id)
+            .or_else(|| crate::check::blame::rank_holding(&exceeding, r.shape(), &layout, mesh, id))
+            .map(|k| candidate.global_rank(id, k));
     }
     let cand = c.as_ref().unwrap_or(&r);
     let cand_format = c.as_ref().map(|c| c.format());

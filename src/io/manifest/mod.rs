@@ -188,6 +188,12 @@ pub struct ManifestEntry {
     /// [`Pipeline`]); informational (the report names it), below the pipeline's stages.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stage: Option<usize>,
+    /// The axis along which one coordinate holds the tensor whole and the others hold no
+    /// entry of it (an expert's tensors under expert parallelism: its owner's; see
+    /// `papers/trace-format.md`, "Experts"). Its layout replicates it along the axis; the
+    /// reader merges it over the owner's ranks alone.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub owned: Option<Axis>,
 }
 
 /// How a pipelined (or gradient-accumulating) run was traced (`papers/trace-format.md`,

@@ -25,6 +25,8 @@ pub(super) struct RawEntry {
     pub(super) guessed: Vec<Axis>,
     #[serde(default)]
     pub(super) stage: Option<u64>,
+    #[serde(default)]
+    pub(super) owned: Option<Axis>,
 }
 
 /// The manifest as the typed fast path reads it (see [`RawEntry`]).
@@ -61,11 +63,27 @@ pub(super) fn entry(
     module: Option<ModuleInfo>,
     threshold: Option<f64>,
     guessed: Vec<Axis>,
-    (stage, pipeline): (Option<u64>, Option<Pipeline>),
+    (stage, pipeline, owned): (Option<u64>, Option<Pipeline>, Option<Axis>),
     mesh: &Mesh,
     path: &Path,
 ) -> Result<ManifestEntry> {
     let who = format!("tensor #{i} ('{}')", printable(&id));
+    if let Some(axis) = &owned {
+        // Held whole by one coordinate of the axis: replicated along it as far as the merge
+        // of the owner's ranks goes, and known (no guess) along it.
+        let problem = if !mesh.has(axis) {
+            Some(format!("the mesh ({}) does not have it", mesh.label()))
+        } else if layout.along(axis) != Placement::Replicate {
+            Some("its layout must replicate the tensor along it (its owner holds it whole)".into())
+        } else if guessed.contains(axis) {
+            Some("it is also listed as guessed".into())
+        } else {
+            None
+        };
+        if let Some(why) = problem {
+            return Err(ferr(path, format!("{who}: 'owned' axis '{axis}': {why}")));
+        }
+    }
     let stage = match (stage, pipeline) {
         (None, _) => None,
         (Some(s), Some(p)) if s < p.stages as u64 => Some(s as usize),
@@ -160,6 +178,7 @@ pub(super) fn entry(
         threshold,
         guessed,
         stage,
+        owned,
     })
 }
 
@@ -250,7 +269,7 @@ impl Manifest {
                     module,
                     t.threshold,
                     t.guessed,
-                    (t.stage, pipeline),
+                    (t.stage, pipeline, t.owned),
                     &mesh,
                     path,
                 )
@@ -358,6 +377,13 @@ impl Manifest {
                     )
                 })?),
             };
+            let owned = match t.get("owned") {
+                None | Some(serde_json::Value::Null) => None,
+                Some(x) => Some(
+                    serde_json::from_value(x.clone())
+                        .map_err(|e| ferr(path, format!("{who}: 'owned' (an axis): {e}")))?,
+                ),
+            };
             let guessed = match t.get("guessed") {
                 None | Some(serde_json::Value::Null) => vec![],
                 Some(x) => serde_json::from_value(x.clone())
@@ -374,7 +400,7 @@ impl Manifest {
                 module,
                 threshold,
                 guessed,
-                (stage, pipeline),
+                (stage, pipeline, owned),
                 &mesh,
                 path,
             )?);

@@ -19,6 +19,7 @@ fn compact_text_is_the_manifest() {
         threshold: Some(0.25),
         guessed: vec![],
         stage: Some(1),
+        owned: None,
     };
     let run = serde_json::json!({"torch": "2.11", "gpu": "H100"});
     let pipeline = Pipeline {

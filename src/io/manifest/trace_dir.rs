@@ -73,6 +73,19 @@ pub struct TraceDir {
     /// For a trace held in memory ([`TraceDir::in_memory`]): the ids a read found some shard
     /// of not held (shared by every reader made by [`TraceDir::share`]).
     pub(super) held: Option<std::sync::Arc<Held>>,
+    /// The ids one coordinate of an axis holds ([`ManifestEntry::owned`]): the mesh of the
+    /// owner's ranks (the axis of size 1) and their global ranks, by rank in it — `by_id`
+    /// lists their entries alone.
+    pub(super) owners: std::sync::Arc<HashMap<String, Owner>>,
+}
+
+/// Who holds an owned id (see [`TraceDir::owner`]).
+#[derive(Debug, Clone)]
+pub(super) struct Owner {
+    axis: Axis,
+    coord: usize,
+    mesh: Mesh,
+    ranks: Vec<usize>,
 }
 
 /// Opens a trace directory's safetensors file by name.
@@ -239,6 +252,7 @@ impl TraceDir {
         }
         let mut complete = BTreeMap::new();
         let mut incomplete = BTreeMap::new();
+        let mut owners = HashMap::new();
         for id in &order {
             let Some(mut slots) = by_id.remove(id) else {
                 continue;
@@ -253,6 +267,20 @@ impl TraceDir {
                         w[0].0
                     ),
                 ));
+            }
+            if let Some(owner) = owner_of(&manifest, id, &slots).map_err(|e| ferr(&mpath, e))? {
+                let ks: Vec<usize> = slots.into_iter().map(|(_, k)| k).collect();
+                settle_guesses(&mut manifest.tensors, &ks);
+                let l0 = &manifest.tensors[ks[0]].layout;
+                if ks.iter().any(|&k| manifest.tensors[k].layout != *l0) {
+                    return Err(ferr(
+                        &mpath,
+                        format!("tensor {}: ranks declare different layouts", printable(id)),
+                    ));
+                }
+                owners.insert(id.clone(), owner);
+                complete.insert(id.clone(), ks);
+                continue;
             }
             if slots.len() < world && id.ends_with("|param_grad") {
                 let have: Vec<usize> = slots.iter().map(|(r, _)| *r).collect();
@@ -292,6 +320,7 @@ impl TraceDir {
             incomplete: std::sync::Arc::new(incomplete),
             dp_divisor: None,
             held: None,
+            owners: std::sync::Arc::new(owners),
         })
     }
 
@@ -313,7 +342,28 @@ impl TraceDir {
             incomplete: self.incomplete.clone(),
             dp_divisor: self.dp_divisor,
             held: self.held.clone(),
+            owners: self.owners.clone(),
         }
+    }
+
+    /// For an id one coordinate of an axis holds ([`ManifestEntry::owned`], an expert's
+    /// tensor): the axis and the coordinate.
+    pub fn owner(&self, id: &str) -> Option<(&Axis, usize)> {
+        self.owners.get(id).map(|o| (&o.axis, o.coord))
+    }
+
+    /// The mesh an id's entries are merged over: the manifest's, or for an owned id its
+    /// owner's ranks (the owned axis of size 1).
+    pub fn mesh_of(&self, id: &str) -> &Mesh {
+        self.owners.get(id).map_or(&self.manifest.mesh, |o| &o.mesh)
+    }
+
+    /// The global rank of rank `r` of [`TraceDir::mesh_of`]`(id)`.
+    pub fn global_rank(&self, id: &str, r: usize) -> usize {
+        self.owners
+            .get(id)
+            .and_then(|o| o.ranks.get(r).copied())
+            .unwrap_or(r)
     }
 
     /// For a trace held in memory: the ids whose reads found a shard not held (by this
@@ -741,11 +791,16 @@ impl TraceDir {
             return false;
         };
         let data = [layout.along(&Axis::DP), layout.along(&Axis::CP)];
+        // An expert's tensors, held by one data coordinate, gather every data rank's tokens.
+        let gathered = self
+            .owner(id)
+            .is_some_and(|(a, _)| *a == Axis::DP || *a == Axis::CP);
         match t.pass() {
             crate::policy::Pass::Forward => data.contains(&Placement::Partial),
             crate::policy::Pass::Backward => {
                 !matches!(t.role, crate::trace::TensorRole::ParamGrad { .. })
                     && (self.manifest.microbatches() > 1
+                        || gathered
                         || data.iter().any(|&p| p != Placement::Replicate))
             }
         }
@@ -766,6 +821,8 @@ impl TraceDir {
         let ks = self.entries_of(id)?;
         self.check_held(id, &ks)?;
         let manifest = self.manifest.clone();
+        let owners = self.owners.clone();
+        let mesh = owners.get(id).map_or(&manifest.mesh, |o| &o.mesh);
         let (files, dir) = (&mut self.files, &self.dir);
         merge_fetched(
             &mut |ranks, spare| {
@@ -786,7 +843,7 @@ impl TraceDir {
                 }
             },
             layout,
-            &manifest.mesh,
+            mesh,
             id,
             None,
             &mut self.spare,
@@ -803,6 +860,53 @@ impl TraceDir {
                 name: id.to_string(),
             })
     }
+}
+
+/// The owner of an id whose entries say [`ManifestEntry::owned`] (`None` for others), checked:
+/// every entry names the same axis, and the ranks holding it are exactly those of one
+/// coordinate along it (`slots`: (rank, entry), in rank order).
+fn owner_of(
+    manifest: &Manifest,
+    id: &str,
+    slots: &[(usize, usize)],
+) -> std::result::Result<Option<Owner>, String> {
+    let axis = manifest.tensors[slots[0].1].owned.clone();
+    if slots
+        .iter()
+        .any(|&(_, k)| manifest.tensors[k].owned != axis)
+    {
+        return Err(format!(
+            "tensor {}: ranks disagree on whether (and along which axis) it is owned",
+            printable(id)
+        ));
+    }
+    let Some(axis) = axis else { return Ok(None) };
+    let mesh = &manifest.mesh;
+    let coord = mesh.coord(slots[0].0, &axis);
+    let ranks: Vec<usize> = (0..mesh.world())
+        .filter(|&r| mesh.coord(r, &axis) == coord)
+        .collect();
+    if slots.len() != ranks.len() || slots.iter().zip(&ranks).any(|(s, r)| s.0 != *r) {
+        return Err(format!(
+            "tensor {} is owned along '{axis}' but held by ranks {:?}, not by the ranks of one \
+             coordinate along it ({coord}: ranks {ranks:?})",
+            printable(id),
+            slots.iter().map(|s| s.0).collect::<Vec<_>>()
+        ));
+    }
+    let sub = Mesh::new(
+        mesh.axes()
+            .iter()
+            .map(|(a, n)| (a.clone(), if *a == axis { 1 } else { *n })),
+    )
+    .map_err(|e| e.to_string())?
+    .with_sequence_parallel(mesh.sp());
+    Ok(Some(Owner {
+        axis,
+        coord,
+        mesh: sub,
+        ranks,
+    }))
 }
 
 /// The sum of the tensors of `entries` (the addends of one partial sum, held by `ranks`),

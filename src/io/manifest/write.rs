@@ -50,6 +50,7 @@ pub fn write_trace_dir(
                 threshold: thresholds.get(id).copied(),
                 guessed: vec![],
                 stage: None,
+                owned: None,
             });
         }
         let mut meta = BTreeMap::new();
