@@ -705,6 +705,36 @@ def pp(directory: str, bug: str) -> None:
     tracer.close()
 
 
+def ep(directory: str, bug: str) -> None:
+    """Expert parallelism: the MoE Llama of moe.py, each rank a contiguous share of the batch
+    and its share of every layer's experts (tokens dispatched to their experts' owners by an
+    all-to-all and back), each rank's loss the mean cross-entropy over its share plus the
+    load-balancing loss, the gradients settled by hand as an expert-parallel engine does
+    (``moe.synchronize``). Traced with ``experts=["layers.*.feed_forward.experts.*"]``.
+    Bugs (see moe.py): ``router-grad-not-reduced``, ``aux-loss-wrong-group``,
+    ``routing-weight-not-applied``, ``wrong-permutation-back``, ``dispatch-misrouted``,
+    ``capacity-drops``, ``expert-grad-not-scaled``."""
+    import torch.nn.functional as F
+
+    import llama as L
+    import moe
+
+    moe.BUG = bug
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    model, tokens, labels = moe.model_step()
+    if world > 1:
+        r, n = dist.get_rank(), L.BATCH // world
+        tokens, labels = tokens[r * n:(r + 1) * n], labels[r * n:(r + 1) * n]
+    tracer = ttrace.Tracer(model, directory, experts=["layers.*.feed_forward.experts.*"])
+    with tracer.step():
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.float().reshape(-1, L.VOCAB), labels.reshape(-1))
+        (loss + moe.aux_loss(model)).backward()
+        if world > 1:
+            moe.synchronize(model, world)
+    tracer.close()
+
+
 def main() -> None:
     job, directory = sys.argv[1], sys.argv[2]
     bug = sys.argv[3] if len(sys.argv) > 3 else ""
@@ -715,7 +745,7 @@ def main() -> None:
     try:
         jobs = {"tp": tp, "fsdp": fsdp, "ddp": ddp, "megatron": megatron, "llama": llama,
                 "mgpt": mgpt, "hand": hand, "unsupported": unsupported, "hf": hf,
-                "titan": titan, "pp": pp}
+                "titan": titan, "pp": pp, "ep": ep}
         jobs[job](directory, bug)
     finally:
         if distributed:

@@ -3,6 +3,7 @@ arithmetic, handed to the writer step by step."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import weakref
 from contextlib import contextmanager
@@ -107,6 +108,15 @@ class Tracer:
     rank // (world / stages); a schedule's shape inference on the first step then runs the
     parts once more, which the tracer cannot tell from a microbatch (it refuses the step).
     The trace's mesh is then one stage's, and each stage's ranks write their own modules.
+    ``experts``: expert parallelism — patterns (``fnmatch``, e.g. ``["layers.*.moe.experts.*"]``)
+    naming the expert modules, each owned by the data-parallel rank that holds and calls it:
+    its tensors (and its submodules', its parameters' gradients) are the owner's alone, the
+    whole tensor — an expert's input is the tokens every rank routed to it — and written
+    ``owned`` along dp (no other rank holds an entry of them). The checker aligns them with
+    the reference's expert when each expert's rows are its tokens in batch order (ranks
+    holding contiguous shares of the batch, the received tokens in source-rank order: the
+    dispatch of Megatron-LM, torchtitan and DeepSeek); an expert that received other tokens
+    than the reference routed to it is reported with the counts.
     """
 
     def __init__(
@@ -139,6 +149,7 @@ class Tracer:
         microbatch_dim: Optional[int] = None,
         stages: Optional[int] = None,
         stage: Optional[int] = None,
+        experts: Optional[Sequence[str]] = None,
     ) -> None:
         if every < 1:
             raise InvalidInputError(f"every must be at least 1 (got {every})", "InvalidParameter")
@@ -149,6 +160,22 @@ class Tracer:
             raise InvalidInputError("summaries=True records statistics, which microbatches "
                                     "cannot be concatenated from: trace their tensors",
                                     "InvalidParameter")
+        if isinstance(experts, str):
+            raise InvalidInputError("experts must be a list of module-name patterns "
+                                    f"(got the string {experts!r})", "InvalidParameter")
+        #: Patterns (fnmatch) of the expert modules, owned by the data rank that calls them.
+        self.experts: List[str] = list(experts or [])
+        if self.experts and microbatches > 1:
+            raise InvalidInputError(
+                "experts= with microbatches > 1 is not supported yet: an expert's "
+                "microbatches gather tokens of every rank each, which concatenated are not "
+                "the reference's token order", "InvalidParameter")
+        if self.experts and summaries:
+            raise InvalidInputError("summaries=True does not record experts yet: trace their "
+                                    "tensors", "InvalidParameter")
+        if self.experts and online is not None:
+            raise InvalidInputError("online= does not check experts yet: write the steps and "
+                                    "run ttrace check on them", "InvalidParameter")
         if stage is not None and stages is None:
             raise InvalidInputError("stage= needs stages= (the pipeline's size)",
                                     "InvalidParameter")
@@ -230,6 +257,19 @@ class Tracer:
         self.microbatch_dim = self.dp_dim if microbatch_dim is None else microbatch_dim
         self.layouts.update(layouts or {})
         self.names = select_modules(named, modules)
+        if self.experts:
+            matched = [n for n in named if n and any(fnmatch.fnmatchcase(n, p)
+                                                     for p in self.experts)]
+            if not matched:
+                raise InvalidInputError(f"experts: no module matches {self.experts!r}",
+                                        "UnknownName")
+            if modules is None:
+                # The layers routing tokens to the experts and the experts themselves are
+                # traced too: a bug in the dispatch or the combine is then found where it is
+                # born (the MoE layer's output), not in the layer after it.
+                routing = {n.rpartition(".")[0].rpartition(".")[0] for n in matched}
+                extra = [n for n in named if n in routing or n in matched]
+                self.names = [n for n in named if n in set(self.names) | set(extra)]
         unknown = [n for n in list(layouts or {}) + list(self.kinds) if n not in named]
         if unknown:
             raise InvalidInputError(f"no module named {unknown[0]!r} in the model", "UnknownName")
@@ -257,6 +297,11 @@ class Tracer:
         if self.stages > 1 or len(parts) > 1:
             # A stage's part makes no root call of the model's: its root is not traced.
             self.names = [n for n in self.names if n != ""]
+        if self.experts and self.mesh.cp > 1:
+            raise InvalidInputError("experts= under context parallelism is not supported yet "
+                                    "(experts are owned along dp)", "InvalidParameter")
+        #: Per module name: whether it is an expert or inside one (see :meth:`_owned`).
+        self._owned_cache: Dict[str, bool] = {}
         #: Tensors left out because their layout cannot be expressed: (id, reason).
         self.skipped: List[Tuple[str, str]] = []
         self.steps = 0
@@ -606,13 +651,20 @@ class Tracer:
             raise InvalidInputError(
                 f"tensor {tid!r}: dtype {local.dtype} cannot be stored", "UnknownFormat"
             )
+        owned = self._owned(_base(name))
+        if owned:
+            # An expert on this data rank: it holds the expert whole (the tokens every rank
+            # routed to it, a parameter no other rank has), no other data rank holds it.
+            layout = layout.known().with_("dp", replicate())
+            guessed = [a for a in guessed if a != "dp"]
+            derived = None
         # With local_mean_loss=True, an activation gradient in parts along the data ranks
         # (dp split; under context parallelism every one, its cp placement mostly a guess) is
         # dp·cp times the reference's: recorded divided.
         data = self.mesh.dp * self.mesh.cp
         scaled = scalar_mean or (self.local_mean_loss is True and data > 1
                                  and role.startswith("grad.") and param is None
-                                 and (layout.dp.is_split
+                                 and (layout.dp.is_split or owned
                                       or (self.mesh.cp > 1 and t.dim() > 0)))
         # The same tensor handed from one module to the next (an output that is the next
         # module's input: same memory, shape, strides and version while the first holder
@@ -647,12 +699,25 @@ class Tracer:
         if settings:
             module_info = {**settings, **(module_info or {})}
         self._s.meta[tid] = {"layout": layout, "module": module_info,
-                             "guessed": guessed}
+                             "guessed": guessed, "owned": "dp" if owned else None}
         if param is None:
             self._s.forward[(name, role, i)] = (tuple(local.shape), layout)
             if guessed:
                 self._s.guesses[(name, role, i)] = guessed
         return derived
+
+    def _owned(self, name: str) -> bool:
+        """Whether the module ``name`` is an expert (``experts=``) or inside one, under data
+        parallelism (a one-rank run holds every expert, as a reference does)."""
+        if not self.experts or self.mesh.dp == 1:
+            return False
+        hit = self._owned_cache.get(name)
+        if hit is None:
+            parts = name.split(".")
+            prefixes = [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
+            hit = any(fnmatch.fnmatchcase(p, pat) for p in prefixes for pat in self.experts)
+            self._owned_cache[name] = hit
+        return hit
 
     def _kind(self, name: str) -> Optional[str]:
         if name in self.kinds:

@@ -66,6 +66,8 @@ def entry_fields(tid: str, t: Any, meta: Dict[str, Any]) -> Dict[str, Any]:
         e["module"] = meta["module"]
     if meta["guessed"]:
         e["guessed"] = meta["guessed"]
+    if meta.get("owned"):
+        e["owned"] = meta["owned"]
     return e
 
 

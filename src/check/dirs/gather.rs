@@ -249,6 +249,11 @@ pub(super) fn gather(
     };
     let (mut verdict, mut sums) =
         compare_stored(id, &r, c.as_ref().unwrap_or(&r), 0.0, eps, detection);
+    if let (Some(cand), Some((axis, k))) = (c.as_ref(), candidate.owner(id)) {
+        if let Some(why) = routed_differently(r.shape(), cand.shape(), axis, k) {
+            verdict.problem = Some(why);
+        }
+    }
     if let Some((why, at)) = replicas {
         // Read as partial sums, the replicas would differ from the reference by half its norm
         // or more (two nearly equal copies add to twice the value): they are replicas one of
@@ -481,4 +486,26 @@ fn reused(
     g.stat.module = module.cloned();
     g.stat.cand_module = cand_module.cloned();
     Some(g)
+}
+
+/// For an expert's tensor (held by coordinate `k` of `axis`) whose rows differ in number from
+/// the reference's, all else alike: what that says about the routing.
+fn routed_differently(
+    reference: &[usize],
+    candidate: &[usize],
+    axis: &crate::trace::Axis,
+    k: usize,
+) -> Option<String> {
+    let (&[r0, ref r_rest @ ..], &[c0, ref c_rest @ ..]) = (reference, candidate) else {
+        return None;
+    };
+    (r0 != c0 && r_rest == c_rest).then(|| {
+        format!(
+            "routing: the expert (held by {axis} coordinate {k}) got {c0} rows where the \
+             reference's got {r0} — {} tokens {} (dropped at a capacity, or routed to another \
+             expert)",
+            r0.abs_diff(c0),
+            if c0 < r0 { "fewer" } else { "more" }
+        )
+    })
 }

@@ -1,0 +1,113 @@
+"""Expert parallelism: the MoE Llama of moe.py with its experts divided among two or four
+ranks (gloo), tokens dispatched to their experts' owners by all-to-all and back, traced with
+``experts=`` and checked against the model run whole on one process; planted bugs modelled on
+public MoE reports found where they are born. Also the tracer's refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import ttrace
+from ttrace.errors import InvalidInputError
+
+EXPERTS = "layers.*.feed_forward.experts.*"
+
+
+def fragments(step: Path):
+    """Every rank's manifest fragment, read as JSON (independently of ttrace's reader)."""
+    return [json.loads(p.read_text()) for p in sorted(step.glob("manifest.rank*.json"))]
+
+
+@pytest.mark.parametrize("dtype,world,env", [
+    ("float32", 2, {}),
+    ("bfloat16", 2, {"SEED": "1"}),
+    # Eight experts of which each token takes two, two per rank, on four ranks.
+    ("float32", 4, {"BATCH": "4", "EXPERTS": "8,2"}),
+])
+def test_clean_expert_parallel_runs_pass(traces, dtype, world, env):
+    cand = traces("ep", world, "", dtype, **env)
+    report = ttrace.check(traces("ep", 1, "", dtype, **env), cand)
+    assert report.passed, str(report)
+    experts = int(env.get("EXPERTS", "4,2").split(",")[0])
+    # Per layer: the MoE layer, its router, and every expert (itself and w1, w2, w3), each
+    # with inputs, outputs and gradients: all of them checked.
+    ids = {r.id for r in report.rows}
+    for layer in ("0", "1"):
+        for e in range(experts):
+            assert f"layers.{layer}.feed_forward.experts.{e}|fwd.input.0" in ids
+            assert f"layers.{layer}.feed_forward.experts.{e}.w2.weight|param_grad" in ids
+        assert f"layers.{layer}.feed_forward|fwd.output.0" in ids
+    # The trace: each expert's tensors written by its owner alone (rank e // per), marked
+    # owned along dp and replicated along it; the dense tensors by every rank.
+    per = experts // world
+    holders: "dict[str, set]" = {}
+    for k, m in enumerate(fragments(cand)):
+        for e in m["tensors"]:
+            holders.setdefault(e["id"], set()).add(k)
+            if ".experts." in e["id"]:
+                assert e["owned"] == "dp" and e["layout"]["dp"] == {"kind": "replicate"}
+            else:
+                assert "owned" not in e
+    for tid, ranks in holders.items():
+        if ".experts." in tid:
+            owner = int(tid.split(".experts.")[1].split(".")[0].split("|")[0]) // per
+            assert ranks == {owner}, tid
+        else:
+            assert ranks == set(range(world)), tid
+    # The one-process reference owns nothing.
+    (ref,) = fragments(traces("ep", 1, "", dtype, **env))
+    assert not any("owned" in e for e in ref["tensors"])
+
+
+#: Each planted bug: where it must be localized — (a test on the localization, what it says).
+BUGS = {
+    # torchtitan issue 2387's class: a router's gradient never reduced over the data ranks.
+    "router-grad-not-reduced": lambda loc: loc["tensor"].endswith("feed_forward.gate.weight"
+                                                                  "|param_grad"),
+    # The load-balancing loss scaled by the wrong group's size: the router's gradient (the
+    # MoE layer's backward, in which it flows).
+    "aux-loss-wrong-group": lambda loc: (loc["pass"] == "backward"
+                                         and loc["module"] in ("layers.1.feed_forward",
+                                                               "layers.1.feed_forward.gate")),
+    # The combine: the MoE layer's output, on the rank that dropped the weights.
+    "routing-weight-not-applied": lambda loc: (loc["tensor"] == "layers.0.feed_forward"
+                                               "|fwd.output.0" and loc["rank"] == 1),
+    "wrong-permutation-back": lambda loc: loc["tensor"] == "layers.0.feed_forward|fwd.output.0",
+    # The dispatch: an expert's input, born between the router and the expert.
+    "dispatch-misrouted": lambda loc: (
+        loc["tensor"].startswith("layers.0.feed_forward.experts.")
+        and loc["tensor"].endswith("|fwd.input.0")
+        and "between module layers.0.feed_forward.gate and" in loc["detail"]),
+    # Dropped tokens: an expert's rows counted against the reference's.
+    "capacity-drops": lambda loc: (loc["tensor"].startswith("layers.0.feed_forward.experts.")
+                                   and "routing:" in loc["detail"]
+                                   and "tokens fewer" in loc["detail"]),
+    # The experts' gradients never divided by the data ranks.
+    "expert-grad-not-scaled": lambda loc: (loc["pass"] == "backward"
+                                           and ".experts." in (loc["parameter"] or "")),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("bug", sorted(BUGS))
+def test_planted_moe_bugs_are_found_where_they_are_born(traces, bug, dtype):
+    report = ttrace.check(traces("ep", 1, "", dtype), traces("ep", 2, bug, dtype))
+    assert not report.passed
+    loc = report.localization
+    assert loc is not None and BUGS[bug](loc), (bug, loc)
+
+
+def test_the_tracer_refuses_experts_it_cannot_record(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(InvalidInputError, match="list of module-name patterns"):
+        ttrace.Tracer(model, tmp_path, experts="0")  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="no module matches"):
+        ttrace.Tracer(model, tmp_path, experts=["experts.*"])
+    with pytest.raises(InvalidInputError, match="microbatches > 1"):
+        ttrace.Tracer(model, tmp_path, experts=["0"], microbatches=2)
+    with pytest.raises(InvalidInputError, match="summaries"):
+        ttrace.Tracer(model, tmp_path, experts=["0"], summaries=True)
