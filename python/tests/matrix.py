@@ -17,7 +17,9 @@ model under torchtitan's DTensor TP + SP plan, FSDP2, and both on a 2-D mesh (``
 context parallelism, DP with fused FP32 main gradients; ``handtp.py``); ``torch-pipelining`` —
 the Llama of ``llama.py`` (four layers) under torch's own pipeline schedules (GPipe, 1F1B,
 interleaved 1F1B) on two stages with four microbatches, and each stage tensor parallel or
-fully sharded (FSDP2) on a ``(pp, dp, tp)`` device mesh (``jobs.pp``).
+fully sharded (FSDP2) on a ``(pp, dp, tp)`` device mesh (``jobs.pp``); ``torch-ep`` — the
+MoE Llama of ``moe.py`` (top-k routing, SwiGLU experts) under expert parallelism, tokens
+dispatched by ``all_to_all`` to the experts' owners on two or four ranks (``jobs.ep``).
 
 Baselines, judged on the same merged tensors: ``assert_close`` — ``torch.testing.assert_close``
 with its default tolerances for the tensor's dtype, on every traced tensor; ``megatron`` — the
@@ -46,7 +48,7 @@ import ttrace  # noqa: E402
 DTYPES = ("float32", "bfloat16")
 #: Job settings that define the model rather than its parallelism: the reference runs with them.
 MODEL_SETTINGS = ("TTRACE_TEST_SEED", "TTRACE_TEST_ROPE", "TTRACE_TEST_SIZE", "TTRACE_TEST_LAYERS",
-                  "TTRACE_TEST_BATCH")
+                  "TTRACE_TEST_BATCH", "TTRACE_TEST_EXPERTS")
 #: The pipelined Llama: four layers over two stages, four microbatches of one sequence.
 PP = dict(LAYERS="4", BATCH="4", MICROBATCHES="4")
 SEEDS = (0, 1, 2)
@@ -141,6 +143,26 @@ ENGINES = [
                                  "order"),
         },
     ),
+    Engine(
+        "torch-ep", "ep", 2,
+        (_cfg("ep2-e4k2", 2), _cfg("ep4-e8k2", 4, BATCH="4", EXPERTS="8,2"),
+         _cfg("ep2-e8k1", 2, EXPERTS="8,1")),
+        {
+            "router-grad-not-reduced": ("ep2-e4k2", "torchtitan #2387: a router's gradient not "
+                                        "reduced over the data ranks"),
+            "aux-loss-wrong-group": ("ep2-e4k2", "the load-balancing loss scaled by the wrong "
+                                     "group's size"),
+            "routing-weight-not-applied": ("ep2-e4k2", "the experts' outputs combined without "
+                                           "their routing weights on one rank"),
+            "wrong-permutation-back": ("ep4-e8k2", "the experts' outputs sent back in the wrong "
+                                       "order (the inverse permutation forgotten)"),
+            "dispatch-misrouted": ("ep2-e4k2", "two experts' tokens exchanged on the way out"),
+            "capacity-drops": ("ep2-e4k2", "tokens dropped at a per-rank capacity of 3/4 of "
+                               "the mean load"),
+            "expert-grad-not-scaled": ("ep4-e8k2", "the experts' gradients never divided by "
+                                       "the data ranks"),
+        },
+    ),
 ]
 
 
@@ -197,7 +219,9 @@ def _baselines(ref: Path, cand: Path, report: ttrace.CheckReport, dtype: str,
     eps = report.eps
     close = folk = 0
     loss = report.loss_normalization or {}
-    mb_divisor = int(loss.get("divisor", 1)) if loss.get("microbatches", 1) > 1 else 1
+    # The activation gradients as the checker read them: divided where each rank's (or
+    # microbatch's) loss was settled to be its own mean.
+    divisor = int(loss.get("divisor", 1))
     ids = [r.id for r in report.rows if not r.problem]
     refs = ttrace.load_all(ref, ids)
     try:
@@ -217,9 +241,8 @@ def _baselines(ref: Path, cand: Path, report: ttrace.CheckReport, dtype: str,
             folk += 1
             continue
         a, b = refs[row.id], cands[row.id]
-        if mb_divisor > 1 and "|grad." in row.id:
-            # Read as the checker read it: each microbatch's loss its own mean.
-            b = b / mb_divisor
+        if divisor > 1 and "|grad." in row.id:
+            b = b / divisor
         if a.shape != b.shape:
             close += 1
             folk += 1

@@ -237,7 +237,7 @@ impl Manifest {
 }
 
 /// How each data-parallel rank normalized its loss, where the writer did not know (see
-/// `papers/trace-format.md`, "Loss normalization under data parallelism").
+/// `papers/trace-format.md`, the `dp_loss` field).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DpLoss {
