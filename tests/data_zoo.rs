@@ -190,6 +190,14 @@ fn zoo_slice_cross_entropy() {
     assert_slice(&[zoo::Op::CrossEntropy, zoo::Op::CrossEntropyGrad], 5, 600);
 }
 
+/// One head's attention (standard against pairwise and online forms, causal or not) on every
+/// family of queries and keys: no violation, overflow refused.
+#[test]
+fn zoo_slice_attention() {
+    use ttrace::engine::AttentionImpl;
+    assert_slice(&[zoo::Op::Attention(AttentionImpl::Standard)], 5, 150);
+}
+
 /// Masked softmax rows: a −∞ causal mask and a −1e4 additive mask are priced (finite
 /// thresholds that pass identical and correct outputs), a fully masked row is refused.
 #[test]

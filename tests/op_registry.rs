@@ -88,6 +88,19 @@ fn execute(op: Op, inputs: &[&Tensor], side: &OpSide, eps: f64) -> Option<Tensor
             let t: Vec<usize> = inputs[1].values().iter().map(|&v| v as usize).collect();
             cross_entropy_backward(inputs[0], &t, 1.0, p).unwrap()
         }
+        Op::Attention { causal } => {
+            // One head: qkv [1, n, 3d] from q, k, v [n, d].
+            let (n, d) = (inputs[0].shape()[0], inputs[0].shape()[1]);
+            let mut qkv = Vec::with_capacity(n * 3 * d);
+            for i in 0..n {
+                for t in &inputs[..3] {
+                    qkv.extend_from_slice(&t.values()[i * d..(i + 1) * d]);
+                }
+            }
+            let qkv = Tensor::from_vec(&[1, n, 3 * d], qkv, inputs[0].format()).unwrap();
+            let (o, _) = ttrace::engine::attention(&qkv, 1, causal, side.form, p).unwrap();
+            Tensor::from_vec(&[n, d], o.into_values(), p.output).unwrap()
+        }
         _ => return None,
     })
 }
@@ -192,7 +205,7 @@ fn every_op_through_the_registry_holds_against_the_engine() {
             executed += 1;
         }
     }
-    assert_eq!(executed, 13, "every op but exp and allreduce executed");
+    assert_eq!(executed, 15, "every op but exp and allreduce executed");
 }
 
 /// Operand counts outside an op's arity are refused with the variant, naming the operands.
@@ -314,7 +327,9 @@ fn ops_name_the_module_kinds_they_price() {
     assert_eq!(names(ModuleKind::Residual), ["add"]);
     assert_eq!(names(ModuleKind::Activation), ["gelu", "silu"]);
     assert_eq!(names(ModuleKind::Loss), ["cross_entropy"]);
-    for kind in [ModuleKind::Attention, ModuleKind::Embedding] {
-        assert!(names(kind).is_empty(), "{kind:?}");
-    }
+    assert_eq!(
+        names(ModuleKind::Attention),
+        ["attention", "attention:causal"]
+    );
+    assert!(names(ModuleKind::Embedding).is_empty());
 }

@@ -220,7 +220,10 @@ def test_every_op_of_the_registry_prices_through_one_entry_point():
     g = (1 + 0.1 * rng.standard_normal(64)).astype(np.float32)
     b = (0.1 * rng.standard_normal(64)).astype(np.float32)
     p, c = "in=f32,acc=f32,out=f32", "in=f32,acc=f32,out=f32,order=pairwise:4"
+    qkv = tuple(rng.standard_normal((16, 8)).astype(np.float32) for _ in range(3))
     named = {
+        "attention": (qkv, None),
+        "attention:causal": (qkv, None),
         "matmul": ((x, w), lambda: ttrace.matmul_threshold(x, w, reference=p, candidate=c)),
         "linear": ((x, w.T), lambda: ttrace.linear_threshold(x, w.T, reference=p, candidate=c)),
         "sum": ((x,), lambda: ttrace.sum_threshold(x, reference=p, candidate=c)),
@@ -328,3 +331,53 @@ def test_cross_entropy_threshold_prices_the_loss_as_pytorch_reduces_it() -> None
     with pytest.raises(ttrace.InvalidInputError) as e:
         ttrace.cross_entropy_threshold(logits, target.astype(bool), reference=p)
     assert e.value.kind == "InvalidParameter"
+
+
+def test_attention_threshold_holds_for_numpys_standard_and_online_attention():
+    """One head's attention computed by NumPy in float32 twice — the standard form (BLAS
+    products, a full-row softmax) and the online form over key blocks of 4 (running max,
+    rescaled sums) — differs by no more than the attention op's thresholds for those forms;
+    the causal variant masks, and a difference of 1e-3 of the output's norm is beyond them."""
+    rng = np.random.default_rng(11)
+    n, d = 24, 16
+    q, k, v = (rng.standard_normal((n, d)).astype(np.float32) * s for s in (2.0, 2.0, 1.0))
+    f32 = np.float32
+    scale = f32(1.0 / np.sqrt(d))
+
+    def standard(causal: bool) -> np.ndarray:
+        s = (q @ k.T) * scale
+        if causal:
+            s = np.where(np.tril(np.ones((n, n), bool)), s, f32(-np.inf))
+        e = np.exp(s - s.max(1, keepdims=True))
+        return ((e / e.sum(1, keepdims=True)) @ v).astype(f32)
+
+    def online(causal: bool, block: int = 4) -> np.ndarray:
+        out = np.zeros((n, d), f32)
+        for i in range(n):
+            m, l, o = f32(-np.inf), f32(0), np.zeros(d, f32)
+            for j0 in range(0, (i + 1) if causal else n, block):
+                j1 = min(j0 + block, (i + 1) if causal else n)
+                s = (k[j0:j1] @ q[i]) * scale
+                mb = s.max()
+                e = np.exp(s - mb)
+                m_new = max(m, mb)
+                a, b = np.exp(f32(m - m_new)), np.exp(f32(mb - m_new))
+                l = l * a + e.sum() * b
+                o = o * a + (e @ v[j0:j1]) * b
+                m = m_new
+            out[i] = o / l
+        return out
+
+    side = "in=f32,acc=f32,out=f32"
+    for causal in (False, True):
+        op = "attention:causal" if causal else "attention"
+        observed = float(np.linalg.norm(standard(causal).astype(np.float64)
+                                        - online(causal).astype(np.float64)))
+        for guaranteed in (False, True):
+            t = ttrace.threshold(op, (q, k, v), reference=side,
+                                 candidate=side + ",form=online:4", guaranteed=guaranteed)
+            assert 0 < observed <= t.abs_frobenius, (op, guaranteed, observed, t.abs_frobenius)
+            # A difference of 1e-3 of the output's norm is beyond both.
+            assert t.abs_frobenius < 1e-3 * float(np.linalg.norm(standard(causal)))
+    # Causality changes the output: the two ops price different tensors.
+    assert np.linalg.norm(standard(True) - standard(False)) > 1.0

@@ -218,10 +218,12 @@ def threshold(
     ``allreduce`` (one partial tensor per rank); ``softmax`` ``(x,)``; ``layernorm``
     ``(x, weight[, bias])``; ``rmsnorm`` ``(x, weight)``; ``add`` ``(x, y)``; ``scale:C``,
     ``gelu``, ``silu``, ``exp`` ``(x,)``; ``cross_entropy`` and ``cross_entropy_grad``
-    ``(logits, target)``, integer targets (:func:`cross_entropy_threshold`).
+    ``(logits, target)``, integer targets (:func:`cross_entropy_threshold`); ``attention``
+    and ``attention:causal`` ``(q, k, v)``, one head's ``softmax(q·kᵀ/√d)·v`` (q [m, d],
+    k [n, d], v [n, dv]; causal: torch's ``is_causal``), each side in its ``form``.
 
     ``reference`` / ``candidate`` (default: the reference) are policy texts with two more
-    keys the policy does not hold: ``form=standard|online:B`` (softmax) and
+    keys the policy does not hold: ``form=standard|online:B`` (softmax, attention) and
     ``variance=twopass|welford|onepass`` (LayerNorm). ``eps``: the normalizations' ε;
     ``pricing`` as for :func:`matmul_threshold`. Every op goes through the library's one op
     registry, as ``ttrace threshold OP`` does.

@@ -28,6 +28,7 @@
 //! Conventions: u = 2^-p is the unit roundoff everywhere; δ is the failure probability of a
 //! probabilistic threshold. Derivations and sources: `papers/bounds-reductions.md`.
 
+pub(crate) mod attention;
 pub(crate) mod baselines;
 pub(crate) mod compare;
 pub(crate) mod cross_entropy;
@@ -40,6 +41,7 @@ pub(crate) mod ops;
 pub(crate) mod reduction;
 pub(crate) mod softmax;
 
+pub use attention::attention_threshold;
 pub use baselines::{
     baselines_for, megatron_ttrace, torch_assert_close, transformer_engine_fp8, Baseline,
     BaselineRule,

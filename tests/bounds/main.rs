@@ -15,6 +15,7 @@ use ttrace::engine::{matmul, SplitMix64};
 use ttrace::{exact_sum, sum, Accumulation, BlockSum, Combine, Format, Order, Overflow, Products};
 use ttrace::{Policy, Scaling, Tensor};
 
+mod attention;
 mod ops;
 mod pricing;
 

@@ -14,14 +14,14 @@
 #![allow(dead_code)]
 
 use ttrace::bounds::{
-    allreduce_threshold, cross_entropy_grad_threshold, cross_entropy_threshold,
-    elementwise_threshold, matmul_threshold, matmul_threshold_priced, norm_threshold,
-    reduction_error, softmax_threshold, sum_threshold, sum_threshold_priced, Confidence,
-    Elementwise, NormData, NormOp, NormSide, Pricing, Threshold,
+    allreduce_threshold, attention_threshold, cross_entropy_grad_threshold,
+    cross_entropy_threshold, elementwise_threshold, matmul_threshold, matmul_threshold_priced,
+    norm_threshold, reduction_error, softmax_threshold, sum_threshold, sum_threshold_priced,
+    Confidence, Elementwise, NormData, NormOp, NormSide, Pricing, Threshold,
 };
 use ttrace::engine::{
-    add, cross_entropy, cross_entropy_backward, gelu, layer_norm, matmul, online_softmax, rms_norm,
-    scale, silu, softmax, AttentionImpl, SplitMix64, Variance,
+    add, attention, cross_entropy, cross_entropy_backward, gelu, layer_norm, matmul,
+    online_softmax, rms_norm, scale, silu, softmax, AttentionImpl, SplitMix64, Variance,
 };
 use ttrace::{sum, BlockSum, Combine, Error, Format, Order, Overflow, Products};
 use ttrace::{Policy, Scaling, Tensor};
@@ -60,6 +60,9 @@ pub enum Op {
     CrossEntropy,
     /// Its gradient in the logits (upstream gradient 1).
     CrossEntropyGrad,
+    /// One head's attention of `rows` tokens, head dimension k: Q and K from the family, V
+    /// Gaussian; every other trial causal (each side's form in the pair's ops).
+    Attention(AttentionImpl),
 }
 
 impl Op {
@@ -80,6 +83,8 @@ impl Op {
             Op::RmsNorm => "rmsnorm".into(),
             Op::CrossEntropy => "cross-entropy".into(),
             Op::CrossEntropyGrad => "cross-entropy grad".into(),
+            Op::Attention(AttentionImpl::Standard) => "attention".into(),
+            Op::Attention(AttentionImpl::Online { block }) => format!("online attention({block})"),
         }
     }
 }
@@ -223,6 +228,44 @@ pub fn pairs(op: Op) -> Vec<Pair> {
                 f16.clone(),
                 f16.with_order(Order::Pairwise { base: 8 }),
             ));
+        }
+        Op::Attention(_) => {
+            let (std, online) = (AttentionImpl::Standard, |block| AttentionImpl::Online {
+                block,
+            });
+            for (input, out_f) in [
+                (Format::BF16, Format::BF16),
+                (Format::BF16, Format::F32),
+                (Format::F32, Format::F32),
+            ] {
+                let base = Policy::new(input, Format::F32, out_f);
+                let pw = |b| base.clone().with_order(Order::Pairwise { base: b });
+                for (name, rf, r, cf, c) in [
+                    ("standard seq vs pairwise(8)", std, base.clone(), std, pw(8)),
+                    (
+                        "standard vs online(16)",
+                        std,
+                        base.clone(),
+                        online(16),
+                        base.clone(),
+                    ),
+                    (
+                        "online(8) pairwise(4) vs online(32)",
+                        online(8),
+                        pw(4),
+                        online(32),
+                        base.clone(),
+                    ),
+                ] {
+                    out.push(Pair {
+                        name: format!("{input}->{out_f} {name}"),
+                        reference: r,
+                        candidate: c,
+                        ref_op: Op::Attention(rf),
+                        cand_op: Op::Attention(cf),
+                    });
+                }
+            }
         }
         Op::Softmax(_) => {
             for out_f in [Format::F32, Format::BF16] {
@@ -412,6 +455,18 @@ pub fn threshold(
         }
         Op::CrossEntropy => cross_entropy_threshold(x, &targets(x)?, r, c, conf),
         Op::CrossEntropyGrad => cross_entropy_grad_threshold(x, &targets(x)?, 1.0, r, c, conf),
+        Op::Attention(rf) => {
+            let Op::Attention(cf) = op_c else {
+                unreachable!()
+            };
+            let (k, v) = attention_kv(b)?;
+            let side = |p: &Policy, form| {
+                let mut s = ttrace::bounds::OpSide::new(p.clone());
+                s.form = form;
+                s
+            };
+            attention_threshold(x, &k, &v, causal(x), &side(r, rf), &side(c, cf), conf)
+        }
         Op::LayerNorm(_) | Op::RmsNorm => {
             let n = *x.shape().last().unwrap();
             let w = Tensor::from_vec(&[n], vec![1.0; n], Format::F32)?;
@@ -500,7 +555,42 @@ pub fn execute(op: Op, x: &Tensor, b: &Tensor, p: &Policy) -> ttrace::Result<Vec
         }
         Op::CrossEntropy => cross_entropy(x, &targets(x)?, p)?.into_values(),
         Op::CrossEntropyGrad => cross_entropy_backward(x, &targets(x)?, 1.0, p)?.into_values(),
+        Op::Attention(form) => {
+            // The engine's attention of one head: qkv [1, rows, 3k].
+            let (k, v) = attention_kv(b)?;
+            let rows = x.len() / n;
+            let mut qkv = Vec::with_capacity(rows * 3 * n);
+            for i in 0..rows {
+                for t in [x, &k, &v] {
+                    qkv.extend_from_slice(&t.values()[i * n..(i + 1) * n]);
+                }
+            }
+            let qkv = Tensor::from_vec(&[1, rows, 3 * n], qkv, x.format())?;
+            attention(&qkv, 1, causal(x), form, p)?.0.into_values()
+        }
     })
+}
+
+/// Attention's K and V, stored side by side in the trial's second operand [rows, 2k].
+fn attention_kv(b: &Tensor) -> ttrace::Result<(Tensor, Tensor)> {
+    let (rows, two_k) = (b.shape()[0], b.shape()[1]);
+    let k = two_k / 2;
+    let half = |h: usize| -> ttrace::Result<Tensor> {
+        let v = (0..rows)
+            .flat_map(|i| b.values()[i * two_k + h * k..i * two_k + (h + 1) * k].to_vec())
+            .collect();
+        Tensor::from_vec(&[rows, k], v, b.format())
+    };
+    Ok((half(0)?, half(1)?))
+}
+
+/// Whether a trial's attention is causal: by a hash of its queries (every other trial).
+fn causal(q: &Tensor) -> bool {
+    q.values()
+        .iter()
+        .fold(0u64, |h, v| h.wrapping_mul(31) ^ v.to_bits())
+        % 2
+        == 1
 }
 
 /// The cross-entropy's targets: per row a class among its finite logits, drawn from a hash of
@@ -561,6 +651,20 @@ pub fn trial(
                 Tensor::from_vec(&[k, n], bv, input)?,
             )
         }
+        Op::Attention(_) => {
+            let q = generate(family, rows, k, seed, input, acc);
+            let kk = generate(family, rows, k, seed ^ 0x4b, input, acc);
+            let v = generate(Family::Gaussian, rows, k, seed ^ 0x56, input, acc);
+            let mut kv = Vec::with_capacity(rows * 2 * k);
+            for i in 0..rows {
+                kv.extend_from_slice(&kk[i * k..(i + 1) * k]);
+                kv.extend_from_slice(&v[i * k..(i + 1) * k]);
+            }
+            (
+                Tensor::from_vec(&[rows, k], q, input)?,
+                Tensor::from_vec(&[rows, 2 * k], kv, input)?,
+            )
+        }
         Op::Elementwise(_) => {
             let v = generate(family, rows, k, seed, input, acc);
             let y = generate(Family::Gaussian, rows, k, seed ^ 0x5eed, input, acc);
@@ -578,7 +682,9 @@ pub fn trial(
         }
     };
     let (op_r, op_c) = match op {
-        Op::Softmax(_) | Op::LayerNorm(_) | Op::RmsNorm => (pair.ref_op, pair.cand_op),
+        Op::Softmax(_) | Op::LayerNorm(_) | Op::RmsNorm | Op::Attention(_) => {
+            (pair.ref_op, pair.cand_op)
+        }
         _ => (op, op),
     };
     let r = execute(op_r, &x, &b, &pair.reference)?;

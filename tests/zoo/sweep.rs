@@ -116,6 +116,7 @@ pub fn ops() -> Vec<Op> {
         Op::RmsNorm,
         Op::CrossEntropy,
         Op::CrossEntropyGrad,
+        Op::Attention(AttentionImpl::Standard),
     ]
 }
 

@@ -11,6 +11,7 @@ use std::str::FromStr;
 
 use serde::Serialize;
 
+use crate::bounds::attention::AttentionModel;
 use crate::bounds::compare::{Confidence, Threshold};
 use crate::bounds::cross_entropy::CrossEntropyModel;
 use crate::bounds::elementwise::{Elementwise, ElementwiseModel};
@@ -29,7 +30,8 @@ pub use model::{OpModel, OpOptions, OpSide, Operand, OperandRole};
 ///
 /// Its text ([`FromStr`], [`Display`](fmt::Display)) is what the command line and Python
 /// take: `matmul`, `linear`, `sum`, `mean`, `allreduce`, `softmax`, `layernorm`, `rmsnorm`,
-/// `add`, `scale:C`, `gelu`, `silu`, `exp`, `cross_entropy`, `cross_entropy_grad`.
+/// `add`, `scale:C`, `gelu`, `silu`, `exp`, `cross_entropy`, `cross_entropy_grad`, `attention`,
+/// `attention:causal`.
 ///
 /// # Examples
 ///
@@ -69,11 +71,17 @@ pub enum Op {
     /// The gradient of that loss in the logits (rows × vocab), the upstream gradient 1:
     /// operands `logits`, `target`.
     CrossEntropyGrad,
+    /// One head's scaled dot-product attention softmax(QKᵀ/√d + mask)·V: operands `q`
+    /// (m × d), `k` (n × d), `v` (n × dv); `causal`: key j masked for query i when j > i.
+    Attention {
+        /// torch's `is_causal`.
+        causal: bool,
+    },
 }
 
 impl Op {
     /// Every op's text (`scale:C` for the scale family).
-    pub const NAMES: [&'static str; 15] = [
+    pub const NAMES: [&'static str; 17] = [
         "matmul",
         "linear",
         "sum",
@@ -89,6 +97,8 @@ impl Op {
         "exp",
         "cross_entropy",
         "cross_entropy_grad",
+        "attention",
+        "attention:causal",
     ];
 
     /// The op's model, through which everything below dispatches.
@@ -105,6 +115,7 @@ impl Op {
             Op::Elementwise(e) => Box::new(ElementwiseModel(e)),
             Op::CrossEntropy => Box::new(CrossEntropyModel { gradient: false }),
             Op::CrossEntropyGrad => Box::new(CrossEntropyModel { gradient: true }),
+            Op::Attention { causal } => Box::new(AttentionModel { causal }),
         }
     }
 
@@ -129,7 +140,8 @@ impl Op {
 
     /// The ops whose model prices what a traced module of `kind` computes (its
     /// [`OpModel::module_kinds`]), in [`Op::NAMES`] order: `norm` → `layernorm`, `rmsnorm`;
-    /// `loss` → `cross_entropy`; `attention` and `embedding` have none yet.
+    /// `loss` → `cross_entropy`; `attention` → `attention`, `attention:causal`; `embedding`
+    /// has none yet.
     pub fn for_module(kind: ModuleKind) -> Vec<Op> {
         Op::NAMES
             .iter()
@@ -158,6 +170,8 @@ impl fmt::Display for Op {
             Op::Elementwise(Elementwise::Exp) => f.write_str("exp"),
             Op::CrossEntropy => f.write_str("cross_entropy"),
             Op::CrossEntropyGrad => f.write_str("cross_entropy_grad"),
+            Op::Attention { causal: false } => f.write_str("attention"),
+            Op::Attention { causal: true } => f.write_str("attention:causal"),
         }
     }
 }
@@ -197,6 +211,8 @@ impl FromStr for Op {
             "exp" => Op::Elementwise(Elementwise::Exp),
             "cross_entropy" => Op::CrossEntropy,
             "cross_entropy_grad" => Op::CrossEntropyGrad,
+            "attention" => Op::Attention { causal: false },
+            "attention:causal" => Op::Attention { causal: true },
             other => {
                 // The ops are listed in `Op::NAMES` (the command line's help, the Python
                 // docstrings).
@@ -224,7 +240,8 @@ impl Serialize for Op {
 /// [`norm_threshold`](crate::bounds::norm_threshold),
 /// [`elementwise_threshold`](crate::bounds::elementwise_threshold),
 /// [`cross_entropy_threshold`](crate::bounds::cross_entropy_threshold),
-/// [`cross_entropy_grad_threshold`](crate::bounds::cross_entropy_grad_threshold)), whose
+/// [`cross_entropy_grad_threshold`](crate::bounds::cross_entropy_grad_threshold),
+/// [`attention_threshold`](crate::bounds::attention_threshold)), whose
 /// documentation states its assumptions and sources.
 ///
 /// # Errors

@@ -1,0 +1,146 @@
+//! Attention thresholds against the engine's attention (`engine::attention`: standard and
+//! online forms, any order), on one head of Q, K, V drawn from the bound tests' families
+//! scaled to soft and peaked softmax rows: the observed ‖O_c − O_r‖_F never exceeds the
+//! probabilistic threshold (δ = 10⁻⁶) nor the guaranteed one; identical executions are priced
+//! at zero; mismatched sides and shapes are refused with their variants.
+
+use super::*;
+use ttrace::bounds::{attention_threshold, OpSide};
+use ttrace::engine::attention;
+
+/// The engine's attention of one head: qkv [1, n, 3d] from q, k, v [n, d].
+fn run(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, side: &OpSide) -> Tensor {
+    let (n, d) = (q.shape()[0], q.shape()[1]);
+    let mut qkv = Vec::with_capacity(n * 3 * d);
+    for i in 0..n {
+        for t in [q, k, v] {
+            qkv.extend_from_slice(&t.values()[i * d..(i + 1) * d]);
+        }
+    }
+    let qkv = Tensor::from_vec(&[1, n, 3 * d], qkv, q.format()).unwrap();
+    attention(&qkv, 1, causal, side.form, &side.policy)
+        .unwrap()
+        .0
+}
+
+fn side(text: &str) -> OpSide {
+    text.parse().unwrap()
+}
+
+#[test]
+fn attention_thresholds_hold_against_the_engine() {
+    let pairs = [
+        ("", "order=pairwise:8"),
+        ("", "form=online:16"),
+        ("order=pairwise:4,form=online:8", "form=online:32"),
+        ("form=online:64", "order=blocked:16,form=online:16"),
+    ];
+    let (mut trials, mut worst, mut worst_g) = (0, 0.0f64, 0.0f64);
+    for t in 0..48u64 {
+        let n = [16, 64, 160][(t % 3) as usize];
+        let d = [16, 64][((t / 3) % 2) as usize];
+        let kind = (t % 5) as u8;
+        // Scores of about ±1, ±4 and ±12 times the family's spread: soft to peaked rows.
+        let gain = [1.0, 2.0, 3.5][((t / 6) % 3) as usize];
+        let (formats, out) = if t % 4 == 3 {
+            ("in=f32,acc=f32", "f32")
+        } else if t % 2 == 0 {
+            ("in=bf16,acc=f32", "bf16")
+        } else {
+            ("in=bf16,acc=f32", "f32")
+        };
+        let input = if formats.contains("bf16") {
+            Format::BF16
+        } else {
+            Format::F32
+        };
+        let tensor = |s: u64, g: f64| {
+            let v = data(n * d, 3 * t + s, kind, input)
+                .into_iter()
+                .map(|x| {
+                    input.round(
+                        x * g / if kind == 4 { 100.0 } else { 1.0 },
+                        Overflow::Saturating,
+                    )
+                })
+                .collect();
+            Tensor::from_vec(&[n, d], v, input).unwrap()
+        };
+        let (q, k, v) = (tensor(0, gain), tensor(1, gain), tensor(2, 1.0));
+        let causal = t % 2 == 1;
+        for (r, c) in pairs {
+            let r = side(&format!("{formats},out={out},{r}"));
+            let c = side(&format!("{formats},out={out},{c}"));
+            let obs = frob(
+                run(&q, &k, &v, causal, &r).values(),
+                run(&q, &k, &v, causal, &c).values(),
+            );
+            let p = attention_threshold(
+                &q,
+                &k,
+                &v,
+                causal,
+                &r,
+                &c,
+                Confidence::default_probabilistic(),
+            )
+            .unwrap();
+            let g =
+                attention_threshold(&q, &k, &v, causal, &r, &c, Confidence::Guaranteed).unwrap();
+            assert!(
+                obs <= p.abs_frobenius,
+                "trial {t} n={n} d={d} kind={kind} gain={gain} {r} vs {c}: {obs:e} > {:e}",
+                p.abs_frobenius
+            );
+            assert!(
+                obs <= g.abs_frobenius,
+                "guaranteed: {obs:e} > {:e}",
+                g.abs_frobenius
+            );
+            assert!(p.abs_frobenius <= g.abs_frobenius * (1.0 + 1e-12));
+            if p.abs_frobenius > 0.0 {
+                worst = worst.max(obs / p.abs_frobenius);
+                worst_g = worst_g.max(obs / g.abs_frobenius);
+            }
+            trials += 1;
+        }
+    }
+    eprintln!(
+        "attention: {trials} comparisons, largest observed / threshold = {worst:.3} \
+         (guaranteed {worst_g:.3})"
+    );
+    // Tight enough to be useful: some comparison uses a tenth of its threshold.
+    assert!(worst > 0.1, "{worst}");
+}
+
+#[test]
+fn identical_attention_is_priced_at_zero_and_bad_sides_are_refused() {
+    let x = |s: u64| Tensor::from_vec(&[8, 4], data(32, s, 0, Format::BF16), Format::BF16).unwrap();
+    let (q, k, v) = (x(1), x(2), x(3));
+    let s = side("in=bf16,acc=f32,out=bf16,form=online:4");
+    let conf = Confidence::default_probabilistic();
+    let t = attention_threshold(&q, &k, &v, true, &s, &s, conf).unwrap();
+    assert!(t.identical && t.abs_frobenius == 0.0);
+    let other = side("in=bf16,acc=f32,out=f32");
+    assert!(matches!(
+        attention_threshold(&q, &k, &v, false, &s, &other, conf),
+        Err(ttrace::Error::InvalidParameter { .. })
+    ));
+    let wide = side("in=bf16,acc=f64,out=bf16");
+    assert!(matches!(
+        attention_threshold(&q, &k, &v, false, &wide, &wide.clone(), conf),
+        Err(ttrace::Error::InvalidParameter { .. })
+    ));
+    let short = Tensor::from_vec(&[4, 4], data(16, 9, 0, Format::BF16), Format::BF16).unwrap();
+    assert!(matches!(
+        attention_threshold(&q, &short, &v, false, &s, &s, conf),
+        Err(ttrace::Error::ShapeMismatch { .. })
+    ));
+    let mut bad = q.values().to_vec();
+    bad[5] = f64::NAN;
+    let bad = Tensor::from_vec(&[8, 4], bad, Format::F64).unwrap();
+    assert!(matches!(
+        attention_threshold(&bad, &k, &v, false, &s, &s, conf),
+        Err(ttrace::Error::NonFinite { .. })
+    ));
+}
