@@ -360,8 +360,13 @@ impl Side {
         // numerators that underflow, the probabilities rounded to I, P·V's products and sums.
         let vmax = row.v.iter().fold(0.0f64, |a, &b| a.max(b.abs()));
         let floor = (n + 3.0 * nb + 2.0) * self.tiny * (vmax + 1.0);
-        let g = w * exponent.exp_m1() + floor;
-        let second = w * (exponent.exp_m1() - exponent) + floor;
+        // Whatever the scores, O is a weighted mean of V's rows on both sides (the computed
+        // weights summing to 1 within the roundings after the scores): |O_c − O| is at most
+        // max|V_jl| times 1 + that sum.
+        let vcol = (0..row.keys).fold(0.0f64, |a, j| a.max(row.v[j * row.o.len() + l].abs()));
+        let cap = vcol * (1.0 + (numer + denom + pv).exp()) + floor;
+        let g = (w * exponent.exp_m1() + floor).min(cap);
+        let second = (w * (exponent.exp_m1() - exponent) + floor).min(cap);
         // Probabilistic (first order).
         let (mut v_s, mut v_n, mut v_max) = (0.0, 0.0, 0.0f64);
         for (j, &pj) in row.p.iter().enumerate() {

@@ -268,27 +268,15 @@ impl TraceDir {
                     ),
                 ));
             }
-            if let Some(owner) = owner_of(&manifest, id, &slots).map_err(|e| ferr(&mpath, e))? {
-                let ks: Vec<usize> = slots.into_iter().map(|(_, k)| k).collect();
-                settle_guesses(&mut manifest.tensors, &ks);
-                let l0 = &manifest.tensors[ks[0]].layout;
-                if ks.iter().any(|&k| manifest.tensors[k].layout != *l0) {
-                    return Err(ferr(
-                        &mpath,
-                        format!("tensor {}: ranks declare different layouts", printable(id)),
-                    ));
-                }
-                owners.insert(id.clone(), owner);
-                complete.insert(id.clone(), ks);
-                continue;
-            }
-            if slots.len() < world && id.ends_with("|param_grad") {
+            // Held by one coordinate of an axis: its entries are exactly that coordinate's.
+            let owner = owner_of(&manifest, id, &slots).map_err(|e| ferr(&mpath, e))?;
+            if owner.is_none() && slots.len() < world && id.ends_with("|param_grad") {
                 let have: Vec<usize> = slots.iter().map(|(r, _)| *r).collect();
                 let missing = (0..world).filter(|r| !have.contains(r)).collect();
                 incomplete.insert(id.clone(), missing);
                 continue;
             }
-            if slots.len() < world {
+            if owner.is_none() && slots.len() < world {
                 let r = slots
                     .iter()
                     .enumerate()
@@ -307,6 +295,9 @@ impl TraceDir {
                     &mpath,
                     format!("tensor {}: ranks declare different layouts", printable(id)),
                 ));
+            }
+            if let Some(owner) = owner {
+                owners.insert(id.clone(), owner);
             }
             complete.insert(id.clone(), ks);
         }
