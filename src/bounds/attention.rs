@@ -59,8 +59,7 @@
 //! an FP8 scaling recipe is refused.
 
 use crate::bounds::compare::{Confidence, ElementDiff, Threshold, ThresholdSums};
-use crate::bounds::op::model::Gain;
-use crate::bounds::op::{OpModel, OpOptions, OpSide, Operand, OperandRole};
+use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
 use crate::error::{Error, Result};
 use crate::format::Format;
 use crate::policy::{AttentionImpl, Policy, Scaling};
