@@ -92,8 +92,15 @@ BUGS = {
 }
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("bug", sorted(BUGS))
+#: Every bug in FP32; in BF16 (the matrix runs all of them in both) the three whose BF16
+#: margins are the smallest: the load-balancing loss (1.4×), the dispatch (26×) and the
+#: combine's weights (314×).
+CASES = [(b, "float32") for b in sorted(BUGS)] + [
+    (b, "bfloat16") for b in ("aux-loss-wrong-group", "dispatch-misrouted",
+                              "routing-weight-not-applied")]
+
+
+@pytest.mark.parametrize("bug,dtype", CASES)
 def test_planted_moe_bugs_are_found_where_they_are_born(traces, bug, dtype):
     report = ttrace.check(traces("ep", 1, "", dtype), traces("ep", 2, bug, dtype))
     assert not report.passed
