@@ -237,26 +237,37 @@ fn check_sides(r: &Policy, c: &Policy, rf: AttentionImpl, cf: AttentionImpl) -> 
 }
 
 /// One query row's exact quantities.
-struct Row {
+struct Row<'a> {
     /// Probabilities of the unmasked keys.
     p: Vec<f64>,
     /// Scores minus the row's maximum (≤ 0).
     shifted: Vec<f64>,
     /// s·Σ_t |q_t k_jt| per key.
     t: Vec<f64>,
-    /// The keys' value rows (unmasked), borrowed as offsets into V.
-    v: Vec<f64>,
+    /// The unmasked keys' value rows ([keys, dv], borrowed from V).
+    v: &'a [f64],
     /// O and W = Σ_j P_j |V_jl| per column.
     o: Vec<f64>,
     w: Vec<f64>,
     /// The score range (max − min).
     range: f64,
+    /// The largest T and the largest |V| of the row's keys.
+    tmax: f64,
+    vmax: f64,
     keys: usize,
 }
 
-impl Row {
+impl<'a> Row<'a> {
     #[allow(clippy::too_many_arguments)]
-    fn exact(q: &[f64], k: &[f64], v: &[f64], keys: usize, d: usize, dv: usize, scale: f64) -> Row {
+    fn exact(
+        q: &[f64],
+        k: &[f64],
+        v: &'a [f64],
+        keys: usize,
+        d: usize,
+        dv: usize,
+        scale: f64,
+    ) -> Row<'a> {
         let mut s = Vec::with_capacity(keys);
         let mut t = Vec::with_capacity(keys);
         for j in 0..keys {
@@ -270,7 +281,7 @@ impl Row {
         let e: Vec<f64> = shifted.iter().map(|x| x.exp()).collect();
         let l: f64 = e.iter().sum();
         let p: Vec<f64> = e.iter().map(|x| x / l).collect();
-        let vrows = v[..keys * dv].to_vec();
+        let vrows = &v[..keys * dv];
         let (mut o, mut w) = (vec![0.0; dv], vec![0.0; dv]);
         for (j, pj) in p.iter().enumerate() {
             for c in 0..dv {
@@ -282,7 +293,9 @@ impl Row {
         Row {
             p,
             shifted,
+            tmax: t.iter().fold(0.0f64, |a, &b| a.max(b)),
             t,
+            vmax: vrows.iter().fold(0.0f64, |a, &b| a.max(b.abs())),
             v: vrows,
             o,
             w,
@@ -337,8 +350,7 @@ impl Side {
         let (o, w) = (row.o[l], row.w[l]);
         // Guaranteed: every factor as a bound on |log| of it (a rounding (1 + δ), |δ| ≤ a, by
         // a/(1 − a); an absolute error e of an exponent by e itself).
-        let tmax = row.t.iter().fold(0.0f64, |a, &b| a.max(b));
-        let delta = gamma(d as f64 + 2.0) * tmax;
+        let delta = gamma(d as f64 + 2.0) * row.tmax;
         // The computed scores' range, which the subtractions S − m see.
         let r = r + 2.0 * delta;
         let lu = lift(u);
@@ -357,8 +369,7 @@ impl Side {
         let exponent = 2.0 * delta + numer + denom + pv;
         // Roundings below the normal range err absolutely (by half a subnormal step): the
         // numerators that underflow, the probabilities rounded to I, P·V's products and sums.
-        let vmax = row.v.iter().fold(0.0f64, |a, &b| a.max(b.abs()));
-        let floor = (n + 3.0 * nb + 2.0) * self.tiny * (vmax + 1.0);
+        let floor = (n + 3.0 * nb + 2.0) * self.tiny * (row.vmax + 1.0);
         // Whatever the scores, O is a weighted mean of V's rows on both sides (the computed
         // weights summing to 1 within the roundings after the scores): |O_c − O| is at most
         // max|V_jl| times 1 + that sum.
