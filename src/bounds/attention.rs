@@ -105,6 +105,32 @@ pub fn attention_threshold(
     candidate: &OpSide,
     confidence: Confidence,
 ) -> Result<Threshold> {
+    let (m, _) = matrix(q, "q")?;
+    let (_, dv) = matrix(v, "v")?;
+    let mut sums = ThresholdSums::new(confidence, m * dv);
+    let (norm, same) = add_head(q, k, v, causal, (reference, candidate), &mut sums)?;
+    if same {
+        return Ok(Threshold::identical(confidence, norm, m * dv));
+    }
+    Ok(sums.threshold(norm))
+}
+
+/// Add one head's rows to `sums` (each row one cluster: [`attention_threshold`]'s model) and
+/// return ‖O‖_F of the head and whether the two sides execute identically (then nothing is
+/// added). The checker prices an attention site's heads into one tensor threshold this way
+/// (`check::attention_site`).
+///
+/// # Errors
+///
+/// [`attention_threshold`]'s.
+pub(crate) fn add_head(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    causal: bool,
+    (reference, candidate): (&OpSide, &OpSide),
+    sums: &mut ThresholdSums,
+) -> Result<(f64, bool)> {
     let (m, d) = matrix(q, "q")?;
     let (n, dk) = matrix(k, "k")?;
     let (nv, dv) = matrix(v, "v")?;
@@ -136,7 +162,6 @@ pub fn attention_threshold(
     let acc = rp.accumulator();
     let scale = acc.round(1.0 / (d as f64).sqrt(), rp.accumulation.overflow);
     let same = rp.same_execution(cp) && reference.form == candidate.form;
-    let mut sums = ThresholdSums::new(confidence, m * dv);
     let mut norm2 = 0.0;
     let sides = [Side::of(rp, reference.form), Side::of(cp, candidate.form)];
     let mut members: Vec<(ElementDiff, usize)> = Vec::with_capacity(dv);
@@ -184,10 +209,32 @@ pub fn attention_threshold(
             sums.add_cluster(&members);
         }
     }
-    if same {
-        return Ok(Threshold::identical(confidence, norm2.sqrt(), m * dv));
+    Ok((norm2.sqrt(), same))
+}
+
+/// One head's attention computed in f64 from its operands' values (`q` [m, d], `k` [n, d],
+/// `v` [n, dv], row-major; scale 1/√d; `causal` as in [`attention_threshold`]): O [m, dv], the
+/// exact output up to f64's roundings. The checker measures with it the difference two runs'
+/// inputs carry into an attention core (`check::attention_site`).
+pub(crate) fn exact_attention(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    (m, n): (usize, usize),
+    (d, dv): (usize, usize),
+    causal: bool,
+) -> Vec<f64> {
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut out = Vec::with_capacity(m * dv);
+    for i in 0..m {
+        let keys = if causal { (i + 1).min(n) } else { n };
+        if keys == 0 {
+            out.extend(std::iter::repeat_n(f64::NAN, dv));
+            continue;
+        }
+        out.extend(Row::exact(&q[i * d..(i + 1) * d], k, v, keys, d, dv, scale).o);
     }
-    Ok(sums.threshold(norm2.sqrt()))
+    out
 }
 
 /// The rows and columns of a matrix operand.
@@ -244,11 +291,20 @@ struct Row<'a> {
     shifted: Vec<f64>,
     /// s·Σ_t |q_t k_jt| per key.
     t: Vec<f64>,
+    /// s·max(Σ_t (q_t k_jt)⁺, Σ_t (q_t k_jt)⁻) per key: the largest a partial sum of the dot
+    /// can be, in any order.
+    tpm: Vec<f64>,
+    /// Σ_t (s·q_t k_jt)² + S_j² per key: the products' and the scale's rounding variances
+    /// (in units of u²/3).
+    own: Vec<f64>,
     /// The unmasked keys' value rows ([keys, dv], borrowed from V).
     v: &'a [f64],
     /// O and W = Σ_j P_j |V_jl| per column.
     o: Vec<f64>,
     w: Vec<f64>,
+    /// max(Σ_j (P_j V_jl)⁺, Σ_j (P_j V_jl)⁻) per column: the largest a partial sum of P·V can
+    /// be, in any order.
+    wpm: Vec<f64>,
     /// The score range (max − min).
     range: f64,
     /// The largest T and the largest |V| of the row's keys.
@@ -270,10 +326,25 @@ impl<'a> Row<'a> {
     ) -> Row<'a> {
         let mut s = Vec::with_capacity(keys);
         let mut t = Vec::with_capacity(keys);
+        let mut tpm = Vec::with_capacity(keys);
+        let mut own = Vec::with_capacity(keys);
         for j in 0..keys {
             let kj = &k[j * d..(j + 1) * d];
-            s.push(scale * q.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>());
-            t.push(scale * q.iter().zip(kj).map(|(a, b)| (a * b).abs()).sum::<f64>());
+            let (mut dot, mut pos, mut neg, mut sq) = (0.0, 0.0, 0.0, 0.0);
+            for (a, b) in q.iter().zip(kj) {
+                let x = a * b;
+                dot += x;
+                sq += x * x;
+                if x > 0.0 {
+                    pos += x;
+                } else {
+                    neg -= x;
+                }
+            }
+            s.push(scale * dot);
+            t.push(scale * (pos + neg));
+            tpm.push(scale * pos.max(neg));
+            own.push(scale * scale * (sq + dot * dot));
         }
         let max = s.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
         let min = s.iter().fold(f64::INFINITY, |a, &b| a.min(b));
@@ -283,22 +354,32 @@ impl<'a> Row<'a> {
         let p: Vec<f64> = e.iter().map(|x| x / l).collect();
         let vrows = &v[..keys * dv];
         let (mut o, mut w) = (vec![0.0; dv], vec![0.0; dv]);
+        let (mut pos, mut neg) = (vec![0.0; dv], vec![0.0; dv]);
         for (j, pj) in p.iter().enumerate() {
             for c in 0..dv {
-                let x = vrows[j * dv + c];
-                o[c] += pj * x;
-                w[c] += pj * x.abs();
+                let x = pj * vrows[j * dv + c];
+                o[c] += x;
+                w[c] += x.abs();
+                if x > 0.0 {
+                    pos[c] += x;
+                } else {
+                    neg[c] -= x;
+                }
             }
         }
+        let wpm = pos.iter().zip(&neg).map(|(a, b)| a.max(*b)).collect();
         Row {
             p,
             shifted,
             tmax: t.iter().fold(0.0f64, |a, &b| a.max(b)),
             t,
+            tpm,
+            own,
             vmax: vrows.iter().fold(0.0f64, |a, &b| a.max(b.abs())),
             v: vrows,
             o,
             w,
+            wpm,
             range: if keys > 0 { max - min } else { 0.0 },
             keys,
         }
@@ -377,26 +458,35 @@ impl Side {
         let cap = vcol * (1.0 + (numer + denom + pv).exp()) + floor;
         let g = (w * exponent.exp_m1() + floor).min(cap);
         let second = (w * (exponent.exp_m1() - exponent) + floor).min(cap);
-        // Probabilistic (first order).
-        let (mut v_s, mut v_n, mut v_max) = (0.0, 0.0, 0.0f64);
+        // Probabilistic (first order; papers/bounds-attention.md). Every rounding is its own
+        // independent error, so their variances add: the errors that reach a key's numerator
+        // and the denominator alike (its score, S − m, the exponential) enter as
+        // P_j (V_jl − O_l)·ε_j; the numerator's alone (rounding to I, the division, the
+        // product with V) as P_j V_jl·ε_j; the denominator's sums as −O_l·ρ; P·V's sums at
+        // most u times a partial sum, |partial| ≤ wpm. Online, each rescaling factor (α, β)
+        // multiplies whole blocks, in numerator and denominator alike: its exponential's
+        // error reaches at most Σ_j P_j |V_jl − O_l| = z (2nb factors, independent), its
+        // subtraction's errs by u·|Δm|, and the |Δm| of the factors a key meets sum to at
+        // most 2|S_j − m| — so those add, key by key, to at most 2u/√3·Σ_j P_j |V_jl − O_l|·
+        // |S_j − m|.
+        let third = u * u / 3.0;
+        let (mut var, mut z, mut zs) = (0.0, 0.0, 0.0);
         for (j, &pj) in row.p.iter().enumerate() {
             let x = row.v[j * row.o.len() + l];
-            let vs = u * u / 3.0 * (d as f64 + 2.0) * row.t[j] * row.t[j];
-            v_s += pj * pj * (x - o) * (x - o) * vs;
-            let vn = u * u / 3.0 * ((row.shifted[j].abs() + 1.0).powi(2) + 2.0)
-                + self.u_i * self.u_i / 3.0;
-            v_n += pj * pj * x * x * vn;
-            v_max = v_max.max(vn - self.u_i * self.u_i / 3.0);
+            let score = third * (row.own[j] + (d as f64 - 1.0).max(0.0) * row.tpm[j].powi(2));
+            let exp = third * (row.shifted[j].powi(2) + 1.0);
+            var += (pj * (x - o)).powi(2) * (score + exp);
+            var += (pj * x).powi(2) * (2.0 * third + self.u_i * self.u_i / 3.0);
+            z += pj * (x - o).abs();
+            zs += pj * (x - o).abs() * row.shifted[j].abs();
         }
+        var += third * (n + 3.0 * nb) * (o * o + row.wpm[l].powi(2)) + third * o * o;
         let sd_chain = if self.block.is_some() {
-            u * ((2.0 * r * r + 2.0 * nb + 4.0) / 3.0).sqrt()
+            u * (z * (2.0 * nb / 3.0).sqrt() + 2.0 * zs / 3f64.sqrt())
         } else {
             0.0
         };
-        let sd_sigma = (u * u / 3.0 * (n + 3.0 * nb) + v_max + sd_chain * sd_chain).sqrt();
-        let sd_pv = u * ((n + 3.0 * nb + 1.0) / 3.0).sqrt() * w;
-        let sd_div = u * o.abs() / 3f64.sqrt();
-        let sd = v_s.sqrt() + v_n.sqrt() + w * sd_chain + o.abs() * sd_sigma + sd_pv + sd_div;
+        let sd = var.sqrt() + sd_chain;
         (g, sd, second)
     }
 }
