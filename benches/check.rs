@@ -137,6 +137,7 @@ fn gpt_stats(layers: usize) -> (Vec<String>, Vec<TensorStat>) {
             ref_layout: Layout::replicated(),
             norm_gain: 1.2,
             chain_error: 0.0,
+            op: None,
             module: Some(ModuleInfo::of(kinds[m])),
             cand_module: None,
         })

@@ -11,6 +11,7 @@
 //! left out of the norms. A shard set that cannot be merged (replicas that differ, a layout
 //! that does not fit) is a failure with the merge error as its reason.
 
+pub(crate) mod attention_site;
 pub(crate) mod bias_grad;
 mod blame;
 mod chain;

@@ -98,6 +98,10 @@ pub enum Pricing {
     /// larger of Megatron's rule and κ = 3 times the largest relative difference of an earlier
     /// produced tensor of its shape in the same pass.
     Untraced,
+    /// An attention core's output, through the registry's attention op: the exact attention
+    /// of both runs' inputs compared (the carried difference, measured) plus the op's
+    /// threshold on both runs' own roundings (`check::attention_site`).
+    Op,
 }
 
 impl Pricing {
@@ -127,6 +131,10 @@ impl Pricing {
                 "consumed tensor made by untraced code: max(Megatron's rule, 3 x the largest \
                  relative difference upstream: of its shape, or into a traced module enclosing \
                  its consumer)"
+            }
+            Pricing::Op => {
+                "attention op: the exact attention of both runs' inputs compared + the op's \
+                 threshold on both runs' roundings (registry)"
             }
         }
     }
@@ -161,6 +169,9 @@ pub struct TensorStat {
     /// format (`check::chain`), the stagnation of the norm's parameter gradients, which
     /// PyTorch's CPU kernel sums that way; 0 elsewhere.
     pub chain_error: f64,
+    /// For an attention core's output whose manifest names the attention op: its difference
+    /// priced through the op (`check::attention_site`), which replaces the local model.
+    pub op: Option<crate::check::attention_site::OpMeasure>,
     /// What produced it (the reference manifest's `module`).
     pub module: Option<ModuleInfo>,
     /// What produced it in the candidate (the candidate manifest's `module`): its arithmetic
@@ -557,6 +568,12 @@ pub fn price_local<'s>(
 ) -> Option<Priced> {
     let role = role(id)?;
     let me = stat(id)?;
+    if let Some(m) = me.op {
+        return Some(Priced {
+            threshold: m.threshold(),
+            pricing: Pricing::Op,
+        });
+    }
     let info = me.module.clone();
     let kind = info.as_ref().and_then(|m| m.kind);
     let input_ids = inputs.of(id);

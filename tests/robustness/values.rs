@@ -92,6 +92,7 @@ fn stat(ref_norm: f64, diff_norm: f64, kind: Option<ttrace::trace::ModuleKind>) 
         ref_layout: Layout::replicated(),
         norm_gain: 1.0,
         chain_error: 0.0,
+        op: None,
         module: kind.map(ModuleInfo::of),
         cand_module: None,
     }

@@ -9,7 +9,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::bounds::attention::AttentionModel;
 use crate::bounds::compare::{Confidence, Threshold};
@@ -228,6 +228,15 @@ impl FromStr for Op {
 impl Serialize for Op {
     fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         s.collect_str(self)
+    }
+}
+
+/// Read from its text (a manifest's `"op"`): an op the registry does not know is an error
+/// naming it.
+impl<'de> Deserialize<'de> for Op {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Op, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
     }
 }
 

@@ -361,6 +361,16 @@ pub(super) fn gather(
             }
             None => 0.0,
         },
+        op: if diff_norm.is_finite() {
+            crate::check::attention_site::measure(
+                reference,
+                candidate,
+                id,
+                DEFAULT_DELTA * NORM_SHARE,
+            )
+        } else {
+            None
+        },
         module,
         cand_module,
     };

@@ -29,6 +29,7 @@ fn recorded_arithmetic_prices_what_the_hardware_does() {
         ref_layout: Layout::replicated(),
         norm_gain: 1.0,
         chain_error: 0.0,
+        op: None,
         module: Some(module),
         cand_module: cand,
     };
@@ -117,6 +118,7 @@ fn zero_reference_inputs_are_not_failures() {
         ref_layout: Layout::replicated(),
         norm_gain: 1.0,
         chain_error: 0.0,
+        op: None,
         module: Some(crate::io::manifest::ModuleInfo::of(ModuleKind::Linear)),
         cand_module: None,
     };
@@ -319,6 +321,7 @@ fn a_narrow_cpu_chain_prices_the_norm_gradients_it_sums() {
         ref_layout: Layout::replicated(),
         norm_gain: 1.0,
         chain_error: chain,
+        op: None,
         module: Some(module.clone()),
         cand_module: None,
     };

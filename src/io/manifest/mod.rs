@@ -91,6 +91,12 @@ pub struct ModuleInfo {
     /// it feeds is the first to fail, the check names this module: a missing reduction.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unreduced: Vec<crate::trace::Axis>,
+    /// The registry's op the module computes, where the writer knows it exactly (the tracer's
+    /// attention sites: `attention` or `attention:causal` for a `scaled_dot_product_attention`
+    /// call with no mask, no dropout and the default scale). The checker prices the output of
+    /// an attention op through the op (`check::attention_site`); other ops are recorded only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op: Option<crate::bounds::Op>,
 }
 
 /// The arithmetic settings in force for one module call (PyTorch's `torch.autocast`,
@@ -152,6 +158,7 @@ impl ModuleInfo {
             combine: None,
             arith: ModuleArith::default(),
             unreduced: vec![],
+            op: None,
         }
     }
 }
