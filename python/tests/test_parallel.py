@@ -216,6 +216,61 @@ def test_llama_with_torchtitans_tensor_parallel_plan_passes_clean(traces, dtype)
     assert layouts["tok_embeddings|fwd.output.0"]["tp"] == {"kind": "split", "dim": 1, "groups": 1}
 
 
+def _site(step0, site, like=None):
+    """An attention site's query, key, value and output as the ranks stored them (read with
+    safetensors); the ranks' shards joined along the dimension where they are smaller than
+    ``like`` (the reference's tensors: the tracer leaves the split of these plain tensors for
+    the checker to infer), else rank 0's."""
+    import torch
+    from safetensors.torch import load_file
+
+    entries = [e for f in sorted(step0.glob("manifest.rank*.json"))
+               for e in json.loads(f.read_text())["tensors"]]
+    out = []
+    for i, tid in enumerate([f"{site}|fwd.input.{i}" for i in range(3)] + [f"{site}|fwd.output.0"]):
+        mine = sorted((e for e in entries if e["id"] == tid), key=lambda e: e["rank"])
+        parts = [load_file(str(step0 / e["file"]))[e["key"]].double() for e in mine]
+        cut = [d for d in range(parts[0].dim())
+               if like is not None and parts[0].shape[d] < like[i].shape[d]]
+        out.append(torch.cat(parts, cut[0]) if cut else parts[0])
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_llama_attention_sites_are_priced_through_the_attention_op(traces, dtype):
+    # The tracer records what each scaled_dot_product_attention call computes (no mask, no
+    # dropout, the default scale, causal: the registry's attention:causal); the checker prices
+    # its output by the exact attention of both runs' inputs plus the op's own rounding.
+    # Oracle: torch's attention in float64 on the inputs the ranks stored, merged here.
+    import torch
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    ref, cand = traces("llama", dtype=dtype), traces("llama", 2, dtype=dtype)
+    report = ttrace.check(ref, cand)
+    assert report.passed, str(report)
+    rows = [r for r in report.rows if r.id.endswith(".sdpa|fwd.output.0")]
+    assert len(rows) == 2 and all(r.pricing == "op" for r in rows), rows
+    modules = [e.get("module", {}) for f in cand.glob("manifest.rank*.json")
+               for e in json.loads(f.read_text())["tensors"] if ".sdpa|" in e["id"]]
+    assert modules and all(m.get("op") == "attention:causal" for m in modules)
+    for r in rows:
+        site = r.id.split("|")[0]
+        q, k, v, o = _site(ref, site)
+        qc, kc, vc, oc = _site(cand, site, (q, k, v, o))
+        carried = float((sdpa(qc, kc, vc, is_causal=True) - sdpa(q, k, v, is_causal=True)).norm())
+        threshold = r.threshold_eps * report.eps * float(o.norm())
+        # The threshold holds the exact carried difference and the observed one; its own
+        # rounding part is a few units of the format, not an allowance.
+        assert carried <= threshold and float((oc - o).norm()) <= threshold
+        assert threshold - carried <= 64 * 2.0 ** -(24 if dtype == "float32" else 8) * float(o.norm())
+        assert q.shape == qc.shape
+    # A candidate that calls the attention with another scale is judged by the reference's
+    # op: the site fails, priced by it.
+    bug = ttrace.check(ref, traces("llama", 2, "softmax-scale-local", dtype))
+    first = next(r for r in bug.rows if r.id == bug.first_failure)
+    assert first.id.endswith(".sdpa|fwd.output.0") and first.pricing == "op" and first.ratio > 2
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_llama_softmax_scale_from_the_local_width_is_born_in_the_attention_core(traces, dtype):
     # The scaled product and softmax run in functional code inside the attention module,

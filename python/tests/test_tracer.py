@@ -430,3 +430,51 @@ def test_an_attention_call_is_recorded_by_the_tracer_whose_module_runs_it(tmp_pa
         q, k, v = b.qkv(x).unsqueeze(0).chunk(3, dim=-1)
         want = torch.nn.functional.scaled_dot_product_attention(q, k, v)
         assert torch.equal(torch.from_numpy(data["sdpa|fwd.output.0"]), want.detach())
+
+
+class _Attn(nn.Module):
+    """A projection and functional attention called once per keyword set given (one site,
+    ``{name}.sdpa``, called that many times)."""
+
+    def __init__(self, *calls: dict) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(4, 12)
+        self.calls = calls
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).unsqueeze(0).chunk(3, dim=-1)
+        f = torch.nn.functional.scaled_dot_product_attention
+        return sum(f(q, k, v, **kw) for kw in self.calls)
+
+
+class _TwoSites(nn.Module):
+    def __init__(self, a: dict, b: dict, b2: dict) -> None:
+        super().__init__()
+        self.a, self.b = _Attn(a), _Attn(b, b2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x)
+
+
+@pytest.mark.parametrize("a, b, b2, want", [
+    ({}, {"is_causal": True}, {"is_causal": True},
+     ("attention", "attention:causal", "attention:causal")),
+    # The default scale written out is the default; another scale, a mask or dropout is
+    # another op; each call of a site names its own.
+    ({"scale": 0.5}, {"scale": 0.3}, {}, ("attention", None, "attention")),
+    ({"attn_mask": torch.ones(5, 5, dtype=torch.bool)}, {"dropout_p": 0.5}, {"is_causal": True},
+     (None, None, "attention:causal")),
+])
+def test_an_attention_site_records_the_op_its_calls_compute(tmp_path, a, b, b2, want):
+    torch.manual_seed(0)
+    # Head dimension 4: the default scale is 1/2.
+    model = _TwoSites(a, b, b2)
+    t = ttrace.Tracer(model)
+    model(torch.randn(5, 4)).sum().backward()
+    t.write(tmp_path)
+    t.close()
+    ops: dict = {}
+    for e in json.loads((tmp_path / "manifest.rank0.json").read_text())["tensors"]:
+        if ".sdpa" in e["id"]:
+            ops.setdefault(e["id"].split("|")[0], set()).add(e.get("module", {}).get("op"))
+    assert ops == {"a.sdpa": {want[0]}, "b.sdpa": {want[1]}, "b.sdpa#1": {want[2]}}, ops

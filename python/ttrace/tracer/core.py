@@ -29,7 +29,7 @@ from .placements import (Layout, Mesh, ModuleLayout, partial,
 from .record import (_DTYPES, _StepRecord, _Tap, _alias_key, _base, _device_type,
                      _in_backward, _on_meta, _owns, _param_grad)
 from .selection import ModuleSelector, select_modules
-from .sites import _SiteState, _site_state
+from .sites import _site_op, _SiteState, _site_state
 from .writing import StepJob, StepWriter, finish, step_job, summary_job
 
 
@@ -277,6 +277,9 @@ class Tracer:
         #: as attention sites inside the modules that call it.
         self.sites = modules is None if sites is None else sites
         self._sites: "set[str]" = set()
+        #: Per attention call (``{module}.sdpa``, ``….sdpa#1``), the registry op it computes
+        #: (``None``: a mask, dropout or another scale; or steps whose calls disagree).
+        self._site_ops: Dict[str, Optional[str]] = {}
         self._stack: List[str] = []
         self._site_state: Optional[_SiteState] = None
         self._mesh_maps: Dict[int, _MeshMap] = {}
@@ -453,6 +456,8 @@ class Tracer:
         self._sites.add(base)
         keys = ["query", "key", "value", "attn_mask"]
         values = list(args[:4]) + [kwargs.get(k) for k in keys[len(args[:4]):]]
+        op = _site_op(args, kwargs)
+        self._site_ops[name] = op if self._site_ops.get(name, op) == op else None
         device = next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")
         if name not in self._s.arith:
             self._s.arith[name] = _arith.module_settings(device)
@@ -727,9 +732,12 @@ class Tracer:
         return _kind_of(self._named[name])
 
     def _module_info(self, name: str) -> Optional[dict]:
+        op = self._site_ops.get(name)
         name = _base(name)
         kind = self._kind(name)
         info = {"kind": kind} if kind is not None else {}
+        if op is not None:
+            info["op"] = op
         info.update(self.formats.get(name, {}))
         return info or None
 

@@ -1,12 +1,13 @@
 """Functional attention sites: ``scaled_dot_product_attention`` calls seen by one
 ``TorchFunctionMode`` per thread, shared by every attached tracer and recorded by the tracers
-whose modules run them."""
+whose modules run them; the registry op each call computes."""
 
 from __future__ import annotations
 
 import functools
+import math
 import threading
-from typing import TYPE_CHECKING, Any, Callable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -89,3 +90,23 @@ def _site_state() -> _SiteState:
     if state is None:
         state = _SITE_LOCAL.state = _SiteState()
     return state
+
+_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                "enable_gqa")
+
+def _site_op(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[str]:
+    """The registry op a ``scaled_dot_product_attention`` call computes, where ttrace prices
+    it through the op (``attention`` or ``attention:causal``: no mask, no dropout, the default
+    scale 1/sqrt(head dimension)); ``None`` otherwise."""
+    p: Dict[str, Any] = dict(zip(_SDPA_PARAMS, args))
+    p.update(kwargs)
+    q = p.get("query")
+    if not isinstance(q, torch.Tensor) or q.dim() < 2 or q.shape[-1] == 0:
+        return None
+    if p.get("attn_mask") is not None or p.get("dropout_p", 0.0):
+        return None
+    scale = p.get("scale")
+    if scale is not None and abs(float(scale) * math.sqrt(q.shape[-1]) - 1.0) > 1e-6:
+        return None
+    return "attention:causal" if p.get("is_causal", False) else "attention"
+
