@@ -275,4 +275,17 @@ mod tests {
         assert!(Heads::of(&[2, 4, 8, 16], &[1, 4, 8, 16], &[1, 4, 8, 16]).is_none());
         assert!(Heads::of(&[8], &[8], &[8]).is_none());
     }
+
+    #[test]
+    fn the_work_counts_both_products_per_head_and_a_long_head_is_beyond_the_limit() {
+        let h = Heads::of(&[2, 4, 8, 16], &[2, 2, 8, 16], &[2, 2, 8, 4]).unwrap();
+        // 8 query heads × 8 queries × 8 keys × (16 + 4).
+        assert_eq!(h.work(), 8.0 * 8.0 * 8.0 * 20.0);
+        // One head of 4,096 tokens and dimension 16, both runs: 1.07e9 > the limit; 1,024
+        // tokens: 6.7e7, priced.
+        let long = Heads::of(&[1, 1, 4096, 16], &[1, 1, 4096, 16], &[1, 1, 4096, 16]).unwrap();
+        assert!(2.0 * long.work() > WORK_LIMIT);
+        let short = Heads::of(&[1, 1, 1024, 16], &[1, 1, 1024, 16], &[1, 1, 1024, 16]).unwrap();
+        assert!(2.0 * short.work() <= WORK_LIMIT);
+    }
 }
