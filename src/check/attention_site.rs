@@ -108,6 +108,15 @@ pub(crate) fn measure(
     {
         return None;
     }
+    // The heads and the work, from the shapes alone: a site beyond the limit is not read.
+    let shapes: Vec<Vec<usize>> = ids[..3]
+        .iter()
+        .map(|i| reference.logical_shape(i))
+        .collect::<Option<_>>()?;
+    let heads = Heads::of(&shapes[0], &shapes[1], &shapes[2])?;
+    if heads.work() * 2.0 > WORK_LIMIT || heads.n == 0 {
+        return None;
+    }
     let read = |dir: &mut TraceDir| -> Option<(Operands, Format)> {
         let mut got = Vec::with_capacity(3);
         let mut formats = Vec::with_capacity(3);
@@ -129,12 +138,10 @@ pub(crate) fn measure(
     if r_format != c_format || candidate.dtype(id) != Some(out_format) {
         return None;
     }
-    let shape = |t: &Tensor| t.shape().to_vec();
-    if shape(&r.q) != shape(&c.q) || shape(&r.k) != shape(&c.k) || shape(&r.v) != shape(&c.v) {
-        return None;
-    }
-    let heads = Heads::of(r.q.shape(), r.k.shape(), r.v.shape())?;
-    if heads.work() * 2.0 > WORK_LIMIT || heads.n == 0 {
+    let same = |a: &Tensor, shape: &Vec<usize>| a.shape() == shape.as_slice();
+    if !(same(&r.q, &shapes[0]) && same(&r.k, &shapes[1]) && same(&r.v, &shapes[2]))
+        || !(same(&c.q, &shapes[0]) && same(&c.k, &shapes[1]) && same(&c.v, &shapes[2]))
+    {
         return None;
     }
     // The kernel's formats: the autocast dtype where coarser than the stored one (the op is on
