@@ -138,10 +138,13 @@ pub(crate) fn measure(
     if r_format != c_format || candidate.dtype(id) != Some(out_format) {
         return None;
     }
-    let same = |a: &Tensor, shape: &Vec<usize>| a.shape() == shape.as_slice();
-    if !(same(&r.q, &shapes[0]) && same(&r.k, &shapes[1]) && same(&r.v, &shapes[2]))
-        || !(same(&c.q, &shapes[0]) && same(&c.k, &shapes[1]) && same(&c.v, &shapes[2]))
-    {
+    let fits = |o: &Operands| {
+        [&o.q, &o.k, &o.v]
+            .iter()
+            .zip(&shapes)
+            .all(|(t, s)| t.shape() == s)
+    };
+    if !fits(&r) || !fits(&c) {
         return None;
     }
     // The kernel's formats: the autocast dtype where coarser than the stored one (the op is on
