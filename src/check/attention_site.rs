@@ -26,11 +26,10 @@
 //! runs, an FP64 run (the op's accumulator is FP32 at finest), non-finite inputs, or more
 //! than [`WORK_LIMIT`] multiply-adds.
 
-use serde::{Deserialize, Serialize};
-
 use crate::bounds::attention::{add_head, exact_attention};
 use crate::bounds::compare::ThresholdSums;
 use crate::bounds::{Confidence, Op, OpSide};
+use crate::check::price::OpMeasure;
 use crate::format::Format;
 use crate::io::TraceDir;
 use crate::tensor::Tensor;
@@ -44,23 +43,6 @@ use crate::trace::{Axis, Placement};
 /// core per site (one head of 1,024 tokens and dimension 64 is 2.7·10⁸ and took 2.7 s on a
 /// loaded 2-core machine, 2026-11-29).
 pub const WORK_LIMIT: f64 = 4e8;
-
-/// An attention output's difference priced through the op: both parts absolute, on the
-/// Frobenius norm of the output.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct OpMeasure {
-    /// ‖A(inputs_cand) − A(inputs_ref)‖_F, the exact attention of each run's inputs.
-    pub carried: f64,
-    /// The op's threshold on both runs' own roundings (probabilistic, at the check's δ).
-    pub own: f64,
-}
-
-impl OpMeasure {
-    /// The threshold: carried + own.
-    pub fn threshold(&self) -> f64 {
-        self.carried + self.own
-    }
-}
 
 /// One run's queries, keys and values of a site, decoded.
 struct Operands {

@@ -18,6 +18,7 @@ mod chain;
 pub(crate) mod dirs;
 mod localization;
 pub(crate) mod loss;
+pub(crate) mod loss_site;
 pub(crate) mod price;
 mod summaries;
 mod text;
@@ -42,7 +43,7 @@ pub use dirs::{
 };
 pub use localization::Localization;
 pub use loss::LossNormalization;
-pub use price::{price_local, InputIndex, PriceContext, Priced, Pricing, TensorStat};
+pub use price::{price_local, InputIndex, OpMeasure, PriceContext, Priced, Pricing, TensorStat};
 pub use summaries::{
     compare_summaries, Proof, StepComparison, SummaryCheck, SummaryThresholds, TensorBound,
 };

@@ -61,7 +61,7 @@
 //! in execution order is the first module whose output its inputs do not explain: checking
 //! and localization are the same test.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::format::Format;
 use crate::io::ModuleInfo;
@@ -98,9 +98,10 @@ pub enum Pricing {
     /// larger of Megatron's rule and κ = 3 times the largest relative difference of an earlier
     /// produced tensor of its shape in the same pass.
     Untraced,
-    /// An attention core's output, through the registry's attention op: the exact attention
-    /// of both runs' inputs compared (the carried difference, measured) plus the op's
-    /// threshold on both runs' own roundings (`check::attention_site`).
+    /// Through the registry's op the manifest names (an attention core's output, a
+    /// cross-entropy's loss and logits gradient): the exact op of both runs' inputs compared
+    /// (the carried difference, measured) plus the op's threshold on both runs' own roundings
+    /// (`check::attention_site`, `check::loss_site`).
     Op,
 }
 
@@ -133,10 +134,29 @@ impl Pricing {
                  its consumer)"
             }
             Pricing::Op => {
-                "attention op: the exact attention of both runs' inputs compared + the op's \
-                 threshold on both runs' roundings (registry)"
+                "the registry's op: the exact op of both runs' inputs compared + the op's \
+                 threshold on both runs' roundings"
             }
         }
+    }
+}
+
+/// A tensor's difference priced through the registry's op it comes from (an attention core's
+/// output, `check::attention_site`; a cross-entropy's loss or logits gradient,
+/// `check::loss_site`): both parts absolute, on the Frobenius norm.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct OpMeasure {
+    /// The exact op of each run's inputs compared: the difference the inputs carry.
+    pub carried: f64,
+    /// The op's threshold on both runs' own roundings (probabilistic, at the check's δ).
+    pub own: f64,
+}
+
+impl OpMeasure {
+    /// The threshold: carried + own (the candidate minus the reference is the exact
+    /// difference plus the two runs' rounding errors).
+    pub fn threshold(&self) -> f64 {
+        self.carried + self.own
     }
 }
 
@@ -169,9 +189,10 @@ pub struct TensorStat {
     /// format (`check::chain`), the stagnation of the norm's parameter gradients, which
     /// PyTorch's CPU kernel sums that way; 0 elsewhere.
     pub chain_error: f64,
-    /// For an attention core's output whose manifest names the attention op: its difference
-    /// priced through the op (`check::attention_site`), which replaces the local model.
-    pub op: Option<crate::check::attention_site::OpMeasure>,
+    /// For a tensor whose module's manifest entry names its op (an attention core's output, a
+    /// cross-entropy's loss and logits gradient): its difference priced through the op, which
+    /// replaces the local model.
+    pub op: Option<OpMeasure>,
     /// What produced it (the reference manifest's `module`).
     pub module: Option<ModuleInfo>,
     /// What produced it in the candidate (the candidate manifest's `module`): its arithmetic

@@ -362,12 +362,9 @@ pub(super) fn gather(
             None => 0.0,
         },
         op: if diff_norm.is_finite() {
-            crate::check::attention_site::measure(
-                reference,
-                candidate,
-                id,
-                DEFAULT_DELTA * NORM_SHARE,
-            )
+            let delta = DEFAULT_DELTA * NORM_SHARE;
+            crate::check::attention_site::measure(reference, candidate, id, delta)
+                .or_else(|| crate::check::loss_site::measure(reference, candidate, id, delta))
         } else {
             None
         },

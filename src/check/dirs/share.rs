@@ -41,7 +41,7 @@ struct Item {
     ref_layout: crate::trace::Layout,
     norm_gain: f64,
     chain_error: f64,
-    op: Option<crate::check::attention_site::OpMeasure>,
+    op: Option<crate::check::price::OpMeasure>,
     rank: Option<usize>,
     content: u64,
     shape: Vec<usize>,
