@@ -137,7 +137,8 @@ def online(model: nn.Module, directory: str, step: "object") -> None:
     the report's first line)."""
     ref = os.environ.get("TTRACE_TEST_ONLINE")
     timeout = float(os.environ.get("TTRACE_TEST_ONLINE_TIMEOUT", "0")) or None
-    tracer = ttrace.Tracer(model, directory, online=ref, online_timeout=timeout)
+    tracer = ttrace.Tracer(model, directory, online=ref, online_timeout=timeout,
+                           losses=os.environ.get("TTRACE_TEST_LOSSES") == "1")
     with tracer.step():
         step()  # type: ignore[operator]
         if ref and os.environ.get("TTRACE_TEST_ONLINE_DIE") == str(dist.get_rank()):

@@ -1,18 +1,21 @@
-"""Attention cores priced through the registry's attention op against the allowance it
-replaces, on the real engines' clean runs (``papers/checking.md`` §8).
+"""Tensors priced through the registry's ops — attention cores' outputs, cross-entropy losses
+and their logits' gradients — against the allowance they replace, on the real engines' clean
+runs (``papers/checking.md`` §8).
 
-    python python/tests/attention_sites.py              # every engine with attention sites
-    python python/tests/attention_sites.py --engine dtensor-llama --seeds 0
+    python python/tests/op_sites.py              # every engine with such sites
+    python python/tests/op_sites.py --engine dtensor-llama --seeds 0
 
 For every clean configuration of the engines whose attention is a traced call of
 ``scaled_dot_product_attention`` (``dtensor-llama``, ``torch-pipelining``, ``torch-ep``), in
 FP32 and BF16 over the seeds, the candidate is checked against its reference twice: as traced
-(each site's output priced by the op: the exact attention of both runs' inputs compared, plus
-the op's threshold on both runs' roundings), and with the ``op`` field taken out of both
-manifests (the local model: κ = 2 times the inputs' relative differences, a kernel term and
-the output's flips). Printed per dtype: the sites, those whose output differs, the median and
-the smallest threshold / observed of both pricings over those, how often the op's threshold
-is the smaller, and false alarms (there must be none)."""
+(each such tensor priced by its op: the exact op of both runs' inputs compared, plus the op's
+threshold on both runs' roundings), and with the ``op`` field taken out of both manifests
+(the local model: κ = 2 times the inputs' relative differences, a kernel term and the
+output's flips). ``dtensor-llama`` runs with its cross-entropy traced as a loss site
+(``losses=True``; priced by the op where the candidate's rows are not split over data ranks).
+Printed per op and dtype: the tensors, those that differ, the median and the smallest
+threshold / observed of both pricings over those, how often the op's threshold is the smaller,
+and false alarms (there must be none)."""
 
 from __future__ import annotations
 
@@ -60,10 +63,10 @@ def main() -> int:
     ap.add_argument("--seeds", default="0,1,2")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
-    root = Path(tempfile.mkdtemp(prefix="ttrace-attention-sites-"))
-    # Per dtype: (op threshold / observed, allowance / observed) of sites that differ.
-    ratios: Dict[str, List[Tuple[float, float]]] = {d: [] for d in matrix.DTYPES}
-    sites = {d: 0 for d in matrix.DTYPES}
+    root = Path(tempfile.mkdtemp(prefix="ttrace-op-sites-"))
+    # Per (op, dtype): (op threshold / observed, allowance / observed) of tensors that differ.
+    ratios: Dict[Tuple[str, str], List[Tuple[float, float]]] = {}
+    sites: Dict[Tuple[str, str], int] = {}
     alarms: List[str] = []
     refs: Dict[Tuple, Path] = {}
     try:
@@ -74,7 +77,10 @@ def main() -> int:
                 for dtype in matrix.DTYPES:
                     for seed in seeds:
                         env = dict(c.env, TTRACE_TEST_SEED=str(seed))
-                        model = {k: v for k, v in env.items() if k in matrix.MODEL_SETTINGS}
+                        if e.name == "dtensor-llama":
+                            env["TTRACE_TEST_LOSSES"] = "1"
+                        model = {k: v for k, v in env.items()
+                                 if k in matrix.MODEL_SETTINGS + ("TTRACE_TEST_LOSSES",)}
                         key = (e.job, dtype, tuple(sorted(model.items())))
                         if key not in refs:
                             d = root / f"{e.name}-ref-{len(refs)}"
@@ -93,25 +99,28 @@ def main() -> int:
                         for r in op.rows:
                             if r.pricing != "op":
                                 continue
-                            sites[dtype] += 1
+                            key = ("cross-entropy" if "cross_entropy" in r.id else "attention",
+                                   dtype)
+                            sites[key] = sites.get(key, 0) + 1
                             if r.error_eps > 0:
                                 b = before[r.id]
-                                ratios[dtype].append((r.threshold_eps / r.error_eps,
-                                                      b.threshold_eps / r.error_eps))
+                                ratios.setdefault(key, []).append(
+                                    (r.threshold_eps / r.error_eps, b.threshold_eps / r.error_eps))
                         print(f"{tag}: {'PASS' if op.passed else 'FAIL'}", flush=True)
                         shutil.rmtree(d, ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print("\n| dtype | sites | differing | op: median (min) threshold/observed | "
+    print("\n| op | dtype | tensors | differing | op: median (min) threshold/observed | "
           "allowance: median (min) | op the tighter |")
-    print("|---|---|---|---|---|---|")
-    for dtype, rs in ratios.items():
+    print("|---|---|---|---|---|---|---|")
+    for (op, dtype), n in sorted(sites.items()):
+        rs = ratios.get((op, dtype), [])
         if not rs:
-            print(f"| {dtype} | {sites[dtype]} | 0 | – | – | – |")
+            print(f"| {op} | {dtype} | {n} | 0 | – | – | – |")
             continue
         op_r, old_r = [a for a, _ in rs], [b for _, b in rs]
         tighter = sum(a < b for a, b in rs)
-        print(f"| {dtype} | {sites[dtype]} | {len(rs)} | {statistics.median(op_r):.2f} "
+        print(f"| {op} | {dtype} | {n} | {len(rs)} | {statistics.median(op_r):.2f} "
               f"({min(op_r):.2f}) | {statistics.median(old_r):.2f} ({min(old_r):.2f}) | "
               f"{tighter} of {len(rs)} |")
     print(f"\nfalse alarms: {len(alarms)}")

@@ -271,6 +271,64 @@ def test_llama_attention_sites_are_priced_through_the_attention_op(traces, dtype
     assert first.id.endswith(".sdpa|fwd.output.0") and first.pricing == "op" and first.ratio > 2
 
 
+def _stored_merged(step0, tid):
+    """A tensor as rank 0 stored it, read with safetensors (the loss site's tensors are
+    replicated over the tensor-parallel ranks)."""
+    from safetensors.torch import load_file
+
+    for f in sorted(step0.glob("manifest.rank*.json")):
+        for e in json.loads(f.read_text())["tensors"]:
+            if e["id"] == tid and e["rank"] == 0:
+                return load_file(str(step0 / e["file"]))[e["key"]].double()
+    raise KeyError(tid)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_llama_cross_entropy_is_priced_through_the_cross_entropy_ops(traces, tmp_path, dtype):
+    # losses=True: the job's functional cross-entropy is a loss site, its targets recorded; the
+    # checker prices its loss and its logits' gradient through the registry's ops. Oracle:
+    # torch's cross-entropy in float64 on the logits and targets the ranks stored.
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    ref, cand = traces("llama", dtype=dtype, LOSSES="1"), traces("llama", 2, dtype=dtype, LOSSES="1")
+    report = ttrace.check(ref, cand)
+    assert report.passed, str(report)
+    rows = {r.id: r for r in report.rows}
+    site = "cross_entropy"
+    assert rows[f"{site}|fwd.output.0"].pricing == "op"
+    assert rows[f"{site}|grad.input.0"].pricing == "op"
+    z, t = _stored_merged(ref, f"{site}|fwd.input.0"), _stored_merged(ref, f"{site}|fwd.input.1")
+    zc = _stored_merged(cand, f"{site}|fwd.input.0")
+    assert torch.equal(t, _stored_merged(cand, f"{site}|fwd.input.1"))
+    ce = torch.nn.functional.cross_entropy
+    loss, loss_c = ce(z, t.long()), ce(zc, t.long())
+    r = rows[f"{site}|fwd.output.0"]
+    threshold = r.threshold_eps * report.eps * abs(float(loss))
+    assert abs(float(loss_c - loss)) <= threshold
+    # The gradient: (softmax − one-hot)/rows, both runs, against its threshold.
+    onehot = torch.nn.functional.one_hot(t.long(), z.shape[1]).double()
+    g, gc = (torch.softmax(z, 1) - onehot) / len(t), (torch.softmax(zc, 1) - onehot) / len(t)
+    r = rows[f"{site}|grad.input.0"]
+    assert float((gc - g).norm()) <= r.threshold_eps * report.eps * float(g.norm())
+    # The candidate's logits gradient off by 2^-10 of itself (a loss scaled by 1 + 2^-10): the
+    # site's gradient fails, priced by the op.
+    bad = tmp_path / "bad"
+    shutil.copytree(cand, bad)
+    for f in sorted(bad.glob("manifest.rank*.json")):
+        for e in json.loads(f.read_text())["tensors"]:
+            if e["id"] == f"{site}|grad.input.0":
+                data = load_file(str(bad / e["file"]))
+                data[e["key"]] = (data[e["key"]].double() * (1 + 2.0 ** -10)).to(
+                    data[e["key"]].dtype)
+                save_file(data, str(bad / e["file"]))
+    failed = ttrace.check(ref, bad)
+    assert failed.first_failure == f"{site}|grad.input.0", str(failed)
+    assert next(r for r in failed.rows if r.id == failed.first_failure).pricing == "op"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_llama_softmax_scale_from_the_local_width_is_born_in_the_attention_core(traces, dtype):
     # The scaled product and softmax run in functional code inside the attention module,

@@ -478,3 +478,54 @@ def test_an_attention_site_records_the_op_its_calls_compute(tmp_path, a, b, b2, 
         if ".sdpa" in e["id"]:
             ops.setdefault(e["id"].split("|")[0], set()).add(e.get("module", {}).get("op"))
     assert ops == {"a.sdpa": {want[0]}, "b.sdpa": {want[1]}, "b.sdpa#1": {want[2]}}, ops
+
+
+class _Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("kwargs, want", [
+    ({}, "cross_entropy"),
+    ({"ignore_index": -1}, "cross_entropy"),
+    # Class weights, label smoothing, another reduction, an ignore_index inside the classes:
+    # another op than the registry's.
+    ({"weight": torch.ones(6)}, None),
+    ({"label_smoothing": 0.1}, None),
+    ({"reduction": "sum"}, None),
+    ({"ignore_index": 2}, None),
+])
+def test_a_loss_site_records_its_logits_targets_and_op(tmp_path, kwargs, want):
+    torch.manual_seed(0)
+    model = _Classifier()
+    t = ttrace.Tracer(model, losses=True)
+    x, y = torch.randn(5, 4), torch.tensor([0, 5, 2, 2, 1])
+    loss = torch.nn.functional.cross_entropy(model(x), y, **kwargs)
+    loss.backward()
+    t.write(tmp_path)
+    t.close()
+    entries = json.loads((tmp_path / "manifest.rank0.json").read_text())["tensors"]
+    site = {e["id"]: e for e in entries if e["id"].startswith("cross_entropy|")}
+    assert set(site) == {f"cross_entropy|{r}" for r in
+                         ("fwd.input.0", "fwd.input.1", "fwd.output.0", "grad.output.0",
+                          "grad.input.0")}
+    assert {e.get("module", {}).get("op") for e in site.values()} == {want}
+    assert {e["module"]["kind"] for e in site.values()} == {"loss"}
+    data = harness.stored(tmp_path)
+    assert (data["cross_entropy|fwd.input.1"] == y.numpy()).all()
+    assert float(data["cross_entropy|fwd.output.0"]) == float(loss.detach())
+
+
+def test_loss_sites_are_off_by_default_and_refused_with_microbatches():
+    model = _Classifier()
+    t = ttrace.Tracer(model)
+    torch.nn.functional.cross_entropy(model(torch.randn(3, 4)), torch.tensor([0, 1, 2]))
+    assert not any("cross_entropy" in i for i in t._s.records)
+    t.close()
+    with pytest.raises(ttrace.InvalidInputError, match="losses=True with microbatches"):
+        ttrace.Tracer(_Classifier(), losses=True, microbatches=2)
+

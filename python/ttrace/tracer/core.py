@@ -29,7 +29,7 @@ from .placements import (Layout, Mesh, ModuleLayout, partial,
 from .record import (_DTYPES, _StepRecord, _Tap, _alias_key, _base, _device_type,
                      _in_backward, _on_meta, _owns, _param_grad)
 from .selection import ModuleSelector, select_modules
-from .sites import _site_op, _SiteState, _site_state
+from .sites import _loss_op, _site_op, _SiteState, _site_state
 from .writing import StepJob, StepWriter, finish, step_job, summary_job
 
 
@@ -69,6 +69,11 @@ class Tracer:
     ``torch.nn.functional.scaled_dot_product_attention`` (transformers' and torchtitan's
     attention cores) as an attention site ``{module}.sdpa`` of the module that calls it
     (default: when ``modules`` is not given).
+    ``losses``: trace each call of ``torch.nn.functional.cross_entropy`` on [rows, classes]
+    logits as a loss site ``{module}.cross_entropy`` (``cross_entropy`` outside every traced
+    module): the logits, the targets (stored as floats), the loss and the logits' gradient;
+    the checker prices the loss and that gradient through the registry's cross-entropy ops
+    (default off).
     ``unsupported``: ``"raise"`` (default) or ``"skip"`` a tensor whose layout the trace
     format cannot express. ``background``: write on a background thread (default: with a
     ``directory``; without one the tracer records from construction until :meth:`write`,
@@ -139,6 +144,7 @@ class Tracer:
         local_mean_loss: Optional[bool] = None,
         fsync: bool = False,
         sites: Optional[bool] = None,
+        losses: bool = False,
         pool_bytes: int = DEFAULT_POOL_BYTES,
         summaries: bool = False,
         share: bool = True,
@@ -170,6 +176,10 @@ class Tracer:
                 "experts= with microbatches > 1 is not supported yet: an expert's "
                 "microbatches gather tokens of every rank each, which concatenated are not "
                 "the reference's token order", "InvalidParameter")
+        if losses and microbatches > 1:
+            raise InvalidInputError(
+                "losses=True with microbatches > 1 is not supported yet: each microbatch's "
+                "loss is a mean over its own rows, not the reference's", "InvalidParameter")
         if self.experts and summaries:
             raise InvalidInputError("summaries=True does not record experts yet: trace their "
                                     "tensors", "InvalidParameter")
@@ -276,6 +286,8 @@ class Tracer:
         #: Whether functional attention (``scaled_dot_product_attention`` calls) is traced
         #: as attention sites inside the modules that call it.
         self.sites = modules is None if sites is None else sites
+        #: Whether functional cross-entropy calls are traced as loss sites.
+        self.losses = losses
         self._sites: "set[str]" = set()
         #: Per attention call (``{module}.sdpa``, ``….sdpa#1``), the registry op it computes
         #: (``None``: a mask, dropout or another scale; or steps whose calls disagree).
@@ -474,6 +486,43 @@ class Tracer:
         for k, v in zip(keys[len(args[:4]):], values[len(args[:4]):]):
             if k in kwargs:
                 new_kwargs[k] = v
+        out = func(*new_args, **new_kwargs)
+        self._record(name, "fwd.output", 0, out)
+        if isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled():
+            out.register_hook(self._output_grad(name, 0))
+        return out
+
+    def _loss_site(self, func: Callable[..., Any], args: Tuple[Any, ...],
+                   kwargs: Dict[str, Any]) -> Any:
+        """Record one call of ``cross_entropy`` on [rows, classes] logits as the loss site
+        ``{module}.cross_entropy``: the logits (their gradient tapped) and the targets as its
+        inputs (the targets stored as float32: class indices, exact below 2^24), the loss and
+        its arriving gradient."""
+        logits = args[0] if args else kwargs.get("input")
+        target = args[1] if len(args) > 1 else kwargs.get("target")
+        if (not self.losses or self._probing or _on_meta(args, kwargs)
+                or not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor)
+                or logits.dim() != 2 or not logits.is_floating_point()
+                or target.is_floating_point() or target.dim() != 1):
+            return func(*args, **kwargs)
+        parent = self._stack[-1] if self._stack else ""
+        base = f"{parent}.cross_entropy" if parent else "cross_entropy"
+        name = self._call_name(base)
+        self._sites.add(name)
+        self._sites.add(base)
+        op = _loss_op(args, kwargs, logits.shape[-1])
+        self._site_ops[name] = op if self._site_ops.get(name, op) == op else None
+        if name not in self._s.arith:
+            self._s.arith[name] = _arith.module_settings(logits.device.type)
+        self._record(name, "fwd.input", 0, logits)
+        self._record(name, "fwd.input", 1, target.detach().to(torch.float32))
+        self._s.tapped[name] = False
+        if torch.is_grad_enabled() and logits.requires_grad:
+            logits = self._tap(name, 0, logits)
+        new_args = (logits,) + tuple(args[1:]) if args else args
+        new_kwargs = dict(kwargs)
+        if not args:
+            new_kwargs["input"] = logits
         out = func(*new_args, **new_kwargs)
         self._record(name, "fwd.output", 0, out)
         if isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled():
@@ -728,7 +777,7 @@ class Tracer:
         if name in self.kinds:
             return self.kinds[name]
         if name in self._sites:
-            return "attention"
+            return "loss" if name.endswith("cross_entropy") else "attention"
         return _kind_of(self._named[name])
 
     def _module_info(self, name: str) -> Optional[dict]:

@@ -1,6 +1,7 @@
 """Functional attention sites: ``scaled_dot_product_attention`` calls seen by one
 ``TorchFunctionMode`` per thread, shared by every attached tracer and recorded by the tracers
-whose modules run them; the registry op each call computes."""
+whose modules run them, with the registry op each call computes; functional cross-entropy as
+loss sites."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def _site_mode_type() -> type:
             kwargs = kwargs or {}
             if func is torch.nn.functional.scaled_dot_product_attention and self.state.tracers:
                 return _attention_call(func, self.state.recipients(), *args, **kwargs)
+            if func is torch.nn.functional.cross_entropy and self.state.tracers:
+                return _loss_call(func, self.state.recipients(), *args, **kwargs)
             return func(*args, **kwargs)
 
     return SiteMode
@@ -44,6 +47,14 @@ def _attention_call(func: Callable[..., Any], tracers: List["Tracer"], /, *args:
         return func(*args, **kwargs)
     inner = functools.partial(_attention_call, func, tracers[1:])
     return tracers[0]._attention_site(inner, args, kwargs)
+
+def _loss_call(func: Callable[..., Any], tracers: List["Tracer"], /, *args: Any,
+               **kwargs: Any) -> Any:
+    """``func(*args, **kwargs)`` called through each tracer's loss site in turn."""
+    if not tracers:
+        return func(*args, **kwargs)
+    inner = functools.partial(_loss_call, func, tracers[1:])
+    return tracers[0]._loss_site(inner, args, kwargs)
 
 class _SiteState:
     """A thread's one attention-site mode and the tracers attached to it.
@@ -109,4 +120,24 @@ def _site_op(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[str]:
     if scale is not None and abs(float(scale) * math.sqrt(q.shape[-1]) - 1.0) > 1e-6:
         return None
     return "attention:causal" if p.get("is_causal", False) else "attention"
+
+_CE_PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
+              "label_smoothing")
+
+def _loss_op(args: Tuple[Any, ...], kwargs: Dict[str, Any], classes: int) -> Optional[str]:
+    """The registry op a ``cross_entropy`` call computes, where ttrace prices it through the op
+    (``cross_entropy``: the mean over the rows, no class weights, no label smoothing, the
+    left-out rows' ``ignore_index`` outside the classes); ``None`` otherwise."""
+    p: Dict[str, Any] = dict(zip(_CE_PARAMS, args))
+    p.update(kwargs)
+    if p.get("weight") is not None or p.get("label_smoothing", 0.0):
+        return None
+    if p.get("size_average") is not None or p.get("reduce") is not None:
+        return None
+    if p.get("reduction", "mean") != "mean":
+        return None
+    ignore = p.get("ignore_index", -100)
+    if 0 <= int(ignore) < classes:
+        return None
+    return "cross_entropy"
 
