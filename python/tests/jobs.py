@@ -285,7 +285,7 @@ def titan(directory: str, bug: str) -> None:
         from torch.distributed.tensor.parallel import loss_parallel
 
         lp = loss_parallel()
-    tracer = ttrace.Tracer(model, directory)
+    tracer = ttrace.Tracer(model, directory, losses=os.environ.get("TTRACE_TEST_LOSSES") == "1")
     with tracer.step():
         logits = model(tokens)
         with lp:
