@@ -130,6 +130,8 @@ def _loss_op(args: Tuple[Any, ...], kwargs: Dict[str, Any], classes: int) -> Opt
     left-out rows' ``ignore_index`` outside the classes); ``None`` otherwise."""
     p: Dict[str, Any] = dict(zip(_CE_PARAMS, args))
     p.update(kwargs)
+    if classes > 2 ** 24:
+        return None  # class indices beyond 2^24 are not exact as the float32 targets stored
     if p.get("weight") is not None or p.get("label_smoothing", 0.0):
         return None
     if p.get("size_average") is not None or p.get("reduce") is not None:
