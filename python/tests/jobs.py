@@ -508,7 +508,12 @@ def hf(directory: str, bug: str) -> None:
     saved and loaded as a checkpoint (as ``from_pretrained`` loads them under TP). Bugs:
     ``rotary`` shifts rank 1's rotary positions by one (in the attention's functional core),
     ``scale-o`` scales rank 1's share of layer 0's ``o_proj`` output by 1 + 1e-2,
-    ``no-allreduce-o`` skips layer 0's ``o_proj`` all-reduce (its partial product handed on)."""
+    ``no-allreduce-o`` skips layer 0's ``o_proj`` all-reduce (its partial product handed on).
+    Family ``mixtral``: a tiny Mixtral (4 experts, top 2) under expert parallelism over the
+    data ranks instead (``DistributedConfig(fsdp_size=N, ep_size=N,
+    ep_implementation="all_to_all")``: its stacked experts sharded by expert, tokens dispatched
+    by all-to-all; each rank its share of a batch of 4); bug ``experts-scaled`` scales rank 1's
+    layer-0 experts output by 1 + 2^-8."""
     import tempfile
 
     import transformers
@@ -519,9 +524,14 @@ def hf(directory: str, bug: str) -> None:
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
                   attn_implementation="sdpa", tie_word_embeddings=False)
+    distributed = dict(tp_size=world)
     if family == "qwen3":
         config = transformers.Qwen3Config(head_dim=8, **common)
         cls = transformers.Qwen3ForCausalLM
+    elif family == "mixtral":
+        config = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
+        cls = transformers.MixtralForCausalLM
+        distributed = dict(fsdp_size=world, ep_size=world, ep_implementation="all_to_all")
     else:
         config = transformers.LlamaConfig(**common)
         cls = transformers.LlamaForCausalLM
@@ -537,7 +547,7 @@ def hf(directory: str, bug: str) -> None:
             dist.barrier()
             model = cls.from_pretrained(path[0], dtype=dtype,
                                         distributed_config=transformers.DistributedConfig(
-                                            tp_size=world))
+                                            **distributed))
             dist.barrier()
         else:
             base.save_pretrained(ckpt)
@@ -564,8 +574,14 @@ def hf(directory: str, bug: str) -> None:
             return post(self, module, output, mesh)
 
         hf_tp.RowwiseParallel.transform_output_post_forward = skip
+    if bug == "experts-scaled" and world > 1 and dist.get_rank() == 1:
+        model.model.layers[0].mlp.experts.register_forward_hook(
+            lambda m, a, out: out * (1 + 2.0 ** -8))
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 128, (2, 16), generator=gen)
+    ids = torch.randint(0, 128, (4 if family == "mixtral" else 2, 16), generator=gen)
+    if family == "mixtral" and world > 1:
+        n = len(ids) // world
+        ids = ids[dist.get_rank() * n:(dist.get_rank() + 1) * n]
     tracer = ttrace.Tracer(model, directory)
     with tracer.step():
         out = model(input_ids=ids, labels=ids)

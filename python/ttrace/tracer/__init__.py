@@ -57,8 +57,8 @@ Layouts — how the ranks' shards form the logical tensor — are found without 
 Without ``torch.distributed`` (or with one process) the trace is a reference: one rank.
 
 Cheap and selective: ``modules=`` chooses what to trace (names, ``fnmatch`` patterns or a
-predicate; default: the leaf modules and the attention cores, parameter-free modules named
-attention), ``every=N`` traces one step in N (hooks are attached
+predicate; default: the leaf modules, the attention cores, parameter-free modules named
+attention, and grouped experts, traced whole), ``every=N`` traces one step in N (hooks are attached
 only during traced steps), and a background thread writes the files so the step does not wait
 on the disk; ``tracer.bytes_written`` counts what it wrote. On a CUDA device the copies are
 queued on the tensor's stream into pinned, reused host buffers (``pool_bytes``, see

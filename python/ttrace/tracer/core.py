@@ -556,10 +556,18 @@ class Tracer:
         key = id(device_mesh)
         mm = self._mesh_maps.get(key)
         if mm is None:
-            mm = self._mesh_maps[key] = _MeshMap(device_mesh, self.axes)
+            mm = self._mesh_maps[key] = _MeshMap(device_mesh, self.axes, self._dp_group())
             if mm.error is None and self._mesh_error is not None:
                 mm.error = self._mesh_error
         return mm
+
+    def _dp_group(self) -> Optional[List[int]]:
+        """This rank's data-parallel group as global ranks (ttrace's rank r = (d·cp + c)·tp +
+        t is the global rank when the tracer holds every rank: no pipeline stages)."""
+        if self.stages > 1 or self.mesh.dp < 2:
+            return None
+        cp_tp = self.rank % (self.mesh.cp * self.mesh.tp)
+        return sorted(d * self.mesh.cp * self.mesh.tp + cp_tp for d in range(self.mesh.dp))
 
     def _local_layout(self, tid: str, t: torch.Tensor) -> Optional[Layout]:
         """The layout of a plain tensor made by ``DTensor.to_local()`` (its autograd node keeps

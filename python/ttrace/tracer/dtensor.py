@@ -107,6 +107,16 @@ def _axis_of(name: Optional[str], axes: Dict[str, str]) -> Optional[str]:
         return "dp"
     return None
 
+def _group_ranks(device_mesh: Any, dim: int) -> Optional[List[int]]:
+    """The global ranks of this rank's group along mesh dimension ``dim``, in order (``None``
+    when torch.distributed cannot say)."""
+    try:
+        import torch.distributed as dist
+
+        return sorted(dist.get_process_group_ranks(device_mesh.get_group(dim)))
+    except Exception:  # noqa: BLE001 - a mesh without process groups: no mapping
+        return None
+
 class _MeshMap:
     """How a DeviceMesh's dimensions map onto ttrace's tp / cp / dp axes.
 
@@ -116,9 +126,13 @@ class _MeshMap:
     (an unknown name, pipeline or expert parallelism of size > 1) leaves the map unusable:
     ``error`` says why and how to fix it, and every tensor on the mesh is refused (or skipped)
     with that message — the Tracer itself is still built. A pipeline dimension places modules,
-    not tensors: its size and this rank's coordinate are ``stages`` and ``stage``."""
+    not tensors: its size and this rank's coordinate are ``stages`` and ``stage``. An expert
+    dimension whose ranks are exactly this rank's data-parallel group (``dp_group``: experts
+    sharded over the data ranks, as transformers' ``ep_size`` over ``fsdp_size`` does) is the
+    dp axis: the stacked experts' weights are split along it."""
 
-    def __init__(self, device_mesh: Any, axes: Dict[str, str]) -> None:
+    def __init__(self, device_mesh: Any, axes: Dict[str, str],
+                 dp_group: Optional[List[int]] = None) -> None:
         names = tuple(device_mesh.mesh_dim_names or ())
         shape = tuple(int(x) for x in device_mesh.mesh.shape)
         self.names = names
@@ -146,6 +160,8 @@ class _MeshMap:
             elif axis == "pp":
                 self.stages = size
                 self.stage = int(coord0[i]) if coord0 is not None else 0
+            elif axis == "ep" and dp_group is not None and _group_ranks(device_mesh, i) == dp_group:
+                axis = "dp"
             elif axis in _UNSUPPORTED_AXES:
                 self.error = (
                     f"device mesh dimension {i} ({name!r}, size {size}) is "

@@ -2,12 +2,17 @@
 
 * **Modules** (``modules=``): by default every leaf module (one without children) and every
   attention core (a parameter-free module named attention, whose inner modules would not show
-  the attention as one op); or the modules named by a list of names and ``fnmatch`` patterns
+  the attention as one op) and every grouped-experts module (a module named experts holding
+  its experts' weights stacked in 3-D parameters — transformers' ``MixtralExperts``,
+  torchtitan's ``GroupedExperts`` — traced whole, its children not: under expert parallelism
+  they see the tokens dispatched to this rank's experts); or the modules named by a list of
+  names and ``fnmatch`` patterns
   (each must match at least one module); or those a predicate ``(name, module) -> bool``
   accepts. The root module is never traced as such.
 * **Functional sites** (``sites=``): each ``scaled_dot_product_attention`` call inside a
   traced step, as ``{module}.sdpa`` of the module that makes it (default: on when
-  ``modules`` is not given).
+  ``modules`` is not given); with ``losses=True`` each ``cross_entropy`` call on 2-D logits,
+  as ``{module}.cross_entropy``.
 * **Roles** of each traced module's tensors: forward inputs and outputs, the gradients
   arriving at its outputs and leaving at its inputs, and its parameters' gradients (read when
   the step ends); floating-point tensors only.
@@ -32,8 +37,14 @@ def select_modules(named: Dict[str, torch.nn.Module], modules: ModuleSelector) -
     """The names of the modules of ``named`` (the model's modules by name) that ``modules``
     selects, in the model's order."""
     if modules is None:
+        # Grouped experts are traced whole: their children see the tokens dispatched to this
+        # rank's experts, which no other run holds in that order.
+        grouped = [n for n, m in named.items() if n and _is_grouped_experts(m)]
+        inside = tuple(g + "." for g in grouped)
         return [n for n, m in named.items()
-                if n and (not any(True for _ in m.children()) or _is_attention_core(m))]
+                if n and not n.startswith(inside)
+                and (not any(True for _ in m.children()) or _is_attention_core(m)
+                     or n in grouped)]
     if callable(modules):
         return [n for n, m in named.items() if n and modules(n, m)]
     names: List[str] = []
@@ -43,3 +54,12 @@ def select_modules(named: Dict[str, torch.nn.Module], modules: ModuleSelector) -
             raise InvalidInputError(f"no module named {pattern!r} in the model", "UnknownName")
         names.extend(h for h in hits if h not in names)
     return names
+
+
+def _is_grouped_experts(module: torch.nn.Module) -> bool:
+    """A module holding every expert of a mixture-of-experts layer stacked in its parameters
+    (transformers' ``MixtralExperts``, torchtitan's ``GroupedExperts``): its class name says
+    experts and it holds a parameter of three or more dimensions (experts × rows × columns)."""
+    return "Experts" in type(module).__name__ and any(
+        p.dim() >= 3 for p in module.parameters(recurse=False))
+
