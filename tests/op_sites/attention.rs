@@ -13,7 +13,7 @@
 //! the registry does not know is refused.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use ttrace::check::{check_dir_paths, Pricing, PricingMode};
 use ttrace::io::write_trace_dir;
@@ -25,13 +25,6 @@ const B: usize = 2;
 const H: usize = 4;
 const S: usize = 24;
 const D: usize = 16;
-
-fn temp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ttrace-attn-sites-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 /// `n` normal values (SplitMix64 and Box–Muller) with standard deviation `std`.
 fn gaussian(name: &str, seed: u64, n: usize, std: f64) -> Vec<f64> {
@@ -252,7 +245,10 @@ fn judge(
     let scale = (1.0 / (D as f64).sqrt()) as f32;
     let ro = per_head(ops(&ri), &|h| kernel(h, case.causal, None, case.f, scale));
     let co = cand_out(&ci);
-    let (rd, cd) = (temp(&format!("{name}-ref")), temp(&format!("{name}-cand")));
+    let (rd, cd) = (
+        super::temp("attn-sites", &format!("{name}-ref")),
+        super::temp("attn-sites", &format!("{name}-cand")),
+    );
     let mut rt = ri.to_vec();
     rt.push(ro.clone());
     let mut ct = ci.to_vec();
@@ -367,7 +363,7 @@ fn a_masked_site_is_left_to_the_local_model_and_an_unknown_op_is_refused() {
     let (_, pricing, _, _) = judge(&case, "mask", &online, true);
     assert_eq!(pricing, Pricing::Local);
     // An op the registry does not know.
-    let d = temp("unknown-op");
+    let d = super::temp("attn-sites", "unknown-op");
     let (ri, _) = case.inputs();
     let mut t = ri.to_vec();
     t.push(per_head(ops(&ri), &|h| {

@@ -14,7 +14,7 @@
 //! whose rows are split over data ranks is left to the local model.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use ttrace::check::{check_dir_paths, Pricing, PricingMode};
 use ttrace::io::write_trace_dir;
@@ -24,13 +24,6 @@ use ttrace::{Format, Tensor};
 const ROWS: usize = 12;
 const VOCAB: usize = 64;
 const IGNORED: usize = 5;
-
-fn temp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ttrace-loss-sites-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 /// Logits of the row and class (f32 values), moved by `moved` units of FP32 on the candidate.
 fn logits(seed: u64, moved: f64) -> Vec<f64> {
@@ -208,7 +201,10 @@ fn judge(
     let (zr, zc) = (logits(seed, 0.0), logits(seed, 3.0));
     let (lr, gr) = kernel(&zr, &t, false);
     let (lc, gc) = cand(&zc);
-    let (rd, cd) = (temp(&format!("{name}-ref")), temp(&format!("{name}-cand")));
+    let (rd, cd) = (
+        super::temp("loss-sites", &format!("{name}-ref")),
+        super::temp("loss-sites", &format!("{name}-cand")),
+    );
     write(&rd, &zr, lr, &gr, None);
     write(&cd, &zc, lc, &gc, Some(axis));
     let check = check_dir_paths(&rd, &cd, PricingMode::Auto, &|| {}).unwrap();
