@@ -184,13 +184,7 @@ fn write(dir: &Path, tensors: &[Vec<f64>], f: Format, tp: usize, op: &str, mask:
         .map(|id| (id.clone(), ModuleKind::Attention))
         .collect();
     write_trace_dir(dir, &mesh, None, &entries, &kinds, &HashMap::new()).unwrap();
-    let path = dir.join("manifest.json");
-    let mut m: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    for e in m["tensors"].as_array_mut().unwrap() {
-        e["module"]["op"] = serde_json::Value::String(op.into());
-    }
-    std::fs::write(&path, serde_json::to_string(&m).unwrap()).unwrap();
+    super::name_op(dir, op);
 }
 
 struct Case {

@@ -179,13 +179,7 @@ fn write(dir: &Path, z: &[f64], loss: f64, grad: &[f64], axis: Option<(Axis, usi
         .map(|(id, _, _)| (id.clone(), ModuleKind::Loss))
         .collect();
     write_trace_dir(dir, &mesh, None, &entries, &kinds, &HashMap::new()).unwrap();
-    let path = dir.join("manifest.json");
-    let mut m: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    for e in m["tensors"].as_array_mut().unwrap() {
-        e["module"]["op"] = serde_json::Value::String("cross_entropy".into());
-    }
-    std::fs::write(&path, serde_json::to_string(&m).unwrap()).unwrap();
+    super::name_op(dir, "cross_entropy");
 }
 
 /// Check a candidate (loss and gradient made by `cand`) against the reference; return the
