@@ -64,15 +64,23 @@ pub(crate) fn measure(
     if t.role != TensorRole::FwdOutput(0) {
         return None;
     }
-    let info = reference.module(id)?.clone();
+    let info = reference.module(id)?;
     let causal = match info.op? {
         Op::Attention { causal } => causal,
         _ => return None,
     };
     // The reference's op: the candidate is judged against it (a candidate that called the
     // attention with another scale or a mask computes another op — a finding, not a reason to
-    // price it otherwise).
-    let cand_info = candidate.module(id).cloned();
+    // price it otherwise). Of the candidate's entry only its autocast is read.
+    // The kernel's formats: the autocast dtype where coarser than the stored one (the op is on
+    // autocast's lower-precision list), FP32 accumulation.
+    let autocast = [
+        info.arith.autocast,
+        candidate.module(id).and_then(|m| m.arith.autocast),
+    ]
+    .into_iter()
+    .flatten()
+    .min_by_key(|f| f.precision());
     let ids: Vec<String> = (0..4)
         .map(|i| format!("{}|fwd.input.{i}", t.module))
         .collect();
@@ -129,13 +137,6 @@ pub(crate) fn measure(
     if !fits(&r) || !fits(&c) {
         return None;
     }
-    // The kernel's formats: the autocast dtype where coarser than the stored one (the op is on
-    // autocast's lower-precision list), FP32 accumulation.
-    let autocast = [Some(&info), cand_info.as_ref()]
-        .into_iter()
-        .flatten()
-        .filter_map(|m| m.arith.autocast)
-        .min_by_key(|f| f.precision());
     let coarsest = |f: Format| match autocast {
         Some(a) if a.precision() < f.precision() => a,
         _ => f,

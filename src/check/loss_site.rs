@@ -120,7 +120,8 @@ pub(crate) fn measure(
         .parse()
         .ok()?;
     let confidence = Confidence::probabilistic(delta).ok()?;
-    let logits = Tensor::from_vec(&[kept.rows.len(), vocab], r.clone(), format).ok()?;
+    let logits = Tensor::from_vec(&[kept.rows.len(), vocab], r, format).ok()?;
+    let r = logits.values();
     if gradient {
         let g = |dir: &mut TraceDir| -> Option<f64> {
             let t = dir.logical(&gid).ok()?;
@@ -131,7 +132,7 @@ pub(crate) fn measure(
         let mut carried2 = 0.0;
         for (k, &target) in kept.targets.iter().enumerate() {
             let row = |z: &[f64]| softmax(&z[k * vocab..(k + 1) * vocab]);
-            let (pr, pc) = (row(&r), row(&c));
+            let (pr, pc) = (row(r), row(&c));
             for j in 0..vocab {
                 let e = if j == target { 1.0 } else { 0.0 };
                 let d = (gc * (pc[j] - e) - gr * (pr[j] - e)) / n;
@@ -161,7 +162,7 @@ pub(crate) fn measure(
     };
     let own = cross_entropy_threshold(&logits, &kept.targets, &policy, &policy, confidence).ok()?;
     let m = OpMeasure {
-        carried: (loss(&c) - loss(&r)).abs(),
+        carried: (loss(&c) - loss(r)).abs(),
         own: own.abs_frobenius,
     };
     (m.carried.is_finite() && m.own.is_finite()).then_some(m)
