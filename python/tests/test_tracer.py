@@ -529,3 +529,91 @@ def test_loss_sites_are_off_by_default_and_refused_with_microbatches():
     with pytest.raises(ttrace.InvalidInputError, match="losses=True with microbatches"):
         ttrace.Tracer(_Classifier(), losses=True, microbatches=2)
 
+
+
+class GroupedExperts(nn.Module):
+    """Grouped experts called as torchtitan's are — ``forward(x, tokens_per_expert)``: the
+    rows of x grouped expert by expert — holding ``local`` of ``total`` experts."""
+
+    def __init__(self, local: int, total: int) -> None:
+        super().__init__()
+        self.num_experts = total
+        self.w = nn.Parameter(torch.randn(local, 3, 4))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        outs, start = [], 0
+        for j, n in enumerate(counts.tolist()):
+            outs.append(x[start:start + n] @ self.w[j].T)
+            start += n
+        return torch.cat(outs)
+
+
+class _Routed(nn.Module):
+    def __init__(self, local: int, total: int) -> None:
+        super().__init__()
+        self.experts = GroupedExperts(local, total)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, counts)
+
+
+def test_grouped_experts_given_token_counts_are_recorded_expert_by_expert(tmp_path):
+    torch.manual_seed(0)
+    counts = torch.tensor([2, 0, 3])
+    x = torch.randn(5, 4, requires_grad=True)
+    # Rank 1 of two data ranks, each holding 3 of the 6 experts: its experts are 3, 4 and 5.
+    for rank, mesh, first in ((0, None, 0), (1, Mesh(dp=2), 3)):
+        model = _Routed(3, 6 if mesh is not None else 3)
+        tracer = ttrace.Tracer(model, tmp_path / f"r{rank}", mesh=mesh, rank=rank,
+                               background=False)
+        with tracer.step():
+            model(x, counts).pow(2).sum().backward()
+        tracer.close()
+        step = tmp_path / f"r{rank}/step0"
+        entries = {e["id"]: e for e in json.loads(
+            (step / f"manifest.rank{rank}.json").read_text())["tensors"]}
+        data = harness.stored(step, rank=rank)
+        # No tensor of the whole call: its rows are the experts' own, one id per expert.
+        assert not any(i.startswith("experts|") or i.startswith("experts.w") for i in entries)
+        w, rows = model.experts.w.detach(), [(0, 2), (2, 0), (2, 3)]
+        for j, (start, n) in enumerate(rows):
+            e = first + j
+            want_in = x.detach()[start:start + n]
+            assert torch.equal(torch.from_numpy(data[f"experts.{e}|fwd.input.0"]), want_in)
+            assert torch.equal(torch.from_numpy(data[f"experts.{e}|fwd.output.0"]),
+                               want_in @ w[j].T)
+            grad = torch.from_numpy(data[f"experts.{e}.w|param_grad"])
+            assert torch.allclose(grad, model.experts.w.grad[j])
+            # Owned by this data rank under data parallelism; a one-rank trace owns nothing.
+            owned = entries[f"experts.{e}|fwd.input.0"].get("owned")
+            assert owned == ("dp" if mesh is not None else None)
+        assert f"experts.{first}|grad.input.0" in entries
+
+
+def test_grouped_experts_on_every_data_rank_are_refused_by_name(tmp_path):
+    # Every expert on each of two data ranks (no expert parallelism): each rank's rows of an
+    # expert are its own tokens', a split the trace cannot hold — refused, or skipped.
+    x, counts = torch.randn(5, 4), torch.tensor([2, 0, 3])
+    model = _Routed(3, 3)
+    with ttrace.Tracer(model, tmp_path / "a", mesh=Mesh(dp=2), rank=0,
+                       background=False) as tracer:
+        with pytest.raises(ttrace.errors.UnsupportedLayoutError, match="'experts'.*expert "
+                           "parallelism over the data ranks only"):
+            with tracer.step():
+                model(x, counts)
+    tracer = ttrace.Tracer(model, tmp_path / "b", mesh=Mesh(dp=2), rank=0, background=False,
+                           unsupported="skip")
+    with tracer.step():
+        model(x, counts)
+    tracer.close()
+    assert [n for n, _ in tracer.skipped] == ["experts"]
+    assert not any(i.startswith("experts") for i in _ids(tmp_path / "b/step0"))
+    # Counts that do not sum to the rows: not a call with token counts, recorded whole.
+    with ttrace.Tracer(model, tmp_path / "c", background=False) as tracer:
+        with tracer.step():
+            model(x[:4], counts)
+    assert "experts|fwd.input.0" in _ids(tmp_path / "c/step0")
+
+
+def _ids(step):
+    return {e["id"] for e in json.loads((step / "manifest.rank0.json").read_text())["tensors"]}

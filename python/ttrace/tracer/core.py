@@ -7,7 +7,8 @@ import fnmatch
 import os
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
+from typing import (Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union,
+                    cast)
 
 import torch
 
@@ -26,9 +27,10 @@ from .microbatches import fold
 from .online import OnlineChecker
 from .placements import (Layout, Mesh, ModuleLayout, partial,
                          replicate, split)
+from .routed import Routing, routing
 from .record import (_DTYPES, _StepRecord, _Tap, _alias_key, _base, _device_type,
                      _in_backward, _on_meta, _owns, _param_grad)
-from .selection import ModuleSelector, select_modules
+from .selection import ModuleSelector, _is_grouped_experts, select_modules
 from .sites import _loss_op, _site_op, _SiteState, _site_state
 from .writing import StepJob, StepWriter, finish, step_job, summary_job
 
@@ -315,6 +317,8 @@ class Tracer:
         if self.experts and self.mesh.cp > 1:
             raise InvalidInputError("experts= under context parallelism is not supported yet "
                                     "(experts are owned along dp)", "InvalidParameter")
+        #: The experts of grouped-experts modules recorded expert by expert (see _put).
+        self._routed_names: Set[str] = set()
         #: Per module name: whether it is an expert or inside one (see :meth:`_owned`).
         self._owned_cache: Dict[str, bool] = {}
         #: Tensors left out because their layout cannot be expressed: (id, reason).
@@ -768,9 +772,87 @@ class Tracer:
                 self._s.guesses[(name, role, i)] = guessed
         return derived
 
+    def _routing(self, base: str, module: torch.nn.Module,
+                 inputs: List[Any]) -> Optional[Routing]:
+        """How a call of a grouped-experts module given its token counts splits its rows by
+        expert (``None`` for any other call); see :mod:`ttrace.tracer.routed`."""
+        if not _is_grouped_experts(module):
+            return None
+        dp_coord = self.rank // (self.mesh.cp * self.mesh.tp)
+        try:
+            route = routing(module, inputs, self.mesh.dp, dp_coord, self._dtensor, base)
+            if route is not None and (self.microbatches > 1 or self._summarizer is not None
+                                      or self._online is not None):
+                # As for experts=: an expert's microbatches concatenated are not the
+                # reference's token order; summaries and the online check hold no experts.
+                raise UnsupportedLayoutError(
+                    f"module {base!r}: grouped experts called with token counts are recorded "
+                    "expert by expert, which microbatches, summaries and the online check do "
+                    "not support yet", "Layout")
+            return route
+        except UnsupportedLayoutError as e:
+            if self.unsupported != "skip":
+                raise
+            self.skipped.append((base, str(e)))
+            return Routing(0, -1, (), 0)  # records none of the call's tensors
+
+    def _put(self, name: str, role: str, i: int, t: Any) -> None:
+        """Record a tensor of a module call: whole, or — a grouped-experts call given its
+        token counts — its rows expert by expert, as ``{module}.{e}`` (only the tensors of its
+        rows: the rows input, the outputs of as many rows, their gradients)."""
+        route = self._s.routed.get(name)
+        if route is None:
+            self._record(name, role, i, t)
+            return
+        if (not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != route.rows
+                or (role.endswith("input") and i != route.rows_input)):
+            return
+        base, sep, call = name.partition("#")
+        for e, piece in route.pieces(t):
+            expert = f"{base}.{e}{sep}{call}"
+            if name in self._s.arith:
+                self._s.arith.setdefault(expert, self._s.arith[name])
+            self._routed_names.add(f"{base}.{e}")
+            self._record(expert, role, i, piece)
+
+    def _put_expert_grads(self, name: str, pname: str, grad: torch.Tensor, info: dict,
+                          route: Routing, seen: Set[str]) -> List[str]:
+        """The gradient of a grouped-experts module's stacked parameter recorded expert by
+        expert (``{module}.{e}.{pname}``, the experts this rank holds); their ids."""
+        local = len(route.experts)
+        if not local:
+            return []  # skipped (see _routing)
+        if self._dtensor is not None and isinstance(grad, self._dtensor):
+            dt = cast(Any, grad)
+            held = dt.to_local()
+            if tuple(held.shape) != (local, *tuple(dt.shape)[1:]):
+                # Sharded again (FSDP over the experts): gathered, in the collective every
+                # rank makes here in the same order.
+                whole = dt.full_tensor()
+                held = whole[route.experts[0][0]:route.experts[0][0] + local]
+        else:
+            held = grad
+        if held.dim() == 0 or held.shape[0] != local:
+            raise UnsupportedLayoutError(
+                f"module {name!r}: the gradient of {pname!r} holds {tuple(held.shape)} for "
+                f"{local} experts on this rank", "Layout")
+        ids = []
+        for j, (e, _, _) in enumerate(route.experts):
+            expert = f"{name}.{e}"
+            self._routed_names.add(expert)
+            self._record(expert, "param", 0, held[j], param=pname, info=info)
+            tid = f"{expert}.{pname}|param_grad"
+            if tid not in seen and tid in self._s.records:
+                seen.add(tid)
+                ids.append(tid)
+        return ids
+
     def _owned(self, name: str) -> bool:
-        """Whether the module ``name`` is an expert (``experts=``) or inside one, under data
-        parallelism (a one-rank run holds every expert, as a reference does)."""
+        """Whether the module ``name`` is an expert (``experts=``, or one expert of a
+        grouped-experts module given token counts) or inside one, under data parallelism (a
+        one-rank run holds every expert, as a reference does)."""
+        if self.mesh.dp > 1 and name in self._routed_names:
+            return True
         if not self.experts or self.mesh.dp == 1:
             return False
         hit = self._owned_cache.get(name)
@@ -786,7 +868,9 @@ class Tracer:
             return self.kinds[name]
         if name in self._sites:
             return "loss" if name.endswith("cross_entropy") else "attention"
-        return _kind_of(self._named[name])
+        module = self._named.get(name)
+        # One expert of a grouped-experts module (see _put): no module of its own.
+        return _kind_of(module) if module is not None else None
 
     def _module_info(self, name: str) -> Optional[dict]:
         op = self._site_ops.get(name)
@@ -819,7 +903,13 @@ class Tracer:
             # positional ones, in the order given.
             keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
             inputs = list(args) + [kwargs[k] for k in keys]
+            route = self._routing(base, module, inputs)
+            if route is not None:
+                self._s.routed[name] = route
             for i, a in enumerate(inputs):
+                if route is not None:
+                    self._put(name, "fwd.input", i, a)
+                    continue
                 derived = self._record(name, "fwd.input", i, a)
                 if derived is not None and inherit is None and not _is_dtensor(a, self._dtensor):
                     inherit = {"shape": tuple(a.shape), "layout": derived}
@@ -844,7 +934,7 @@ class Tracer:
 
         def got(g: torch.Tensor) -> None:
             if self._s is record:  # the step is still being recorded
-                self._record(name, "grad.input", i, g)
+                self._put(name, "grad.input", i, g)
                 # Parameter gradients are read when the step ends; remember where they belong.
                 record.order.append(("params", _base(name)))
 
@@ -859,6 +949,9 @@ class Tracer:
             inherit = self._s.inherit.get(name)
             outs = output if isinstance(output, (tuple, list)) else (output,)
             for i, o in enumerate(outs):
+                if name in self._s.routed:
+                    self._put(name, "fwd.output", i, o)
+                    continue
                 if _is_dtensor(o, self._dtensor) and not _expressible(o):
                     # Recorded as the caller receives it (after the module's parallel style
                     # redistributes it), by the appended hook.
@@ -881,6 +974,10 @@ class Tracer:
                 if not isinstance(o, torch.Tensor) or not o.is_floating_point():
                     continue
                 tid = f"{name}|fwd.output.{i}"
+                if name in self._s.routed:
+                    if o.requires_grad and torch.is_grad_enabled():
+                        o.register_hook(self._output_grad(name, i))
+                    continue
                 if (name, i) in self._s.deferred:
                     self._s.deferred.discard((name, i))
                     self._record(name, "fwd.output", i, o)
@@ -967,7 +1064,7 @@ class Tracer:
 
         def got(g: torch.Tensor) -> None:
             if self._s is record:
-                self._record(name, "grad.output", i, g)
+                self._put(name, "grad.output", i, g)
                 if not record.tapped.get(name, False):
                     # No input takes a gradient: the parameters' come with this one.
                     record.order.append(("params", _base(name)))
@@ -997,16 +1094,20 @@ class Tracer:
     def _ordered(self) -> List[str]:
         """The step's ids in execution order, the parameter gradients read now and placed
         right after their module's backward tensors."""
-        order, seen = [], set()
+        order: List[str] = []
+        seen: Set[str] = set()
         for item in self._s.order:
             if isinstance(item, tuple):
                 name = item[1]
                 if name not in self._named:  # a functional site: no parameters
                     continue
                 module = self._named[name]
+                route = self._s.routed.get(name)
                 for pname, p in module.named_parameters(recurse=False):
                     grad, info = _param_grad(module, pname, p)
-                    if grad is not None:
+                    if grad is not None and route is not None:
+                        order += self._put_expert_grads(name, pname, grad, info, route, seen)
+                    elif grad is not None:
                         self._record(name, "param", 0, grad, param=pname, info=info)
                         tid = f"{name}.{pname}|param_grad"
                         if tid not in seen and tid in self._s.records:

@@ -13,7 +13,7 @@ from .placements import Layout, Mesh, partial, split
 _AXIS_NAMES = {
     "tp": ("tp", "tensor", "model", "tensor_parallel", "mp", "tp_shard"),
     "dp": ("dp", "data", "fsdp", "shard", "replicate", "ddp", "dp_shard", "dp_replicate",
-           "data_parallel", "hsdp", "dp_rep", "dp_replicate_shard", "batch"),
+           "data_parallel", "hsdp", "dp_rep", "dp_replicate_shard", "batch", "efsdp"),
     "cp": ("cp", "context", "seq", "context_parallel", "sp_cp"),
 }
 
@@ -104,6 +104,10 @@ def _axis_of(name: Optional[str], axes: Dict[str, str]) -> Optional[str]:
         if low in names:
             return axis
     if low in _FLATTENED_DP:
+        return "dp"
+    if low == "world" and axes.get("_default") == "dp":
+        # torchtitan's mesh over every rank, which FSDP2 shards over when the data ranks are
+        # all the ranks: data parallel under fully_shard, as an unnamed 1-D mesh is.
         return "dp"
     return None
 

@@ -141,6 +141,9 @@ class _StepRecord:
     #: Per module call: the arithmetic in force when it ran (autocast, TF32; see
     #: :mod:`ttrace.arith`), applied to all its tensors, gradients included.
     arith: Dict[str, Dict[str, str]] = field(default_factory=dict)
+    #: Per call of a grouped-experts module given its token counts: how its rows split by
+    #: expert (see :mod:`ttrace.tracer.routed`); its tensors are recorded expert by expert.
+    routed: Dict[str, Any] = field(default_factory=dict)
     #: Copies folded into microbatch concatenations whose sharing by identity the writer must
     #: still verify (see :mod:`ttrace.tracer.microbatches`).
     folded: List[HostCopy] = field(default_factory=list)

@@ -5,7 +5,8 @@
   the attention as one op) and every grouped-experts module (a module named experts holding
   its experts' weights stacked in 3-D parameters — transformers' ``MixtralExperts``,
   torchtitan's ``GroupedExperts`` — traced whole, its children not: under expert parallelism
-  they see the tokens dispatched to this rank's experts); or the modules named by a list of
+  they see the tokens dispatched to this rank's experts) and the module that routes tokens to
+  it (its parent: dispatch, experts and combine); or the modules named by a list of
   names and ``fnmatch`` patterns
   (each must match at least one module); or those a predicate ``(name, module) -> bool``
   accepts. The root module is never traced as such.
@@ -41,10 +42,13 @@ def select_modules(named: Dict[str, torch.nn.Module], modules: ModuleSelector) -
         # rank's experts, which no other run holds in that order.
         grouped = [n for n, m in named.items() if n and _is_grouped_experts(m)]
         inside = tuple(g + "." for g in grouped)
+        # And the module routing tokens to them (dispatch, experts, combine: torchtitan's
+        # RoutedExperts, transformers' sparse MoE block), where a routing bug is born.
+        routing = {n.rpartition(".")[0] for n in grouped if "." in n}
         return [n for n, m in named.items()
                 if n and not n.startswith(inside)
                 and (not any(True for _ in m.children()) or _is_attention_core(m)
-                     or n in grouped)]
+                     or n in grouped or n in routing)]
     if callable(modules):
         return [n for n, m in named.items() if n and modules(n, m)]
     names: List[str] = []
