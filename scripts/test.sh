@@ -25,6 +25,14 @@ if [ ! -d target/mcore19/megatron/core ]; then
   "$py" -m pip install --quiet --disable-pip-version-check --no-deps --ignore-requires-python \
     --target target/mcore19 "megatron-core==0.19.2"
 fi
+# torchtitan 0.3.0 (its MoE under its own expert parallelism, python/tests/titan_moe.py) and
+# the few packages its model code imports, beside the environment (TTRACE_TEST job titan_moe
+# puts it first on its path): its other requirements (datasets, wandb, ...) serve its trainer.
+if [ ! -d target/titan030/torchtitan ]; then
+  "$py" -m pip install --quiet --disable-pip-version-check --no-deps --target target/titan030 \
+    "torchtitan==0.3.0" "spmd_types==0.2.3" "tyro==1.0.17" "typeguard==4.6.0" "einops==0.8.2" \
+    "docstring_parser==0.18.0"
+fi
 export PATH="$PWD/$venv/bin:$PATH"
 # One build from scratch: incremental compilation's caches would only take disk (gigabytes).
 export CARGO_INCREMENTAL=0

@@ -512,8 +512,9 @@ def hf(directory: str, bug: str) -> None:
     Family ``mixtral``: a tiny Mixtral (4 experts, top 2) under expert parallelism over the
     data ranks instead (``DistributedConfig(fsdp_size=N, ep_size=N,
     ep_implementation="all_to_all")``: its stacked experts sharded by expert, tokens dispatched
-    by all-to-all; each rank its share of a batch of 4); bug ``experts-scaled`` scales rank 1's
-    layer-0 experts output by 1 + 2^-8."""
+    by all-to-all; each rank its share of a batch of 4); family ``qwen3_moe`` the same with a
+    tiny Qwen3-MoE; bug ``experts-scaled`` scales rank 1's layer-0 experts output by
+    1 + 2^-8."""
     import tempfile
 
     import transformers
@@ -531,6 +532,12 @@ def hf(directory: str, bug: str) -> None:
     elif family == "mixtral":
         config = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
         cls = transformers.MixtralForCausalLM
+        distributed = dict(fsdp_size=world, ep_size=world, ep_implementation="all_to_all")
+    elif family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, head_dim=8,
+                                             moe_intermediate_size=64, norm_topk_prob=True,
+                                             **common)
+        cls = transformers.Qwen3MoeForCausalLM
         distributed = dict(fsdp_size=world, ep_size=world, ep_implementation="all_to_all")
     else:
         config = transformers.LlamaConfig(**common)
@@ -578,8 +585,9 @@ def hf(directory: str, bug: str) -> None:
         model.model.layers[0].mlp.experts.register_forward_hook(
             lambda m, a, out: out * (1 + 2.0 ** -8))
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 128, (4 if family == "mixtral" else 2, 16), generator=gen)
-    if family == "mixtral" and world > 1:
+    moe = family in ("mixtral", "qwen3_moe")
+    ids = torch.randint(0, 128, (4 if moe else 2, 16), generator=gen)
+    if moe and world > 1:
         n = len(ids) // world
         ids = ids[dist.get_rank() * n:(dist.get_rank() + 1) * n]
     tracer = ttrace.Tracer(model, directory)
@@ -752,6 +760,30 @@ def ep(directory: str, bug: str) -> None:
     tracer.close()
 
 
+def titan_moe(directory: str, bug: str) -> None:
+    """torchtitan's own expert parallelism (titan_moe.py): its Qwen3-MoE parallelized by
+    torchtitan with the experts sharded over the data ranks, each rank its share of the batch;
+    the reference the same model on one process (weights and tokens from TTRACE_TEST_SEED).
+    Traced with nothing but the directory. Bugs: see ``titan_moe.plant``."""
+    import titan_moe as T
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dtype = getattr(torch, os.environ.get("TTRACE_TEST_DTYPE", "float32"))
+    seed = int(os.environ.get("TTRACE_TEST_SEED", "0"))
+    model = T.build(world, dtype, seed)
+    tokens, labels = T.batch(seed)
+    if world > 1:
+        T.plant(model, bug, dist.get_rank())
+        r, n = dist.get_rank(), T.BATCH // world
+        tokens, labels = tokens[r * n:(r + 1) * n], labels[r * n:(r + 1) * n]
+    tracer = ttrace.Tracer(model, directory)
+    with tracer.step():
+        T.loss(model, tokens, labels).backward()
+        if world > 1:
+            T.settle(model, bug)
+    tracer.close()
+
+
 def main() -> None:
     job, directory = sys.argv[1], sys.argv[2]
     bug = sys.argv[3] if len(sys.argv) > 3 else ""
@@ -762,7 +794,7 @@ def main() -> None:
     try:
         jobs = {"tp": tp, "fsdp": fsdp, "ddp": ddp, "megatron": megatron, "llama": llama,
                 "mgpt": mgpt, "hand": hand, "unsupported": unsupported, "hf": hf,
-                "titan": titan, "pp": pp, "ep": ep}
+                "titan": titan, "pp": pp, "ep": ep, "titan_moe": titan_moe}
         jobs[job](directory, bug)
     finally:
         if distributed:

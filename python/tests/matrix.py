@@ -2,7 +2,7 @@
 engines (gloo on CPU), each checked by ttrace against its world-size-1 reference, with the
 baselines' verdicts beside ttrace's.
 
-    python python/tests/matrix.py                # the whole matrix (about 25 minutes on 2 cores)
+    python python/tests/matrix.py                # the whole matrix (about 37 minutes on 2 cores)
     python python/tests/matrix.py --quick        # one clean run and one bug per engine
     python python/tests/matrix.py --json out.json --markdown out.md
     python python/tests/matrix.py --large        # the size study: 256 tokens (about 5 minutes)
@@ -19,7 +19,9 @@ the Llama of ``llama.py`` (four layers) under torch's own pipeline schedules (GP
 interleaved 1F1B) on two stages with four microbatches, and each stage tensor parallel or
 fully sharded (FSDP2) on a ``(pp, dp, tp)`` device mesh (``jobs.pp``); ``torch-ep`` — the
 MoE Llama of ``moe.py`` (top-k routing, SwiGLU experts) under expert parallelism, tokens
-dispatched by ``all_to_all`` to the experts' owners on two or four ranks (``jobs.ep``).
+dispatched by ``all_to_all`` to the experts' owners on two or four ranks (``jobs.ep``);
+``torchtitan-ep`` — torchtitan's own Qwen3-MoE under its expert parallelism over the FSDP2
+ranks (``titan_moe.py``, ``jobs.titan_moe``).
 
 Baselines, judged on the same merged tensors: ``assert_close`` — ``torch.testing.assert_close``
 with its default tolerances for the tensor's dtype, on every traced tensor; ``megatron`` — the
@@ -161,6 +163,22 @@ ENGINES = [
                                "the mean load"),
             "expert-grad-not-scaled": ("ep4-e8k2", "the experts' gradients never divided by "
                                        "the data ranks"),
+        },
+    ),
+    Engine(
+        "torchtitan-ep", "titan_moe", 2,
+        (_cfg("ep2-fsdp2", 2), _cfg("ep4-fsdp4", 4)),
+        {
+            "unpermute-skipped": ("ep2-fsdp2", "the experts' outputs sent back in expert order "
+                                  "(the dispatch's inverse permutation forgotten)"),
+            "permute-skipped": ("ep2-fsdp2", "the received tokens handed to the experts in "
+                                "source-rank order (the permutation to expert order forgotten)"),
+            "scores-not-applied": ("ep2-fsdp2", "the experts' outputs combined without their "
+                                   "routing weights on one rank"),
+            "experts-swapped": ("ep2-fsdp2", "an expert-sharded checkpoint loaded in the wrong "
+                                "order on one rank"),
+            "expert-grad-halved": ("ep4-fsdp4", "the experts' gradients divided by the wrong "
+                                   "group's size"),
         },
     ),
 ]

@@ -1,7 +1,9 @@
 """Expert parallelism: the MoE Llama of moe.py with its experts divided among two or four
 ranks (gloo), tokens dispatched to their experts' owners by all-to-all and back, traced with
-``experts=`` and checked against the model run whole on one process; planted bugs modelled on
-public MoE reports found where they are born. Also the tracer's refusals."""
+``experts=`` and checked against the model run whole on one process; torchtitan's own MoE
+(titan_moe.py) under its own expert parallelism, traced with nothing but a directory (its
+grouped experts recorded expert by expert); planted bugs modelled on public MoE reports found
+where they are born. Also the tracer's refusals."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 import ttrace
+from harness import stored
 from ttrace.errors import InvalidInputError
 
 EXPERTS = "layers.*.feed_forward.experts.*"
@@ -118,3 +121,72 @@ def test_the_tracer_refuses_experts_it_cannot_record(tmp_path):
         ttrace.Tracer(model, tmp_path, experts=["0"], microbatches=2)
     with pytest.raises(InvalidInputError, match="summaries"):
         ttrace.Tracer(model, tmp_path, experts=["0"], summaries=True)
+
+
+#: torchtitan's grouped experts, recorded expert by expert.
+TITAN = "layers.{}.moe.routed_experts.inner_experts.{}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torchtitan_expert_parallel_moe_passes_expert_by_expert(traces, dtype):
+    # torchtitan 0.3.0's Qwen3-MoE parallelized by torchtitan (experts sharded over the two
+    # FSDP2 ranks, tokens dispatched by its AllToAllTokenDispatcher), traced with no argument.
+    ref, cand = traces("titan_moe", 1, "", dtype), traces("titan_moe", 2, "", dtype)
+    report = ttrace.check(ref, cand)
+    assert report.passed, str(report)
+    ids = {r.id for r in report.rows}
+    for layer in (0, 1):
+        for e in range(4):
+            for role in ("fwd.input.0", "fwd.output.0", "grad.input.0"):
+                assert f"{TITAN.format(layer, e)}|{role}" in ids
+            assert f"{TITAN.format(layer, e)}.w2_EDF|param_grad" in ids
+        assert f"layers.{layer}.moe.routed_experts|fwd.output.0" in ids
+    for m in fragments(cand):
+        for e in m["tensors"]:
+            assert ("owned" in e) == (".inner_experts." in e["id"]), e["id"]
+    if dtype != "float32":
+        return  # safetensors' NumPy reader has no BF16
+    # The trace, read with safetensors: expert e's rows written by its owner (rank e // 2)
+    # alone, owned along dp — the reference's rows of that expert, in the same order, and
+    # together every (token, choice) pair of the batch (4 × 16 tokens, top 2).
+    per_rank = [stored(cand, r) for r in (0, 1)]
+    whole = stored(ref)
+    for layer in (0, 1):
+        rows = 0
+        for e in range(4):
+            tid = f"{TITAN.format(layer, e)}|fwd.input.0"
+            owner, other = per_rank[e // 2], per_rank[1 - e // 2]
+            assert tid in owner and tid not in other, tid
+            got, want = owner[tid], whole[tid]
+            assert got.shape == want.shape and (got.view("u1") == want.view("u1")).all(), tid
+            rows += want.shape[0]
+            grad = f"{TITAN.format(layer, e)}.w1_EFD|param_grad"
+            assert grad in owner and grad not in other and owner[grad].shape == (32, 64)
+        assert rows == 4 * 16 * 2
+
+
+#: torchtitan's MoE: each planted bug (titan_moe.plant) and where it must be localized.
+TITAN_BUGS = {
+    # The combine: the routing module's output (dispatch, experts, combine).
+    "unpermute-skipped": lambda loc: loc["tensor"] == "layers.0.moe.routed_experts|fwd.output.0",
+    "scores-not-applied": lambda loc: (loc["tensor"] == "layers.0.moe.routed_experts"
+                                       "|fwd.output.0" and loc["rank"] == 1),
+    # The dispatch: an expert's rows, born between the router and the expert.
+    "permute-skipped": lambda loc: (
+        loc["tensor"].startswith("layers.0.moe.routed_experts.inner_experts.")
+        and loc["tensor"].endswith("|fwd.input.0")
+        and "between module layers.0.moe.router.gate and" in loc["detail"]),
+    # Rank 1's experts (2 and 3) computing with each other's weights: born in expert 2.
+    "experts-swapped": lambda loc: (loc["tensor"] == TITAN.format(0, 2) + "|fwd.output.0"),
+    # The experts' gradients halved: an expert's parameter gradient.
+    "expert-grad-halved": lambda loc: (loc["pass"] == "backward"
+                                       and ".inner_experts." in (loc["parameter"] or "")),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(TITAN_BUGS))
+def test_planted_torchtitan_moe_bugs_are_found_where_they_are_born(traces, bug):
+    report = ttrace.check(traces("titan_moe", 1), traces("titan_moe", 2, bug))
+    assert not report.passed
+    loc = report.localization
+    assert loc is not None and TITAN_BUGS[bug](loc), (bug, loc)
