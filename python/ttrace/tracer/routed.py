@@ -1,9 +1,11 @@
 """Grouped experts called with their token counts, recorded expert by expert.
 
-A grouped-experts module (see :mod:`ttrace.tracer.selection`) called as torchtitan's
-``GroupedExperts`` and Megatron-LM's grouped MLPs are — ``forward(x, tokens_per_expert)``: the
-rows of ``x`` are the tokens routed to this rank's experts, grouped expert by expert, and the
-second argument an integer vector with one count per local expert (summing to the rows) —
+A grouped-experts module (see :mod:`ttrace.tracer.selection`: its experts' weights stacked in
+3-D parameters) called as torchtitan's ``GroupedExperts`` is — ``forward(x,
+tokens_per_expert)``, the signature of Megatron-LM's grouped MLPs too (whose 2-D weights are
+not read as stacked experts): the rows of ``x`` are the tokens routed to this rank's experts,
+grouped expert by expert, and the second argument an integer vector with one count per local
+expert (summing to the rows) —
 holds a ragged batch: under expert parallelism each rank holds other experts and a number of
 rows that depends on the routing, which no layout of one tensor can express. Its tensors are
 therefore recorded per expert: ``{module}.{e}`` for the global expert ``e``, its rows (input,
