@@ -539,11 +539,12 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.num_experts = total
         self.w = nn.Parameter(torch.randn(local, 3, 4))
+        self.shift = nn.Parameter(torch.zeros(4))  # not stacked by expert
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         outs, start = [], 0
         for j, n in enumerate(counts.tolist()):
-            outs.append(x[start:start + n] @ self.w[j].T)
+            outs.append((x[start:start + n] + self.shift) @ self.w[j].T)
             start += n
         return torch.cat(outs)
 
@@ -588,6 +589,9 @@ def test_grouped_experts_given_token_counts_are_recorded_expert_by_expert(tmp_pa
             owned = entries[f"experts.{e}|fwd.input.0"].get("owned")
             assert owned == ("dp" if mesh is not None else None)
         assert f"experts.{first}|grad.input.0" in entries
+        # A parameter not stacked by expert: its gradient recorded whole.
+        assert torch.allclose(torch.from_numpy(data["experts.shift|param_grad"]),
+                              model.experts.shift.grad)
 
 
 def test_grouped_experts_on_every_data_rank_are_refused_by_name(tmp_path):

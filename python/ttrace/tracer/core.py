@@ -816,14 +816,18 @@ class Tracer:
             self._record(expert, role, i, piece)
 
     def _put_expert_grads(self, name: str, pname: str, grad: torch.Tensor, info: dict,
-                          route: Routing, seen: Set[str]) -> List[str]:
+                          route: Routing, seen: Set[str]) -> Optional[List[str]]:
         """The gradient of a grouped-experts module's stacked parameter recorded expert by
-        expert (``{module}.{e}.{pname}``, the experts this rank holds); their ids."""
+        expert (``{module}.{e}.{pname}``, the experts this rank holds); their ids. ``None``
+        for a parameter not stacked by expert (its first dimension is not the experts'): the
+        caller records it whole."""
         local = len(route.experts)
         if not local:
             return []  # skipped (see _routing)
         if self._dtensor is not None and isinstance(grad, self._dtensor):
             dt = cast(Any, grad)
+            if dt.dim() == 0 or int(dt.shape[0]) != route.total:
+                return None
             held = dt.to_local()
             if tuple(held.shape) != (local, *tuple(dt.shape)[1:]):
                 # Sharded again (FSDP over the experts): gathered, in the collective every
@@ -833,9 +837,7 @@ class Tracer:
         else:
             held = grad
         if held.dim() == 0 or held.shape[0] != local:
-            raise UnsupportedLayoutError(
-                f"module {name!r}: the gradient of {pname!r} holds {tuple(held.shape)} for "
-                f"{local} experts on this rank", "Layout")
+            return None
         ids = []
         for j, (e, _, _) in enumerate(route.experts):
             expert = f"{name}.{e}"
@@ -1105,8 +1107,10 @@ class Tracer:
                 route = self._s.routed.get(name)
                 for pname, p in module.named_parameters(recurse=False):
                     grad, info = _param_grad(module, pname, p)
-                    if grad is not None and route is not None:
-                        order += self._put_expert_grads(name, pname, grad, info, route, seen)
+                    experts = (None if grad is None or route is None else
+                               self._put_expert_grads(name, pname, grad, info, route, seen))
+                    if experts is not None:
+                        order += experts
                     elif grad is not None:
                         self._record(name, "param", 0, grad, param=pname, info=info)
                         tid = f"{name}.{pname}|param_grad"
