@@ -183,3 +183,89 @@ fn owned_entries_held_otherwise_or_placed_along_their_axis_are_refused() {
     }
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A dp 2 trace (no tp): `DENSE` replicated, and each `(id, tensor, owner)` held whole by its
+/// owner's one rank, owned along dp, in the order given (execution order).
+fn write_dp(dir: &Path, experts: &[(&str, Tensor, usize)]) {
+    let mesh = Mesh::new([(Axis::DP, 2)]).unwrap();
+    let dense = (
+        DENSE.to_string(),
+        Layout::replicated(),
+        vec![logical(4, 3); 2],
+    );
+    write_trace_dir(dir, &mesh, None, &[dense], &HashMap::new(), &HashMap::new()).unwrap();
+    let path = dir.join("manifest.json");
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    for (k, (id, t, owner)) in experts.iter().enumerate() {
+        let file = format!("expert{k}.safetensors");
+        safetensors::write(&dir.join(&file), &[(id, t)], &BTreeMap::new()).unwrap();
+        m["tensors"]
+            .as_array_mut()
+            .unwrap()
+            .push(serde_json::json!({
+            "id": id, "rank": owner, "file": file, "dtype": "f32", "layout": {},
+            "owned": "dp"}));
+    }
+    std::fs::write(&path, m.to_string()).unwrap();
+}
+
+#[test]
+fn a_failing_tensor_an_expert_computes_names_its_owner_unless_other_owners_fail_too() {
+    let d = temp("owner");
+    let ids = [
+        "moe.experts.0|fwd.input.0",
+        "moe.experts.1|fwd.input.0",
+        "moe.experts.0|fwd.output.0",
+        "moe.experts.1|fwd.output.0",
+    ];
+    let x = logical(5, 6);
+    let scaled = Tensor::from_vec(
+        &[5, 6],
+        x.values().iter().map(|v| v * 1.5).collect(),
+        Format::F32,
+    )
+    .unwrap();
+    let rd = d.join("ref");
+    let mut whole = vec![(DENSE.to_string(), Layout::replicated(), vec![logical(4, 3)])];
+    whole.extend(
+        ids.iter()
+            .map(|i| (i.to_string(), Layout::replicated(), vec![x.clone()])),
+    );
+    write_trace_dir(
+        &rd,
+        &Mesh::single(),
+        None,
+        &whole,
+        &HashMap::new(),
+        &HashMap::new(),
+    )
+    .unwrap();
+    // Expert e on rank e; `bad` lists the ids changed (scaled by 1.5).
+    for (k, (bad, first, rank)) in [
+        // Rank 1's expert computes a wrong output, rank 0's a right one: rank 1.
+        (&[ids[3]][..], ids[3], Some(1)),
+        // Both experts' outputs wrong: every rank's experts, no rank.
+        (&[ids[2], ids[3]][..], ids[2], None),
+        // An expert's input gathers every rank's tokens: no rank.
+        (&[ids[1]][..], ids[1], None),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let c = d.join(format!("case{k}"));
+        let held: Vec<(&str, Tensor, usize)> = ids
+            .iter()
+            .enumerate()
+            .map(|(j, i)| {
+                let t = if bad.contains(i) { &scaled } else { &x };
+                (*i, t.clone(), j % 2)
+            })
+            .collect();
+        write_dp(&c, &held);
+        let out = check_dir_paths(&rd, &c, PricingMode::Auto, &|| {}).unwrap();
+        let loc = out.localization.expect("a failure");
+        assert_eq!((loc.tensor.as_str(), loc.rank), (first, rank), "case {k}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -172,6 +172,47 @@ fn pipeline_stage(candidate: &TraceDir, mut check: DirCheck) -> DirCheck {
     check
 }
 
+/// The first failure in an expert's tensor that one rank holds whole (an owned id on a mesh of
+/// one rank) and computes — its output, the gradient it sends back, its parameters' — names
+/// that rank, unless the same tensor of a sibling expert held by another rank fails too (every
+/// rank's experts are wrong). An expert's inputs and arriving gradients gather every rank's
+/// tokens: no rank is named for them.
+fn expert_owner(candidate: &TraceDir, mut check: DirCheck) -> DirCheck {
+    use crate::trace::id::{TensorId, TensorRole};
+    let holder = |id: &str| -> Option<usize> {
+        let computed = TensorId::parse(id).is_some_and(|t| {
+            matches!(
+                t.role,
+                TensorRole::FwdOutput(_) | TensorRole::GradInput(_) | TensorRole::ParamGrad { .. }
+            )
+        });
+        (computed && candidate.owner(id).is_some() && candidate.mesh_of(id).world() == 1)
+            .then(|| candidate.global_rank(id, 0))
+    };
+    // Siblings: the same role of modules with one parent (`….experts.2` and `….experts.3`).
+    let key = |id: &str| {
+        TensorId::parse(id).map(|t| {
+            let parent = t.module.rsplit_once('.').map(|(p, _)| p.to_string());
+            (parent, t.role)
+        })
+    };
+    let verdicts = &check.report.verdicts;
+    let Some(loc) = check.localization.as_mut() else {
+        return check;
+    };
+    let Some(rank) = holder(&loc.tensor).filter(|_| loc.rank.is_none()) else {
+        return check;
+    };
+    let mine = key(&loc.tensor);
+    let elsewhere = verdicts
+        .iter()
+        .any(|v| !v.passed && key(&v.id) == mine && holder(&v.id).is_some_and(|k| k != rank));
+    if !elsewhere {
+        loc.rank = Some(rank);
+    }
+    check
+}
+
 /// In a candidate of several microbatches, the first failure's relative difference over each
 /// microbatch's slice (the tensor split along the pipeline's dimension into equal parts), said
 /// in its detail when some microbatches differ far more than others. Left out for a parameter
@@ -443,6 +484,7 @@ impl Setup {
             )
         };
         let check = pipeline_stage(&self.candidate, unreduced_producer(&self.candidate, check));
+        let check = expert_owner(&self.candidate, check);
         by_microbatch(&self.reference, &self.candidate, check)
     }
 }
