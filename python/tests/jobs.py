@@ -501,6 +501,20 @@ def unsupported(directory: str, bug: str) -> None:
     assert [i for i, _ in tracer.skipped] == ["1|fwd.output.0"], tracer.skipped
 
 
+#: transformers' mixture-of-experts families the ``hf`` job runs under expert parallelism
+#: besides Mixtral: family → (config class, model class, settings beyond the common ones).
+MOE_FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, head_dim=8,
+                       moe_intermediate_size=64, norm_topk_prob=True)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=64, norm_topk_prob=False)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(num_experts=4, num_experts_per_tok=2)),
+}
+
+
 def hf(directory: str, bug: str) -> None:
     """Hugging Face transformers' own tensor parallelism (``DistributedConfig(tp_size=N)``,
     its ``tp_plan``) on a tiny model of ``TTRACE_TEST_FAMILY`` (``llama`` or ``qwen3``): one
@@ -512,8 +526,8 @@ def hf(directory: str, bug: str) -> None:
     Family ``mixtral``: a tiny Mixtral (4 experts, top 2) under expert parallelism over the
     data ranks instead (``DistributedConfig(fsdp_size=N, ep_size=N,
     ep_implementation="all_to_all")``: its stacked experts sharded by expert, tokens dispatched
-    by all-to-all; each rank its share of a batch of 4); family ``qwen3_moe`` the same with a
-    tiny Qwen3-MoE; bug ``experts-scaled`` scales rank 1's layer-0 experts output by
+    by all-to-all; each rank its share of a batch of 4); the families of ``MOE_FAMILIES``
+    (Qwen3-MoE, Qwen2-MoE with its shared expert, OLMoE) the same; bug ``experts-scaled`` scales rank 1's layer-0 experts output by
     1 + 2^-8."""
     import tempfile
 
@@ -533,11 +547,10 @@ def hf(directory: str, bug: str) -> None:
         config = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
         cls = transformers.MixtralForCausalLM
         distributed = dict(fsdp_size=world, ep_size=world, ep_implementation="all_to_all")
-    elif family == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, head_dim=8,
-                                             moe_intermediate_size=64, norm_topk_prob=True,
-                                             **common)
-        cls = transformers.Qwen3MoeForCausalLM
+    elif family in MOE_FAMILIES:
+        make, cls_name, extra = MOE_FAMILIES[family]
+        config = getattr(transformers, make)(**extra, **common)
+        cls = getattr(transformers, cls_name)
         distributed = dict(fsdp_size=world, ep_size=world, ep_implementation="all_to_all")
     else:
         config = transformers.LlamaConfig(**common)
@@ -585,7 +598,7 @@ def hf(directory: str, bug: str) -> None:
         model.model.layers[0].mlp.experts.register_forward_hook(
             lambda m, a, out: out * (1 + 2.0 ** -8))
     gen = torch.Generator().manual_seed(1)
-    moe = family in ("mixtral", "qwen3_moe")
+    moe = family == "mixtral" or family in MOE_FAMILIES
     ids = torch.randint(0, 128, (4 if moe else 2, 16), generator=gen)
     if moe and world > 1:
         n = len(ids) // world

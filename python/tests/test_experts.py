@@ -176,11 +176,15 @@ TITAN_BUGS = {
         loc["tensor"].startswith("layers.0.moe.routed_experts.inner_experts.")
         and loc["tensor"].endswith("|fwd.input.0")
         and "between module layers.0.moe.router.gate and" in loc["detail"]),
-    # Rank 1's experts (2 and 3) computing with each other's weights: born in expert 2.
-    "experts-swapped": lambda loc: (loc["tensor"] == TITAN.format(0, 2) + "|fwd.output.0"),
-    # The experts' gradients halved: an expert's parameter gradient.
+    # Rank 1's experts (2 and 3) computing with each other's weights: born in expert 2, which
+    # rank 1 holds (rank 0's experts are right).
+    "experts-swapped": lambda loc: (loc["tensor"] == TITAN.format(0, 2) + "|fwd.output.0"
+                                    and loc["rank"] == 1),
+    # The experts' gradients halved: an expert's parameter gradient — every rank's experts,
+    # so no rank named.
     "expert-grad-halved": lambda loc: (loc["pass"] == "backward"
-                                       and ".inner_experts." in (loc["parameter"] or "")),
+                                       and ".inner_experts." in (loc["parameter"] or "")
+                                       and loc["rank"] is None),
 }
 
 

@@ -4,7 +4,7 @@ directory — multi-process gloo jobs on CPU, tiny Llama and Qwen3 configuration
 pass in FP32 and BF16 at TP 2 and 4 with every tensor priced by its module kind (the SDPA
 call inside each attention module traced as an attention site), and planted bugs fail at the
 module they are born in, with the rank; and its expert parallelism (``ep_size`` over the data
-ranks) on a tiny Mixtral and a tiny Qwen3-MoE."""
+ranks) on a tiny Mixtral and a tiny Qwen2-MoE."""
 
 from __future__ import annotations
 
@@ -67,13 +67,14 @@ def test_a_missing_all_reduce_is_found_at_the_module_that_skipped_it(traces):
 
 
 @pytest.mark.parametrize("family,dtype", [("mixtral", "float32"), ("mixtral", "bfloat16"),
-                                          ("qwen3_moe", "bfloat16")])
+                                          ("qwen2_moe", "bfloat16")])
 def test_transformers_expert_parallel_moe_passes_and_a_scaled_expert_output_is_found(
         traces, family, dtype):
     # transformers' own expert parallelism (DistributedConfig(fsdp_size=2, ep_size=2,
-    # ep_implementation="all_to_all")): a tiny Mixtral's (Qwen3-MoE's) stacked experts sharded
-    # by expert over the data ranks, tokens dispatched by all-to-all — traced with nothing but
-    # a directory. The grouped experts module is traced whole (its children see the dispatched
+    # ep_implementation="all_to_all")): a tiny Mixtral's (Qwen2-MoE's, with its shared expert
+    # and its one-row shared-expert gate, which FSDP shards unevenly over the two ranks: its
+    # gradient is gathered when read) stacked experts sharded by expert over the data ranks,
+    # tokens dispatched by all-to-all — traced with nothing but a directory. The grouped experts module is traced whole (its children see the dispatched
     # tokens) with the sparse MoE block routing to it, and its weights' "ep" mesh dimension,
     # the data ranks here, is read as the dp axis.
     ref = traces("hf", dtype=dtype, FAMILY=family)

@@ -217,12 +217,25 @@ def _gather_param(dt: Any, mm: Optional["_MeshMap"]) -> Any:
     ttrace cannot express: FSDP2 over a tensor-parallel parameter shards the TP shard again
     along the same dimension (``_StridedShard``); HSDP places it two ways on one ttrace axis
     (replicated over ``dp_replicate``, sharded over ``dp_shard`` or ``dp_shard_cp``) — those
-    axes' sharding dimensions are gathered (``mm``: the mesh map, None when unusable)."""
+    axes' sharding dimensions are gathered (``mm``: the mesh map, None when unusable); and so
+    is a dimension FSDP2 shards unevenly (its length not a multiple of the ranks sharding it: a
+    vocabulary of 50257 rows, a gate of one row over two ranks), which ttrace's equal split
+    cannot hold."""
     from torch.distributed.tensor import Replicate, Shard
 
     placements = list(dt.placements)
     if not _expressible(dt):
         placements = [p if type(p) is Shard or isinstance(p, Replicate) else Replicate()
+                      for p in placements]
+    shape, sizes = tuple(dt.shape), tuple(int(x) for x in dt.device_mesh.mesh.shape)
+    parts: Dict[int, int] = {}
+    for i, p in enumerate(placements):
+        if type(p) is Shard and shape:
+            d = p.dim % len(shape)
+            parts[d] = parts.get(d, 1) * sizes[i]
+    uneven = {d for d, n in parts.items() if shape[d] % n}
+    if uneven:
+        placements = [Replicate() if type(p) is Shard and p.dim % len(shape) in uneven else p
                       for p in placements]
     if mm is not None:
         kinds: Dict[str, set] = {}
