@@ -317,6 +317,8 @@ class Tracer:
         if self.experts and self.mesh.cp > 1:
             raise InvalidInputError("experts= under context parallelism is not supported yet "
                                     "(experts are owned along dp)", "InvalidParameter")
+        #: The traced grouped-experts modules (found once: their calls may split by expert).
+        self._grouped: Set[str] = {n for n in self.names if _is_grouped_experts(self._named[n])}
         #: The experts of grouped-experts modules recorded expert by expert (see _put).
         self._routed_names: Set[str] = set()
         #: Per module name: whether it is an expert or inside one (see :meth:`_owned`).
@@ -776,7 +778,7 @@ class Tracer:
                  inputs: List[Any]) -> Optional[Routing]:
         """How a call of a grouped-experts module given its token counts splits its rows by
         expert (``None`` for any other call); see :mod:`ttrace.tracer.routed`."""
-        if not _is_grouped_experts(module):
+        if base not in self._grouped:
             return None
         dp_coord = self.rank // (self.mesh.cp * self.mesh.tp)
         try:
