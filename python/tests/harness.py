@@ -5,11 +5,15 @@ by the bug matrix (``matrix.py``)."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
+
+import zygote
 
 JOBS = Path(__file__).with_name("jobs.py")
 TIMEOUT = 240  # seconds for one job, all ranks
@@ -46,11 +50,15 @@ def run_ranks(argv: "Callable[[int], List[str]]", world: int, timeout: float = T
     """Run ``python ARGV(rank)`` on ``world`` processes with the environment torchrun gives
     (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); every rank's (exit code,
     standard output, standard error). Raise :class:`JobFailed` if they outlive ``timeout``
-    seconds (all are killed)."""
+    seconds (all are killed). The ranks are forked by :mod:`zygote`'s server, which has
+    imported torch once (``TTRACE_TEST_FORK=0``: each a fresh interpreter)."""
     base = dict(os.environ)
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
     base.update(env or {})
     base.setdefault("OMP_NUM_THREADS", "1")
+    forks = zygote.server(dict(os.environ, OMP_NUM_THREADS="1"))
+    if forks is not None:
+        return _run_forked(forks, argv, world, timeout, base)
     procs = [
         subprocess.Popen([sys.executable, *argv(r)],
                          env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
@@ -69,6 +77,26 @@ def run_ranks(argv: "Callable[[int], List[str]]", world: int, timeout: float = T
             p.communicate()
         raise JobFailed(f"{world} ranks did not finish in {timeout} s") from None
     return out
+
+
+def _run_forked(forks: "zygote.Server", argv: "Callable[[int], List[str]]", world: int,
+                timeout: float, base: Dict[str, str]) -> List[Tuple[int, str, str]]:
+    """:func:`run_ranks` with the ranks forked by the zygote server (torch imported once)."""
+    scratch = zygote.scratch()
+    try:
+        ranks = [forks.spawn(argv(r), dict(base, RANK=str(r), LOCAL_RANK=str(r)), scratch,
+                             f"rank{r}") for r in range(world)]
+        deadline = time.monotonic() + timeout
+        codes = [p.wait(max(0.0, deadline - time.monotonic())) for p in ranks]
+        if any(c is None for c in codes):
+            for p in ranks:
+                p.kill()
+            for p in ranks:
+                p.wait(30)
+            raise JobFailed(f"{world} ranks did not finish in {timeout} s")
+        return [(int(c), *p.output()) for c, p in zip(codes, ranks)]  # type: ignore[arg-type]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def stored(step: Path, rank: int = 0) -> Dict[str, "object"]:
