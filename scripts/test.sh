@@ -5,9 +5,20 @@
 # on first use — and its pytest suite, which runs real multi-process torch.distributed jobs
 # (gloo, CPU).
 #
+# `--full` runs pytest's heavy sweep too (the tests marked `full`: more dtypes, worlds, model
+# families and planted bugs of the cases the quick slice runs once; about twice the time).
+#
 # Needs a Rust toolchain and python3 (with venv); everything else comes from crates.io and PyPI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+pytest_args=()
+for arg in "$@"; do
+  case "$arg" in
+    --full) pytest_args+=(--full) ;;
+    *) echo "test.sh: unknown argument $arg (only --full)" >&2; exit 2 ;;
+  esac
+done
 
 venv=target/pyenv
 py="$venv/bin/python"
@@ -47,4 +58,4 @@ cargo test
 
 # The package as a user installs it (pip builds the wheel with maturin).
 "$py" -m pip install --quiet --disable-pip-version-check --no-build-isolation --force-reinstall --no-deps .
-"$py" -m pytest -q -p no:cacheprovider python/tests
+"$py" -m pytest -q -p no:cacheprovider python/tests ${pytest_args[@]+"${pytest_args[@]}"}

@@ -44,9 +44,9 @@ def distributed(ref: Path, cand: Path, out: Path, world: int) -> List["tuple[int
 
 
 @pytest.mark.parametrize("case,worlds", [
-    ("clean-tp2-sp-bf16", (2, 8)),
+    pytest.param("clean-tp2-sp-bf16", (2, 8), marks=pytest.mark.full),
     ("softmax-scale-local", (3,)),
-    ("grad-corrupt-one-rank", (4,)),
+    pytest.param("grad-corrupt-one-rank", (4,), marks=pytest.mark.full),
 ])
 def test_the_distributed_check_gives_the_single_machine_report(traces, tmp_path, case, worlds):
     if case == "clean-tp2-sp-bf16":

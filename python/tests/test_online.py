@@ -31,14 +31,14 @@ def _online(tmp_path: Path, job: str, world: int, ref: Path, bug: str = "",
 
 @pytest.mark.parametrize("job,world,bug,ref_world,env", [
     ("tp", 2, "", 1, {}),
-    ("tp", 2, "wrong-shard", 1, {}),
-    ("fsdp", 2, "", 1, {}),
+    pytest.param("tp", 2, "wrong-shard", 1, {}, marks=pytest.mark.full),
+    pytest.param("fsdp", 2, "", 1, {}, marks=pytest.mark.full),
     ("fsdp", 2, "grad-summed", 1, {}),
     # A reference traced at TP 2 for a step at TP 4.
-    ("tp", 4, "wrong-shard", 2, {}),
+    pytest.param("tp", 4, "wrong-shard", 2, {}, marks=pytest.mark.full),
     # A reference traced at TP 2 for a step at DP 2 × TP 2 (FSDP2 over the data ranks, the
     # Llama under torchtitan's TP plan), clean and with a planted bug.
-    ("llama", 4, "", 2, {"TP": "2"}),
+    pytest.param("llama", 4, "", 2, {"TP": "2"}, marks=pytest.mark.full),
     ("llama", 4, "softmax-scale-local", 2, {"TP": "2"}),
 ])
 def test_an_online_check_reports_what_checking_the_written_step_reports(

@@ -43,6 +43,7 @@ def test_dtensor_tensor_parallel_clean_run_passes(traces, dtype):
     assert layouts["block0.act|fwd.input.0"]["tp"]["kind"] == "split"
 
 
+@pytest.mark.full
 def test_a_bf16_sequence_parallel_step_of_4096_tokens_on_the_cpu_passes(traces):
     # PyTorch's CPU LayerNorm backward adds each row into a BF16 buffer (a sequential sum
     # rounded after every row); under sequence parallelism each rank sums half the tokens, in

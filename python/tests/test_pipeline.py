@@ -30,7 +30,7 @@ def fragments(step: Path):
     return {p.name: json.loads(p.read_text()) for p in sorted(step.glob("manifest.rank*.json"))}
 
 
-@pytest.mark.parametrize("schedule,dtype,rescale", [("1f1b", "float32", "0"),
+@pytest.mark.parametrize("schedule,dtype,rescale", [pytest.param("1f1b", "float32", "0", marks=pytest.mark.full),
                                                     ("interleaved", "bfloat16", "0"),
                                                     ("gpipe", "float32", "1")])
 def test_clean_pipelines_pass_against_the_model_run_whole(traces, schedule, dtype, rescale):
@@ -121,7 +121,12 @@ BUGS = {
 }
 
 
-@pytest.mark.parametrize("bug", sorted(BUGS))
+# The quick slice: one bug of each pass (the heavy sweep, --full, runs them all).
+QUICK = {"microbatch-grad-dropped", "stage-input-detached", "microbatch-order"}
+
+
+@pytest.mark.parametrize("bug", [b if b in QUICK else pytest.param(b, marks=pytest.mark.full)
+                                 for b in sorted(BUGS)])
 def test_pipeline_bugs_are_found_where_they_are_born(traces, bug):
     report = ttrace.check(pp(traces), pp(traces, 2, bug))
     first, phrase = BUGS[bug]
@@ -134,7 +139,7 @@ def test_pipeline_bugs_are_found_where_they_are_born(traces, bug):
     assert report.localization is not None and report.localization["stage"] == 1
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.full), "bfloat16"])
 def test_ddp_gradient_accumulation_with_no_sync_passes_and_an_unsynced_step_is_found(traces,
                                                                                     dtype):
     # DDP on 2 ranks, each accumulating 2 microbatches of its share (no_sync but for the last),

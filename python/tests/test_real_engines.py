@@ -55,8 +55,8 @@ MC19 = dict(MCORE="19")
 
 @pytest.mark.parametrize("world,dtype,env", [
     (2, "bfloat16", dict(TP="2", SP="1", BIAS="1")),
-    (4, "float32", dict(TP="4", BIAS="1")),
-    (4, "bfloat16", dict(TP="2", SP="1", BIAS="1")),
+    pytest.param(4, "float32", dict(TP="4", BIAS="1"), marks=pytest.mark.full),
+    pytest.param(4, "bfloat16", dict(TP="2", SP="1", BIAS="1"), marks=pytest.mark.full),
 ], ids=["tp2-sp-bf16", "tp4-fp32", "tp2-sp-dp2-bf16"])
 def test_megatron_core_0_19_gpt_passes_clean_with_no_declarations(traces, world, dtype, env):
     # The newer Megatron-core's own GPT with TransformerConfig's default biases: under TP the
@@ -156,7 +156,8 @@ def hand(traces, world=1, bug="", dtype="float32", **env):
     return traces("hand", world, bug, dtype, **env)
 
 
-@pytest.mark.parametrize("dtype,env", [("bfloat16", SP2), ("float32", dict(CP="2"))])
+@pytest.mark.parametrize("dtype,env", [("bfloat16", SP2),
+                                       pytest.param("float32", dict(CP="2"), marks=pytest.mark.full)])
 def test_hand_written_engine_clean_runs_pass_with_every_layout_inferred(traces, dtype, env):
     report = ttrace.check(hand(traces, dtype=dtype), hand(traces, 2, dtype=dtype, **env))
     assert report.passed, str(report)
@@ -220,7 +221,8 @@ def titan(traces, world=1, bug="", dtype="float32", **env):
     return traces("titan", world, bug, dtype, **env)
 
 
-@pytest.mark.parametrize("dtype,loss_parallel", [("float32", "1"), ("bfloat16", "0")])
+@pytest.mark.parametrize("dtype,loss_parallel", [pytest.param("float32", "1", marks=pytest.mark.full),
+                                                 ("bfloat16", "0")])
 def test_torchtitan_dp_shard_cp_tp_mesh_clean_run_passes_with_no_arguments(traces, dtype,
                                                                           loss_parallel):
     # 8 ranks: FSDP2 over the flattened dp_shard_cp, TP + SP on mesh["tp"], CP with head-tail
@@ -265,6 +267,7 @@ def test_queries_as_dtensors_sharded_on_a_load_balanced_cp_mesh_pass(traces):
             "kind": "cp_chunks", "dim": 1}
 
 
+@pytest.mark.full
 def test_torchtitan_mesh_a_causal_mask_of_local_positions_is_born_in_the_attention_core(traces):
     report = ttrace.check(titan(traces, dtype="bfloat16"),
                           titan(traces, 8, "cp-mask-local", "bfloat16", **TITAN))

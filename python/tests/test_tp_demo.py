@@ -105,6 +105,7 @@ def test_tensors_stored_once_for_two_ids_are_judged_as_if_stored_twice(tmp_path,
     assert str(shared) == str(separate)
 
 
+@pytest.mark.full
 def test_four_corrupted_weight_gradient_elements_are_found_in_bf16(tmp_path):
     # The NCCL #1950 class in BF16 (issue 39): 4 of rank 0's 524,288 fc1 weight-gradient
     # elements scaled by 1.5 as the gradient arrives. The norm's threshold is far above them;

@@ -17,8 +17,8 @@ import ttrace  # noqa: E402
 
 @pytest.mark.parametrize(
     "family,dtype,tp",
-    [("llama", "float32", 2), ("llama", "bfloat16", 4), ("qwen3", "bfloat16", 2),
-     ("qwen3", "float32", 4)],
+    [("llama", "float32", 2), pytest.param("llama", "bfloat16", 4, marks=pytest.mark.full),
+     ("qwen3", "bfloat16", 2), pytest.param("qwen3", "float32", 4, marks=pytest.mark.full)],
 )
 def test_transformers_tensor_parallel_clean_run_passes(traces, family, dtype, tp):
     ref = traces("hf", dtype=dtype, FAMILY=family)
@@ -66,8 +66,8 @@ def test_a_missing_all_reduce_is_found_at_the_module_that_skipped_it(traces):
     assert loc["rank"] is None  # every rank skipped it
 
 
-@pytest.mark.parametrize("family,dtype", [("mixtral", "float32"), ("mixtral", "bfloat16"),
-                                          ("qwen2_moe", "bfloat16")])
+@pytest.mark.parametrize("family,dtype", [pytest.param("mixtral", "float32", marks=pytest.mark.full),
+                                          ("mixtral", "bfloat16"), ("qwen2_moe", "bfloat16")])
 def test_transformers_expert_parallel_moe_passes_and_a_scaled_expert_output_is_found(
         traces, family, dtype):
     # transformers' own expert parallelism (DistributedConfig(fsdp_size=2, ep_size=2,
