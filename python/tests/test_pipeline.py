@@ -30,9 +30,10 @@ def fragments(step: Path):
     return {p.name: json.loads(p.read_text()) for p in sorted(step.glob("manifest.rank*.json"))}
 
 
-@pytest.mark.parametrize("schedule,dtype,rescale", [pytest.param("1f1b", "float32", "0", marks=pytest.mark.full),
-                                                    ("interleaved", "bfloat16", "0"),
-                                                    ("gpipe", "float32", "1")])
+@pytest.mark.parametrize("schedule,dtype,rescale", [
+    pytest.param("1f1b", "float32", "0", marks=pytest.mark.full),
+    ("interleaved", "bfloat16", "0"),
+    ("gpipe", "float32", "1")])
 def test_clean_pipelines_pass_against_the_model_run_whole(traces, schedule, dtype, rescale):
     cand = pp(traces, 2, dtype=dtype, SCHEDULE=schedule, RESCALE=rescale)
     report = ttrace.check(pp(traces, dtype=dtype), cand)

@@ -70,6 +70,7 @@ def test_megatron_core_0_19_gpt_passes_clean_with_no_declarations(traces, world,
     assert len(report.rows) > 120
 
 
+@pytest.mark.full
 def test_megatron_core_0_19_bugs_are_found_where_they_are_born(traces):
     ref = mgpt(traces, dtype="bfloat16", **MC19)
     report = ttrace.check(ref, mgpt(traces, 2, "softmax-scale-local", "bfloat16", TP="2",
@@ -156,8 +157,8 @@ def hand(traces, world=1, bug="", dtype="float32", **env):
     return traces("hand", world, bug, dtype, **env)
 
 
-@pytest.mark.parametrize("dtype,env", [("bfloat16", SP2),
-                                       pytest.param("float32", dict(CP="2"), marks=pytest.mark.full)])
+@pytest.mark.parametrize("dtype,env", [
+    ("bfloat16", SP2), pytest.param("float32", dict(CP="2"), marks=pytest.mark.full)])
 def test_hand_written_engine_clean_runs_pass_with_every_layout_inferred(traces, dtype, env):
     report = ttrace.check(hand(traces, dtype=dtype), hand(traces, 2, dtype=dtype, **env))
     assert report.passed, str(report)
@@ -221,8 +222,8 @@ def titan(traces, world=1, bug="", dtype="float32", **env):
     return traces("titan", world, bug, dtype, **env)
 
 
-@pytest.mark.parametrize("dtype,loss_parallel", [pytest.param("float32", "1", marks=pytest.mark.full),
-                                                 ("bfloat16", "0")])
+@pytest.mark.parametrize("dtype,loss_parallel", [
+    pytest.param("float32", "1", marks=pytest.mark.full), ("bfloat16", "0")])
 def test_torchtitan_dp_shard_cp_tp_mesh_clean_run_passes_with_no_arguments(traces, dtype,
                                                                           loss_parallel):
     # 8 ranks: FSDP2 over the flattened dp_shard_cp, TP + SP on mesh["tp"], CP with head-tail
@@ -282,6 +283,7 @@ def test_torchtitan_mesh_rotary_at_local_positions_is_born_before_the_attention_
     assert report.localization["born_after"] == "layers.0.attention.wv"
 
 
+@pytest.mark.full
 def test_torchtitan_mesh_one_process_at_fault_is_named(traces):
     # Global rank 5 of 8 (dp 1, cp 0, tp 1) shifts its rotary positions by one: its shard of
     # the queries and keys differs, and only its.
@@ -294,6 +296,7 @@ def test_torchtitan_mesh_one_process_at_fault_is_named(traces):
 
 # --- references with their own layout -----------------------------------------------------
 
+@pytest.mark.full
 def test_a_tensor_parallel_reference_gives_the_one_device_references_verdicts(traces):
     # A trusted sharded configuration (TP 2) as the reference for TP 4, DP 2 × TP 2 with
     # sequence parallelism, and a planted bug: per tensor the verdicts of the one-device

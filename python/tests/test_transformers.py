@@ -66,8 +66,10 @@ def test_a_missing_all_reduce_is_found_at_the_module_that_skipped_it(traces):
     assert loc["rank"] is None  # every rank skipped it
 
 
-@pytest.mark.parametrize("family,dtype", [pytest.param("mixtral", "float32", marks=pytest.mark.full),
-                                          ("mixtral", "bfloat16"), ("qwen2_moe", "bfloat16")])
+@pytest.mark.parametrize("family,dtype", [
+    pytest.param("mixtral", "float32", marks=pytest.mark.full),
+    pytest.param("mixtral", "bfloat16", marks=pytest.mark.full),
+    ("qwen2_moe", "bfloat16")])
 def test_transformers_expert_parallel_moe_passes_and_a_scaled_expert_output_is_found(
         traces, family, dtype):
     # transformers' own expert parallelism (DistributedConfig(fsdp_size=2, ep_size=2,
