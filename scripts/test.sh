@@ -6,7 +6,7 @@
 # (gloo, CPU).
 #
 # `--full` runs pytest's heavy sweep too (the tests marked `full`: more dtypes, worlds, model
-# families and planted bugs of the cases the quick slice runs once; about twice the time).
+# families and planted bugs of the cases the quick slice runs once; about 1.6 times the time).
 #
 # Needs a Rust toolchain and python3 (with venv); everything else comes from crates.io and PyPI.
 set -euo pipefail
