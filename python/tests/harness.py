@@ -83,16 +83,26 @@ def _run_forked(forks: "zygote.Server", argv: "Callable[[int], List[str]]", worl
                 timeout: float, base: Dict[str, str]) -> List[Tuple[int, str, str]]:
     """:func:`run_ranks` with the ranks forked by the zygote server (torch imported once)."""
     scratch = zygote.scratch()
+    ranks: List[zygote.Child] = []
+
+    def stop() -> None:
+        for p in ranks:
+            p.kill()
+        for p in ranks:
+            p.wait(30)
+
     try:
-        ranks = [forks.spawn(argv(r), dict(base, RANK=str(r), LOCAL_RANK=str(r)), scratch,
-                             f"rank{r}") for r in range(world)]
+        try:
+            for r in range(world):
+                ranks.append(forks.spawn(argv(r), dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+                                         scratch, f"rank{r}"))
+        except BaseException:
+            stop()  # ranks already started would wait for the others for ever
+            raise
         deadline = time.monotonic() + timeout
         codes = [p.wait(max(0.0, deadline - time.monotonic())) for p in ranks]
         if any(c is None for c in codes):
-            for p in ranks:
-                p.kill()
-            for p in ranks:
-                p.wait(30)
+            stop()
             raise JobFailed(f"{world} ranks did not finish in {timeout} s")
         return [(int(c), *p.output()) for c, p in zip(codes, ranks)]  # type: ignore[arg-type]
     finally:

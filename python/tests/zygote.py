@@ -133,12 +133,10 @@ class Child:
 
     def __init__(self, server: "Server", pid: int, out: Path, err: Path) -> None:
         self._server, self.pid, self._out, self._err = server, pid, out, err
-        self.returncode: Optional[int] = None
 
     def wait(self, timeout: float) -> Optional[int]:
         """The exit code, or ``None`` if the child still runs after ``timeout`` seconds."""
-        self.returncode = self._server.wait(self.pid, timeout)
-        return self.returncode
+        return self._server.wait(self.pid, timeout)
 
     def kill(self) -> None:
         try:
