@@ -43,9 +43,21 @@ pub enum Family {
     /// Positive values below 2⁻¹⁰: a long sum in a narrow accumulator stalls (each term under
     /// half the running sum's spacing). Matmuls take B from the same family.
     Stall,
+    /// Nine elements in ten zero, the rest Gaussian.
+    Sparse,
+    /// Pairs g, −g: many orders sum a row to exactly zero.
+    CancellingPairs,
+    /// Random signs, magnitudes falling by 16 binades along the row.
+    GeometricDecay,
+    /// 1, 2, 3, … with one sign per row: integer partial sums past the accumulator's grid.
+    Ramp,
+    /// Gaussian, half of the elements (at random) scaled by 2⁻¹².
+    Bimodal,
+    /// (−1)^j (1 + small): partial sums that cancel to near zero every other step.
+    Alternating,
 }
 
-pub const FAMILIES: [Family; 22] = [
+pub const FAMILIES: [Family; 28] = [
     Family::Gaussian,
     Family::Mean(0.5),
     Family::Mean(1.0),
@@ -68,6 +80,12 @@ pub const FAMILIES: [Family; 22] = [
     Family::NearConstant,
     Family::SingleOutlier,
     Family::Stall,
+    Family::Sparse,
+    Family::CancellingPairs,
+    Family::GeometricDecay,
+    Family::Ramp,
+    Family::Bimodal,
+    Family::Alternating,
 ];
 
 impl Family {
@@ -92,6 +110,12 @@ impl Family {
             Family::NearConstant => "near-constant large".into(),
             Family::SingleOutlier => "one outlier 1e6".into(),
             Family::Stall => "stall (< 2^-10)".into(),
+            Family::Sparse => "sparse 90% zeros".into(),
+            Family::CancellingPairs => "cancelling pairs".into(),
+            Family::GeometricDecay => "geometric decay".into(),
+            Family::Ramp => "ramp 1..k".into(),
+            Family::Bimodal => "bimodal 1 / 2^-12".into(),
+            Family::Alternating => "alternating +-1".into(),
         }
     }
 }
@@ -214,6 +238,54 @@ pub fn generate(
             v
         }
         Family::Stall => (0..n).map(|_| g.uniform() * 2f64.powi(-10)).collect(),
+        Family::Sparse => (0..n)
+            .map(|_| {
+                let keep = g.uniform() < 0.1;
+                let v = gauss(&mut g);
+                if keep {
+                    v
+                } else {
+                    0.0
+                }
+            })
+            .collect(),
+        Family::CancellingPairs => {
+            let mut v = Vec::with_capacity(n + 1);
+            while v.len() < n {
+                let x = r(gauss(&mut g));
+                v.push(x);
+                v.push(-x);
+            }
+            v.truncate(n);
+            v
+        }
+        Family::GeometricDecay => (0..n)
+            .map(|i| {
+                let s = if g.uniform() < 0.5 { -1.0 } else { 1.0 };
+                let j = (i % k) as f64;
+                s * 2f64.powf(-16.0 * j / k as f64) * (1.0 + 0.1 * g.uniform())
+            })
+            .collect(),
+        Family::Ramp => {
+            let mut v = Vec::with_capacity(n);
+            for _ in 0..rows {
+                let s = if g.uniform() < 0.5 { -1.0 } else { 1.0 };
+                v.extend((0..k).map(|j| s * (j + 1) as f64));
+            }
+            v
+        }
+        Family::Bimodal => (0..n)
+            .map(|_| {
+                let small = g.uniform() < 0.5;
+                gauss(&mut g) * if small { 2f64.powi(-12) } else { 1.0 }
+            })
+            .collect(),
+        Family::Alternating => (0..n)
+            .map(|i| {
+                let s = if i % k % 2 == 0 { 1.0 } else { -1.0 };
+                s * (1.0 + g.uniform() * 2f64.powi(-7))
+            })
+            .collect(),
     };
     for x in &mut v {
         *x = r(*x);
