@@ -7,7 +7,8 @@
 //!   multiply-adds, `Pricing::Walk` ÷ ndarray's f32 matmul (matrixmultiply) of the same shape;
 //! * sum, softmax, LayerNorm: the threshold (sequential vs pairwise 8) ÷ a native f32 loop
 //!   computing the op on the same rows (sums priced both ways, `Pricing::Walk` and
-//!   `Pricing::Fast`).
+//!   `Pricing::Fast`), and the floor of a sum threshold priced from its executions' roundings
+//!   (`sum_floor`).
 //!
 //! Run with `MATMUL_NUM_THREADS=1 cargo bench --bench pricing`. `PRICING_SHAPES` lists the
 //! matmul shapes as m×k×n (default 64³ to 1024³; `PRICING_SHAPES=4096x4096x4096` adds
@@ -106,6 +107,77 @@ fn floor_tiles(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> f32 {
                     total += acc[r][l] + spacing[r][l];
                 }
             }
+        }
+    }
+    total
+}
+
+/// Lanes of the sums' floor: 8 rows at a time, one per `f32` lane of an AVX2 vector.
+const SL: usize = 8;
+
+/// The floor of a sum threshold priced from the roundings of its executions: each row of `x`
+/// ([rows, k], k a power of two and at least 8, rows a multiple of [`SL`]) summed in the two
+/// orders the bench prices — sequential, and pairwise(8) (blocks of 8 summed in order, then
+/// the block sums halved pairwise) — gathering per row Σ spacing² of every rounded partial
+/// sum (the exponent mask and one FMA per rounding), 8 rows in the lanes of one vector after
+/// a transposition into row panels (counted). Returns Σ of the sums and statistics.
+fn sum_floor(x: &[f32], rows: usize, k: usize) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn fast(x: &[f32], rows: usize, k: usize) -> f32 {
+            sum_floor_lanes(x, rows, k)
+        }
+        // SAFETY: the CPU has AVX2 and FMA.
+        return unsafe { fast(x, rows, k) };
+    }
+    sum_floor_lanes(x, rows, k)
+}
+
+#[inline(always)]
+fn sum_floor_lanes(x: &[f32], rows: usize, k: usize) -> f32 {
+    let spacing = |s: f32| f32::from_bits(s.to_bits() & 0x7f80_0000);
+    let mut panel = vec![[0.0f32; SL]; k];
+    let mut blocks = vec![[0.0f32; SL]; k / 8];
+    let mut total = 0.0f32;
+    for i in (0..rows).step_by(SL) {
+        for (p, lanes) in panel.iter_mut().enumerate() {
+            for (l, v) in lanes.iter_mut().enumerate() {
+                *v = x[(i + l) * k + p];
+            }
+        }
+        let (mut seq, mut stat) = ([0.0f32; SL], [0.0f32; SL]);
+        for lanes in &panel {
+            for l in 0..SL {
+                seq[l] += lanes[l];
+                let e = spacing(seq[l]);
+                stat[l] = e.mul_add(e, stat[l]);
+            }
+        }
+        for (b, chunk) in blocks.iter_mut().zip(panel.chunks_exact(8)) {
+            *b = chunk[0];
+            for lanes in &chunk[1..] {
+                for l in 0..SL {
+                    b[l] += lanes[l];
+                    let e = spacing(b[l]);
+                    stat[l] = e.mul_add(e, stat[l]);
+                }
+            }
+        }
+        let mut len = blocks.len();
+        while len > 1 {
+            for j in 0..len / 2 {
+                for l in 0..SL {
+                    let s = blocks[2 * j][l] + blocks[2 * j + 1][l];
+                    let e = spacing(s);
+                    stat[l] = e.mul_add(e, stat[l]);
+                    blocks[j][l] = s;
+                }
+            }
+            len /= 2;
+        }
+        for l in 0..SL {
+            total += seq[l] + blocks[0][l] + stat[l];
         }
     }
     total
@@ -243,7 +315,7 @@ fn row_ops(pool: &rayon::ThreadPool) {
         "ratio"
     );
     let report = |name: &str, op: f64, th: f64| {
-        println!("{name:<24} {op:>12.3e} {th:>14.3e} {:>10.0}", th / op);
+        println!("{name:<24} {op:>12.3e} {th:>14.3e} {:>10.1}", th / op);
     };
     let op = median(21, sum_op);
     report(
@@ -255,6 +327,11 @@ fn row_ops(pool: &rayon::ThreadPool) {
         "sum (fast)",
         op,
         pool.install(|| median(5, || price_sum(Pricing::Fast))),
+    );
+    report(
+        "sum floor",
+        op,
+        median(21, || sum_floor(black_box(&xf), rows, k)),
     );
     let op = median(21, softmax_op);
     report("softmax", op, pool.install(|| median(3, price_softmax)));
