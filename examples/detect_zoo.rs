@@ -35,7 +35,8 @@ const ROWS: usize = 256;
 const COLS: usize = 64;
 
 /// The inputs of one trial: x [ROWS, k] from the family and the second operand (B [k, COLS]
-/// Gaussian for a matmul, a Gaussian [ROWS, k] for `add`, unused otherwise).
+/// Gaussian for a matmul, attention's K and V [ROWS, 2k], a Gaussian [ROWS, k] for `add`,
+/// unused otherwise).
 fn inputs(op: Op, family: Family, k: usize, seed: u64, pair: &zoo::Pair) -> (Tensor, Tensor) {
     let input = pair.reference.input();
     let acc = pair.reference.accumulator();
@@ -51,6 +52,16 @@ fn inputs(op: Op, family: Family, k: usize, seed: u64, pair: &zoo::Pair) -> (Ten
                 }
             }
             Tensor::from_vec(&[k, COLS], bv, input).expect("zoo data")
+        }
+        Op::Attention(_) => {
+            // K from the family too, V Gaussian, side by side per row: [ROWS, 2k], as the
+            // zoo stores them (`zoo::execute`).
+            let kk = zoo::generate(family, ROWS, k, seed ^ 0x4b, input, acc);
+            let v = zoo::generate(Family::Gaussian, ROWS, k, seed ^ 0x56, input, acc);
+            let kv: Vec<f64> = (0..ROWS)
+                .flat_map(|i| [&kk[i * k..(i + 1) * k], &v[i * k..(i + 1) * k]].concat())
+                .collect();
+            Tensor::from_vec(&[ROWS, 2 * k], kv, input).expect("zoo data")
         }
         _ => {
             let y = zoo::generate(Family::Gaussian, ROWS, k, seed ^ 0x5eed, input, acc);
@@ -74,7 +85,8 @@ fn main() -> ttrace::Result<()> {
     let filter = args.get(2).cloned().unwrap_or_default();
     let ops: Vec<Op> = zoo::ops()
         .into_iter()
-        .filter(|o| !matches!(o, Op::Sum | Op::Mean | Op::AllReduce))
+        // Ops that make matrices: not the reductions, nor the loss (one value).
+        .filter(|o| !matches!(o, Op::Sum | Op::Mean | Op::AllReduce | Op::CrossEntropy))
         .collect();
     let mut table: BTreeMap<(String, String), Cell> = BTreeMap::new();
     let mut alarms = vec![];
@@ -92,7 +104,7 @@ fn main() -> ttrace::Result<()> {
                     for seed in 0..trials {
                         let (x, b) = inputs(*op, family, k, seed, &pair);
                         let (op_r, op_c) = match op {
-                            Op::Softmax(_) | Op::LayerNorm(_) | Op::RmsNorm => {
+                            Op::Softmax(_) | Op::LayerNorm(_) | Op::RmsNorm | Op::Attention(_) => {
                                 (pair.ref_op, pair.cand_op)
                             }
                             _ => (*op, *op),
