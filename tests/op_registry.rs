@@ -202,10 +202,53 @@ fn every_op_through_the_registry_holds_against_the_engine() {
                 "{op}: {d:e} > guaranteed {:e}",
                 g.abs_frobenius
             );
+            // The threshold counts the elements of the result the engine makes, so that
+            // `check` can refuse tensors of other data.
+            assert_eq!(t.elements, r.len(), "{op}");
             executed += 1;
         }
     }
     assert_eq!(executed, 15, "every op but exp and allreduce executed");
+}
+
+/// A threshold judges only results of the data it priced: tensors of another element count,
+/// or of none (a vacuous pass), fail with the reason, whatever their difference.
+#[test]
+fn check_refuses_tensors_the_threshold_was_not_priced_for() {
+    let side: OpSide = "in=f32,acc=f32,out=f32".parse().unwrap();
+    let cand: OpSide = "in=f32,acc=f32,out=f32,order=pairwise:2".parse().unwrap();
+    let x = synthetic(&[4, 8], OperandRole::Data, "check.x", Format::F32);
+    let t = op_threshold(
+        Op::Sum,
+        &[&x],
+        &side,
+        &cand,
+        &OpOptions::default(),
+        Confidence::Guaranteed,
+    )
+    .unwrap();
+    assert_eq!(t.elements, 4);
+    let sums = row_sums(&x, &side.policy, false);
+    assert!(t.check(&sums, &sums).passed);
+    // Equal tensors of another size: not what was priced.
+    let other = Tensor::from_vec(&[2], vec![1.0, 2.0], Format::F32).unwrap();
+    let v = t.check(&other, &other);
+    assert!(!v.passed);
+    assert!(
+        v.problem
+            .as_deref()
+            .is_some_and(|p| p.contains("priced for 4")),
+        "{v:?}"
+    );
+    let empty = Tensor::from_vec(&[0], vec![], Format::F32).unwrap();
+    let v = t.check(&empty, &empty);
+    assert!(!v.passed);
+    assert!(
+        v.problem
+            .as_deref()
+            .is_some_and(|p| p.contains("no element")),
+        "{v:?}"
+    );
 }
 
 /// Operand counts outside an op's arity are refused with the variant, naming the operands.

@@ -381,3 +381,31 @@ def test_attention_threshold_holds_for_numpys_standard_and_online_attention():
             assert t.abs_frobenius < 1e-3 * float(np.linalg.norm(standard(causal)))
     # Causality changes the output: the two ops price different tensors.
     assert np.linalg.norm(standard(True) - standard(False)) > 1.0
+
+
+def test_a_threshold_judges_only_the_results_it_was_priced_for() -> None:
+    """None is no operand (NumPy would read it as a NaN scalar, and a sum of a scalar prices
+    nothing); a threshold refuses results of another size, and empty ones, whatever their
+    difference — never a vacuous pass."""
+    x = np.random.default_rng(3).standard_normal((4, 8)).astype(np.float32)
+    with pytest.raises(ttrace.InvalidInputError, match="None is not an array") as e:
+        ttrace.threshold("sum", (None,), reference=REF, candidate=CAND)
+    assert e.value.kind == "InvalidParameter"
+    with pytest.raises(ttrace.InvalidInputError, match="None is not an array"):
+        ttrace.threshold("matmul", (x, None), reference=REF, candidate=CAND)
+    t = ttrace.threshold("sum", (x,), reference=REF, candidate=CAND)
+    assert t.elements == 4
+    sums = rows(x.astype(np.float64), seq_sum)
+    assert t.check(sums, sums).passed
+    other = np.ones(3, np.float32)
+    v = t.check(other, other)
+    assert not v.passed and "priced for 4 elements" in (v.problem or "")
+    empty = ttrace.threshold("sum", (np.zeros((0, 8), np.float32),), reference=REF,
+                             candidate=CAND)
+    assert empty.elements == 0
+    v = empty.check(np.zeros(0, np.float32), np.zeros(0, np.float32))
+    assert not v.passed and "no element" in (v.problem or "")
+    with pytest.raises(AssertionError):
+        ttrace.testing.assert_close(np.zeros(0, np.float32), np.zeros(0, np.float32), op="sum",
+                                    inputs=(np.zeros((0, 8), np.float32),), reference=REF,
+                                    candidate=CAND)

@@ -80,6 +80,9 @@ def as_core(x: Any, what: str = "array") -> Tuple[np.ndarray, str]:
             "bfloat16, float8_e4m3fn, float8_e5m2)",
             "UnknownFormat",
         )
+    if x is None:
+        # NumPy reads None as a NaN scalar: an omitted operand must not become one.
+        raise InvalidInputError(f"{what}: None is not an array", "InvalidParameter")
     try:
         return np.asarray(x, dtype=np.float64), "f64"
     except (TypeError, ValueError) as e:

@@ -126,6 +126,8 @@ def assert_close(
     v = t.check(expected, actual)
     if v.passed:
         return v
+    if v.problem is not None:
+        raise AssertionError(f"{name}: not judged: {v.problem}")
     diff = np.abs(a64 - e64)
     nan_mismatch = np.isnan(a64) != np.isnan(e64)
     if nan_mismatch.any():

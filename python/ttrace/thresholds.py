@@ -76,28 +76,36 @@ class Verdict:
     elements: int
     #: Everything the core reported.
     details: Dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    #: Why the pair could not be judged (shapes that differ, tensors of another size than the
+    #: threshold was priced for, no element at all); such a verdict never passes.
+    problem: Optional[str] = None
 
     @property
     def fired(self) -> List[str]:
         """The tests that fired: ``"norm"`` (beyond the threshold), ``"scale"``, ``"bias"``,
         ``"sparse"``."""
-        norm = self.nonfinite_mismatches == 0 and self.ratio > 1.0
+        norm = self.problem is None and self.nonfinite_mismatches == 0 and self.ratio > 1.0
         others = [str(f["detector"]) for f in self.details.get("findings", []) if f["fired"]]
         return (["norm"] if norm else []) + others
 
     @classmethod
     def _from_core(cls, d: Dict[str, Any]) -> "Verdict":
+        # The core writes values that are not numbers (a pair that was not judged) as None.
+        def num(key: str, missing: float = float("nan")) -> float:
+            return float(d[key]) if d[key] is not None else missing
+
         return cls(
             passed=bool(d["passed"]),
-            rel_error=float(d["rel_error"]),
-            rel_error_eps=float(d["rel_error_eps"]),
-            threshold=float(d["threshold"]),
-            ratio=float(d["ratio"]) if d["ratio"] is not None else float("inf"),
-            max_abs=float(d["max_abs"]) if d["max_abs"] is not None else float("nan"),
+            rel_error=num("rel_error"),
+            rel_error_eps=num("rel_error_eps"),
+            threshold=num("threshold"),
+            ratio=num("ratio", float("inf")),
+            max_abs=num("max_abs"),
             max_ulp=int(d["max_ulp"]),
             nonfinite_mismatches=int(d["nonfinite_mismatches"]),
             elements=int(d["elements"]),
             details=d,
+            problem=str(d["problem"]) if d.get("problem") is not None else None,
         )
 
 
@@ -158,7 +166,9 @@ class Threshold:
         return self._core.identical
 
     def check(self, reference: Any, candidate: Any) -> Verdict:
-        """Judge a pair of results (torch tensors or NumPy arrays of the same shape)."""
+        """Judge a pair of results (torch tensors or NumPy arrays of the same shape). Results
+        of another size than the op's on the priced inputs (:attr:`elements`), or of none, are
+        not judged: the verdict fails and says why (:attr:`Verdict.problem`)."""
         r, rf = as_core(reference, "reference")
         c, cf = as_core(candidate, "candidate")
         return Verdict._from_core(self._core.check(r, rf, c, cf))

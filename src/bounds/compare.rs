@@ -279,7 +279,10 @@ impl Threshold {
     /// absolute and ulp differences and any non-finite mismatch; it passes when ‖cand − ref‖_F
     /// is within [`abs_frobenius`](Self::abs_frobenius) and no non-finite value disagrees (a
     /// NaN where the reference is finite fails whatever the threshold). Shapes that differ
-    /// fail with the reason in `problem`.
+    /// fail with the reason in `problem`, and so do tensors whose element count is not the one
+    /// the threshold was priced for ([`elements`](Self::elements): the op's result on the
+    /// inputs it priced — a threshold of other data says nothing of these) or that hold no
+    /// element at all (a verdict over nothing would pass vacuously).
     ///
     /// # Examples
     ///
@@ -301,6 +304,19 @@ impl Threshold {
     /// # }
     /// ```
     pub fn check(&self, reference: &Tensor, candidate: &Tensor) -> TensorVerdict {
+        let n = reference.len();
+        if n == 0 || n != self.elements {
+            let problem = if n == 0 {
+                "the tensors hold no element: nothing to compare".to_string()
+            } else {
+                format!(
+                    "the threshold was priced for {} elements (the op's result on its inputs); \
+                     the reference holds {n}",
+                    self.elements
+                )
+            };
+            return crate::verdict::failed("tensor", n, problem);
+        }
         crate::verdict::compare_tensor(
             "tensor",
             reference,
