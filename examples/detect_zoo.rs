@@ -40,6 +40,9 @@ const COLS: usize = 64;
 fn inputs(op: Op, family: Family, k: usize, seed: u64, pair: &zoo::Pair) -> (Tensor, Tensor) {
     let input = pair.reference.input();
     let acc = pair.reference.accumulator();
+    if let Op::Attention(_) = op {
+        return zoo::attention_operands(family, ROWS, k, seed, input, acc).expect("zoo data");
+    }
     let x = zoo::generate(family, ROWS, k, seed, input, acc);
     let x = Tensor::from_vec(&[ROWS, k], x, input).expect("zoo data");
     let b = match op {
@@ -52,16 +55,6 @@ fn inputs(op: Op, family: Family, k: usize, seed: u64, pair: &zoo::Pair) -> (Ten
                 }
             }
             Tensor::from_vec(&[k, COLS], bv, input).expect("zoo data")
-        }
-        Op::Attention(_) => {
-            // K from the family too, V Gaussian, side by side per row: [ROWS, 2k], as the
-            // zoo stores them (`zoo::execute`).
-            let kk = zoo::generate(family, ROWS, k, seed ^ 0x4b, input, acc);
-            let v = zoo::generate(Family::Gaussian, ROWS, k, seed ^ 0x56, input, acc);
-            let kv: Vec<f64> = (0..ROWS)
-                .flat_map(|i| [&kk[i * k..(i + 1) * k], &v[i * k..(i + 1) * k]].concat())
-                .collect();
-            Tensor::from_vec(&[ROWS, 2 * k], kv, input).expect("zoo data")
         }
         _ => {
             let y = zoo::generate(Family::Gaussian, ROWS, k, seed ^ 0x5eed, input, acc);

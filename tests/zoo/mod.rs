@@ -609,6 +609,30 @@ pub fn targets(x: &Tensor) -> ttrace::Result<Vec<usize>> {
         .collect())
 }
 
+/// Attention's operands for one trial: Q [rows, k] and K from `family`, V Gaussian; K and V
+/// side by side per row in the second operand [rows, 2k] (what [`execute`] reads).
+pub fn attention_operands(
+    family: Family,
+    rows: usize,
+    k: usize,
+    seed: u64,
+    input: Format,
+    acc: Format,
+) -> ttrace::Result<(Tensor, Tensor)> {
+    let q = generate(family, rows, k, seed, input, acc);
+    let kk = generate(family, rows, k, seed ^ 0x4b, input, acc);
+    let v = generate(Family::Gaussian, rows, k, seed ^ 0x56, input, acc);
+    let mut kv = Vec::with_capacity(rows * 2 * k);
+    for i in 0..rows {
+        kv.extend_from_slice(&kk[i * k..(i + 1) * k]);
+        kv.extend_from_slice(&v[i * k..(i + 1) * k]);
+    }
+    Ok((
+        Tensor::from_vec(&[rows, k], q, input)?,
+        Tensor::from_vec(&[rows, 2 * k], kv, input)?,
+    ))
+}
+
 /// One trial of `op` on `family` with reduction length `k` and `rows` outputs.
 pub fn trial(
     op: Op,
@@ -651,20 +675,7 @@ pub fn trial(
                 Tensor::from_vec(&[k, n], bv, input)?,
             )
         }
-        Op::Attention(_) => {
-            let q = generate(family, rows, k, seed, input, acc);
-            let kk = generate(family, rows, k, seed ^ 0x4b, input, acc);
-            let v = generate(Family::Gaussian, rows, k, seed ^ 0x56, input, acc);
-            let mut kv = Vec::with_capacity(rows * 2 * k);
-            for i in 0..rows {
-                kv.extend_from_slice(&kk[i * k..(i + 1) * k]);
-                kv.extend_from_slice(&v[i * k..(i + 1) * k]);
-            }
-            (
-                Tensor::from_vec(&[rows, k], q, input)?,
-                Tensor::from_vec(&[rows, 2 * k], kv, input)?,
-            )
-        }
+        Op::Attention(_) => attention_operands(family, rows, k, seed, input, acc)?,
         Op::Elementwise(_) => {
             let v = generate(family, rows, k, seed, input, acc);
             let y = generate(Family::Gaussian, rows, k, seed ^ 0x5eed, input, acc);
