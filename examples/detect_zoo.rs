@@ -1,6 +1,6 @@
 //! The data zoo for the tests beyond the norm: every structured data family of
 //! `tests/zoo` through the ops that make matrices (matmul, softmax, LayerNorm, RMSNorm, the
-//! elementwise ops), each pair of correct policies, and the scale, bias and sparse tests
+//! elementwise ops, attention, the cross-entropy gradient), each pair of correct policies, and the scale, bias and sparse tests
 //! ([`ttrace::check::Detection`]) on the two results — which differ by round-off only, so any
 //! test that fires is a false alarm. Prints the closest call of each test per op and family,
 //! and every false alarm.
@@ -13,7 +13,8 @@
 //! point of that pair, not a power over draws). Medians per op and family.
 //!
 //! `cargo run --release --example detect_zoo -- [trials] [filter] [--priced] [--power]`
-//! (default 3 trials per cell, about 4 minutes; `docs/zoo.md` records the published run). Outputs are
+//! (default 3 trials per cell, about 47 minutes on one core with attention at k = 1,024;
+//! `docs/zoo.md` records the published run). Outputs are
 //! [256, 64] (matmul: A [256, k] from the family, B [k, 64] Gaussian) or [256, k], at k = 64
 //! and 1024. The norm's threshold is half the reference's norm (below it, so that the tests
 //! beyond the norm apply; far above these differences), or with `--priced` the pair's priced
