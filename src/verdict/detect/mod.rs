@@ -81,6 +81,17 @@
 //! * **Two stored formats**: one side rounded once more, onto a grid whose rounding is biased
 //!   by the data's distribution (GELU outputs in BF16 against FP32: the bias test at 2×) —
 //!   no systematic test between formats.
+//! * **Rows that nearly repeat one another** in a tensor stored in FP32 or finer (the
+//!   sampled rows' spread — the median over columns of their standard deviation in the column
+//!   over its root mean square — below [`NEAR_SPREAD`] = 2⁻⁷: [`Detect::nearly_repeated`])
+//!   are nearly the same computation on nearly the same values, and their round-off is
+//!   nearly one shared error, which neither the clusters of equal rows nor the slack hold:
+//!   no systematic test. The zoo's re-run with attention and the cross-entropy gradient
+//!   (2026-11-29, 12,752 pairs) raised 21 false alarms without it — attention whose softmax
+//!   rows are nearly uniform (every output row nearly the mean of V; spreads of 1.4·10⁻⁷ to
+//!   2·10⁻⁵) and the gradient of logits whose rows stall or alternate under
+//!   vocabulary-parallel BF16 partials (3·10⁻⁴ to 2·10⁻³) — against spreads of 0.13 to 1 for
+//!   its families of independent rows.
 //! * **Accumulation below FP32** stagnates one way ([`Detection::accumulated_in`]).
 //! * **A norm threshold at least the reference's norm** says the values may be lost whole (a
 //!   candidate whose FP16 partial sums underflowed to zero is a scale of −1): no systematic
@@ -90,12 +101,7 @@
 //! scale or bias test (closest 0.89 / 0.57). The assumption left is stated: where rows do not
 //! repeat values (or the tensor is stored in BF16 or coarser), a row's deterministic factor is
 //! at most κ times the spread of the rows' factors; data built to break it with distinct
-//! values (every row the same multiset, summed sequentially in one order) can. Natural data
-//! do too: the zoo's re-run with attention and the cross-entropy gradient (2026-11-29, 12,752
-//! pairs) raised 21 false alarms, open — near-uniform attention rows (every output row nearly
-//! the mean of V: one shared round-off the clusters of bit-equal rows miss) and logits'
-//! gradients of rows with equal or alternating terms under vocabulary-parallel BF16 partials
-//! (`docs/zoo.md`).
+//! values (every row the same multiset, summed sequentially in one order) can.
 //!
 //! **Why the midpoint weights.** The reference has round-off of its own, which the candidate
 //! does not share: in the random-rounding model both are executions of one computation,
@@ -331,6 +337,11 @@ const DUP_ROWS: usize = 64;
 /// structured ([`Detect::structured`]).
 pub(super) const DUP_SHARE: usize = 32;
 
+/// The spread of rows below which they nearly repeat ([`Detect::nearly_repeated`]): 2⁻⁷.
+/// The detect zoo's false alarms of nearly repeated rows had spreads of 1.4·10⁻⁷ to
+/// 2.2·10⁻³; its unstructured families 0.13 to 1.
+pub(super) const NEAR_SPREAD: f64 = 1.0 / 128.0;
+
 /// The least energy spread of a tensor's rows, (Σm²)²/(n·Σm⁴) (1/3 for Gaussian rows, 1 for
 /// constant magnitudes, 1/n for one element), whose rows' factors need no slack
 /// ([`Detect::random_rounding`]).
@@ -398,6 +409,13 @@ pub(crate) struct Detect {
     dup_seen: usize,
     dup_count: usize,
     dup_scratch: Vec<u64>,
+    /// The sampled rows' columns, for rows nearly repeated ([`Detect::row_spread`]): the
+    /// first sampled row, then per column Σ(r − first), Σ(r − first)², Σr², and the rows.
+    near_base: Vec<f64>,
+    near_d: Vec<f64>,
+    near_d2: Vec<f64>,
+    near_r2: Vec<f64>,
+    near_rows: usize,
     /// Which of [`GRIDS`] still hold every value.
     on_grid: [bool; 5],
     /// Some of them do.
@@ -447,6 +465,11 @@ impl Detect {
             dup_seen: 0,
             dup_count: 0,
             dup_scratch: Vec::new(),
+            near_base: Vec::new(),
+            near_d: Vec::new(),
+            near_d2: Vec::new(),
+            near_r2: Vec::new(),
+            near_rows: 0,
             on_grid: GRIDS.map(|g| g.precision() < stored.precision()),
             grid_live: GRIDS.iter().any(|g| g.precision() < stored.precision()),
         }
@@ -523,6 +546,58 @@ impl Detect {
         self.dup_scratch.sort_unstable();
         self.dup_seen += self.dup_scratch.len();
         self.dup_count += self.dup_scratch.windows(2).filter(|w| w[0] == w[1]).count();
+        if r.len() == self.cols && r.iter().all(|v| v.is_finite()) {
+            if self.near_rows == 0 {
+                self.near_base = r.to_vec();
+                self.near_d = vec![0.0; r.len()];
+                self.near_d2 = vec![0.0; r.len()];
+                self.near_r2 = vec![0.0; r.len()];
+            }
+            for (j, &v) in r.iter().enumerate() {
+                let d = v - self.near_base[j];
+                self.near_d[j] += d;
+                self.near_d2[j] += d * d;
+                self.near_r2[j] += v * v;
+            }
+            self.near_rows += 1;
+        }
+    }
+
+    /// The sampled rows' spread: the median over columns of the rows' standard deviation in
+    /// the column over its root mean square (0 for rows all equal, about 1 for independent
+    /// rows of zero mean); `None` with fewer than 8 full, finite rows sampled.
+    pub(super) fn row_spread(&self) -> Option<f64> {
+        if self.near_rows < 8 {
+            return None;
+        }
+        let k = self.near_rows as f64;
+        let mut ratios: Vec<f64> = (0..self.near_d.len())
+            .filter(|&j| self.near_r2[j] > 0.0)
+            .map(|j| {
+                // Deviations from the first sampled row: no cancellation for rows that
+                // nearly repeat.
+                let mean = self.near_d[j] / k;
+                let var = (self.near_d2[j] / k - mean * mean).max(0.0);
+                (var / (self.near_r2[j] / k)).sqrt()
+            })
+            .collect();
+        if ratios.is_empty() {
+            return None;
+        }
+        let mid = ratios.len() / 2;
+        Some(*ratios.select_nth_unstable_by(mid, f64::total_cmp).1)
+    }
+
+    /// The reference's rows nearly repeat one another — their spread ([`Detect::row_spread`])
+    /// is below [`NEAR_SPREAD`] — in a tensor stored in FP32 or finer: every row is nearly
+    /// the same computation on nearly the same values (attention whose softmax rows are
+    /// nearly uniform makes every output row nearly the mean of V; the gradient of logits
+    /// whose rows are equal or alternating terms), so their round-off is nearly one shared
+    /// deterministic error rather than independent per row, and the row clusters cannot
+    /// hold it. Exactly equal rows are one cluster already ([`RowSumsKeyed`]); these are not,
+    /// and they have no scale or bias test.
+    pub(super) fn nearly_repeated(&self) -> bool {
+        self.row_spread().is_some_and(|s| s < NEAR_SPREAD)
     }
 
     /// The reference repeats values within its rows — more than one in [`DUP_SHARE`] of the

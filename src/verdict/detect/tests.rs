@@ -729,3 +729,77 @@ fn random_row_factors_need_no_slack_and_dominated_rows_keep_it() {
         assert!(!s.fired && s.ratio > 0.3, "seed {seed}: {s:?}");
     }
 }
+
+/// The rows' spread ([`Detect::row_spread`]) against its definition computed apart (two
+/// passes over the sampled rows): rows that nearly repeat one another (a base row plus 10⁻⁵
+/// of noise each) have no systematic test, independent rows keep them.
+#[test]
+fn nearly_repeated_rows_have_no_systematic_test() {
+    let (rows, cols) = (256, 512);
+    let shape = [rows, cols];
+    let base = gaussian(cols, 21);
+    let noise = gaussian(rows * cols, 22);
+    let near: Vec<f64> = (0..rows * cols)
+        .map(|i| base[i % cols] + 1e-5 * noise[i])
+        .collect();
+    let spread_oracle = |r: &[f64]| {
+        let stride = (rows / DUP_ROWS).max(1);
+        let sampled: Vec<&[f64]> = r.chunks(cols).step_by(stride).collect();
+        let k = sampled.len() as f64;
+        let mut ratios: Vec<f64> = (0..cols)
+            .map(|j| {
+                let mean = sampled.iter().map(|row| row[j]).sum::<f64>() / k;
+                let var = sampled
+                    .iter()
+                    .map(|row| (row[j] - mean).powi(2))
+                    .sum::<f64>()
+                    / k;
+                let ms = sampled.iter().map(|row| row[j] * row[j]).sum::<f64>() / k;
+                (var / ms).sqrt()
+            })
+            .collect();
+        ratios.sort_by(f64::total_cmp);
+        ratios[cols / 2]
+    };
+    let first_pass = |r: &[f64]| {
+        let mut d = Detect::new(&shape, Format::F32, Detection::default());
+        d.feed(r, r);
+        d
+    };
+    let d = first_pass(&near);
+    let got = d.row_spread().unwrap();
+    let want = spread_oracle(&near);
+    assert!((got - want).abs() <= 1e-6 * want, "{got} vs {want}");
+    assert!(got < 1e-3 && d.nearly_repeated());
+    let systematic = |f: &[Finding]| {
+        f.iter()
+            .filter(|x| matches!(x.detector, Detector::Scale | Detector::Bias))
+            .count()
+    };
+    let scaled = |r: &[f64]| r.iter().map(|x| x * (1.0 + 1e-6)).collect::<Vec<f64>>();
+    let eps = 2.0 * Format::F32.unit_roundoff();
+    let f = detect(
+        &shape,
+        &near,
+        &scaled(&near),
+        Format::F32,
+        eps,
+        Detection::default(),
+    );
+    assert_eq!(systematic(&f), 0, "{f:?}");
+    // Independent rows: a spread near 1, and the tests apply (and find the scale).
+    let indep = gaussian(rows * cols, 23);
+    let d = first_pass(&indep);
+    let got = d.row_spread().unwrap();
+    assert!((got - spread_oracle(&indep)).abs() <= 1e-9 && got > 0.5 && !d.nearly_repeated());
+    let f = detect(
+        &shape,
+        &indep,
+        &scaled(&indep),
+        Format::F32,
+        eps,
+        Detection::default(),
+    );
+    assert_eq!(systematic(&f), 2, "{f:?}");
+    assert!(get(&f, Detector::Scale).unwrap().fired, "{f:?}");
+}

@@ -20,7 +20,11 @@ impl Detect {
         let sq = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>();
         // Every row's keyed sums are needed to merge equal rows: a tensor of more rows than
         // the records hold has no systematic test.
-        if self.systematic() && self.keyed.len() == self.row_count && !self.structured() {
+        if self.systematic()
+            && self.keyed.len() == self.row_count
+            && !self.structured()
+            && !self.nearly_repeated()
+        {
             self.cluster_rows();
             let t = symmetric_critical(self.cfg.each());
             // Scale (weights m = (r + c)/2): the pure signal D = m has L = Σm², rows
