@@ -49,7 +49,7 @@ pub(super) fn pack(
     let col_exp: Vec<i32> = match b {
         Right::Columns(x) => x[..n * k]
             .chunks_exact(k)
-            .map(|col| Extent::of(col.iter().copied()).exponent())
+            .map(|col| Extent::of_line(col).exponent())
             .collect::<Option<_>>()?,
         Right::Rows(x) => {
             let mut cols = vec![Extent::default(); n];
@@ -64,21 +64,35 @@ pub(super) fn pack(
     let mut pb = vec![0.0f32; blocks * k * W];
     let mut lb = vec![f32::INFINITY; blocks * k * W];
     let mut low = vec![u64::MAX; n];
-    for jb in 0..blocks {
-        let width = W.min(n - jb * W);
-        let base = jb * k * W;
-        for p in 0..k {
-            for l in 0..width {
-                let j = jb * W + l;
-                let v = match b {
-                    Right::Columns(x) => x[j * k + p],
-                    Right::Rows(x) => x[p * n + j],
-                };
-                let x = v * scales[j];
-                let bit = lowest_scaled(x);
-                low[j] = low[j].min(bit.to_bits());
-                pb[base + p * W + l] = x as f32;
-                lb[base + p * W + l] = bit as f32;
+    match b {
+        Right::Columns(x) => {
+            // Each column is a contiguous row of the tensor: scaled and its lowest bits taken
+            // in one vectorizable pass into a scratch line, then spread into its lane.
+            let (mut vals, mut bits) = (vec![0.0f32; k], vec![0.0f32; k]);
+            for (j, col) in x[..n * k].chunks_exact(k).enumerate() {
+                let (jb, l) = (j / W, j % W);
+                low[j] = scaled_line(col, scales[j], &mut vals, &mut bits);
+                let panel = jb * k * W;
+                for p in 0..k {
+                    pb[panel + p * W + l] = vals[p];
+                    lb[panel + p * W + l] = bits[p];
+                }
+            }
+        }
+        Right::Rows(x) => {
+            for jb in 0..blocks {
+                let width = W.min(n - jb * W);
+                let base = jb * k * W;
+                for p in 0..k {
+                    for l in 0..width {
+                        let j = jb * W + l;
+                        let x = x[p * n + j] * scales[j];
+                        let bit = lowest_scaled(x);
+                        low[j] = low[j].min(bit.to_bits());
+                        pb[base + p * W + l] = x as f32;
+                        lb[base + p * W + l] = bit as f32;
+                    }
+                }
             }
         }
     }
@@ -102,6 +116,55 @@ pub(super) fn pack(
         row_exp,
         col_exp,
     ))
+}
+
+/// One line of B scaled by `scale` into `vals` (as `f32`) with each value's lowest set bit in
+/// `bits` (∞ for 0); the bits of the least lowest bit (as `f64`, the form [`pack`] keeps).
+/// Scaled values are zero or normal `f32` numbers, so both are exact in `f32`.
+fn scaled_line(line: &[f64], scale: f64, vals: &mut [f32], bits: &mut [f32]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::arch::has(crate::arch::Isa::Avx2Fma) {
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn avx2(line: &[f64], scale: f64, vals: &mut [f32], bits: &mut [f32]) -> u32 {
+                scaled_line_lanes(line, scale, vals, bits)
+            }
+            // SAFETY: the CPU has AVX2 and FMA (checked above).
+            let low = unsafe { avx2(line, scale, vals, bits) };
+            return f64::from(f32::from_bits(low)).to_bits();
+        }
+    }
+    f64::from(f32::from_bits(scaled_line_lanes(line, scale, vals, bits))).to_bits()
+}
+
+/// [`scaled_line`]'s loop, the least lowest bit as `f32` bits (non-negative `f32` values
+/// order as their bits do, and an integer minimum vectorizes).
+#[inline(always)]
+fn scaled_line_lanes(line: &[f64], scale: f64, vals: &mut [f32], bits: &mut [f32]) -> u32 {
+    let mut low = f32::INFINITY.to_bits();
+    for ((&x, v), b) in line.iter().zip(vals.iter_mut()).zip(bits.iter_mut()) {
+        let x = (x * scale) as f32;
+        let bit = lowest_scaled_f32(x);
+        low = low.min(bit.to_bits());
+        *v = x;
+        *b = bit;
+    }
+    low
+}
+
+/// [`lowest_scaled`] on a scaled value held as `f32` (exactly: a zero or normal `f32`).
+#[inline(always)]
+fn lowest_scaled_f32(x: f32) -> f32 {
+    let bits = x.to_bits() & 0x7fff_ffff;
+    let mant = (bits & 0x007f_ffff) | 0x0080_0000;
+    let lsb = mant & mant.wrapping_neg();
+    // 2^e times the lowest bit of the significand (both powers of two: exact).
+    let g = f32::from_bits(bits & 0x7f80_0000) * (lsb as i32 as f32) * (1.0 / 8_388_608.0);
+    if bits == 0 {
+        f32::INFINITY
+    } else {
+        g
+    }
 }
 
 /// The lowest set bit of a scaled value (∞ for 0), without branches: scaled values are
@@ -139,12 +202,30 @@ impl Default for Extent {
 }
 
 impl Extent {
+    #[inline(always)]
     fn of(values: impl Iterator<Item = f64>) -> Extent {
         let mut e = Extent::default();
         values.for_each(|x| e.add(x));
         e
     }
 
+    /// [`Extent::of`] a slice, in AVX2 lanes where the CPU has them.
+    fn of_line(line: &[f64]) -> Extent {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if crate::arch::has(crate::arch::Isa::Avx2Fma) {
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2(line: &[f64]) -> Extent {
+                    Extent::of(line.iter().copied())
+                }
+                // SAFETY: the CPU has AVX2 and FMA (checked above).
+                return unsafe { avx2(line) };
+            }
+        }
+        Extent::of(line.iter().copied())
+    }
+
+    #[inline(always)]
     fn add(&mut self, x: f64) {
         let bits = x.to_bits() & !(1u64 << 63);
         self.max = self.max.max(bits);
@@ -195,6 +276,27 @@ mod tests {
             let sign = (g.next_u64() & 1) << 63;
             let x = f64::from_bits(sign | (((e + 1023) as u64) << 52) | frac);
             assert_eq!(lowest_scaled(x), lowest_bit(x), "{x:e}");
+        }
+    }
+
+    #[test]
+    fn the_f32_lowest_bit_is_the_f64_one_on_scaled_f32_values() {
+        let mut g = SplitMix64::for_name("lowest_scaled_f32", 0);
+        assert_eq!(lowest_scaled_f32(0.0), f32::INFINITY);
+        assert_eq!(lowest_scaled_f32(-0.0), f32::INFINITY);
+        for _ in 0..100_000 {
+            // FP32 values across [2^-62, 2): 23 fraction bits with trailing zeros of every
+            // length, either sign.
+            let e = (g.next_u64() % 64) as i32 - 62;
+            let frac = (g.next_u64() as u32) & 0x007f_ffff;
+            let frac = frac & !((1u32 << (g.next_u64() % 24)) - 1);
+            let sign = ((g.next_u64() & 1) as u32) << 31;
+            let x = f32::from_bits(sign | (((e + 127) as u32) << 23) | frac);
+            assert_eq!(
+                f64::from(lowest_scaled_f32(x)),
+                lowest_bit(f64::from(x)),
+                "{x:e}"
+            );
         }
     }
 

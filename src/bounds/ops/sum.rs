@@ -89,8 +89,21 @@ pub fn sum_threshold_priced(
     candidate.validate()?;
     let n = *x.shape().last().unwrap_or(&0);
     let rows = x.len().checked_div(n).unwrap_or(0);
-    let cast = |p: &Policy| x.cast(p.input(), p.input_overflow(p.input()));
+    // A tensor already on a side's input grid is read as it is (no copy).
+    let cast = |p: &Policy| {
+        if x.format().is_subset_of(p.input()) {
+            std::borrow::Cow::Borrowed(x)
+        } else {
+            std::borrow::Cow::Owned(x.cast(p.input(), p.input_overflow(p.input())))
+        }
+    };
     let (xr, xc) = (cast(reference), cast(candidate));
+    let same_values = || {
+        matches!(
+            (&xr, &xc),
+            (std::borrow::Cow::Borrowed(_), std::borrow::Cow::Borrowed(_))
+        ) || xr.values() == xc.values()
+    };
     let mut accr = reference.accumulation.clone();
     accr.input = reference.input();
     let mut accc = candidate.accumulation.clone();
@@ -98,7 +111,7 @@ pub fn sum_threshold_priced(
     let identical = reference.same_execution(candidate);
     let inv_n = if n > 0 { 1.0 / n as f64 } else { 0.0 };
     let fast = pricing.takes_fast(x.len() as u128, rows);
-    if fast && !identical && xr.values() == xc.values() && rows > 0 {
+    if fast && !identical && rows > 0 && same_values() {
         // ones(1 × n) · xᵀ: exact products, the rows of x as B's columns.
         let exact_products = |acc: &Accumulation| {
             let mut acc = acc.clone();
