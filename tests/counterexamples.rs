@@ -309,3 +309,42 @@ fn refusals_that_had_a_bound() {
         }
     }
 }
+
+/// Found by ttrace's own adversary (`examples/adversary.rs`, a hill climb over the data):
+/// one row of FP32 logits whose target's loss, 525.08, a vocabulary-parallel candidate rounds
+/// onto its BF16 partial (524) wherever the row's small difference puts it — the rounding
+/// absorbs that difference, which the model had added, signed, against the sum's own error:
+/// the probabilistic threshold was 1.00025× too small.
+#[test]
+fn a_loss_rounded_onto_a_coarse_partial_absorbs_the_rows_difference() {
+    use ttrace::bounds::cross_entropy_threshold;
+    use ttrace::engine::cross_entropy;
+    use ttrace::Combine;
+    let x = [
+        -0.0009988707024604082,
+        -522.9137573242188,
+        -524.1173706054688,
+        -2.802596928649634e-45,
+        -1058.8802490234375,
+        -523.6959228515625,
+        -0.0009988707024604082,
+        -0.0009988707024604082,
+    ];
+    let logits = Tensor::from_vec(&[1, 8], x.to_vec(), Format::F32).unwrap();
+    let targets = [5];
+    let r = Policy::new(Format::F32, Format::F32, Format::F32);
+    let c = r.clone().with_order(Order::SplitK {
+        parts: 8,
+        inner: Box::new(Order::Sequential),
+        partial: Format::BF16,
+        combine: Combine::Ring { start: 1 },
+    });
+    let lr = cross_entropy(&logits, &targets, &r).unwrap().values()[0];
+    let lc = cross_entropy(&logits, &targets, &c).unwrap().values()[0];
+    assert_eq!(lc, 524.0, "the candidate's loss on BF16's grid");
+    let d = (lc - lr).abs();
+    let [g, p] = [Confidence::Guaranteed, DELTA]
+        .map(|conf| cross_entropy_threshold(&logits, &targets, &r, &c, conf).unwrap());
+    assert_within("cross-entropy", (d, g.abs_frobenius, p.abs_frobenius));
+    assert!(d <= p.per_element, "{d:e} > {:e}", p.per_element);
+}
