@@ -348,3 +348,115 @@ fn a_loss_rounded_onto_a_coarse_partial_absorbs_the_rows_difference() {
     assert_within("cross-entropy", (d, g.abs_frobenius, p.abs_frobenius));
     assert!(d <= p.per_element, "{d:e} > {:e}", p.per_element);
 }
+
+/// Found by ttrace's own adversary (`examples/adversary.rs`): an FP32 row of 64 values, one
+/// of them 6.3·10⁶, the rest below 200 — two-pass against Welford. After the outlier's square
+/// the two-pass sum of squares adds 41 nearly equal squares (x − μ̂ with μ̂ ≈ 98,293), each
+/// within its deviation of a midpoint of the sum's grid and all moved alike by μ̂'s error:
+/// they erred alike, and the outlier's element came out 1.46× its per-element bound (the
+/// norm 1.15×) with those roundings priced as independent.
+#[test]
+fn nearly_equal_squares_straddling_midpoints_err_alike() {
+    let x = [
+        1.0704426765441895,
+        191.9736328125,
+        0.7533606290817261,
+        0.6557630300521851,
+        0.5086846351623535,
+        -0.9108579158782959,
+        -0.011668354272842407,
+        -0.31483104825019836,
+        -1.0811962965817656e-05,
+        -7.493588782381266e-05,
+        -0.007045418489724398,
+        -1.401298464324817e-45,
+        -4.557951615424827e-05,
+        -5.605193857299268e-45,
+        -0.0956951379776001,
+        -0.000428572267992422,
+        -0.0024805646389722824,
+        -4.6183433966007215e-08,
+        -0.0,
+        0.006669983267784119,
+        -0.0035407007671892643,
+        -0.1913902759552002,
+        6290594.5,
+        -0.019445834681391716,
+        -0.03922063857316971,
+        -0.054588861763477325,
+        -0.191390261054039,
+        -0.009914219379425049,
+        -0.17714320123195648,
+        -0.006689843256026506,
+        -0.19219054281711578,
+        -0.00496112834662199,
+        -0.0010249800980091095,
+        -0.038482699543237686,
+        -0.0014614721294492483,
+        -0.08857159316539764,
+        -0.008675292134284973,
+        -0.10917772352695465,
+        -0.09614739567041397,
+        -0.0957874283194542,
+        -0.0891336053609848,
+        0.25298741459846497,
+        -0.1947079300880432,
+        -0.1771431416273117,
+        -0.09578739106655121,
+        -0.09614738076925278,
+        -0.1913902759552002,
+        -0.00029974355129525065,
+        -0.09494282305240631,
+        -0.0017846173141151667,
+        -8.446843935416837e-08,
+        -0.04842684045433998,
+        0.0,
+        -0.027294432744383812,
+        -0.01716790720820427,
+        -0.003569233464077115,
+        -0.004332075361162424,
+        -0.320404052734375,
+        -0.17754460871219635,
+        -0.0017792558064684272,
+        -0.19222915172576904,
+        -0.023565785959362984,
+        -14.429017066955566,
+        -0.01984451897442341,
+    ];
+    let p = Policy::new(Format::F32, Format::F32, Format::F32);
+    let n = x.len();
+    let t = Tensor::from_vec(&[1, n], x.to_vec(), Format::F32).unwrap();
+    let w = Tensor::from_vec(&[n], vec![1.0; n], Format::F32).unwrap();
+    let b = Tensor::zeros(&[n], Format::F32);
+    let (yr, _) = layer_norm(&t, &w, &b, 1e-5, Variance::TwoPass, &p).unwrap();
+    let (yc, _) = layer_norm(&t, &w, &b, 1e-5, Variance::Welford, &p).unwrap();
+    let data = NormData {
+        x: &t,
+        weight: &w,
+        bias: Some(&b),
+        eps: 1e-5,
+    };
+    let side = |v| NormSide {
+        op: NormOp::LayerNorm(v),
+        policy: &p,
+    };
+    let [g, pr] = [Confidence::Guaranteed, DELTA].map(|conf| {
+        norm_threshold(
+            &data,
+            side(Variance::TwoPass),
+            side(Variance::Welford),
+            conf,
+        )
+        .unwrap()
+    });
+    let d = frob(yr.values(), yc.values());
+    assert_within("layernorm", (d, g.abs_frobenius, pr.abs_frobenius));
+    let dmax = yr
+        .values()
+        .iter()
+        .zip(yc.values())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(dmax <= pr.per_element, "{dmax:e} > {:e}", pr.per_element);
+    assert!(dmax <= g.per_element);
+}

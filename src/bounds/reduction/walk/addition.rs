@@ -3,6 +3,11 @@
 
 use super::*;
 
+/// The [`Walk::repeats`] key of the roundings whose terms' intervals hold a midpoint
+/// ([`Walk::value_plus_exact`]); content keys are hashes, which this value stands apart from
+/// for any practical purpose.
+const STRADDLE: u64 = 0x5354_5241_4444_4c45;
+
 impl Walk<'_> {
     /// ŝ + t (t exact: a term or a fused block), or ŝ alone rounded to a new format.
     pub(super) fn value_plus_terms(
@@ -99,8 +104,35 @@ impl Walk<'_> {
             // Terms within w: determined only when every t' within w rounds to the same
             // point, no tie among them.
             let n = q.round_ties_even();
-            if (q - n).abs() + w / u >= 0.5 || !(w / u).is_finite() {
+            if !(w / u).is_finite() {
                 return undetermined(self);
+            }
+            if (q - n).abs() + w / u >= 0.5 && w / u >= 0.25 {
+                return undetermined(self);
+            }
+            if (q - n).abs() + w / u >= 0.5 {
+                // A midpoint within w < U/4 of t: the error is ±U/2 within 2w, its sign set by
+                // where the term's deviation puts it (a wider interval leaves it anywhere
+                // within ±U/2: undetermined, above). Nearly equal terms (within 2w of each
+                // other) straddle alike, and their deviations share their source (the squares of
+                // x − μ̂ all move with μ̂'s error): their roundings may err alike, one coherent
+                // group per grid and bucket of term values, each |η| ≤ U/2 (k of them:
+                // (kU/2)²). Priced as uniform and independent, a row of nearly equal squares
+                // added after an outlier's, each near a midpoint, erred 2.5 of the model's
+                // standard deviations beyond it (`examples/adversary.rs`).
+                let bucket = (t / (2.0 * w)).floor();
+                let key = (u.to_bits(), mix(STRADDLE, bucket.to_bits()));
+                let e = self.repeats.entry(key).or_insert((0.0, u * u / 4.0));
+                e.0 += 1.0;
+                return Known {
+                    det: k.det,
+                    bound: k.bound + u / 2.0 + w,
+                    parity: None,
+                    exact: false,
+                    lattice,
+                    content: 0,
+                    range: ANYWHERE,
+                };
             }
         }
         let floor = q.floor();
