@@ -540,6 +540,15 @@ impl ThresholdSums {
 
     /// Add `count` elements that share the difference statistics `d`.
     pub(crate) fn add(&mut self, d: &ElementDiff, count: usize) {
+        self.add_sums(d, count);
+        if let Confidence::Probabilistic { .. } = self.confidence {
+            self.per = self.per.max(d.probabilistic_bound_at(&self.per_logs));
+        }
+    }
+
+    /// [`add`](Self::add) but for the per-element bound and the largest guaranteed one, which
+    /// the callers that scale `d` take from the element itself.
+    fn add_sums(&mut self, d: &ElementDiff, count: usize) {
         let w = count as f64;
         self.g2 += d.guaranteed * d.guaranteed * w;
         self.g_max = self.g_max.max(d.guaranteed);
@@ -557,7 +566,6 @@ impl ThresholdSums {
             }
             self.b = self.b.max(d.rounding_part_bound(self.ln_b));
             self.e_r += d.rounding_mean_square * w;
-            self.per = self.per.max(d.probabilistic_bound_at(&self.per_logs));
         }
     }
 
@@ -567,11 +575,11 @@ impl ThresholdSums {
     pub(crate) fn add_group(&mut self, d: &ElementDiff, count: usize) {
         let mut w = *d;
         w.scale((count as f64).sqrt());
-        let (per, g_max) = (self.per, self.g_max);
-        self.add(&w, 1);
+        let g_max = self.g_max;
+        self.add_sums(&w, 1);
         self.g_max = g_max.max(d.guaranteed);
         if let Confidence::Probabilistic { .. } = self.confidence {
-            self.per = per.max(d.probabilistic_bound_at(&self.per_logs));
+            self.per = self.per.max(d.probabilistic_bound_at(&self.per_logs));
         }
     }
 
@@ -595,11 +603,11 @@ impl ThresholdSums {
                 own.proxy = 0.0;
             }
             own.scale(c.sqrt());
-            let (per, g_max) = (self.per, self.g_max);
-            self.add(&own, 1);
+            let g_max = self.g_max;
+            self.add_sums(&own, 1);
             self.g_max = g_max.max(d.guaranteed);
             if let Confidence::Probabilistic { .. } = self.confidence {
-                self.per = per.max(d.probabilistic_bound_at(&self.per_logs));
+                self.per = self.per.max(d.probabilistic_bound_at(&self.per_logs));
             }
         }
         self.expected += h_c;
