@@ -588,3 +588,32 @@ fn near_constant_rows_are_priced_as_moving_together() {
         );
     }
 }
+
+/// The adversary (`zoo::adversary`, `examples/adversary.rs`) climbing every op and pair of
+/// the zoo for a short while: it must find no input beyond a guaranteed bound (probabilistic
+/// thresholds rest on a model that an adversary may beat; the example reports those).
+#[test]
+fn the_adversary_finds_no_guaranteed_violation() {
+    let mut climbs = 0;
+    for op in zoo::ops() {
+        if matches!(op, zoo::Op::AllReduce | zoo::Op::Attention(_)) {
+            continue;
+        }
+        for pair in zoo::pairs(op) {
+            for c in zoo::adversary::climb(op, &pair, 100, 2, 7) {
+                climbs += 1;
+                assert!(
+                    !c.calls.guaranteed_violated(),
+                    "{} {} from {} {:?}: {:?}\n x = {:?}",
+                    op.name(),
+                    pair.name,
+                    c.family.name(),
+                    c.shape,
+                    c.calls,
+                    c.x
+                );
+            }
+        }
+    }
+    assert!(climbs > 300, "{climbs} climbs");
+}

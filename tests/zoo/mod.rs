@@ -30,6 +30,7 @@ use ttrace::{Policy, Scaling, Tensor};
 pub mod common;
 use common::frob;
 
+pub mod adversary;
 mod family;
 mod sweep;
 pub use family::*;
