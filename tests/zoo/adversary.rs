@@ -9,7 +9,7 @@
 //! Used by `examples/adversary.rs` (the search over every cell) and by `tests/data_zoo.rs`
 //! (a short search in `cargo test`, which must find no guaranteed violation).
 
-use super::{execute, generate, threshold, Family, Op, Pair, FAMILIES};
+use super::{attention_operands, execute, generate, threshold, Family, Op, Pair, FAMILIES};
 use ttrace::bounds::Confidence;
 use ttrace::engine::SplitMix64;
 use ttrace::{Format, Overflow, Tensor};
@@ -150,8 +150,25 @@ pub struct Climb {
     pub calls: Calls,
 }
 
+/// The second operand of a climb: B [k, 2] Gaussian for a matmul, a Gaussian [rows, k]
+/// otherwise (`add`'s; unused by the rest).
+fn operand_b(op: Op, rows: usize, k: usize, s: u64, pair: &Pair) -> Tensor {
+    let (input, acc) = (pair.reference.input(), pair.reference.accumulator());
+    let (r, c) = if matches!(op, Op::Matmul | Op::MatmulFast) {
+        (k, 2)
+    } else {
+        (rows, k)
+    };
+    Tensor::from_vec(
+        &[r, c],
+        generate(Family::Gaussian, r, c, s ^ 1, input, acc),
+        input,
+    )
+    .expect("zoo data")
+}
+
 /// `starts` climbs of `steps` steps on (op, pair), each from a family and a small shape
-/// drawn from `seed`; even starts climb the guaranteed calls, odd ones the probabilistic.
+/// drawn from `seed` (for attention, its queries climb: tokens × head dimension); even starts climb the guaranteed calls, odd ones the probabilistic.
 pub fn climb(op: Op, pair: &Pair, steps: usize, starts: usize, seed: u64) -> Vec<Climb> {
     let input = pair.reference.input();
     let acc = pair.reference.accumulator();
@@ -159,24 +176,24 @@ pub fn climb(op: Op, pair: &Pair, steps: usize, starts: usize, seed: u64) -> Vec
     let mut out = vec![];
     for start in 0..starts {
         let family: Family = FAMILIES[(g.next_u64() % FAMILIES.len() as u64) as usize];
-        let (rows, k) =
-            [(1, 3), (1, 8), (2, 16), (1, 64), (4, 32)][(start + g.next_u64() as usize) % 5];
-        let s = g.next_u64();
-        let mut xv = generate(family, rows, k, s, input, acc);
-        let b = if matches!(op, Op::Matmul | Op::MatmulFast) {
-            Tensor::from_vec(
-                &[k, 2],
-                generate(Family::Gaussian, k, 2, s ^ 1, input, acc),
-                input,
-            )
+        // Attention needs tokens to mix (one token's output is its V row, exactly).
+        let shapes = if let Op::Attention(_) = op {
+            [(32, 16), (16, 32), (64, 12), (24, 24), (12, 64)]
         } else {
-            Tensor::from_vec(
-                &[rows, k],
-                generate(Family::Gaussian, rows, k, s ^ 1, input, acc),
-                input,
+            [(1, 3), (1, 8), (2, 16), (1, 64), (4, 32)]
+        };
+        let (rows, k) = shapes[(start + g.next_u64() as usize) % 5];
+        let s = g.next_u64();
+        let (mut xv, b) = if let Op::Attention(_) = op {
+            // Q climbs; K and V stay as the zoo draws them.
+            let (q, kv) = attention_operands(family, rows, k, s, input, acc).expect("zoo data");
+            (q.values().to_vec(), kv)
+        } else {
+            (
+                generate(family, rows, k, s, input, acc),
+                operand_b(op, rows, k, s, pair),
             )
-        }
-        .expect("zoo data");
+        };
         let eval = |v: &[f64]| {
             let x = Tensor::from_vec(&[rows, k], v.to_vec(), input).ok()?;
             calls(op, pair, &x, &b)
