@@ -569,6 +569,25 @@ impl ThresholdSums {
         }
     }
 
+    /// Fold in the sums of another part of the same tensor (the same confidence and element
+    /// count): the same threshold as adding that part's elements here, up to the order of the
+    /// additions.
+    pub(crate) fn merge(&mut self, o: &ThresholdSums) {
+        self.g2 += o.g2;
+        self.g_max = self.g_max.max(o.g_max);
+        self.expected += o.expected;
+        self.o2 += o.o2;
+        for (h, oh) in self.h.iter_mut().zip(&o.h) {
+            h.0 += oh.0;
+            h.1 += oh.1;
+            h.2 = h.2.max(oh.2);
+        }
+        self.o2h += o.o2h;
+        self.b = self.b.max(o.b);
+        self.e_r += o.e_r;
+        self.per = self.per.max(o.per);
+    }
+
     /// Add a group of `count` elements whose differences are identical (computed from
     /// identical inputs by identical arithmetic): one component √count·D of ‖D‖_F, not
     /// `count` independent ones; the per-element bounds are those of one element.

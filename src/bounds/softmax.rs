@@ -367,10 +367,12 @@ pub fn softmax_threshold(
     )?;
     // Each class of rows priced alone (in parallel; folded in order below, so that the
     // threshold does not depend on the number of threads): its Σ p² and its components.
-    type Priced = (f64, Vec<(ElementDiff, usize)>);
+    type Priced = (f64, ThresholdSums);
     let indexed: Vec<(usize, (usize, usize))> = classes.iter().copied().enumerate().collect();
     let priced = crate::parallel::map(&indexed, |&(class, (r, count))| -> Result<Priced> {
-        let mut groups: Vec<(ElementDiff, usize)> = Vec::new();
+        // The class's components folded into sums of its own (merged in class order below):
+        // no list of a component per element is kept.
+        let mut groups = ThresholdSums::new(confidence, rows * n);
         let row = &xi.values()[r * n..(r + 1) * n];
         let (den_r, den_c) = dens[class].map_or((None, None), |(r, c)| (Some(r), Some(c)));
         let sr = side_row(row, reference, ref_impl, den_r)?;
@@ -411,28 +413,28 @@ pub fn softmax_threshold(
         } else {
             f64::INFINITY
         };
-        groups.push((
-            ElementDiff {
+        groups.add_group(
+            &ElementDiff {
                 proxy: dvar * p_sq,
                 guaranteed: dmax * p_sq.sqrt() * inflate,
                 spread: true,
                 ..ElementDiff::default()
             },
             count,
-        ));
+        );
         // Each block factor's rounding moves its blocks' elements (Σ p² over them) and their
         // share w of the denominator (w·p for every element), coherently.
         for side in [&sr, &sc] {
             for &(fv, w, p2) in side.factors.values() {
                 let reach = p2.sqrt() + w * p_sq.sqrt();
-                groups.push((
-                    ElementDiff {
+                groups.add_group(
+                    &ElementDiff {
                         proxy: fv * reach * reach,
                         spread: true,
                         ..ElementDiff::default()
                     },
                     count,
-                ));
+                );
             }
         }
         for &(j, same) in &order {
@@ -469,19 +471,17 @@ pub fn softmax_threshold(
             round_sides(&mut d, (a, a), (reference.output, candidate.output), p);
             d.proxy -= row_part;
             d.shared_proxy = row_part;
-            groups.push((d, same * count));
+            groups.add_group(&d, same * count);
         }
         Ok((p_sq, groups))
     });
-    // Folded class by class in order (as `grouped_threshold` folds one list of groups).
+    // Merged class by class in order: the same threshold on any number of threads.
     let mut sums = ThresholdSums::new(confidence, rows * n);
     let mut norm_sq = 0.0;
     for (item, &(_, count)) in priced.into_iter().zip(&classes) {
-        let (p_sq, groups) = item?;
+        let (p_sq, part) = item?;
         norm_sq += p_sq * count as f64;
-        for (d, c) in &groups {
-            sums.add_group(d, *c);
-        }
+        sums.merge(&part);
     }
     if identical {
         return Ok(Threshold::identical(confidence, norm_sq.sqrt(), rows * n));
