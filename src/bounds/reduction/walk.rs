@@ -160,28 +160,29 @@ pub(super) type Key = (usize, usize, usize, usize);
 /// [`Walk::locate`] puts it (located once per operand).
 pub(super) type Computed = (Known, f64, f64, Format, Option<f64>, (f64, f64, f64));
 
-/// The map of computed values by range. Its keys are index ranges the walk makes, never
-/// data, so an unkeyed hash cannot be steered by an input: [`RangeHasher`] instead of the
-/// default SipHash, which took a third of the walk's time.
-pub(super) type Values =
-    std::collections::HashMap<Key, Known, std::hash::BuildHasherDefault<RangeHasher>>;
-
-/// A hasher for [`Key`]s: each word folded in by a rotate, xor and multiply (as rustc's
-/// FxHasher), the whole finished by [`mix`].
+/// The computed values not yet consumed, by range. A reduction order consumes each value once,
+/// nearly always the one computed last (a sequential run's running value, a pairwise tree's
+/// subtotals, split-K's partials): a short stack searched from its top, where a hash map (its
+/// inserts and removals a fifth of a LayerNorm's threshold) did the same work with hashing.
+/// Its keys are index ranges the walk makes, never data.
 #[derive(Default)]
-pub(super) struct RangeHasher(u64);
+pub(super) struct Values {
+    live: Vec<(Key, Known)>,
+}
 
-impl std::hash::Hasher for RangeHasher {
-    fn finish(&self) -> u64 {
-        mix(self.0, 0)
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_usize(usize::from(b));
+impl Values {
+    /// Keep `value` for `key` (replacing one kept under the same key).
+    pub(super) fn insert(&mut self, key: Key, value: Known) {
+        match self.live.iter().rposition(|(k, _)| *k == key) {
+            Some(i) => self.live[i].1 = value,
+            None => self.live.push((key, value)),
         }
     }
-    fn write_usize(&mut self, word: usize) {
-        self.0 = (self.0.rotate_left(5) ^ word as u64).wrapping_mul(0x517C_C1B7_2722_0A95);
+
+    /// Take the value kept for `key`.
+    pub(super) fn remove(&mut self, key: &Key) -> Option<Known> {
+        let i = self.live.iter().rposition(|(k, _)| k == key)?;
+        Some(self.live.remove(i).1)
     }
 }
 
