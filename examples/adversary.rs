@@ -19,10 +19,7 @@ fn main() {
     let filter = args.get(2).cloned().unwrap_or_default();
     let starts: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(3);
     let seed: u64 = args.get(4).and_then(|s| s.parse().ok()).unwrap_or(0);
-    let ops: Vec<Op> = zoo::ops()
-        .into_iter()
-        .filter(|o| !matches!(o, Op::AllReduce))
-        .collect();
+    let ops: Vec<Op> = zoo::ops();
     let mut worst = Calls::default();
     let mut violations = 0usize;
     for op in ops {
