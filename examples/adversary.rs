@@ -6,7 +6,10 @@
 //! `cargo run --release --example adversary -- [steps] [filter] [starts] [seed]` (default
 //! 300 steps from 3 starts per cell, filter a substring of "op pair", seed 0; about 10
 //! minutes on one core at 1,500 steps from 6 starts). Prints each cell's closest calls, every violation with its
-//! input, and the inputs whose guaranteed bound came within 10 % of the difference (`CLOSE`).
+//! input, every input whose probabilistic request fell back to the guaranteed threshold
+//! (`FALLBACK`: the engine's executions exceeded the model's threshold, a miss of the model
+//! that the check caught), and the inputs whose guaranteed bound came within 10 % of the
+//! difference (`CLOSE`).
 #[path = "../tests/zoo/mod.rs"]
 mod zoo;
 
@@ -22,6 +25,7 @@ fn main() {
     let ops: Vec<Op> = zoo::ops();
     let mut worst = Calls::default();
     let mut violations = 0usize;
+    let mut fallbacks = 0usize;
     for op in ops {
         for pair in zoo::pairs(op) {
             let name = format!("{} {}", op.name(), pair.name);
@@ -34,6 +38,9 @@ fn main() {
                 let tag = if c.calls.violated() {
                     violations += 1;
                     Some("VIOLATION")
+                } else if c.calls.fallback {
+                    fallbacks += 1;
+                    Some("FALLBACK")
                 } else if c.guaranteed && c.calls.score(true) > 0.9 {
                     // A guaranteed bound within 10 % of its difference (not determined).
                     Some("CLOSE")
@@ -52,11 +59,15 @@ fn main() {
                 cell = cell.max(c.calls);
             }
             println!(
-                "{name:<60} norm g {:.3} p {:.3}   element g {:.3} p {:.3}",
-                cell.norm_g, cell.norm_p, cell.elem_g, cell.elem_p
+                "{name:<60} norm g {:.3} p {:.3}   element g {:.3} p {:.3}{}",
+                cell.norm_g,
+                cell.norm_p,
+                cell.elem_g,
+                cell.elem_p,
+                if cell.fallback { "   fallback" } else { "" }
             );
             worst = worst.max(cell);
         }
     }
-    println!("closest calls: {worst:?}; violations: {violations}");
+    println!("closest calls: {worst:?}; violations: {violations}; fallbacks: {fallbacks}");
 }

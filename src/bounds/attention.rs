@@ -58,6 +58,7 @@
 //! coarser) and round the output to the same format; orders and forms may differ. A side with
 //! an FP8 scaling recipe is refused.
 
+use crate::bounds::checked::checked_by_executions;
 use crate::bounds::compare::{Confidence, ElementDiff, Threshold, ThresholdSums};
 use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
 use crate::error::{Error, Result};
@@ -78,6 +79,11 @@ use crate::trace::ModuleKind;
 /// accumulator finer than FP32, an FP8 scaling recipe or an online block of 0;
 /// [`Error::NonFinite`] for a non-finite input; [`Error::Overflow`] where a score or an
 /// output can reach the accumulator's or the output format's overflow threshold.
+///
+/// A probabilistic threshold is checked first by the engine's executions of both sides: where
+/// their difference exceeds the model's threshold at δ_s = min(δ, 10⁻³) (the norm or one
+/// element), the data carry structure the model does not capture and the guaranteed threshold
+/// is returned, its `confidence` saying so (papers/bounds-reductions.md §4).
 ///
 /// # Examples
 ///
@@ -103,6 +109,52 @@ pub fn attention_threshold(
     causal: bool,
     reference: &OpSide,
     candidate: &OpSide,
+    confidence: Confidence,
+) -> Result<Threshold> {
+    let build = |conf| attention_model(q, k, v, causal, (reference, candidate), conf);
+    checked_by_executions(confidence, &build, &|| {
+        executions((q, k, v), causal, reference, candidate)
+    })
+}
+
+/// Both sides' attention as the engine executes it, `None` where it cannot: a family of
+/// orders, an engine error, or operands other than self-attention's (Q, K and V of one shape,
+/// which the engine reads packed per token).
+pub(crate) fn executions(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    causal: bool,
+    reference: &OpSide,
+    candidate: &OpSide,
+) -> Option<(Vec<f64>, Vec<f64>)> {
+    // The engine runs self-attention: Q, K and V of one shape, packed per token.
+    let (m, d) = (q.shape().first()?, q.shape().get(1)?);
+    if k.shape() != q.shape() || v.shape() != q.shape() {
+        return None;
+    }
+    let mut qkv = Vec::with_capacity(3 * m * d);
+    for i in 0..*m {
+        for t in [q, k, v] {
+            qkv.extend_from_slice(&t.values()[i * d..(i + 1) * d]);
+        }
+    }
+    let qkv = Tensor::from_vec(&[1, *m, 3 * d], qkv, Format::F64).ok()?;
+    let one = |s: &OpSide| -> Option<Vec<f64>> {
+        if s.policy.accumulation.order.has_family() {
+            return None;
+        }
+        let (o, _) = crate::engine::attention(&qkv, 1, causal, s.form, &s.policy).ok()?;
+        Some(o.into_values())
+    };
+    Some((one(reference)?, one(candidate)?))
+}
+
+/// [`attention_threshold`] as the model prices it (not checked by the executions).
+fn attention_model(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    causal: bool,
+    (reference, candidate): (&OpSide, &OpSide),
     confidence: Confidence,
 ) -> Result<Threshold> {
     let (m, _) = matrix(q, "q")?;

@@ -17,6 +17,7 @@
 //!   carried to the output, to first order, so thresholds compose along a network:
 //!   ‖Δout‖ ≤ introduced + gain·‖Δin‖ (papers/bounds-elementwise.md).
 
+use crate::bounds::checked::checked_by_executions;
 use serde::Serialize;
 
 use crate::bounds::compare::{grouped_threshold, Confidence, ElementDiff, Threshold};
@@ -62,6 +63,11 @@ fn side_value(op: Elementwise, x: f64, y: f64, policy: &Policy) -> f64 {
 /// Threshold for an elementwise op computed under `reference` and `candidate` on the same
 /// inputs `x` (and `y` for [`Elementwise::Add`], same shape).
 ///
+/// A probabilistic threshold is checked first by the engine's executions of both sides: where
+/// their difference exceeds the model's threshold at δ_s = min(δ, 10⁻³) (the norm or one
+/// element), the data carry structure the model does not capture and the guaranteed threshold
+/// is returned, its `confidence` saying so (papers/bounds-reductions.md §4).
+///
 /// # Examples
 ///
 /// ```
@@ -92,6 +98,43 @@ pub fn elementwise_threshold(
     y: Option<&Tensor>,
     reference: &Policy,
     candidate: &Policy,
+    confidence: Confidence,
+) -> Result<Threshold> {
+    let build = |conf| elementwise_model(op, x, y, (reference, candidate), conf);
+    checked_by_executions(confidence, &build, &|| {
+        executions(op, x, y, reference, candidate)
+    })
+}
+
+/// Both sides' results as the engine executes them, `None` where it cannot (exp, which the
+/// engine computes only inside softmax; an engine error).
+pub(crate) fn executions(
+    op: Elementwise,
+    x: &Tensor,
+    y: Option<&Tensor>,
+    reference: &Policy,
+    candidate: &Policy,
+) -> Option<(Vec<f64>, Vec<f64>)> {
+    let one = |p: &Policy| -> Option<Vec<f64>> {
+        let out = match (op, y) {
+            (Elementwise::Add, Some(y)) => crate::engine::add(x, y, p),
+            (Elementwise::Scale { c }, _) => crate::engine::scale(x, c, p),
+            (Elementwise::Gelu, _) => crate::engine::gelu(x, p),
+            (Elementwise::Silu, _) => crate::engine::silu(x, p),
+            // The engine has no exp of its own (it is a part of softmax there).
+            _ => return None,
+        };
+        out.ok().map(Tensor::into_values)
+    };
+    Some((one(reference)?, one(candidate)?))
+}
+
+/// [`elementwise_threshold`] as the model prices it (not checked by the executions).
+fn elementwise_model(
+    op: Elementwise,
+    x: &Tensor,
+    y: Option<&Tensor>,
+    (reference, candidate): (&Policy, &Policy),
     confidence: Confidence,
 ) -> Result<Threshold> {
     reference.validate()?;

@@ -30,6 +30,7 @@
 
 pub(crate) mod attention;
 pub(crate) mod baselines;
+pub(crate) mod checked;
 pub(crate) mod compare;
 pub(crate) mod cross_entropy;
 pub(crate) mod elementwise;

@@ -19,6 +19,7 @@
 //! Guaranteed: |ρ| ≤ max|n| + max|σ| + O(u²) with |n| ≤ u·(|d| + 1) (+ the online factor
 //! terms) and |σ| ≤ G_S/S + Σ pⱼ|nⱼ|, inflated by 1/(1 − |σ|).
 
+use crate::bounds::checked::checked_by_executions;
 use crate::bounds::compare::{row_classes, Confidence, ElementDiff, Threshold, ThresholdSums};
 use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide};
 use crate::bounds::ops::round_sides;
@@ -258,6 +259,11 @@ fn side_row(
 /// size). Both sides must read the same inputs in the same input format and accumulate in the
 /// same format (different orders and output formats are allowed).
 ///
+/// A probabilistic threshold is checked first by the engine's executions of both sides: where
+/// their difference exceeds the model's threshold at δ_s = min(δ, 10⁻³) (the norm or one
+/// element), the data carry structure the model does not capture and the guaranteed threshold
+/// is returned, its `confidence` saying so (papers/bounds-reductions.md §4).
+///
 /// # Examples
 ///
 /// ```
@@ -288,6 +294,39 @@ pub fn softmax_threshold(
     ref_impl: AttentionImpl,
     candidate: &Policy,
     cand_impl: AttentionImpl,
+    confidence: Confidence,
+) -> Result<Threshold> {
+    let build = |conf| softmax_model(x, (reference, ref_impl), (candidate, cand_impl), conf);
+    checked_by_executions(confidence, &build, &|| {
+        executions(x, (reference, ref_impl), (candidate, cand_impl))
+    })
+}
+
+/// Both sides' softmax as the engine executes them, `None` where it cannot (a family of
+/// orders, an engine error).
+pub(crate) fn executions(
+    x: &Tensor,
+    (reference, ref_impl): (&Policy, AttentionImpl),
+    (candidate, cand_impl): (&Policy, AttentionImpl),
+) -> Option<(Vec<f64>, Vec<f64>)> {
+    let one = |p: &Policy, imp: AttentionImpl| -> Option<Vec<f64>> {
+        if p.accumulation.order.has_family() {
+            return None;
+        }
+        let y = match imp {
+            AttentionImpl::Standard => crate::engine::softmax(x, p),
+            AttentionImpl::Online { block } => crate::engine::online_softmax(x, block, p),
+        };
+        y.ok().map(Tensor::into_values)
+    };
+    Some((one(reference, ref_impl)?, one(candidate, cand_impl)?))
+}
+
+/// [`softmax_threshold`] as the model prices it (not checked by the executions).
+fn softmax_model(
+    x: &Tensor,
+    (reference, ref_impl): (&Policy, AttentionImpl),
+    (candidate, cand_impl): (&Policy, AttentionImpl),
     confidence: Confidence,
 ) -> Result<Threshold> {
     reference.validate()?;

@@ -290,7 +290,7 @@ pub fn rms_norm(
     norm_forward(x, weight, None, eps, None, policy)
 }
 
-fn norm_forward(
+pub(crate) fn norm_forward(
     x: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,

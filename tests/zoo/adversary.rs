@@ -15,13 +15,16 @@ use ttrace::engine::SplitMix64;
 use ttrace::{Format, Overflow, Tensor};
 
 /// The closest calls of one input: ‖D‖ over the guaranteed and the probabilistic thresholds,
-/// max |D| over the guaranteed and the probabilistic per-element bounds.
+/// max |D| over the guaranteed and the probabilistic per-element bounds; and whether the
+/// probabilistic request fell back to the guaranteed threshold (the engine's executions
+/// exceeded the model's threshold at δ_s: a miss of the model that the check caught).
 #[derive(Clone, Copy, Default, Debug)]
 pub struct Calls {
     pub norm_g: f64,
     pub norm_p: f64,
     pub elem_g: f64,
     pub elem_p: f64,
+    pub fallback: bool,
 }
 
 impl Calls {
@@ -39,6 +42,10 @@ impl Calls {
         };
         if guaranteed {
             open(self.norm_g).max(open(self.elem_g))
+        } else if self.fallback {
+            // The model's own threshold was exceeded: as close as a probabilistic call gets
+            // without a violation (the climb keeps such data and looks for more).
+            1.0
         } else {
             open(self.norm_p).max(open(self.elem_p))
         }
@@ -61,6 +68,7 @@ impl Calls {
             norm_p: self.norm_p.max(o.norm_p),
             elem_g: self.elem_g.max(o.elem_g),
             elem_p: self.elem_p.max(o.elem_p),
+            fallback: self.fallback || o.fallback,
         }
     }
 }
@@ -115,6 +123,7 @@ pub fn calls(op: Op, pair: &Pair, x: &Tensor, b: &Tensor) -> Option<Calls> {
         norm_p: ratio(d, p.abs_frobenius),
         elem_g: ratio(dmax, g.per_element),
         elem_p: ratio(dmax, p.per_element),
+        fallback: p.confidence == Confidence::Guaranteed,
     })
 }
 

@@ -10,6 +10,8 @@
 //! of nearly equal values (the argument, exp, the one-hot subtraction unless exact, the scaling
 //! unless by a power of two, the output).
 
+use super::executable;
+use crate::bounds::checked::checked_by_executions;
 use crate::bounds::compare::{Confidence, ElementDiff, Threshold, ThresholdSums};
 use crate::bounds::cross_entropy::{lse_rows, round_pair, LseRows};
 use crate::bounds::ops::{check_output, round_sides};
@@ -24,6 +26,11 @@ use crate::tensor::Tensor;
 ///
 /// Assumptions: as for the loss (papers/bounds-cross-entropy.md); libm's exp within one f64
 /// ulp.
+///
+/// A probabilistic threshold is checked first by the engine's executions of both sides: where
+/// their difference exceeds the model's threshold at δ_s = min(δ, 10⁻³) (the norm or one
+/// element), the data carry structure the model does not capture and the guaranteed threshold
+/// is returned, its `confidence` saying so (papers/bounds-reductions.md §4).
 ///
 /// # Examples
 ///
@@ -52,6 +59,37 @@ pub fn cross_entropy_grad_threshold(
     dloss: f64,
     reference: &Policy,
     candidate: &Policy,
+    confidence: Confidence,
+) -> Result<Threshold> {
+    let build = |conf| grad_model(logits, targets, dloss, (reference, candidate), conf);
+    checked_by_executions(confidence, &build, &|| {
+        executions(logits, targets, dloss, (reference, candidate))
+    })
+}
+
+/// Both sides' gradient as the engine executes it, `None` where it cannot (a family of
+/// orders, an engine error).
+pub(crate) fn executions(
+    logits: &Tensor,
+    targets: &[usize],
+    dloss: f64,
+    (reference, candidate): (&Policy, &Policy),
+) -> Option<(Vec<f64>, Vec<f64>)> {
+    let one = |p: &Policy| {
+        executable(p).then(|| crate::engine::cross_entropy_backward(logits, targets, dloss, p))
+    };
+    Some((
+        one(reference)?.ok()?.into_values(),
+        one(candidate)?.ok()?.into_values(),
+    ))
+}
+
+/// [`cross_entropy_grad_threshold`] as the model prices it (not checked by the executions).
+fn grad_model(
+    logits: &Tensor,
+    targets: &[usize],
+    dloss: f64,
+    (reference, candidate): (&Policy, &Policy),
     confidence: Confidence,
 ) -> Result<Threshold> {
     if !dloss.is_finite() {

@@ -24,6 +24,7 @@
 //!   lie within the rows' guaranteed bounds of the reference's), the division by the row count
 //!   (exact for a power of two) and each side's output rounding.
 
+use crate::bounds::checked::checked_by_executions;
 use crate::bounds::compare::{row_classes, Confidence, ElementDiff, Threshold, ThresholdSums};
 use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
 use crate::bounds::ops::{check_output, round_sides};
@@ -40,7 +41,7 @@ use crate::policy::Policy;
 use crate::tensor::Tensor;
 use crate::trace::ModuleKind;
 
-mod grad;
+pub(crate) mod grad;
 
 pub use grad::cross_entropy_grad_threshold;
 
@@ -56,6 +57,11 @@ pub use grad::cross_entropy_grad_threshold;
 /// random-rounding model (independent roundings with a uniform phase); the guaranteed one on
 /// nothing but round-to-nearest (or monotone truncation) in every operation and the
 /// libm logarithm erring by at most one f64 ulp.
+///
+/// A probabilistic threshold is checked first by the engine's executions of both sides: where
+/// their difference exceeds the model's threshold at δ_s = min(δ, 10⁻³) (the norm or one
+/// element), the data carry structure the model does not capture and the guaranteed threshold
+/// is returned, its `confidence` saying so (papers/bounds-reductions.md §4).
 ///
 /// # Examples
 ///
@@ -85,6 +91,41 @@ pub use grad::cross_entropy_grad_threshold;
 /// NaN or +∞ logit, or a target whose logit is masked (its loss is +∞);
 /// [`Error::NoFiniteBound`] or [`Error::Overflow`] when a rounding may overflow.
 pub fn cross_entropy_threshold(
+    logits: &Tensor,
+    targets: &[usize],
+    reference: &Policy,
+    candidate: &Policy,
+    confidence: Confidence,
+) -> Result<Threshold> {
+    let build = |conf| cross_entropy_model(logits, targets, reference, candidate, conf);
+    checked_by_executions(confidence, &build, &|| {
+        executions(logits, targets, reference, candidate)
+    })
+}
+
+/// Both sides' loss as the engine executes it, `None` where it cannot (a family of orders, an
+/// engine error).
+pub(crate) fn executions(
+    logits: &Tensor,
+    targets: &[usize],
+    reference: &Policy,
+    candidate: &Policy,
+) -> Option<(Vec<f64>, Vec<f64>)> {
+    let one = |p: &Policy| executable(p).then(|| crate::engine::cross_entropy(logits, targets, p));
+    Some((
+        one(reference)?.ok()?.into_values(),
+        one(candidate)?.ok()?.into_values(),
+    ))
+}
+
+/// Whether the engine executes a side's arithmetic as one order (not a family), so that
+/// [`checked_by_executions`] can test the model with it.
+pub(crate) fn executable(p: &Policy) -> bool {
+    !p.accumulation.order.has_family()
+}
+
+/// [`cross_entropy_threshold`] as the model prices it (not checked by the executions).
+fn cross_entropy_model(
     logits: &Tensor,
     targets: &[usize],
     reference: &Policy,

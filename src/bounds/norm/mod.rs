@@ -17,6 +17,7 @@
 //! the dᵢ roundings (independent unless the two sides share μ̂) and the trailing roundings of
 //! nearly equal values.
 
+use crate::bounds::checked::checked_by_executions;
 use crate::bounds::compare::{grouped_threshold, row_classes, Confidence, ElementDiff, Threshold};
 use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
 use crate::bounds::ops::round_sides;
@@ -65,6 +66,11 @@ pub struct NormSide<'a> {
 
 /// Threshold for a normalization of `data` computed by `reference` versus `candidate`.
 ///
+/// A probabilistic threshold is checked first by the engine's executions of both sides: where
+/// their difference exceeds the model's threshold at δ_s = min(δ, 10⁻³) (the norm or one
+/// element), the data carry structure the model does not capture and the guaranteed threshold
+/// is returned, its `confidence` saying so (papers/bounds-reductions.md §4).
+///
 /// # Examples
 ///
 /// ```
@@ -103,6 +109,42 @@ pub struct NormSide<'a> {
 /// [`Error::ShapeMismatch`] for a weight or bias that does not match a row;
 /// [`Error::NoFiniteBound`] when a one-pass variance may lose every digit.
 pub fn norm_threshold(
+    data: &NormData<'_>,
+    reference: NormSide<'_>,
+    candidate: NormSide<'_>,
+    confidence: Confidence,
+) -> Result<Threshold> {
+    let build = |conf| norm_model(data, reference, candidate, conf);
+    checked_by_executions(confidence, &build, &|| {
+        executions(data, reference, candidate)
+    })
+}
+
+/// Both sides' normalization as the engine executes them, `None` where it cannot (a family of
+/// orders, an engine error).
+pub(crate) fn executions(
+    data: &NormData<'_>,
+    reference: NormSide<'_>,
+    candidate: NormSide<'_>,
+) -> Option<(Vec<f64>, Vec<f64>)> {
+    let one = |side: NormSide<'_>| -> Option<Vec<f64>> {
+        if side.policy.accumulation.order.has_family() {
+            return None;
+        }
+        let variance = match side.op {
+            NormOp::LayerNorm(v) => Some(v),
+            NormOp::RmsNorm => None,
+        };
+        let (x, w, b, eps) = (data.x, data.weight, data.bias, data.eps);
+        crate::engine::nn::norm_forward(x, w, b, eps, variance, side.policy)
+            .ok()
+            .map(|(y, _)| y.into_values())
+    };
+    Some((one(reference)?, one(candidate)?))
+}
+
+/// [`norm_threshold`] as the model prices it (not checked by the executions).
+fn norm_model(
     data: &NormData<'_>,
     reference: NormSide<'_>,
     candidate: NormSide<'_>,

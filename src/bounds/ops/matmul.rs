@@ -318,7 +318,7 @@ pub fn matmul_threshold_priced(
         return Ok(Threshold::identical(confidence, norm, m * n));
     }
     let executable =
-        !is_family(&reference.accumulation.order) && !is_family(&candidate.accumulation.order);
+        !reference.accumulation.order.has_family() && !candidate.accumulation.order.has_family();
     let run = || -> Option<(Vec<f64>, Vec<f64>)> {
         if !executable {
             return None;
@@ -327,11 +327,11 @@ pub fn matmul_threshold_priced(
         let one = |p: &Policy| crate::engine::linear(a, &w, bias, p).ok();
         Some((one(reference)?.into_values(), one(candidate)?.into_values()))
     };
-    Ok(checked_by_executions(
+    checked_by_executions(
         confidence,
-        &|conf| grouped_threshold(&groups, norm, conf, m * n),
+        &|conf| Ok(grouped_threshold(&groups, norm, conf, m * n)),
         &run,
-    ))
+    )
 }
 
 /// The exact value f·Σₚ a_ip·b_pj of one side (f its FP8 rescale factor), via the long

@@ -17,7 +17,7 @@ use crate::bounds::reduction::{
 use crate::error::{Error, Result};
 use crate::exact::ExactAccumulator;
 use crate::format::Format;
-use crate::order::{product_exponent, Accumulation, Order, Products};
+use crate::order::{product_exponent, Accumulation, Products};
 use crate::policy::Policy;
 use crate::policy::{quantize, Quantized};
 use crate::tensor::Tensor;
@@ -51,55 +51,5 @@ fn scaled(e: ReductionError, f: f64) -> ReductionError {
 /// the walk about ten hours.
 pub const WALK_BUDGET: u128 = 1 << 25;
 
-/// The failure probability at which the engine's executions of the two declared orders test
-/// the model behind a probabilistic threshold (`checked_by_executions`).
-pub const MODEL_CHECK_DELTA: f64 = 1e-3;
-
-/// Whether an order is a family (its executions are not one order).
-fn is_family(order: &Order) -> bool {
-    match order {
-        Order::AnyOf(_) => true,
-        Order::SplitK { inner, .. } => is_family(inner),
-        _ => false,
-    }
-}
-
-/// A probabilistic threshold that the engine's own executions of the two declared orders
-/// (`executions`: both sides' outputs, or `None` where they cannot be run) check first. Under
-/// the random-rounding model their difference stays within the model's threshold at
-/// δ_s = min(δ, [`MODEL_CHECK_DELTA`]) but with probability δ_s; where it does not (the tensor
-/// norm or one element), these data are structured in a way the model does not capture —
-/// undetermined roundings that move together across elements, as near-constant products do —
-/// and the guaranteed threshold is returned instead, marked [`Confidence::Guaranteed`]. A
-/// threshold at δ therefore never falls below the difference of the declared executions, and
-/// on data the model fits it is the model's (a spurious fallback has probability δ_s).
-fn checked_by_executions(
-    confidence: Confidence,
-    build: &dyn Fn(Confidence) -> Threshold,
-    executions: &dyn Fn() -> Option<(Vec<f64>, Vec<f64>)>,
-) -> Threshold {
-    let Confidence::Probabilistic { delta } = confidence else {
-        return build(confidence);
-    };
-    let threshold = build(confidence);
-    let Some((r, c)) = executions() else {
-        return threshold;
-    };
-    if r.len() != c.len() || !r.iter().chain(&c).all(|v| v.is_finite()) {
-        return threshold;
-    }
-    let (mut sq, mut max) = (0.0f64, 0.0f64);
-    for (x, y) in r.iter().zip(&c) {
-        let d = (y - x).abs();
-        sq += d * d;
-        max = max.max(d);
-    }
-    let check = build(Confidence::Probabilistic {
-        delta: delta.min(MODEL_CHECK_DELTA),
-    });
-    if sq.sqrt() > check.abs_frobenius || max > check.per_element {
-        build(Confidence::Guaranteed)
-    } else {
-        threshold
-    }
-}
+use crate::bounds::checked::checked_by_executions;
+pub use crate::bounds::checked::MODEL_CHECK_DELTA;

@@ -232,7 +232,7 @@ pub fn sum_threshold_priced(
         }
         sums.threshold(norm)
     };
-    let executable = !is_family(&accr.order) && !is_family(&accc.order);
+    let executable = !accr.order.has_family() && !accc.order.has_family();
     let run = || -> Option<(Vec<f64>, Vec<f64>)> {
         if !executable {
             return None;
@@ -254,7 +254,7 @@ pub fn sum_threshold_priced(
         };
         Some((side(reference, &accr, &xr)?, side(candidate, &accc, &xc)?))
     };
-    Ok(checked_by_executions(confidence, &build, &run))
+    checked_by_executions(confidence, &|conf| Ok(build(conf)), &run)
 }
 
 /// Rows of a [rows, na] and a [rows, nb] array side by side ([rows, na + nb]), so that row
