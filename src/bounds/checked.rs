@@ -22,7 +22,8 @@ pub const MODEL_CHECK_DELTA: f64 = 1e-3;
 /// The threshold `build` gives at `confidence`, checked first, when it is probabilistic, by
 /// `executions` (both sides' outputs, or `None` where they cannot be run): where their
 /// difference exceeds the model's threshold at δ_s = min(δ, [`MODEL_CHECK_DELTA`]) (the
-/// tensor norm or one element), the guaranteed threshold (module docs). `build` runs once
+/// tensor norm or one element), the guaranteed threshold (module docs). The executions run
+/// beside the first pricing (`parallel::join`); `build` runs once
 /// when the check passes at δ ≤ [`MODEL_CHECK_DELTA`] (the default δ = 10⁻⁶), at most three
 /// times otherwise.
 ///
@@ -31,17 +32,19 @@ pub const MODEL_CHECK_DELTA: f64 = 1e-3;
 /// `build`'s.
 pub(crate) fn checked_by_executions(
     confidence: Confidence,
-    build: &dyn Fn(Confidence) -> Result<Threshold>,
-    executions: &dyn Fn() -> Option<(Vec<f64>, Vec<f64>)>,
+    build: &(dyn Fn(Confidence) -> Result<Threshold> + Sync),
+    executions: &(dyn Fn() -> Option<(Vec<f64>, Vec<f64>)> + Sync),
 ) -> Result<Threshold> {
     let Confidence::Probabilistic { delta } = confidence else {
         return build(confidence);
     };
-    let threshold = build(confidence)?;
+    // The executions run beside the pricing where a thread is free.
+    let (threshold, runs) = crate::parallel::join(|| build(confidence), executions);
+    let threshold = threshold?;
     if threshold.identical {
         return Ok(threshold);
     }
-    let Some((r, c)) = executions() else {
+    let Some((r, c)) = runs else {
         return Ok(threshold);
     };
     if r.len() != c.len() || !r.iter().chain(&c).all(|v| v.is_finite()) {
@@ -151,6 +154,18 @@ mod tests {
                 vals(engine::online_softmax(&x, 4, &c).unwrap())
             ))
         );
+        // The standard form on both sides (numerators computed once where alike, and apart
+        // for an accumulator of its own).
+        let bf = Policy::new(Format::BF16, Format::BF16, Format::F32);
+        for other in [&c, &bf] {
+            assert_eq!(
+                crate::bounds::softmax::executions(&x, (&r, std_), (other, std_)),
+                Some((
+                    vals(engine::softmax(&x, &r).unwrap()),
+                    vals(engine::softmax(&x, other).unwrap())
+                ))
+            );
+        }
         assert_eq!(
             crate::bounds::softmax::executions(&x, (&r, std_), (&family, std_)),
             None

@@ -30,15 +30,17 @@ use crate::order::{Accumulation, Order};
 use crate::policy::AttentionImpl;
 use crate::policy::Policy;
 use crate::tensor::Tensor;
+use std::rc::Rc;
 
 /// Per-element and per-row error statistics of one side's softmax of one row.
 struct SideRow {
-    /// Exact-model probabilities pᵢ.
-    p: Vec<f64>,
+    /// Exact-model probabilities pᵢ (shared, like the two following, with a side that
+    /// computes the same numerators: [`SideRow::with_denominator`]).
+    p: Rc<Vec<f64>>,
     /// Variance of the numerator's relative error nᵢ.
-    num_var: Vec<f64>,
+    num_var: Rc<Vec<f64>>,
     /// Bound on |nᵢ|.
-    num_max: Vec<f64>,
+    num_max: Rc<Vec<f64>>,
     /// Variance of the denominator's own relative error (excluding the numerators' share).
     den_var: f64,
     /// Bound on the denominator's own relative error.
@@ -63,9 +65,9 @@ impl SideRow {
     fn with_denominator(&self, es: ReductionError) -> SideRow {
         let s = self.sum;
         SideRow {
-            p: self.p.clone(),
-            num_var: self.num_var.clone(),
-            num_max: self.num_max.clone(),
+            p: Rc::clone(&self.p),
+            num_var: Rc::clone(&self.num_var),
+            num_max: Rc::clone(&self.num_max),
             // As `side_row` accumulates them from zero.
             den_var: (0.0 + es.variance) / (s * s),
             den_max: (0.0 + es.guaranteed) / s,
@@ -239,9 +241,9 @@ fn side_row(
     }
     let p: Vec<f64> = e.iter().map(|v| v / s).collect();
     Ok(SideRow {
-        p,
-        num_var,
-        num_max,
+        p: Rc::new(p),
+        num_var: Rc::new(num_var),
+        num_max: Rc::new(num_max),
         den_var: den_var_abs / (s * s),
         den_max: den_max_abs / s,
         den_mean: den_mean_abs / s,
@@ -319,6 +321,15 @@ pub(crate) fn executions(
         };
         y.ok().map(Tensor::into_values)
     };
+    if (ref_impl, cand_impl) == (AttentionImpl::Standard, AttentionImpl::Standard) {
+        // The standard form on both sides: their numerators computed once where alike.
+        if reference.accumulation.order.has_family() || candidate.accumulation.order.has_family() {
+            return None;
+        }
+        let mut y = crate::engine::nn::softmax_each(x, &[reference, candidate]).ok()?;
+        let c = y.pop()?.into_values();
+        return Some((y.pop()?.into_values(), c));
+    }
     Some((one(reference, ref_impl)?, one(candidate, cand_impl)?))
 }
 
@@ -424,20 +435,14 @@ fn softmax_model(
         if identical {
             return Ok((p_sq, groups));
         }
-        // Alike elements: the same logit under the same block maximum on each side.
-        let mut alike: crate::bounds::keyed::DataMap<(u64, u64, u64), usize> =
-            crate::bounds::keyed::DataMap::with_capacity_and_hasher(row.len(), Default::default());
-        let mut order = vec![];
-        let (max_r, max_c) = (block_maxima(row, ref_impl), block_maxima(row, cand_impl));
-        for (j, &xj) in row.iter().enumerate() {
-            let key = (xj.to_bits(), max_r[j], max_c[j]);
-            let next = order.len();
-            let g = *alike.entry(key).or_insert(next);
-            if g == next {
-                order.push((j, 0usize));
-            }
-            order[g].1 += 1;
-        }
+        // Alike elements: the same logit under the same block maximum on each side (the
+        // row's on both in the standard form, where the logit alone is the key).
+        let order = if (ref_impl, cand_impl) == (AttentionImpl::Standard, AttentionImpl::Standard) {
+            alike_elements(row.len(), |j| row[j].to_bits())
+        } else {
+            let (max_r, max_c) = (block_maxima(row, ref_impl), block_maxima(row, cand_impl));
+            alike_elements(row.len(), |j| (row[j].to_bits(), max_r[j], max_c[j]))
+        };
         // Denominator terms, common to the row; alike numerators err alike (coherently).
         let (mut dvar, mut dmax) = (sr.den_var + sc.den_var, sr.den_max + sc.den_max);
         if !shared_numerators {
@@ -526,6 +531,26 @@ fn softmax_model(
         return Ok(Threshold::identical(confidence, norm_sq.sqrt(), rows * n));
     }
     Ok(sums.threshold(norm_sq.sqrt()))
+}
+
+/// The classes of `n` elements by `key`: each class's first element and its size, in order of
+/// first appearance.
+fn alike_elements<K: std::hash::Hash + Eq>(
+    n: usize,
+    key: impl Fn(usize) -> K,
+) -> Vec<(usize, usize)> {
+    let mut alike: crate::bounds::keyed::DataMap<K, usize> =
+        crate::bounds::keyed::DataMap::with_capacity_and_hasher(n, Default::default());
+    let mut order: Vec<(usize, usize)> = vec![];
+    for j in 0..n {
+        let next = order.len();
+        let g = *alike.entry(key(j)).or_insert(next);
+        if g == next {
+            order.push((j, 0));
+        }
+        order[g].1 += 1;
+    }
+    order
 }
 
 /// Elements whose numerators [`fast_denominators`] holds at once (8 bytes each, and about as

@@ -158,24 +158,57 @@ pub(crate) fn masked_exp(ar: &Arith, row: &[f64], m: f64, out: &mut [f64]) {
 /// m = max x (exact); dᵢ = ra(xᵢ − m); eᵢ = ra(exp(dᵢ)); s = Σ eᵢ (policy order, in A);
 /// pᵢ = ro(ra(eᵢ / s)). Elements equal to −∞ (masked) give eᵢ = 0.
 pub fn softmax(x: &Tensor, policy: &Policy) -> Result<Tensor> {
-    policy.validate()?;
+    let mut out = softmax_each(x, &[policy])?;
+    Ok(out.remove(0))
+}
+
+/// [`softmax`] under each of `policies`, bit for bit, with the numerators eᵢ of a row computed
+/// once for the policies that compute them alike (the same input format and its overflow, the
+/// same accumulator and its overflow): what a threshold's check runs for its two sides, which
+/// differ in their order or output format.
+pub(crate) fn softmax_each(x: &Tensor, policies: &[&Policy]) -> Result<Vec<Tensor>> {
     let (rows, n) = last_dim(x, "softmax")?;
-    let ar = arith(policy);
-    let xi = cast_in(x, policy);
-    let acc = acc_for(policy, policy.accumulator());
-    let v = xi.values();
-    let mut out = vec![0.0; v.len()];
-    let mut e = vec![0.0; n];
+    let alike = |p: &Policy| {
+        let i = p.input();
+        (
+            i,
+            p.input_overflow(i),
+            p.accumulator(),
+            p.accumulation.overflow,
+        )
+    };
+    let mut sides = Vec::with_capacity(policies.len());
+    for (j, &p) in policies.iter().enumerate() {
+        p.validate()?;
+        // The first earlier policy whose numerators are this one's.
+        let shares = policies[..j].iter().position(|&q| alike(q) == alike(p));
+        let xi = match shares {
+            Some(_) => None,
+            None => Some(cast_in(x, p)),
+        };
+        sides.push((p, arith(p), acc_for(p, p.accumulator()), shares, xi));
+    }
+    let mut outs = vec![vec![0.0; x.len()]; policies.len()];
+    let mut es = vec![vec![0.0; n]; policies.len()];
     for r in 0..rows {
-        let row = &v[r * n..(r + 1) * n];
-        let m = row.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
-        masked_exp(&ar, row, m, &mut e);
-        let s = sum_unchecked(&e, &acc);
-        for (o, &ei) in out[r * n..(r + 1) * n].iter_mut().zip(&e) {
-            *o = ar.ro(ar.div(ei, s));
+        for (j, (_, ar, acc, shares, xi)) in sides.iter().enumerate() {
+            if let Some(xi) = xi {
+                let row = &xi.values()[r * n..(r + 1) * n];
+                let m = row.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+                masked_exp(ar, row, m, &mut es[j]);
+            }
+            let e = &es[shares.unwrap_or(j)];
+            let s = sum_unchecked(e, acc);
+            for (o, &ei) in outs[j][r * n..(r + 1) * n].iter_mut().zip(e) {
+                *o = ar.ro(ar.div(ei, s));
+            }
         }
     }
-    Ok(Tensor::from_parts_unchecked(x.shape(), out, policy.output))
+    Ok(outs
+        .into_iter()
+        .zip(&sides)
+        .map(|(out, (p, ..))| Tensor::from_parts_unchecked(x.shape(), out, p.output))
+        .collect())
 }
 
 /// Softmax computed blockwise and merged online, as flash attention and ring attention do.
