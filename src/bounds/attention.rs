@@ -58,7 +58,7 @@
 //! coarser) and round the output to the same format; orders and forms may differ. A side with
 //! an FP8 scaling recipe is refused.
 
-use crate::bounds::checked::checked_by_executions;
+use crate::bounds::checked::{checked_by_executions, each_member, Executions};
 use crate::bounds::compare::{Confidence, ElementDiff, Threshold, ThresholdSums};
 use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
 use crate::error::{Error, Result};
@@ -117,15 +117,15 @@ pub fn attention_threshold(
     })
 }
 
-/// Both sides' attention as the engine executes it, `None` where it cannot: a family of
-/// orders, an engine error, or operands other than self-attention's (Q, K and V of one shape,
+/// Both sides' attention as the engine executes it (for every member of a family), `None`
+/// where it cannot: an engine error, or operands other than self-attention's (Q, K and V of one shape,
 /// which the engine reads packed per token).
 pub(crate) fn executions(
     (q, k, v): (&Tensor, &Tensor, &Tensor),
     causal: bool,
     reference: &OpSide,
     candidate: &OpSide,
-) -> Option<(Vec<f64>, Vec<f64>)> {
+) -> Option<Executions> {
     // The engine runs self-attention: Q, K and V of one shape, packed per token.
     let (m, d) = (q.shape().first()?, q.shape().get(1)?);
     if k.shape() != q.shape() || v.shape() != q.shape() {
@@ -138,14 +138,11 @@ pub(crate) fn executions(
         }
     }
     let qkv = Tensor::from_vec(&[1, *m, 3 * d], qkv, Format::F64).ok()?;
-    let one = |s: &OpSide| -> Option<Vec<f64>> {
-        if s.policy.accumulation.order.has_family() {
-            return None;
-        }
-        let (o, _) = crate::engine::attention(&qkv, 1, causal, s.form, &s.policy).ok()?;
+    each_member((&reference.policy, &candidate.policy), |cand, p| {
+        let form = if cand { candidate.form } else { reference.form };
+        let (o, _) = crate::engine::attention(&qkv, 1, causal, form, p).ok()?;
         Some(o.into_values())
-    };
-    Some((one(reference)?, one(candidate)?))
+    })
 }
 
 /// [`attention_threshold`] as the model prices it (not checked by the executions).

@@ -2,30 +2,58 @@
 //! (papers/bounds-reductions.md §4, "The model checked by the executions").
 //!
 //! A probabilistic threshold rests on the random-rounding model; the guaranteed one does not.
-//! Where both sides of a comparison are executions the engine can run — one order each (no
-//! family), the op's form and arithmetic declared — running them costs about the op, next to
-//! the tens to hundreds of times the op that pricing takes, and their difference D is one draw
-//! the model must cover. Under the model ‖D‖ and max |Dᵢ| exceed the model's threshold at
+//! Both sides of a comparison are executions the engine can run — the op's form and
+//! arithmetic declared, one order or a family of orders (a vendor kernel whose blocking is
+//! unknown: the threshold must hold whichever member runs) — and running them costs about
+//! the op per order, next to the tens to hundreds of times the op that pricing takes. The
+//! difference D of each pair of orders the two sides may run is a draw the model must cover. Under the model ‖D‖ and max |Dᵢ| exceed the model's threshold at
 //! δ_s = min(δ, [`MODEL_CHECK_DELTA`]) with probability at most δ_s; where they do, the data
 //! carry structure the model does not capture (roundings that move together across elements,
 //! or data built against the uniform phase), and the guaranteed threshold is returned instead,
 //! marked [`Confidence::Guaranteed`]. Every op's threshold function goes through here, so a
-//! probabilistic threshold never falls below the difference of the declared executions.
+//! probabilistic threshold never falls below the difference of the declared executions (of
+//! any two members, for families).
 
 use crate::bounds::compare::{Confidence, Threshold};
 use crate::error::Result;
+use crate::policy::Policy;
 
 /// The failure probability at which the engine's executions of the two declared sides test
 /// the model behind a probabilistic threshold (`checked_by_executions`).
 pub const MODEL_CHECK_DELTA: f64 = 1e-3;
 
+/// Each side's outputs for every order it may run: one for a side of one order, one per
+/// member for a family ([`Order::AnyOf`](crate::Order::AnyOf), or a split-K over one).
+pub(crate) type Executions = (Vec<Vec<f64>>, Vec<Vec<f64>>);
+
+/// The policies a side may run: itself for one order, one per member of its family.
+pub(crate) fn member_policies(p: &Policy) -> Vec<Policy> {
+    let members = p.accumulation.order.members();
+    members
+        .into_iter()
+        .map(|o| p.clone().with_order(o))
+        .collect()
+}
+
+/// Both sides' [`Executions`], `run` executing one side (`false`: the reference, `true`: the
+/// candidate) under one policy; `None` where any execution fails.
+pub(crate) fn each_member(
+    (reference, candidate): (&Policy, &Policy),
+    run: impl Fn(bool, &Policy) -> Option<Vec<f64>>,
+) -> Option<Executions> {
+    let side = |cand: bool, p: &Policy| -> Option<Vec<Vec<f64>>> {
+        member_policies(p).iter().map(|m| run(cand, m)).collect()
+    };
+    Some((side(false, reference)?, side(true, candidate)?))
+}
+
 /// The threshold `build` gives at `confidence`, checked first, when it is probabilistic, by
-/// `executions` (both sides' outputs, or `None` where they cannot be run): where their
-/// difference exceeds the model's threshold at δ_s = min(δ, [`MODEL_CHECK_DELTA`]) (the
-/// tensor norm or one element), the guaranteed threshold (module docs). The executions run
-/// beside the first pricing (`parallel::join`); `build` runs once
-/// when the check passes at δ ≤ [`MODEL_CHECK_DELTA`] (the default δ = 10⁻⁶), at most three
-/// times otherwise.
+/// `executions` (both sides' outputs for every order each may run, or `None` where they
+/// cannot be run): where the difference of any pair exceeds the model's threshold at δ_s =
+/// min(δ, [`MODEL_CHECK_DELTA`]) (the tensor norm or one element), the guaranteed threshold
+/// (module docs). The executions run beside the first pricing (`parallel::join`); `build`
+/// runs once when the check passes at δ ≤ [`MODEL_CHECK_DELTA`] (the default δ = 10⁻⁶), at
+/// most three times otherwise.
 ///
 /// # Errors
 ///
@@ -33,7 +61,7 @@ pub const MODEL_CHECK_DELTA: f64 = 1e-3;
 pub(crate) fn checked_by_executions(
     confidence: Confidence,
     build: &(dyn Fn(Confidence) -> Result<Threshold> + Sync),
-    executions: &(dyn Fn() -> Option<(Vec<f64>, Vec<f64>)> + Sync),
+    executions: &(dyn Fn() -> Option<Executions> + Sync),
 ) -> Result<Threshold> {
     let Confidence::Probabilistic { delta } = confidence else {
         return build(confidence);
@@ -44,17 +72,24 @@ pub(crate) fn checked_by_executions(
     if threshold.identical {
         return Ok(threshold);
     }
-    let Some((r, c)) = runs else {
+    let Some((refs, cands)) = runs else {
         return Ok(threshold);
     };
-    if r.len() != c.len() || !r.iter().chain(&c).all(|v| v.is_finite()) {
-        return Ok(threshold);
-    }
-    let (mut sq, mut max) = (0.0f64, 0.0f64);
-    for (x, y) in r.iter().zip(&c) {
-        let d = (y - x).abs();
-        sq += d * d;
-        max = max.max(d);
+    let (mut worst_sq, mut worst_max) = (0.0f64, 0.0f64);
+    for r in &refs {
+        for c in &cands {
+            if r.len() != c.len() || !r.iter().chain(c).all(|v| v.is_finite()) {
+                return Ok(threshold);
+            }
+            let (mut sq, mut max) = (0.0f64, 0.0f64);
+            for (x, y) in r.iter().zip(c) {
+                let d = (y - x).abs();
+                sq += d * d;
+                max = max.max(d);
+            }
+            worst_sq = worst_sq.max(sq);
+            worst_max = worst_max.max(max);
+        }
     }
     let check_delta = delta.min(MODEL_CHECK_DELTA);
     let check = if check_delta == delta {
@@ -62,7 +97,7 @@ pub(crate) fn checked_by_executions(
     } else {
         build(Confidence::Probabilistic { delta: check_delta })?
     };
-    if sq.sqrt() > check.abs_frobenius || max > check.per_element {
+    if worst_sq.sqrt() > check.abs_frobenius || worst_max > check.per_element {
         build(Confidence::Guaranteed)
     } else {
         Ok(threshold)
@@ -94,7 +129,7 @@ mod tests {
             })
         };
         let p = Confidence::Probabilistic { delta: 1e-6 };
-        let run = |d: Vec<f64>| move || Some((vec![0.0; d.len()], d.clone()));
+        let run = |d: Vec<f64>| move || Some((vec![vec![0.0; d.len()]], vec![d.clone()]));
         // ‖D‖ = 1.1 within 1.138 (δ = 10⁻⁶), each |Dᵢ| within 0.9.
         let t = checked_by_executions(p, &build, &run(vec![0.8, 0.75])).unwrap();
         assert_eq!(t.confidence, p);
@@ -119,13 +154,17 @@ mod tests {
         );
         let t = checked_by_executions(p, &build, &run(vec![f64::NAN, 5.0])).unwrap();
         assert_eq!(t.confidence, p);
+        // A family's members: every pair is held against the model, the worst decides.
+        let members = || Some((vec![vec![0.0; 2]], vec![vec![0.8, 0.75], vec![0.95, 0.1]]));
+        let t = checked_by_executions(p, &build, &members).unwrap();
+        assert_eq!(t.confidence, Confidence::Guaranteed);
         // A guaranteed request is never checked.
         let t = checked_by_executions(Confidence::Guaranteed, &build, &run(vec![50.0])).unwrap();
         assert_eq!(t.abs_frobenius, 10.0);
     }
 
-    /// Every op's executions run, for both sides, as the engine's public entry points run
-    /// them (so that no check is skipped silently), and none for a family of orders.
+    /// Every op's executions run, for both sides and every member of a family, as the
+    /// engine's public entry points run them (so that no check is skipped silently).
     #[test]
     fn every_op_runs_its_declared_executions() {
         use crate::bounds::{Elementwise, NormData, NormOp, NormSide, OpSide};
@@ -140,35 +179,49 @@ mod tests {
         };
         let r: Policy = "in=bf16,acc=f32,out=bf16".parse().unwrap();
         let c = r.clone().with_order(Order::pairwise(4));
-        let family = r
-            .clone()
-            .with_order(Order::AnyOf(vec![Order::Sequential, Order::pairwise(4)]));
-        let vals = |y: Tensor| y.into_values();
+        let members = [Order::blocked(4), Order::pairwise(2), Order::pairwise(8)];
+        let family = r.clone().with_order(Order::AnyOf(members.to_vec()));
+        let each: Vec<Policy> = members
+            .iter()
+            .map(|o| r.clone().with_order(o.clone()))
+            .collect();
+        // What `executions` must give: the reference's one output, the candidate's per member
+        // (no member is the reference's sequential order: the closures below tell the sides
+        // apart by policy).
+        let expect = |run: &dyn Fn(&Policy) -> Tensor, cand: &[Policy]| -> Option<Executions> {
+            Some((
+                vec![run(&r).into_values()],
+                cand.iter().map(|p| run(p).into_values()).collect(),
+            ))
+        };
         let x = t(&[3, 16], 1);
         let online = AttentionImpl::Online { block: 4 };
         let std_ = AttentionImpl::Standard;
-        assert_eq!(
-            crate::bounds::softmax::executions(&x, (&r, std_), (&c, online)),
-            Some((
-                vals(engine::softmax(&x, &r).unwrap()),
-                vals(engine::online_softmax(&x, 4, &c).unwrap())
-            ))
-        );
+        use crate::bounds::softmax::executions as softmax_runs;
         // The standard form on both sides (numerators computed once where alike, and apart
-        // for an accumulator of its own).
+        // for an accumulator of its own), and the online form.
         let bf = Policy::new(Format::BF16, Format::BF16, Format::F32);
-        for other in [&c, &bf] {
+        let soft = |p: &Policy| engine::softmax(&x, p).unwrap();
+        for cand in [vec![c.clone()], vec![bf.clone()]] {
             assert_eq!(
-                crate::bounds::softmax::executions(&x, (&r, std_), (other, std_)),
-                Some((
-                    vals(engine::softmax(&x, &r).unwrap()),
-                    vals(engine::softmax(&x, other).unwrap())
-                ))
+                softmax_runs(&x, (&r, std_), (&cand[0], std_)),
+                expect(&soft, &cand)
             );
         }
         assert_eq!(
-            crate::bounds::softmax::executions(&x, (&r, std_), (&family, std_)),
-            None
+            softmax_runs(&x, (&r, std_), (&family, std_)),
+            expect(&soft, &each)
+        );
+        let on = |p: &Policy| {
+            if p == &r {
+                soft(p)
+            } else {
+                engine::online_softmax(&x, 4, p).unwrap()
+            }
+        };
+        assert_eq!(
+            softmax_runs(&x, (&r, std_), (&family, online)),
+            expect(&on, &each)
         );
         let (w, b) = (t(&[16], 2), t(&[16], 3));
         let data = NormData {
@@ -182,56 +235,28 @@ mod tests {
             NormOp::LayerNorm(Variance::TwoPass),
             NormOp::LayerNorm(Variance::Welford),
         );
-        assert_eq!(
-            crate::bounds::norm::executions(&data, side(two, &r), side(welford, &c)),
-            Some((
-                vals(
-                    engine::layer_norm(&x, &w, &b, 1e-5, Variance::TwoPass, &r)
-                        .unwrap()
-                        .0
-                ),
-                vals(
-                    engine::layer_norm(&x, &w, &b, 1e-5, Variance::Welford, &c)
-                        .unwrap()
-                        .0
-                )
-            ))
-        );
+        let ln = |p: &Policy| {
+            let v = if p == &r {
+                Variance::TwoPass
+            } else {
+                Variance::Welford
+            };
+            engine::layer_norm(&x, &w, &b, 1e-5, v, p).unwrap().0
+        };
+        let runs = crate::bounds::norm::executions(&data, side(two, &r), side(welford, &family));
+        assert_eq!(runs, expect(&ln, &each));
         let rms = NormData { bias: None, ..data };
-        assert_eq!(
-            crate::bounds::norm::executions(
-                &rms,
-                side(NormOp::RmsNorm, &r),
-                side(NormOp::RmsNorm, &c)
-            ),
-            Some((
-                vals(engine::rms_norm(&x, &w, 1e-5, &r).unwrap().0),
-                vals(engine::rms_norm(&x, &w, 1e-5, &c).unwrap().0)
-            ))
-        );
-        assert_eq!(
-            crate::bounds::norm::executions(&data, side(two, &r), side(two, &family)),
-            None
-        );
+        let rn = |p: &Policy| engine::rms_norm(&x, &w, 1e-5, p).unwrap().0;
+        let (rr, rc) = (side(NormOp::RmsNorm, &r), side(NormOp::RmsNorm, &c));
+        let runs = crate::bounds::norm::executions(&rms, rr, rc);
+        assert_eq!(runs, expect(&rn, std::slice::from_ref(&c)));
         let targets = [3, 0, 15];
-        assert_eq!(
-            crate::bounds::cross_entropy::executions(&x, &targets, &r, &c),
-            Some((
-                vals(engine::cross_entropy(&x, &targets, &r).unwrap()),
-                vals(engine::cross_entropy(&x, &targets, &c).unwrap())
-            ))
-        );
-        assert_eq!(
-            crate::bounds::cross_entropy::grad::executions(&x, &targets, 0.5, (&r, &c)),
-            Some((
-                vals(engine::cross_entropy_backward(&x, &targets, 0.5, &r).unwrap()),
-                vals(engine::cross_entropy_backward(&x, &targets, 0.5, &c).unwrap())
-            ))
-        );
-        assert_eq!(
-            crate::bounds::cross_entropy::executions(&x, &targets, &family, &c),
-            None
-        );
+        let ce = |p: &Policy| engine::cross_entropy(&x, &targets, p).unwrap();
+        let runs = crate::bounds::cross_entropy::executions(&x, &targets, &r, &family);
+        assert_eq!(runs, expect(&ce, &each));
+        let ceg = |p: &Policy| engine::cross_entropy_backward(&x, &targets, 0.5, p).unwrap();
+        let runs = crate::bounds::cross_entropy::grad::executions(&x, &targets, 0.5, (&r, &family));
+        assert_eq!(runs, expect(&ceg, &each));
         // Attention: Q, K, V [6, 4], packed per token as [1, 6, 12] for the engine.
         let (q, k, v) = (t(&[6, 4], 4), t(&[6, 4], 5), t(&[6, 4], 6));
         let mut qkv = vec![];
@@ -241,52 +266,37 @@ mod tests {
             }
         }
         let qkv = Tensor::from_vec(&[1, 6, 12], qkv, Format::BF16).unwrap();
-        let (sr, mut sc) = (OpSide::new(r.clone()), OpSide::new(c.clone()));
+        let (sr, mut sc) = (OpSide::new(r.clone()), OpSide::new(family.clone()));
         sc.form = online;
-        assert_eq!(
-            crate::bounds::attention::executions((&q, &k, &v), true, &sr, &sc),
-            Some((
-                vals(engine::attention(&qkv, 1, true, std_, &r).unwrap().0),
-                vals(engine::attention(&qkv, 1, true, online, &c).unwrap().0)
-            ))
-        );
-        // Cross-attention (other key count) is not what the engine runs.
+        let att = |p: &Policy| {
+            let form = if p == &r { std_ } else { online };
+            engine::attention(&qkv, 1, true, form, p).unwrap().0
+        };
+        let runs = crate::bounds::attention::executions((&q, &k, &v), true, &sr, &sc);
+        assert_eq!(runs, expect(&att, &each));
+        // Cross-attention (another key count) is not what the engine runs.
         let k2 = t(&[5, 4], 5);
-        assert_eq!(
-            crate::bounds::attention::executions((&q, &k2, &k2), true, &sr, &sc),
-            None
-        );
-        let cf = Policy::new(Format::BF16, Format::BF16, Format::BF16);
+        let runs = crate::bounds::attention::executions((&q, &k2, &k2), true, &sr, &sc);
+        assert_eq!(runs, None);
+        use crate::bounds::elementwise::executions as elementwise_runs;
+        let cf = vec![Policy::new(Format::BF16, Format::BF16, Format::BF16)];
+        let gelu = |p: &Policy| engine::gelu(&x, p).unwrap();
+        let silu = |p: &Policy| engine::silu(&x, p).unwrap();
         for (op, run) in [
-            (
-                Elementwise::Gelu,
-                engine::gelu as fn(&Tensor, &Policy) -> crate::Result<Tensor>,
-            ),
-            (Elementwise::Silu, engine::silu),
+            (Elementwise::Gelu, &gelu as &dyn Fn(&Policy) -> Tensor),
+            (Elementwise::Silu, &silu),
         ] {
-            assert_eq!(
-                crate::bounds::elementwise::executions(op, &x, None, &r, &cf),
-                Some((vals(run(&x, &r).unwrap()), vals(run(&x, &cf).unwrap())))
-            );
+            assert_eq!(elementwise_runs(op, &x, None, &r, &cf[0]), expect(run, &cf));
         }
         let y = t(&[3, 16], 7);
+        let add = |p: &Policy| engine::add(&x, &y, p).unwrap();
+        let runs = elementwise_runs(Elementwise::Add, &x, Some(&y), &r, &cf[0]);
+        assert_eq!(runs, expect(&add, &cf));
+        let scale = |p: &Policy| engine::scale(&x, 0.3, p).unwrap();
+        let runs = elementwise_runs(Elementwise::Scale { c: 0.3 }, &x, None, &r, &cf[0]);
+        assert_eq!(runs, expect(&scale, &cf));
         assert_eq!(
-            crate::bounds::elementwise::executions(Elementwise::Add, &x, Some(&y), &r, &cf),
-            Some((
-                vals(engine::add(&x, &y, &r).unwrap()),
-                vals(engine::add(&x, &y, &cf).unwrap())
-            ))
-        );
-        let s = Elementwise::Scale { c: 0.3 };
-        assert_eq!(
-            crate::bounds::elementwise::executions(s, &x, None, &r, &cf),
-            Some((
-                vals(engine::scale(&x, 0.3, &r).unwrap()),
-                vals(engine::scale(&x, 0.3, &cf).unwrap())
-            ))
-        );
-        assert_eq!(
-            crate::bounds::elementwise::executions(Elementwise::Exp, &x, None, &r, &cf),
+            elementwise_runs(Elementwise::Exp, &x, None, &r, &cf[0]),
             None
         );
     }

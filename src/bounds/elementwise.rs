@@ -17,7 +17,7 @@
 //!   carried to the output, to first order, so thresholds compose along a network:
 //!   ‖Δout‖ ≤ introduced + gain·‖Δin‖ (papers/bounds-elementwise.md).
 
-use crate::bounds::checked::checked_by_executions;
+use crate::bounds::checked::{checked_by_executions, each_member, Executions};
 use serde::Serialize;
 
 use crate::bounds::compare::{grouped_threshold, Confidence, ElementDiff, Threshold};
@@ -114,8 +114,8 @@ pub(crate) fn executions(
     y: Option<&Tensor>,
     reference: &Policy,
     candidate: &Policy,
-) -> Option<(Vec<f64>, Vec<f64>)> {
-    let one = |p: &Policy| -> Option<Vec<f64>> {
+) -> Option<Executions> {
+    each_member((reference, candidate), |_, p| {
         let out = match (op, y) {
             (Elementwise::Add, Some(y)) => crate::engine::add(x, y, p),
             (Elementwise::Scale { c }, _) => crate::engine::scale(x, c, p),
@@ -125,8 +125,7 @@ pub(crate) fn executions(
             _ => return None,
         };
         out.ok().map(Tensor::into_values)
-    };
-    Some((one(reference)?, one(candidate)?))
+    })
 }
 
 /// [`elementwise_threshold`] as the model prices it (not checked by the executions).

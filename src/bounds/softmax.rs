@@ -19,7 +19,7 @@
 //! Guaranteed: |ρ| ≤ max|n| + max|σ| + O(u²) with |n| ≤ u·(|d| + 1) (+ the online factor
 //! terms) and |σ| ≤ G_S/S + Σ pⱼ|nⱼ|, inflated by 1/(1 − |σ|).
 
-use crate::bounds::checked::checked_by_executions;
+use crate::bounds::checked::{checked_by_executions, each_member, member_policies, Executions};
 use crate::bounds::compare::{row_classes, Confidence, ElementDiff, Threshold, ThresholdSums};
 use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide};
 use crate::bounds::ops::round_sides;
@@ -304,33 +304,32 @@ pub fn softmax_threshold(
     })
 }
 
-/// Both sides' softmax as the engine executes them, `None` where it cannot (a family of
-/// orders, an engine error).
+/// Both sides' softmax as the engine executes them (for every member of a family), `None`
+/// where it cannot (an engine error).
 pub(crate) fn executions(
     x: &Tensor,
     (reference, ref_impl): (&Policy, AttentionImpl),
     (candidate, cand_impl): (&Policy, AttentionImpl),
-) -> Option<(Vec<f64>, Vec<f64>)> {
-    let one = |p: &Policy, imp: AttentionImpl| -> Option<Vec<f64>> {
-        if p.accumulation.order.has_family() {
-            return None;
-        }
-        let y = match imp {
+) -> Option<Executions> {
+    if (ref_impl, cand_impl) == (AttentionImpl::Standard, AttentionImpl::Standard) {
+        // The standard form on both sides: their numerators computed once where alike.
+        let (rs, cs) = (member_policies(reference), member_policies(candidate));
+        let all: Vec<&Policy> = rs.iter().chain(&cs).collect();
+        let mut y: Vec<Vec<f64>> = crate::engine::nn::softmax_each(x, &all)
+            .ok()?
+            .into_iter()
+            .map(Tensor::into_values)
+            .collect();
+        let c = y.split_off(rs.len());
+        return Some((y, c));
+    }
+    each_member((reference, candidate), |cand, p| {
+        let y = match if cand { cand_impl } else { ref_impl } {
             AttentionImpl::Standard => crate::engine::softmax(x, p),
             AttentionImpl::Online { block } => crate::engine::online_softmax(x, block, p),
         };
         y.ok().map(Tensor::into_values)
-    };
-    if (ref_impl, cand_impl) == (AttentionImpl::Standard, AttentionImpl::Standard) {
-        // The standard form on both sides: their numerators computed once where alike.
-        if reference.accumulation.order.has_family() || candidate.accumulation.order.has_family() {
-            return None;
-        }
-        let mut y = crate::engine::nn::softmax_each(x, &[reference, candidate]).ok()?;
-        let c = y.pop()?.into_values();
-        return Some((y.pop()?.into_values(), c));
-    }
-    Some((one(reference, ref_impl)?, one(candidate, cand_impl)?))
+    })
 }
 
 /// [`softmax_threshold`] as the model prices it (not checked by the executions).

@@ -232,6 +232,44 @@ impl Order {
         }
     }
 
+    /// The orders this one may run: itself when it holds no family, else one order per
+    /// member — a family's members, and for a split-K over a family the split-K over each
+    /// member. A threshold for a family holds whichever member runs.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use ttrace::{Format, Order};
+    /// let split: Order = "splitk:4:f32:tree:inner=any(sequential|pairwise:8)".parse()?;
+    /// let members = split.members();
+    /// assert_eq!(members.len(), 2);
+    /// assert_eq!(members[1], "splitk:4:f32:tree:inner=pairwise:8".parse()?);
+    /// assert_eq!(Order::Sequential.members(), vec![Order::Sequential]);
+    /// assert_eq!(Order::unknown_kernel(Format::F32).members().len(), 9);
+    /// # Ok::<(), ttrace::Error>(())
+    /// ```
+    pub fn members(&self) -> Vec<Order> {
+        match self {
+            Order::AnyOf(m) => m.iter().flat_map(Order::members).collect(),
+            Order::SplitK {
+                parts,
+                inner,
+                partial,
+                combine,
+            } if inner.has_family() => inner
+                .members()
+                .into_iter()
+                .map(|m| Order::SplitK {
+                    parts: *parts,
+                    inner: Box::new(m),
+                    partial: *partial,
+                    combine: *combine,
+                })
+                .collect(),
+            _ => vec![self.clone()],
+        }
+    }
+
     /// Whether a family of orders ([`Order::AnyOf`]) occurs anywhere in this order.
     pub fn has_family(&self) -> bool {
         match self {

@@ -84,7 +84,8 @@ fn ratio(d: f64, t: f64) -> f64 {
 }
 
 /// The calls of one input, `None` when a side fails or a threshold refuses (an overflow, a
-/// bound that does not exist: refusals are the zoo's business).
+/// bound that does not exist: refusals are the zoo's business). For a side whose order is a
+/// family, the difference is the largest over the pairs of members the sides may run.
 pub fn calls(op: Op, pair: &Pair, x: &Tensor, b: &Tensor) -> Option<Calls> {
     let (op_r, op_c) = match op {
         Op::Softmax(_) | Op::LayerNorm(_) | Op::RmsNorm | Op::Attention(_) => {
@@ -92,9 +93,16 @@ pub fn calls(op: Op, pair: &Pair, x: &Tensor, b: &Tensor) -> Option<Calls> {
         }
         _ => (op, op),
     };
-    let r = execute(op_r, x, b, &pair.reference).ok()?;
-    let c = execute(op_c, x, b, &pair.candidate).ok()?;
-    if !r.iter().chain(&c).all(|v| v.is_finite()) {
+    // Every order a side may run (each member of a family): the thresholds hold for any.
+    let runs = |op: Op, p: &ttrace::Policy| -> Option<Vec<Vec<f64>>> {
+        let members = p.accumulation.order.members();
+        members
+            .into_iter()
+            .map(|o| execute(op, x, b, &p.clone().with_order(o)).ok())
+            .collect()
+    };
+    let (rs, cs) = (runs(op_r, &pair.reference)?, runs(op_c, &pair.candidate)?);
+    if !rs.iter().chain(&cs).flatten().all(|v| v.is_finite()) {
         return None;
     }
     let g = threshold(op_r, op_c, x, b, pair, Confidence::Guaranteed).ok()?;
@@ -107,17 +115,18 @@ pub fn calls(op: Op, pair: &Pair, x: &Tensor, b: &Tensor) -> Option<Calls> {
         Confidence::Probabilistic { delta: 1e-6 },
     )
     .ok()?;
-    let d = r
-        .iter()
-        .zip(&c)
-        .map(|(a, b)| (a - b) * (a - b))
-        .sum::<f64>()
-        .sqrt();
-    let dmax = r
-        .iter()
-        .zip(&c)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f64::max);
+    let (mut d, mut dmax) = (0.0f64, 0.0f64);
+    for r in &rs {
+        for c in &cs {
+            let sq = r.iter().zip(c).map(|(a, b)| (a - b) * (a - b)).sum::<f64>();
+            d = d.max(sq.sqrt());
+            dmax = r
+                .iter()
+                .zip(c)
+                .map(|(a, b)| (a - b).abs())
+                .fold(dmax, f64::max);
+        }
+    }
     Some(Calls {
         norm_g: ratio(d, g.abs_frobenius),
         norm_p: ratio(d, p.abs_frobenius),

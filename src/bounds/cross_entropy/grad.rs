@@ -10,8 +10,7 @@
 //! of nearly equal values (the argument, exp, the one-hot subtraction unless exact, the scaling
 //! unless by a power of two, the output).
 
-use super::executable;
-use crate::bounds::checked::checked_by_executions;
+use crate::bounds::checked::{checked_by_executions, each_member, Executions};
 use crate::bounds::compare::{Confidence, ElementDiff, Threshold, ThresholdSums};
 use crate::bounds::cross_entropy::{lse_rows, round_pair, LseRows};
 use crate::bounds::ops::{check_output, round_sides};
@@ -67,21 +66,18 @@ pub fn cross_entropy_grad_threshold(
     })
 }
 
-/// Both sides' gradient as the engine executes it, `None` where it cannot (a family of
-/// orders, an engine error).
+/// Both sides' gradient as the engine executes it (for every member of a family), `None`
+/// where it cannot (an engine error).
 pub(crate) fn executions(
     logits: &Tensor,
     targets: &[usize],
     dloss: f64,
     (reference, candidate): (&Policy, &Policy),
-) -> Option<(Vec<f64>, Vec<f64>)> {
-    let one = |p: &Policy| {
-        executable(p).then(|| crate::engine::cross_entropy_backward(logits, targets, dloss, p))
-    };
-    Some((
-        one(reference)?.ok()?.into_values(),
-        one(candidate)?.ok()?.into_values(),
-    ))
+) -> Option<Executions> {
+    each_member((reference, candidate), |_, p| {
+        let y = crate::engine::cross_entropy_backward(logits, targets, dloss, p);
+        y.ok().map(Tensor::into_values)
+    })
 }
 
 /// [`cross_entropy_grad_threshold`] as the model prices it (not checked by the executions).

@@ -24,7 +24,7 @@
 //!   lie within the rows' guaranteed bounds of the reference's), the division by the row count
 //!   (exact for a power of two) and each side's output rounding.
 
-use crate::bounds::checked::checked_by_executions;
+use crate::bounds::checked::{checked_by_executions, each_member, Executions};
 use crate::bounds::compare::{row_classes, Confidence, ElementDiff, Threshold, ThresholdSums};
 use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
 use crate::bounds::ops::{check_output, round_sides};
@@ -103,25 +103,18 @@ pub fn cross_entropy_threshold(
     })
 }
 
-/// Both sides' loss as the engine executes it, `None` where it cannot (a family of orders, an
-/// engine error).
+/// Both sides' loss as the engine executes it (for every member of a family), `None` where it
+/// cannot (an engine error).
 pub(crate) fn executions(
     logits: &Tensor,
     targets: &[usize],
     reference: &Policy,
     candidate: &Policy,
-) -> Option<(Vec<f64>, Vec<f64>)> {
-    let one = |p: &Policy| executable(p).then(|| crate::engine::cross_entropy(logits, targets, p));
-    Some((
-        one(reference)?.ok()?.into_values(),
-        one(candidate)?.ok()?.into_values(),
-    ))
-}
-
-/// Whether the engine executes a side's arithmetic as one order (not a family), so that
-/// [`checked_by_executions`] can test the model with it.
-pub(crate) fn executable(p: &Policy) -> bool {
-    !p.accumulation.order.has_family()
+) -> Option<Executions> {
+    each_member((reference, candidate), |_, p| {
+        let y = crate::engine::cross_entropy(logits, targets, p);
+        y.ok().map(Tensor::into_values)
+    })
 }
 
 /// [`cross_entropy_threshold`] as the model prices it (not checked by the executions).

@@ -17,7 +17,7 @@
 //! the dᵢ roundings (independent unless the two sides share μ̂) and the trailing roundings of
 //! nearly equal values.
 
-use crate::bounds::checked::checked_by_executions;
+use crate::bounds::checked::{checked_by_executions, each_member, Executions};
 use crate::bounds::compare::{grouped_threshold, row_classes, Confidence, ElementDiff, Threshold};
 use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
 use crate::bounds::ops::round_sides;
@@ -120,27 +120,24 @@ pub fn norm_threshold(
     })
 }
 
-/// Both sides' normalization as the engine executes them, `None` where it cannot (a family of
-/// orders, an engine error).
+/// Both sides' normalization as the engine executes them (for every member of a family),
+/// `None` where it cannot (an engine error).
 pub(crate) fn executions(
     data: &NormData<'_>,
     reference: NormSide<'_>,
     candidate: NormSide<'_>,
-) -> Option<(Vec<f64>, Vec<f64>)> {
-    let one = |side: NormSide<'_>| -> Option<Vec<f64>> {
-        if side.policy.accumulation.order.has_family() {
-            return None;
-        }
-        let variance = match side.op {
+) -> Option<Executions> {
+    each_member((reference.policy, candidate.policy), |cand, p| {
+        let op = if cand { candidate.op } else { reference.op };
+        let variance = match op {
             NormOp::LayerNorm(v) => Some(v),
             NormOp::RmsNorm => None,
         };
         let (x, w, b, eps) = (data.x, data.weight, data.bias, data.eps);
-        crate::engine::nn::norm_forward(x, w, b, eps, variance, side.policy)
+        crate::engine::nn::norm_forward(x, w, b, eps, variance, p)
             .ok()
             .map(|(y, _)| y.into_values())
-    };
-    Some((one(reference)?, one(candidate)?))
+    })
 }
 
 /// [`norm_threshold`] as the model prices it (not checked by the executions).

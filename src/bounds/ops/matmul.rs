@@ -317,15 +317,12 @@ pub fn matmul_threshold_priced(
     if identical {
         return Ok(Threshold::identical(confidence, norm, m * n));
     }
-    let executable =
-        !reference.accumulation.order.has_family() && !candidate.accumulation.order.has_family();
-    let run = || -> Option<(Vec<f64>, Vec<f64>)> {
-        if !executable {
-            return None;
-        }
+    let run = || {
         let w = crate::engine::transpose(b, "b").ok()?;
-        let one = |p: &Policy| crate::engine::linear(a, &w, bias, p).ok();
-        Some((one(reference)?.into_values(), one(candidate)?.into_values()))
+        each_member((reference, candidate), |_, p| {
+            let y = crate::engine::linear(a, &w, bias, p);
+            y.ok().map(Tensor::into_values)
+        })
     };
     checked_by_executions(
         confidence,

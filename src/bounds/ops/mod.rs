@@ -51,5 +51,5 @@ fn scaled(e: ReductionError, f: f64) -> ReductionError {
 /// the walk about ten hours.
 pub const WALK_BUDGET: u128 = 1 << 25;
 
-use crate::bounds::checked::checked_by_executions;
 pub use crate::bounds::checked::MODEL_CHECK_DELTA;
+use crate::bounds::checked::{checked_by_executions, each_member};

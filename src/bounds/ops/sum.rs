@@ -232,11 +232,7 @@ pub fn sum_threshold_priced(
         }
         sums.threshold(norm)
     };
-    let executable = !accr.order.has_family() && !accc.order.has_family();
-    let run = || -> Option<(Vec<f64>, Vec<f64>)> {
-        if !executable {
-            return None;
-        }
+    let run = || {
         let side = |p: &Policy, acc: &Accumulation, x: &Tensor| -> Option<Vec<f64>> {
             let ov = acc.overflow;
             x.values()
@@ -252,7 +248,12 @@ pub fn sum_threshold_priced(
                 })
                 .collect()
         };
-        Some((side(reference, &accr, &xr)?, side(candidate, &accc, &xc)?))
+        each_member((reference, candidate), |cand, p| {
+            let (acc, x) = if cand { (&accc, &xc) } else { (&accr, &xr) };
+            let mut acc = acc.clone();
+            acc.order = p.accumulation.order.clone();
+            side(p, &acc, x)
+        })
     };
     checked_by_executions(confidence, &|conf| Ok(build(conf)), &run)
 }

@@ -300,24 +300,5 @@ pub(crate) fn merge_family(stats: &[ReductionError]) -> ReductionError {
 /// A split-K whose inner order is a family, as the family of split-Ks (see
 /// [`family_error`]); `None` when the order holds no nested family.
 pub(crate) fn lift_family(order: &Order) -> Option<Vec<Order>> {
-    match order {
-        Order::AnyOf(m) => Some(m.clone()),
-        Order::SplitK {
-            parts,
-            inner,
-            partial,
-            combine,
-        } => lift_family(inner).map(|members| {
-            members
-                .into_iter()
-                .map(|m| Order::SplitK {
-                    parts: *parts,
-                    inner: Box::new(m),
-                    partial: *partial,
-                    combine: *combine,
-                })
-                .collect()
-        }),
-        _ => None,
-    }
+    order.has_family().then(|| order.members())
 }
