@@ -10,9 +10,10 @@ a policy text, the grammar of the ``ttrace`` CLI and of the Rust ``Policy``::
 
 A *probabilistic* threshold (the default, failure probability ``delta`` = 1e-6 under the
 random-rounding model) is far tighter than the *guaranteed* one (``guaranteed=True``), which
-holds for every input and every rounding. A probabilistic matmul, linear or sum threshold is
-checked against the two declared executions: where their difference contradicts the model
-(at delta = 1e-3), the guaranteed threshold is returned and its ``delta`` is ``None``.
+holds for every input and every rounding. Every probabilistic threshold is checked against
+the two declared executions, which ttrace's engine runs (for an order that is a family, such
+as ``order=any``, every member): where their difference contradicts the model (at
+delta = 1e-3), the guaranteed threshold is returned and its ``delta`` is ``None``.
 Derivations: ``papers/`` in the repository.
 """
 
