@@ -295,9 +295,8 @@ mod tests {
         let scale = |p: &Policy| engine::scale(&x, 0.3, p).unwrap();
         let runs = elementwise_runs(Elementwise::Scale { c: 0.3 }, &x, None, &r, &cf[0]);
         assert_eq!(runs, expect(&scale, &cf));
-        assert_eq!(
-            elementwise_runs(Elementwise::Exp, &x, None, &r, &cf[0]),
-            None
-        );
+        let exp = |p: &Policy| engine::exp(&x, p).unwrap();
+        let runs = elementwise_runs(Elementwise::Exp, &x, None, &r, &cf[0]);
+        assert_eq!(runs, expect(&exp, &cf));
     }
 }

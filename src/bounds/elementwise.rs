@@ -106,8 +106,8 @@ pub fn elementwise_threshold(
     })
 }
 
-/// Both sides' results as the engine executes them, `None` where it cannot (exp, which the
-/// engine computes only inside softmax; an engine error).
+/// Both sides' results as the engine executes them (for every member of a family), `None`
+/// where it cannot (an engine error).
 pub(crate) fn executions(
     op: Elementwise,
     x: &Tensor,
@@ -121,8 +121,9 @@ pub(crate) fn executions(
             (Elementwise::Scale { c }, _) => crate::engine::scale(x, c, p),
             (Elementwise::Gelu, _) => crate::engine::gelu(x, p),
             (Elementwise::Silu, _) => crate::engine::silu(x, p),
-            // The engine has no exp of its own (it is a part of softmax there).
-            _ => return None,
+            (Elementwise::Exp, _) => crate::engine::exp(x, p),
+            // Add without its second operand (refused by the model before this runs).
+            (Elementwise::Add, None) => return None,
         };
         out.ok().map(Tensor::into_values)
     })

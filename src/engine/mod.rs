@@ -21,9 +21,9 @@ pub use matmul::{
 };
 pub use model::{Activation, Gpt, GptConfig, Module, ModuleGrads, NormKind, StepHook, StepResult};
 pub use nn::{
-    add, cross_entropy, cross_entropy_backward, embedding, embedding_backward, gelu, gelu_backward,
-    layer_norm, norm_backward, online_softmax, rms_norm, scale, silu, silu_backward, softmax,
-    softmax_backward, NormSaved,
+    add, cross_entropy, cross_entropy_backward, embedding, embedding_backward, exp, gelu,
+    gelu_backward, layer_norm, norm_backward, online_softmax, rms_norm, scale, silu, silu_backward,
+    softmax, softmax_backward, NormSaved,
 };
 // The arithmetic vocabulary lives beside `format` and `order` (the bounds price it without the
 // engine); its op-level parts are published here, with the ops that use them.

@@ -123,6 +123,29 @@ pub fn gelu_backward(x: &Tensor, dy: &Tensor, policy: &Policy) -> Result<Tensor>
     )
 }
 
+/// exp(x) elementwise, evaluated in `f64` and rounded once: ro(ra(exp(x))) (the op the
+/// elementwise threshold prices as `exp`; softmax computes its numerators in its own way).
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::engine::exp;
+/// use ttrace::{Format, Policy, Tensor};
+/// let x = Tensor::from_vec(&[3], vec![0.0, 1.0, -2.0], Format::BF16)?;
+/// let p: Policy = "in=bf16,acc=f32,out=bf16".parse()?;
+/// let y = exp(&x, &p)?;
+/// assert_eq!(y.values()[0], 1.0);
+/// assert_eq!(y.values()[1], 2.71875); // e rounded to BF16
+/// # Ok::<(), ttrace::Error>(())
+/// ```
+///
+/// # Errors
+///
+/// [`Error::InvalidParameter`](crate::Error::InvalidParameter) for an invalid policy.
+pub fn exp(x: &Tensor, policy: &Policy) -> Result<Tensor> {
+    map_unary(x, policy, |ar, v| ar.ra(v.exp()))
+}
+
 /// SiLU, x·σ(x), evaluated in `f64` and rounded once: ro(ra(silu(x))).
 pub fn silu(x: &Tensor, policy: &Policy) -> Result<Tensor> {
     map_unary(x, policy, |ar, v| ar.ra(v / (1.0 + (-v).exp())))
