@@ -28,6 +28,7 @@ use crate::order::{
     for_each_rounding, value_exponent, Accumulation, Operand, Order, Products, RoundingSite,
 };
 
+mod representable;
 mod tensorcore;
 mod walk;
 pub(crate) use tensorcore::lift_family;
@@ -221,6 +222,19 @@ fn reduction_error_walk(
     acc: &Accumulation,
     is_dot: bool,
 ) -> Result<ReductionError> {
+    reduction_error_walk_with(terms, exps, radii, acc, is_dot, true)
+}
+
+/// [`reduction_error_walk`], with `shortcut` whether an all-exact reduction is recognized
+/// without the walk (`representable`; off only to test that it gives the walk's result).
+fn reduction_error_walk_with(
+    terms: &[f64],
+    exps: Option<&[Option<i32>]>,
+    radii: &[f64],
+    acc: &Accumulation,
+    is_dot: bool,
+    shortcut: bool,
+) -> Result<ReductionError> {
     acc.validate()?;
     if let Some(members) = lift_family(&acc.order) {
         return family_error(terms, exps, acc, is_dot, &members);
@@ -302,6 +316,22 @@ fn reduction_error_walk(
         abs_sum += t.abs();
         prefix.push((hi, lo));
     }
+    let lr = !input.is_subset_of(acc.accumulator);
+    if shortcut && radii.is_empty() {
+        if let Some((underflow, sites)) =
+            representable::exact_sites(terms, &prefix, &acc.order, acc.accumulator, lr)
+        {
+            // Every rounding exact: the walk's result without the walk (no determined error
+            // but the products' own, no variance, no tie).
+            let guaranteed = guaranteed_bound(terms, radii, &accumulate, underflow, product_error)?;
+            return Ok(ReductionError {
+                guaranteed,
+                mean: product_error,
+                variance: 0.0,
+                tie_bound: ((sites + 2.0) * f64::EPSILON * product_error.abs()).min(guaranteed),
+            });
+        }
+    }
     let mut walk = Walk {
         terms,
         prefix,
@@ -334,7 +364,6 @@ fn reduction_error_walk(
         },
         site_radius: 0.0,
     };
-    let lr = !input.is_subset_of(acc.accumulator);
     for_each_rounding(&acc.order, n, acc.accumulator, lr, &mut |s| walk.site(s));
     for (count, var) in walk.repeats.values() {
         walk.variance += count * count * var;
@@ -342,19 +371,7 @@ fn reduction_error_walk(
     if let Some((f, magnitude)) = walk.overflows {
         return Err(overflow_error(f, magnitude, "a partial sum"));
     }
-    // Guaranteed: Higham's per-term bound from the accumulation depths, the underflow terms
-    // (carried through later roundings by at most the growth factor), and the products' exact
-    // rounding error.
-    let depths = accumulate.sum_depths(n)?;
-    let mut growth: f64 = 0.0;
-    let mut higham = 0.0;
-    for (i, (t, d)) in terms.iter().zip(&depths).enumerate() {
-        let g = d.relative_error_bound();
-        higham += (t.abs() + radii.get(i).copied().unwrap_or(0.0)) * g;
-        growth = growth.max(g);
-    }
-    let guaranteed =
-        ((higham + walk.underflow) * (1.0 + growth) + product_error.abs()) * (1.0 + 1e-12);
+    let guaranteed = guaranteed_bound(terms, radii, &accumulate, walk.underflow, product_error)?;
     Ok(ReductionError {
         guaranteed,
         mean: walk.mean,
@@ -364,6 +381,27 @@ fn reduction_error_walk(
         tie_bound: (walk.tie_bound + (walk.sites + 2.0) * f64::EPSILON * walk.mean_abs)
             .min(guaranteed),
     })
+}
+
+/// The walk's guaranteed bound: Higham's per-term bound from the accumulation depths, the
+/// underflow terms (carried through later roundings by at most the growth factor), and the
+/// products' exact rounding error.
+fn guaranteed_bound(
+    terms: &[f64],
+    radii: &[f64],
+    accumulate: &Accumulation,
+    underflow: f64,
+    product_error: f64,
+) -> Result<f64> {
+    let depths = accumulate.sum_depths(terms.len())?;
+    let mut growth: f64 = 0.0;
+    let mut higham = 0.0;
+    for (i, (t, d)) in terms.iter().zip(&depths).enumerate() {
+        let g = d.relative_error_bound();
+        higham += (t.abs() + radii.get(i).copied().unwrap_or(0.0)) * g;
+        growth = growth.max(g);
+    }
+    Ok(((higham + underflow) * (1.0 + growth) + product_error.abs()) * (1.0 + 1e-12))
 }
 
 /// Per-term weights w and a constant c such that the guaranteed bound [`reduction_error`]
