@@ -456,6 +456,34 @@ mod tests {
         }
     }
 
+    /// B given by its columns (a tensor's rows, interleaved into panels a block at a time) is
+    /// packed as the same B given by its rows, element for element and bit for bit: values,
+    /// lowest bits and column scales, for partial blocks and step counts that are not a
+    /// multiple of the interleave's eight.
+    #[test]
+    fn columns_pack_as_their_transpose_by_rows() {
+        for (k, n, seed) in [
+            (1usize, 1usize, 1u64),
+            (9, 19, 2),
+            (1000, 16, 3),
+            (37, 40, 4),
+        ] {
+            let x = values(&[n, k], seed, 0.2, Format::BF16);
+            let xt: Vec<f64> = (0..k)
+                .flat_map(|p| (0..n).map(move |j| (p, j)))
+                .map(|(p, j)| x.values()[j * k + p])
+                .collect();
+            let ones = vec![1.0; k];
+            let w = vec![0.5; k];
+            let (c, _, ce) = pack(&ones, Right::Columns(x.values()), 1, k, n, &w).unwrap();
+            let (r, _, re) = pack(&ones, Right::Rows(&xt), 1, k, n, &w).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(ce, re, "k={k} n={n}");
+            assert_eq!(bits(&c.b), bits(&r.b), "k={k} n={n}");
+            assert_eq!(bits(&c.lb), bits(&r.lb), "k={k} n={n}");
+        }
+    }
+
     /// A sum is ones(1 × k)·xᵀ: the kernel's executions over the rows of x (B's columns stored
     /// as rows) are `order::sum`'s, bit for bit.
     #[test]

@@ -67,16 +67,25 @@ pub(super) fn pack(
     match b {
         Right::Columns(x) => {
             // Each column is a contiguous row of the tensor: scaled and its lowest bits taken
-            // in one vectorizable pass into a scratch line, then spread into its lane.
-            let (mut vals, mut bits) = (vec![0.0f32; k], vec![0.0f32; k]);
-            for (j, col) in x[..n * k].chunks_exact(k).enumerate() {
-                let (jb, l) = (j / W, j % W);
-                low[j] = scaled_line(col, scales[j], &mut vals, &mut bits);
-                let panel = jb * k * W;
-                for p in 0..k {
-                    pb[panel + p * W + l] = vals[p];
-                    lb[panel + p * W + l] = bits[p];
+            // in one vectorizable pass into a scratch line, a block of `W` columns at a time;
+            // then the block's lines are interleaved into its panel step by step, so that the
+            // panel is written in order (spreading each line into its lane wrote every step's
+            // cache line `W` times: a third of a fast-priced sum).
+            // The scratch lines are `stride` apart, not k: k a multiple of 1,024 put all `W`
+            // of them in one set of the L1 cache.
+            let stride = k + 16;
+            let (mut vals, mut bits) = (vec![0.0f32; W * stride], vec![0.0f32; W * stride]);
+            for (jb, cols) in x[..n * k].chunks(W * k).enumerate() {
+                let width = cols.len() / k;
+                for (l, col) in cols.chunks_exact(k).enumerate() {
+                    let j = jb * W + l;
+                    let line = l * stride..l * stride + k;
+                    low[j] = scaled_line(col, scales[j], &mut vals[line.clone()], &mut bits[line]);
                 }
+                let panel = &mut pb[jb * k * W..(jb + 1) * k * W];
+                let lanes = &mut lb[jb * k * W..(jb + 1) * k * W];
+                interleave(&vals, stride, width, panel);
+                interleave(&bits, stride, width, lanes);
             }
         }
         Right::Rows(x) => {
@@ -164,6 +173,40 @@ fn lowest_scaled_f32(x: f32) -> f32 {
         f32::INFINITY
     } else {
         g
+    }
+}
+
+/// The first `width` lines of `lines` (each `stride` apart) interleaved into `panel`, step
+/// by step: `panel[p·W + l]` = line l's element p (lanes past `width` left as they are).
+fn interleave(lines: &[f32], stride: usize, width: usize, panel: &mut [f32]) {
+    let k = panel.len() / W;
+    if width < W {
+        for (p, step) in panel.chunks_exact_mut(W).enumerate() {
+            for l in 0..width {
+                step[l] = lines[l * stride + p];
+            }
+        }
+        return;
+    }
+    // Eight steps of all `W` lines at a time: contiguous reads of each line, one panel
+    // block written in order.
+    let full = k - k % 8;
+    let mut block = [[0.0f32; 8]; W];
+    for p0 in (0..full).step_by(8) {
+        for (l, b) in block.iter_mut().enumerate() {
+            b.copy_from_slice(&lines[l * stride + p0..l * stride + p0 + 8]);
+        }
+        let out = &mut panel[p0 * W..(p0 + 8) * W];
+        for (q, step) in out.chunks_exact_mut(W).enumerate() {
+            for (l, v) in step.iter_mut().enumerate() {
+                *v = block[l][q];
+            }
+        }
+    }
+    for p in full..k {
+        for l in 0..W {
+            panel[p * W + l] = lines[l * stride + p];
+        }
     }
 }
 
