@@ -188,9 +188,22 @@ fn interleave(lines: &[f32], stride: usize, width: usize, panel: &mut [f32]) {
         }
         return;
     }
+    let full = k - k % 8;
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::arch::has(crate::arch::Isa::Avx2Fma) && W == 16 {
+            // SAFETY: the CPU has AVX2 (checked above); `width` is `W` here.
+            unsafe { interleave_avx2(lines, stride, full, panel) };
+            for p in full..k {
+                for l in 0..W {
+                    panel[p * W + l] = lines[l * stride + p];
+                }
+            }
+            return;
+        }
+    }
     // Eight steps of all `W` lines at a time: contiguous reads of each line, one panel
     // block written in order.
-    let full = k - k % 8;
     let mut block = [[0.0f32; 8]; W];
     for p0 in (0..full).step_by(8) {
         for (l, b) in block.iter_mut().enumerate() {
@@ -206,6 +219,62 @@ fn interleave(lines: &[f32], stride: usize, width: usize, panel: &mut [f32]) {
     for p in full..k {
         for l in 0..W {
             panel[p * W + l] = lines[l * stride + p];
+        }
+    }
+}
+
+/// [`interleave`] of all 16 lines over the first `full` steps (a multiple of 8), eight steps
+/// at a time as two 8 × 8 transpositions in registers (unpack, shuffle, permute of 128-bit
+/// halves).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn interleave_avx2(lines: &[f32], stride: usize, full: usize, panel: &mut [f32]) {
+    use std::arch::x86_64::*;
+    assert!(
+        W == 16
+            && full % 8 == 0
+            && panel.len() >= full * 16
+            && (full == 0 || lines.len() >= 15 * stride + full)
+    );
+    let (src, dst) = (lines.as_ptr(), panel.as_mut_ptr());
+    for p0 in (0..full).step_by(8) {
+        for half in 0..2 {
+            // SAFETY: line `8·half + l` holds steps p0..p0 + 8 (asserted: 15·stride + full
+            // values), and the panel block p0..p0 + 8 has 8·16 values.
+            unsafe {
+                let r: [__m256; 8] =
+                    std::array::from_fn(|l| _mm256_loadu_ps(src.add((8 * half + l) * stride + p0)));
+                let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+                let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+                let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+                let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+                let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+                let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+                let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+                let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+                let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+                let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+                let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+                let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+                let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+                let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+                let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+                let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+                // Step q's eight lanes of this half.
+                let steps = [
+                    _mm256_permute2f128_ps::<0x20>(u0, u4),
+                    _mm256_permute2f128_ps::<0x20>(u1, u5),
+                    _mm256_permute2f128_ps::<0x20>(u2, u6),
+                    _mm256_permute2f128_ps::<0x20>(u3, u7),
+                    _mm256_permute2f128_ps::<0x31>(u0, u4),
+                    _mm256_permute2f128_ps::<0x31>(u1, u5),
+                    _mm256_permute2f128_ps::<0x31>(u2, u6),
+                    _mm256_permute2f128_ps::<0x31>(u3, u7),
+                ];
+                for (q, v) in steps.into_iter().enumerate() {
+                    _mm256_storeu_ps(dst.add((p0 + q) * 16 + 8 * half), v);
+                }
+            }
         }
     }
 }
