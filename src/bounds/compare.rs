@@ -390,16 +390,22 @@ pub(crate) fn residue_clusters(values: &[f64], n: usize, grid: f64) -> Vec<usize
 /// collision costs a comparison, never a wrong class. The digest is seeded per call from
 /// std's `RandomState` (random per process), so that no input can be built to fall into one
 /// bucket; SipHash over whole rows took a quarter of a fast-priced sum's time.
+///
+/// Identical rows agree everywhere, so a row is first digested at [`SAMPLES`] spread
+/// positions only: a row whose sample no earlier row shares starts a class without being read
+/// whole (rows of real data differ in their samples; the whole-row digest took a tenth of a
+/// fast-priced sum). Rows that share a sample (one-hot rows, rows that differ in few places)
+/// are digested whole and bucketed by that, as every row was before.
 pub(crate) fn row_classes(values: &[f64], n: usize) -> (Vec<usize>, Vec<(usize, usize)>) {
     use std::hash::BuildHasher;
     let rows = values.len().checked_div(n).unwrap_or(0);
     let seed = std::collections::hash_map::RandomState::new().hash_one(0x7474_7261_6365u64);
+    let step = |h: u64, v: f64| {
+        let h = (h ^ v.to_bits()).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        h ^ (h >> 29)
+    };
     // Four independent chains (a multiply's latency each), folded at the end.
     let digest = |row: &[f64]| {
-        let step = |h: u64, v: f64| {
-            let h = (h ^ v.to_bits()).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            h ^ (h >> 29)
-        };
         let mut h = [seed, seed ^ 1, seed ^ 2, seed ^ 3];
         let mut quads = row.chunks_exact(4);
         for q in &mut quads {
@@ -412,27 +418,73 @@ pub(crate) fn row_classes(values: &[f64], n: usize) -> (Vec<usize>, Vec<(usize, 
             .iter()
             .fold(tail, |a, &x| step(a, f64::from_bits(x)))
     };
+    // The sampled positions: every one of a short row, else `SAMPLES` spread over the row,
+    // its first and last included.
+    let positions: Vec<usize> = if n <= SAMPLES {
+        (0..n).collect()
+    } else {
+        (0..SAMPLES).map(|i| i * (n - 1) / (SAMPLES - 1)).collect()
+    };
+    let sample = |row: &[f64]| {
+        let mut h = [seed ^ 5, seed ^ 6];
+        let mut pairs = positions.chunks_exact(2);
+        for p in &mut pairs {
+            h[0] = step(h[0], row[p[0]]);
+            h[1] = step(h[1], row[p[1]]);
+        }
+        let tail = pairs.remainder().iter().fold(h[0], |a, &p| step(a, row[p]));
+        step(tail, f64::from_bits(h[1]))
+    };
     let same = |a: &[f64], b: &[f64]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    /// What one sample's rows are bucketed by: one class so far, or the whole-row digests.
+    enum Sampled {
+        One(usize),
+        Whole,
+    }
+    let mut sampled: crate::bounds::keyed::DataMap<u64, Sampled> = Default::default();
     let mut buckets: crate::bounds::keyed::DataMap<u64, Vec<usize>> = Default::default();
     let mut class = Vec::with_capacity(rows);
     let mut classes: Vec<(usize, usize)> = vec![];
+    let row_of = |r: usize| &values[r * n..(r + 1) * n];
     for r in 0..rows {
-        let row = &values[r * n..(r + 1) * n];
-        let bucket = buckets.entry(digest(row)).or_default();
-        let found = bucket
-            .iter()
-            .copied()
-            .find(|&c| same(&values[classes[c].0 * n..(classes[c].0 + 1) * n], row));
-        let c = found.unwrap_or_else(|| {
-            bucket.push(classes.len());
-            classes.push((r, 0));
-            classes.len() - 1
-        });
+        let row = row_of(r);
+        let entry = sampled.entry(sample(row));
+        let c = match entry {
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(Sampled::One(classes.len()));
+                classes.push((r, 0));
+                classes.len() - 1
+            }
+            std::collections::hash_map::Entry::Occupied(mut o) => {
+                if let Sampled::One(c0) = *o.get() {
+                    // A second row with this sample: the first one's class goes to the
+                    // whole-row buckets.
+                    buckets
+                        .entry(digest(row_of(classes[c0].0)))
+                        .or_default()
+                        .push(c0);
+                    o.insert(Sampled::Whole);
+                }
+                let bucket = buckets.entry(digest(row)).or_default();
+                let found = bucket
+                    .iter()
+                    .copied()
+                    .find(|&c| same(row_of(classes[c].0), row));
+                found.unwrap_or_else(|| {
+                    bucket.push(classes.len());
+                    classes.push((r, 0));
+                    classes.len() - 1
+                })
+            }
+        };
         classes[c].1 += 1;
         class.push(c);
     }
     (class, classes)
 }
+
+/// How many positions of a row [`row_classes`] digests first.
+const SAMPLES: usize = 32;
 
 /// Combine per-element differences into a tensor threshold (see the module docs).
 ///
@@ -736,6 +788,41 @@ mod tests {
                 assert!(class[..first].iter().all(|&x| x != c));
                 assert_eq!(class.iter().filter(|&&x| x == c).count(), size);
             }
+        }
+    }
+
+    /// Rows longer than the sample, drawn from patterns that differ only between the sampled
+    /// positions, that agree at every sampled position but one, and one-hot rows: the classes
+    /// are the oracle's, so a sample shared by different rows never merges them.
+    #[test]
+    fn rows_alike_at_the_sampled_positions_keep_their_classes() {
+        for n in [33, 100, 300] {
+            let base: Vec<f64> = (0..n).map(|i| (i % 7) as f64).collect();
+            let mut patterns = vec![base.clone()];
+            // Every position changed once: most are not sampled, some are.
+            for i in 0..n {
+                let mut p = base.clone();
+                p[i] += 0.5;
+                patterns.push(p);
+            }
+            // One-hot rows.
+            for i in (0..n).step_by(3) {
+                let mut p = vec![0.0; n];
+                p[i] = 1.0;
+                patterns.push(p);
+            }
+            let mut state = 11u64;
+            let mut values = vec![];
+            for _ in 0..3 * patterns.len() {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                values.extend(&patterns[(state >> 33) as usize % patterns.len()]);
+            }
+            let (class, classes) = row_classes(&values, n);
+            assert_eq!(class, oracle(&values, n), "n = {n}");
+            let sizes: usize = classes.iter().map(|c| c.1).sum();
+            assert_eq!(sizes, class.len());
         }
     }
 }
