@@ -314,32 +314,73 @@ fn row_ops(pool: &rayon::ThreadPool) {
         "threshold s",
         "ratio"
     );
-    let report = |name: &str, op: f64, th: f64| {
-        println!("{name:<24} {op:>12.3e} {th:>14.3e} {:>10.1}", th / op);
+    // Each threshold timed right after its op, pair by pair, so that both see the same state
+    // of a shared machine (its speed drifts by ±20 % over seconds): the medians of each and
+    // the median of the pairs' ratios.
+    // Both run on the pool's thread (one `install` for the whole series: handing each call
+    // to the pool would add its wake-up to every threshold).
+    let report = |name: &str, runs: usize, op: &(dyn Fn() + Sync), th: &(dyn Fn() + Sync)| {
+        pool.install(|| series(name, runs, op, th))
     };
-    let op = median(21, sum_op);
+    fn series(name: &str, runs: usize, op: &dyn Fn(), th: &dyn Fn()) {
+        op();
+        th();
+        let mut ops = vec![];
+        let mut ths = vec![];
+        let mut ratios = vec![];
+        for _ in 0..runs {
+            let s = Instant::now();
+            op();
+            let o = s.elapsed().as_secs_f64();
+            let s = Instant::now();
+            th();
+            let t = s.elapsed().as_secs_f64();
+            ops.push(o);
+            ths.push(t);
+            ratios.push(t / o);
+        }
+        let mid = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        println!(
+            "{name:<24} {:>12.3e} {:>14.3e} {:>10.1}",
+            mid(&mut ops),
+            mid(&mut ths),
+            mid(&mut ratios)
+        );
+    }
+    let sum_op = || {
+        black_box(sum_op());
+    };
+    report("sum (walk)", 5, &sum_op, &|| {
+        black_box(price_sum(Pricing::Walk));
+    });
+    report("sum (fast)", 51, &sum_op, &|| {
+        black_box(price_sum(Pricing::Fast));
+    });
+    report("sum floor", 51, &sum_op, &|| {
+        black_box(sum_floor(black_box(&xf), rows, k));
+    });
     report(
-        "sum (walk)",
-        op,
-        pool.install(|| median(3, || price_sum(Pricing::Walk))),
+        "softmax",
+        11,
+        &|| {
+            black_box(softmax_op());
+        },
+        &|| {
+            black_box(price_softmax());
+        },
     );
-    report(
-        "sum (fast)",
-        op,
-        pool.install(|| median(5, || price_sum(Pricing::Fast))),
-    );
-    report(
-        "sum floor",
-        op,
-        median(21, || sum_floor(black_box(&xf), rows, k)),
-    );
-    let op = median(21, softmax_op);
-    report("softmax", op, pool.install(|| median(3, price_softmax)));
-    let op = median(21, norm_op);
     report(
         "layernorm (two-pass)",
-        op,
-        pool.install(|| median(3, price_norm)),
+        11,
+        &|| {
+            black_box(norm_op());
+        },
+        &|| {
+            black_box(price_norm());
+        },
     );
 }
 
