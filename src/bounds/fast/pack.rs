@@ -61,8 +61,19 @@ pub(super) fn pack(
     };
     let scales: Vec<f64> = col_exp.iter().map(|&e| 2f64.powi(e)).collect();
     let blocks = n.div_ceil(W);
+    // Lanes past n are zero columns: 0 with an infinite lowest bit. (Columns fill every
+    // lane of a full block, so only a narrow last block needs its lowest bits set first.)
     let mut pb = vec![0.0f32; blocks * k * W];
-    let mut lb = vec![f32::INFINITY; blocks * k * W];
+    let mut lb = match b {
+        Right::Columns(_) => {
+            let mut lb = vec![0.0f32; blocks * k * W];
+            if n % W != 0 {
+                lb[(blocks - 1) * k * W..].fill(f32::INFINITY);
+            }
+            lb
+        }
+        Right::Rows(_) => vec![f32::INFINITY; blocks * k * W],
+    };
     let mut low = vec![u64::MAX; n];
     match b {
         Right::Columns(x) => {
