@@ -255,8 +255,11 @@ fn reduce(
     } else {
         Determine::Grid
     };
-    let out_r = kernel::run(pr, &packed, true, det);
-    let out_c = kernel::run(pc, &packed, false, det);
+    // A sum of narrow values (BF16, FP16, FP8) is often exact at every step: those outputs
+    // skip the tracking pass (`kernel::run_pair`; the same outputs bit for bit).
+    let shortcut = matches!(b, Right::Columns(_)) && narrow;
+    let blocks = packed.blocks;
+    let (out_r, out_c) = kernel::run_pair((pr, pc), packed, det, shortcut);
     // The f32 sums of non-negative terms (the guaranteed sum, the variances) err by at most
     // (1 + 2^-24)^(k+2) − 1 relative (the weights' rounding included).
     let inflate = (((k + 2) as f64) * (2f64.powi(-24)).ln_1p()).exp_m1() * (1.0 + 1e-9) + 1.0;
@@ -272,7 +275,7 @@ fn reduce(
         for &(j, count_j) in &cols {
             let weight = (count_i * count_j) as f64;
             let (jb, l) = (j / W, j % W);
-            let o = (i * packed.blocks + jb) * OUT;
+            let o = (i * blocks + jb) * OUT;
             let scale = 2f64.powi(-(row_exp[i] + col_exp[j]));
             let vr = out_r[o + l] as f64 * scale;
             let vc = out_c[o + l] as f64 * scale;
@@ -512,6 +515,67 @@ mod tests {
                     let want = crate::order::sum(&x.values()[j * k..(j + 1) * k], &acc).unwrap();
                     assert_eq!(v.to_bits(), want.to_bits(), "{order} k={k} row {j}");
                 }
+            }
+        }
+    }
+
+    /// The exact shortcut (`kernel::run_pair`) gives the tracking pass's outputs bit for bit —
+    /// values, variances, guaranteed sums, determined errors and their magnitudes — on sums
+    /// and products whose outputs are exact at every rounding in some columns and not in
+    /// others (tiny values placed in a third of the columns), in every order against the
+    /// sequential one.
+    #[test]
+    fn exact_outputs_skip_tracking_with_the_same_outputs() {
+        for (m, k, n, f, seed) in [
+            (1usize, 512usize, 37usize, Format::BF16, 1u64),
+            (1, 300, 16, Format::F16, 2),
+            (3, 64, 21, Format::BF16, 3),
+        ] {
+            let mut x = values(&[n, k], seed, 0.3, f).values().to_vec();
+            for j in (0..n).step_by(3) {
+                x[j * k + (j * 7) % k] = f.round(3.0 * 2f64.powi(-20), Overflow::Saturating);
+            }
+            let a = if m == 1 {
+                vec![1.0; k]
+            } else {
+                values(&[m, k], seed + 10, 0.0, Format::BF16)
+                    .values()
+                    .to_vec()
+            };
+            let w = vec![0.25; k];
+            let (packed, _, _) = pack(&a, Right::Columns(&x), m, k, n, &w).unwrap();
+            let pr = program(&Order::Sequential, k).unwrap();
+            let (mut exact_columns, mut tracked_columns) = (0, 0);
+            for order in orders() {
+                let Some(pc) = program(&order, k) else {
+                    continue;
+                };
+                let want_r = kernel::run(&pr, &packed, true, Determine::Track);
+                let want_c = kernel::run(&pc, &packed, false, Determine::Track);
+                let (got_r, got_c) =
+                    kernel::run_pair((&pr, &pc), packed.clone(), Determine::Track, true);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got_r), bits(&want_r), "{order} m={m} k={k}");
+                assert_eq!(bits(&got_c), bits(&want_c), "{order} m={m} k={k}");
+                // The first pass finds the exact outputs: none with a tiny value (which
+                // rounds wherever it is added), and in sums some of the others.
+                let (_, flags_r) = kernel::run_exact(&pr, &packed, true);
+                let (_, flags_c) = kernel::run_exact(&pc, &packed, false);
+                for i in 0..m {
+                    for j in 0..n {
+                        let at = i * packed.blocks * W + j;
+                        let exact = flags_r[at] && flags_c[at];
+                        if j % 3 == 0 {
+                            assert!(!exact, "{order} m={m} k={k}: column {j} is not exact");
+                        }
+                        exact_columns += usize::from(exact);
+                        tracked_columns += usize::from(!exact);
+                    }
+                }
+            }
+            assert!(tracked_columns > 0, "m={m} k={k}");
+            if m == 1 {
+                assert!(exact_columns > 0, "k={k}: no exact column");
             }
         }
     }
