@@ -359,6 +359,29 @@ fn row_ops(pool: &rayon::ThreadPool) {
     report("sum (fast)", 51, &sum_op, &|| {
         black_box(price_sum(Pricing::Fast));
     });
+    // The same rows' values in FP16 and FP32 (their sums are exact less often: FP32 never).
+    for f in [Format::F16, Format::F32] {
+        let mut g = SplitMix64::for_name("pricing", 3);
+        let v: Vec<f64> = (0..rows * k)
+            .map(|_| f.round(g.normal(), Overflow::NonSaturating))
+            .collect();
+        let vf: Vec<f32> = v.iter().map(|&v| v as f32).collect();
+        let tf = Tensor::from_vec(&[rows, k], v, f).unwrap();
+        let (rf, cf) = (
+            Policy::new(f, Format::F32, Format::F32),
+            Policy::new(f, Format::F32, Format::F32).with_order(Order::Pairwise { base: 8 }),
+        );
+        let op = || {
+            black_box(
+                vf.chunks(k)
+                    .map(|r| r.iter().sum::<f32>())
+                    .collect::<Vec<_>>(),
+            );
+        };
+        report(&format!("sum (fast), {f}"), 51, &op, &|| {
+            black_box(sum_threshold_priced(&tf, &rf, &cf, false, conf, Pricing::Fast).unwrap());
+        });
+    }
     report("sum floor", 51, &sum_op, &|| {
         black_box(sum_floor(black_box(&xf), rows, k));
     });

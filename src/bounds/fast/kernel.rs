@@ -67,20 +67,21 @@ pub(super) struct Packed {
 /// the sum of their magnitudes, what bounds the first sum's own rounding error. Rows × blocks
 /// × `OUT`, row-major.
 pub(super) fn run(program: &Program, p: &Packed, guaranteed: bool, det: Determine) -> Vec<f32> {
-    run_tiles(program, p, pick(guaranteed, det))
+    run_tiles(program, p, pick(guaranteed, det), p.blocks)
 }
 
-/// Every tile of `p` through `tile_fn`.
-fn run_tiles(program: &Program, p: &Packed, tile_fn: TileFn) -> Vec<f32> {
-    let mut out = vec![0.0f32; p.m * p.blocks * OUT];
-    let band_len = BAND * p.blocks * OUT;
+/// The tiles of `p`'s first `blocks` column blocks through `tile_fn` (rows × `blocks` ×
+/// `OUT`).
+fn run_tiles(program: &Program, p: &Packed, tile_fn: TileFn, blocks: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; p.m * blocks * OUT];
+    let band_len = BAND * blocks * OUT;
     crate::parallel::for_each_chunk_mut(&mut out, band_len, |(band, chunk)| {
-        let rows = chunk.len() / (p.blocks * OUT);
+        let rows = chunk.len() / (blocks * OUT);
         let mut lanes = Lanes::new(program.slots.max(1));
-        for jb in 0..p.blocks {
+        for jb in 0..blocks {
             for r in 0..rows {
                 let i = band * BAND + r;
-                let o = (r * p.blocks + jb) * OUT;
+                let o = (r * blocks + jb) * OUT;
                 tile_fn(program, p, i, jb, &mut lanes, &mut chunk[o..o + OUT]);
             }
         }
@@ -105,11 +106,35 @@ pub(super) fn run_pair(
     det: Determine,
     shortcut: bool,
 ) -> (Vec<f32>, Vec<f32>) {
+    let (out_r, out_c, _) = run_pair_on((pr, pc), &mut p, det, shortcut);
+    super::pack::recycle(p.b);
+    super::pack::recycle(p.lb);
+    (out_r, out_c)
+}
+
+/// [`run_pair`], `p` left compacted where the shortcut was taken; with the number of columns
+/// the tracking pass ran on where it was.
+pub(super) fn run_pair_on(
+    (pr, pc): (&Program, &Program),
+    p: &mut Packed,
+    det: Determine,
+    shortcut: bool,
+) -> (Vec<f32>, Vec<f32>, Option<usize>) {
     if det != Determine::Track || !shortcut {
-        return (run(pr, &p, true, det), run(pc, &p, false, det));
+        return (run(pr, p, true, det), run(pc, p, false, det), None);
     }
-    let (mut out_r, exact_r) = run_exact(pr, &p, true);
-    let (mut out_c, exact_c) = run_exact(pc, &p, false);
+    // The first block as a sample: with fewer than half its outputs exact, the first pass
+    // would cost more than it saves (FP16 sums: about a quarter exact).
+    if p.blocks > 1 {
+        let (_, sr) = run_exact(pr, p, true, 1);
+        let (_, sc) = run_exact(pc, p, false, 1);
+        let exact = sr.iter().zip(&sc).filter(|(r, c)| **r && **c).count();
+        if 2 * exact < sr.len() {
+            return (run(pr, p, true, det), run(pc, p, false, det), None);
+        }
+    }
+    let (mut out_r, exact_r) = run_exact(pr, p, true, p.blocks);
+    let (mut out_c, exact_c) = run_exact(pc, p, false, p.blocks);
     let blocks = p.blocks;
     let columns = blocks * W;
     let mut inexact = vec![false; columns];
@@ -118,10 +143,10 @@ pub(super) fn run_pair(
     }
     let tracked: Vec<usize> = (0..columns).filter(|&j| inexact[j]).collect();
     if tracked.is_empty() {
-        return (out_r, out_c);
+        return (out_r, out_c, Some(0));
     }
-    compact(&mut p, &tracked);
-    let (sr, sc) = (run(pr, &p, true, det), run(pc, &p, false, det));
+    compact(p, &tracked);
+    let (sr, sc) = (run(pr, p, true, det), run(pc, p, false, det));
     for (out, from) in [(&mut out_r, &sr), (&mut out_c, &sc)] {
         for i in 0..p.m {
             for (c, &j) in tracked.iter().enumerate() {
@@ -133,15 +158,21 @@ pub(super) fn run_pair(
             }
         }
     }
-    (out_r, out_c)
+    (out_r, out_c, Some(tracked.len()))
 }
 
-/// [`run`] in [`EXACT`] mode: the tiles' outputs, with the off-magnitude slot zero (as the
-/// tracking pass leaves it where every rounding is exact), and per row of A and column
-/// (`blocks · W` of them, the padding included) whether every rounding was exact.
-pub(super) fn run_exact(program: &Program, p: &Packed, guaranteed: bool) -> (Vec<f32>, Vec<bool>) {
-    let mut out = run_tiles(program, p, pick_mode(guaranteed, EXACT));
-    let mut exact = Vec::with_capacity(p.m * p.blocks * W);
+/// [`run`] in [`EXACT`] mode on the first `blocks` column blocks: the tiles' outputs, with
+/// the off-magnitude slot zero (as the tracking pass leaves it where every rounding is
+/// exact), and per row of A and column (`blocks · W` of them, the padding included) whether
+/// every rounding was exact.
+pub(super) fn run_exact(
+    program: &Program,
+    p: &Packed,
+    guaranteed: bool,
+    blocks: usize,
+) -> (Vec<f32>, Vec<bool>) {
+    let mut out = run_tiles(program, p, pick_mode(guaranteed, EXACT), blocks);
+    let mut exact = Vec::with_capacity(p.m * blocks * W);
     for tile in out.chunks_exact_mut(OUT) {
         exact.extend(tile[4 * W..].iter().map(|&f| f == 1.0));
         tile[4 * W..].fill(0.0);
@@ -154,22 +185,25 @@ pub(super) fn run_exact(program: &Program, p: &Packed, guaranteed: bool) -> (Vec
 /// it, so every column is read before a later one is written over it.
 fn compact(p: &mut Packed, columns: &[usize]) {
     let k = p.k;
-    for (c, &j) in columns.iter().enumerate() {
-        if c == j {
-            continue;
-        }
-        let (to, from) = ((c / W) * k * W + c % W, (j / W) * k * W + j % W);
-        for t in 0..k {
-            p.b[to + t * W] = p.b[from + t * W];
-            p.lb[to + t * W] = p.lb[from + t * W];
-        }
-    }
     let blocks = columns.len().div_ceil(W);
-    for c in columns.len()..blocks * W {
-        let to = (c / W) * k * W + c % W;
-        for t in 0..k {
-            p.b[to + t * W] = 0.0;
-            p.lb[to + t * W] = f32::INFINITY;
+    let lane = |c: usize| (c / W) * k * W + c % W;
+    let moves: Vec<(usize, usize)> = columns
+        .iter()
+        .enumerate()
+        .filter(|&(c, &j)| c != j)
+        .map(|(c, &j)| (lane(c), lane(j)))
+        .collect();
+    let pad: Vec<usize> = (columns.len()..blocks * W).map(lane).collect();
+    // Step by step, so that each step's lines are read and written together.
+    for t in 0..k {
+        let at = t * W;
+        for &(to, from) in &moves {
+            p.b[to + at] = p.b[from + at];
+            p.lb[to + at] = p.lb[from + at];
+        }
+        for &to in &pad {
+            p.b[to + at] = 0.0;
+            p.lb[to + at] = f32::INFINITY;
         }
     }
     p.blocks = blocks;

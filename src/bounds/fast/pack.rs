@@ -63,16 +63,16 @@ pub(super) fn pack(
     let blocks = n.div_ceil(W);
     // Lanes past n are zero columns: 0 with an infinite lowest bit. (Columns fill every
     // lane of a full block, so only a narrow last block needs its lowest bits set first.)
-    let mut pb = vec![0.0f32; blocks * k * W];
+    let mut pb = panel_buffer(blocks * k * W, 0.0);
     let mut lb = match b {
         Right::Columns(_) => {
-            let mut lb = vec![0.0f32; blocks * k * W];
+            let mut lb = panel_buffer(blocks * k * W, 0.0);
             if n % W != 0 {
                 lb[(blocks - 1) * k * W..].fill(f32::INFINITY);
             }
             lb
         }
-        Right::Rows(_) => vec![f32::INFINITY; blocks * k * W],
+        Right::Rows(_) => panel_buffer(blocks * k * W, f32::INFINITY),
     };
     let mut low = vec![u64::MAX; n];
     match b {
@@ -136,6 +136,42 @@ pub(super) fn pack(
         row_exp,
         col_exp,
     ))
+}
+
+thread_local! {
+    /// Panel buffers given back by [`recycle`], for the next [`pack`] on this thread.
+    static SPARE: std::cell::RefCell<Vec<Vec<f32>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The most panel buffers a thread keeps, and the largest it keeps (in `f32`s: 4 MiB).
+const SPARES: usize = 2;
+const SPARE_LEN: usize = 1 << 20;
+
+/// A buffer of `len` copies of `fill`, from a spare of this thread's where one is kept.
+/// (Fresh buffers of a few hundred kilobytes come from pages the allocator returned to the
+/// system after the previous call: their first touch faulted a fifth of a fast-priced sum.)
+fn panel_buffer(len: usize, fill: f32) -> Vec<f32> {
+    let mut v = SPARE
+        .try_with(|s| s.borrow_mut().pop())
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+    v.clear();
+    v.resize(len, fill);
+    v
+}
+
+/// Give a packed panel buffer back for the next [`pack`] on this thread (kept when small
+/// enough and fewer than [`SPARES`] are).
+pub(super) fn recycle(v: Vec<f32>) {
+    if v.capacity() <= SPARE_LEN {
+        let _ = SPARE.try_with(|s| {
+            let mut s = s.borrow_mut();
+            if s.len() < SPARES {
+                s.push(v);
+            }
+        });
+    }
 }
 
 /// One line of B scaled by `scale` into `vals` (as `f32`) with each value's lowest set bit in
