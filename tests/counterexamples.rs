@@ -14,6 +14,17 @@ use common::frob;
 
 const DELTA: Confidence = Confidence::Probabilistic { delta: 1e-6 };
 
+/// `r` vocabulary-parallel over 8 shards with BF16 partials, combined in a ring (the
+/// adversary's cells where its cross-entropy and softmax cases were found).
+fn vocabulary_parallel_bf16(r: &Policy) -> Policy {
+    r.clone().with_order(Order::SplitK {
+        parts: 8,
+        inner: Box::new(Order::Sequential),
+        partial: Format::BF16,
+        combine: ttrace::Combine::Ring { start: 1 },
+    })
+}
+
 /// A LayerNorm pair on one row: (observed ‖D‖, guaranteed, probabilistic), both sides executed
 /// by the engine and priced by `norm_threshold`; zeros for a refusal where a side's output is
 /// not finite or, with `allow_refusal`, a one-pass variance is involved.
@@ -319,7 +330,6 @@ fn refusals_that_had_a_bound() {
 fn a_loss_rounded_onto_a_coarse_partial_absorbs_the_rows_difference() {
     use ttrace::bounds::cross_entropy_threshold;
     use ttrace::engine::cross_entropy;
-    use ttrace::Combine;
     let x = [
         -0.0009988707024604082,
         -522.9137573242188,
@@ -333,12 +343,7 @@ fn a_loss_rounded_onto_a_coarse_partial_absorbs_the_rows_difference() {
     let logits = Tensor::from_vec(&[1, 8], x.to_vec(), Format::F32).unwrap();
     let targets = [5];
     let r = Policy::new(Format::F32, Format::F32, Format::F32);
-    let c = r.clone().with_order(Order::SplitK {
-        parts: 8,
-        inner: Box::new(Order::Sequential),
-        partial: Format::BF16,
-        combine: Combine::Ring { start: 1 },
-    });
+    let c = vocabulary_parallel_bf16(&r);
     let lr = cross_entropy(&logits, &targets, &r).unwrap().values()[0];
     let lc = cross_entropy(&logits, &targets, &c).unwrap().values()[0];
     assert_eq!(lc, 524.0, "the candidate's loss on BF16's grid");
@@ -470,7 +475,6 @@ fn nearly_equal_squares_straddling_midpoints_err_alike() {
 /// probabilistic threshold, see it exceeded and return the guaranteed threshold.
 #[test]
 fn softmax_partials_placed_against_the_model_fall_back() {
-    use ttrace::Combine;
     let x = [
         0.078125,
         3.504753112792969e-5,
@@ -603,12 +607,7 @@ fn softmax_partials_placed_against_the_model_fall_back() {
     ];
     let logits = Tensor::from_vec(&[4, 32], x.to_vec(), Format::BF16).unwrap();
     let r = Policy::new(Format::BF16, Format::F32, Format::F32);
-    let c = r.clone().with_order(Order::SplitK {
-        parts: 8,
-        inner: Box::new(Order::Sequential),
-        partial: Format::BF16,
-        combine: Combine::Ring { start: 1 },
-    });
+    let c = vocabulary_parallel_bf16(&r);
     let (yr, yc) = (softmax(&logits, &r).unwrap(), softmax(&logits, &c).unwrap());
     let d = frob(yr.values(), yc.values());
     let [g, p] = [Confidence::Guaranteed, DELTA].map(|conf| {
@@ -625,7 +624,6 @@ fn softmax_partials_placed_against_the_model_fall_back() {
 fn cross_entropy_grad_partials_placed_against_the_model_fall_back() {
     use ttrace::bounds::cross_entropy_grad_threshold;
     use ttrace::engine::cross_entropy_backward;
-    use ttrace::Combine;
     let x = [
         -0.36793363094329834,
         0.6164249777793884,
@@ -759,12 +757,7 @@ fn cross_entropy_grad_partials_placed_against_the_model_fall_back() {
     let logits = Tensor::from_vec(&[4, 32], x.to_vec(), Format::F32).unwrap();
     let targets = [5, 5, 5, 5];
     let r = Policy::new(Format::F32, Format::F32, Format::F32);
-    let c = r.clone().with_order(Order::SplitK {
-        parts: 8,
-        inner: Box::new(Order::Sequential),
-        partial: Format::BF16,
-        combine: Combine::Ring { start: 1 },
-    });
+    let c = vocabulary_parallel_bf16(&r);
     let run = |p: &Policy| cross_entropy_backward(&logits, &targets, 1.0, p).unwrap();
     let d = frob(run(&r).values(), run(&c).values());
     let [g, p] = [Confidence::Guaranteed, DELTA]
