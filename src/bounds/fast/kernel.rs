@@ -97,24 +97,10 @@ fn run_tiles(program: &Program, p: &Packed, tile_fn: TileFn, blocks: usize) -> V
 /// tracking pass computes that output's value and guaranteed sum by the same operations and
 /// finds every rounding determined with error 0 — a variance, determined errors and their
 /// magnitudes of 0 — so the first pass's output is the tracking pass's, bit for bit; only
-/// the columns with an inexact rounding somewhere are moved together (in `p`, which this
-/// consumes) and tracked. (Sums of BF16 values in FP32 are mostly exact: 52 of the bench's
-/// 64 rows of 1,024.)
+/// the columns with an inexact rounding somewhere are moved together (in `p`, left so) and
+/// tracked, and their number is returned where the first pass ran. (Sums of BF16 values in
+/// FP32 are mostly exact: 52 of the bench's 64 rows of 1,024.)
 pub(super) fn run_pair(
-    (pr, pc): (&Program, &Program),
-    mut p: Packed,
-    det: Determine,
-    shortcut: bool,
-) -> (Vec<f32>, Vec<f32>) {
-    let (out_r, out_c, _) = run_pair_on((pr, pc), &mut p, det, shortcut);
-    super::pack::recycle(p.b);
-    super::pack::recycle(p.lb);
-    (out_r, out_c)
-}
-
-/// [`run_pair`], `p` left compacted where the shortcut was taken; with the number of columns
-/// the tracking pass ran on where it was.
-pub(super) fn run_pair_on(
     (pr, pc): (&Program, &Program),
     p: &mut Packed,
     det: Determine,

@@ -259,7 +259,10 @@ fn reduce(
     // skip the tracking pass (`kernel::run_pair`; the same outputs bit for bit).
     let shortcut = matches!(b, Right::Columns(_)) && narrow;
     let blocks = packed.blocks;
-    let (out_r, out_c) = kernel::run_pair((pr, pc), packed, det, shortcut);
+    let mut packed = packed;
+    let (out_r, out_c, _) = kernel::run_pair((pr, pc), &mut packed, det, shortcut);
+    pack::recycle(packed.b);
+    pack::recycle(packed.lb);
     // The f32 sums of non-negative terms (the guaranteed sum, the variances) err by at most
     // (1 + 2^-24)^(k+2) − 1 relative (the weights' rounding included).
     let inflate = (((k + 2) as f64) * (2f64.powi(-24)).ln_1p()).exp_m1() * (1.0 + 1e-9) + 1.0;
@@ -558,7 +561,7 @@ mod tests {
                 let want_r = kernel::run(&pr, &packed, true, Determine::Track);
                 let want_c = kernel::run(&pc, &packed, false, Determine::Track);
                 let (got_r, got_c, tracked) =
-                    kernel::run_pair_on((&pr, &pc), &mut packed.clone(), Determine::Track, true);
+                    kernel::run_pair((&pr, &pc), &mut packed.clone(), Determine::Track, true);
                 if let Some(t) = tracked {
                     shortcuts += 1;
                     assert!(t < packed.blocks * W, "{order}: {t} columns tracked");
