@@ -40,10 +40,51 @@ fn median<R>(runs: usize, mut f: impl FnMut() -> R) -> f64 {
 }
 
 fn bf16(n: usize, seed: u64) -> Vec<f64> {
+    rounded(Format::BF16, n, seed)
+}
+
+/// `n` standard normal values rounded to `f`.
+fn rounded(f: Format, n: usize, seed: u64) -> Vec<f64> {
     let mut g = SplitMix64::for_name("pricing", seed);
     (0..n)
-        .map(|_| Format::BF16.round(g.normal(), Overflow::NonSaturating))
+        .map(|_| f.round(g.normal(), Overflow::NonSaturating))
         .collect()
+}
+
+/// The op a sum threshold is measured against: native `f32` sums of the rows of length `k`.
+fn row_sums(x: &[f32], k: usize) -> Vec<f32> {
+    x.chunks(k).map(|r| r.iter().sum::<f32>()).collect()
+}
+
+/// `runs` pairs of `op` then `th` (one warm-up pair first), each timed: the medians of each
+/// and of the pairs' ratios, printed as a row.
+fn series(name: &str, runs: usize, op: &dyn Fn(), th: &dyn Fn()) {
+    op();
+    th();
+    let mut ops = vec![];
+    let mut ths = vec![];
+    let mut ratios = vec![];
+    for _ in 0..runs {
+        let s = Instant::now();
+        op();
+        let o = s.elapsed().as_secs_f64();
+        let s = Instant::now();
+        th();
+        let t = s.elapsed().as_secs_f64();
+        ops.push(o);
+        ths.push(t);
+        ratios.push(t / o);
+    }
+    let mid = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!(
+        "{name:<24} {:>12.3e} {:>14.3e} {:>10.1}",
+        mid(&mut ops),
+        mid(&mut ths),
+        mid(&mut ratios)
+    );
 }
 
 fn shapes() -> Vec<(usize, usize, usize)> {
@@ -257,11 +298,6 @@ fn row_ops(pool: &rayon::ThreadPool) {
     let w = Tensor::from_vec(&[k], vec![1.0; k], Format::BF16).unwrap();
     let beta = Tensor::zeros(&[k], Format::BF16);
     // Native f32 loops: the op itself.
-    let sum_op = || {
-        xf.chunks(k)
-            .map(|r| r.iter().sum::<f32>())
-            .collect::<Vec<_>>()
-    };
     let softmax_op = || {
         xf.chunks(k)
             .flat_map(|r| {
@@ -322,36 +358,8 @@ fn row_ops(pool: &rayon::ThreadPool) {
     let report = |name: &str, runs: usize, op: &(dyn Fn() + Sync), th: &(dyn Fn() + Sync)| {
         pool.install(|| series(name, runs, op, th))
     };
-    fn series(name: &str, runs: usize, op: &dyn Fn(), th: &dyn Fn()) {
-        op();
-        th();
-        let mut ops = vec![];
-        let mut ths = vec![];
-        let mut ratios = vec![];
-        for _ in 0..runs {
-            let s = Instant::now();
-            op();
-            let o = s.elapsed().as_secs_f64();
-            let s = Instant::now();
-            th();
-            let t = s.elapsed().as_secs_f64();
-            ops.push(o);
-            ths.push(t);
-            ratios.push(t / o);
-        }
-        let mid = |v: &mut Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        };
-        println!(
-            "{name:<24} {:>12.3e} {:>14.3e} {:>10.1}",
-            mid(&mut ops),
-            mid(&mut ths),
-            mid(&mut ratios)
-        );
-    }
     let sum_op = || {
-        black_box(sum_op());
+        black_box(row_sums(&xf, k));
     };
     report("sum (walk)", 5, &sum_op, &|| {
         black_box(price_sum(Pricing::Walk));
@@ -361,10 +369,7 @@ fn row_ops(pool: &rayon::ThreadPool) {
     });
     // The same rows' values in FP16 and FP32 (their sums are exact less often: FP32 never).
     for f in [Format::F16, Format::F32] {
-        let mut g = SplitMix64::for_name("pricing", 3);
-        let v: Vec<f64> = (0..rows * k)
-            .map(|_| f.round(g.normal(), Overflow::NonSaturating))
-            .collect();
+        let v = rounded(f, rows * k, 3);
         let vf: Vec<f32> = v.iter().map(|&v| v as f32).collect();
         let tf = Tensor::from_vec(&[rows, k], v, f).unwrap();
         let (rf, cf) = (
@@ -372,11 +377,7 @@ fn row_ops(pool: &rayon::ThreadPool) {
             Policy::new(f, Format::F32, Format::F32).with_order(Order::Pairwise { base: 8 }),
         );
         let op = || {
-            black_box(
-                vf.chunks(k)
-                    .map(|r| r.iter().sum::<f32>())
-                    .collect::<Vec<_>>(),
-            );
+            black_box(row_sums(&vf, k));
         };
         report(&format!("sum (fast), {f}"), 51, &op, &|| {
             black_box(sum_threshold_priced(&tf, &rf, &cf, false, conf, Pricing::Fast).unwrap());

@@ -231,7 +231,7 @@ fn reduce(
     };
     let (pr, pc) = &prepared.programs;
     let (cr, cc) = prepared.constants;
-    let Some((packed, row_exp, col_exp)) = pack(a, b, m, k, n, &prepared.weights) else {
+    let Some((mut packed, row_exp, col_exp)) = pack(a, b, m, k, n, &prepared.weights) else {
         return Ok(None);
     };
     // Products exact in f32 (inputs of at most 12 significant bits, or every value of A
@@ -259,7 +259,6 @@ fn reduce(
     // skip the tracking pass (`kernel::run_pair`; the same outputs bit for bit).
     let shortcut = matches!(b, Right::Columns(_)) && narrow;
     let blocks = packed.blocks;
-    let mut packed = packed;
     let (out_r, out_c, _) = kernel::run_pair((pr, pc), &mut packed, det, shortcut);
     pack::recycle(packed.b);
     pack::recycle(packed.lb);

@@ -227,47 +227,42 @@ fn lowest_scaled_f32(x: f32) -> f32 {
 /// by step: `panel[p·W + l]` = line l's element p (lanes past `width` left as they are).
 fn interleave(lines: &[f32], stride: usize, width: usize, panel: &mut [f32]) {
     let k = panel.len() / W;
-    if width < W {
-        for (p, step) in panel.chunks_exact_mut(W).enumerate() {
-            for l in 0..width {
-                step[l] = lines[l * stride + p];
+    // Full blocks: eight steps of all `W` lines at a time; the rest step by step.
+    let full = if width == W { k - k % 8 } else { 0 };
+    if !interleave_vector(lines, stride, full, panel) {
+        // Contiguous reads of each line, one panel block written in order.
+        let mut block = [[0.0f32; 8]; W];
+        for p0 in (0..full).step_by(8) {
+            for (l, b) in block.iter_mut().enumerate() {
+                b.copy_from_slice(&lines[l * stride + p0..l * stride + p0 + 8]);
             }
-        }
-        return;
-    }
-    let full = k - k % 8;
-    #[cfg(target_arch = "x86_64")]
-    {
-        if crate::arch::has(crate::arch::Isa::Avx2Fma) && W == 16 {
-            // SAFETY: the CPU has AVX2 (checked above); `width` is `W` here.
-            unsafe { interleave_avx2(lines, stride, full, panel) };
-            for p in full..k {
-                for l in 0..W {
-                    panel[p * W + l] = lines[l * stride + p];
+            let out = &mut panel[p0 * W..(p0 + 8) * W];
+            for (q, step) in out.chunks_exact_mut(W).enumerate() {
+                for (l, v) in step.iter_mut().enumerate() {
+                    *v = block[l][q];
                 }
-            }
-            return;
-        }
-    }
-    // Eight steps of all `W` lines at a time: contiguous reads of each line, one panel
-    // block written in order.
-    let mut block = [[0.0f32; 8]; W];
-    for p0 in (0..full).step_by(8) {
-        for (l, b) in block.iter_mut().enumerate() {
-            b.copy_from_slice(&lines[l * stride + p0..l * stride + p0 + 8]);
-        }
-        let out = &mut panel[p0 * W..(p0 + 8) * W];
-        for (q, step) in out.chunks_exact_mut(W).enumerate() {
-            for (l, v) in step.iter_mut().enumerate() {
-                *v = block[l][q];
             }
         }
     }
     for p in full..k {
-        for l in 0..W {
+        for l in 0..width {
             panel[p * W + l] = lines[l * stride + p];
         }
     }
+}
+
+/// [`interleave_avx2`] where the CPU has AVX2 (true), else nothing (false).
+fn interleave_vector(lines: &[f32], stride: usize, full: usize, panel: &mut [f32]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::arch::has(crate::arch::Isa::Avx2Fma) && W == 16 {
+            // SAFETY: the CPU has AVX2 (checked above).
+            unsafe { interleave_avx2(lines, stride, full, panel) };
+            return true;
+        }
+    }
+    let _ = (lines, stride, full, panel);
+    false
 }
 
 /// [`interleave`] of all 16 lines over the first `full` steps (a multiple of 8), eight steps
