@@ -143,7 +143,11 @@ class Threshold:
 
     @property
     def expected_relative(self) -> float:
-        """The expected (root-mean-square) relative difference."""
+        """The expected (root-mean-square) relative difference under the rounding model.
+
+        NaN for a guaranteed threshold of a product or sum priced without the model (by two
+        GEMMs of the operands' magnitudes, as the default pricing does): it needs none.
+        """
         return self._core.expected_relative
 
     @property

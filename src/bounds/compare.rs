@@ -245,7 +245,10 @@ pub struct Threshold {
     pub reference_norm: f64,
     /// Bound on max |candᵢ − refᵢ| over the tensor (same confidence, union over elements).
     pub per_element: f64,
-    /// The model's √E‖D‖²_F / ‖ref‖_F: the typical relative difference.
+    /// The model's √E‖D‖²_F / ‖ref‖_F: the typical relative difference. NaN where the
+    /// threshold was priced without the model: a guaranteed threshold of a product (or sum)
+    /// priced by GEMMs ([`Pricing`](crate::bounds::Pricing)), which needs only the terms'
+    /// magnitudes.
     pub expected_relative: f64,
     /// The guaranteed bound on ‖cand − ref‖_F / ‖ref‖_F, for reference.
     pub guaranteed_relative: f64,
@@ -561,6 +564,8 @@ pub(crate) struct ThresholdSums {
     /// bound's logarithms at δ/N (probabilistic only).
     ln_b: f64,
     per_logs: Logs,
+    /// Whether every element came with the model's statistics (else `expected` means nothing).
+    modeled: bool,
 }
 
 impl ThresholdSums {
@@ -587,7 +592,18 @@ impl ThresholdSums {
             per: 0.0,
             ln_b,
             per_logs,
+            modeled: true,
         }
+    }
+
+    /// Add elements of which only the guaranteed bounds are known (a guaranteed threshold
+    /// priced without the model), by the sum of their squares and the largest: the
+    /// threshold's expected difference is then not known (NaN).
+    pub(crate) fn add_guaranteed(&mut self, sum_sq: f64, max: f64) {
+        debug_assert_eq!(self.confidence, Confidence::Guaranteed);
+        self.g2 += sum_sq;
+        self.g_max = self.g_max.max(max);
+        self.modeled = false;
     }
 
     /// Add `count` elements that share the difference statistics `d`.
@@ -638,6 +654,7 @@ impl ThresholdSums {
         self.b = self.b.max(o.b);
         self.e_r += o.e_r;
         self.per = self.per.max(o.per);
+        self.modeled &= o.modeled;
     }
 
     /// Add a group of `count` elements whose differences are identical (computed from
@@ -729,7 +746,11 @@ impl ThresholdSums {
             relative: relative(abs, reference_norm),
             reference_norm,
             per_element,
-            expected_relative: relative(self.expected.sqrt(), reference_norm),
+            expected_relative: if self.modeled {
+                relative(self.expected.sqrt(), reference_norm)
+            } else {
+                f64::NAN
+            },
             guaranteed_relative: relative(g_abs, reference_norm),
             elements: self.elements,
         }

@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::order::{dot_unchecked, sum_unchecked, BlockSum, Order, Products};
 use crate::policy::arith::Arith;
-use crate::policy::{quantize, Policy, Scaling};
+use crate::policy::{quantize_cow, Policy};
 use crate::tensor::Tensor;
 
 fn check_2d(t: &Tensor, what: &str) -> Result<[usize; 2]> {
@@ -109,51 +109,6 @@ pub(crate) fn matmul_acc(
         *v = ar.ro(c);
     }
     Ok(Tensor::from_parts_unchecked(&[m, n], out, policy.output))
-}
-
-/// [`quantize`] without copying when there is nothing to do: the operand's values already
-/// belong to `fmt` (its format is a subset, and no infinity would be saturated) and no FP8
-/// scaling applies — then [`quantize`] would return the same values.
-fn quantize_cow<'a>(
-    t: &'a Tensor,
-    shape: [usize; 2],
-    axis: usize,
-    fmt: Format,
-    policy: &Policy,
-    scale: Option<f64>,
-) -> QuantizedCow<'a> {
-    let scaled = matches!(fmt, Format::E4M3 | Format::E5M2) && policy.scaling != Scaling::None;
-    // Saturation would move infinities; otherwise rounding values of a subset is the identity.
-    let identity = t.format().is_subset_of(fmt)
-        && (policy.input_overflow(fmt) == Overflow::NonSaturating
-            || t.values().iter().all(|x| x.is_finite()));
-    if !scaled && identity {
-        return QuantizedCow {
-            values: std::borrow::Cow::Borrowed(t.values()),
-            scale_inv: 1.0,
-            format: fmt,
-        };
-    }
-    let q = quantize(
-        t.values(),
-        shape,
-        axis,
-        fmt,
-        policy.scaling,
-        scale,
-        policy.input_overflow(fmt),
-    );
-    QuantizedCow {
-        values: std::borrow::Cow::Owned(q.values),
-        scale_inv: q.scale_inv,
-        format: q.format,
-    }
-}
-
-struct QuantizedCow<'a> {
-    values: std::borrow::Cow<'a, [f64]>,
-    scale_inv: f64,
-    format: Format,
 }
 
 /// The smallest of the formats in `Format::ALL` that contains both.

@@ -17,6 +17,7 @@ mod quantize;
 pub(crate) use algorithm::{gelu_f64, gelu_grad_f64};
 pub use algorithm::{AttentionImpl, Variance};
 pub use quantize::{quantize, Quantized};
+pub(crate) use quantize::{quantize_cow, QuantizedCow};
 
 /// How operands are scaled before being quantized to an FP8 input format.
 ///

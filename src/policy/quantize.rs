@@ -2,7 +2,8 @@
 //! under the policy's [`Scaling`].
 
 use crate::format::{Format, Overflow};
-use crate::policy::{per_tensor_scale, Scaling};
+use crate::policy::{per_tensor_scale, Policy, Scaling};
+use crate::tensor::Tensor;
 
 /// An operand ready for the reduction: values (row-major, same shape as the input) and the
 /// inverse per-tensor scale to apply after accumulation (1 when there is none).
@@ -103,4 +104,54 @@ pub fn quantize(
             }
         }
     }
+}
+
+/// [`quantize`] without copying when there is nothing to do: the operand's values already
+/// belong to `fmt` (its format is a subset, and no infinity would be saturated) and no FP8
+/// scaling applies — then [`quantize`] would return the same values.
+pub(crate) fn quantize_cow<'a>(
+    t: &'a Tensor,
+    shape: [usize; 2],
+    axis: usize,
+    fmt: Format,
+    policy: &Policy,
+    scale: Option<f64>,
+) -> QuantizedCow<'a> {
+    let scaled = matches!(fmt, Format::E4M3 | Format::E5M2) && policy.scaling != Scaling::None;
+    // Saturation would move infinities; otherwise rounding values of a subset is the identity.
+    let identity = t.format().is_subset_of(fmt)
+        && (policy.input_overflow(fmt) == Overflow::NonSaturating
+            || t.values().iter().all(|x| x.is_finite()));
+    if !scaled && identity {
+        return QuantizedCow {
+            values: std::borrow::Cow::Borrowed(t.values()),
+            scale_inv: 1.0,
+            format: fmt,
+        };
+    }
+    let q = quantize(
+        t.values(),
+        shape,
+        axis,
+        fmt,
+        policy.scaling,
+        scale,
+        policy.input_overflow(fmt),
+    );
+    QuantizedCow {
+        values: std::borrow::Cow::Owned(q.values),
+        scale_inv: q.scale_inv,
+        format: q.format,
+    }
+}
+
+/// A [`Quantized`] operand that borrows the tensor's values where quantizing leaves them as
+/// they are.
+pub(crate) struct QuantizedCow<'a> {
+    /// As [`Quantized::values`].
+    pub(crate) values: std::borrow::Cow<'a, [f64]>,
+    /// As [`Quantized::scale_inv`].
+    pub(crate) scale_inv: f64,
+    /// As [`Quantized::format`].
+    pub(crate) format: Format,
 }

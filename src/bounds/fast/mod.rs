@@ -6,7 +6,8 @@
 //! * **Guaranteed**: the walk's own bound, Σₚ |aᵢₚ||bₚⱼ|·(w_ref,p + w_cand,p) + c
 //!   ([`dot_guaranteed_weights`](crate::bounds::reduction::dot_guaranteed_weights): Higham's depths, growth factor and underflow terms),
 //!   summed in `f32` over scaled values and inflated by the sum's own rounding error
-//!   ((1 + 2⁻²⁴)^(k+2)) and its underflow (2⁻¹⁴⁹ per term).
+//!   ((1 + 2⁻²⁴)^(k+2)) and its underflow (2⁻¹⁴⁹ per term). A guaranteed threshold alone
+//!   needs nothing else: it is priced by two GEMMs ([`guaranteed`]), without the pass.
 //! * **Probabilistic**: the walk's split, on the values the two declared executions actually
 //!   compute ([`kernel`]). The roundings the walk determines are determined here too, their
 //!   errors summed exactly into the offset (for products exact in `f32`: inputs of at most 12
@@ -39,6 +40,7 @@
 //! sequential runs and additions (sequential, blocked, pairwise, split-K with FP32 partials).
 //! Everything else, and any non-finite or out-of-range value, stays on the walk.
 
+mod guaranteed;
 mod kernel;
 mod pack;
 mod prepared;
@@ -61,6 +63,7 @@ use program::program;
 const STRUCTURE_DELTA: f64 = 1e-3;
 
 /// One side of a matmul as the fast path needs it.
+#[derive(Clone, Copy)]
 pub(crate) struct FastSide<'a> {
     /// The accumulation (its input format: the operands' common format).
     pub acc: &'a Accumulation,
@@ -116,6 +119,12 @@ pub(crate) fn matmul_threshold_fast(
         Epilogue::Mean(_) => None,
     };
     let probabilistic = matches!(confidence, Confidence::Probabilistic { .. });
+    if !probabilistic {
+        // A guaranteed threshold needs no execution: two GEMMs.
+        if let Some(t) = guaranteed::guaranteed_threshold(a, b, epilogue, (m, k, n), r, c)? {
+            return Ok(Some(t));
+        }
+    }
     let Some((reduced, _)) = reduce(a, b, bias, (m, k, n), (r.acc, c.acc), probabilistic)? else {
         return Ok(None);
     };
@@ -215,18 +224,7 @@ fn reduce(
     (r, c): (&Accumulation, &Accumulation),
     probabilistic: bool,
 ) -> Result<Option<(Vec<Reduced>, Vec<usize>)>> {
-    if m == 0 || n == 0 || k == 0 || k > 1 << 24 {
-        return Ok(None);
-    }
-    for acc in [r, c] {
-        if acc.accumulator != Format::F32
-            || acc.products != Products::Exact
-            || !acc.input.is_subset_of(Format::F32)
-        {
-            return Ok(None);
-        }
-    }
-    let Some(prepared) = prepared(r, c, k)? else {
+    let Some(prepared) = prepared_for((m, k, n), (r, c))? else {
         return Ok(None);
     };
     let (pr, pc) = &prepared.programs;
@@ -349,6 +347,27 @@ fn reduce(
         return Ok(None);
     }
     Ok(Some((reduced, column_class)))
+}
+
+/// The programs and weights of the two accumulations over k terms, where the fast path
+/// applies: a non-empty product with k ≤ 2²⁴, FP32 accumulation of exact products of FP32
+/// values or narrower, orders the lane kernel executes (every rounding in FP32).
+fn prepared_for(
+    (m, k, n): (usize, usize, usize),
+    (r, c): (&Accumulation, &Accumulation),
+) -> Result<Option<std::sync::Arc<prepared::Prepared>>> {
+    if m == 0 || n == 0 || k == 0 || k > 1 << 24 {
+        return Ok(None);
+    }
+    for acc in [r, c] {
+        if acc.accumulator != Format::F32
+            || acc.products != Products::Exact
+            || !acc.input.is_subset_of(Format::F32)
+        {
+            return Ok(None);
+        }
+    }
+    prepared(r, c, k)
 }
 
 /// Classes of identical lines: (first member, size) each.

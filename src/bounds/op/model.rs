@@ -223,7 +223,8 @@ pub struct Gain {
 pub enum Pricing {
     /// [`Pricing::Fast`] for products of at least 2²² multiply-adds, or 2²⁰ with at least
     /// 4,096 outputs (for sums: summed values, rows); [`Pricing::Walk`] below, where the walk
-    /// takes at most a second or two.
+    /// takes at most a second or two. A guaranteed threshold takes the fast path at every
+    /// size: it is two GEMMs there (within 10⁻⁴ of the walk's bound, never below it).
     #[default]
     Auto,
     /// Every rounding visited by the determined-rounding walk (papers/bounds-reductions.md
@@ -244,10 +245,14 @@ pub enum Pricing {
 
 impl Pricing {
     /// Whether the fast pass prices an op of `work` multiply-adds (summed values) into
-    /// `outputs` elements.
-    pub(crate) fn takes_fast(self, work: u128, outputs: usize) -> bool {
+    /// `outputs` elements at `confidence`.
+    pub(crate) fn takes_fast(self, work: u128, outputs: usize, confidence: Confidence) -> bool {
         match self {
-            Pricing::Auto => work >= 1 << 22 || (work >= 1 << 20 && outputs >= 4096),
+            Pricing::Auto => {
+                confidence == Confidence::Guaranteed
+                    || work >= 1 << 22
+                    || (work >= 1 << 20 && outputs >= 4096)
+            }
             Pricing::Walk => false,
             Pricing::Fast => true,
         }

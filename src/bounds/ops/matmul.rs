@@ -3,35 +3,28 @@
 
 use super::*;
 use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
+use crate::policy::{quantize_cow, QuantizedCow};
 use crate::trace::ModuleKind;
 
-pub(super) struct Side {
-    pub(super) q_a: Quantized,
-    pub(super) q_b: Quantized,
+pub(super) struct Side<'a> {
+    pub(super) q_a: QuantizedCow<'a>,
+    pub(super) q_b: QuantizedCow<'a>,
     pub(super) acc: Accumulation,
     pub(super) factor: Option<f64>,
     pub(super) policy: Policy,
 }
 
-pub(super) fn side(a: &Tensor, b: &Tensor, m: usize, k: usize, n: usize, policy: &Policy) -> Side {
-    let q_a = quantize(
-        a.values(),
-        [m, k],
-        1,
-        policy.input(),
-        policy.scaling,
-        None,
-        policy.input_overflow(policy.input()),
-    );
-    let q_b = quantize(
-        b.values(),
-        [k, n],
-        0,
-        policy.rhs(),
-        policy.scaling,
-        None,
-        policy.input_overflow(policy.rhs()),
-    );
+/// One side's operands as it quantizes them (borrowed where that leaves them as they are).
+pub(super) fn side<'a>(
+    a: &'a Tensor,
+    b: &'a Tensor,
+    m: usize,
+    k: usize,
+    n: usize,
+    policy: &Policy,
+) -> Side<'a> {
+    let q_a = quantize_cow(a, [m, k], 1, policy.input(), policy, None);
+    let q_b = quantize_cow(b, [k, n], 0, policy.rhs(), policy, None);
     let mut acc = policy.accumulation.clone();
     acc.input = if q_b.format.is_subset_of(q_a.format) {
         q_a.format
@@ -169,10 +162,11 @@ pub fn matmul_threshold_priced(
     };
     let r = side(a, b, m, k, n, reference);
     let c = side(a, b, m, k, n, candidate);
-    let same_operands =
-        r.q_a.values == c.q_a.values && r.q_b.values == c.q_b.values && r.factor == c.factor;
+    let same_operands = same_values(&r.q_a.values, &c.q_a.values)
+        && same_values(&r.q_b.values, &c.q_b.values)
+        && r.factor == c.factor;
     let identical = reference.same_execution(candidate);
-    let fast = pricing.takes_fast((m as u128) * (k as u128) * (n as u128), m * n);
+    let fast = pricing.takes_fast((m as u128) * (k as u128) * (n as u128), m * n, confidence);
     let in_scope = !identical && same_operands && r.factor.is_none() && c.factor.is_none();
     let pass = |confidence: Confidence| {
         crate::bounds::fast::matmul_threshold_fast(
@@ -199,7 +193,7 @@ pub fn matmul_threshold_priced(
     // Identical rows of A (as both sides quantize them) and identical columns of B (with their
     // bias) give identical output differences: price each pair of classes once.
     let (_, rows) = row_classes(&side_by_side(&r.q_a.values, k, &c.q_a.values, k), 2 * k);
-    let column = |q: &Quantized| -> Vec<f64> {
+    let column = |q: &QuantizedCow| -> Vec<f64> {
         (0..n)
             .flat_map(|j| (0..k).map(move |p| (j, p)))
             .map(|(j, p)| q.values[p * n + j])
@@ -329,6 +323,14 @@ pub fn matmul_threshold_priced(
         &|conf| Ok(grouped_threshold(&groups, norm, conf, m * n)),
         &run,
     )
+}
+
+/// `a == b` element by element (NaN equal to nothing), in lanes that vectorize.
+fn same_values(a: &[f64], b: &[f64]) -> bool {
+    a.len() == b.len()
+        && a.chunks(16)
+            .zip(b.chunks(16))
+            .all(|(x, y)| x.iter().zip(y).fold(true, |eq, (p, q)| eq & (p == q)))
 }
 
 /// The exact value f·Σₚ a_ip·b_pj of one side (f its FP8 rescale factor), via the long

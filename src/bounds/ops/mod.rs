@@ -19,7 +19,6 @@ use crate::exact::ExactAccumulator;
 use crate::format::Format;
 use crate::order::{product_exponent, Accumulation, Products};
 use crate::policy::Policy;
-use crate::policy::{quantize, Quantized};
 use crate::tensor::Tensor;
 
 mod matmul;

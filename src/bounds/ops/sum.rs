@@ -110,7 +110,7 @@ pub fn sum_threshold_priced(
     accc.input = candidate.input();
     let identical = reference.same_execution(candidate);
     let inv_n = if n > 0 { 1.0 / n as f64 } else { 0.0 };
-    let fast = pricing.takes_fast(x.len() as u128, rows);
+    let fast = pricing.takes_fast(x.len() as u128, rows, confidence);
     if fast && !identical && rows > 0 && same_values() {
         // ones(1 × n) · xᵀ: exact products, the rows of x as B's columns.
         let exact_products = |acc: &Accumulation| {
