@@ -104,30 +104,30 @@ fn invalid(py: Python<'_>, name: &'static str, reason: String) -> PyErr {
 fn tensor(py: Python<'_>, array: &Bound<'_, PyAny>, format: &str, what: &str) -> PyResult<Tensor> {
     let fmt: Format = guard(py, || format.parse())?;
     let shape: Vec<usize>;
+    // Values decoded from their own format's encoding (every format but TF32, whose values
+    // arrive as FP32 and are checked) are that format's values by construction.
+    let decoded = fmt != Format::TF32;
     let values: Vec<f64> = match fmt {
         Format::F64 => {
             let a: PyReadonlyArrayDyn<'_, f64> = extract(py, array, "float64", what)?;
             shape = a.shape().to_vec();
-            a.as_array().iter().copied().collect()
+            widened(&a, |v| v)
         }
         Format::F32 | Format::TF32 => {
             let a: PyReadonlyArrayDyn<'_, f32> = extract(py, array, "float32", what)?;
             shape = a.shape().to_vec();
-            a.as_array().iter().map(|&v| f64::from(v)).collect()
+            widened(&a, f64::from)
         }
         Format::F16 => {
             let a: PyReadonlyArrayDyn<'_, half::f16> = extract(py, array, "float16", what)?;
             shape = a.shape().to_vec();
-            a.as_array().iter().map(|&v| f64::from(v)).collect()
+            widened(&a, f64::from)
         }
         Format::BF16 => {
             let a: PyReadonlyArrayDyn<'_, u16> =
                 extract(py, array, "uint16 (BF16 bit patterns)", what)?;
             shape = a.shape().to_vec();
-            a.as_array()
-                .iter()
-                .map(|&p| f64::from(f32::from_bits(u32::from(p) << 16)))
-                .collect()
+            widened(&a, |p| f64::from(f32::from_bits(u32::from(p) << 16)))
         }
         Format::E4M3 | Format::E5M2 => {
             let a: PyReadonlyArrayDyn<'_, u8> =
@@ -153,7 +153,26 @@ fn tensor(py: Python<'_>, array: &Bound<'_, PyAny>, format: &str, what: &str) ->
             ))
         }
     };
+    if decoded {
+        // (The shape is the array's own: it holds exactly these elements.)
+        return Ok(Tensor::from_parts_unchecked(&shape, values, fmt));
+    }
     guard(py, || Tensor::from_vec(&shape, values, fmt))
+}
+
+/// An array's elements in row-major order, each widened to `f64` by `f`: straight from its
+/// memory when it is contiguous in that order (vectorized), element by element otherwise.
+fn widened<T: numpy::Element + Copy>(
+    a: &PyReadonlyArrayDyn<'_, T>,
+    f: impl Fn(T) -> f64,
+) -> Vec<f64> {
+    // ndarray's `as_slice`: `Some` only in standard (row-major) layout, where NumPy's would
+    // also take a Fortran-ordered array's memory as it lies.
+    let view = a.as_array();
+    match view.as_slice() {
+        Some(values) => values.iter().map(|&v| f(v)).collect(),
+        None => view.iter().map(|&v| f(v)).collect(),
+    }
 }
 
 fn extract<'py, T: numpy::Element>(
