@@ -8,7 +8,7 @@
 //!   the same shape;
 //! * sum, softmax, LayerNorm: the threshold (sequential vs pairwise 8) ÷ a native f32 loop
 //!   computing the op on the same rows (sums priced both ways, `Pricing::Walk` and
-//!   `Pricing::Fast`), and the floor of a sum threshold priced from its executions' roundings
+//!   `Pricing::Fast`, and guaranteed), and the floor of a sum threshold priced from its executions' roundings
 //!   (`sum_floor`).
 //!
 //! Run with `MATMUL_NUM_THREADS=1 cargo bench --bench pricing`. `PRICING_SHAPES` lists the
@@ -385,6 +385,12 @@ fn row_ops(pool: &rayon::ThreadPool) {
             black_box(sum_threshold_priced(&tf, &rf, &cf, false, conf, Pricing::Fast).unwrap());
         });
     }
+    // A guaranteed sum threshold: Σ|x|·w per row (two GEMMs, here matrix-vector products).
+    report("sum, guaranteed", 51, &sum_op, &|| {
+        black_box(
+            sum_threshold_priced(&t, &r, &c, false, Confidence::Guaranteed, Pricing::Auto).unwrap(),
+        );
+    });
     report("sum floor", 51, &sum_op, &|| {
         black_box(sum_floor(black_box(&xf), rows, k));
     });

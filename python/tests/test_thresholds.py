@@ -177,6 +177,42 @@ def test_linear_pricing_fast_holds_and_stays_near_the_walk():
         ttrace.linear_threshold(x, w, reference=ref, candidate=cand, pricing="quick")
 
 
+def test_guaranteed_linear_threshold_is_the_walks_bound_by_two_gemms():
+    # The default prices a guaranteed request by two GEMMs of magnitudes: the walk's bound
+    # (exact f64 sums of the same formula) within 1e-4 and never below it, with no model
+    # behind it (expected_relative NaN), and a NumPy execution of both orders within it.
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(24, 384, generator=g).to(torch.bfloat16)
+    w = (torch.randn(40, 384, generator=g) + 0.25).to(torch.bfloat16)
+    b = torch.randn(40, generator=g).to(torch.bfloat16)
+    ref, cand = "in=bf16,acc=f32,out=f32", "in=bf16,acc=f32,out=f32,order=splitk:4:f32:tree"
+    gemm = ttrace.linear_threshold(x, w, b, reference=ref, candidate=cand, guaranteed=True)
+    walk = ttrace.linear_threshold(x, w, b, reference=ref, candidate=cand, guaranteed=True,
+                                   pricing="walk")
+    assert gemm.delta is None and walk.delta is None
+    for got, want in [(gemm.abs_frobenius, walk.abs_frobenius),
+                      (gemm.per_element, walk.per_element)]:
+        assert want <= got <= want * (1 + 1e-4)
+    assert np.isnan(gemm.expected_relative) and not np.isnan(walk.expected_relative)
+    prods = x.double().numpy()[:, :, None] * w.double().numpy().T[None, :, :]
+    r = prods.astype(np.float32)
+    bias = b.float().numpy()
+
+    def chain(lo: int, hi: int) -> "np.ndarray":
+        s = r[:, lo, :].copy()
+        for p in range(lo + 1, hi):
+            s = (s + r[:, p, :]).astype(np.float32)
+        return s
+
+    seq = (chain(0, 384) + bias).astype(np.float32)
+    parts = [chain(96 * q, 96 * (q + 1)) for q in range(4)]
+    tree = ((parts[0] + parts[1]).astype(np.float32)
+            + (parts[2] + parts[3]).astype(np.float32)).astype(np.float32)
+    tree = (tree + bias).astype(np.float32)
+    assert not np.array_equal(seq, tree)
+    assert gemm.check(seq, tree).passed
+
+
 @pytest.mark.parametrize("mean", [False, True])
 def test_sum_pricing_fast_holds_and_stays_near_the_walk(mean):
     # BF16 rows summed in FP32, sequential vs split over 4 (tree): a NumPy execution of both
