@@ -211,6 +211,52 @@ fn every_op_through_the_registry_holds_against_the_engine() {
     assert_eq!(executed, 15, "every op but exp and allreduce executed");
 }
 
+/// `linear` hands nn.Linear's weight [n, k] to the fast paths as it lies (B's columns) and to
+/// the walk transposed: the thresholds are those of `matmul` on the transposed weight on every
+/// path (the pass bit for bit; the guaranteed GEMMs up to the order of their f64 column sums),
+/// and they hold for the engine's executions.
+#[test]
+fn linear_reads_the_weight_as_it_lies() {
+    use ttrace::bounds::{matmul_threshold_priced, Pricing};
+    let reference: OpSide = "in=bf16,acc=f32,out=bf16".parse().unwrap();
+    let candidate: OpSide = "in=bf16,acc=f32,out=bf16,order=splitk:4:f32:tree"
+        .parse()
+        .unwrap();
+    // 4,096 outputs: the pass follows grids only (fewer: exact values and parities too).
+    let (m, k, n) = (64, 128, 64);
+    let role = OperandRole::Data;
+    let x = synthetic(&[m, k], role, "linear.x", Format::BF16);
+    let w = synthetic(&[n, k], role, "linear.w", Format::BF16);
+    let bias = synthetic(&[n], role, "linear.bias", Format::BF16);
+    let wt = ttrace::engine::transpose(&w, "w").unwrap();
+    let (rp, cp) = (&reference.policy, &candidate.policy);
+    let run = |p: &Policy| linear(&x, &w, Some(&bias), p).unwrap();
+    let (r, c) = (run(rp), run(cp));
+    for pricing in [Pricing::Auto, Pricing::Fast, Pricing::Walk] {
+        let options = OpOptions {
+            pricing,
+            ..OpOptions::default()
+        };
+        for conf in [Confidence::Guaranteed, Confidence::default_probabilistic()] {
+            let inputs = [&x, &w, &bias];
+            let got =
+                op_threshold(Op::Linear, &inputs, &reference, &candidate, &options, conf).unwrap();
+            let want =
+                matmul_threshold_priced(&x, &wt, Some(&bias), rp, cp, conf, pricing).unwrap();
+            let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs();
+            assert!(
+                close(got.abs_frobenius, want.abs_frobenius)
+                    && close(got.per_element, want.per_element),
+                "{pricing:?} {conf:?}: {got:?} vs {want:?}"
+            );
+            if matches!(conf, Confidence::Probabilistic { .. }) {
+                assert_eq!(got, want, "{pricing:?}: the model's threshold bit for bit");
+            }
+            assert!(got.check(&r, &c).passed, "{pricing:?} {conf:?}");
+        }
+    }
+}
+
 /// A threshold judges only results of the data it priced: tensors of another element count,
 /// or of none (a vacuous pass), fail with the reason, whatever their difference.
 #[test]

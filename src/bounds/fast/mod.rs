@@ -76,8 +76,9 @@ pub(crate) struct FastSide<'a> {
 pub(crate) enum Right<'a> {
     /// Row-major [k, n].
     Rows(&'a [f64]),
-    /// Its transpose, row-major [n, k]: the rows of a tensor whose sums are priced (a sum
-    /// over the last dimension is ones(1 × k) times the tensor's transpose).
+    /// Its transpose, row-major [n, k]: `nn.Linear`'s weight, or the rows of a tensor whose
+    /// sums are priced (a sum over the last dimension is ones(1 × k) times the tensor's
+    /// transpose).
     Columns(&'a [f64]),
 }
 
@@ -239,7 +240,9 @@ fn reduce(
     // 1.0× where the tail margins weigh most, with fewer than 4,096 outputs (at 4,096, 1.13×
     // without it), and on sums, whose terms times one leave nearly every rounding
     // determined (up to 5× without it; papers/bounds-reductions.md §5.1).
-    let track = matches!(b, Right::Columns(_)) || m * n < 4096;
+    // A sum: ones(1 × k) times B (B's columns summed), whichever way B is held.
+    let summing = m == 1 && a[..k].iter().all(|&x| x == 1.0);
+    let track = summing || m * n < 4096;
     let narrow = r.input.precision() <= 12 && c.input.precision() <= 12;
     let powers_of_two = || {
         a[..m * k]
@@ -255,7 +258,7 @@ fn reduce(
     };
     // A sum of narrow values (BF16, FP16, FP8) is often exact at every step: those outputs
     // skip the tracking pass (`kernel::run_pair`; the same outputs bit for bit).
-    let shortcut = matches!(b, Right::Columns(_)) && narrow;
+    let shortcut = summing && narrow;
     let blocks = packed.blocks;
     let (out_r, out_c, _) = kernel::run_pair((pr, pc), &mut packed, det, shortcut);
     pack::recycle(packed.b);

@@ -6,7 +6,7 @@ use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, Operan
 use crate::policy::{quantize_cow, QuantizedCow};
 use crate::trace::ModuleKind;
 
-pub(super) struct Side<'a> {
+struct Side<'a> {
     pub(super) q_a: QuantizedCow<'a>,
     pub(super) q_b: QuantizedCow<'a>,
     pub(super) acc: Accumulation,
@@ -14,17 +14,20 @@ pub(super) struct Side<'a> {
     pub(super) policy: Policy,
 }
 
-/// One side's operands as it quantizes them (borrowed where that leaves them as they are).
-pub(super) fn side<'a>(
+/// One side's operands as it quantizes them (borrowed where that leaves them as they are),
+/// B in the layout it is held in.
+fn side<'a>(
     a: &'a Tensor,
-    b: &'a Tensor,
-    m: usize,
-    k: usize,
-    n: usize,
+    b: RightTensor<'a>,
+    (m, k, n): (usize, usize, usize),
     policy: &Policy,
 ) -> Side<'a> {
     let q_a = quantize_cow(a, [m, k], 1, policy.input(), policy, None);
-    let q_b = quantize_cow(b, [k, n], 0, policy.rhs(), policy, None);
+    let q_b = match b {
+        RightTensor::Rows(b) => quantize_cow(b, [k, n], 0, policy.rhs(), policy, None),
+        // B's columns are the rows of its transpose: blocks still run along k.
+        RightTensor::Columns(w) => quantize_cow(w, [n, k], 1, policy.rhs(), policy, None),
+    };
     let mut acc = policy.accumulation.clone();
     acc.input = if q_b.format.is_subset_of(q_a.format) {
         q_a.format
@@ -137,16 +140,54 @@ pub fn matmul_threshold_priced(
     confidence: Confidence,
     pricing: Pricing,
 ) -> Result<Threshold> {
+    let policies = (reference, candidate);
+    priced(
+        a,
+        RightTensor::Rows(b),
+        bias,
+        policies,
+        confidence,
+        (pricing, false),
+    )
+}
+
+/// B of a product as the caller holds it: [k, n], or its transpose [n, k] (`nn.Linear`'s
+/// weight), which the fast paths read as it lies (B's columns) and the walk transposed.
+#[derive(Clone, Copy)]
+enum RightTensor<'a> {
+    Rows(&'a Tensor),
+    Columns(&'a Tensor),
+}
+
+/// [`matmul_threshold_priced`] for B held either way; `tried`: the pass has already priced
+/// (and declined) this request.
+fn priced(
+    a: &Tensor,
+    b: RightTensor,
+    bias: Option<&Tensor>,
+    (reference, candidate): (&Policy, &Policy),
+    confidence: Confidence,
+    (pricing, tried): (Pricing, bool),
+) -> Result<Threshold> {
     reference.validate()?;
     candidate.validate()?;
     let sa = a.expect_rank(2, "matmul threshold: A")?;
-    let sb = b.expect_rank(2, "matmul threshold: B")?;
-    let (m, k, n) = (sa[0], sa[1], sb[1]);
-    if sb[0] != k {
+    let (m, k) = (sa[0], sa[1]);
+    let (kb, n) = match b {
+        RightTensor::Rows(t) => {
+            let sb = t.expect_rank(2, "matmul threshold: B")?;
+            (sb[0], sb[1])
+        }
+        RightTensor::Columns(t) => {
+            let sw = t.expect_rank(2, "linear threshold: weight")?;
+            (sw[1], sw[0])
+        }
+    };
+    if kb != k {
         return Err(Error::ShapeMismatch {
             what: "matmul threshold: inner dimensions of A [m, k] and B [k, n] differ".into(),
             expected: vec![k, n],
-            found: sb.to_vec(),
+            found: vec![kb, n],
         });
     }
     let bias_vals = match bias {
@@ -160,8 +201,8 @@ pub fn matmul_threshold_priced(
         Some(t) => Some(t.values().to_vec()),
         None => None,
     };
-    let r = side(a, b, m, k, n, reference);
-    let c = side(a, b, m, k, n, candidate);
+    let r = side(a, b, (m, k, n), reference);
+    let c = side(a, b, (m, k, n), candidate);
     let same_operands = same_values(&r.q_a.values, &c.q_a.values)
         && same_values(&r.q_b.values, &c.q_b.values)
         && r.factor == c.factor;
@@ -171,7 +212,10 @@ pub fn matmul_threshold_priced(
     let pass = |confidence: Confidence| {
         crate::bounds::fast::matmul_threshold_fast(
             &r.q_a.values,
-            Right::Rows(&r.q_b.values),
+            match b {
+                RightTensor::Rows(_) => Right::Rows(&r.q_b.values),
+                RightTensor::Columns(_) => Right::Columns(&r.q_b.values),
+            },
             Epilogue::Bias(bias_vals.as_deref()),
             (m, k, n),
             FastSide {
@@ -185,10 +229,24 @@ pub fn matmul_threshold_priced(
             confidence,
         )
     };
-    if fast && in_scope {
+    if fast && in_scope && !tried {
         if let Some(t) = pass(confidence)? {
             return Ok(t);
         }
+    }
+    if let RightTensor::Columns(w) = b {
+        // The walk reads B by rows.
+        let transposed = crate::engine::transpose(w, "weight")?;
+        let policies = (reference, candidate);
+        let tried = fast && in_scope;
+        return priced(
+            a,
+            RightTensor::Rows(&transposed),
+            bias,
+            policies,
+            confidence,
+            (pricing, tried),
+        );
     }
     // Identical rows of A (as both sides quantize them) and identical columns of B (with their
     // bias) give identical output differences: price each pair of classes once.
@@ -312,7 +370,11 @@ pub fn matmul_threshold_priced(
         return Ok(Threshold::identical(confidence, norm, m * n));
     }
     let run = || {
-        let w = crate::engine::transpose(b, "b").ok()?;
+        // The engine's linear takes nn.Linear's weight: Bᵀ.
+        let w = match b {
+            RightTensor::Rows(b) => crate::engine::transpose(b, "b").ok()?,
+            RightTensor::Columns(w) => w.clone(),
+        };
         each_member((reference, candidate), |_, p| {
             let y = crate::engine::linear(a, &w, bias, p);
             y.ok().map(Tensor::into_values)
@@ -335,7 +397,7 @@ fn same_values(a: &[f64], b: &[f64]) -> bool {
 
 /// The exact value f·Σₚ a_ip·b_pj of one side (f its FP8 rescale factor), via the long
 /// accumulator.
-pub(super) fn exact_value(s: &Side, i: usize, j: usize, _m: usize, k: usize, n: usize) -> f64 {
+fn exact_value(s: &Side, i: usize, j: usize, _m: usize, k: usize, n: usize) -> f64 {
     let mut acc = ExactAccumulator::new();
     for p in 0..k {
         acc.add_product(s.q_a.values[i * k + p], s.q_b.values[p * n + j]);
@@ -385,21 +447,20 @@ impl OpModel for MatmulModel {
         options: &OpOptions,
         confidence: Confidence,
     ) -> Result<Threshold> {
-        let transposed;
+        // nn.Linear's weight [n, k] holds B's columns as they lie: the fast paths read it so,
+        // the walk transposes it.
         let b = if self.weight_rows {
-            transposed = crate::engine::transpose(inputs[1], "weight")?;
-            &transposed
+            RightTensor::Columns(inputs[1])
         } else {
-            inputs[1]
+            RightTensor::Rows(inputs[1])
         };
-        matmul_threshold_priced(
+        priced(
             inputs[0],
             b,
             inputs.get(2).copied(),
-            &reference.policy,
-            &candidate.policy,
+            (&reference.policy, &candidate.policy),
             confidence,
-            options.pricing,
+            (options.pricing, false),
         )
     }
 
