@@ -189,3 +189,57 @@ fn walk_priced_thresholds_do_not_depend_on_the_thread_count() {
         assert_eq!(on(threads), one, "{threads} threads");
     }
 }
+
+/// Guaranteed thresholds priced by GEMMs split the rows among the threads for the GEMMs and
+/// gather the tensor's sums in fixed parts of rows: the same bits on 1, 2 and 3 threads
+/// (a product of 300 rows, five parts, and a sum).
+#[test]
+fn gemm_priced_guaranteed_thresholds_do_not_depend_on_the_thread_count() {
+    use ttrace::bounds::{matmul_threshold, sum_threshold};
+    let (m, k, n) = (300, 200, 36);
+    let a = Tensor::from_vec(&[m, k], data(m * k, 51, 0, Format::BF16), Format::BF16).unwrap();
+    let b = Tensor::from_vec(&[k, n], data(k * n, 52, 3, Format::BF16), Format::BF16).unwrap();
+    let r = Policy::new(Format::BF16, Format::F32, Format::BF16);
+    let c = r
+        .clone()
+        .with_order(Order::split_k(4, Format::F32, Combine::Tree));
+    let g = Confidence::Guaranteed;
+    let all = || {
+        [
+            matmul_threshold(&a, &b, None, &r, &c, g).unwrap(),
+            sum_threshold(&a, &r, &c, true, g).unwrap(),
+        ]
+    };
+    let on = |threads: usize| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(all)
+    };
+    let one = on(1);
+    // Priced by the GEMMs (no model behind them), not by the walk.
+    assert!(one
+        .iter()
+        .all(|t| t.abs_frobenius > 0.0 && t.expected_relative.is_nan()));
+    for threads in [2, 3] {
+        let got = on(threads);
+        for (x, y) in got.iter().zip(&one) {
+            assert_eq!(
+                x.abs_frobenius.to_bits(),
+                y.abs_frobenius.to_bits(),
+                "{threads}"
+            );
+            assert_eq!(
+                x.per_element.to_bits(),
+                y.per_element.to_bits(),
+                "{threads}"
+            );
+            assert_eq!(
+                x.reference_norm.to_bits(),
+                y.reference_norm.to_bits(),
+                "{threads}"
+            );
+        }
+    }
+}
