@@ -58,6 +58,9 @@ fn side<'a>(
 /// times one GEMM), small ones — and data the model's structure test rejects — by the
 /// determined-rounding walk (about 250 ns per multiply-add and side);
 /// [`matmul_threshold_priced`] chooses. Either way O(m·n·k), like the matmul itself. A
+/// guaranteed threshold needs no model: it is priced by two GEMMs of the operands'
+/// magnitudes (a few times one GEMM; papers/bounds-reductions.md §5.1) where the fast path
+/// applies, at every size. A
 /// probabilistic threshold from the walk is checked by the engine's executions of both
 /// declared orders (`checked_by_executions`: where they contradict the model at δ = 10⁻³, the
 /// guaranteed threshold is returned, its `confidence` saying so).
