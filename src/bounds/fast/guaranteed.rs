@@ -11,7 +11,7 @@
 //! (Higham 2002, §3.1, for sums of nonnegative terms; u = 2⁻²⁴):
 //! * |a|·wₚ is rounded to `f32` once, through `f64`: it is at most (â + 2⁻¹⁵⁰)(1 + 2⁻²³) for
 //!   the stored â (2⁻¹⁵⁰: half the subnormal spacing, should it underflow), so a term is at
-//!   most â|b|(1 + 2⁻²³) + 2⁻¹⁵⁰|b| (B's values are FP32 values: exact);
+//!   most â|b|(1 + 2⁻²³) + 2⁻¹⁴⁹|b| (B's values are FP32 values: exact);
 //! * each of the k nonnegative terms passes through at most k + 1 roundings (its product, the
 //!   additions within the kernel's block, the additions of the blocks into C), each keeping at
 //!   least (1 − u) of a normal value and losing at most 2⁻¹⁵⁰ of a subnormal one, 2k + 1
@@ -103,13 +103,14 @@ pub(crate) fn guaranteed_threshold(
         return Ok(None);
     }
     let u = 2f64.powi(-24);
-    // Per output: Σ|a|w|b| ≤ the GEMM's Ĝ·`lift` + `floor`, with (1 − u)^-(k+1) (with room
-    // for its own evaluation) and the roundings' underflow (k + 1)·2⁻¹⁴⁹, and the terms' own
-    // (1 + 2⁻²³) and 2⁻¹⁵⁰ of |b| each.
+    // Per output: Σ|a|w|b| ≤ the GEMM's Ĝ·`lift` + `floor` + `b_floor`·max|b|, with
+    // (1 − u)^-(k+1) (with room for its own evaluation) and the roundings' underflow
+    // (k + 1)·2⁻¹⁴⁹, and the terms' own (1 + 2⁻²³) and underflow.
     let inflate = (-((k + 1) as f64) * (-u).ln_1p()).exp() * (1.0 + 1e-9);
     let lift = (1.0 + 2f64.powi(-23)) * inflate;
     let floor = (k + 1) as f64 * 2f64.powi(-149) * lift + cr + cc;
-    let b_floor = k as f64 * 2f64.powi(-150);
+    // (2⁻¹⁵⁰·(1 + 2⁻²³) ≤ 2⁻¹⁴⁹ of each |b|.)
+    let b_floor = k as f64 * 2f64.powi(-149);
     let (ar, ac) = (r.policy.accumulator(), c.policy.accumulator());
     let outputs = (r.policy.output, c.policy.output);
     let reduced = (r.acc.order.result_format(ar), c.acc.order.result_format(ac));
