@@ -176,13 +176,7 @@ fn walk_priced_thresholds_do_not_depend_on_the_thread_count() {
             .unwrap(),
         ]
     };
-    let on = |threads: usize| {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .unwrap()
-            .install(all)
-    };
+    let on = |threads: usize| on_threads(threads, all);
     let one = on(1);
     assert!(one.iter().all(|t| t.abs_frobenius > 0.0), "{one:?}");
     for threads in [2, 3] {
@@ -210,13 +204,7 @@ fn gemm_priced_guaranteed_thresholds_do_not_depend_on_the_thread_count() {
             sum_threshold(&a, &r, &c, true, g).unwrap(),
         ]
     };
-    let on = |threads: usize| {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .unwrap()
-            .install(all)
-    };
+    let on = |threads: usize| on_threads(threads, all);
     let one = on(1);
     // Priced by the GEMMs (no model behind them), not by the walk.
     assert!(one
@@ -242,4 +230,13 @@ fn gemm_priced_guaranteed_thresholds_do_not_depend_on_the_thread_count() {
             );
         }
     }
+}
+
+/// `f()` on a rayon pool of `threads` threads.
+fn on_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap()
+        .install(f)
 }

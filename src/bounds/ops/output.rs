@@ -16,48 +16,46 @@ pub(crate) fn round_sides(
     target: (Format, Format),
     magnitude: f64,
 ) {
-    let need_r = !cur.0.is_subset_of(target.0);
-    let need_c = !cur.1.is_subset_of(target.1);
-    if target.0 == target.1 {
-        match (need_r, need_c) {
-            (true, true) => d.round_both(target.0, magnitude),
-            (true, false) | (false, true) => d.round_snap(target.0, magnitude),
-            (false, false) => {}
-        }
-    } else {
-        if need_r {
-            d.round_one(target.0, magnitude);
-        }
-        if need_c {
-            d.round_one(target.1, magnitude);
+    match GuaranteedRounding::new(cur, target) {
+        GuaranteedRounding::None => {}
+        GuaranteedRounding::Both(f) => d.round_both(f, magnitude),
+        GuaranteedRounding::Snap(f) => d.round_snap(f, magnitude),
+        GuaranteedRounding::Apart(r, c) => {
+            for f in [r, c].into_iter().flatten() {
+                d.round_one(f, magnitude);
+            }
         }
     }
 }
 
-/// [`round_sides`] for a difference of which only the guaranteed bound is wanted, planned once
-/// for many elements: what the same roundings add to the guaranteed bound (ulps at the
-/// magnitude plus the bound so far), without the model's statistics.
+/// Which trailing roundings [`round_sides`] performs, decided once for many elements; with
+/// [`apply`](Self::apply), what they add to a guaranteed bound alone (ulps at the magnitude
+/// plus the bound so far), without the model's statistics.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum GuaranteedRounding {
     /// No side rounds.
     None,
-    /// Each side that rounds adds half an ulp of its format, the reference's first.
-    Halves(Option<Format>, Option<Format>),
-    /// Both sides round to one format: one ulp.
+    /// Both sides round to one format (nearly equal values): one ulp.
     Both(Format),
+    /// One side rounds onto the grid the other's value lies on: half an ulp.
+    Snap(Format),
+    /// The sides round to different formats, each that rounds independently (the
+    /// reference's first): half an ulp each.
+    Apart(Option<Format>, Option<Format>),
 }
 
 impl GuaranteedRounding {
-    /// The plan for values in formats `cur` rounded to `target`, as [`round_sides`] rounds
-    /// them.
+    /// The roundings of values in formats `cur` rounded to `target`.
     pub(crate) fn new(cur: (Format, Format), target: (Format, Format)) -> GuaranteedRounding {
         let need_r = !cur.0.is_subset_of(target.0);
         let need_c = !cur.1.is_subset_of(target.1);
         match (need_r, need_c) {
             (false, false) => GuaranteedRounding::None,
-            (true, true) if target.0 == target.1 => GuaranteedRounding::Both(target.0),
-            _ if target.0 == target.1 => GuaranteedRounding::Halves(Some(target.0), None),
-            _ => GuaranteedRounding::Halves(need_r.then_some(target.0), need_c.then_some(target.1)),
+            _ if target.0 != target.1 => {
+                GuaranteedRounding::Apart(need_r.then_some(target.0), need_c.then_some(target.1))
+            }
+            (true, true) => GuaranteedRounding::Both(target.0),
+            _ => GuaranteedRounding::Snap(target.0),
         }
     }
 
@@ -68,7 +66,8 @@ impl GuaranteedRounding {
         match self {
             GuaranteedRounding::None => guaranteed,
             GuaranteedRounding::Both(f) => guaranteed + ulp(f, guaranteed),
-            GuaranteedRounding::Halves(r, c) => {
+            GuaranteedRounding::Snap(f) => guaranteed + ulp(f, guaranteed) / 2.0,
+            GuaranteedRounding::Apart(r, c) => {
                 let mut g = guaranteed;
                 for f in [r, c].into_iter().flatten() {
                     g += ulp(f, g) / 2.0;
