@@ -22,7 +22,7 @@
 use crate::bounds::checked::{checked_by_executions, each_member, member_policies, Executions};
 use crate::bounds::compare::{row_classes, Confidence, ElementDiff, Threshold, ThresholdSums};
 use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide};
-use crate::bounds::ops::round_sides;
+use crate::bounds::ops::output::GuaranteedRounding;
 use crate::bounds::reduction::{reduction_error, ReductionError};
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
@@ -112,13 +112,94 @@ pub(crate) fn denominator_accumulation(policy: &Policy) -> Accumulation {
     acc
 }
 
+/// The standard form's numerators of every row, computed once when both sides compute them
+/// alike (the standard form on both, the same input and accumulator formats and overflows):
+/// the model, the denominators' pricing and the check's executions all read them, where each
+/// computed them again before (three `exp` per element, a third of a threshold's time).
+struct Numerators {
+    /// ra(exp(ra(xᵢ − m))), m the row's maximum, as both sides compute them
+    /// ([`computed_numerators`], the engine's `masked_exp`): 0 where xᵢ = −∞.
+    computed: Vec<f64>,
+    /// exp(xᵢ − m) in `f64`: the exact model's numerators (0 where xᵢ = −∞).
+    model: Vec<f64>,
+}
+
+/// One row of [`Numerators`].
+#[derive(Clone, Copy)]
+struct RowNumerators<'a> {
+    computed: &'a [f64],
+    model: &'a [f64],
+}
+
+impl Numerators {
+    /// The numerators of the rows (of `n`) of `xi`, values of the policy's input format, as
+    /// `policy` computes them. One `exp` per element: where the side's ra(xᵢ − m) is the
+    /// `f64` difference itself, its exponential is the model's.
+    fn of(xi: &[f64], n: usize, policy: &Policy) -> Numerators {
+        let (a, ov) = (policy.accumulator(), policy.accumulation.overflow);
+        let (mut computed, mut model) =
+            (Vec::with_capacity(xi.len()), Vec::with_capacity(xi.len()));
+        for row in xi.chunks(n.max(1)) {
+            let m = row.iter().fold(f64::NEG_INFINITY, |x, &y| x.max(y));
+            for &x in row {
+                let dlocal = x - m;
+                let el = dlocal.exp();
+                let t = if x == f64::NEG_INFINITY {
+                    0.0
+                } else {
+                    let d = a.add_rounded(x, -m, ov);
+                    a.round(if d == dlocal { el } else { d.exp() }, ov)
+                };
+                computed.push(t);
+                model.push(el);
+            }
+        }
+        Numerators { computed, model }
+    }
+
+    /// Row `r` (of `n` elements).
+    fn row(&self, r: usize, n: usize) -> RowNumerators<'_> {
+        RowNumerators {
+            computed: &self.computed[r * n..(r + 1) * n],
+            model: &self.model[r * n..(r + 1) * n],
+        }
+    }
+}
+
+/// A softmax threshold's input, validated: the values in the input format, the row length,
+/// and the numerators where both sides compute them alike.
+struct Prepared {
+    xi: Tensor,
+    n: usize,
+    numerators: Option<Numerators>,
+}
+
+/// Whether two policies compute a softmax's numerators alike (the engine's test).
+fn numerators_alike(p: &Policy, q: &Policy) -> bool {
+    let key = |p: &Policy| {
+        let i = p.input();
+        (
+            i,
+            p.input_overflow(i),
+            p.accumulator(),
+            p.accumulation.overflow,
+        )
+    };
+    key(p) == key(q)
+}
+
 /// One side's statistics of one row; `den`, when given, is the standard form's denominator
-/// error already priced (by the fast path, for every row at once).
+/// error already priced (by the fast path, for every row at once); `nums`, the row's
+/// numerators as this side computes them, when computed already; `variances`, whether the
+/// numerators' variances are wanted (they are left 0 where both sides share the numerators,
+/// whose errors cancel).
 fn side_row(
     row: &[f64],
     policy: &Policy,
     imp: AttentionImpl,
     den: Option<ReductionError>,
+    nums: Option<RowNumerators>,
+    variances: bool,
 ) -> Result<SideRow> {
     let a = policy.accumulator();
     let n = row.len();
@@ -163,15 +244,20 @@ fn side_row(
         // The numerators as the side computes them (their own errors are the nᵢ above): the
         // terms its sums add, unless the standard form's one sum is priced already.
         let ov = policy.accumulation.overflow;
-        let computed = if online || den.is_none() {
-            computed_numerators(chunk, mb, policy)
-        } else {
-            vec![]
+        // The standard form's numerators computed already (`Numerators`), when given.
+        let nums = nums.filter(|_| !online);
+        let computed = match nums {
+            _ if !online && den.is_some() => vec![],
+            Some(nums) => nums.computed.to_vec(),
+            None => computed_numerators(chunk, mb, policy),
         };
         for (j, &x) in chunk.iter().enumerate() {
             let i = base + j;
             let dlocal = x - mb;
-            let el = dlocal.exp();
+            let el = match nums {
+                Some(nums) => nums.model[i],
+                None => dlocal.exp(),
+            };
             if el == 0.0 || el * fb == 0.0 {
                 // Masked (−∞) or underflowed even in f64 (a −1e4 additive mask): an exact zero
                 // numerator on both sides (exp of an argument below −745 is 0).
@@ -180,20 +266,24 @@ fn side_row(
             }
             let (dv, dm) = rounding_stats(a, dlocal);
             let (ev, em) = rounding_stats(a, el);
-            let mut v = dv + ev / (el * el);
+            let mut v = if variances { dv + ev / (el * el) } else { 0.0 };
             // libm's exp is faithful: allow half an f64 ulp more in the bound.
             let mut mx = dm + em / el + f64::EPSILON;
             if online {
                 let prod = el * fb;
                 let (pv, pm) = rounding_stats(a, prod);
                 // The factor's own error (fvar) is shared by the block: priced in `factors`.
-                v += pv / (prod * prod);
+                if variances {
+                    v += pv / (prod * prod);
+                }
                 mx += fmax + pm / prod;
             }
             num_var[i] = v;
             num_max[i] = mx;
             e[i] = el * fb;
-            block_e.push(el);
+            if online {
+                block_e.push(el);
+            }
         }
         if online {
             // The block sum in the side's order, then the product l_B·f_B (rounded) is added.
@@ -298,10 +388,90 @@ pub fn softmax_threshold(
     cand_impl: AttentionImpl,
     confidence: Confidence,
 ) -> Result<Threshold> {
-    let build = |conf| softmax_model(x, (reference, ref_impl), (candidate, cand_impl), conf);
+    let sides = ((reference, ref_impl), (candidate, cand_impl));
+    let prepared = prepare(x, sides)?;
+    let build = |conf| softmax_model(&prepared, sides, conf);
     checked_by_executions(confidence, &build, &|| {
-        executions(x, (reference, ref_impl), (candidate, cand_impl))
+        let (rs, cs) = (member_policies(reference), member_policies(candidate));
+        match &prepared.numerators {
+            // Every member computes the numerators the model computed: the engine's outputs
+            // from them (`engine::nn::softmax_from_numerators`).
+            Some(nums) if rs.iter().chain(&cs).all(|p| numerators_alike(p, reference)) => {
+                let run = |ps: &[Policy]| -> Vec<Vec<f64>> {
+                    ps.iter()
+                        .map(|p| {
+                            crate::engine::nn::softmax_from_numerators(
+                                &nums.computed,
+                                prepared.n,
+                                p,
+                            )
+                        })
+                        .collect()
+                };
+                Some((run(&rs), run(&cs)))
+            }
+            _ => executions(x, sides.0, sides.1),
+        }
     })
+}
+
+/// The checks of [`softmax_threshold`]'s arguments, its input in the input format, and the
+/// numerators when both sides compute them alike in the standard form.
+fn prepare(
+    x: &Tensor,
+    ((reference, ref_impl), (candidate, cand_impl)): (
+        (&Policy, AttentionImpl),
+        (&Policy, AttentionImpl),
+    ),
+) -> Result<Prepared> {
+    reference.validate()?;
+    candidate.validate()?;
+    if reference.input() != candidate.input() || reference.accumulator() != candidate.accumulator()
+    {
+        return Err(Error::InvalidParameter {
+            name: "candidate",
+            reason: "softmax thresholds are implemented for two sides with the same input and \
+                     accumulator formats (orders, forms and output formats may differ)"
+                .into(),
+        });
+    }
+    let n = *x.shape().last().unwrap_or(&0);
+    if n == 0 {
+        return Err(Error::ShapeMismatch {
+            what: "softmax threshold: needs a non-empty last dimension".into(),
+            expected: vec![1],
+            found: x.shape().to_vec(),
+        });
+    }
+    let rows = x.len() / n;
+    let xi = x.cast(
+        reference.input(),
+        reference.input_overflow(reference.input()),
+    );
+    for r in 0..rows {
+        let row = &xi.values()[r * n..(r + 1) * n];
+        // −∞ is a mask (an exact zero probability); NaN and +∞ have no softmax, and neither
+        // has a row whose every element is masked (0/0).
+        if let Some(&v) = row.iter().find(|v| v.is_nan() || **v == f64::INFINITY) {
+            return Err(Error::NonFinite {
+                what: format!("softmax threshold: row {r} of the input"),
+                value: v,
+            });
+        }
+        if row.iter().all(|&v| v == f64::NEG_INFINITY) {
+            return Err(Error::NonFinite {
+                what: format!(
+                    "softmax threshold: row {r} is masked entirely (its softmax is 0/0); \
+                     every row needs one finite element"
+                ),
+                value: f64::NEG_INFINITY,
+            });
+        }
+    }
+    let standard = (ref_impl, cand_impl) == (AttentionImpl::Standard, AttentionImpl::Standard);
+    let numerators = (standard && numerators_alike(reference, candidate))
+        .then(|| Numerators::of(xi.values(), n, reference));
+    Ok(Prepared { xi, n, numerators })
 }
 
 /// Both sides' softmax as the engine executes them (for every member of a family), `None`
@@ -334,35 +504,15 @@ pub(crate) fn executions(
 
 /// [`softmax_threshold`] as the model prices it (not checked by the executions).
 fn softmax_model(
-    x: &Tensor,
-    (reference, ref_impl): (&Policy, AttentionImpl),
-    (candidate, cand_impl): (&Policy, AttentionImpl),
+    prepared: &Prepared,
+    ((reference, ref_impl), (candidate, cand_impl)): (
+        (&Policy, AttentionImpl),
+        (&Policy, AttentionImpl),
+    ),
     confidence: Confidence,
 ) -> Result<Threshold> {
-    reference.validate()?;
-    candidate.validate()?;
-    if reference.input() != candidate.input() || reference.accumulator() != candidate.accumulator()
-    {
-        return Err(Error::InvalidParameter {
-            name: "candidate",
-            reason: "softmax thresholds are implemented for two sides with the same input and \
-                     accumulator formats (orders, forms and output formats may differ)"
-                .into(),
-        });
-    }
-    let n = *x.shape().last().unwrap_or(&0);
-    if n == 0 {
-        return Err(Error::ShapeMismatch {
-            what: "softmax threshold: needs a non-empty last dimension".into(),
-            expected: vec![1],
-            found: x.shape().to_vec(),
-        });
-    }
-    let rows = x.len() / n;
-    let xi = x.cast(
-        reference.input(),
-        reference.input_overflow(reference.input()),
-    );
+    let (xi, n) = (&prepared.xi, prepared.n);
+    let rows = xi.len() / n;
     let identical = reference.same_execution(candidate) && ref_impl == cand_impl;
     let shared_numerators = ref_impl == cand_impl;
     let a = reference.accumulator();
@@ -404,10 +554,13 @@ fn softmax_model(
             .collect()
     };
     let (_, classes) = row_classes(xi.values(), n);
+    // The output roundings, decided once for every element.
+    let outputs = GuaranteedRounding::new((a, a), (reference.output, candidate.output));
     let same_numerators = reference.accumulation.overflow == candidate.accumulation.overflow;
+    let nums = prepared.numerators.as_ref();
     let dens = fast_denominators(
-        &xi,
-        n,
+        xi,
+        (n, nums),
         &classes,
         reference,
         candidate,
@@ -424,11 +577,14 @@ fn softmax_model(
         let mut groups = ThresholdSums::new(confidence, rows * n);
         let row = &xi.values()[r * n..(r + 1) * n];
         let (den_r, den_c) = dens[class].map_or((None, None), |(r, c)| (Some(r), Some(c)));
-        let sr = side_row(row, reference, ref_impl, den_r)?;
+        let row_nums = nums.map(|nums| nums.row(r, n));
+        // The numerators' own variances cancel where both sides share them.
+        let variances = !shared_numerators;
+        let sr = side_row(row, reference, ref_impl, den_r, row_nums, variances)?;
         let sc = match den_c {
             // Priced by the pass: the same numerators on both sides (`fast_denominators`).
             Some(es) if same_numerators => sr.with_denominator(es),
-            _ => side_row(row, candidate, cand_impl, den_c)?,
+            _ => side_row(row, candidate, cand_impl, den_c, row_nums, variances)?,
         };
         let p_sq: f64 = sr.p.iter().map(|p| p * p).sum();
         if identical {
@@ -437,7 +593,8 @@ fn softmax_model(
         // Alike elements: the same logit under the same block maximum on each side (the
         // row's on both in the standard form, where the logit alone is the key).
         let order = if (ref_impl, cand_impl) == (AttentionImpl::Standard, AttentionImpl::Standard) {
-            alike_elements(row.len(), |j| row[j].to_bits())
+            let words: Vec<u64> = row.iter().map(|v| v.to_bits()).collect();
+            crate::bounds::keyed::classes_of_words(&words)
         } else {
             let (max_r, max_c) = (block_maxima(row, ref_impl), block_maxima(row, cand_impl));
             alike_elements(row.len(), |j| (row[j].to_bits(), max_r[j], max_c[j]))
@@ -511,7 +668,7 @@ fn softmax_model(
             let row_part = p * p * dvar;
             d.proxy += row_part;
             d.round_both(a, p);
-            round_sides(&mut d, (a, a), (reference.output, candidate.output), p);
+            outputs.round(&mut d, p);
             d.proxy -= row_part;
             d.shared_proxy = row_part;
             groups.add_group(&d, same * count);
@@ -565,7 +722,7 @@ const FAST_CHUNK: usize = 1 << 22;
 /// sums fail its structure test.
 fn fast_denominators(
     x: &Tensor,
-    n: usize,
+    (n, nums): (usize, Option<&Numerators>),
     classes: &[(usize, usize)],
     reference: &Policy,
     candidate: &Policy,
@@ -573,13 +730,13 @@ fn fast_denominators(
     confidence: Confidence,
 ) -> Result<Vec<Option<(ReductionError, ReductionError)>>> {
     let sides = (reference, candidate);
-    fast_denominators_in(x, n, classes, sides, imps, confidence, FAST_CHUNK)
+    fast_denominators_in(x, (n, nums), classes, sides, imps, confidence, FAST_CHUNK)
 }
 
 /// [`fast_denominators`] in chunks of at most `chunk` elements (or one row).
 fn fast_denominators_in(
     x: &Tensor,
-    n: usize,
+    (n, nums): (usize, Option<&Numerators>),
     classes: &[(usize, usize)],
     (reference, candidate): (&Policy, &Policy),
     imps: (AttentionImpl, AttentionImpl),
@@ -604,11 +761,14 @@ fn fast_denominators_in(
         for &(r, _) in chunk {
             let row = &x.values()[r * n..(r + 1) * n];
             let m = row.iter().fold(f64::NEG_INFINITY, |x, &y| x.max(y));
-            let tr = computed_numerators(row, m, reference);
+            let tr = match nums {
+                Some(nums) => nums.row(r, n).computed,
+                None => &computed_numerators(row, m, reference)[..],
+            };
             if !same && computed_numerators(row, m, candidate) != tr {
                 continue 'chunks;
             }
-            terms.extend(tr);
+            terms.extend_from_slice(tr);
         }
         if let Some(priced) = crate::bounds::fast::sum_rows(&terms, n, accs, probabilistic)? {
             for (slot, p) in dens[c * per_chunk..].iter_mut().zip(priced) {
@@ -668,6 +828,60 @@ mod tests {
     use super::*;
     use crate::engine::SplitMix64;
 
+    /// The numerators a threshold computes once are the engine's, value for value, and the
+    /// outputs computed from them are the engine's softmax bit for bit: FP32 logits whose
+    /// differences from the row's maximum round in FP32 (2⁴⁰ apart, so that the `exp` of the
+    /// rounded difference is not the model's), masks, BF16 and FP16 logits, outputs in BF16,
+    /// saturating accumulation, orders of every kind.
+    #[test]
+    fn numerators_computed_once_are_the_engines() {
+        let mut g = SplitMix64::for_name("softmax_numerators", 0);
+        let (rows, n) = (6, 97);
+        for (input, spread) in [
+            (Format::F32, 1.0),
+            (Format::F32, 1e12),
+            (Format::BF16, 3.0),
+            (Format::F16, 8.0),
+        ] {
+            let v: Vec<f64> = (0..rows * n)
+                .map(|i| match i % 11 {
+                    3 => f64::NEG_INFINITY,
+                    // A tiny value beside the large ones: x − m rounds in FP32.
+                    5 => input.round(g.normal() * 1e-3, Overflow::Saturating),
+                    _ => input.round(spread * g.normal(), Overflow::Saturating),
+                })
+                .collect();
+            let x = Tensor::from_vec(&[rows, n], v, input).unwrap();
+            for (out, order, overflow) in [
+                (Format::F32, Order::Sequential, Overflow::NonSaturating),
+                (Format::BF16, Order::Pairwise { base: 8 }, Overflow::Saturating),
+                (Format::F32, Order::blocked(16), Overflow::NonSaturating),
+            ] {
+                let mut p = Policy::new(input, Format::F32, out).with_order(order.clone());
+                p.accumulation.overflow = overflow;
+                let xi = x.cast(input, p.input_overflow(input));
+                let nums = Numerators::of(xi.values(), n, &p);
+                let ar = crate::policy::arith::Arith::new(p.accumulator(), p.output, overflow);
+                let mut engine = vec![0.0; n];
+                for (r, row) in xi.values().chunks(n).enumerate() {
+                    let m = row.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+                    crate::engine::nn::masked_exp(&ar, row, m, &mut engine);
+                    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(nums.row(r, n).computed), bits(&engine), "{input} row {r}");
+                    let model: Vec<f64> = row.iter().map(|&v| (v - m).exp()).collect();
+                    assert_eq!(bits(nums.row(r, n).model), bits(&model));
+                }
+                let y = crate::engine::nn::softmax_from_numerators(&nums.computed, n, &p);
+                let expected = crate::engine::softmax(&x, &p).unwrap().into_values();
+                assert_eq!(
+                    y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    expected.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{input} {out} {order:?}"
+                );
+            }
+        }
+    }
+
     /// Each row's denominators are priced on their own, so a tensor priced in chunks of rows
     /// gets, class by class, what it gets priced whole (the chunks' bookkeeping), on rows
     /// where no chunk falls back to the walk; and every class is priced.
@@ -688,7 +902,8 @@ mod tests {
         let c = r.clone().with_order(Order::Pairwise { base: 8 });
         let std = (AttentionImpl::Standard, AttentionImpl::Standard);
         let conf = Confidence::default_probabilistic();
-        let price = |chunk| fast_denominators_in(&x, n, &classes, (&r, &c), std, conf, chunk);
+        let price =
+            |chunk| fast_denominators_in(&x, (n, None), &classes, (&r, &c), std, conf, chunk);
         let whole = price(usize::MAX).unwrap();
         assert!(whole.iter().all(Option::is_some));
         for chunk in [1, n, 3 * n, 7 * n + 5] {

@@ -221,10 +221,7 @@ pub(crate) fn softmax_each(x: &Tensor, policies: &[&Policy]) -> Result<Vec<Tenso
                 masked_exp(ar, row, m, &mut es[j]);
             }
             let e = &es[shares.unwrap_or(j)];
-            let s = sum_unchecked(e, acc);
-            for (o, &ei) in outs[j][r * n..(r + 1) * n].iter_mut().zip(e) {
-                *o = ar.ro(ar.div(ei, s));
-            }
+            softmax_row_outputs(ar, acc, e, &mut outs[j][r * n..(r + 1) * n]);
         }
     }
     Ok(outs
@@ -232,6 +229,30 @@ pub(crate) fn softmax_each(x: &Tensor, policies: &[&Policy]) -> Result<Vec<Tenso
         .zip(&sides)
         .map(|(out, (p, ..))| Tensor::from_parts_unchecked(x.shape(), out, p.output))
         .collect())
+}
+
+/// One row of [`softmax`]'s outputs from its numerators `e`: s = Σ eᵢ in the order of `acc`
+/// (the policy's accumulation, on values of its accumulator), pᵢ = ro(ra(eᵢ / s)).
+fn softmax_row_outputs(ar: &Arith, acc: &Accumulation, e: &[f64], out: &mut [f64]) {
+    let s = sum_unchecked(e, acc);
+    for (o, &ei) in out.iter_mut().zip(e) {
+        *o = ar.ro(ar.div(ei, s));
+    }
+}
+
+/// [`softmax`] under `policy` from its numerators `e` (rows of `n`), as [`masked_exp`] computes
+/// them under a policy with the same input and accumulator formats and overflows: what a
+/// threshold's check runs when it has computed the numerators for its own model. An empty
+/// `n` gives no outputs.
+pub(crate) fn softmax_from_numerators(e: &[f64], n: usize, policy: &Policy) -> Vec<f64> {
+    let (ar, acc) = (arith(policy), acc_for(policy, policy.accumulator()));
+    let mut out = vec![0.0; e.len()];
+    if n > 0 {
+        for (row, o) in e.chunks(n).zip(out.chunks_mut(n)) {
+            softmax_row_outputs(&ar, &acc, row, o);
+        }
+    }
+    out
 }
 
 /// Softmax computed blockwise and merged online, as flash attention and ring attention do.

@@ -16,16 +16,7 @@ pub(crate) fn round_sides(
     target: (Format, Format),
     magnitude: f64,
 ) {
-    match GuaranteedRounding::new(cur, target) {
-        GuaranteedRounding::None => {}
-        GuaranteedRounding::Both(f) => d.round_both(f, magnitude),
-        GuaranteedRounding::Snap(f) => d.round_snap(f, magnitude),
-        GuaranteedRounding::Apart(r, c) => {
-            for f in [r, c].into_iter().flatten() {
-                d.round_one(f, magnitude);
-            }
-        }
-    }
+    GuaranteedRounding::new(cur, target).round(d, magnitude);
 }
 
 /// Which trailing roundings [`round_sides`] performs, decided once for many elements; with
@@ -56,6 +47,22 @@ impl GuaranteedRounding {
             }
             (true, true) => GuaranteedRounding::Both(target.0),
             _ => GuaranteedRounding::Snap(target.0),
+        }
+    }
+
+    /// The roundings applied to `d`, a value of about `magnitude` ([`round_sides`], with the
+    /// roundings decided once for many elements).
+    #[inline]
+    pub(crate) fn round(self, d: &mut ElementDiff, magnitude: f64) {
+        match self {
+            GuaranteedRounding::None => {}
+            GuaranteedRounding::Both(f) => d.round_both(f, magnitude),
+            GuaranteedRounding::Snap(f) => d.round_snap(f, magnitude),
+            GuaranteedRounding::Apart(r, c) => {
+                for f in [r, c].into_iter().flatten() {
+                    d.round_one(f, magnitude);
+                }
+            }
         }
     }
 
