@@ -52,7 +52,11 @@
 //! Roundings below the normal range err by up to half a subnormal step whatever the value:
 //! (n_i + 3nb + 2)·tiny·(max|V| + 1) per side, tiny the larger smallest subnormal of A and I,
 //! is added to both bounds as a deterministic part. A score or an output whose magnitude can
-//! reach the accumulator's or the output's overflow threshold is refused ([`Error::Overflow`]).
+//! reach the accumulator's or the output's overflow threshold is refused ([`Error::Overflow`]):
+//! the dot products' partial sums reach Σ|q k| before the scale, times 1 + γ_{d+2}; the
+//! denominators keys·(1 + γ), an online side's unnormalized output keys·max|V|·(1 + γ). An
+//! accumulator with n·u ≥ 1 for the longest reduction has no bound at all
+//! ([`Error::NoFiniteBound`]).
 //!
 //! Both sides must read the inputs in the same format, accumulate in the same format (FP32 or
 //! coarser) and round the output to the same format; orders and forms may differ. A side with
@@ -77,8 +81,11 @@ use crate::trace::ModuleKind;
 /// [`Error::ShapeMismatch`] for operands that are not matrices of matching sizes;
 /// [`Error::InvalidParameter`] for sides that read or accumulate in different formats, an
 /// accumulator finer than FP32, an FP8 scaling recipe or an online block of 0;
-/// [`Error::NonFinite`] for a non-finite input; [`Error::Overflow`] where a score or an
-/// output can reach the accumulator's or the output format's overflow threshold.
+/// [`Error::NonFinite`] for a non-finite input; [`Error::Overflow`] where a dot product's
+/// partial sums (before the scale), a denominator or an output can reach the accumulator's or
+/// the output format's overflow threshold; [`Error::NoFiniteBound`] where the accumulator is
+/// too narrow for the reductions' length (n·u ≥ 1 for n about 4·keys + 2 or d + 2: BF16
+/// accumulation of 64 keys or more).
 ///
 /// A probabilistic threshold is checked first by the engine's executions of both sides: where
 /// their difference exceeds the model's threshold at δ_s = min(δ, 10⁻³) (the norm or one
@@ -217,10 +224,37 @@ pub(crate) fn add_head(
     for i in 0..m {
         let keys = if causal { (i + 1).min(n) } else { n };
         let row = Row::exact(&q[i * d..(i + 1) * d], &k, &v, keys, d, dv, scale);
-        // A score's partial sums, and P·V's, are at most T and W (times the rounding
-        // factors): beyond the accumulator's range the result may be infinite.
-        let reach = row.t.iter().chain(&row.w).fold(0.0f64, |a, &b| a.max(b)) * 1.01;
-        for f in [acc, rp.output] {
+        // A dot product's partial sums are at most Σ|q k| (unscaled: the scale multiplies the
+        // finished dot), P·V's at most W, each times the growth of its roundings, at most
+        // 1 + γ_n over n terms (Higham 2002, Lemma 3.1); beyond the accumulator's range the
+        // result may be infinite. (A 1 % margin on the scaled T missed the FP16 dots of
+        // 300 values near 30, 2.7·10⁵ before the scale: infinite scores priced finite.)
+        // The denominator's partial sums are at most the number of keys (each numerator at
+        // most 1), an online side's unnormalized output at most keys·max|V|.
+        // Every bound below takes γ_n of the accumulator for n up to about 4·keys + d: where
+        // n·u ≥ 1 there is none (BF16 accumulation of 256 keys; the bounds came out negative
+        // or NaN, and a per-element threshold of 0 for differences of 0.2).
+        let longest = (d + 2).max(4 * keys + 2);
+        if acc.gamma(longest).is_none() {
+            return Err(Error::NoFiniteBound {
+                what: format!("attention of query row {i}"),
+                reason: format!(
+                    "{keys} keys and head dimension {d} accumulated in {acc}: n·u ≥ 1 for \
+                     n = {longest} (Higham's γ_n), so no rounding bound holds"
+                ),
+            });
+        }
+        let growth = |terms: usize| acc.gamma(terms + 2).map_or(f64::INFINITY, |g| 1.0 + g);
+        let w = row.w.iter().fold(0.0f64, |a, &b| a.max(b));
+        let online = sides.iter().any(|s| s.block.is_some());
+        let unnormalized = if online { row.vmax } else { 0.0 };
+        let out_reach = w * growth(keys);
+        let acc_reach = (row.dot_reach * growth(d))
+            .max(row.tmax * growth(d))
+            .max(keys as f64 * growth(keys))
+            .max(keys as f64 * unnormalized * growth(keys))
+            .max(out_reach);
+        for (f, reach) in [(acc, acc_reach), (rp.output, out_reach)] {
             if reach >= f.max_finite() {
                 return Err(Error::Overflow {
                     what: format!("attention: a score or an output of query row {i}"),
@@ -338,8 +372,6 @@ struct Row<'a> {
     p: Vec<f64>,
     /// Scores minus the row's maximum (≤ 0).
     shifted: Vec<f64>,
-    /// s·Σ_t |q_t k_jt| per key.
-    t: Vec<f64>,
     /// s·max(Σ_t (q_t k_jt)⁺, Σ_t (q_t k_jt)⁻) per key: the largest a partial sum of the dot
     /// can be, in any order.
     tpm: Vec<f64>,
@@ -356,8 +388,12 @@ struct Row<'a> {
     wpm: Vec<f64>,
     /// The score range (max − min).
     range: f64,
-    /// The largest T and the largest |V| of the row's keys.
+    /// The largest T = s·Σ_t |q_t k_jt| and the largest |V| of the row's keys.
     tmax: f64,
+    /// The largest Σ_t |q_t k_jt| of the row's keys, unscaled: the dot products are computed
+    /// before the scale multiplies them (`engine::attention`), so their partial sums reach
+    /// this, not T.
+    dot_reach: f64,
     vmax: f64,
     keys: usize,
 }
@@ -374,9 +410,10 @@ impl<'a> Row<'a> {
         scale: f64,
     ) -> Row<'a> {
         let mut s = Vec::with_capacity(keys);
-        let mut t = Vec::with_capacity(keys);
+        let mut tmax = 0.0f64;
         let mut tpm = Vec::with_capacity(keys);
         let mut own = Vec::with_capacity(keys);
+        let mut dot_reach = 0.0f64;
         for j in 0..keys {
             let kj = &k[j * d..(j + 1) * d];
             let (mut dot, mut pos, mut neg, mut sq) = (0.0, 0.0, 0.0, 0.0);
@@ -391,7 +428,8 @@ impl<'a> Row<'a> {
                 }
             }
             s.push(scale * dot);
-            t.push(scale * (pos + neg));
+            dot_reach = dot_reach.max(pos + neg);
+            tmax = tmax.max(scale * (pos + neg));
             tpm.push(scale * pos.max(neg));
             own.push(scale * scale * (sq + dot * dot));
         }
@@ -420,8 +458,8 @@ impl<'a> Row<'a> {
         Row {
             p,
             shifted,
-            tmax: t.iter().fold(0.0f64, |a, &b| a.max(b)),
-            t,
+            tmax,
+            dot_reach,
             tpm,
             own,
             vmax: vrows.iter().fold(0.0f64, |a, &b| a.max(b.abs())),

@@ -144,3 +144,68 @@ fn identical_attention_is_priced_at_zero_and_bad_sides_are_refused() {
         Err(ttrace::Error::NonFinite { .. })
     ));
 }
+
+/// Narrow accumulators (found by a probe of policies the zoo does not hold): FP16 dot
+/// products of 300 values near 30 reach 2.7·10⁵ before the scale multiplies them, and the
+/// engine's scores are infinite — the threshold refuses with `Overflow` (it priced them finite,
+/// checking only the scaled magnitudes with a 1 % margin); BF16 accumulation over 300 keys has
+/// no Higham bound (n·u ≥ 1) — refused with `NoFiniteBound` (the bounds came out negative or
+/// NaN and the per-element threshold 0 for differences of 0.2). Smaller products of the same
+/// policies stay priced and hold against the engine.
+#[test]
+fn narrow_accumulators_refuse_what_they_cannot_bound() {
+    let tensor = |n: usize, d: usize, seed: u64, mean: f64, f: Format| {
+        let v = data(n * d, seed, 0, f)
+            .into_iter()
+            .map(|x| f.round(mean + x, Overflow::Saturating))
+            .collect();
+        Tensor::from_vec(&[n, d], v, f).unwrap()
+    };
+    let conf = Confidence::default_probabilistic();
+    // FP16: the scores overflow in the engine.
+    let (q, k, v) = (
+        tensor(4, 300, 1, 30.0, Format::F16),
+        tensor(4, 300, 2, 30.0, Format::F16),
+        tensor(4, 300, 3, 0.0, Format::F16),
+    );
+    let r = side("in=f16,acc=f16,out=f16");
+    let c = side("in=f16,acc=f16,out=f16,order=pairwise:8");
+    assert!(run(&q, &k, &v, false, &r)
+        .values()
+        .iter()
+        .any(|x| !x.is_finite()));
+    for conf in [conf, Confidence::Guaranteed] {
+        assert!(matches!(
+            attention_threshold(&q, &k, &v, false, &r, &c, conf),
+            Err(ttrace::Error::Overflow { .. })
+        ));
+    }
+    // BF16 accumulation over 300 keys.
+    let (q, k, v) = (
+        tensor(300, 16, 4, 0.0, Format::BF16),
+        tensor(300, 16, 5, 0.0, Format::BF16),
+        tensor(300, 16, 6, 0.0, Format::BF16),
+    );
+    let r = side("in=bf16,acc=bf16,out=bf16");
+    let c = side("in=bf16,acc=bf16,out=bf16,order=pairwise:8");
+    for conf in [conf, Confidence::Guaranteed] {
+        assert!(matches!(
+            attention_threshold(&q, &k, &v, false, &r, &c, conf),
+            Err(ttrace::Error::NoFiniteBound { .. })
+        ));
+    }
+    // The same policies on 8 keys: priced, and holding.
+    let (q, k, v) = (
+        tensor(8, 16, 7, 0.0, Format::BF16),
+        tensor(8, 16, 8, 0.0, Format::BF16),
+        tensor(8, 16, 9, 0.0, Format::BF16),
+    );
+    let obs = frob(
+        run(&q, &k, &v, false, &r).values(),
+        run(&q, &k, &v, false, &c).values(),
+    );
+    let p = attention_threshold(&q, &k, &v, false, &r, &c, conf).unwrap();
+    let g = attention_threshold(&q, &k, &v, false, &r, &c, Confidence::Guaranteed).unwrap();
+    assert!(obs <= p.abs_frobenius && p.abs_frobenius <= g.abs_frobenius);
+    assert!(g.per_element > 0.0 && g.per_element.is_finite());
+}
