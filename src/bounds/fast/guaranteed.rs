@@ -125,9 +125,15 @@ pub(crate) fn guaranteed_threshold(
     };
     let last = GuaranteedRounding::new(cur, outputs);
     let limit = overflow_threshold(outputs.0).min(overflow_threshold(outputs.1));
-    // The value's error: γ_{k+1} with room, its underflow (2k + 1 roundings of at most 2⁻¹⁵⁰
-    // each), and the bias's addition or the division in f64 (2⁻⁵¹ of the result).
-    let gamma = (k + 1) as f64 * u * (1.0 + 1e-5);
+    // The value's error: γ_{k+1} = (k + 1)u/(1 − (k + 1)u) with room for its evaluation (it
+    // was (k + 1)u·(1 + 10⁻⁵), below γ_{k+1} from k = 167), its underflow (2k + 1 roundings
+    // of at most 2⁻¹⁵⁰ each), and the bias's addition or the division in f64 (2⁻⁵¹ of the
+    // result). Products too long for FP32 (k ≥ 2²³) go to the walk.
+    let nu = (k + 1) as f64 * u;
+    if nu >= 0.5 {
+        return Ok(None);
+    }
+    let gamma = nu / (1.0 - nu) * (1.0 + 1e-9);
     let value_floor = (2 * k + 1) as f64 * 2f64.powi(-150);
     let f64_step = 2f64.powi(-51);
     let (bias, inv) = match epilogue {
