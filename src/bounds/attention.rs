@@ -67,6 +67,7 @@ use crate::bounds::compare::{Confidence, ElementDiff, Threshold, ThresholdSums};
 use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
 use crate::error::{Error, Result};
 use crate::format::Format;
+use crate::order::Order;
 use crate::policy::{AttentionImpl, Policy, Scaling};
 use crate::tensor::Tensor;
 use crate::trace::ModuleKind;
@@ -80,7 +81,8 @@ use crate::trace::ModuleKind;
 ///
 /// [`Error::ShapeMismatch`] for operands that are not matrices of matching sizes;
 /// [`Error::InvalidParameter`] for sides that read or accumulate in different formats, an
-/// accumulator finer than FP32, an FP8 scaling recipe or an online block of 0;
+/// accumulator finer than FP32, an FP8 scaling recipe, split-K partial results in a format
+/// that does not hold the accumulator's values, or an online block of 0;
 /// [`Error::NonFinite`] for a non-finite input; [`Error::Overflow`] where a dot product's
 /// partial sums (before the scale), a denominator or an output can reach the accumulator's or
 /// the output format's overflow threshold; [`Error::NoFiniteBound`] where the accumulator is
@@ -332,8 +334,22 @@ fn matrix(t: &Tensor, name: &str) -> Result<(usize, usize)> {
     }
 }
 
+/// The formats a reduction in `order` rounds its partial results to besides the accumulator:
+/// split-K's (and its inner order's), for a family its members'.
+fn partial_formats(order: &Order, out: &mut Vec<Format>) {
+    match order {
+        Order::SplitK { inner, partial, .. } => {
+            out.push(*partial);
+            partial_formats(inner, out);
+        }
+        Order::AnyOf(members) => members.iter().for_each(|m| partial_formats(m, out)),
+        _ => {}
+    }
+}
+
 /// Both sides read in one format, accumulate in one format no finer than FP32 and round the
-/// output to one format, without FP8 scaling; online blocks of at least one key.
+/// output to one format, without FP8 scaling, their partial results (split-K) in formats that
+/// hold the accumulator's values; online blocks of at least one key.
 fn check_sides(r: &Policy, c: &Policy, rf: AttentionImpl, cf: AttentionImpl) -> Result<()> {
     let bad = |reason: String| Error::InvalidParameter {
         name: "policy",
@@ -357,6 +373,22 @@ fn check_sides(r: &Policy, c: &Policy, rf: AttentionImpl, cf: AttentionImpl) -> 
     }
     if r.scaling != Scaling::None || c.scaling != Scaling::None {
         return Err(bad("FP8 scaling recipes are not modelled".into()));
+    }
+    // The model prices every rounding at the accumulator's unit roundoff, range and
+    // subnormal step: split-K partials in another format (BF16 partials of an FP32
+    // accumulator: guaranteed bounds exceeded 100 times in a probe; FP16 partials of a BF16
+    // accumulator: infinite results priced finite) are refused.
+    let acc = r.accumulator();
+    for p in [r, c] {
+        let mut partials = vec![];
+        partial_formats(&p.accumulation.order, &mut partials);
+        if let Some(f) = partials.into_iter().find(|&f| !acc.is_subset_of(f)) {
+            return Err(bad(format!(
+                "partial results in {f}, which does not hold every value of the accumulator \
+                 {acc}, are not modelled (order {})",
+                p.accumulation.order
+            )));
+        }
     }
     for f in [rf, cf] {
         if let AttentionImpl::Online { block: 0 } = f {

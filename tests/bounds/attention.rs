@@ -209,3 +209,48 @@ fn narrow_accumulators_refuse_what_they_cannot_bound() {
     assert!(obs <= p.abs_frobenius && p.abs_frobenius <= g.abs_frobenius);
     assert!(g.per_element > 0.0 && g.per_element.is_finite());
 }
+
+/// Split-K partial results in a format that does not hold the accumulator's values (BF16
+/// partials of an FP32 accumulator, the tensor-parallel all-reduce of a row-parallel layer;
+/// FP16 partials of a BF16 accumulator) are refused: the model prices every rounding at the
+/// accumulator's precision and range, and a probe found guaranteed bounds exceeded up to 100
+/// times and infinite outputs priced finite. Partials in the accumulator's own format, and a
+/// vendor kernel's family of orders, stay priced.
+#[test]
+fn partials_outside_the_accumulator_are_refused() {
+    let x =
+        |s: u64| Tensor::from_vec(&[16, 8], data(128, s, 0, Format::BF16), Format::BF16).unwrap();
+    let (q, k, v) = (x(1), x(2), x(3));
+    let conf = Confidence::default_probabilistic();
+    for (r, c) in [
+        (
+            "in=bf16,acc=f32,out=bf16",
+            "in=bf16,acc=f32,out=bf16,order=splitk:4:bf16:ring:1",
+        ),
+        (
+            "in=bf16,acc=bf16,out=bf16,order=splitk:2:f16:seq",
+            "in=bf16,acc=bf16,out=bf16",
+        ),
+    ] {
+        let (r, c) = (side(r), side(c));
+        assert!(
+            matches!(
+                attention_threshold(&q, &k, &v, true, &r, &c, conf),
+                Err(ttrace::Error::InvalidParameter { .. })
+            ),
+            "{r} vs {c}"
+        );
+    }
+    for c in [
+        "in=bf16,acc=f32,out=bf16,order=splitk:4:f32:tree",
+        "in=bf16,acc=f32,out=bf16,order=any",
+    ] {
+        let (r, c) = (side("in=bf16,acc=f32,out=bf16"), side(c));
+        let obs = frob(
+            run(&q, &k, &v, true, &r).values(),
+            run(&q, &k, &v, true, &c).values(),
+        );
+        let p = attention_threshold(&q, &k, &v, true, &r, &c, conf).unwrap();
+        assert!(obs <= p.abs_frobenius, "{c}");
+    }
+}
