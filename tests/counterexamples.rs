@@ -321,6 +321,45 @@ fn refusals_that_had_a_bound() {
     }
 }
 
+/// Found by a probe of orders the zoo's norms do not run: a two-pass LayerNorm whose candidate
+/// sums by Kahan's compensated order was refused with "Kahan summation is priced as a whole
+/// order, not inside a split-K part" (no split-K was asked for): the variance's sum over the
+/// model's squares, known within radii, went to the all-random model, which prices plain
+/// orders only. Kahan's running bound now takes the radii (each term's magnitude raised by
+/// its radius, each partial sum's by the radii so far), and the pair is priced and holds
+/// against the engine on Gaussian, large-mean and near-constant rows in FP32 and BF16.
+#[test]
+fn layer_norm_with_compensated_summation_is_priced() {
+    for input in [Format::F32, Format::BF16] {
+        let p = Policy::new(input, Format::F32, Format::F32);
+        let kahan = p.clone().with_order(Order::Kahan);
+        let mut g = ttrace::engine::SplitMix64::for_name("layer_norm_kahan", 0);
+        for (name, x) in [
+            (
+                "gaussian",
+                (0..300).map(|_| g.normal()).collect::<Vec<f64>>(),
+            ),
+            ("mean 1000", (0..300).map(|_| 1000.0 + g.normal()).collect()),
+            (
+                "near-constant",
+                (0..64)
+                    .map(|i| 250.0 + if i % 8 == 3 { 2.0 } else { 0.0 })
+                    .collect(),
+            ),
+        ] {
+            for (r, c) in [
+                (Variance::TwoPass, Variance::TwoPass),
+                (Variance::TwoPass, Variance::OnePass),
+                (Variance::OnePass, Variance::TwoPass),
+            ] {
+                let case = layer_norm_case(&x, input, 1e-5, (r, &p), (c, &kahan), true)
+                    .unwrap_or_else(|e| panic!("{input} {name} {r:?} vs {c:?}: {e}"));
+                assert_within(&format!("{input} {name} {r:?} vs {c:?} (Kahan)"), case);
+            }
+        }
+    }
+}
+
 /// Found by ttrace's own adversary (`examples/adversary.rs`, a hill climb over the data):
 /// one row of FP32 logits whose target's loss, 525.08, a vocabulary-parallel candidate rounds
 /// onto its BF16 partial (524) wherever the row's small difference puts it — the rounding

@@ -854,7 +854,11 @@ mod tests {
             let x = Tensor::from_vec(&[rows, n], v, input).unwrap();
             for (out, order, overflow) in [
                 (Format::F32, Order::Sequential, Overflow::NonSaturating),
-                (Format::BF16, Order::Pairwise { base: 8 }, Overflow::Saturating),
+                (
+                    Format::BF16,
+                    Order::Pairwise { base: 8 },
+                    Overflow::Saturating,
+                ),
                 (Format::F32, Order::blocked(16), Overflow::NonSaturating),
             ] {
                 let mut p = Policy::new(input, Format::F32, out).with_order(order.clone());
@@ -867,7 +871,11 @@ mod tests {
                     let m = row.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
                     crate::engine::nn::masked_exp(&ar, row, m, &mut engine);
                     let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(nums.row(r, n).computed), bits(&engine), "{input} row {r}");
+                    assert_eq!(
+                        bits(nums.row(r, n).computed),
+                        bits(&engine),
+                        "{input} row {r}"
+                    );
                     let model: Vec<f64> = row.iter().map(|&v| (v - m).exp()).collect();
                     assert_eq!(bits(nums.row(r, n).model), bits(&model));
                 }

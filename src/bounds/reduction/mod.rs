@@ -183,9 +183,23 @@ pub(crate) fn reduction_error_within(
 ) -> Result<ReductionError> {
     let whole = acc.order.has_family()
         || acc.order.has_tensor_core()
-        || acc.order == Order::Kahan
         || (is_dot && matches!(acc.products, Products::Rounded(_)));
-    if whole || radii.len() != terms.len() || radii.iter().any(|r| !(*r >= 0.0 && r.is_finite())) {
+    let unsure = radii.len() != terms.len() || radii.iter().any(|r| !(*r >= 0.0 && r.is_finite()));
+    if acc.order == Order::Kahan && !whole && !unsure {
+        // Kahan's order is priced by its running bound (it had gone to the all-random model,
+        // which prices only plain orders and refused it).
+        acc.validate()?;
+        if let Some(i) = terms.iter().position(|t| !t.is_finite()) {
+            return Err(Error::NonFinite {
+                what: format!("reduction term {i}"),
+                value: terms[i],
+            });
+        }
+        let input = if is_dot { Format::F64 } else { acc.input };
+        let load = !input.is_subset_of(acc.accumulator);
+        return kahan_error_within(terms, radii, acc.accumulator, load);
+    }
+    if whole || unsure {
         return random_rounding_error(terms, acc, is_dot);
     }
     reduction_error_walk(terms, None, radii, acc, is_dot)
@@ -449,28 +463,44 @@ pub(crate) fn dot_guaranteed_weights(acc: &Accumulation, n: usize) -> Result<(Ve
 /// * probabilistic: the η independent and zero-mean, each uniform within its bound
 ///   (variance bound²/3), and c_n a deterministic part of unknown sign (`tie_bound`).
 pub(crate) fn kahan_error(terms: &[f64], f: Format, load: bool) -> Result<ReductionError> {
+    kahan_error_within(terms, &[], f, load)
+}
+
+/// [`kahan_error`] of terms each known within its radius (`radii`, one per term, or empty for
+/// exact terms): every magnitude the bounds take is raised by the term's radius, and every
+/// partial sum's by the radii summed so far.
+pub(crate) fn kahan_error_within(
+    terms: &[f64],
+    radii: &[f64],
+    f: Format,
+    load: bool,
+) -> Result<ReductionError> {
     let u = f.unit_roundoff();
     let half_sub = f.min_subnormal() / 2.0;
     let eta = |v: f64| u * v + half_sub;
     let (mut exact, mut bound_v, mut bound_c) = (0.0f64, 0.0f64, 0.0f64);
     let mut variance = 0.0;
     let mut first = true;
-    for &x in terms {
+    // The radii summed so far (in f64, raised a little for its own roundings).
+    let mut spread = 0.0f64;
+    for (i, &x) in terms.iter().enumerate() {
+        let r = radii.get(i).copied().unwrap_or(0.0);
+        spread = (spread + r) * (1.0 + 1e-15);
         if first {
             first = false;
             exact = x;
             if load {
-                let e0 = eta(x.abs());
+                let e0 = eta(x.abs() + r);
                 bound_v = e0;
                 variance += e0 * e0 / 3.0;
             }
             continue;
         }
-        let xc = x.abs() + bound_c;
+        let xc = x.abs() + r + bound_c;
         let e1 = eta(xc);
         let y = xc * (1.0 + u) + half_sub;
-        let s = exact.abs() + bound_v + bound_c;
-        let s_min = exact.abs() - bound_v - bound_c;
+        let s = exact.abs() + spread + bound_v + bound_c;
+        let s_min = exact.abs() - spread - bound_v - bound_c;
         let e2 = eta(s + y);
         // Fast2Sum (Dekker 1971): when |s| ≥ |y|, t − s and then (t − s) − y are exact.
         let (e3, e4) = if y <= s_min {
@@ -520,6 +550,11 @@ pub fn random_rounding_error(
     is_dot: bool,
 ) -> Result<ReductionError> {
     acc.validate()?;
+    if acc.order == Order::Kahan && !(is_dot && matches!(acc.products, Products::Rounded(_))) {
+        // Kahan's own model is a running bound, random in every rounding already.
+        let input = if is_dot { Format::F64 } else { acc.input };
+        return kahan_error(terms, acc.accumulator, !input.is_subset_of(acc.accumulator));
+    }
     check_supported(&acc.order)?;
     let n = terms.len();
     // Prefix sums of the exact terms: the value a rounding rounds is a range sum.
