@@ -267,6 +267,16 @@ pub fn pairs(op: Op) -> Vec<Pair> {
                     });
                 }
             }
+            // FP16 accumulation: the dot products before the scale reach the format's range
+            // (refused where they may overflow).
+            let f16 = Policy::new(Format::F16, Format::F16, Format::F16);
+            out.push(Pair {
+                name: "f16 in, f16 acc: standard seq vs pairwise(8)".into(),
+                reference: f16.clone(),
+                candidate: f16.with_order(Order::Pairwise { base: 8 }),
+                ref_op: Op::Attention(std),
+                cand_op: Op::Attention(std),
+            });
         }
         Op::Softmax(_) => {
             for out_f in [Format::F32, Format::BF16] {
@@ -285,6 +295,15 @@ pub fn pairs(op: Op) -> Vec<Pair> {
                     ref_op: Op::Softmax(AttentionImpl::Standard),
                     cand_op: Op::Softmax(AttentionImpl::Standard),
                 });
+                // FP32 logits (their differences from the maximum round in FP32).
+                let f32 = Policy::new(Format::F32, Format::F32, out_f);
+                out.push(Pair {
+                    name: format!("f32->{out_f} seq vs pairwise(8)"),
+                    reference: f32.clone(),
+                    candidate: f32.with_order(Order::Pairwise { base: 8 }),
+                    ref_op: Op::Softmax(AttentionImpl::Standard),
+                    cand_op: Op::Softmax(AttentionImpl::Standard),
+                });
                 // A vocabulary-parallel softmax whose partial sums are all-reduced in BF16.
                 out.push(Pair {
                     name: format!("->{out_f} seq vs vocab-parallel 8 bf16"),
@@ -298,6 +317,15 @@ pub fn pairs(op: Op) -> Vec<Pair> {
                     cand_op: Op::Softmax(AttentionImpl::Standard),
                 });
             }
+            // FP16 throughout: the denominators sum in FP16.
+            let f16 = Policy::new(Format::F16, Format::F16, Format::F16);
+            out.push(Pair {
+                name: "f16 in, f16 acc: seq vs pairwise(8)".into(),
+                reference: f16.clone(),
+                candidate: f16.with_order(Order::Pairwise { base: 8 }),
+                ref_op: Op::Softmax(AttentionImpl::Standard),
+                cand_op: Op::Softmax(AttentionImpl::Standard),
+            });
         }
         Op::CrossEntropy | Op::CrossEntropyGrad => {
             // Logits in BF16 and FP32, the loss in FP32 and BF16; the denominators and the
@@ -392,6 +420,14 @@ pub fn pairs(op: Op) -> Vec<Pair> {
                 }
             }
             if op != Op::RmsNorm {
+                // Compensated summation on the candidate's side.
+                out.push(Pair {
+                    name: "two-pass: seq vs kahan".into(),
+                    reference: base.clone(),
+                    candidate: base.clone().with_order(Order::Kahan),
+                    ref_op: Op::LayerNorm(Variance::TwoPass),
+                    cand_op: Op::LayerNorm(Variance::TwoPass),
+                });
                 out.push(Pair {
                     name: "welford: seq vs pairwise(8)".into(),
                     reference: base.clone(),
