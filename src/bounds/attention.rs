@@ -55,7 +55,7 @@
 //! reach the accumulator's or the output's overflow threshold is refused ([`Error::Overflow`]):
 //! the dot products' partial sums reach Σ|q k| before the scale, times 1 + γ_{d+2}; the
 //! denominators keys·(1 + γ), an online side's unnormalized output keys·max|V|·(1 + γ). An
-//! accumulator with n·u ≥ 1 for the longest reduction has no bound at all
+//! accumulator whose γ_n reaches 1 for the longest reduction has no bound at all
 //! ([`Error::NoFiniteBound`]).
 //!
 //! Both sides must read the inputs in the same format, accumulate in the same format (FP32 or
@@ -86,8 +86,8 @@ use crate::trace::ModuleKind;
 /// [`Error::NonFinite`] for a non-finite input; [`Error::Overflow`] where a dot product's
 /// partial sums (before the scale), a denominator or an output can reach the accumulator's or
 /// the output format's overflow threshold; [`Error::NoFiniteBound`] where the accumulator is
-/// too narrow for the reductions' length (n·u ≥ 1 for n about 4·keys + 2 or d + 2: BF16
-/// accumulation of 64 keys or more).
+/// too narrow for the reductions' length (γ_n ≥ 1 for n = keys + 3·blocks + 1 or d + 2: BF16
+/// accumulation of 127 keys or more in the standard form).
 ///
 /// A probabilistic threshold is checked first by the engine's executions of both sides: where
 /// their difference exceeds the model's threshold at δ_s = min(δ, 10⁻³) (the norm or one
@@ -233,16 +233,23 @@ pub(crate) fn add_head(
         // 300 values near 30, 2.7·10⁵ before the scale: infinite scores priced finite.)
         // The denominator's partial sums are at most the number of keys (each numerator at
         // most 1), an online side's unnormalized output at most keys·max|V|.
-        // Every bound below takes γ_n of the accumulator for n up to about 4·keys + d: where
-        // n·u ≥ 1 there is none (BF16 accumulation of 256 keys; the bounds came out negative
-        // or NaN, and a per-element threshold of 0 for differences of 0.2).
-        let longest = (d + 2).max(4 * keys + 2);
-        if acc.gamma(longest).is_none() {
+        // The bounds below take γ_n of the accumulator for n = d + 2 (the scores) and
+        // keys + 3·blocks + 1 (P·V, online blocks counted), each as a relative error below 1:
+        // where γ_n ≥ 1 (or n·u ≥ 1, where it does not exist) no finite bound holds (BF16
+        // accumulation of 300 keys: the bounds came out negative or NaN, and a per-element
+        // threshold of 0 for differences of 0.2).
+        let blocks = sides
+            .iter()
+            .map(|s| s.block.map_or(0, |b| keys.div_ceil(b.max(1))))
+            .max()
+            .unwrap_or(0);
+        let longest = (d + 2).max(keys + 3 * blocks + 1);
+        if !acc.gamma(longest).is_some_and(|g| g < 1.0) {
             return Err(Error::NoFiniteBound {
                 what: format!("attention of query row {i}"),
                 reason: format!(
-                    "{keys} keys and head dimension {d} accumulated in {acc}: n·u ≥ 1 for \
-                     n = {longest} (Higham's γ_n), so no rounding bound holds"
+                    "{keys} keys and head dimension {d} accumulated in {acc}: γ_n ≥ 1 for \
+                     n = {longest} (Higham's γ_n = nu/(1 − nu)), so no rounding bound holds"
                 ),
             });
         }
