@@ -24,6 +24,7 @@ use crate::bounds::compare::{row_classes, Confidence, ElementDiff, Threshold, Th
 use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide};
 use crate::bounds::ops::output::GuaranteedRounding;
 use crate::bounds::reduction::{reduction_error, ReductionError};
+use crate::engine::nn::numerators_alike;
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::order::{Accumulation, Order};
@@ -172,20 +173,6 @@ struct Prepared {
     xi: Tensor,
     n: usize,
     numerators: Option<Numerators>,
-}
-
-/// Whether two policies compute a softmax's numerators alike (the engine's test).
-fn numerators_alike(p: &Policy, q: &Policy) -> bool {
-    let key = |p: &Policy| {
-        let i = p.input();
-        (
-            i,
-            p.input_overflow(i),
-            p.accumulator(),
-            p.accumulation.overflow,
-        )
-    };
-    key(p) == key(q)
 }
 
 /// One side's statistics of one row; `den`, when given, is the standard form's denominator

@@ -185,13 +185,10 @@ pub fn softmax(x: &Tensor, policy: &Policy) -> Result<Tensor> {
     Ok(out.remove(0))
 }
 
-/// [`softmax`] under each of `policies`, bit for bit, with the numerators eᵢ of a row computed
-/// once for the policies that compute them alike (the same input format and its overflow, the
-/// same accumulator and its overflow): what a threshold's check runs for its two sides, which
-/// differ in their order or output format.
-pub(crate) fn softmax_each(x: &Tensor, policies: &[&Policy]) -> Result<Vec<Tensor>> {
-    let (rows, n) = last_dim(x, "softmax")?;
-    let alike = |p: &Policy| {
+/// Whether two policies compute [`softmax`]'s numerators eᵢ alike: the same input format and
+/// its overflow, the same accumulator and its overflow.
+pub(crate) fn numerators_alike(p: &Policy, q: &Policy) -> bool {
+    let key = |p: &Policy| {
         let i = p.input();
         (
             i,
@@ -200,11 +197,20 @@ pub(crate) fn softmax_each(x: &Tensor, policies: &[&Policy]) -> Result<Vec<Tenso
             p.accumulation.overflow,
         )
     };
+    key(p) == key(q)
+}
+
+/// [`softmax`] under each of `policies`, bit for bit, with the numerators eᵢ of a row computed
+/// once for the policies that compute them alike (the same input format and its overflow, the
+/// same accumulator and its overflow): what a threshold's check runs for its two sides, which
+/// differ in their order or output format.
+pub(crate) fn softmax_each(x: &Tensor, policies: &[&Policy]) -> Result<Vec<Tensor>> {
+    let (rows, n) = last_dim(x, "softmax")?;
     let mut sides = Vec::with_capacity(policies.len());
     for (j, &p) in policies.iter().enumerate() {
         p.validate()?;
         // The first earlier policy whose numerators are this one's.
-        let shares = policies[..j].iter().position(|&q| alike(q) == alike(p));
+        let shares = policies[..j].iter().position(|&q| numerators_alike(q, p));
         let xi = match shares {
             Some(_) => None,
             None => Some(cast_in(x, p)),
