@@ -7,8 +7,8 @@
 //!   shapes up to 2²² multiply-adds, `Pricing::Walk` ÷ ndarray's f32 matmul (matrixmultiply) of
 //!   the same shape;
 //! * sum, softmax, LayerNorm: the threshold (sequential vs pairwise 8) ÷ a native f32 loop
-//!   computing the op on the same rows (sums priced both ways, `Pricing::Walk` and
-//!   `Pricing::Fast`, and guaranteed), and the floor of a sum threshold priced from its executions' roundings
+//!   computing the op on the same rows (sums and LayerNorm priced both ways, `Pricing::Walk`
+//!   and `Pricing::Fast`, sums guaranteed too), and the floor of a sum threshold priced from its executions' roundings
 //!   (`sum_floor`).
 //!
 //! Run with `MATMUL_NUM_THREADS=1 cargo bench --bench pricing`. `PRICING_SHAPES` lists the
@@ -20,8 +20,8 @@ use std::time::Instant;
 
 use ndarray::Array2;
 use ttrace::bounds::{
-    matmul_threshold_priced, norm_threshold, softmax_threshold, sum_threshold_priced, Confidence,
-    NormData, NormOp, NormSide, Pricing,
+    matmul_threshold_priced, norm_threshold_priced, softmax_threshold, sum_threshold_priced,
+    Confidence, NormData, NormOp, NormSide, Pricing,
 };
 use ttrace::engine::{AttentionImpl, SplitMix64, Variance};
 use ttrace::{Combine, Format, Order, Overflow, Policy, Tensor};
@@ -332,7 +332,7 @@ fn row_ops(pool: &rayon::ThreadPool) {
         )
         .unwrap()
     };
-    let price_norm = || {
+    let price_norm = |pricing| {
         let data = NormData {
             x: &t,
             weight: &w,
@@ -343,7 +343,7 @@ fn row_ops(pool: &rayon::ThreadPool) {
             op: NormOp::LayerNorm(Variance::TwoPass),
             policy,
         };
-        norm_threshold(&data, side(&r), side(&c), conf).unwrap()
+        norm_threshold_priced(&data, side(&r), side(&c), conf, pricing).unwrap()
     };
     println!(
         "\n{:<24} {:>12} {:>14} {:>10}",
@@ -404,16 +404,21 @@ fn row_ops(pool: &rayon::ThreadPool) {
             black_box(price_softmax());
         },
     );
-    report(
-        "layernorm (two-pass)",
-        11,
-        &|| {
-            black_box(norm_op());
-        },
-        &|| {
-            black_box(price_norm());
-        },
-    );
+    for (name, pricing) in [
+        ("layernorm (walk)", Pricing::Walk),
+        ("layernorm (fast)", Pricing::Fast),
+    ] {
+        report(
+            name,
+            11,
+            &|| {
+                black_box(norm_op());
+            },
+            &|| {
+                black_box(price_norm(pricing));
+            },
+        );
+    }
 }
 
 fn main() {

@@ -3,8 +3,8 @@
 //! the probabilistic (δ = 1e-6) thresholds; the refusals that had a finite bound are priced.
 
 use ttrace::bounds::{
-    matmul_threshold, norm_threshold, softmax_threshold, sum_threshold, Confidence, NormData,
-    NormOp, NormSide,
+    matmul_threshold, norm_threshold, norm_threshold_priced, softmax_threshold, sum_threshold,
+    Confidence, NormData, NormOp, NormSide, Pricing,
 };
 use ttrace::engine::{layer_norm, softmax, AttentionImpl, Variance};
 use ttrace::{Error, Format, Order, Overflow, Policy, Tensor};
@@ -27,7 +27,9 @@ fn vocabulary_parallel_bf16(r: &Policy) -> Policy {
 
 /// A LayerNorm pair on one row: (observed ‖D‖, guaranteed, probabilistic), both sides executed
 /// by the engine and priced by `norm_threshold`; zeros for a refusal where a side's output is
-/// not finite or, with `allow_refusal`, a one-pass variance is involved.
+/// not finite or, with `allow_refusal`, a one-pass variance is involved. The probabilistic
+/// threshold priced with `Pricing::Fast` (the compiled all-random model, the walk where the
+/// executions do not fit it) must hold the difference too.
 fn layer_norm_case(
     x: &[f64],
     format: Format,
@@ -65,6 +67,32 @@ fn layer_norm_case(
         )
     });
     let [g, p] = th;
+    let fast = norm_threshold_priced(
+        &data,
+        NormSide {
+            op: NormOp::LayerNorm(reference.0),
+            policy: reference.1,
+        },
+        NormSide {
+            op: NormOp::LayerNorm(candidate.0),
+            policy: candidate.1,
+        },
+        DELTA,
+        Pricing::Fast,
+    );
+    match (&p, fast) {
+        (Ok(_), Ok(f)) => assert!(
+            d <= f.abs_frobenius,
+            "fast-priced {:e} < ‖D‖ = {d:e}",
+            f.abs_frobenius
+        ),
+        (Err(e), Err(f)) => assert_eq!(
+            std::mem::discriminant(e),
+            std::mem::discriminant(&f),
+            "{e:?} against {f:?}"
+        ),
+        (p, f) => panic!("walk {p:?}, fast {f:?}"),
+    }
     let one_pass = allow_refusal && [reference.0, candidate.0].contains(&Variance::OnePass);
     match (g, p) {
         (Ok(g), Ok(p)) => Ok((d, g.abs_frobenius, p.abs_frobenius)),

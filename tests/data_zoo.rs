@@ -183,6 +183,19 @@ fn zoo_slice_softmax_and_norms() {
     assert_slice(&ops, 5, 150);
 }
 
+/// LayerNorm and RMSNorm priced with `Pricing::Fast` (each side's sums by the compiled
+/// all-random model, the walk where the executions do not fit it, near-constant rows on the
+/// walk): no violation, no fallback to the guaranteed threshold.
+#[test]
+fn zoo_slice_norms_fast_pricing() {
+    use ttrace::engine::Variance;
+    let ops = [
+        zoo::Op::LayerNormFast(Variance::TwoPass),
+        zoo::Op::RmsNormFast,
+    ];
+    assert_slice(&ops, 5, 150);
+}
+
 /// The mean cross-entropy and its gradient on every family (masked and dominant-logit rows
 /// among them), in other orders and vocabulary-parallel: no violation.
 #[test]

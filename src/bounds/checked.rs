@@ -63,45 +63,90 @@ pub(crate) fn checked_by_executions(
     build: &(dyn Fn(Confidence) -> Result<Threshold> + Sync),
     executions: &(dyn Fn() -> Option<Executions> + Sync),
 ) -> Result<Threshold> {
+    checked_by_executions_tiered(confidence, &[build], executions)
+}
+
+/// [`checked_by_executions`] over a ladder of models, the cheapest first (a compiled
+/// all-random model, then the determined-rounding walk): each probabilistic threshold in turn
+/// is checked by the same executions, and the first that the executions' differences fit is
+/// returned; where none fits, the last model's guaranteed threshold. A model that fails (an
+/// error: a sum it cannot exclude from overflowing, say) hands the data to the next one; the
+/// last model's errors are the answer. A guaranteed threshold is the last model's.
+///
+/// # Errors
+///
+/// The last model's.
+pub(crate) fn checked_by_executions_tiered(
+    confidence: Confidence,
+    builds: &[&(dyn Fn(Confidence) -> Result<Threshold> + Sync)],
+    executions: &(dyn Fn() -> Option<Executions> + Sync),
+) -> Result<Threshold> {
+    let Some((last, cheaper)) = builds.split_last() else {
+        return Err(crate::error::Error::InvalidParameter {
+            name: "builds",
+            reason: "no model to price the threshold".into(),
+        });
+    };
     let Confidence::Probabilistic { delta } = confidence else {
-        return build(confidence);
+        return last(confidence);
     };
-    // The executions run beside the pricing where a thread is free.
-    let (threshold, runs) = crate::parallel::join(|| build(confidence), executions);
-    let threshold = threshold?;
-    if threshold.identical {
-        return Ok(threshold);
-    }
-    let Some((refs, cands)) = runs else {
-        return Ok(threshold);
-    };
-    let (mut worst_sq, mut worst_max) = (0.0f64, 0.0f64);
-    for r in &refs {
-        for c in &cands {
-            if r.len() != c.len() || !r.iter().chain(c).all(|v| v.is_finite()) {
-                return Ok(threshold);
+    // The executions run beside the first pricing where a thread is free.
+    let first = builds[0];
+    let (first_threshold, runs) = crate::parallel::join(|| first(confidence), executions);
+    // The executions' largest differences over every pair of orders (`None`: not usable —
+    // an execution failed, lengths differ or a value is not finite — and the model's
+    // threshold stands unchecked).
+    let worst = runs.and_then(|(refs, cands)| {
+        let (mut worst_sq, mut worst_max) = (0.0f64, 0.0f64);
+        for r in &refs {
+            for c in &cands {
+                if r.len() != c.len() || !r.iter().chain(c).all(|v| v.is_finite()) {
+                    return None;
+                }
+                let (mut sq, mut max) = (0.0f64, 0.0f64);
+                for (x, y) in r.iter().zip(c) {
+                    let d = (y - x).abs();
+                    sq += d * d;
+                    max = max.max(d);
+                }
+                worst_sq = worst_sq.max(sq);
+                worst_max = worst_max.max(max);
             }
-            let (mut sq, mut max) = (0.0f64, 0.0f64);
-            for (x, y) in r.iter().zip(c) {
-                let d = (y - x).abs();
-                sq += d * d;
-                max = max.max(d);
+        }
+        Some((worst_sq.sqrt(), worst_max))
+    });
+    let check_delta = delta.min(MODEL_CHECK_DELTA);
+    let mut first_threshold = Some(first_threshold);
+    for (i, build) in builds.iter().enumerate() {
+        let threshold = match first_threshold.take() {
+            Some(t) if i == 0 => t,
+            _ => build(confidence),
+        };
+        let threshold = match threshold {
+            Ok(t) => t,
+            Err(_) if i < cheaper.len() => continue,
+            Err(e) => return Err(e),
+        };
+        if threshold.identical {
+            return Ok(threshold);
+        }
+        let Some((norm, max)) = worst else {
+            return Ok(threshold);
+        };
+        let check = if check_delta == delta {
+            threshold.clone()
+        } else {
+            match build(Confidence::Probabilistic { delta: check_delta }) {
+                Ok(t) => t,
+                Err(_) if i < cheaper.len() => continue,
+                Err(e) => return Err(e),
             }
-            worst_sq = worst_sq.max(sq);
-            worst_max = worst_max.max(max);
+        };
+        if norm <= check.abs_frobenius && max <= check.per_element {
+            return Ok(threshold);
         }
     }
-    let check_delta = delta.min(MODEL_CHECK_DELTA);
-    let check = if check_delta == delta {
-        threshold.clone()
-    } else {
-        build(Confidence::Probabilistic { delta: check_delta })?
-    };
-    if worst_sq.sqrt() > check.abs_frobenius || worst_max > check.per_element {
-        build(Confidence::Guaranteed)
-    } else {
-        Ok(threshold)
-    }
+    last(Confidence::Guaranteed)
 }
 
 #[cfg(test)]
@@ -161,6 +206,72 @@ mod tests {
         // A guaranteed request is never checked.
         let t = checked_by_executions(Confidence::Guaranteed, &build, &run(vec![50.0])).unwrap();
         assert_eq!(t.abs_frobenius, 10.0);
+    }
+
+    /// A ladder of models: the cheapest whose threshold the executions fit is returned; a
+    /// model that errs or does not fit hands over to the next; where none fits, the last
+    /// one's guaranteed threshold; a guaranteed request goes to the last model alone; the
+    /// last model's error is the answer.
+    #[test]
+    fn the_ladder_returns_the_first_model_the_executions_fit() {
+        let p = Confidence::Probabilistic { delta: 1e-6 };
+        // A narrow cheap model, a wide one, one that fails.
+        let narrow = |c: Confidence| -> Result<Threshold> {
+            Ok(match c {
+                Confidence::Guaranteed => at(c, 100.0, 100.0),
+                _ => at(c, 1.0, 1.0),
+            })
+        };
+        let wide = |c: Confidence| -> Result<Threshold> {
+            Ok(match c {
+                Confidence::Guaranteed => at(c, 10.0, 10.0),
+                _ => at(c, 3.0, 3.0),
+            })
+        };
+        let fails = |_: Confidence| -> Result<Threshold> {
+            Err(crate::error::Error::NoFiniteBound {
+                what: "test".into(),
+                reason: "test".into(),
+            })
+        };
+        let run = |d: Vec<f64>| move || Some((vec![vec![0.0; d.len()]], vec![d.clone()]));
+        let ladder = [
+            &narrow as &(dyn Fn(Confidence) -> Result<Threshold> + Sync),
+            &wide,
+        ];
+        // Within the narrow model.
+        let t = checked_by_executions_tiered(p, &ladder, &run(vec![0.5, 0.5])).unwrap();
+        assert_eq!((t.confidence, t.abs_frobenius), (p, 1.0));
+        // Beyond it, within the wide one.
+        let t = checked_by_executions_tiered(p, &ladder, &run(vec![2.0, 0.5])).unwrap();
+        assert_eq!((t.confidence, t.abs_frobenius), (p, 3.0));
+        // Beyond both: the last model's guaranteed threshold.
+        let t = checked_by_executions_tiered(p, &ladder, &run(vec![5.0, 0.5])).unwrap();
+        assert_eq!(
+            (t.confidence, t.abs_frobenius),
+            (Confidence::Guaranteed, 10.0)
+        );
+        // A guaranteed request: the last model.
+        let g = Confidence::Guaranteed;
+        let t = checked_by_executions_tiered(g, &ladder, &run(vec![0.5])).unwrap();
+        assert_eq!(t.abs_frobenius, 10.0);
+        // A cheap model that fails hands over; the last model's failure is the answer.
+        let ladder = [
+            &fails as &(dyn Fn(Confidence) -> Result<Threshold> + Sync),
+            &wide,
+        ];
+        let t = checked_by_executions_tiered(p, &ladder, &run(vec![0.5, 0.5])).unwrap();
+        assert_eq!(t.abs_frobenius, 3.0);
+        let ladder = [
+            &narrow as &(dyn Fn(Confidence) -> Result<Threshold> + Sync),
+            &fails,
+        ];
+        let e = checked_by_executions_tiered(p, &ladder, &run(vec![2.0, 0.5]));
+        assert!(matches!(e, Err(crate::error::Error::NoFiniteBound { .. })));
+        assert!(matches!(
+            checked_by_executions_tiered(p, &[], &run(vec![0.5])),
+            Err(crate::error::Error::InvalidParameter { name: "builds", .. })
+        ));
     }
 
     /// Every op's executions run, for both sides and every member of a family, as the

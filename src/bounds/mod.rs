@@ -53,7 +53,10 @@ pub use elementwise::{
     elementwise_gain, elementwise_threshold, matmul_gain, norm_gain, quantization_error,
     softmax_gain, Elementwise, QuantizationError,
 };
-pub use norm::{norm_threshold, NormData, NormOp, NormSide};
+pub use norm::{
+    norm_threshold, norm_threshold_priced, NormData, NormOp, NormSide, NORM_FAST_ELEMENTS,
+    NORM_FAST_ROW,
+};
 pub use op::model::Gain;
 pub use op::{op_threshold, Op, OpModel, OpOptions, OpSide, Operand, OperandRole};
 pub use ops::{

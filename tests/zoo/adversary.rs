@@ -88,9 +88,12 @@ fn ratio(d: f64, t: f64) -> f64 {
 /// family, the difference is the largest over the pairs of members the sides may run.
 pub fn calls(op: Op, pair: &Pair, x: &Tensor, b: &Tensor) -> Option<Calls> {
     let (op_r, op_c) = match op {
-        Op::Softmax(_) | Op::LayerNorm(_) | Op::RmsNorm | Op::Attention(_) => {
-            (pair.ref_op, pair.cand_op)
-        }
+        Op::Softmax(_)
+        | Op::LayerNorm(_)
+        | Op::RmsNorm
+        | Op::LayerNormFast(_)
+        | Op::RmsNormFast
+        | Op::Attention(_) => (pair.ref_op, pair.cand_op),
         _ => (op, op),
     };
     // Every order a side may run (each member of a family): the thresholds hold for any.

@@ -16,7 +16,7 @@
 use ttrace::bounds::{
     allreduce_threshold, attention_threshold, cross_entropy_grad_threshold,
     cross_entropy_threshold, elementwise_threshold, matmul_threshold, matmul_threshold_priced,
-    norm_threshold, reduction_error, softmax_threshold, sum_threshold, sum_threshold_priced,
+    norm_threshold_priced, reduction_error, softmax_threshold, sum_threshold, sum_threshold_priced,
     Confidence, Elementwise, NormData, NormOp, NormSide, Pricing, Threshold,
 };
 use ttrace::engine::{
@@ -56,6 +56,10 @@ pub enum Op {
     Softmax(AttentionImpl),
     LayerNorm(Variance),
     RmsNorm,
+    /// LayerNorm and RMSNorm priced with `Pricing::Fast` (each side's sums by the compiled
+    /// all-random model, the walk where the executions do not fit it).
+    LayerNormFast(Variance),
+    RmsNormFast,
     /// The mean cross-entropy of the [rows, k] logits against targets drawn from the seed
     /// (within each row's unmasked classes).
     CrossEntropy,
@@ -82,6 +86,8 @@ impl Op {
             Op::Softmax(AttentionImpl::Online { block }) => format!("online softmax({block})"),
             Op::LayerNorm(v) => format!("layernorm {v:?}"),
             Op::RmsNorm => "rmsnorm".into(),
+            Op::LayerNormFast(v) => format!("layernorm fast {v:?}"),
+            Op::RmsNormFast => "rmsnorm fast".into(),
             Op::CrossEntropy => "cross-entropy".into(),
             Op::CrossEntropyGrad => "cross-entropy grad".into(),
             Op::Attention(AttentionImpl::Standard) => "attention".into(),
@@ -373,6 +379,18 @@ pub fn pairs(op: Op) -> Vec<Pair> {
                 bf16.with_order(Order::Pairwise { base: 8 }),
             ));
         }
+        Op::LayerNormFast(v) => {
+            out = pairs(Op::LayerNorm(v));
+            for p in &mut out {
+                (p.ref_op, p.cand_op) = (fast_form(p.ref_op), fast_form(p.cand_op));
+            }
+        }
+        Op::RmsNormFast => {
+            out = pairs(Op::RmsNorm);
+            for p in &mut out {
+                (p.ref_op, p.cand_op) = (fast_form(p.ref_op), fast_form(p.cand_op));
+            }
+        }
         Op::LayerNorm(_) | Op::RmsNorm => {
             let base = Policy::new(Format::F32, Format::F32, Format::F32);
             let variants: Vec<(Op, Op, &str)> = if op == Op::RmsNorm {
@@ -441,6 +459,15 @@ pub fn pairs(op: Op) -> Vec<Pair> {
     out
 }
 
+/// A norm's form priced with `Pricing::Fast`.
+fn fast_form(o: Op) -> Op {
+    match o {
+        Op::LayerNorm(v) => Op::LayerNormFast(v),
+        Op::RmsNorm => Op::RmsNormFast,
+        o => o,
+    }
+}
+
 /// The outcome of one trial.
 #[derive(Debug, Clone, Copy)]
 pub enum Outcome {
@@ -504,20 +531,25 @@ pub fn threshold(
             };
             attention_threshold(x, &k, &v, causal(x), &side(r, rf), &side(c, cf), conf)
         }
-        Op::LayerNorm(_) | Op::RmsNorm => {
+        Op::LayerNorm(_) | Op::RmsNorm | Op::LayerNormFast(_) | Op::RmsNormFast => {
             let n = *x.shape().last().unwrap();
             let w = Tensor::from_vec(&[n], vec![1.0; n], Format::F32)?;
             let bias = Tensor::from_vec(&[n], vec![0.0; n], Format::F32)?;
             let to = |o: Op| match o {
-                Op::LayerNorm(v) => NormOp::LayerNorm(v),
+                Op::LayerNorm(v) | Op::LayerNormFast(v) => NormOp::LayerNorm(v),
                 _ => NormOp::RmsNorm,
             };
-            let bias = if op_r == Op::RmsNorm {
+            let bias = if matches!(op_r, Op::RmsNorm | Op::RmsNormFast) {
                 None
             } else {
                 Some(&bias)
             };
-            norm_threshold(
+            let pricing = if matches!(op_r, Op::LayerNormFast(_) | Op::RmsNormFast) {
+                Pricing::Fast
+            } else {
+                Pricing::Walk
+            };
+            norm_threshold_priced(
                 &NormData {
                     x,
                     weight: &w,
@@ -533,6 +565,7 @@ pub fn threshold(
                     policy: c,
                 },
                 conf,
+                pricing,
             )
         }
     }
@@ -581,12 +614,12 @@ pub fn execute(op: Op, x: &Tensor, b: &Tensor, p: &Policy) -> ttrace::Result<Vec
         Op::Matmul | Op::MatmulFast => matmul(x, b, p)?.into_values(),
         Op::Softmax(AttentionImpl::Standard) => softmax(x, p)?.into_values(),
         Op::Softmax(AttentionImpl::Online { block }) => online_softmax(x, block, p)?.into_values(),
-        Op::LayerNorm(v) => {
+        Op::LayerNorm(v) | Op::LayerNormFast(v) => {
             let w = Tensor::from_vec(&[n], vec![1.0; n], Format::F32)?;
             let bias = Tensor::from_vec(&[n], vec![0.0; n], Format::F32)?;
             layer_norm(x, &w, &bias, 1e-5, v, p)?.0.into_values()
         }
-        Op::RmsNorm => {
+        Op::RmsNorm | Op::RmsNormFast => {
             let w = Tensor::from_vec(&[n], vec![1.0; n], Format::F32)?;
             rms_norm(x, &w, 1e-5, p)?.0.into_values()
         }
@@ -730,9 +763,12 @@ pub fn trial(
         }
     };
     let (op_r, op_c) = match op {
-        Op::Softmax(_) | Op::LayerNorm(_) | Op::RmsNorm | Op::Attention(_) => {
-            (pair.ref_op, pair.cand_op)
-        }
+        Op::Softmax(_)
+        | Op::LayerNorm(_)
+        | Op::RmsNorm
+        | Op::LayerNormFast(_)
+        | Op::RmsNormFast
+        | Op::Attention(_) => (pair.ref_op, pair.cand_op),
         _ => (op, op),
     };
     let r = execute(op_r, &x, &b, &pair.reference)?;

@@ -114,6 +114,8 @@ pub fn ops() -> Vec<Op> {
         Op::Softmax(AttentionImpl::Standard),
         Op::LayerNorm(Variance::TwoPass),
         Op::RmsNorm,
+        Op::LayerNormFast(Variance::TwoPass),
+        Op::RmsNormFast,
         Op::CrossEntropy,
         Op::CrossEntropyGrad,
         Op::Attention(AttentionImpl::Standard),

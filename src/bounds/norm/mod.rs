@@ -17,10 +17,13 @@
 //! the dᵢ roundings (independent unless the two sides share μ̂) and the trailing roundings of
 //! nearly equal values.
 
-use crate::bounds::checked::{checked_by_executions, each_member, Executions};
+use crate::bounds::checked::{
+    checked_by_executions, checked_by_executions_tiered, each_member, Executions,
+};
 use crate::bounds::compare::{grouped_threshold, row_classes, Confidence, ElementDiff, Threshold};
 use crate::bounds::op::model::{Gain, OpModel, OpOptions, OpSide, Operand, OperandRole};
 use crate::bounds::ops::round_sides;
+use crate::bounds::ops::Pricing;
 use crate::error::{Error, Result};
 use crate::policy::arith::Arith;
 use crate::policy::Policy;
@@ -114,10 +117,96 @@ pub fn norm_threshold(
     candidate: NormSide<'_>,
     confidence: Confidence,
 ) -> Result<Threshold> {
-    let build = |conf| norm_model(data, reference, candidate, conf);
-    checked_by_executions(confidence, &build, &|| {
-        executions(data, reference, candidate)
-    })
+    norm_threshold_priced(data, reference, candidate, confidence, Pricing::Auto)
+}
+
+/// The fewest normalized elements (rows × row length) that [`Pricing::Auto`] prices with the
+/// compiled all-random model first: 2¹⁶, where the walk takes about 40 ms on one thread.
+pub const NORM_FAST_ELEMENTS: usize = 1 << 16;
+
+/// The shortest rows that [`Pricing::Auto`] prices with the compiled all-random model: the
+/// walk determines every rounding of shorter rows more often than not (its threshold is then
+/// the executions' difference), where the all-random model is several times wider.
+pub const NORM_FAST_ROW: usize = 256;
+
+/// Rows whose variance is at most this fraction of their squared mean (|mean| ≥ 256
+/// standard deviations, constant rows among them) are priced by the walk under
+/// [`Pricing::Fast`] too.
+const NEAR_CONSTANT: f64 = 1.0 / 65536.0;
+
+/// [`norm_threshold`] with the sums priced as `pricing` says.
+///
+/// * [`Pricing::Walk`]: every side's sums by the determined-rounding walk (the tightest).
+/// * [`Pricing::Fast`]: by the all-random model of each side's orders, compiled once for the
+///   row length (a rounding is exact or random; a mean or variance is known only where its
+///   sum is exact), a fraction of the walk's cost. A probabilistic threshold is checked by
+///   the executions as [`norm_threshold`]'s is; where they do not fit it (data whose
+///   roundings the walk determines: constant and near-constant rows, large means, one
+///   outlier) the walk prices the tensor, and is checked in turn. A guaranteed threshold is
+///   the walk's (the compiled model's Higham bound leaves out the underflow allowance).
+/// * [`Pricing::Auto`]: `Fast` for probabilistic thresholds of at least
+///   [`NORM_FAST_ELEMENTS`] elements in rows of at least [`NORM_FAST_ROW`], `Walk`
+///   otherwise.
+///
+/// Under `Fast`, rows whose |mean| is at least 256 standard deviations (constant rows among
+/// them) are still priced by the walk, row by row: the roundings of their sums are
+/// determined, and the walk computes them.
+///
+/// Sides outside the compiled model (Kahan's order, families of orders, tensor cores) are
+/// priced by the walk whatever `pricing` says.
+///
+/// # Examples
+///
+/// ```
+/// use ttrace::bounds::{norm_threshold_priced, Confidence, NormData, NormOp, NormSide, Pricing};
+/// use ttrace::engine::{layer_norm, Variance};
+/// use ttrace::{Format, Order, Overflow, Policy, Tensor};
+///
+/// # fn main() -> ttrace::Result<()> {
+/// let x = Tensor::rounded(&[8, 512], (0..4096).map(|i| (i as f64 * 0.731).sin()).collect(),
+///     Format::BF16, Overflow::Saturating)?;
+/// let gamma = Tensor::rounded(&[512], vec![1.0; 512], Format::BF16, Overflow::Saturating)?;
+/// let beta = Tensor::zeros(&[512], Format::BF16);
+/// let r: Policy = "in=bf16,acc=f32,out=f32".parse()?;
+/// let c = r.clone().with_order(Order::pairwise(8));
+/// let data = NormData { x: &x, weight: &gamma, bias: Some(&beta), eps: 1e-5 };
+/// let side = |p| NormSide { op: NormOp::LayerNorm(Variance::TwoPass), policy: p };
+/// let conf = Confidence::default_probabilistic();
+/// let fast = norm_threshold_priced(&data, side(&r), side(&c), conf, Pricing::Fast)?;
+/// let walk = norm_threshold_priced(&data, side(&r), side(&c), conf, Pricing::Walk)?;
+/// let (yr, _) = layer_norm(&x, &gamma, &beta, 1e-5, Variance::TwoPass, &r)?;
+/// let (yc, _) = layer_norm(&x, &gamma, &beta, 1e-5, Variance::TwoPass, &c)?;
+/// assert!(fast.check(&yr, &yc).passed && walk.check(&yr, &yc).passed);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// As [`norm_threshold`].
+pub fn norm_threshold_priced(
+    data: &NormData<'_>,
+    reference: NormSide<'_>,
+    candidate: NormSide<'_>,
+    confidence: Confidence,
+    pricing: Pricing,
+) -> Result<Threshold> {
+    let probabilistic = matches!(confidence, Confidence::Probabilistic { .. });
+    let fast = match pricing {
+        Pricing::Walk => false,
+        Pricing::Fast => true,
+        Pricing::Auto => {
+            let n = data.x.shape().last().copied().unwrap_or(0);
+            probabilistic && data.x.len() >= NORM_FAST_ELEMENTS && n >= NORM_FAST_ROW
+        }
+    };
+    let walk = |conf| norm_model(data, reference, candidate, conf, false);
+    let exec = || executions(data, reference, candidate);
+    if !(fast && probabilistic) {
+        return checked_by_executions(confidence, &walk, &exec);
+    }
+    let compiled = |conf| norm_model(data, reference, candidate, conf, true);
+    checked_by_executions_tiered(confidence, &[&compiled, &walk], &exec)
 }
 
 /// Both sides' normalization as the engine executes them (for every member of a family),
@@ -140,12 +229,15 @@ pub(crate) fn executions(
     })
 }
 
-/// [`norm_threshold`] as the model prices it (not checked by the executions).
+/// [`norm_threshold`] as the model prices it (not checked by the executions), each side's
+/// sums by the walk or, `fast`, by the compiled all-random model (a side outside it stays on
+/// the walk).
 fn norm_model(
     data: &NormData<'_>,
     reference: NormSide<'_>,
     candidate: NormSide<'_>,
     confidence: Confidence,
+    fast: bool,
 ) -> Result<Threshold> {
     let NormData {
         x,
@@ -238,6 +330,14 @@ fn norm_model(
     // dᵢ = x − μ̂ that share a grid and a residue of x on it (integers, constants), which err
     // alike whatever μ̂ is.
     let (_, classes) = row_classes(xi.values(), n);
+    let (fast_r, fast_c) = if fast {
+        (
+            FastSums::new(ref_op, reference, n),
+            FastSums::new(cand_op, candidate, n),
+        )
+    } else {
+        (None, None)
+    };
     // Each class of rows priced alone (in parallel; concatenated in order below, so that the
     // threshold does not depend on the number of threads).
     let priced = crate::parallel::map(
@@ -246,8 +346,21 @@ fn norm_model(
             let mut groups: Vec<(ElementDiff, usize)> = vec![];
             let row = &xi.values()[r * n..(r + 1) * n];
             let (rstd, xhat, y) = exact_row(row);
-            let sr = side_row(row, ref_op, eps, reference, one_kernel)?;
-            let sc = side_row(row, cand_op, eps, candidate, cand_one_kernel)?;
+            // Constant and near-constant rows (|mean| ≥ 256 standard deviations) stay on the
+            // walk: their sums' roundings are the determined ones it computes (the all-random
+            // model prices them 5–10× wider).
+            let walk_row = {
+                let mu = row.iter().sum::<f64>() / n as f64;
+                let var = row.iter().map(|v| (v - mu) * (v - mu)).sum::<f64>() / n as f64;
+                var.is_nan() || var <= mu * mu * NEAR_CONSTANT
+            };
+            let (fr, fc) = if walk_row {
+                (None, None)
+            } else {
+                (fast_r.as_ref(), fast_c.as_ref())
+            };
+            let sr = side_row(row, ref_op, eps, reference, one_kernel, fr)?;
+            let sc = side_row(row, cand_op, eps, candidate, cand_one_kernel, fc)?;
             // A side whose every rounding before x̂ is determined: its output, computed as the
             // engine computes it.
             let output = |s: &SideRow, p: &Policy| {

@@ -3,7 +3,9 @@
 //! and bound, and the rows whose roundings the data determine exactly.
 
 use super::NormOp;
-use crate::bounds::reduction::{reduction_error, reduction_error_within, ReductionError};
+use crate::bounds::reduction::{
+    reduction_error, reduction_error_within, RandomModel, ReductionError,
+};
 use crate::error::{Error, Result};
 use crate::format::{Format, Overflow};
 use crate::policy::arith::Arith;
@@ -46,6 +48,70 @@ pub(super) fn determined_value(
 /// is exact in `f64` (every format up to FP32).
 pub(super) fn narrow(f: Format) -> bool {
     f.unit_roundoff() >= 2f64.powi(-26)
+}
+
+/// One side's sums priced by the all-random model compiled for the row length
+/// ([`Pricing::Fast`](crate::bounds::Pricing::Fast)): every rounding that is not exact is
+/// random, none is determined from the data (the walk's determined roundings are not
+/// followed), and a mean or variance counts as known only where every rounding of its sum is
+/// exact.
+pub(super) struct FastSums {
+    /// The sum of the row (LayerNorm's mean).
+    mean: Option<RandomModel>,
+    /// The sum of the squares (the variance, RMSNorm's mean square).
+    squares: Option<RandomModel>,
+}
+
+impl FastSums {
+    /// The models of `policy`'s sums for `op` over rows of `n` values, or `None` where one
+    /// is outside the compiled model (Kahan's order, families, tensor cores: the walk prices
+    /// them).
+    pub(super) fn new(op: NormOp, policy: &Policy, n: usize) -> Option<FastSums> {
+        let model = |input, is_dot| {
+            let mut acc = policy.accumulation.clone();
+            acc.input = input;
+            RandomModel::new(&acc, n, is_dot).ok().flatten()
+        };
+        let a = policy.accumulator();
+        let mut fast = FastSums {
+            mean: None,
+            squares: None,
+        };
+        match op {
+            NormOp::LayerNorm(Variance::Welford) => {}
+            NormOp::LayerNorm(Variance::TwoPass) => {
+                fast.mean = Some(model(policy.input(), false)?);
+                fast.squares = Some(model(a, true)?);
+            }
+            NormOp::LayerNorm(Variance::OnePass) => {
+                fast.mean = Some(model(policy.input(), false)?);
+                fast.squares = Some(model(policy.input(), true)?);
+            }
+            NormOp::RmsNorm => fast.squares = Some(model(policy.input(), true)?),
+        }
+        Some(fast)
+    }
+}
+
+/// The statistics of a sum of `terms` (within `radii`): the compiled model's where `model` is
+/// given, else the walk's (`acc`, `is_dot`).
+fn sum_error(
+    model: Option<&RandomModel>,
+    terms: &[f64],
+    radii: &[f64],
+    acc: &crate::order::Accumulation,
+    is_dot: bool,
+) -> Result<ReductionError> {
+    match model {
+        Some(m) => m.error_within(terms, radii),
+        None if radii.is_empty() => reduction_error(terms, acc, is_dot),
+        None => reduction_error_within(terms, radii, acc, is_dot),
+    }
+}
+
+/// Whether every rounding a model priced was exact (no random, determined or tie part).
+fn all_exact(e: &ReductionError) -> bool {
+    e.variance == 0.0 && e.mean == 0.0 && e.tie_bound == 0.0
 }
 
 /// One side's statistics for one row.
@@ -93,14 +159,21 @@ pub(super) fn exact_side(mu: f64, n: usize, src: Vec<f64>, rstd: f64) -> SideRow
 }
 
 /// One side's model of one row. `determine`: the side runs one kernel (no family of orders),
-/// so roundings the data determine may be computed exactly.
+/// so roundings the data determine may be computed exactly. `fast`: the side's sums priced
+/// by the compiled all-random model instead of the walk.
 pub(super) fn side_row(
     x: &[f64],
     op: NormOp,
     eps: f64,
     policy: &Policy,
     determine: bool,
+    fast: Option<&FastSums>,
 ) -> Result<SideRow> {
+    let mean_model = fast.and_then(|f| f.mean.as_ref());
+    let squares_model = fast.and_then(|f| f.squares.as_ref());
+    // The walk's determined values are its own; the all-random model knows a sum only where
+    // every rounding of it is exact.
+    let known = |e: &ReductionError| fast.is_none() || all_exact(e);
     let a = policy.accumulator();
     let n = x.len() as f64;
     let mut acc_in = policy.accumulation.clone();
@@ -116,7 +189,7 @@ pub(super) fn side_row(
     // computes are known exactly too.
     let mut mu_hat = None;
     if centered && op != NormOp::LayerNorm(Variance::Welford) {
-        let es = reduction_error(x, &acc_in, false)?;
+        let es = sum_error(mean_model, x, &[], &acc_in, false)?;
         mu_tie = es.tie_bound / n;
         // The division rounds the computed Ŝ/n, not the exact mean: exact only when the sum
         // is (a representable mean says nothing about Ŝ/n otherwise).
@@ -125,7 +198,7 @@ pub(super) fn side_row(
         mu_max = es.guaranteed / n + rm;
         mu_mean = es.mean / n;
         let rf = acc_in.order.result_format(a);
-        if let Some(s_hat) = determined_value(exact_sum, &es, rf, ov) {
+        if let Some(s_hat) = determined_value(exact_sum, &es, rf, ov).filter(|_| known(&es)) {
             // Every rounding up to μ̂ is known: its error is a determined offset.
             let m = a.round(s_hat / n, ov);
             mu_hat = Some(m);
@@ -157,8 +230,8 @@ pub(super) fn side_row(
             let sq: Vec<f64> = dh.iter().map(|v| v * v).collect();
             var_exact = d.iter().map(|v| v * v).sum::<f64>() / n;
             let shift = sq.iter().sum::<f64>() / n - var_exact;
-            let ed = reduction_error(&sq, &acc_a, true)?;
-            if narrow(a) {
+            let ed = sum_error(squares_model, &sq, &[], &acc_a, true)?;
+            if narrow(a) && known(&ed) {
                 let rf = acc_a.order.result_format(a);
                 var_hat = determined_value(crate::exact::exact_sum(&sq), &ed, rf, ov)
                     .map(|s| a.round(s / n, ov));
@@ -185,7 +258,7 @@ pub(super) fn side_row(
                     (2.0 * di.abs() + e) * e
                 })
                 .collect();
-            let ed = reduction_error_within(&sq, &radii, &acc_a, true)?;
+            let ed = sum_error(squares_model, &sq, &radii, &acc_a, true)?;
             var_var = ed.variance / (n * n);
             var_max = ed.guaranteed / n;
             var_mean = ed.mean / n;
@@ -223,8 +296,8 @@ pub(super) fn side_row(
             let sq: Vec<f64> = x.iter().map(|v| v * v).collect();
             let ms = sq.iter().sum::<f64>() / n;
             // dot(x, x): the exact products xᵢ², handled as the policy's products are.
-            let ed = reduction_error(&sq, &acc_in, true)?;
-            let ms_hat = if narrow(policy.input()) {
+            let ed = sum_error(squares_model, &sq, &[], &acc_in, true)?;
+            let ms_hat = if narrow(policy.input()) && known(&ed) {
                 let rf = acc_in.order.result_format(a);
                 determined_value(crate::exact::exact_sum(&sq), &ed, rf, ov)
                     .map(|s| a.round(s / n, ov))

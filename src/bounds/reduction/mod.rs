@@ -28,9 +28,11 @@ use crate::order::{
     for_each_rounding, value_exponent, Accumulation, Operand, Order, Products, RoundingSite,
 };
 
+mod compiled;
 mod representable;
 mod tensorcore;
 mod walk;
+pub(crate) use compiled::RandomModel;
 pub(crate) use tensorcore::lift_family;
 use tensorcore::{family_error, merge_family, tensor_core_error};
 pub(crate) use walk::lowest_bit;
@@ -873,6 +875,11 @@ fn with_growth(
         .iter()
         .map(|d| d.relative_error_bound())
         .fold(0.0, f64::max);
+    growth_applied(guaranteed, variance, growth)
+}
+
+/// [`with_growth`] for the largest relative error bound `growth` of the terms' paths.
+fn growth_applied(guaranteed: f64, variance: f64, growth: f64) -> ReductionError {
     if growth > FIRST_ORDER_LIMIT {
         return ReductionError {
             guaranteed,
