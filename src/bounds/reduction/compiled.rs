@@ -64,6 +64,35 @@ struct Site {
     second: (usize, usize),
     ops: [Op; 2],
     fused: (usize, usize),
+    /// A sequential step: the running value of terms [s, i) plus term i, with the running
+    /// value's grid (the common site, read without the general operand dispatch).
+    step: Option<Grid>,
+}
+
+/// The grid of a sequential step's running value, when `s` is one: operands the running
+/// value of a non-empty range [a, i) and the term i, rounding the range [a, i + 1), nothing
+/// fused.
+fn step_of(s: &RoundingSite) -> Option<Grid> {
+    match (&s.ops[0], &s.ops[1]) {
+        (
+            Operand::Value {
+                first,
+                second,
+                format,
+            },
+            Operand::Term(i),
+        ) if second.is_empty()
+            && !first.is_empty()
+            && first.end == *i
+            && s.first.start == first.start
+            && s.first.end == i + 1
+            && s.second.is_empty()
+            && s.fused.is_empty() =>
+        {
+            Some(Grid::of(*format))
+        }
+        _ => None,
+    }
 }
 
 fn pair(r: &std::ops::Range<usize>) -> (usize, usize) {
@@ -198,6 +227,7 @@ impl RandomModel {
                     second: pair(&s.second),
                     ops: [op(&s.ops[0]), op(&s.ops[1])],
                     fused: pair(&s.fused),
+                    step: step_of(&s),
                 });
             },
         );
@@ -258,13 +288,6 @@ impl RandomModel {
         if self.products.is_some() {
             return false;
         }
-        let g = terms
-            .iter()
-            .map(|&t| lowest_bit(t))
-            .fold(f64::INFINITY, f64::min);
-        if !g.is_finite() {
-            return false;
-        }
         let (lo, hi) = prefix
             .iter()
             .fold((0.0f64, 0.0f64), |(lo, hi), &p| (lo.min(p), hi.max(p)));
@@ -274,11 +297,28 @@ impl RandomModel {
         if self.wraps {
             range *= 2.0;
         }
-        self.formats.iter().all(|&f| {
-            g >= f.min_subnormal()
-                && range < g * crate::format::pow2(f.precision() as i32)
-                && range <= f.max_finite()
-        })
+        if !(range.is_finite() && self.formats.iter().all(|&f| range <= f.max_finite())) {
+            return false;
+        }
+        // Every nonzero term's lowest set bit (g is their least) at least each format's
+        // smallest subnormal and above range·2^-p: checked term by term, so that rows of
+        // fine-grained values (squares of FP32 values) are declined at their first term.
+        let (mut need_sub, mut need) = (0.0f64, 0.0f64);
+        for &f in &self.formats {
+            need_sub = need_sub.max(f.min_subnormal());
+            need = need.max(range * crate::format::pow2(-(f.precision() as i32)));
+        }
+        let mut any = false;
+        for &t in terms {
+            if t != 0.0 {
+                let g = lowest_bit(t);
+                if g < need_sub || g <= need {
+                    return false;
+                }
+                any = true;
+            }
+        }
+        any
     }
 
     /// The statistics of [`random_rounding_error`] for computed terms known within `radii`
@@ -380,13 +420,35 @@ impl RandomModel {
         }
         let mut table = REPEATS.with(|r| std::mem::take(&mut *r.borrow_mut()));
         let mut reserved = false;
+        let no_terms: &[f64] = &[];
         for s in &self.sites {
-            let v = range_sum(s.first) + range_sum(s.second);
+            // The value rounded, the two operands with their grids, the fused terms.
+            let (v, (a, qa), (b, qb), fused) = match s.step {
+                Some(value_grid) => {
+                    let (start, i) = (s.first.0, s.first.1 - 1);
+                    let p0 = prefix[start];
+                    let a = prefix[i] - p0;
+                    let t = terms[i];
+                    // (+ 0.0: the general path's empty fused sum, which makes −0 into +0.)
+                    (
+                        prefix[i + 1] - p0,
+                        (a, value_grid.ulp(a)),
+                        (t + 0.0, lowest_bit(t)),
+                        no_terms,
+                    )
+                }
+                None => {
+                    let fused = &terms[s.fused.0..s.fused.1.max(s.fused.0)];
+                    let (b, qb) = operand(&s.ops[1]);
+                    (
+                        range_sum(s.first) + range_sum(s.second),
+                        operand(&s.ops[0]),
+                        (b + fused.iter().sum::<f64>(), qb),
+                        fused,
+                    )
+                }
+            };
             let ulp = s.grid.ulp(v);
-            let (a, qa) = operand(&s.ops[0]);
-            let (b, qb) = operand(&s.ops[1]);
-            let fused = &terms[s.fused.0..s.fused.1.max(s.fused.0)];
-            let b = b + fused.iter().sum::<f64>();
             let first_big = a.abs() >= b.abs();
             let (q_big, small, small_is_term) = if first_big {
                 (qa, b, matches!(s.ops[1], Op::Term(_)))
