@@ -59,24 +59,57 @@ impl Hasher for Fold {
 /// and hashed by a multiplication with a random odd seed per call (so that no input can be
 /// built to crowd one run of slots).
 pub(crate) fn classes_of_words(keys: &[u64]) -> Vec<(usize, usize)> {
+    classes_of(keys, |key| key ^ (key >> 32))
+}
+
+/// [`classes_of_words`] for pairs of words (equal when both are).
+pub(crate) fn classes_of_pairs(keys: &[(u64, u64)]) -> Vec<(usize, usize)> {
+    classes_of(keys, fold_pair)
+}
+
+/// Each pair's class as an index into [`classes_of_pairs`]'s list (in order of first
+/// appearance).
+pub(crate) fn class_ids_of_pairs(keys: &[(u64, u64)]) -> Vec<u32> {
+    let mut ids = vec![0u32; keys.len()];
+    classes_with(keys, fold_pair, |j, class| ids[j] = class);
+    ids
+}
+
+fn fold_pair((a, b): (u64, u64)) -> u64 {
+    a ^ (a >> 32) ^ b.rotate_left(29)
+}
+
+/// The classes of equal keys, each folded to one word by `fold` before the seeded hash.
+fn classes_of<K: Copy + Eq + Default>(keys: &[K], fold: impl Fn(K) -> u64) -> Vec<(usize, usize)> {
+    classes_with(keys, fold, |_, _| {})
+}
+
+/// [`classes_of`], telling `each` every key's class index (0-based) as it goes.
+fn classes_with<K: Copy + Eq + Default>(
+    keys: &[K],
+    fold: impl Fn(K) -> u64,
+    mut each: impl FnMut(usize, u32),
+) -> Vec<(usize, usize)> {
     let bits = (2 * keys.len()).max(2).next_power_of_two().trailing_zeros();
     let mask = (1usize << bits) - 1;
     let seed = Seeded::default().0 | 1;
-    // Slot: a word and its class's index + 1 (0: empty).
-    let mut slots = vec![(0u64, 0u32); mask + 1];
+    // Slot: a key and its class's index + 1 (0: empty).
+    let mut slots = vec![(K::default(), 0u32); mask + 1];
     let mut classes: Vec<(usize, usize)> = Vec::new();
     for (j, &key) in keys.iter().enumerate() {
-        let folded = (key ^ (key >> 32)).wrapping_mul(seed);
+        let folded = fold(key).wrapping_mul(seed);
         let mut at = (folded >> (64 - bits)) as usize;
         loop {
             let (word, class) = slots[at];
             if class == 0 {
                 classes.push((j, 1));
                 slots[at] = (key, classes.len() as u32);
+                each(j, classes.len() as u32 - 1);
                 break;
             }
             if word == key {
                 classes[class as usize - 1].1 += 1;
+                each(j, class - 1);
                 break;
             }
             at = (at + 1) & mask;
@@ -114,6 +147,32 @@ mod tests {
                 expected[c].1 += 1;
             }
             assert_eq!(classes_of_words(&keys), expected);
+            // The same words paired with a second word that splits some classes.
+            let pairs: Vec<(u64, u64)> = keys.iter().map(|&k| (k, k % 3 + (k >> 40))).collect();
+            let mut expected: Vec<(usize, usize)> = vec![];
+            let mut index = std::collections::HashMap::new();
+            for (j, &k) in pairs.iter().enumerate() {
+                let c = *index.entry(k).or_insert_with(|| {
+                    expected.push((j, 0));
+                    expected.len() - 1
+                });
+                expected[c].1 += 1;
+            }
+            assert_eq!(classes_of_pairs(&pairs), expected);
+            let ids = class_ids_of_pairs(&pairs);
+            for (j, &k) in pairs.iter().enumerate() {
+                assert_eq!(pairs[expected[ids[j] as usize].0], k);
+            }
+            let split: Vec<(u64, u64)> = keys
+                .iter()
+                .enumerate()
+                .map(|(j, &k)| (k, j as u64 % 2))
+                .collect();
+            let classes = classes_of_pairs(&split);
+            assert_eq!(classes.iter().map(|c| c.1).sum::<usize>(), keys.len());
+            assert!(classes
+                .iter()
+                .all(|&(j, _)| split[..j].iter().all(|&p| p != split[j])));
         }
     }
 }

@@ -330,6 +330,16 @@ fn norm_model(
     // dᵢ = x − μ̂ that share a grid and a residue of x on it (integers, constants), which err
     // alike whatever μ̂ is.
     let (_, classes) = row_classes(xi.values(), n);
+    // Elements with identical (x, γ, β) are one component: (γ, β) classed once for every
+    // row, each row's elements then by (x, class of (γ, β)).
+    let weight_class: Vec<u64> = crate::bounds::keyed::class_ids_of_pairs(
+        &(0..n)
+            .map(|i| (w.values()[i].to_bits(), bias_at(i).to_bits()))
+            .collect::<Vec<_>>(),
+    )
+    .into_iter()
+    .map(u64::from)
+    .collect();
     let (fast_r, fast_c) = if fast {
         (
             FastSums::new(ref_op, reference, n),
@@ -470,18 +480,13 @@ fn norm_model(
             // The dᵢ roundings, by (grid, residue of xᵢ on it): one component each, proxy
             // Var(η)·Σ (γᵢ·rstd)² over the group.
             let mut d_groups: std::collections::BTreeMap<(u64, u64), f64> = Default::default();
-            let mut elements: crate::bounds::keyed::DataMap<(u64, u64, u64), (usize, usize)> =
-                Default::default();
-            let mut order = vec![];
+            let keys: Vec<(u64, u64)> = row
+                .iter()
+                .zip(&weight_class)
+                .map(|(x, &c)| (x.to_bits(), c))
+                .collect();
+            let elements = crate::bounds::keyed::classes_of_pairs(&keys);
             for (i, (&xv, &gi)) in row.iter().zip(w.values()).enumerate() {
-                let key = (xv.to_bits(), gi.to_bits(), bias_at(i).to_bits());
-                elements
-                    .entry(key)
-                    .or_insert_with(|| {
-                        order.push(i);
-                        (i, 0)
-                    })
-                    .1 += 1;
                 if !shared_mu {
                     let dv = sr.d_var[i] + sc.d_var[i];
                     if dv > 0.0 {
@@ -503,13 +508,7 @@ fn norm_model(
                     count,
                 ));
             }
-            for &i in &order {
-                let cnt = elements[&(
-                    row[i].to_bits(),
-                    w.values()[i].to_bits(),
-                    bias_at(i).to_bits(),
-                )]
-                    .1;
+            for &(i, cnt) in &elements {
                 let gi = w.values()[i];
                 let (dv, dm) = if shared_mu {
                     (0.0, 0.0)
