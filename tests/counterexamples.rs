@@ -52,23 +52,7 @@ fn layer_norm_case(
         bias: Some(&b),
         eps,
     };
-    let th = [Confidence::Guaranteed, DELTA].map(|conf| {
-        norm_threshold(
-            &data,
-            NormSide {
-                op: NormOp::LayerNorm(reference.0),
-                policy: reference.1,
-            },
-            NormSide {
-                op: NormOp::LayerNorm(candidate.0),
-                policy: candidate.1,
-            },
-            conf,
-        )
-    });
-    let [g, p] = th;
-    let fast = norm_threshold_priced(
-        &data,
+    let sides = (
         NormSide {
             op: NormOp::LayerNorm(reference.0),
             policy: reference.1,
@@ -77,9 +61,11 @@ fn layer_norm_case(
             op: NormOp::LayerNorm(candidate.0),
             policy: candidate.1,
         },
-        DELTA,
-        Pricing::Fast,
     );
+    let th =
+        [Confidence::Guaranteed, DELTA].map(|conf| norm_threshold(&data, sides.0, sides.1, conf));
+    let [g, p] = th;
+    let fast = norm_threshold_priced(&data, sides.0, sides.1, DELTA, Pricing::Fast);
     match (&p, fast) {
         (Ok(_), Ok(f)) => assert!(
             d <= f.abs_frobenius,

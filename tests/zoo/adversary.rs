@@ -87,15 +87,7 @@ fn ratio(d: f64, t: f64) -> f64 {
 /// bound that does not exist: refusals are the zoo's business). For a side whose order is a
 /// family, the difference is the largest over the pairs of members the sides may run.
 pub fn calls(op: Op, pair: &Pair, x: &Tensor, b: &Tensor) -> Option<Calls> {
-    let (op_r, op_c) = match op {
-        Op::Softmax(_)
-        | Op::LayerNorm(_)
-        | Op::RmsNorm
-        | Op::LayerNormFast(_)
-        | Op::RmsNormFast
-        | Op::Attention(_) => (pair.ref_op, pair.cand_op),
-        _ => (op, op),
-    };
+    let (op_r, op_c) = super::forms(op, pair);
     // Every order a side may run (each member of a family): the thresholds hold for any.
     let runs = |op: Op, p: &ttrace::Policy| -> Option<Vec<Vec<f64>>> {
         let members = p.accumulation.order.members();

@@ -459,6 +459,20 @@ pub fn pairs(op: Op) -> Vec<Pair> {
     out
 }
 
+/// The forms the two sides of `pair` run for `op`: the pair's own for ops with forms
+/// (softmax, norms, attention), the op itself otherwise.
+pub fn forms(op: Op, pair: &Pair) -> (Op, Op) {
+    match op {
+        Op::Softmax(_)
+        | Op::LayerNorm(_)
+        | Op::RmsNorm
+        | Op::LayerNormFast(_)
+        | Op::RmsNormFast
+        | Op::Attention(_) => (pair.ref_op, pair.cand_op),
+        _ => (op, op),
+    }
+}
+
 /// A norm's form priced with `Pricing::Fast`.
 fn fast_form(o: Op) -> Op {
     match o {
@@ -762,15 +776,7 @@ pub fn trial(
             )
         }
     };
-    let (op_r, op_c) = match op {
-        Op::Softmax(_)
-        | Op::LayerNorm(_)
-        | Op::RmsNorm
-        | Op::LayerNormFast(_)
-        | Op::RmsNormFast
-        | Op::Attention(_) => (pair.ref_op, pair.cand_op),
-        _ => (op, op),
-    };
+    let (op_r, op_c) = forms(op, pair);
     let r = execute(op_r, &x, &b, &pair.reference)?;
     let c = execute(op_c, &x, &b, &pair.candidate)?;
     let finite = r.iter().chain(&c).all(|v| v.is_finite());
