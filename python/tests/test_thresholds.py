@@ -445,3 +445,26 @@ def test_a_threshold_judges_only_the_results_it_was_priced_for() -> None:
         ttrace.testing.assert_close(np.zeros(0, np.float32), np.zeros(0, np.float32), op="sum",
                                     inputs=(np.zeros((0, 8), np.float32),), reference=REF,
                                     candidate=CAND)
+
+
+def test_norm_pricing_reaches_the_core() -> None:
+    """``pricing`` on LayerNorm thresholds: the named function and the generic entry give the
+    same threshold for each pricing, the walk's and the fast model's agree within the fast
+    model's documented width on Gaussian rows, and an unknown pricing is refused."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((64, 1024)).astype(np.float32)
+    g = np.ones(1024, dtype=np.float32)
+    b = np.zeros(1024, dtype=np.float32)
+    p, c = "in=f32,acc=f32,out=f32", "in=f32,acc=f32,out=f32,order=pairwise:8"
+    by = {}
+    for pricing in ("walk", "fast", "auto"):
+        t = ttrace.norm_threshold(x, g, b, reference=p, candidate=c, pricing=pricing)
+        u = ttrace.threshold("layernorm", (x, g, b), reference=p, candidate=c, pricing=pricing)
+        assert t.to_dict()["abs_frobenius"] == u.to_dict()["abs_frobenius"], pricing
+        by[pricing] = t.abs_frobenius
+    # 65,536 elements in rows of 1,024: auto is fast.
+    assert by["auto"] == by["fast"]
+    assert 0.5 * by["walk"] <= by["fast"] <= 3.0 * by["walk"], by
+    with pytest.raises(ttrace.InvalidInputError) as e:
+        ttrace.norm_threshold(x, g, b, reference=p, pricing="quick")
+    assert e.value.kind == "InvalidParameter"

@@ -240,8 +240,12 @@ def threshold(
     ``reference`` / ``candidate`` (default: the reference) are policy texts with two more
     keys the policy does not hold: ``form=standard|online:B`` (softmax, attention) and
     ``variance=twopass|welford|onepass`` (LayerNorm). ``eps``: the normalizations' ε;
-    ``pricing`` as for :func:`matmul_threshold`. Every op goes through the library's one op
-    registry, as ``ttrace threshold OP`` does.
+    ``pricing`` as for :func:`matmul_threshold` (``matmul``, ``linear``, ``sum``, ``mean``);
+    for ``layernorm`` and ``rmsnorm``, ``"fast"`` prices each side's sums by the all-random
+    model compiled for the row length (about half the walk's time; the walk where the
+    engine's executions do not fit it, and for near-constant rows) and ``"auto"`` takes it
+    for probabilistic thresholds from 65,536 elements in rows of at least 256. Every op goes
+    through the library's one op registry, as ``ttrace threshold OP`` does.
     """
     if op in ("cross_entropy", "cross_entropy_grad") and len(inputs) == 2:
         # Integer targets, and PyTorch's ignore_index rows, as cross_entropy_threshold takes
@@ -360,9 +364,14 @@ def norm_threshold(
     candidate_variance: str = "twopass",
     delta: float = 1e-6,
     guaranteed: bool = False,
+    pricing: str = "auto",
 ) -> Threshold:
     """LayerNorm (``op="layernorm"``, variance ``twopass``, ``welford`` or ``onepass``) or
-    RMSNorm (``op="rmsnorm"``) over the last dimension of ``x``."""
+    RMSNorm (``op="rmsnorm"``) over the last dimension of ``x``. ``pricing``: ``"walk"``
+    prices each side's sums by the determined-rounding walk, ``"fast"`` by the all-random
+    model compiled for the row length (the walk where the engine's executions do not fit
+    it), ``"auto"`` (the default) the second for probabilistic thresholds from 65,536
+    elements in rows of at least 256."""
     if op not in ("layernorm", "rmsnorm"):
         raise InvalidInputError(
             f"invalid op: unknown normalization '{op}' (layernorm, rmsnorm)", "InvalidParameter"
@@ -371,7 +380,7 @@ def norm_threshold(
     values = [x, weight] + ([bias] if bias is not None else [])
     core = _ttrace.threshold(
         op, _operands(["x", "weight", "bias"], values), _with(ref, variance=reference_variance),
-        _with(cand, variance=candidate_variance), _delta(delta, guaranteed), "auto", float(eps),
+        _with(cand, variance=candidate_variance), _delta(delta, guaranteed), pricing, float(eps),
     )
     return Threshold(core, op, ref, cand)
 

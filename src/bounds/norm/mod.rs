@@ -596,7 +596,8 @@ fn norm_model(
 
 /// `layernorm` and `rmsnorm` in the op registry: over the last dimension of `x`, with
 /// `weight` (γ) and LayerNorm's optional `bias` (β), ε from [`OpOptions::norm_eps`], each
-/// side's LayerNorm variance from [`OpSide::variance`]; threshold [`norm_threshold`]; gain
+/// side's LayerNorm variance from [`OpSide::variance`]; threshold [`norm_threshold_priced`]
+/// with [`OpOptions::pricing`]; gain
 /// max|γ|·max rstd in x (first order, [`norm_gain`](crate::bounds::norm_gain)), rstd of each
 /// row computed in f64. Prices `norm` modules.
 #[derive(Debug, Clone, Copy)]
@@ -648,7 +649,7 @@ impl OpModel for NormModel {
                 NormOp::LayerNorm(s.variance)
             }
         };
-        norm_threshold(
+        norm_threshold_priced(
             &NormData {
                 x: inputs[0],
                 weight: inputs[1],
@@ -664,6 +665,7 @@ impl OpModel for NormModel {
                 policy: &candidate.policy,
             },
             confidence,
+            options.pricing,
         )
     }
 

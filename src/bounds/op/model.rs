@@ -198,7 +198,8 @@ impl FromStr for OpSide {
 pub struct OpOptions {
     /// The normalizations' ε (added to the variance): 1e-5 by default.
     pub norm_eps: f64,
-    /// How `matmul`, `linear`, `sum` and `mean` are priced ([`Pricing::Auto`] by default).
+    /// How `matmul`, `linear`, `sum`, `mean`, `layernorm` and `rmsnorm` are priced
+    /// ([`Pricing::Auto`] by default).
     pub pricing: Pricing,
 }
 
