@@ -820,3 +820,52 @@ fn cross_entropy_grad_partials_placed_against_the_model_fall_back() {
         (d, g.abs_frobenius, p.abs_frobenius),
     );
 }
+
+/// A constant row with eps = 0: the exact normalization is 0/0. One-pass LayerNorm with a
+/// BF16 accumulator computes a variance of rounding errors alone, so both sides' outputs are
+/// finite and differ by 0.07 or more — and the threshold was priced NaN, which a comparison
+/// takes as a pass (found by a probe of the fast pricing against the walk, 2026-12-08). Now
+/// refused with `NoFiniteBound`, under every pricing and confidence; with eps > 0 the same
+/// rows are judged as before.
+#[test]
+fn constant_rows_with_zero_eps_are_refused_not_priced_nan() {
+    let k = 1024;
+    let r = Policy::new(Format::F32, Format::BF16, Format::F16).with_order(Order::pairwise(8));
+    let c = r.clone().with_order(Order::blocked(16));
+    let x = Tensor::rounded(&[2, k], vec![1.7; 2 * k], Format::F32, Overflow::Saturating).unwrap();
+    let w = Tensor::rounded(&[k], vec![1.0; k], Format::F32, Overflow::Saturating).unwrap();
+    let b = Tensor::zeros(&[k], Format::F32);
+    let (yr, _) = layer_norm(&x, &w, &b, 0.0, Variance::OnePass, &r).unwrap();
+    let (yc, _) = layer_norm(&x, &w, &b, 0.0, Variance::OnePass, &c).unwrap();
+    let finite = yr.values().iter().chain(yc.values()).all(|v| v.is_finite());
+    assert!(finite && frob(yr.values(), yc.values()) > 0.05);
+    let side = |p| NormSide {
+        op: NormOp::LayerNorm(Variance::OnePass),
+        policy: p,
+    };
+    for eps in [0.0, 1e-5] {
+        let data = NormData {
+            x: &x,
+            weight: &w,
+            bias: Some(&b),
+            eps,
+        };
+        for conf in [Confidence::Guaranteed, DELTA] {
+            for pricing in [Pricing::Walk, Pricing::Fast, Pricing::Auto] {
+                let t = norm_threshold_priced(&data, side(&r), side(&c), conf, pricing);
+                match t {
+                    Err(Error::NoFiniteBound { reason, .. }) if eps == 0.0 => {
+                        assert!(reason.contains("0/0"), "{reason}")
+                    }
+                    // eps > 0: the one-pass variance of these rows may cancel to nothing,
+                    // refused as before (its own reason), or priced finite.
+                    Err(Error::NoFiniteBound { reason, .. }) => {
+                        assert!(reason.contains("two-pass"), "{reason}")
+                    }
+                    Ok(t) => assert!(eps > 0.0 && t.abs_frobenius.is_finite(), "{t:?}"),
+                    Err(e) => panic!("{eps} {conf:?} {pricing:?}: {e}"),
+                }
+            }
+        }
+    }
+}

@@ -71,12 +71,41 @@ pub(crate) fn checked_by_executions(
 /// is checked by the same executions, and the first that the executions' differences fit is
 /// returned; where none fits, the last model's guaranteed threshold. A model that fails (an
 /// error: a sum it cannot exclude from overflowing, say) hands the data to the next one; the
-/// last model's errors are the answer. A guaranteed threshold is the last model's.
+/// last model's errors are the answer. Where the executions cannot check anything (one
+/// failed, or a value is not finite), the last model answers alone. A guaranteed threshold
+/// is the last model's. A threshold that is not finite is refused
+/// ([`Error::NoFiniteBound`](crate::error::Error::NoFiniteBound)): it would pass anything.
 ///
 /// # Errors
 ///
 /// The last model's.
 pub(crate) fn checked_by_executions_tiered(
+    confidence: Confidence,
+    builds: &[&(dyn Fn(Confidence) -> Result<Threshold> + Sync)],
+    executions: &(dyn Fn() -> Option<Executions> + Sync),
+) -> Result<Threshold> {
+    finite(ladder(confidence, builds, executions)?)
+}
+
+/// `t` where its norm and per-element bounds are finite; a refusal otherwise. A threshold of
+/// NaN or ∞ passes every difference (a vacuous verdict): whatever model produced one has met
+/// data it cannot price, and says so.
+fn finite(t: Threshold) -> Result<Threshold> {
+    if t.abs_frobenius.is_finite() && t.per_element.is_finite() {
+        return Ok(t);
+    }
+    Err(crate::error::Error::NoFiniteBound {
+        what: format!("a threshold on {} elements", t.elements),
+        reason: format!(
+            "the model priced a norm bound of {:e} and a per-element bound of {:e}, which would \
+             pass any difference",
+            t.abs_frobenius, t.per_element
+        ),
+    })
+}
+
+/// [`checked_by_executions_tiered`] before the finiteness guard.
+fn ladder(
     confidence: Confidence,
     builds: &[&(dyn Fn(Confidence) -> Result<Threshold> + Sync)],
     executions: &(dyn Fn() -> Option<Executions> + Sync),
@@ -130,7 +159,12 @@ pub(crate) fn checked_by_executions_tiered(
         if threshold.identical {
             return Ok(threshold);
         }
+        // Nothing to check against (an execution failed or overflowed): only the last,
+        // most careful model is taken unchecked.
         let Some((norm, max)) = worst else {
+            if i < cheaper.len() {
+                return last(confidence);
+            }
             return Ok(threshold);
         };
         let check = if check_delta == delta {
@@ -251,6 +285,11 @@ mod tests {
             (t.confidence, t.abs_frobenius),
             (Confidence::Guaranteed, 10.0)
         );
+        // Nothing to check against: the last model, not the cheap one.
+        let t = checked_by_executions_tiered(p, &ladder, &run(vec![f64::NAN, 0.5])).unwrap();
+        assert_eq!((t.confidence, t.abs_frobenius), (p, 3.0));
+        let t = checked_by_executions_tiered(p, &ladder, &|| None).unwrap();
+        assert_eq!(t.abs_frobenius, 3.0);
         // A guaranteed request: the last model.
         let g = Confidence::Guaranteed;
         let t = checked_by_executions_tiered(g, &ladder, &run(vec![0.5])).unwrap();

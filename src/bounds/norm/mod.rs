@@ -318,12 +318,29 @@ fn norm_model(
         (rstd, xhat, y)
     };
     let mut norm_sq = 0.0;
+    let mut undefined = None;
     for r in 0..rows {
-        let (_, _, y) = exact_row(&xi.values()[r * n..(r + 1) * n]);
+        let (rstd, _, y) = exact_row(&xi.values()[r * n..(r + 1) * n]);
+        if !rstd.is_finite() && undefined.is_none() {
+            undefined = Some(r);
+        }
         norm_sq += y.iter().map(|v| v * v).sum::<f64>();
     }
     if identical {
         return Ok(Threshold::identical(confidence, norm_sq.sqrt(), rows * n));
+    }
+    // A row whose exact variance + ε is 0 (a constant row with ε = 0): the exact
+    // normalization is 0/0, and no threshold around it exists — the sides' outputs are NaN,
+    // or finite values of their rounding errors alone (a one-pass variance that rounds away
+    // from 0), which a threshold would wave through (it was priced NaN).
+    if let Some(r) = undefined {
+        return Err(Error::NoFiniteBound {
+            what: format!("{ref_op:?} against {cand_op:?}, row {r} of {rows}"),
+            reason: format!(
+                "its exact variance + eps is 0 (eps = {eps:e}): the exact normalization is \
+                 0/0 and the outputs are rounding errors alone; use eps > 0"
+            ),
+        });
     }
     // Correlated components, priced once with their multiplicity (grouped_threshold):
     // identical rows; within a row, elements with identical (x, γ, β); and the roundings of
