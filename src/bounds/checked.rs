@@ -90,7 +90,7 @@ pub(crate) fn checked_by_executions_tiered(
 /// `t` where its norm and per-element bounds are finite; a refusal otherwise. A threshold of
 /// NaN or ∞ passes every difference (a vacuous verdict): whatever model produced one has met
 /// data it cannot price, and says so.
-fn finite(t: Threshold) -> Result<Threshold> {
+pub(crate) fn finite(t: Threshold) -> Result<Threshold> {
     if t.abs_frobenius.is_finite() && t.per_element.is_finite() {
         return Ok(t);
     }

@@ -234,7 +234,7 @@ fn priced(
     };
     if fast && in_scope && !tried {
         if let Some(t) = pass(confidence)? {
-            return Ok(t);
+            return crate::bounds::checked::finite(t);
         }
     }
     if let RightTensor::Columns(w) = b {
@@ -271,7 +271,7 @@ fn priced(
     let walk_work = (rows.len() as u128) * (cols.len() as u128) * (k as u128);
     if fast && in_scope && pricing != Pricing::Walk && walk_work > WALK_BUDGET {
         if let Some(t) = pass(Confidence::Guaranteed)? {
-            return Ok(t);
+            return crate::bounds::checked::finite(t);
         }
     }
     // A tensor core aligns each product by its factors' exponents (e_x + e_y), which the

@@ -139,7 +139,7 @@ pub fn sum_threshold_priced(
             confidence,
         )?;
         if let Some(t) = fast {
-            return Ok(t);
+            return crate::bounds::checked::finite(t);
         }
     }
     let exact = |v: &[f64]| {
