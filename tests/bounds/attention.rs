@@ -254,3 +254,37 @@ fn partials_outside_the_accumulator_are_refused() {
         assert!(obs <= p.abs_frobenius, "{c}");
     }
 }
+
+/// Scores of 10⁹ and more (BF16 queries and keys near 6·10⁴): the model priced the threshold
+/// as ∞ — a threshold every difference passes — where the engine's outputs are finite (found
+/// by a probe of every op on hostile data, 2026-12-08). No op returns a threshold that is not
+/// finite: refused with `NoFiniteBound`, guaranteed and probabilistic, while ordinary scores
+/// of the same shape are priced.
+#[test]
+fn huge_scores_are_refused_not_priced_infinite() {
+    let (m, d) = (8, 17);
+    let big = |seed: usize, scale: f64| {
+        let v = (0..m * d)
+            .map(|i| scale * (((i * 37 + seed) % 29) as f64 / 14.0 - 1.0))
+            .collect();
+        Tensor::rounded(&[m, d], v, Format::BF16, Overflow::Saturating).unwrap()
+    };
+    let v = big(5, 1.0);
+    let r = side("in=bf16,acc=f32,out=f32,order=blocked:16");
+    let c = side("in=bf16,acc=f32,out=f32,order=pairwise:8");
+    for (scale, refused) in [(6e4, true), (1.0, false)] {
+        let (q, k) = (big(1, scale), big(3, scale));
+        let (yr, yc) = (run(&q, &k, &v, false, &r), run(&q, &k, &v, false, &c));
+        assert!(yr.values().iter().chain(yc.values()).all(|x| x.is_finite()));
+        for conf in [Confidence::Guaranteed, Confidence::default_probabilistic()] {
+            match attention_threshold(&q, &k, &v, false, &r, &c, conf) {
+                Err(ttrace::Error::NoFiniteBound { .. }) if refused => {}
+                Ok(t) if !refused => {
+                    assert!(t.abs_frobenius.is_finite());
+                    assert!(t.check(&yr, &yc).passed);
+                }
+                other => panic!("scale {scale} {conf:?}: {other:?}"),
+            }
+        }
+    }
+}
