@@ -143,7 +143,7 @@ const NEAR_CONSTANT: f64 = 1.0 / 65536.0;
 ///   the executions as [`norm_threshold`]'s is; where they do not fit it (data whose
 ///   roundings the walk determines: constant and near-constant rows, large means, one
 ///   outlier) the walk prices the tensor, and is checked in turn. A guaranteed threshold is
-///   the walk's (the compiled model's Higham bound leaves out the underflow allowance).
+///   the walk's (its determined sides are exact where the compiled model prices bounds).
 /// * [`Pricing::Auto`]: `Fast` for probabilistic thresholds of at least
 ///   [`NORM_FAST_ELEMENTS`] elements in rows of at least [`NORM_FAST_ROW`], `Walk`
 ///   otherwise.
@@ -302,7 +302,7 @@ fn norm_model(
         reference.accumulation == candidate.accumulation && ref_op == cand_op && one_kernel;
     let centered = matches!(ref_op, NormOp::LayerNorm(_));
     let bias_at = |i: usize| b.as_ref().map_or(0.0, |b| b.values()[i]);
-    // The exact model of one row: μ, rstd, x̂ and y.
+    // The exact model of one row: μ, the variance about it, rstd, x̂ and y.
     let exact_row = |row: &[f64]| {
         let mu = if centered {
             row.iter().sum::<f64>() / n as f64
@@ -315,12 +315,12 @@ fn norm_model(
         let y: Vec<f64> = (0..n)
             .map(|i| xhat[i] * w.values()[i] + bias_at(i))
             .collect();
-        (rstd, xhat, y)
+        (mu, var, rstd, xhat, y)
     };
     let mut norm_sq = 0.0;
     let mut undefined = None;
     for r in 0..rows {
-        let (rstd, _, y) = exact_row(&xi.values()[r * n..(r + 1) * n]);
+        let (_, _, rstd, _, y) = exact_row(&xi.values()[r * n..(r + 1) * n]);
         if !rstd.is_finite() && undefined.is_none() {
             undefined = Some(r);
         }
@@ -372,19 +372,27 @@ fn norm_model(
         |&(r, count)| -> Result<Vec<(ElementDiff, usize)>> {
             let mut groups: Vec<(ElementDiff, usize)> = vec![];
             let row = &xi.values()[r * n..(r + 1) * n];
-            let (rstd, xhat, y) = exact_row(row);
+            let (mean, variance, rstd, xhat, y) = exact_row(row);
             // Constant and near-constant rows (|mean| ≥ 256 standard deviations) stay on the
             // walk: their sums' roundings are the determined ones it computes (the all-random
-            // model prices them 5–10× wider).
-            let walk_row = {
-                let mu = row.iter().sum::<f64>() / n as f64;
-                let var = row.iter().map(|v| (v - mu) * (v - mu)).sum::<f64>() / n as f64;
+            // model prices them 5–10× wider). The exact model's mean and variance are the
+            // row's own for LayerNorm; RMSNorm's model does not centre.
+            let near_constant = || {
+                let (mu, var) = if centered {
+                    (mean, variance)
+                } else {
+                    let mu = row.iter().sum::<f64>() / n as f64;
+                    (
+                        mu,
+                        row.iter().map(|v| (v - mu) * (v - mu)).sum::<f64>() / n as f64,
+                    )
+                };
                 var.is_nan() || var <= mu * mu * NEAR_CONSTANT
             };
-            let (fr, fc) = if walk_row {
-                (None, None)
-            } else {
+            let (fr, fc) = if fast && !near_constant() {
                 (fast_r.as_ref(), fast_c.as_ref())
+            } else {
+                (None, None)
             };
             let sr = side_row(row, ref_op, eps, reference, one_kernel, fr)?;
             let sc = side_row(row, cand_op, eps, candidate, cand_one_kernel, fc)?;
